@@ -1,0 +1,88 @@
+"""Input validation shared by every public op.
+
+Each public op validates its arguments exactly once, at its public door, with these helpers; kernels
+assume validated input. A failed check raises `WarpforgeInputError` naming the argument, what was
+expected and what came.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+
+class WarpforgeInputError(ValueError):
+    """A public op was given an argument it cannot run on."""
+
+
+def fail(name: str, expected: str, got: object) -> None:
+    raise WarpforgeInputError(f"{name}: expected {expected}, got {got}")
+
+
+def check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        fail(name, "a torch.Tensor", type(t).__name__)
+    return t
+
+
+def check_rank(name: str, t: torch.Tensor, ranks: int | Sequence[int]) -> None:
+    ranks = (ranks,) if isinstance(ranks, int) else tuple(ranks)
+    if t.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        fail(name, f"a {want}-d tensor", f"shape {tuple(t.shape)}")
+
+
+def check_dtype(name: str, t: torch.Tensor, dtypes: Iterable[torch.dtype]) -> None:
+    dtypes = tuple(dtypes)
+    if t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        fail(name, f"dtype in ({want})", str(t.dtype).replace("torch.", ""))
+
+
+def check_same_device(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        fail(name, f"a tensor on {ref.device} (like {ref_name})", f"a tensor on {t.device}")
+
+
+def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        fail(name, f"dtype {ref.dtype} (like {ref_name})", str(t.dtype))
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.size(-1) > 1 and t.stride(-1) != 1:
+        fail(name, "a contiguous last dimension (stride 1)", f"stride {t.stride()}")
+
+
+def check_dim(name: str, t: torch.Tensor, dim: int, size: int, what: str = "") -> None:
+    if t.size(dim) != size:
+        label = f" ({what})" if what else ""
+        fail(name, f"size {size} in dim {dim}{label}", f"shape {tuple(t.shape)}")
+
+
+def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        fail(name, f"one of {choices}", repr(value))
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens: int32, 1-d, on ref's device, starting at 0, non-decreasing, ending at ref.size(0).
+
+    This reads the tensor on the host once; varlen callers that must stay sync-free pass
+    max_seqlen explicitly and validate their batch layout upstream.
+    """
+    check_tensor(name, cu)
+    check_rank(name, cu, 1)
+    check_dtype(name, cu, (torch.int32,))
+    check_same_device(name, cu, "q", ref)
+    if cu.numel() < 2:
+        fail(name, "at least 2 entries (batch + 1)", f"{cu.numel()}")
+    host = cu.detach().to("cpu", torch.int64)
+    if int(host[0]) != 0:
+        fail(name, "first entry 0", int(host[0]))
+    if bool((host[1:] < host[:-1]).any()):
+        fail(name, "non-decreasing offsets", host.tolist()[:16])
+    if int(host[-1]) != ref.size(0):
+        fail(name, f"last entry equal to total tokens {ref.size(0)}", int(host[-1]))
+    return host

@@ -1,0 +1,482 @@
+"""FlashAttention forward and backward in Triton.
+
+One program owns a tile of one (batch, head) and walks the other axis in blocks, keeping the softmax
+online in fp32 (scores in log2 units so the inner loop uses exp2). Masks come from one rule: row r
+may see column x iff  r + A <= x <= r + B  (forward: A = (s_k - s_q) - left, B = (s_k - s_q) + right;
+the dk/dv pass flips it). `_span` cuts a walk into a masked head, an unmasked middle and a masked tail,
+so most blocks of a causal or windowed problem pay for no mask at all.
+
+Layouts: every tensor is addressed through strides, so the batched [b, s, h, d] and the packed varlen
+[total, h, d] forms share the kernels (varlen: stride_b = 0 and per-sequence offsets from cu_seqlens).
+Offsets that can pass 2^31 (batch, sequence start, block start) are taken in int64.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _span(lo, hi_last, A, B, n_other, BLOCK: tl.constexpr):
+    """Blocks of the other axis seen by rows [lo, hi_last]: [start, full_lo) masked, [full_lo, full_hi)
+    needs no mask, [full_hi, end) masked."""
+    start = tl.maximum(lo + A, 0)
+    start = (start // BLOCK) * BLOCK
+    end = tl.minimum(hi_last + B + 1, n_other)
+    full_lo = tl.maximum(hi_last + A, start)
+    full_lo = tl.minimum(((full_lo + BLOCK - 1) // BLOCK) * BLOCK, end)
+    full_hi = tl.minimum(lo + B + 1, end)
+    full_hi = tl.maximum((full_hi // BLOCK) * BLOCK, full_lo)
+    return start, full_lo, full_hi, end
+
+
+@triton.jit
+def _seq_bounds(cu_ptr, b, seqlen, VARLEN: tl.constexpr):
+    if VARLEN:
+        start = tl.load(cu_ptr + b)
+        length = tl.load(cu_ptr + b + 1) - start
+    else:
+        start = seqlen * 0  # a tensor, not a Python 0, so .to() works in both compiler and interpreter
+        length = seqlen
+    return start, length
+
+
+# ----------------------------------------------------------------------------------------- forward
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
+               s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    k_blk = k_base + lo.to(tl.int64) * stride_kn
+    v_blk = v_base + lo.to(tl.int64) * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
+        if MASK:
+            kv_mask = (cols < s_k)[:, None]
+            if not EVEN_D:
+                kv_mask = kv_mask & (offs_d < D)[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASK:
+            visible = (cols[None, :] < s_k) & (cols[None, :] >= rows[:, None] + A) & \
+                      (cols[None, :] <= rows[:, None] + B)
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def flash_fwd_kernel(
+    Q, K, V, O, LSE, cu_q, cu_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, left, right, qk_scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
+    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s_q:
+        return
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    b64 = b.to(tl.int64)
+    kvh = (h // GROUP).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m_lo + offs_m
+
+    q_base = Q + b64 * stride_qb + (q_start + m_lo).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kvh * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kvh * stride_vh
+    q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+
+    diag = s_k - s_q
+    A = diag - left
+    B = diag + right
+    hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
+    start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, full_lo,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_hi, end,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+
+    o_base = O + b64 * stride_ob + (q_start + m_lo).to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_mask)
+    lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m_lo
+    tl.store(lse_base + offs_m, lse, mask=rows < s_q)
+
+
+# ---------------------------------------------------------------------------------------- backward
+@triton.jit
+def flash_bwd_preprocess_kernel(
+    O, DO, DELTA, cu_q,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,
+    seqlen_q,
+    H_Q: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """delta = rowsum(o * do), the softmax-gradient correction term, [b, h, s_q] fp32."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s_q:
+        return
+    b64 = b.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = ((m_lo + offs_m) < s_q)[:, None] & (offs_d < D)[None, :]
+    row0 = (q_start + m_lo).to(tl.int64)
+    o = tl.load(O + b64 * stride_ob + row0 * stride_os + h * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + row0 * stride_dos + h * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m_lo + offs_m, delta,
+             mask=(m_lo + offs_m) < s_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, lo, hi,
+                key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    # Transposed view: this program owns keys (rows), and walks queries (columns).
+    q_blk = q_base + lo.to(tl.int64) * stride_qs
+    do_blk = do_base + lo.to(tl.int64) * stride_dos
+    for start_m in range(lo, hi, BLOCK_M):
+        cols = start_m + offs_m
+        q_ptrs = q_blk + offs_m[:, None] * stride_qs + offs_d[None, :]
+        do_ptrs = do_blk + offs_m[:, None] * stride_dos + offs_d[None, :]
+        if MASK:
+            ld_mask = (cols < s_q)[:, None]
+            if not EVEN_D:
+                ld_mask = ld_mask & (offs_d < D)[None, :]
+            q = tl.load(q_ptrs, mask=ld_mask, other=0.0)
+            do = tl.load(do_ptrs, mask=ld_mask, other=0.0)
+            lse = tl.load(lse_base + cols, mask=cols < s_q, other=float("inf"))
+            delta = tl.load(delta_base + cols, mask=cols < s_q, other=0.0)
+        else:
+            if EVEN_D:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+                do = tl.load(do_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            lse = tl.load(lse_base + cols)
+            delta = tl.load(delta_base + cols)
+        # lse is natural log; -inf marks a query that saw nothing: make its probabilities 0.
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        qkT = tl.dot(k, tl.trans(q)) * qk_scale
+        pT = tl.math.exp2(qkT - lse2[None, :])
+        if MASK:
+            visible = (cols[None, :] < s_q) & (cols[None, :] >= key_rows[:, None] + A) & \
+                      (cols[None, :] <= key_rows[:, None] + B)
+            pT = tl.where(visible, pT, 0.0)
+        dv += tl.dot(pT.to(do.dtype), do)
+        dpT = tl.dot(v, tl.trans(do))
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q)
+        q_blk += BLOCK_M * stride_qs
+        do_blk += BLOCK_M * stride_dos
+    return dk, dv
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """One program per (key block, kv head): sums over the whole GQA group in-program (no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_KV
+    kvh = pid_bh % H_KV
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
+    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
+    n_lo = pid_n * BLOCK_N
+    if n_lo >= s_k:
+        return
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    b64 = b.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    key_rows = n_lo + offs_n
+    kv_mask = (key_rows < s_k)[:, None] & (offs_d < D)[None, :]
+    row0 = (k_start + n_lo).to(tl.int64)
+    k = tl.load(K + b64 * stride_kb + row0 * stride_ks + kvh64 * stride_kh
+                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + row0 * stride_vs + kvh64 * stride_vh
+                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+
+    # Query i sees key j iff j - diag - right <= i <= j - diag + left.
+    diag = s_k - s_q
+    A = -diag - right
+    B = -diag + left
+    hi_last = tl.minimum(n_lo + BLOCK_N, s_k) - 1
+    start, full_lo, full_hi, end = _span(n_lo, hi_last, A, B, s_q, BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    q_seq = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs
+    do_seq = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos
+    for g in range(GROUP):
+        h = (kvh * GROUP + g).to(tl.int64)
+        q_base = q_seq + h * stride_qh
+        do_base = do_seq + h * stride_doh
+        lse_base = LSE + b64 * stride_lb + h * stride_lh + q_start
+        delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+                             start, full_lo, key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
+                             D, BLOCK_M, True, EVEN_D)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+                             full_lo, full_hi, key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
+                             D, BLOCK_M, False, EVEN_D)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
+                             full_hi, end, key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
+                             D, BLOCK_M, True, EVEN_D)
+
+    dk = dk * sm_scale
+    tl.store(DK + b64 * stride_dkb + row0 * stride_dks + kvh64 * stride_dkh
+             + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b64 * stride_dvb + row0 * stride_dvs + kvh64 * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
+              s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+              EVEN_D: tl.constexpr):
+    k_blk = k_base + lo.to(tl.int64) * stride_kn
+    v_blk = v_base + lo.to(tl.int64) * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
+        if MASK:
+            kv_mask = (cols < s_k)[:, None]
+            if not EVEN_D:
+                kv_mask = kv_mask & (offs_d < D)[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASK:
+            visible = (cols[None, :] < s_k) & (cols[None, :] >= rows[:, None] + A) & \
+                      (cols[None, :] <= rows[:, None] + B)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def flash_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
+    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s_q:
+        return
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh = (h // GROUP).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = m_lo + offs_m
+    row0 = (q_start + m_lo).to(tl.int64)
+    q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
+    q = tl.load(Q + b64 * stride_qb + row0 * stride_qs + h64 * stride_qh
+                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + row0 * stride_dos + h64 * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+    stat = b64 * stride_lb + h64 * stride_lh + q_start + m_lo + offs_m
+    lse = tl.load(LSE + stat, mask=rows < s_q, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + stat, mask=rows < s_q, other=0.0)
+
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kvh * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kvh * stride_vh
+    diag = s_k - s_q
+    A = diag - left
+    B = diag + right
+    hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
+    start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, full_lo, rows, offs_n,
+                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi, rows,
+                   offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_hi, end, rows, offs_n,
+                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
+    dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + row0 * stride_dqs + h64 * stride_dqh
+             + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ------------------------------------------------------------------------------------------ launch
+def _layout(t, varlen):
+    """(stride_b, stride_s, stride_h) of a [b, s, h, d] or packed [total, h, d] tensor."""
+    if varlen:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _pow2(d):
+    return triton.next_power_of_2(d)
+
+
+def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg):
+    """Returns (out like q, lse fp32: [b, h_q, s_q] or [h_q, total_q] when varlen)."""
+    import torch
+
+    varlen = cu_q is not None
+    h_q, d = q.shape[-2], q.shape[-1]
+    h_kv = k.shape[-2]
+    out = torch.empty_like(q)
+    if varlen:
+        lse = torch.empty((h_q, q.shape[0]), device=q.device, dtype=torch.float32)
+        stride_lb, stride_lh = 0, lse.stride(0)
+    else:
+        lse = torch.empty((batch, h_q, max_q), device=q.device, dtype=torch.float32)
+        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
+    if out.numel() == 0 or max_q == 0:
+        lse.fill_(float("-inf"))
+        out.zero_()
+        return out, lse
+    bm, bn, warps, stages = cfg
+    grid = (triton.cdiv(max_q, bm), batch * h_q)
+    flash_fwd_kernel[grid](
+        q, k, v, out, lse, cu_q if varlen else q, cu_k if varlen else q,
+        *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(out, varlen),
+        stride_lb, stride_lh,
+        max_q, max_k, left, right, sm_scale * LOG2E,
+        H_Q=h_q, GROUP=h_q // h_kv, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(d), VARLEN=varlen,
+        num_warps=warps, num_stages=stages,
+    )
+    return out, lse
+
+
+def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg_dkdv,
+              cfg_dq):
+    import torch
+
+    varlen = cu_q is not None
+    h_q, d = q.shape[-2], q.shape[-1]
+    h_kv = k.shape[-2]
+    group = h_q // h_kv
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0 or max_q == 0 or max_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    delta = torch.empty_like(lse)
+    cu_q_arg = cu_q if varlen else q
+    cu_k_arg = cu_k if varlen else q
+    bd = _pow2(d)
+    pre_bm = 64
+    flash_bwd_preprocess_kernel[(triton.cdiv(max_q, pre_bm), batch * h_q)](
+        out, do, delta, cu_q_arg, *_layout(out, varlen), *_layout(do, varlen), stride_lb, stride_lh, max_q,
+        H_Q=h_q, D=d, BLOCK_M=pre_bm, BLOCK_D=bd, VARLEN=varlen,
+    )
+    bm, bn, warps, stages = cfg_dkdv
+    flash_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), batch * h_kv)](
+        q, k, v, do, lse, delta, dk, dv, cu_q_arg, cu_k_arg,
+        *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
+        *_layout(dk, varlen), *_layout(dv, varlen), stride_lb, stride_lh,
+        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
+        H_KV=h_kv, GROUP=group, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, VARLEN=varlen,
+        num_warps=warps, num_stages=stages,
+    )
+    bm, bn, warps, stages = cfg_dq
+    flash_bwd_dq_kernel[(triton.cdiv(max_q, bm), batch * h_q)](
+        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
+        *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
+        *_layout(dq, varlen), stride_lb, stride_lh,
+        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
+        H_Q=h_q, GROUP=group, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, VARLEN=varlen,
+        num_warps=warps, num_stages=stages,
+    )
+    return dq, dk, dv
