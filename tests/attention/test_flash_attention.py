@@ -1,0 +1,213 @@
+"""flash_attention against the fp32 reference: forward, lse, gradients, varlen, windows, bad input.
+
+On a CPU machine the kernels run through the Triton interpreter at small shapes; on a GPU the same
+tests run compiled, in bf16 too, plus the larger shapes marked gpu.
+"""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.ops.attention import attention_reference, attention_varlen_reference
+from warpforge.testing import (REL_L2, poisoned_outputs, ragged_cu_seqlens, rel_l2, device_under_test,
+                               dtypes_under_test)
+
+DEV = device_under_test()
+DTYPES = dtypes_under_test()
+
+
+def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype, varlen_lengths=None):
+    if varlen_lengths is not None:
+        lq, lk = varlen_lengths
+        q = torch.randn(sum(lq), h_q, d, device=DEV, dtype=dtype)
+        k = torch.randn(sum(lk), h_kv, d, device=DEV, dtype=dtype)
+        v = torch.randn(sum(lk), h_kv, d, device=DEV, dtype=dtype)
+    else:
+        q = torch.randn(b, s_q, h_q, d, device=DEV, dtype=dtype)
+        k = torch.randn(b, s_k, h_kv, d, device=DEV, dtype=dtype)
+        v = torch.randn(b, s_k, h_kv, d, device=DEV, dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _check(q, k, v, *, causal=False, window=(-1, -1), cu=None, grads=True):
+    dtype = q.dtype
+    kw = dict(causal=causal, window=window)
+    if cu is not None:
+        kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+    with poisoned_outputs():
+        out, lse = wf.flash_attention(q, k, v, return_lse=True, backend="triton", **kw)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    if cu is None:
+        ref_out, ref_lse = attention_reference(*ref_in, causal=causal, window=window)
+    else:
+        ref_out, ref_lse = attention_varlen_reference(*ref_in, cu[0], cu[1], causal=causal, window=window)
+    tol = REL_L2[dtype]
+    assert rel_l2(out, ref_out) <= tol
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "rows that see no key must have lse -inf"
+    assert torch.all(lse[~finite] == float("-inf"))
+    if finite.any():
+        assert rel_l2(lse[finite], ref_lse[finite]) <= 1e-3
+    if not grads:
+        return
+    d_out = torch.randn_like(out)
+    with poisoned_outputs():
+        grads_k = torch.autograd.grad(out, (q, k, v), d_out)
+    grads_r = torch.autograd.grad(ref_out, ref_in, d_out.float())
+    for name, g, r in zip(("dq", "dk", "dv"), grads_k, grads_r):
+        err = rel_l2(g, r)
+        assert err <= tol, f"{name}: rel L2 {err}"
+
+
+CASES = [
+    # b, s_q, s_k, h_q, h_kv, d, causal, window
+    (2, 37, 37, 4, 4, 32, False, (-1, -1)),
+    (2, 37, 37, 4, 2, 64, True, (-1, -1)),      # GQA 2:1, odd length
+    (1, 1, 1, 2, 1, 32, True, (-1, -1)),        # length 1, MQA
+    (1, 20, 45, 4, 1, 64, True, (-1, -1)),      # causal bottom-right, s_q < s_k
+    (1, 45, 20, 2, 2, 32, True, (-1, -1)),      # s_q > s_k: leading rows see nothing
+    (2, 33, 50, 2, 2, 32, False, (8, 3)),       # sliding window both sides
+    (1, 48, 48, 2, 2, 64, True, (5, -1)),       # causal + left window
+    (1, 40, 17, 2, 2, 96, True, (-1, -1)),      # padded head dim
+    (1, 19, 23, 2, 2, 128, False, (-1, -1)),
+    (1, 17, 17, 1, 1, 256, True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_q{}_k{}_h{}-{}_d{}_c{}_w{}".format(*c))
+def test_dense_matches_reference(case, dtype):
+    b, s_q, s_k, h_q, h_kv, d, causal, window = case
+    _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, dtype), causal=causal, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 6))])
+def test_varlen_matches_reference(causal, window, dtype):
+    lq = [13, 0, 1, 33, 17]
+    lk = [13, 5, 1, 40, 17]
+    q, k, v = _inputs(None, None, None, 4, 2, 32, dtype, varlen_lengths=(lq, lk))
+    cu = (ragged_cu_seqlens(lq, DEV), ragged_cu_seqlens(lk, DEV))
+    _check(q, k, v, causal=causal, window=window, cu=cu)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    q, k, v = _inputs(1, 24, 8, 2, 2, 32, torch.float16)
+    out, lse = wf.flash_attention(q, k, v, causal=True, return_lse=True, backend="triton")
+    # bottom-right causal with s_q 24 > s_k 8: the first 16 queries see nothing
+    assert torch.all(out[:, :16] == 0)
+    assert torch.all(lse[:, :, :16] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 16:]).all()
+
+
+def test_non_contiguous_heads_view():
+    qkv = torch.randn(2, 21, 3, 4, 32, device=DEV, dtype=torch.float16)
+    q, k, v = qkv.unbind(2)
+    out = wf.flash_attention(q, k, v, causal=True, backend="triton")
+    ref, _ = attention_reference(q.float(), k.float(), v.float(), causal=True)
+    assert rel_l2(out, ref) <= 1e-2
+
+
+def test_reference_backend_and_auto_dispatch_on_cpu():
+    q, k, v = (torch.randn(1, 9, 2, 32) for _ in range(3))
+    out = wf.flash_attention(q.half(), k.half(), v.half(), causal=True, backend="reference")
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert rel_l2(out, ref) <= 1e-2
+    # auto on CPU tensors is the reference (fp32 allowed there)
+    out32 = wf.flash_attention(q, k, v, causal=True)
+    assert rel_l2(out32, ref) <= 1e-6
+
+
+def test_torch_compile_no_graph_break():
+    q, k, v = _inputs(1, 19, 19, 2, 1, 32, torch.float16)
+
+    def step(q, k, v):
+        return wf.flash_attention(q, k, v, causal=True, backend="triton").float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEV.type == "cpu" else "inductor")
+    loss = compiled(q, k, v)
+    loss.backward()
+    ref = step(*[t.detach().clone() for t in (q, k, v)])
+    assert torch.allclose(loss.detach(), ref, rtol=1e-3)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def _bad(**over):
+    q = torch.randn(1, 8, 4, 32, dtype=torch.float16, device=DEV)
+    k = torch.randn(1, 8, 2, 32, dtype=torch.float16, device=DEV)
+    v = torch.randn(1, 8, 2, 32, dtype=torch.float16, device=DEV)
+    args = dict(q=q, k=k, v=v)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over,name", [
+    (dict(k=torch.randn(1, 8, 3, 32, dtype=torch.float16),
+          v=torch.randn(1, 8, 3, 32, dtype=torch.float16)), "k"),                       # 4 % 3 heads
+    (dict(q=torch.randn(1, 8, 4, 32, dtype=torch.float64)), "q"),                       # dtype
+    (dict(v=torch.randn(1, 8, 2, 32, dtype=torch.bfloat16)), "v"),                      # dtype mismatch
+    (dict(q=torch.randn(1, 8, 4, 48, dtype=torch.float16)), "q"),                       # head dim 48
+    (dict(q=torch.randn(1, 8, 32, 4, dtype=torch.float16).transpose(-1, -2)), "q"),     # last dim stride
+    (dict(k=torch.randn(1, 8, 2, 64, dtype=torch.float16),
+          v=torch.randn(1, 8, 2, 64, dtype=torch.float16)), "k"),                       # head dim mismatch
+    (dict(q=torch.randn(8, 4, 32, dtype=torch.float16)), "q"),                          # rank
+    (dict(window=(3,)), "window"),
+    (dict(softmax_scale=-1.0), "softmax_scale"),
+    (dict(backend="cuda"), "backend"),
+])
+def test_bad_input_names_the_argument(over, name):
+    args = _bad(**over)
+    if DEV.type == "cuda":
+        for key in ("q", "k", "v"):
+            args[key] = args[key].to(DEV)
+    with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
+        wf.flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), backend=args.pop("backend", "triton"),
+                           **args)
+
+
+def test_bad_cu_seqlens():
+    q = torch.randn(10, 2, 32, dtype=torch.float16, device=DEV)
+    k = torch.randn(10, 2, 32, dtype=torch.float16, device=DEV)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEV)
+    for bad, name in [
+        (torch.tensor([0, 6, 4, 10], dtype=torch.int32, device=DEV), "cu_seqlens_q"),   # not increasing
+        (torch.tensor([0, 4, 9], dtype=torch.int32, device=DEV), "cu_seqlens_q"),       # wrong total
+        (torch.tensor([0, 4, 10], dtype=torch.int64, device=DEV), "cu_seqlens_q"),      # dtype
+    ]:
+        with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
+            wf.flash_attention(q, k, k, cu_seqlens_q=bad, cu_seqlens_k=good, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^cu_seqlens"):
+        wf.flash_attention(q, k, k, cu_seqlens_q=good, backend="triton")
+
+
+def test_wrong_device():
+    if DEV.type != "cuda":
+        pytest.skip("needs a second device type")
+    q = torch.randn(1, 8, 2, 32, dtype=torch.float16, device="cuda")
+    k = torch.randn(1, 8, 2, 32, dtype=torch.float16)
+    with pytest.raises(WarpforgeInputError, match="^k"):
+        wf.flash_attention(q, k, k)
+
+
+# ------------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [
+    (2, 1000, 1000, 16, 16, 128, True, (-1, -1)),
+    (2, 777, 1500, 16, 2, 64, True, (-1, -1)),
+    (1, 2049, 2049, 8, 1, 128, False, (256, 0)),
+    (1, 513, 513, 4, 4, 256, True, (-1, -1)),
+    (1, 300, 300, 4, 4, 96, False, (-1, -1)),
+    (1, 4096, 4096, 8, 8, 128, False, (-1, -1)),
+])
+def test_gpu_large(case, dtype):
+    b, s_q, s_k, h_q, h_kv, d, causal, window = case
+    _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, dtype), causal=causal, window=window)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_uneven():
+    lq = [1, 1000, 37, 0, 513, 2048]
+    q, k, v = _inputs(None, None, None, 8, 2, 128, torch.bfloat16, varlen_lengths=(lq, lq))
+    cu = ragged_cu_seqlens(lq, DEV)
+    _check(q, k, v, causal=True, cu=(cu, cu))
