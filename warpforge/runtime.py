@@ -10,6 +10,7 @@ WARPFORGE_BACKEND sets the default for backend=None.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -35,9 +36,18 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
             "backend: 'triton' on CPU tensors runs the Triton interpreter; set TRITON_INTERPRET=1 "
             "before importing triton/warpforge, or use backend='reference'"
         )
+    if backend == "triton" and device.type == "cpu" and _triton_compiled_mode():
+        raise WarpforgeInputError(
+            "backend: TRITON_INTERPRET=1 was set after triton was imported; set it before the first import")
     if backend == "triton" and device.type not in ("cpu", "cuda"):
         raise WarpforgeInputError(f"backend: 'triton' runs on cuda (or cpu via the interpreter), got {device}")
     return backend
+
+
+def _triton_compiled_mode() -> bool:
+    """True when triton was imported without the interpreter (its own jit helpers are then compiled-only)."""
+    tl = sys.modules.get("triton.language")
+    return tl is not None and type(tl.zeros).__name__ == "JITFunction"
 
 
 def arch_key(device: torch.device) -> str:

@@ -8,7 +8,6 @@ import math
 from typing import Optional
 
 import torch
-import triton
 
 from ...errors import (WarpforgeInputError, check_cu_seqlens, check_dtype, check_last_dim_contiguous,
                        check_rank, check_same_device, check_same_dtype, check_tensor, fail)
@@ -24,7 +23,7 @@ _UNBOUNDED = 1 << 30  # a window side of -1 becomes "further than any sequence"
 
 def _cfgs(device: torch.device, d: int):
     arch = arch_key(device)
-    dp = triton.next_power_of_2(d)
+    dp = 1 << (d - 1).bit_length()  # the padded head dim the kernels tile with
     return (configs.pick(configs.FWD, arch, dp), configs.pick(configs.BWD_DKDV, arch, dp),
             configs.pick(configs.BWD_DQ, arch, dp))
 

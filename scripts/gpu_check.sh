@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On a GPU machine, from a checkout with torch and Triton installed (no network needed):
+#   bash scripts/gpu_check.sh OUT_DIR [families...]
+# 1. the whole test suite compiled on the GPU (bf16 included, gpu-marked shapes included),
+# 2. `warpforge bench --json OUT_DIR/<family>.json --plot OUT_DIR/<family>.png` for each family.
+# Set QUICK=1 for the headline cases only, TUNE=1 to sweep attention block sizes first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-out}}
+shift || true
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+status=0
+if [ "${TUNE:-0}" = 1 ]; then
+  python3 scripts/tune_attention.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
+fi
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -x tests 2>&1 | tee "$out/tests.log" | tail -n 25 || status=1
+fi
+families=("$@")
+[ ${#families[@]} -gt 0 ] || families=($(python3 -m warpforge bench --list | awk '{print $1}' | sort -u))
+for f in "${families[@]}"; do
+  python3 -m warpforge bench --family "$f" $([ "${QUICK:-0}" = 1 ] && echo --quick) --json "$out/$f.json" --plot "$out/$f.png" \
+    2>&1 | tee "$out/bench-$f.log" | grep -v '^\[' || status=1
+done
+exit $status

@@ -1,0 +1,79 @@
+"""Sweep block sizes for the attention kernels on this GPU and print the best per head dim.
+
+    PYTHONPATH=. python scripts/tune_attention.py [--out tune.json] [--quick]
+
+The winners go into warpforge/ops/attention/configs.py by hand (with the numbers in benchmarks/NOTES.md):
+a small table keyed by arch and head dim, not an autotuner on the hot path.
+"""
+import argparse
+import itertools
+import json
+import math
+
+import torch
+import triton
+import triton.testing
+
+from warpforge.ops.attention.flash_kernel import flash_bwd, flash_fwd
+
+
+def timed(fn):
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    except Exception as exc:  # out of shared memory / registers: not a candidate
+        return float("inf") if "resources" in str(exc).lower() or "memory" in str(exc).lower() else \
+            _report(exc)
+
+
+def _report(exc):
+    print("   error:", type(exc).__name__, str(exc)[:160])
+    return float("inf")
+
+
+def sweep(b, s, h, d, causal, quick):
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    right = 0 if causal else 1 << 30
+    flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+    fwd_space = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)))
+    res = {"shape": dict(b=b, s=s, h=h, d=d, causal=causal), "fwd": [], "dkdv": [], "dq": []}
+    for cfg in fwd_space:
+        ms = timed(lambda: flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, cfg))
+        res["fwd"].append((cfg, ms, flops / ms / 1e9))
+    res["fwd"].sort(key=lambda r: r[1])
+    best_fwd = res["fwd"][0][0]
+    out, lse = flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, best_fwd)
+    bwd_flops = 2.5 * flops
+    dq_default = (128, 64, 8, 2)
+    dkdv_space = list(itertools.product((32, 64), (64, 128), (4, 8), (2, 3)))
+    for cfg in dkdv_space:
+        ms = timed(lambda: flash_bwd(do, q, k, v, out, lse, None, None, b, s, s, scale, 1 << 30, right, cfg,
+                                     dq_default))
+        res["dkdv"].append((cfg, ms, bwd_flops / ms / 1e9))
+    res["dkdv"].sort(key=lambda r: r[1])
+    best_dkdv = res["dkdv"][0][0]
+    dq_space = list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3)))
+    for cfg in dq_space:
+        ms = timed(lambda: flash_bwd(do, q, k, v, out, lse, None, None, b, s, s, scale, 1 << 30, right,
+                                     best_dkdv, cfg))
+        res["dq"].append((cfg, ms, bwd_flops / ms / 1e9))
+    res["dq"].sort(key=lambda r: r[1])
+    for part in ("fwd", "dkdv", "dq"):
+        print(f"d{d} {part}: best", [(c, round(ms, 3), round(tf)) for c, ms, tf in res[part][:4]], flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--dims", default="128")
+    args = ap.parse_args()
+    results = []
+    for d in map(int, args.dims.split(",")):
+        b, s, h = (4, 8192, 16) if d == 128 else (8, 4096, 32) if d == 64 else (4, 4096, 16)
+        results.append(sweep(b, s, h, d, True, False))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)

@@ -1,0 +1,75 @@
+"""The benchmark registry: per family, the shapes, their FLOP and byte counts, and the baselines.
+
+A `Case` knows how to build a `Setup` on a device: inputs rotated past L2, one callable per
+implementation (ours is "warpforge"), and how to score each output against the fp32 reference. Families
+register cases with `@register`; `warpforge bench --family NAME` picks them by family.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+L2_BYTES = 60 * 2**20  # the H200's L2; rotation keeps 3x this in flight so no impl is served from cache
+
+
+@dataclass
+class Setup:
+    flops: float
+    bytes: float
+    impls: dict[str, Callable[[], Any]]  # each call runs one step on the next rotated input set
+    score: Callable[[Any], float] | None = None  # an impl's output on set 0 -> error vs the reference
+    reset: Callable[[], None] = lambda: None  # the next impl call runs on set 0
+    err_kind: str = "rel_l2"
+
+
+@dataclass
+class Case:
+    family: str
+    name: str
+    build: Callable[[torch.device, bool], Setup]  # (device, tiny) -> Setup; tiny = interpreter sizes
+    quick: bool = False
+    tags: dict = field(default_factory=dict)
+
+
+REGISTRY: list[Case] = []
+
+
+def register(family: str, name: str, quick: bool = False, **tags):
+    def wrap(build):
+        REGISTRY.append(Case(family, name, build, quick, tags))
+        return build
+    return wrap
+
+
+class Rotation:
+    """Several input sets, handed out round-robin, enough that L2 cannot hold them. `reset()` makes the
+    next call get set 0, the one the reference is computed on."""
+
+    def __init__(self, make_set: Callable[[], Any], bytes_per_set: float, device: torch.device):
+        n = 1 if device.type == "cpu" else max(2, min(16, math.ceil(3 * L2_BYTES / max(bytes_per_set, 1))))
+        self.sets = [make_set() for _ in range(n)]
+        self.i = 0
+
+    def __call__(self):
+        s = self.sets[self.i % len(self.sets)]
+        self.i += 1
+        return s
+
+    def reset(self):
+        self.i = 0
+
+
+def families() -> list[str]:
+    from . import attention_cases  # noqa: F401  (registers)
+    return sorted({c.family for c in REGISTRY})
+
+
+def select(family: str | None = None, quick: bool = False) -> list[Case]:
+    families()
+    cases = [c for c in REGISTRY if family in (None, "all", c.family)]
+    if quick:
+        cases = [c for c in cases if c.quick]
+    return cases

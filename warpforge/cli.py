@@ -1,0 +1,86 @@
+"""Command line: `warpforge bench`, `warpforge report`, `warpforge info`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _prepare_device():
+    """Without a GPU, kernels run through the Triton interpreter; it must be on before triton is used."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def cmd_bench(args) -> int:
+    device = _prepare_device()
+    from .bench import cases as registry
+    from .bench import report, runner
+
+    if args.list:
+        for c in registry.select(args.family, args.quick):
+            print(f"{c.family:10s} {c.name}{'  (quick)' if c.quick else ''}")
+        return 0
+    known = registry.families()
+    if args.family not in (None, "all") and args.family not in known:
+        print(f"warpforge bench: unknown family {args.family!r}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    selected = registry.select(args.family, args.quick)
+    if device.type == "cpu":
+        print("No GPU found: running every kernel through the Triton interpreter at tiny sizes, "
+              "checked against its reference. Times are not GPU times.", flush=True)
+    result = runner.run(selected, device, log=lambda s: print(s, flush=True))
+    print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    failed = [r for r in result["rows"] if r["impl"] == "warpforge" and r.get("ms") is None]
+    return 1 if failed else 0
+
+
+def cmd_report(args) -> int:
+    import json
+
+    from .bench import report
+    for path in args.paths:
+        with open(path) as f:
+            print(f"### {os.path.basename(path)}\n\n```\n{report.table(json.load(f))}\n```\n")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import torch
+    import triton
+
+    import warpforge
+    print(f"warpforge {warpforge.__version__}  torch {torch.__version__}  triton {triton.__version__}")
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()})")
+    else:
+        print("GPU: none (backend=None runs the reference; 'triton' needs TRITON_INTERPRET=1 on CPU)")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="warpforge")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("bench", help="time every kernel beside its best alternative")
+    b.add_argument("--family", default=None, help="one family (default: all)")
+    b.add_argument("--quick", action="store_true", help="only the headline cases")
+    b.add_argument("--json", default=None, metavar="PATH")
+    b.add_argument("--plot", default=None, metavar="PATH", help="PNG of TFLOP/s per case (needs matplotlib)")
+    b.add_argument("--list", action="store_true", help="list the cases and exit")
+    b.set_defaults(fn=cmd_bench)
+    r = sub.add_parser("report", help="render bench JSON files as text tables (markdown)")
+    r.add_argument("paths", nargs="+")
+    r.set_defaults(fn=cmd_report)
+    i = sub.add_parser("info", help="versions and the device warpforge would use")
+    i.set_defaults(fn=cmd_info)
+    args = parser.parse_args(argv)
+    return args.fn(args)
