@@ -6,7 +6,6 @@ The winners go into warpforge/ops/attention/configs.py by hand (with the numbers
 a small table keyed by arch and head dim, not an autotuner on the hot path.
 """
 import argparse
-import itertools
 import json
 import math
 
@@ -14,6 +13,7 @@ import torch
 import triton
 import triton.testing
 
+from warpforge.ops.attention.configs import KernelCfg as C
 from warpforge.ops.attention.flash_kernel import flash_bwd, flash_fwd
 
 
@@ -37,7 +37,9 @@ def sweep(b, s, h, d, causal, quick):
     scale = 1 / math.sqrt(d)
     right = 0 if causal else 1 << 30
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
-    fwd_space = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)))
+    tiles_fwd = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3),
+                 (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3)]
+    fwd_space = [C(*t, tma=tma) for t in tiles_fwd for tma in (False, True)]
     res = {"shape": dict(b=b, s=s, h=h, d=d, causal=causal), "fwd": [], "dkdv": [], "dq": []}
     for cfg in fwd_space:
         ms = timed(lambda: flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, cfg))
@@ -46,29 +48,33 @@ def sweep(b, s, h, d, causal, quick):
     best_fwd = res["fwd"][0][0]
     out, lse = flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, best_fwd)
     bwd_flops = 2.5 * flops
-    dq_default = (128, 64, 8, 2)
-    dkdv_space = list(itertools.product((32, 64), (64, 128), (4, 8), (2, 3)))
+    dq_default = C(128, 64, 8, 3)
+    tiles_dkdv = [(32, 64, 4, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3),
+                  (32, 128, 8, 2), (128, 128, 8, 2)]
+    dkdv_space = [C(*t, atomic_dq=a) for t in tiles_dkdv for a in (False, True)]
     for cfg in dkdv_space:
         ms = timed(lambda: flash_bwd(do, q, k, v, out, lse, None, None, b, s, s, scale, 1 << 30, right, cfg,
                                      dq_default))
         res["dkdv"].append((cfg, ms, bwd_flops / ms / 1e9))
     res["dkdv"].sort(key=lambda r: r[1])
-    best_dkdv = res["dkdv"][0][0]
-    dq_space = list(itertools.product((64, 128), (32, 64), (4, 8), (2, 3)))
+    best_split = next(c for c, _, _ in res["dkdv"] if not c.atomic_dq)
+    dq_space = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 128, 8, 3), C(64, 64, 4, 3),
+                C(128, 32, 8, 3)]
     for cfg in dq_space:
         ms = timed(lambda: flash_bwd(do, q, k, v, out, lse, None, None, b, s, s, scale, 1 << 30, right,
-                                     best_dkdv, cfg))
+                                     best_split, cfg))
         res["dq"].append((cfg, ms, bwd_flops / ms / 1e9))
     res["dq"].sort(key=lambda r: r[1])
     for part in ("fwd", "dkdv", "dq"):
-        print(f"d{d} {part}: best", [(c, round(ms, 3), round(tf)) for c, ms, tf in res[part][:4]], flush=True)
+        print(f"d{d} {part}: best", [(tuple(c), round(ms, 3), round(tf)) for c, ms, tf in res[part][:5]],
+              flush=True)
     return res
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--dims", default="128")
+    ap.add_argument("--dims", default="128,64")
     args = ap.parse_args()
     results = []
     for d in map(int, args.dims.split(",")):

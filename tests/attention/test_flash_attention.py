@@ -211,3 +211,30 @@ def test_gpu_varlen_uneven():
     q, k, v = _inputs(None, None, None, 8, 2, 128, torch.bfloat16, varlen_lengths=(lq, lq))
     cu = ragged_cu_seqlens(lq, DEV)
     _check(q, k, v, causal=True, cu=(cu, cu))
+
+
+@pytest.mark.parametrize("variant", ["tma", "atomic_dq"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7]],
+                         ids=lambda c: "b{}_q{}_k{}_h{}-{}_d{}_c{}_w{}".format(*c))
+def test_kernel_variants(case, variant, monkeypatch):
+    """The config switches (TMA descriptor loads, atomic dq) compute the same function."""
+    from warpforge.ops.attention import configs
+    from warpforge.runtime import arch_key
+    arch = arch_key(DEV)
+    table = configs.FWD if variant == "tma" else configs.BWD_DKDV
+    base = table.get(arch, table["default"])
+    monkeypatch.setitem(table, arch, {d: cfg._replace(**{variant: True}) for d, cfg in base.items()})
+    b, s_q, s_k, h_q, h_kv, d, causal, window = case
+    _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
+
+
+def test_varlen_atomic_dq(monkeypatch):
+    from warpforge.ops.attention import configs
+    from warpforge.runtime import arch_key
+    arch = arch_key(DEV)
+    base = configs.BWD_DKDV.get(arch, configs.BWD_DKDV["default"])
+    monkeypatch.setitem(configs.BWD_DKDV, arch, {d: c._replace(atomic_dq=True) for d, c in base.items()})
+    lq = [13, 0, 1, 33]
+    q, k, v = _inputs(None, None, None, 4, 2, 32, DTYPES[-1], varlen_lengths=(lq, lq))
+    cu = ragged_cu_seqlens(lq, DEV)
+    _check(q, k, v, causal=True, cu=(cu, cu))

@@ -44,44 +44,52 @@ def _seq_bounds(cu_ptr, b, seqlen, VARLEN: tl.constexpr):
 
 # ----------------------------------------------------------------------------------------- forward
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
                s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr):
-    k_blk = k_base + lo.to(tl.int64) * stride_kn
-    v_blk = v_base + lo.to(tl.int64) * stride_vn
+               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    # k_src/v_src are tensor descriptors (USE_TMA: out-of-range rows arrive as zeros) or base pointers.
+    if not USE_TMA:
+        k_blk = k_src + lo.to(tl.int64) * stride_kn
+        v_blk = v_src + lo.to(tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
-        if MASK:
-            kv_mask = (cols < s_k)[:, None]
-            if not EVEN_D:
-                kv_mask = kv_mask & (offs_d < D)[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
         else:
-            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+            k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
+            if MASK:
+                kv_mask = (cols < s_k)[:, None]
+                if not EVEN_D:
+                    kv_mask = kv_mask & (offs_d < D)[None, :]
+                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            elif EVEN_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            k_blk += BLOCK_N * stride_kn
+            v_blk += BLOCK_N * stride_vn
+        qk = tl.dot(q, tl.trans(k))
         if MASK:
             visible = (cols[None, :] < s_k) & (cols[None, :] >= rows[:, None] + A) & \
                       (cols[None, :] <= rows[:, None] + B)
-            qk = tl.where(visible, qk, float("-inf"))
+            qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+            p = tl.math.exp2(qk - m_use[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # scale and shift in one FMA per score: on Hopper the non-matmul work is what limits
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-        k_blk += BLOCK_N * stride_kn
-        v_blk += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
@@ -96,7 +104,7 @@ def flash_fwd_kernel(
     seqlen_q, seqlen_k, left, right, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     # Causal row blocks get heavier with their index: hand the heaviest out first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -128,15 +136,24 @@ def flash_fwd_kernel(
     hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
     start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
 
+    if USE_TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start, full_lo,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, full_hi, end,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, start, full_lo,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D, USE_TMA)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, end,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -183,12 +200,15 @@ def flash_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, lo, hi,
-                key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
-                D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr):
+def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs, stride_dos,
+                stride_dqs, lo, hi, key_rows, offs_m, offs_d, s_q, A, B, qk_scale, sm_scale,
+                D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr):
     # Transposed view: this program owns keys (rows), and walks queries (columns).
     q_blk = q_base + lo.to(tl.int64) * stride_qs
     do_blk = do_base + lo.to(tl.int64) * stride_dos
+    if ATOMIC_DQ:
+        dq_blk = dq_base + lo.to(tl.int64) * stride_dqs
     for start_m in range(lo, hi, BLOCK_M):
         cols = start_m + offs_m
         q_ptrs = q_blk + offs_m[:, None] * stride_qs + offs_d[None, :]
@@ -212,16 +232,27 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
             delta = tl.load(delta_base + cols)
         # lse is natural log; -inf marks a query that saw nothing: make its probabilities 0.
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        qkT = tl.dot(k, tl.trans(q)) * qk_scale
-        pT = tl.math.exp2(qkT - lse2[None, :])
+        qkT = tl.dot(k, tl.trans(q))
+        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASK:
             visible = (cols[None, :] < s_q) & (cols[None, :] >= key_rows[:, None] + A) & \
                       (cols[None, :] <= key_rows[:, None] + B)
             pT = tl.where(visible, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk += tl.dot(dsT, q)
+        if ATOMIC_DQ:
+            # dq = scale * ds @ k, summed over key blocks by fp32 atomics: five matmuls instead of seven
+            dq_part = tl.dot(tl.trans(dsT), k) * sm_scale
+            dq_ptrs = dq_blk + offs_m[:, None] * stride_dqs + offs_d[None, :]
+            if MASK:
+                tl.atomic_add(dq_ptrs, dq_part, mask=ld_mask, sem="relaxed")
+            elif EVEN_D:
+                tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq_part, mask=(offs_d < D)[None, :], sem="relaxed")
+            dq_blk += BLOCK_M * stride_dqs
         q_blk += BLOCK_M * stride_qs
         do_blk += BLOCK_M * stride_dos
     return dk, dv
@@ -229,17 +260,19 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, 
 
 @triton.jit
 def flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, cu_q, cu_k,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_q, cu_k,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
     """One program per (key block, kv head): sums over the whole GQA group in-program (no atomics)."""
     pid_n = tl.program_id(0)
@@ -276,21 +309,23 @@ def flash_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     q_seq = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs
     do_seq = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos
+    dq_seq = DQ_ACC + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs
     for g in range(GROUP):
         h = (kvh * GROUP + g).to(tl.int64)
         q_base = q_seq + h * stride_qh
         do_base = do_seq + h * stride_doh
+        dq_base = dq_seq + h * stride_dqh
         lse_base = LSE + b64 * stride_lb + h * stride_lh + q_start
         delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-                             start, full_lo, key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
-                             D, BLOCK_M, True, EVEN_D)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-                             full_lo, full_hi, key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
-                             D, BLOCK_M, False, EVEN_D)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos,
-                             full_hi, end, key_rows, offs_m, offs_d, s_q, A, B, qk_scale,
-                             D, BLOCK_M, True, EVEN_D)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs,
+                             stride_dos, stride_dqs, start, full_lo, key_rows, offs_m, offs_d, s_q, A, B,
+                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs,
+                             stride_dos, stride_dqs, full_lo, full_hi, key_rows, offs_m, offs_d, s_q, A, B,
+                             qk_scale, sm_scale, D, BLOCK_M, False, EVEN_D, ATOMIC_DQ)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs,
+                             stride_dos, stride_dqs, full_hi, end, key_rows, offs_m, offs_d, s_q, A, B,
+                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ)
 
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + row0 * stride_dks + kvh64 * stride_dkh
@@ -321,8 +356,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, lo, 
         else:
             k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.math.exp2(qk - lse2[:, None])
+        qk = tl.dot(q, tl.trans(k))
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
             visible = (cols[None, :] < s_k) & (cols[None, :] >= rows[:, None] + A) & \
                       (cols[None, :] <= rows[:, None] + B)
@@ -409,6 +444,22 @@ def _pow2(d):
     return triton.next_power_of_2(d)
 
 
+def _tma_ok(*tensors):
+    """Tensor descriptors need 16-byte aligned bases and strides (2-byte elements: multiples of 8)."""
+    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+_ALLOCATOR_SET = set()
+
+
+def _ensure_allocator(device):
+    # In-kernel descriptors (tl.make_tensor_descriptor) need a small global scratch per program.
+    import torch
+    if device.type not in _ALLOCATOR_SET:
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
+        _ALLOCATOR_SET.add(device.type)
+
+
 def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg):
     """Returns (out like q, lse fp32: [b, h_q, s_q] or [h_q, total_q] when varlen)."""
     import torch
@@ -427,7 +478,10 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
         lse.fill_(float("-inf"))
         out.zero_()
         return out, lse
-    bm, bn, warps, stages = cfg
+    bm, bn, warps, stages = cfg.block_m, cfg.block_n, cfg.warps, cfg.stages
+    use_tma = cfg.tma and _tma_ok(k, v)
+    if use_tma:
+        _ensure_allocator(q.device)
     grid = (triton.cdiv(max_q, bm), batch * h_q)
     flash_fwd_kernel[grid](
         q, k, v, out, lse, cu_q if varlen else q, cu_k if varlen else q,
@@ -435,7 +489,7 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
         stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E,
         H_Q=h_q, GROUP=h_q // h_kv, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(d), VARLEN=varlen,
-        num_warps=warps, num_stages=stages,
+        USE_TMA=use_tma, num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -463,22 +517,26 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         out, do, delta, cu_q_arg, *_layout(out, varlen), *_layout(do, varlen), stride_lb, stride_lh, max_q,
         H_Q=h_q, D=d, BLOCK_M=pre_bm, BLOCK_D=bd, VARLEN=varlen,
     )
-    bm, bn, warps, stages = cfg_dkdv
-    flash_bwd_dkdv_kernel[(triton.cdiv(max_k, bn), batch * h_kv)](
-        q, k, v, do, lse, delta, dk, dv, cu_q_arg, cu_k_arg,
+    atomic_dq = cfg_dkdv.atomic_dq
+    # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
+    flash_bwd_dkdv_kernel[(triton.cdiv(max_k, cfg_dkdv.block_n), batch * h_kv)](
+        q, k, v, do, lse, delta, dk, dv, dq_acc, cu_q_arg, cu_k_arg,
         *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
-        *_layout(dk, varlen), *_layout(dv, varlen), stride_lb, stride_lh,
+        *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
-        H_KV=h_kv, GROUP=group, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, VARLEN=varlen,
-        num_warps=warps, num_stages=stages,
+        H_KV=h_kv, GROUP=group, D=d, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
+        VARLEN=varlen, ATOMIC_DQ=atomic_dq, num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages,
     )
-    bm, bn, warps, stages = cfg_dq
-    flash_bwd_dq_kernel[(triton.cdiv(max_q, bm), batch * h_q)](
+    if atomic_dq:
+        dq.copy_(dq_acc)
+        return dq, dk, dv
+    flash_bwd_dq_kernel[(triton.cdiv(max_q, cfg_dq.block_m), batch * h_q)](
         q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
         *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
         *_layout(dq, varlen), stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
-        H_Q=h_q, GROUP=group, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, VARLEN=varlen,
-        num_warps=warps, num_stages=stages,
+        H_Q=h_q, GROUP=group, D=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, BLOCK_D=bd, VARLEN=varlen,
+        num_warps=cfg_dq.warps, num_stages=cfg_dq.stages,
     )
     return dq, dk, dv
