@@ -32,14 +32,15 @@ def _report(exc):
     return float("inf")
 
 
-def sweep(b, s, h, d, causal, quick):
+def sweep(b, s, h, d, causal, parts):
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(d)
     right = 0 if causal else 1 << 30
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
     tiles_fwd = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 2), (128, 64, 8, 3),
                  (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3)]
-    fwd_space = [C(*t, tma=tma) for t in tiles_fwd for tma in (False, True)]
+    fwd_space = [C(*t, tma=tma) for t in tiles_fwd for tma in (False, True)] if "fwd" in parts else \
+        [C(128, 128, 8, 3, tma=True)]
     res = {"shape": dict(b=b, s=s, h=h, d=d, causal=causal), "fwd": [], "dkdv": [], "dq": []}
     for cfg in fwd_space:
         ms = timed(lambda: flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, cfg))
@@ -51,15 +52,18 @@ def sweep(b, s, h, d, causal, quick):
     dq_default = C(128, 64, 8, 3)
     tiles_dkdv = [(32, 64, 4, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3),
                   (32, 128, 8, 2), (128, 128, 8, 2)]
-    dkdv_space = [C(*t, atomic_dq=a) for t in tiles_dkdv for a in (False, True)]
+    tiles_dkdv += [(128, 64, 8, 2)]
+    dkdv_space = [C(*t, atomic_dq=a, tma=tma) for t in tiles_dkdv for a in (False, True) for tma in (False, True)
+                  if not (a and tma)]
     for cfg in dkdv_space:
         ms = timed(lambda: flash_bwd(do, q, k, v, out, lse, None, None, b, s, s, scale, 1 << 30, right, cfg,
                                      dq_default))
         res["dkdv"].append((cfg, ms, bwd_flops / ms / 1e9))
     res["dkdv"].sort(key=lambda r: r[1])
     best_split = next(c for c, _, _ in res["dkdv"] if not c.atomic_dq)
-    dq_space = [C(128, 64, 8, 2), C(128, 64, 8, 3), C(128, 64, 8, 4), C(128, 128, 8, 3), C(64, 64, 4, 3),
-                C(128, 32, 8, 3)]
+    dq_tiles = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                (128, 32, 8, 3)]
+    dq_space = [C(*t, tma=tma) for t in dq_tiles for tma in (False, True)]
     for cfg in dq_space:
         ms = timed(lambda: flash_bwd(do, q, k, v, out, lse, None, None, b, s, s, scale, 1 << 30, right,
                                      best_split, cfg))
@@ -75,11 +79,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="128,64")
+    ap.add_argument("--parts", default="fwd,bwd", help="fwd: sweep the forward too (else the sm90 pick)")
     args = ap.parse_args()
     results = []
     for d in map(int, args.dims.split(",")):
         b, s, h = (4, 8192, 16) if d == 128 else (8, 4096, 32) if d == 64 else (4, 4096, 16)
-        results.append(sweep(b, s, h, d, True, False))
+        results.append(sweep(b, s, h, d, True, args.parts.split(",")))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -213,7 +213,7 @@ def test_gpu_varlen_uneven():
     _check(q, k, v, causal=True, cu=(cu, cu))
 
 
-@pytest.mark.parametrize("variant", ["tma", "atomic_dq"])
+@pytest.mark.parametrize("variant", ["tma", "atomic_dq", "tma_bwd"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7]],
                          ids=lambda c: "b{}_q{}_k{}_h{}-{}_d{}_c{}_w{}".format(*c))
 def test_kernel_variants(case, variant, monkeypatch):
@@ -221,9 +221,11 @@ def test_kernel_variants(case, variant, monkeypatch):
     from warpforge.ops.attention import configs
     from warpforge.runtime import arch_key
     arch = arch_key(DEV)
-    table = configs.FWD if variant == "tma" else configs.BWD_DKDV
-    base = table.get(arch, table["default"])
-    monkeypatch.setitem(table, arch, {d: cfg._replace(**{variant: True}) for d, cfg in base.items()})
+    tables = {"tma": [(configs.FWD, "tma")], "atomic_dq": [(configs.BWD_DKDV, "atomic_dq")],
+              "tma_bwd": [(configs.BWD_DKDV, "tma"), (configs.BWD_DQ, "tma")]}[variant]
+    for table, flag in tables:
+        base = table.get(arch, table["default"])
+        monkeypatch.setitem(table, arch, {d: cfg._replace(**{flag: True}) for d, cfg in base.items()})
     b, s_q, s_k, h_q, h_kv, d, causal, window = case
     _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
 

@@ -13,7 +13,7 @@ class KernelCfg(NamedTuple):
     block_n: int    # key rows per tile
     warps: int
     stages: int
-    tma: bool = False        # forward: load K/V through tensor descriptors
+    tma: bool = False        # load the walked operand (K/V, or Q/dO in the dk/dv pass) through TMA descriptors
     atomic_dq: bool = False  # backward: dq by fp32 atomics inside the dk/dv pass (no second pass)
 
 

@@ -200,34 +200,43 @@ def flash_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs, stride_dos,
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs, stride_dos,
                 stride_dqs, lo, hi, key_rows, offs_m, offs_d, s_q, A, B, qk_scale, sm_scale,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr):
+                ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
     # Transposed view: this program owns keys (rows), and walks queries (columns).
-    q_blk = q_base + lo.to(tl.int64) * stride_qs
-    do_blk = do_base + lo.to(tl.int64) * stride_dos
+    # q_src/do_src are tensor descriptors (USE_TMA) or base pointers.
+    if not USE_TMA:
+        q_blk = q_src + lo.to(tl.int64) * stride_qs
+        do_blk = do_src + lo.to(tl.int64) * stride_dos
     if ATOMIC_DQ:
         dq_blk = dq_base + lo.to(tl.int64) * stride_dqs
     for start_m in range(lo, hi, BLOCK_M):
         cols = start_m + offs_m
-        q_ptrs = q_blk + offs_m[:, None] * stride_qs + offs_d[None, :]
-        do_ptrs = do_blk + offs_m[:, None] * stride_dos + offs_d[None, :]
-        if MASK:
-            ld_mask = (cols < s_q)[:, None]
-            if not EVEN_D:
-                ld_mask = ld_mask & (offs_d < D)[None, :]
-            q = tl.load(q_ptrs, mask=ld_mask, other=0.0)
-            do = tl.load(do_ptrs, mask=ld_mask, other=0.0)
-            lse = tl.load(lse_base + cols, mask=cols < s_q, other=float("inf"))
-            delta = tl.load(delta_base + cols, mask=cols < s_q, other=0.0)
+        ld_mask = (cols < s_q)[:, None]
+        if not EVEN_D:
+            ld_mask = ld_mask & (offs_d < D)[None, :]
+        if USE_TMA:
+            q = q_src.load([start_m, 0])
+            do = do_src.load([start_m, 0])
         else:
-            if EVEN_D:
+            q_ptrs = q_blk + offs_m[:, None] * stride_qs + offs_d[None, :]
+            do_ptrs = do_blk + offs_m[:, None] * stride_dos + offs_d[None, :]
+            if MASK:
+                q = tl.load(q_ptrs, mask=ld_mask, other=0.0)
+                do = tl.load(do_ptrs, mask=ld_mask, other=0.0)
+            elif EVEN_D:
                 q = tl.load(q_ptrs)
                 do = tl.load(do_ptrs)
             else:
                 q = tl.load(q_ptrs, mask=(offs_d < D)[None, :], other=0.0)
                 do = tl.load(do_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            q_blk += BLOCK_M * stride_qs
+            do_blk += BLOCK_M * stride_dos
+        if MASK:
+            lse = tl.load(lse_base + cols, mask=cols < s_q, other=float("inf"))
+            delta = tl.load(delta_base + cols, mask=cols < s_q, other=0.0)
+        else:
             lse = tl.load(lse_base + cols)
             delta = tl.load(delta_base + cols)
         # lse is natural log; -inf marks a query that saw nothing: make its probabilities 0.
@@ -253,8 +262,6 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, st
             else:
                 tl.atomic_add(dq_ptrs, dq_part, mask=(offs_d < D)[None, :], sem="relaxed")
             dq_blk += BLOCK_M * stride_dqs
-        q_blk += BLOCK_M * stride_qs
-        do_blk += BLOCK_M * stride_dos
     return dk, dv
 
 
@@ -272,9 +279,9 @@ def flash_bwd_dkdv_kernel(
     seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One program per (key block, kv head): sums over the whole GQA group in-program (no atomics)."""
+    """One program per (key block, kv head): dk/dv sum over the whole GQA group in-program (no atomics)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
@@ -312,20 +319,25 @@ def flash_bwd_dkdv_kernel(
     dq_seq = DQ_ACC + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs
     for g in range(GROUP):
         h = (kvh * GROUP + g).to(tl.int64)
-        q_base = q_seq + h * stride_qh
-        do_base = do_seq + h * stride_doh
+        q_src = q_seq + h * stride_qh
+        do_src = do_seq + h * stride_doh
         dq_base = dq_seq + h * stride_dqh
+        if USE_TMA:
+            q_src = tl.make_tensor_descriptor(q_src, shape=[s_q, D], strides=[stride_qs, 1],
+                                              block_shape=[BLOCK_M, BLOCK_D])
+            do_src = tl.make_tensor_descriptor(do_src, shape=[s_q, D], strides=[stride_dos, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
         lse_base = LSE + b64 * stride_lb + h * stride_lh + q_start
         delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs,
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs,
                              stride_dos, stride_dqs, start, full_lo, key_rows, offs_m, offs_d, s_q, A, B,
-                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs,
+                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ, USE_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs,
                              stride_dos, stride_dqs, full_lo, full_hi, key_rows, offs_m, offs_d, s_q, A, B,
-                             qk_scale, sm_scale, D, BLOCK_M, False, EVEN_D, ATOMIC_DQ)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, dq_base, lse_base, delta_base, stride_qs,
+                             qk_scale, sm_scale, D, BLOCK_M, False, EVEN_D, ATOMIC_DQ, USE_TMA)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs,
                              stride_dos, stride_dqs, full_hi, end, key_rows, offs_m, offs_d, s_q, A, B,
-                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ)
+                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ, USE_TMA)
 
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + row0 * stride_dks + kvh64 * stride_dkh
@@ -335,27 +347,34 @@ def flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
+def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
               s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-              EVEN_D: tl.constexpr):
-    k_blk = k_base + lo.to(tl.int64) * stride_kn
-    v_blk = v_base + lo.to(tl.int64) * stride_vn
+              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    if not USE_TMA:
+        k_blk = k_src + lo.to(tl.int64) * stride_kn
+        v_blk = v_src + lo.to(tl.int64) * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
-        if MASK:
-            kv_mask = (cols < s_k)[:, None]
-            if not EVEN_D:
-                kv_mask = kv_mask & (offs_d < D)[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        if USE_TMA:
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
         else:
-            k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
+            if MASK:
+                kv_mask = (cols < s_k)[:, None]
+                if not EVEN_D:
+                    kv_mask = kv_mask & (offs_d < D)[None, :]
+                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            elif EVEN_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+            k_blk += BLOCK_N * stride_kn
+            v_blk += BLOCK_N * stride_vn
         qk = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
@@ -365,8 +384,6 @@ def _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, lo, 
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
-        k_blk += BLOCK_N * stride_kn
-        v_blk += BLOCK_N * stride_vn
     return dq
 
 
@@ -382,6 +399,7 @@ def flash_bwd_dq_kernel(
     seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     # Causal row blocks get heavier with their index: hand the heaviest out first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -420,13 +438,21 @@ def flash_bwd_dq_kernel(
     hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
     start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
 
+    if USE_TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, start, full_lo, rows, offs_n,
-                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_lo, full_hi, rows,
-                   offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, full_hi, end, rows, offs_n,
-                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start, full_lo, rows, offs_n,
+                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi, rows,
+                   offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D, USE_TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, end, rows, offs_n,
+                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
     dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + row0 * stride_dqs + h64 * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -518,6 +544,10 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         H_Q=h_q, D=d, BLOCK_M=pre_bm, BLOCK_D=bd, VARLEN=varlen,
     )
     atomic_dq = cfg_dkdv.atomic_dq
+    dkdv_tma = cfg_dkdv.tma and _tma_ok(q, do)
+    dq_tma = cfg_dq.tma and _tma_ok(k, v)
+    if dkdv_tma or dq_tma:
+        _ensure_allocator(q.device)
     # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
     flash_bwd_dkdv_kernel[(triton.cdiv(max_k, cfg_dkdv.block_n), batch * h_kv)](
@@ -526,7 +556,8 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
         H_KV=h_kv, GROUP=group, D=d, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
-        VARLEN=varlen, ATOMIC_DQ=atomic_dq, num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages,
+        VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, num_warps=cfg_dkdv.warps,
+        num_stages=cfg_dkdv.stages,
     )
     if atomic_dq:
         dq.copy_(dq_acc)
@@ -537,6 +568,6 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         *_layout(dq, varlen), stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
         H_Q=h_q, GROUP=group, D=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, BLOCK_D=bd, VARLEN=varlen,
-        num_warps=cfg_dq.warps, num_stages=cfg_dq.stages,
+        USE_TMA=dq_tma, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages,
     )
     return dq, dk, dv
