@@ -17,7 +17,9 @@ if [ "${TUNE:-0}" = 1 ]; then
   python3 scripts/tune_attention.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -q -x tests 2>&1 | tee "$out/tests.log" | tail -n 25 || status=1
+  # compile-bound: spread the test files' kernels over the CPU cores when pytest-xdist is there
+  par=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
+  python3 -m pytest -q $par tests 2>&1 | tee "$out/tests.log" | tail -n 25 || status=1
 fi
 families=("$@")
 [ ${#families[@]} -gt 0 ] || families=($(python3 -m warpforge bench --list | awk '{print $1}' | sort -u))

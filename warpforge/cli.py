@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 
@@ -32,7 +33,10 @@ def cmd_bench(args) -> int:
     if device.type == "cpu":
         print("No GPU found: running every kernel through the Triton interpreter at tiny sizes, "
               "checked against its reference. Times are not GPU times.", flush=True)
-    result = runner.run(selected, device, log=lambda s: print(s, flush=True))
+    if args.match:
+        selected = [c for c in selected if re.search(args.match, c.name)]
+    checkpoint = (lambda res: report.write_json(res, args.json)) if args.json else None
+    result = runner.run(selected, device, log=lambda s: print(s, flush=True), checkpoint=checkpoint)
     print(report.table(result))
     if args.json:
         report.write_json(result, args.json)
@@ -75,6 +79,7 @@ def main(argv=None) -> int:
     b.add_argument("--quick", action="store_true", help="only the headline cases")
     b.add_argument("--json", default=None, metavar="PATH")
     b.add_argument("--plot", default=None, metavar="PATH", help="PNG of TFLOP/s per case (needs matplotlib)")
+    b.add_argument("--match", default=None, metavar="REGEX", help="only cases whose name matches")
     b.add_argument("--list", action="store_true", help="list the cases and exit")
     b.set_defaults(fn=cmd_bench)
     r = sub.add_parser("report", help="render bench JSON files as text tables (markdown)")

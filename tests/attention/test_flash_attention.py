@@ -214,7 +214,8 @@ def test_gpu_varlen_uneven():
 
 
 @pytest.mark.parametrize("variant", ["tma", "atomic_dq", "tma_bwd"])
-@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7]],
+@pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7], CASES[8],
+                                  (1, 70, 70, 2, 1, 64, False, (20, 5))],
                          ids=lambda c: "b{}_q{}_k{}_h{}-{}_d{}_c{}_w{}".format(*c))
 def test_kernel_variants(case, variant, monkeypatch):
     """The config switches (TMA descriptor loads, atomic dq) compute the same function."""

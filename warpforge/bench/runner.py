@@ -120,10 +120,13 @@ def run_case(case: Case, device, machine: dict, log=print) -> list[dict]:
     return rows
 
 
-def run(cases: list[Case], device, log=print) -> dict:
+def run(cases: list[Case], device, log=print, checkpoint=None) -> dict:
+    """checkpoint(result) is called after every case, so a run cut short still leaves its rows."""
     machine = machine_info(device)
-    rows = []
+    result = {"machine": machine, "rows": []}
     for i, case in enumerate(cases):
         log(f"[{i + 1}/{len(cases)}] {case.family}: {case.name}")
-        rows.extend(run_case(case, device, machine, log))
-    return {"machine": machine, "rows": rows}
+        result["rows"].extend(run_case(case, device, machine, log))
+        if checkpoint:
+            checkpoint(result)
+    return result
