@@ -478,15 +478,17 @@ def _tma_ok(d, *tensors):
         t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
-_ALLOCATOR_SET = set()
+def _scratch(size, align, stream):
+    import torch
+    return torch.empty(size, dtype=torch.int8, device=_scratch.device)
 
 
 def _ensure_allocator(device):
-    # In-kernel descriptors (tl.make_tensor_descriptor) need a small global scratch per program.
-    import torch
-    if device.type not in _ALLOCATOR_SET:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
-        _ALLOCATOR_SET.add(device.type)
+    # In-kernel descriptors (tl.make_tensor_descriptor) need a small global scratch per program. Triton
+    # keeps the allocator in a context variable, i.e. per thread, and autograd runs the backward on its
+    # own thread: so set it at every launch that needs it.
+    _scratch.device = device
+    triton.set_allocator(_scratch)
 
 
 def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg):
