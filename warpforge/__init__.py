@@ -3,8 +3,9 @@
     import warpforge as wf
     out = wf.flash_attention(q, k, v, causal=True)
 """
+from . import nn
 from .errors import WarpforgeInputError
 from .ops.attention import flash_attention
 
 __version__ = "0.1.0"
-__all__ = ["WarpforgeInputError", "flash_attention", "__version__"]
+__all__ = ["WarpforgeInputError", "flash_attention", "nn", "__version__"]

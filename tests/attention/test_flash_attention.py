@@ -241,3 +241,18 @@ def test_varlen_atomic_dq(monkeypatch):
     q, k, v = _inputs(None, None, None, 4, 2, 32, DTYPES[-1], varlen_lengths=(lq, lq))
     cu = ragged_cu_seqlens(lq, DEV)
     _check(q, k, v, causal=True, cu=(cu, cu))
+
+
+def test_varlen_with_max_seqlen_is_sync_free_and_checks_types():
+    lq = [9, 3]
+    q, k, v = _inputs(None, None, None, 2, 2, 32, DTYPES[-1], varlen_lengths=(lq, lq))
+    cu = ragged_cu_seqlens(lq, DEV)
+    out = wf.flash_attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9,
+                             max_seqlen_k=9, backend="triton")
+    ref, _ = attention_varlen_reference(q.float(), k.float(), v.float(), cu, cu, causal=True)
+    assert rel_l2(out, ref) <= 1e-2
+    with pytest.raises(WarpforgeInputError, match="^max_seqlen_q"):
+        wf.flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=-1, max_seqlen_k=9,
+                           backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^max_seqlen_k"):
+        wf.flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=2, backend="triton")

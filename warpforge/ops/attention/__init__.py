@@ -129,6 +129,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d] (h_q % h_kv == 0), or the packed varlen form q [total_q, h_q, d]
     with int32 cu_seqlens_q / cu_seqlens_k [batch + 1]. causal aligns bottom-right; window = (left, right),
     -1 unbounded. Returns out (like q), and lse fp32 ([b, h_q, s_q], varlen [h_q, total_q]) if return_lse.
+
+    Varlen: without max_seqlen_q/k the offsets are read on the host and fully checked (one sync); with
+    both given, nothing is read back (CUDA-graph safe) and they must bound every sequence.
     """
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
@@ -141,18 +144,26 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     varlen = cu_seqlens_q is not None
 
     if varlen:
-        host_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q)
-        host_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k)
-        if host_q.numel() != host_k.numel():
-            fail("cu_seqlens_k", f"{host_q.numel()} entries (like cu_seqlens_q)", host_k.numel())
-        batch = host_q.numel() - 1
-        longest_q = int((host_q[1:] - host_q[:-1]).max()) if batch else 0
-        longest_k = int((host_k[1:] - host_k[:-1]).max()) if batch else 0
-        for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q),
-                                     ("max_seqlen_k", max_seqlen_k, longest_k)):
-            if given is not None and given < longest:
-                fail(name, f">= the longest sequence ({longest})", given)
-        max_q, max_k = longest_q, longest_k
+        # Given both max_seqlen, the door stays sync-free (CUDA-graph safe) and trusts the offsets' values.
+        sync_free = max_seqlen_q is not None and max_seqlen_k is not None
+        host_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q, read_values=not sync_free)
+        host_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k, read_values=not sync_free)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            fail("cu_seqlens_k", f"{cu_seqlens_q.numel()} entries (like cu_seqlens_q)", cu_seqlens_k.numel())
+        batch = cu_seqlens_q.numel() - 1
+        if sync_free:
+            for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+                if not isinstance(given, int) or given < 0:
+                    fail(name, "a non-negative int", given)
+            max_q, max_k = max_seqlen_q, max_seqlen_k
+        else:
+            longest_q = int((host_q[1:] - host_q[:-1]).max())
+            longest_k = int((host_k[1:] - host_k[:-1]).max())
+            for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q),
+                                         ("max_seqlen_k", max_seqlen_k, longest_k)):
+                if given is not None and given < longest:
+                    fail(name, f">= the longest sequence ({longest})", given)
+            max_q, max_k = longest_q, longest_k
     else:
         batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
 
