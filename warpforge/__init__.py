@@ -5,7 +5,9 @@
 """
 from . import nn
 from .errors import WarpforgeInputError
+from .ops import mla
 from .ops.attention import flash_attention
+from .ops.mla import mla_decode
 
 __version__ = "0.1.0"
-__all__ = ["WarpforgeInputError", "flash_attention", "nn", "__version__"]
+__all__ = ["WarpforgeInputError", "flash_attention", "mla", "mla_decode", "nn", "__version__"]

@@ -1,0 +1,130 @@
+"""mla_decode against the fp32 reference: bf16 and FP8 caches, page sizes, splits, MTP causal, bad input."""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.ops.mla import dequantize_kv_reference, mla_decode_reference
+from warpforge.testing import COSINE, cosine, device_under_test, dtypes_under_test, poisoned_outputs
+
+DEV = device_under_test()
+DTYPE = dtypes_under_test()[-1]
+
+
+def _problem(b, s_q, h_q, page, lens, fmt, dtype=DTYPE, spare_pages=3):
+    max_pages = max(1, -(-max(lens) // page)) + 1
+    num_pages = b * max_pages + spare_pages
+    q = torch.randn(b, s_q, h_q, 576, device=DEV, dtype=dtype)
+    latent = torch.randn(num_pages, page, 1, 576, device=DEV, dtype=dtype)
+    cache = wf.mla.quantize_kv(latent, fmt)
+    table = torch.randperm(num_pages, device=DEV)[: b * max_pages].view(b, max_pages).int()
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return q, latent, cache, table, seqlens
+
+
+def _check(q, cache, table, seqlens, fmt, causal, splits=None):
+    with poisoned_outputs():
+        out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, schedule=splits,
+                                 backend="triton")
+    ref_cache = cache.float() if fmt == "bf16" else cache
+    ref, ref_lse = mla_decode_reference(q.float(), ref_cache, table, seqlens, causal=causal, kv_format=fmt)
+    assert out.dtype == q.dtype and out.shape == (*q.shape[:3], 512)
+    assert 1 - cosine(out, ref) <= 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.all(lse[~finite] == float("-inf"))
+    rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp(min=1)).max()
+    assert rel <= 1e-5
+    empty = seqlens == 0
+    assert torch.all(out[empty] == 0)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("b,s_q,h_q,page,lens,causal,splits", [
+    (2, 1, 16, 16, [37, 5], False, None),
+    (3, 2, 16, 16, [40, 0, 17], True, 3),        # empty request, MTP causal, 3 splits
+    (2, 4, 16, 32, [1, 70], True, 2),            # s_q 4, a request shorter than s_q
+    (1, 1, 32, 64, [65], False, 4),              # more splits than blocks of tokens
+    (2, 3, 16, 16, [33, 16], True, 1),
+])
+def test_matches_reference(b, s_q, h_q, page, lens, causal, splits, fmt):
+    q, _, cache, table, seqlens = _problem(b, s_q, h_q, page, lens, fmt)
+    _check(q, cache, table, seqlens, fmt, causal, splits)
+
+
+def test_fp8_cache_keeps_the_answer():
+    q, latent, cache, table, seqlens = _problem(2, 1, 16, 16, [45, 30], "fp8")
+    out = wf.mla_decode(q, cache, table, seqlens, kv_format="fp8", backend="triton")[0]
+    exact, _ = mla_decode_reference(q.float(), latent.float(), table, seqlens)
+    assert cosine(out, exact) >= COSINE["fp8"]
+
+
+def test_fp8_quantize_round_trip():
+    latent = torch.randn(5, 7, 576) * 3
+    back = dequantize_kv_reference(wf.mla.quantize_kv(latent, "fp8"), "fp8")
+    assert back.shape == latent.shape
+    assert cosine(back, latent) >= 0.999
+    assert torch.equal(back[..., 512:], latent[..., 512:].to(torch.bfloat16).float())  # rope stays bf16
+
+
+def test_reference_backend_on_cpu():
+    q, _, cache, table, seqlens = _problem(1, 1, 16, 16, [20], "bf16")
+    out, lse = wf.mla_decode(q.cpu(), cache.cpu(), table.cpu(), seqlens.cpu(), backend="reference")
+    assert out.shape == (1, 1, 16, 512) and torch.isfinite(lse).all()
+
+
+def _bad_args():
+    q, _, cache, table, seqlens = _problem(2, 1, 16, 16, [20, 30], "bf16")
+    return dict(q=q, kv_cache=cache, block_table=table, cache_seqlens=seqlens)
+
+
+@pytest.mark.parametrize("mutate,name", [
+    (lambda a: a.update(block_table=torch.full_like(a["block_table"], 999)), "block_table"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"] * 100), "cache_seqlens"),
+    (lambda a: a.update(cache_seqlens=-a["cache_seqlens"]), "cache_seqlens"),
+    (lambda a: a.update(kv_cache=a["kv_cache"][..., :512].contiguous()), "kv_cache"),
+    (lambda a: a.update(q=a["q"][:, :, :8].contiguous()), "q"),               # h_q 8
+    (lambda a: a.update(q=a["q"].expand(2, 5, 16, 576).contiguous()), "q"),    # s_q 5
+    (lambda a: a.update(q=a["q"][..., :512].contiguous()), "q"),               # head dim
+    (lambda a: a.update(block_table=a["block_table"].long()), "block_table"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"][:1]), "cache_seqlens"),
+])
+def test_bad_input_names_the_argument(mutate, name):
+    args = _bad_args()
+    mutate(args)
+    with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
+        wf.mla_decode(**args, backend="triton")
+
+
+def test_wrong_byte_width_for_fp8():
+    args = _bad_args()
+    with pytest.raises(WarpforgeInputError, match="^kv_cache"):
+        wf.mla_decode(**args, kv_format="fp8", backend="triton")  # a bf16 cache called fp8
+    fp8 = wf.mla.quantize_kv(torch.randn(4, 16, 1, 576), "fp8")[..., :600].contiguous().to(DEV)
+    args["kv_cache"] = fp8
+    with pytest.raises(WarpforgeInputError, match="^kv_cache"):
+        wf.mla_decode(**args, kv_format="fp8", backend="triton")
+
+
+# ------------------------------------------------------------------------------------ GPU shapes
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (128, 1, False), (64, 2, True), (32, 4, True)])
+def test_gpu_long_cache(h_q, s_q, causal, fmt):
+    lens = [4096 + 3, 1, 0, 1500, 777]
+    q, _, cache, table, seqlens = _problem(len(lens), s_q, h_q, 64, lens, fmt, torch.bfloat16)
+    _check(q, cache, table, seqlens, fmt, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    q, _, cache, table, seqlens = _problem(4, 1, 16, 64, [300, 1000, 5, 64], "bf16", torch.bfloat16)
+    out, _ = wf.mla_decode(q, cache, table, seqlens)  # warm-up compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = wf.mla_decode(q, cache, table, seqlens)
+    seqlens.add_(7)  # the same graph serves the next step with longer caches
+    graph.replay()
+    want, _ = wf.mla_decode(q, cache, table, seqlens)
+    assert torch.allclose(g_out, want)

@@ -1,0 +1,103 @@
+"""MLA decode cases: FlashMLA's benchmark shapes (b 128, s_q 1, page 64, cache_seqlens = L + 2i).
+
+Ours is timed as a replayed CUDA graph of the decode call (how serving runs decode).
+Baseline: the plain-PyTorch path a serving stack without a fused kernel runs: gather the pages into a
+dense [b, L_max, 576] tensor (the token-row index is built once, outside the timing), two batched matmuls
+and a masked fp32 softmax.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..ops.mla import mla_decode, mla_decode_reference, quantize_kv
+from ..ops.mla.reference import D_QK, D_V, ROW_BYTES
+from ..testing import cosine
+from .cases import Rotation, Setup, register
+
+PAGE = 64
+
+
+def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
+    if tiny:
+        b, L, h_q = 2, 40, 16
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    page = PAGE if not tiny else 16
+    lens = [L + 2 * i for i in range(b)]
+    max_pages = -(-max(lens) // page)
+    row_bytes = D_QK * 2 if fmt == "bf16" else ROW_BYTES[fmt]
+    tokens = sum(lens)
+    nbytes = tokens * row_bytes + b * s_q * h_q * (D_QK + D_V) * 2
+    flops = 2.0 * h_q * s_q * tokens * (D_QK + D_V)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = 1 / math.sqrt(D_QK)
+
+    def make_set():
+        q = torch.randn(b, s_q, h_q, D_QK, device=device, dtype=dtype)
+        cache = quantize_kv(torch.randn(b * max_pages, page, 1, D_QK, device=device, dtype=dtype), fmt)
+        table = torch.randperm(b * max_pages, device=device).view(b, max_pages).int()
+        st = dict(q=q, cache=cache, table=table)
+        if fmt == "bf16" and device.type == "cuda":
+            t = torch.arange(max_pages * page, device=device)
+            st["rows"] = (table.long()[:, t // page] * page + t % page)  # [b, L_max] cache rows
+        return st
+
+    rot = Rotation(make_set, tokens * row_bytes, device)
+
+    def decode(st):
+        return mla_decode(st["q"], st["cache"], st["table"], seqlens, softmax_scale=scale, kv_format=fmt,
+                          backend="triton")[0]
+
+    if device.type == "cuda":
+        # Decode is served from CUDA graphs; inside one the host-side value checks are skipped, as in serving.
+        for st in rot.sets:
+            decode(st)  # compile and validate once, outside the capture
+            st["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(st["graph"]):
+                st["graph_out"] = decode(st)
+
+        def ours():
+            st = rot()
+            st["graph"].replay()
+            return st["graph_out"]
+    else:
+        def ours():
+            return decode(rot())
+    impls = {"warpforge": ours}
+    if fmt == "bf16" and device.type == "cuda":
+        valid = torch.arange(max_pages * page, device=device)[None, :] < seqlens[:, None]
+
+        def torch_path():
+            st = rot()
+            kv = st["cache"].view(-1, D_QK)[st["rows"]]                      # [b, L_max, 576]
+            qf = st["q"].view(b, s_q * h_q, D_QK)
+            scores = torch.bmm(qf, kv.transpose(1, 2)).float() * scale
+            scores.masked_fill_(~valid[:, None, :], float("-inf"))
+            p = torch.softmax(scores, -1).to(dtype)
+            return torch.bmm(p, kv[..., :D_V]).view(b, s_q, h_q, D_V)
+        impls["torch"] = torch_path
+
+    reference = {}
+
+    def score(out):
+        if "ref" not in reference:
+            st = rot.sets[0]
+            cache = st["cache"].float() if fmt == "bf16" else st["cache"]
+            reference["ref"] = mla_decode_reference(st["q"].float(), cache, st["table"], seqlens,
+                                                    softmax_scale=scale, kv_format=fmt)[0]
+        return 1 - cosine(out, reference["ref"])
+
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, err_kind="1-cos")
+
+
+def _register():
+    for h_q in (16, 128):
+        for fmt in ("bf16", "fp8"):
+            for L in (1024, 2048, 4096, 8192, 16384, 32768):
+                register("mla", f"b128 h{h_q} s_q1 L{L // 1024}k {fmt}", quick=(L == 8192 and (h_q == 16 or fmt == "bf16")),
+                         h_q=h_q, fmt=fmt, L=L)(
+                    lambda dev, tiny, L=L, h_q=h_q, fmt=fmt: mla_setup(dev, tiny, L=L, h_q=h_q, fmt=fmt))
+
+
+_register()

@@ -1,0 +1,153 @@
+"""MLA decode: `mla_decode` (FlashMLA's call on warpforge kernels) and `quantize_kv`.
+
+validate -> pick backend -> (reference | torch.library custom op over the Triton split-KV kernels)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor,
+                       fail)
+from ...runtime import arch_key, resolve_backend
+from .reference import (D_QK, D_V, ROW_BYTES, dequantize_kv_reference, mla_decode_reference,
+                        quantize_kv_reference)
+
+__all__ = ["mla_decode", "quantize_kv", "mla_decode_reference", "dequantize_kv_reference", "KV_FORMATS"]
+
+KV_FORMATS = ("bf16", "fp8")
+H_Q = (16, 32, 64, 128)
+PAGE_SIZES = (16, 32, 64)
+
+# (BLOCK_H query rows, BLOCK_N tokens, warps, stages) per arch; sm90 untuned until measured.
+CONFIGS = {"cpu": (16, 16, 1, 1), "default": (64, 32, 8, 2), "sm90": (64, 32, 8, 2)}
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
+@torch.library.custom_op("warpforge::mla_decode", mutates_args=())
+def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   cache_seqlens: torch.Tensor, scale: float, causal: bool, fp8: bool,
+                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .decode_kernel import mla_decode_fwd
+
+    cfg = CONFIGS.get(arch_key(q.device), CONFIGS["default"])
+    return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, fp8, num_splits, cfg)
+
+
+@_mla_decode_op.register_fake
+def _(q, kv_cache, block_table, cache_seqlens, scale, causal, fp8, num_splits):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+def quantize_kv(latent: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """latent [..., 576] -> cache rows in `kv_format` ("bf16": unchanged; "fp8": uint8 [..., 656])."""
+    check_tensor("latent", latent)
+    if kv_format not in KV_FORMATS:
+        fail("kv_format", f"one of {KV_FORMATS}", repr(kv_format))
+    if latent.shape[-1] != D_QK:
+        fail("latent", f"last dim {D_QK}", tuple(latent.shape))
+    return quantize_kv_reference(latent, kv_format)
+
+
+def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, causal, indices, backend):
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("cache_seqlens", cache_seqlens)):
+        check_tensor(name, t)
+        check_same_device(name, t, "q", q)
+    check_rank("q", q, 4)
+    check_dtype("q", q, (torch.bfloat16, torch.float16) + ((torch.float32,) if backend == "reference" else ()))
+    b, s_q, h_q, d = q.shape
+    if d != D_QK:
+        fail("q", f"head dim {D_QK} (512 latent + 64 rope)", d)
+    if head_dim_v != D_V:
+        fail("head_dim_v", f"{D_V}", head_dim_v)
+    if h_q not in H_Q:
+        fail("q", f"h_q in {H_Q}", h_q)
+    if not 1 <= s_q <= 4:
+        fail("q", "s_q from 1 to 4", s_q)
+    check_last_dim_contiguous("q", q)
+    if kv_format not in KV_FORMATS:
+        fail("kv_format", f"one of {KV_FORMATS}", repr(kv_format))
+    check_rank("kv_cache", kv_cache, 4)
+    if kv_cache.shape[2] != 1:
+        fail("kv_cache", "one latent head: [num_pages, page_size, 1, width]", tuple(kv_cache.shape))
+    if kv_cache.shape[1] not in PAGE_SIZES:
+        fail("kv_cache", f"page size in {PAGE_SIZES}", kv_cache.shape[1])
+    width = D_QK if kv_format == "bf16" else ROW_BYTES[kv_format]
+    if kv_format == "bf16":
+        check_dtype("kv_cache", kv_cache, (q.dtype,))
+    else:
+        check_dtype("kv_cache", kv_cache, (torch.uint8,))
+    if kv_cache.shape[3] != width:
+        fail("kv_cache", f"{width} {'values' if kv_format == 'bf16' else 'bytes'} per token for {kv_format}",
+             kv_cache.shape[3])
+    if not kv_cache.is_contiguous():
+        fail("kv_cache", "a contiguous tensor", f"strides {kv_cache.stride()}")
+    check_rank("block_table", block_table, 2)
+    check_dtype("block_table", block_table, (torch.int32,))
+    if block_table.shape[0] != b:
+        fail("block_table", f"{b} rows (batch of q)", block_table.shape[0])
+    check_last_dim_contiguous("block_table", block_table)
+    check_rank("cache_seqlens", cache_seqlens, 1)
+    check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
+    if cache_seqlens.shape[0] != b:
+        fail("cache_seqlens", f"{b} entries (batch of q)", cache_seqlens.shape[0])
+    if indices is not None:
+        fail("indices", "None (the sparse top-k variant is not implemented yet)", "a tensor")
+    if not isinstance(causal, bool):
+        fail("causal", "a bool", type(causal).__name__)
+    # Values: read on the host, so skipped while a CUDA graph is being captured (shapes above still hold).
+    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    lens = cache_seqlens.to("cpu", torch.int64)
+    page = kv_cache.shape[1]
+    if bool((lens < 0).any()):
+        fail("cache_seqlens", "values >= 0", lens.tolist()[:8])
+    capacity = block_table.shape[1] * page
+    if bool((lens > capacity).any()):
+        fail("cache_seqlens", f"values <= {capacity} (block_table pages x page_size)", int(lens.max()))
+    pages_needed = (lens + page - 1) // page
+    used = torch.arange(block_table.shape[1])[None, :] < pages_needed[:, None]
+    table = block_table.to("cpu", torch.int64)
+    bad = used & ((table < 0) | (table >= kv_cache.shape[0]))
+    if bool(bad.any()):
+        i, p = (int(x) for x in bad.nonzero()[0])
+        fail("block_table", f"page indices in [0, {kv_cache.shape[0]})", f"{int(table[i, p])} at [{i}, {p}]")
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,
+               kv_format="bf16", kv_scale=None, indices=None, topk_length=None, schedule=None, backend=None):
+    """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
+    fp32, natural log).
+
+    q [b, s_q, h_q, 576]; kv_cache [num_pages, page_size, 1, 576] (bf16: q's dtype; fp8: uint8 x 656, see
+    `quantize_kv`); block_table int32 [b, max_pages]; cache_seqlens int32 [b]. schedule: None (planned
+    from shapes) or an int number of KV splits.
+    """
+    if isinstance(q, torch.Tensor):
+        backend = resolve_backend(backend, q.device)
+    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, causal, indices, backend)
+    del kv_scale, topk_length  # used by formats and the sparse variant, which come next
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
+    if backend == "reference":
+        return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=scale, causal=causal,
+                                    kv_format=kv_format)
+    b, s_q, h_q, _ = q.shape
+    if schedule is None:
+        from .decode_kernel import plan_num_splits
+        cfg = CONFIGS.get(arch_key(q.device), CONFIGS["default"])
+        schedule = plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0],
+                                   _sm_count(q.device))
+    if not isinstance(schedule, int) or schedule < 1:
+        fail("schedule", "None or a positive int (number of KV splits)", schedule)
+    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format == "fp8", schedule)

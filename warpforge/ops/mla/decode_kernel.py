@@ -1,0 +1,192 @@
+"""MLA decode in Triton: paged split-KV partial attention, then a combine.
+
+All h_q · s_q query rows of a request share one latent KV head, so a program takes BLOCK_H of those rows
+as the M side of its matmuls and walks BLOCK_N cache tokens at a time. The tile it loads serves twice:
+its first 512 columns are V. Token t of request b is row t % PAGE of page block_table[b, t // PAGE],
+gathered per token, so any page size works.
+
+The schedule is static: a request's tokens are cut into `num_splits` equal, BLOCK_N-aligned ranges, one per
+program. num_splits comes from shapes alone (see `plan_num_splits`), never from cache_seqlens values, so
+a decode step needs no host sync and can be captured in a CUDA graph.
+
+FP8 rows (656 B): 512 e4m3 | 4 fp32 scales (per 128) | 64 bf16 rope. Dequantised to q's dtype in
+registers, then the same bf16/fp16 matmuls.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_latent_block(cache, rows64, tok_ok, offs_v, offs_r, row_stride,
+                       FP8: tl.constexpr, D_V: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, 512] latent and [BLOCK_N, 64] rope of the given cache rows, in OUT_DTYPE."""
+    base = cache + rows64[:, None] * row_stride
+    if FP8:
+        codes = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0)
+        vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale_ptr = (base + D_V).to(tl.pointer_type(tl.float32))
+        group = offs_v // 128
+        scales = tl.load(scale_ptr + group[None, :], mask=tok_ok[:, None], other=0.0)
+        latent = (vals * scales).to(OUT_DTYPE)
+        rope_ptr = (base + D_V + 16).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rope_ptr + offs_r[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
+    else:
+        latent = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0.0)
+        rope = tl.load(base + D_V + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
+    return latent, rope
+
+
+@triton.jit
+def mla_decode_split_kernel(
+    Q, CACHE, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+    stride_qb, stride_qs, stride_qh,
+    row_stride, stride_bt,
+    stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]
+    stride_ls, stride_lb,
+    rows_total, qk_scale,
+    H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    D_V: tl.constexpr = 512
+    D_R: tl.constexpr = 64
+    split = tl.program_id(0)
+    b = tl.program_id(1)
+    tile = tl.program_id(2)
+    n_splits = tl.num_programs(0)
+    b64 = b.to(tl.int64)
+
+    length = tl.load(SEQLENS + b)
+    per_split = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    r = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # query row = j * H_Q + h
+    r_ok = r < rows_total
+    j = r // H_Q
+    h = r % H_Q
+    offs_v = tl.arange(0, D_V)
+    offs_r = tl.arange(0, D_R)
+    q_rows = Q + b64 * stride_qb + j.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
+    q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=r_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows[:, None] + D_V + offs_r[None, :], mask=r_ok[:, None], other=0.0)
+    if CAUSAL:
+        visible = length - S_Q + 1 + j  # per row, bottom-right aligned
+    else:
+        visible = tl.zeros([BLOCK_H], tl.int32) + length
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = BLOCK_TABLE + b64 * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        tok_ok = tok < end
+        page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
+        rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
+        latent, rope = _load_latent_block(CACHE, rows64, tok_ok, offs_v, offs_r, row_stride, FP8, D_V,
+                                          q_nope.dtype)
+        s = tl.dot(q_nope, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+        s = s * qk_scale
+        ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # log2 units until the combine
+    o_ptrs = O_PART + split.to(tl.int64) * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + \
+        offs_v[None, :]
+    tl.store(o_ptrs, out, mask=r_ok[:, None])
+    tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + r, lse2, mask=r_ok)
+
+
+@triton.jit
+def mla_combine_kernel(
+    O_PART, LSE_PART, OUT, LSE,
+    stride_ps, stride_pb, stride_ls, stride_lb,
+    stride_ob, stride_lse_b,
+    rows_total, n_splits,
+    H_Q: tl.constexpr, S_Q: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """out = Σ_i w_i o_i / Σ_i w_i with w_i = 2^(lse_i - max); lse = ln(Σ_i 2^lse_i)."""
+    D_V: tl.constexpr = 512
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows_total
+    offs_v = tl.arange(0, D_V)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i in range(n_splits):
+        lse_i = tl.load(LSE_PART + i * stride_ls + b64 * stride_lb + r, mask=r_ok, other=float("-inf"))
+        m = tl.maximum(m, lse_i)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, D_V], tl.float32)
+    for i in range(n_splits):
+        lse_i = tl.load(LSE_PART + i * stride_ls + b64 * stride_lb + r, mask=r_ok, other=float("-inf"))
+        w = tl.math.exp2(lse_i - m_use)
+        o_i = tl.load(O_PART + i * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + offs_v[None, :],
+                      mask=r_ok[:, None] & (w > 0)[:, None], other=0.0)
+        acc += w[:, None] * o_i
+        total += w
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+    tl.store(OUT + b64 * stride_ob + r[:, None].to(tl.int64) * D_V + offs_v[None, :], out.to(OUT.dtype.element_ty),
+             mask=r_ok[:, None])
+    j = r // H_Q
+    h = r % H_Q
+    tl.store(LSE + b64 * stride_lse_b + h * S_Q + j, lse, mask=r_ok)
+
+
+# ------------------------------------------------------------------------------------------ launch
+def plan_num_splits(batch, rows, max_tokens, block_h, sm_count, min_tokens_per_split=256):
+    """Enough (request, split, row-tile) programs to fill the GPU about twice; decided from shapes only."""
+    tiles = batch * triton.cdiv(rows, block_h)
+    want = triton.cdiv(2 * sm_count, max(tiles, 1))
+    return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
+
+
+def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, fp8, num_splits, cfg):
+    import torch
+
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    block_h, block_n, warps, stages = cfg
+    block_h = min(block_h, max(16, triton.next_power_of_2(rows)))
+    out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if b == 0:
+        return out, lse
+    o_part = torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
+    mla_decode_split_kernel[(num_splits, b, triton.cdiv(rows, block_h))](
+        q, cache, block_table, cache_seqlens, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        row_stride, block_table.stride(0),
+        o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        rows, softmax_scale * LOG2E,
+        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, FP8=fp8,
+        BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+    )
+    block_r = 16
+    mla_combine_kernel[(b, triton.cdiv(rows, block_r))](
+        o_part, lse_part, out, lse,
+        o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), lse.stride(0), rows, num_splits,
+        H_Q=h_q, S_Q=s_q, BLOCK_R=block_r, num_warps=4,
+    )
+    return out, lse
