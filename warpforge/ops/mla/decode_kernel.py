@@ -27,9 +27,10 @@ def _load_latent_block(cache, rows64, tok_ok, offs_v, offs_r, row_stride,
         codes = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         scale_ptr = (base + D_V).to(tl.pointer_type(tl.float32))
-        group = offs_v // 128
-        scales = tl.load(scale_ptr + group[None, :], mask=tok_ok[:, None], other=0.0)
-        latent = (vals * scales).to(OUT_DTYPE)
+        scales = tl.load(scale_ptr + tl.arange(0, 4)[None, :], mask=tok_ok[:, None], other=0.0)  # [BN, 4]
+        BLOCK_N: tl.constexpr = codes.shape[0]
+        latent = (tl.reshape(vals, [BLOCK_N, 4, 128]) * scales[:, :, None])
+        latent = tl.reshape(latent, [BLOCK_N, D_V]).to(OUT_DTYPE)
         rope_ptr = (base + D_V + 16).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(rope_ptr + offs_r[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
     else:

@@ -1,0 +1,69 @@
+"""Sweep MLA decode tiles and split counts on this GPU (FlashMLA's shapes at one cache length).
+
+    PYTHONPATH=. python scripts/tune_mla.py [--L 8192] [--out tune_mla.json]
+
+Prints each result as it lands (a run cut short still says something); winners go into
+warpforge/ops/mla/__init__.py's CONFIGS with the numbers in benchmarks/NOTES.md.
+"""
+import argparse
+import json
+import math
+
+import torch
+import triton
+import triton.testing
+
+from warpforge.ops.mla import quantize_kv
+from warpforge.ops.mla.decode_kernel import mla_decode_fwd, plan_num_splits
+
+
+def problem(b, L, h_q, fmt, page=64):
+    lens = [L + 2 * i for i in range(b)]
+    max_pages = -(-max(lens) // page)
+    q = torch.randn(b, 1, h_q, 576, device="cuda", dtype=torch.bfloat16)
+    cache = quantize_kv(torch.randn(b * max_pages, page, 1, 576, device="cuda", dtype=torch.bfloat16), fmt)
+    table = torch.randperm(b * max_pages, device="cuda").view(b, max_pages).int()
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32, device="cuda"), sum(lens)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", type=int, default=8192)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plans = {
+        (16, "bf16"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3), (16, 32, 8, 2)],
+        (16, "fp8"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2)],
+        (128, "bf16"): [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 16, 8, 2)],
+    }
+    results = []
+    for (h_q, fmt), cfgs in plans.items():
+        q, cache, table, lens, tokens = problem(128, args.L, h_q, fmt)
+        row_bytes = 1152 if fmt == "bf16" else 656
+        for cfg in cfgs:
+            auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg[0], sms)
+            for splits in sorted({auto, 2 * auto, max(1, auto // 2)}):
+                def run():
+                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, fmt == "fp8", splits,
+                                          cfg)
+                try:
+                    run()
+                    ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+                except Exception as exc:
+                    print(f"h{h_q} {fmt} {cfg} splits {splits}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    continue
+                tbps = tokens * row_bytes / ms / 1e9
+                tflops = 2 * h_q * tokens * 1088 / ms / 1e9
+                results.append(dict(h_q=h_q, fmt=fmt, cfg=cfg, splits=splits, ms=ms, tbps=tbps, tflops=tflops))
+                print(f"h{h_q} {fmt} {cfg} splits {splits}: {ms:.3f} ms {tbps:.2f} TB/s {tflops:.0f} TFLOP/s",
+                      flush=True)
+        del q, cache, table
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
