@@ -20,8 +20,18 @@ KV_FORMATS = ("bf16", "fp8")
 H_Q = (16, 32, 64, 128)
 PAGE_SIZES = (16, 32, 64)
 
-# (BLOCK_H query rows, BLOCK_N tokens, warps, stages) per arch; sm90 untuned until measured.
-CONFIGS = {"cpu": (16, 16, 1, 1), "default": (64, 32, 8, 2), "sm90": (64, 32, 8, 2)}
+# (BLOCK_H query rows, BLOCK_N tokens, warps, stages) per arch, for few (<= 16) and many query rows
+# (h_q * s_q). sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md).
+CONFIGS = {
+    "cpu": {"few": (16, 16, 1, 1), "many": (16, 16, 1, 1)},
+    "default": {"few": (16, 32, 4, 2), "many": (64, 32, 8, 2)},
+    "sm90": {"few": (16, 64, 4, 3), "many": (64, 64, 8, 2)},
+}
+
+
+def _config(device: torch.device, rows: int):
+    table = CONFIGS.get(arch_key(device), CONFIGS["default"])
+    return table["few" if rows <= 16 else "many"]
 _SM_COUNT = {}
 
 
@@ -39,7 +49,7 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.T
                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode_kernel import mla_decode_fwd
 
-    cfg = CONFIGS.get(arch_key(q.device), CONFIGS["default"])
+    cfg = _config(q.device, q.shape[1] * q.shape[2])
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, fp8, num_splits, cfg)
 
 
@@ -145,7 +155,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
     b, s_q, h_q, _ = q.shape
     if schedule is None:
         from .decode_kernel import plan_num_splits
-        cfg = CONFIGS.get(arch_key(q.device), CONFIGS["default"])
+        cfg = _config(q.device, s_q * h_q)
         schedule = plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0],
                                    _sm_count(q.device))
     if not isinstance(schedule, int) or schedule < 1:

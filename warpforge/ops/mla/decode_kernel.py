@@ -152,10 +152,11 @@ def mla_combine_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launch
-def plan_num_splits(batch, rows, max_tokens, block_h, sm_count, min_tokens_per_split=256):
-    """Enough (request, split, row-tile) programs to fill the GPU about twice; decided from shapes only."""
+def plan_num_splits(batch, rows, max_tokens, block_h, sm_count, min_tokens_per_split=256, waves=4):
+    """Enough (request, split, row-tile) programs for about `waves` per SM; decided from shapes only.
+    (H200, b 128, h_q 16, L 8k: 3 splits 2.73 TB/s, 6 splits 3.21 TB/s.)"""
     tiles = batch * triton.cdiv(rows, block_h)
-    want = triton.cdiv(2 * sm_count, max(tiles, 1))
+    want = triton.cdiv(waves * sm_count, max(tiles, 1))
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
 
 
