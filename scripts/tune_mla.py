@@ -45,8 +45,7 @@ def main():
             auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg[0], sms)
             for splits in sorted({auto, 2 * auto, max(1, auto // 2)}):
                 def run():
-                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, fmt == "fp8", splits,
-                                          cfg)
+                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, fmt, None, splits, cfg)
                 try:
                     run()
                     ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")

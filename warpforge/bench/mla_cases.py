@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..ops.mla import mla_decode, mla_decode_reference, quantize_kv
+from ..ops.mla import mla_decode, mla_decode_reference, nvfp4_tensor_scale, quantize_kv
 from ..ops.mla.reference import D_QK, D_V, ROW_BYTES
 from ..testing import cosine
 from .cases import Rotation, Setup, register
@@ -32,10 +32,12 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
     flops = 2.0 * h_q * s_q * tokens * (D_QK + D_V)
     seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = 1 / math.sqrt(D_QK)
+    # nvfp4's cache-wide scale, fixed up front as a server would (randn latents: amax about 5)
+    kv_scale = nvfp4_tensor_scale(torch.full((1, D_QK), 6.0, device=device)) if fmt == "nvfp4" else None
 
     def make_set():
         q = torch.randn(b, s_q, h_q, D_QK, device=device, dtype=dtype)
-        cache = quantize_kv(torch.randn(b * max_pages, page, 1, D_QK, device=device, dtype=dtype), fmt)
+        cache = quantize_kv(torch.randn(b * max_pages, page, 1, D_QK, device=device, dtype=dtype), fmt, kv_scale)
         table = torch.randperm(b * max_pages, device=device).view(b, max_pages).int()
         st = dict(q=q, cache=cache, table=table)
         if fmt == "bf16" and device.type == "cuda":
@@ -47,7 +49,7 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
 
     def decode(st):
         return mla_decode(st["q"], st["cache"], st["table"], seqlens, softmax_scale=scale, kv_format=fmt,
-                          backend="triton")[0]
+                          kv_scale=kv_scale, backend="triton")[0]
 
     if device.type == "cuda":
         # Decode is served from CUDA graphs; inside one the host-side value checks are skipped, as in serving.
@@ -85,7 +87,7 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
             st = rot.sets[0]
             cache = st["cache"].float() if fmt == "bf16" else st["cache"]
             reference["ref"] = mla_decode_reference(st["q"].float(), cache, st["table"], seqlens,
-                                                    softmax_scale=scale, kv_format=fmt)[0]
+                                                    softmax_scale=scale, kv_format=fmt, kv_scale=kv_scale)[0]
         return 1 - cosine(out, reference["ref"])
 
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, err_kind="1-cos")
@@ -93,8 +95,10 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
 
 def _register():
     for h_q in (16, 128):
-        for fmt in ("bf16", "fp8"):
+        for fmt in ("bf16", "fp8", "nvfp4", "mxfp4"):
             for L in (1024, 2048, 4096, 8192, 16384, 32768):
+                if h_q == 128 and fmt in ("nvfp4", "mxfp4"):
+                    continue  # the FP4 bar is at h_q 16
                 register("mla", f"b128 h{h_q} s_q1 L{L // 1024}k {fmt}", quick=(L == 8192 and (h_q == 16 or fmt == "bf16")),
                          h_q=h_q, fmt=fmt, L=L)(
                     lambda dev, tiny, L=L, h_q=h_q, fmt=fmt: mla_setup(dev, tiny, L=L, h_q=h_q, fmt=fmt))

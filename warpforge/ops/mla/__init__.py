@@ -5,6 +5,7 @@ validate -> pick backend -> (reference | torch.library custom op over the Triton
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -12,11 +13,12 @@ from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check
                        fail)
 from ...runtime import arch_key, resolve_backend
 from .reference import (D_QK, D_V, ROW_BYTES, dequantize_kv_reference, mla_decode_reference,
-                        quantize_kv_reference)
+                        nvfp4_tensor_scale, quantize_kv_reference)
 
-__all__ = ["mla_decode", "quantize_kv", "mla_decode_reference", "dequantize_kv_reference", "KV_FORMATS"]
+__all__ = ["mla_decode", "quantize_kv", "nvfp4_tensor_scale", "mla_decode_reference", "dequantize_kv_reference",
+           "KV_FORMATS"]
 
-KV_FORMATS = ("bf16", "fp8")
+KV_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 H_Q = (16, 32, 64, 128)
 PAGE_SIZES = (16, 32, 64)
 
@@ -45,31 +47,36 @@ def _sm_count(device: torch.device) -> int:
 
 @torch.library.custom_op("warpforge::mla_decode", mutates_args=())
 def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                   cache_seqlens: torch.Tensor, scale: float, causal: bool, fp8: bool,
-                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   cache_seqlens: torch.Tensor, kv_scale: Optional[torch.Tensor], scale: float, causal: bool,
+                   kv_format: str, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode_kernel import mla_decode_fwd
 
     cfg = _config(q.device, q.shape[1] * q.shape[2])
-    return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, fp8, num_splits, cfg)
+    return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format, kv_scale, num_splits,
+                          cfg)
 
 
 @_mla_decode_op.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, scale, causal, fp8, num_splits):
+def _(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits):
     b, s_q, h_q, _ = q.shape
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
 
-def quantize_kv(latent: torch.Tensor, kv_format: str) -> torch.Tensor:
-    """latent [..., 576] -> cache rows in `kv_format` ("bf16": unchanged; "fp8": uint8 [..., 656])."""
+def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Tensor:
+    """latent [..., 576] -> cache rows in `kv_format`: "bf16" unchanged; "fp8" / "nvfp4" / "mxfp4" uint8
+    [..., 656 / 416 / 400] (layouts in reference.py). "nvfp4" takes the cache-wide fp32 kv_scale, fixed for
+    the cache's life (e.g. nvfp4_tensor_scale of calibration data); pass the same to mla_decode."""
     check_tensor("latent", latent)
     if kv_format not in KV_FORMATS:
         fail("kv_format", f"one of {KV_FORMATS}", repr(kv_format))
     if latent.shape[-1] != D_QK:
         fail("latent", f"last dim {D_QK}", tuple(latent.shape))
-    return quantize_kv_reference(latent, kv_format)
+    if kv_format == "nvfp4" and kv_scale is None:
+        fail("kv_scale", "the cache-wide fp32 scale for nvfp4 (see nvfp4_tensor_scale)", None)
+    return quantize_kv_reference(latent, kv_format, kv_scale)
 
 
-def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, causal, indices, backend):
+def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices, backend):
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table),
                     ("cache_seqlens", cache_seqlens)):
         check_tensor(name, t)
@@ -101,6 +108,10 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, ca
     if kv_cache.shape[3] != width:
         fail("kv_cache", f"{width} {'values' if kv_format == 'bf16' else 'bytes'} per token for {kv_format}",
              kv_cache.shape[3])
+    if kv_format == "nvfp4":
+        if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
+            fail("kv_scale", "a one-element fp32 tensor (nvfp4's cache-wide scale)", kv_scale)
+        check_same_device("kv_scale", kv_scale, "q", q)
     if not kv_cache.is_contiguous():
         fail("kv_cache", "a contiguous tensor", f"strides {kv_cache.stride()}")
     check_rank("block_table", block_table, 2)
@@ -140,18 +151,20 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
     """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
     fp32, natural log).
 
-    q [b, s_q, h_q, 576]; kv_cache [num_pages, page_size, 1, 576] (bf16: q's dtype; fp8: uint8 x 656, see
-    `quantize_kv`); block_table int32 [b, max_pages]; cache_seqlens int32 [b]. schedule: None (planned
-    from shapes) or an int number of KV splits.
+    q [b, s_q, h_q, 576]; kv_cache [num_pages, page_size, 1, width]: bf16 in q's dtype (width 576), or uint8
+    rows of "fp8" (656), "nvfp4" (416; kv_scale: its one-element fp32 tensor scale) or "mxfp4" (400), made by
+    `quantize_kv`; block_table int32 [b, max_pages]; cache_seqlens int32 [b]. schedule: None (planned from
+    shapes) or an int number of KV splits.
     """
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
-    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, causal, indices, backend)
-    del kv_scale, topk_length  # used by formats and the sparse variant, which come next
+    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices, backend)
+    del topk_length  # the sparse variant comes next
+    kv_scale = kv_scale if kv_format == "nvfp4" else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
     if backend == "reference":
         return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=scale, causal=causal,
-                                    kv_format=kv_format)
+                                    kv_format=kv_format, kv_scale=kv_scale)
     b, s_q, h_q, _ = q.shape
     if schedule is None:
         from .decode_kernel import plan_num_splits
@@ -160,4 +173,4 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
                                    _sm_count(q.device))
     if not isinstance(schedule, int) or schedule < 1:
         fail("schedule", "None or a positive int (number of KV splits)", schedule)
-    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format == "fp8", schedule)
+    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, schedule)

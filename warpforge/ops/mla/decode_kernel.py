@@ -9,8 +9,8 @@ The schedule is static: a request's tokens are cut into `num_splits` equal, BLOC
 program. num_splits comes from shapes alone (see `plan_num_splits`), never from cache_seqlens values, so
 a decode step needs no host sync and can be captured in a CUDA graph.
 
-FP8 rows (656 B): 512 e4m3 | 4 fp32 scales (per 128) | 64 bf16 rope. Dequantised to q's dtype in
-registers, then the same bf16/fp16 matmuls.
+Quantized rows (FP8, NVFP4, MXFP4; layouts in reference.py) are dequantised to q's dtype in registers,
+then the same bf16/fp16 matmuls.
 """
 import triton
 import triton.language as tl
@@ -19,35 +19,62 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _e2m1_to_float(code):
+    """e2m1 code (sign in bit 3) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
+    m = code & 7
+    e = (m >> 1).to(tl.float32)
+    half = (m & 1).to(tl.float32) * 0.5
+    mag = tl.where(e == 0.0, half, (1.0 + half) * tl.math.exp2(e - 1.0))
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
 def _load_latent_block(cache, rows64, tok_ok, offs_v, offs_r, row_stride,
-                       FP8: tl.constexpr, D_V: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """[BLOCK_N, 512] latent and [BLOCK_N, 64] rope of the given cache rows, in OUT_DTYPE."""
+                       KV_FMT: tl.constexpr, D_V: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, 512] latent and [BLOCK_N, 64] rope of the given cache rows, in OUT_DTYPE.
+    KV_FMT: 0 bf16/fp16, 1 fp8 (e4m3 + fp32 per 128), 2 nvfp4 (e2m1 + e4m3 per 16, x kv_scale),
+    3 mxfp4 (e2m1 + e8m0 per 32). nvfp4's latent comes back without its cache-wide scale."""
     base = cache + rows64[:, None] * row_stride
-    if FP8:
+    BLOCK_N: tl.constexpr = rows64.shape[0]
+    if KV_FMT == 0:
+        latent = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0.0)
+        rope = tl.load(base + D_V + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
+        return latent, rope
+    if KV_FMT == 1:
         codes = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         scale_ptr = (base + D_V).to(tl.pointer_type(tl.float32))
         scales = tl.load(scale_ptr + tl.arange(0, 4)[None, :], mask=tok_ok[:, None], other=0.0)  # [BN, 4]
-        BLOCK_N: tl.constexpr = codes.shape[0]
-        latent = (tl.reshape(vals, [BLOCK_N, 4, 128]) * scales[:, :, None])
-        latent = tl.reshape(latent, [BLOCK_N, D_V]).to(OUT_DTYPE)
-        rope_ptr = (base + D_V + 16).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_ptr + offs_r[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
+        latent = tl.reshape(vals, [BLOCK_N, 4, 128]) * scales[:, :, None]
+        rope_off: tl.constexpr = D_V + 16
     else:
-        latent = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0.0)
-        rope = tl.load(base + D_V + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
+        GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32
+        N_SCALES: tl.constexpr = D_V // GROUP
+        packed = tl.load(base + tl.arange(0, D_V // 2)[None, :], mask=tok_ok[:, None], other=0)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, D_V])  # low nibble = even element
+        vals = _e2m1_to_float(codes)
+        sbytes = tl.load(base + D_V // 2 + tl.arange(0, N_SCALES)[None, :], mask=tok_ok[:, None], other=0)
+        if KV_FMT == 2:  # e2m1 x e4m3 is exact in bf16; the fp32 tensor scale is applied to scores and output
+            scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
+        latent = tl.reshape(vals, [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None]
+        rope_off: tl.constexpr = D_V // 2 + N_SCALES
+    latent = tl.reshape(latent, [BLOCK_N, D_V]).to(OUT_DTYPE)
+    rope_ptr = (base + rope_off).to(tl.pointer_type(tl.bfloat16))
+    rope = tl.load(rope_ptr + offs_r[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
     return latent, rope
 
 
 @triton.jit
 def mla_decode_split_kernel(
-    Q, CACHE, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+    Q, CACHE, BLOCK_TABLE, SEQLENS, KV_SCALE, O_PART, LSE_PART,
     stride_qb, stride_qs, stride_qh,
     row_stride, stride_bt,
     stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]
     stride_ls, stride_lb,
     rows_total, qk_scale,
-    H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, FP8: tl.constexpr,
+    H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     D_V: tl.constexpr = 512
@@ -77,6 +104,11 @@ def mla_decode_split_kernel(
     else:
         visible = tl.zeros([BLOCK_H], tl.int32) + length
 
+    if KV_FMT == 2:
+        latent_scale = tl.load(KV_SCALE)  # nvfp4's cache-wide scale
+    else:
+        latent_scale = 1.0
+
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
@@ -87,9 +119,9 @@ def mla_decode_split_kernel(
         tok_ok = tok < end
         page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
         rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
-        latent, rope = _load_latent_block(CACHE, rows64, tok_ok, offs_v, offs_r, row_stride, FP8, D_V,
+        latent, rope = _load_latent_block(CACHE, rows64, tok_ok, offs_v, offs_r, row_stride, KV_FMT, D_V,
                                           q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))
+        s = tl.dot(q_nope, tl.trans(latent)) * latent_scale + tl.dot(q_rope, tl.trans(rope))
         s = s * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
         s = tl.where(ok, s, float("-inf"))
@@ -103,7 +135,7 @@ def mla_decode_split_kernel(
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = acc * (latent_scale / l_safe)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # log2 units until the combine
     o_ptrs = O_PART + split.to(tl.int64) * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + \
         offs_v[None, :]
@@ -160,7 +192,11 @@ def plan_num_splits(batch, rows, max_tokens, block_h, sm_count, min_tokens_per_s
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
 
 
-def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, fp8, num_splits, cfg):
+KV_FMT = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
+
+
+def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format, kv_scale,
+                   num_splits, cfg):
     import torch
 
     b, s_q, h_q, _ = q.shape
@@ -173,15 +209,17 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         return out, lse
     o_part = torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
-    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
+    fmt = KV_FMT[kv_format]
+    cache = kv_cache.view(torch.uint8) if fmt else kv_cache
+    scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
     row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
     mla_decode_split_kernel[(num_splits, b, triton.cdiv(rows, block_h))](
-        q, cache, block_table, cache_seqlens, o_part, lse_part,
+        q, cache, block_table, cache_seqlens, scale_arg, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2),
         row_stride, block_table.stride(0),
         o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
         rows, softmax_scale * LOG2E,
-        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, FP8=fp8,
+        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt,
         BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )
     block_r = 16
