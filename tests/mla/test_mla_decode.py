@@ -147,3 +147,70 @@ def test_gpu_cuda_graph_capture():
     graph.replay()
     want, _ = wf.mla_decode(q, cache, table, seqlens)
     assert torch.allclose(g_out, want)
+
+
+# ------------------------------------------------------------------------------- sparse (top-k)
+def _sparse(b, s_q, h_q, page, topk, fmt, with_len):
+    q, _, cache, table, seqlens, kv_scale = _problem(b, s_q, h_q, page, [3 * page] * b, fmt)
+    slots = cache.shape[0] * page
+    indices = torch.randint(0, slots, (b, s_q, topk), device=DEV, dtype=torch.int32)
+    indices[..., ::5] = -1  # holes
+    if b > 1:
+        indices[1, 0] = -1  # a query position that reads nothing
+    topk_length = torch.randint(0, topk + 1, (b,), device=DEV, dtype=torch.int32) if with_len else None
+    return q, cache, indices, topk_length, kv_scale
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("b,s_q,h_q,page,topk,with_len,splits", [
+    (2, 2, 16, 16, 37, False, None),
+    (2, 1, 32, 32, 70, True, 3),
+    (1, 3, 16, 64, 16, True, 1),
+])
+def test_sparse_matches_reference(b, s_q, h_q, page, topk, with_len, splits, fmt):
+    q, cache, indices, topk_length, kv_scale = _sparse(b, s_q, h_q, page, topk, fmt, with_len)
+    with poisoned_outputs():
+        out, lse = wf.mla_decode(q, cache, None, None, kv_format=fmt, kv_scale=kv_scale, indices=indices,
+                                 topk_length=topk_length, schedule=splits, backend="triton")
+    ref_cache = cache.float() if fmt == "bf16" else cache
+    ref, ref_lse = mla_decode_reference(q.float(), ref_cache, None, None, kv_format=fmt, kv_scale=kv_scale,
+                                        indices=indices, topk_length=topk_length)
+    assert 1 - cosine(out, ref) <= 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_bad_input():
+    q, cache, indices, _, _ = _sparse(2, 1, 16, 16, 8, "bf16", False)
+    bad = indices.clone()
+    bad[0, 0, 0] = cache.shape[0] * 16  # one past the last slot
+    for kwargs, name in [(dict(indices=bad), "indices"), (dict(indices=indices.long()), "indices"),
+                         (dict(indices=indices[:, :, None]), "indices"),
+                         (dict(indices=indices, causal=True), "causal"),
+                         (dict(indices=indices, topk_length=torch.full((2,), 9, dtype=torch.int32, device=DEV)),
+                          "topk_length")]:
+        with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
+            wf.mla_decode(q, cache, None, None, backend="triton", **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gpu_sparse_topk(fmt):
+    q, cache, indices, topk_length, kv_scale = _sparse(4, 2, 128, 64, 2048, fmt, True)
+    out, lse = wf.mla_decode(q, cache, None, None, kv_format=fmt, kv_scale=kv_scale, indices=indices,
+                             topk_length=topk_length)
+    ref_cache = cache.float() if fmt == "bf16" else cache
+    ref, _ = mla_decode_reference(q.float(), ref_cache, None, None, kv_format=fmt, indices=indices,
+                                  topk_length=topk_length)
+    assert 1 - cosine(out, ref) <= 1e-5
+
+
+def test_compile_no_graph_break():
+    q, _, cache, table, seqlens, _ = _problem(2, 1, 16, 16, [20, 9], "bf16")
+
+    def step(q):
+        return wf.mla_decode(q, cache, table, seqlens, schedule=2, backend="triton")[0].float().sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEV.type == "cpu" else "inductor")
+    assert torch.allclose(compiled(q), step(q), rtol=1e-3)

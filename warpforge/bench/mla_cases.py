@@ -93,7 +93,48 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, err_kind="1-cos")
 
 
+def mla_sparse_setup(device, tiny, *, b=128, s_q=2, h_q=128, topk=2048, fmt="fp8", pool_tokens=65536):
+    """Token-level sparse decode (DeepSeek-V3.2 style): each query position reads `topk` slots of a pool."""
+    if tiny:
+        b, s_q, h_q, topk, pool_tokens = 2, 2, 16, 40, 256
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    page = PAGE if not tiny else 16
+    row_bytes = D_QK * 2 if fmt == "bf16" else ROW_BYTES[fmt]
+    reads = b * s_q * topk
+    nbytes = reads * row_bytes + b * s_q * h_q * (D_QK + D_V) * 2
+    flops = 2.0 * h_q * reads * (D_QK + D_V)
+    scale = 1 / math.sqrt(D_QK)
+
+    def make_set():
+        q = torch.randn(b, s_q, h_q, D_QK, device=device, dtype=dtype)
+        cache = quantize_kv(torch.randn(pool_tokens // page, page, 1, D_QK, device=device, dtype=dtype), fmt)
+        idx = torch.randint(0, pool_tokens, (b, s_q, topk), device=device, dtype=torch.int32)
+        return dict(q=q, cache=cache, idx=idx)
+
+    rot = Rotation(make_set, pool_tokens * row_bytes, device)
+
+    def ours():
+        st = rot()
+        return mla_decode(st["q"], st["cache"], None, None, softmax_scale=scale, kv_format=fmt, indices=st["idx"],
+                          backend="triton")[0]
+
+    reference = {}
+
+    def score(out):
+        if "ref" not in reference:
+            st = rot.sets[0]
+            cache = st["cache"].float() if fmt == "bf16" else st["cache"]
+            reference["ref"] = mla_decode_reference(st["q"][:4].float(), cache, None, None, softmax_scale=scale,
+                                                    kv_format=fmt, indices=st["idx"][:4])[0]
+        return 1 - cosine(out[:4], reference["ref"])
+
+    return Setup(flops=flops, bytes=nbytes, impls={"warpforge": ours}, score=score, reset=rot.reset,
+                 err_kind="1-cos")
+
+
 def _register():
+    register("mla", "sparse b128 h128 s_q2 topk2048 fp8", quick=True)(
+        lambda dev, tiny: mla_sparse_setup(dev, tiny))
     for h_q in (16, 128):
         for fmt in ("bf16", "fp8", "nvfp4", "mxfp4"):
             for L in (1024, 2048, 4096, 8192, 16384, 32768):

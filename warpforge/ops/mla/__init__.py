@@ -46,18 +46,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 @torch.library.custom_op("warpforge::mla_decode", mutates_args=())
-def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                   cache_seqlens: torch.Tensor, kv_scale: Optional[torch.Tensor], scale: float, causal: bool,
-                   kv_format: str, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+                   cache_seqlens: Optional[torch.Tensor], kv_scale: Optional[torch.Tensor], scale: float, causal: bool,
+                   kv_format: str, num_splits: int, indices: Optional[torch.Tensor] = None,
+                   topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode_kernel import mla_decode_fwd
 
     cfg = _config(q.device, q.shape[1] * q.shape[2])
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format, kv_scale, num_splits,
-                          cfg)
+                          cfg, indices, topk_length)
 
 
 @_mla_decode_op.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits):
+def _(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits, indices=None,
+      topk_length=None):
     b, s_q, h_q, _ = q.shape
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -76,9 +78,13 @@ def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Te
     return quantize_kv_reference(latent, kv_format, kv_scale)
 
 
-def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices, backend):
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table),
-                    ("cache_seqlens", cache_seqlens)):
+def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices,
+              topk_length, backend):
+    sparse = indices is not None
+    named = [("q", q), ("kv_cache", kv_cache)]
+    if not sparse or block_table is not None:
+        named += [("block_table", block_table), ("cache_seqlens", cache_seqlens)]
+    for name, t in named:
         check_tensor(name, t)
         check_same_device(name, t, "q", q)
     check_rank("q", q, 4)
@@ -114,6 +120,24 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv
         check_same_device("kv_scale", kv_scale, "q", q)
     if not kv_cache.is_contiguous():
         fail("kv_cache", "a contiguous tensor", f"strides {kv_cache.stride()}")
+    if not isinstance(causal, bool):
+        fail("causal", "a bool", type(causal).__name__)
+    if sparse:
+        _validate_indices(q, kv_cache, indices, topk_length, causal)
+    else:
+        _validate_table(q, kv_cache, block_table, cache_seqlens)
+
+
+def _capturing(q) -> bool:
+    """Values are read on the host, so those checks are skipped while a CUDA graph is being captured or
+    torch.compile is tracing (shapes and dtypes are still checked)."""
+    if torch.compiler.is_compiling():
+        return True
+    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _validate_table(q, kv_cache, block_table, cache_seqlens):
+    b = q.shape[0]
     check_rank("block_table", block_table, 2)
     check_dtype("block_table", block_table, (torch.int32,))
     if block_table.shape[0] != b:
@@ -123,12 +147,7 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv
     check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
     if cache_seqlens.shape[0] != b:
         fail("cache_seqlens", f"{b} entries (batch of q)", cache_seqlens.shape[0])
-    if indices is not None:
-        fail("indices", "None (the sparse top-k variant is not implemented yet)", "a tensor")
-    if not isinstance(causal, bool):
-        fail("causal", "a bool", type(causal).__name__)
-    # Values: read on the host, so skipped while a CUDA graph is being captured (shapes above still hold).
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(q):
         return
     lens = cache_seqlens.to("cpu", torch.int64)
     page = kv_cache.shape[1]
@@ -146,6 +165,36 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv
         fail("block_table", f"page indices in [0, {kv_cache.shape[0]})", f"{int(table[i, p])} at [{i}, {p}]")
 
 
+def _validate_indices(q, kv_cache, indices, topk_length, causal):
+    b, s_q = q.shape[:2]
+    check_tensor("indices", indices)
+    check_same_device("indices", indices, "q", q)
+    check_rank("indices", indices, 3)
+    check_dtype("indices", indices, (torch.int32,))
+    if tuple(indices.shape[:2]) != (b, s_q) or indices.shape[2] < 1:
+        fail("indices", f"[{b}, {s_q}, topk >= 1]", tuple(indices.shape))
+    check_last_dim_contiguous("indices", indices)
+    if causal:
+        fail("causal", "False with indices (the index list already says what each query sees)", causal)
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length)
+        check_same_device("topk_length", topk_length, "q", q)
+        check_rank("topk_length", topk_length, 1)
+        check_dtype("topk_length", topk_length, (torch.int32,))
+        if topk_length.shape[0] != b:
+            fail("topk_length", f"{b} entries (batch of q)", topk_length.shape[0])
+    if _capturing(q):
+        return
+    slots = kv_cache.shape[0] * kv_cache.shape[1]
+    idx = indices.to("cpu", torch.int64)
+    if bool(((idx < -1) | (idx >= slots)).any()):
+        fail("indices", f"slots in [-1, {slots})", f"min {int(idx.min())}, max {int(idx.max())}")
+    if topk_length is not None:
+        tl_host = topk_length.to("cpu", torch.int64)
+        if bool(((tl_host < 0) | (tl_host > indices.shape[2])).any()):
+            fail("topk_length", f"values in [0, {indices.shape[2]}]", tl_host.tolist()[:8])
+
+
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,
                kv_format="bf16", kv_scale=None, indices=None, topk_length=None, schedule=None, backend=None):
     """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
@@ -155,22 +204,31 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
     rows of "fp8" (656), "nvfp4" (416; kv_scale: its one-element fp32 tensor scale) or "mxfp4" (400), made by
     `quantize_kv`; block_table int32 [b, max_pages]; cache_seqlens int32 [b]. schedule: None (planned from
     shapes) or an int number of KV splits.
+
+    Sparse (top-k) variant: indices int32 [b, s_q, topk] of absolute cache slots (page * page_size + offset,
+    -1 skipped) replace the block table walk (block_table / cache_seqlens may then be None); topk_length
+    int32 [b] optionally limits each request's list.
     """
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
-    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices, backend)
-    del topk_length  # the sparse variant comes next
+    _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices,
+              topk_length, backend)
     kv_scale = kv_scale if kv_format == "nvfp4" else None
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
     if backend == "reference":
         return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=scale, causal=causal,
-                                    kv_format=kv_format, kv_scale=kv_scale)
+                                    kv_format=kv_format, kv_scale=kv_scale, indices=indices, topk_length=topk_length)
     b, s_q, h_q, _ = q.shape
     if schedule is None:
         from .decode_kernel import plan_num_splits
-        cfg = _config(q.device, s_q * h_q)
-        schedule = plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0],
-                                   _sm_count(q.device))
+        if indices is not None:  # programs own one query position's heads
+            cfg = _config(q.device, h_q)
+            schedule = plan_num_splits(b * s_q, h_q, indices.shape[2], cfg[0], _sm_count(q.device))
+        else:
+            cfg = _config(q.device, s_q * h_q)
+            schedule = plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0],
+                                       _sm_count(q.device))
     if not isinstance(schedule, int) or schedule < 1:
         fail("schedule", "None or a positive int (number of KV splits)", schedule)
-    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, schedule)
+    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, schedule,
+                          indices, topk_length)

@@ -5,6 +5,9 @@ as the M side of its matmuls and walks BLOCK_N cache tokens at a time. The tile 
 its first 512 columns are V. Token t of request b is row t % PAGE of page block_table[b, t // PAGE],
 gathered per token, so any page size works.
 
+Sparse variant: indices[b, j, :] lists the cache slots (page * PAGE + offset, -1 skipped) that query
+position j reads; programs then own one position's heads, since their rows must share one token list.
+
 The schedule is static: a request's tokens are cut into `num_splits` equal, BLOCK_N-aligned ranges, one per
 program. num_splits comes from shapes alone (see `plan_num_splits`), never from cache_seqlens values, so
 a decode step needs no host sync and can be captured in a CUDA graph.
@@ -68,38 +71,51 @@ def _load_latent_block(cache, rows64, tok_ok, offs_v, offs_r, row_stride,
 
 @triton.jit
 def mla_decode_split_kernel(
-    Q, CACHE, BLOCK_TABLE, SEQLENS, KV_SCALE, O_PART, LSE_PART,
+    Q, CACHE, BLOCK_TABLE, SEQLENS, INDICES, TOPK_LEN, KV_SCALE, O_PART, LSE_PART,
     stride_qb, stride_qs, stride_qh,
-    row_stride, stride_bt,
+    row_stride, stride_bt, stride_ib, stride_is,
     stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]
     stride_ls, stride_lb,
-    rows_total, qk_scale,
+    rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
+    SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped)."""
     D_V: tl.constexpr = 512
     D_R: tl.constexpr = 64
     split = tl.program_id(0)
-    b = tl.program_id(1)
     tile = tl.program_id(2)
     n_splits = tl.num_programs(0)
+    if SPARSE:
+        b = tl.program_id(1) // S_Q
+        j0 = tl.program_id(1) % S_Q
+        h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+        r_ok = h < H_Q
+        j = tl.zeros([BLOCK_H], tl.int32) + j0
+        r = j0 * H_Q + h
+        if HAS_TOPK_LEN:
+            length = tl.minimum(tl.load(TOPK_LEN + b), topk)
+        else:
+            length = topk
+    else:
+        b = tl.program_id(1)
+        r = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # query row = j * H_Q + h
+        r_ok = r < rows_total
+        j = r // H_Q
+        h = r % H_Q
+        length = tl.load(SEQLENS + b)
     b64 = b.to(tl.int64)
-
-    length = tl.load(SEQLENS + b)
     per_split = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, length)
 
-    r = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # query row = j * H_Q + h
-    r_ok = r < rows_total
-    j = r // H_Q
-    h = r % H_Q
     offs_v = tl.arange(0, D_V)
     offs_r = tl.arange(0, D_R)
     q_rows = Q + b64 * stride_qb + j.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
     q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=r_ok[:, None], other=0.0)
     q_rope = tl.load(q_rows[:, None] + D_V + offs_r[None, :], mask=r_ok[:, None], other=0.0)
-    if CAUSAL:
+    if CAUSAL and not SPARSE:
         visible = length - S_Q + 1 + j  # per row, bottom-right aligned
     else:
         visible = tl.zeros([BLOCK_H], tl.int32) + length
@@ -113,12 +129,20 @@ def mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    bt_row = BLOCK_TABLE + b64 * stride_bt
+    if SPARSE:
+        idx_row = INDICES + b64 * stride_ib + j0.to(tl.int64) * stride_is
+    else:
+        bt_row = BLOCK_TABLE + b64 * stride_bt
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
-        page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
-        rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
+        if SPARSE:
+            slot = tl.load(idx_row + tok, mask=tok_ok, other=-1)
+            tok_ok = tok_ok & (slot >= 0)
+            rows64 = tl.maximum(slot, 0).to(tl.int64)
+        else:
+            page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
+            rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
         latent, rope = _load_latent_block(CACHE, rows64, tok_ok, offs_v, offs_r, row_stride, KV_FMT, D_V,
                                           q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(latent)) * latent_scale + tl.dot(q_rope, tl.trans(rope))
@@ -196,7 +220,7 @@ KV_FMT = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
 
 
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format, kv_scale,
-                   num_splits, cfg):
+                   num_splits, cfg, indices=None, topk_length=None):
     import torch
 
     b, s_q, h_q, _ = q.shape
@@ -213,14 +237,27 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
     row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
-    mla_decode_split_kernel[(num_splits, b, triton.cdiv(rows, block_h))](
-        q, cache, block_table, cache_seqlens, scale_arg, o_part, lse_part,
+    sparse = indices is not None
+    if sparse:
+        block_h = min(block_h, max(16, triton.next_power_of_2(h_q)))
+        grid = (num_splits, b * s_q, triton.cdiv(h_q, block_h))
+        idx, topk = indices, indices.shape[-1]
+    else:
+        grid = (num_splits, b, triton.cdiv(rows, block_h))
+        idx, topk = lse_part, 0  # unused
+    dummy = lse_part  # a pointer for arguments the chosen mode never reads
+    mla_decode_split_kernel[grid](
+        q, cache, block_table if block_table is not None else dummy,
+        cache_seqlens if cache_seqlens is not None else dummy, idx,
+        topk_length if topk_length is not None else dummy, scale_arg, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2),
-        row_stride, block_table.stride(0),
+        row_stride, block_table.stride(0) if block_table is not None else 0,
+        idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
         o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
-        rows, softmax_scale * LOG2E,
-        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt,
-        BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        rows, topk, softmax_scale * LOG2E,
+        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
+        HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+        num_stages=stages,
     )
     block_r = 16
     mla_combine_kernel[(b, triton.cdiv(rows, block_r))](
