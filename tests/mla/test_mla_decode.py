@@ -214,3 +214,18 @@ def test_compile_no_graph_break():
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEV.type == "cpu" else "inductor")
     assert torch.allclose(compiled(q), step(q), rtol=1e-3)
+
+
+def test_flash_mla_compatible_call():
+    q, _, cache, table, seqlens, _ = _problem(2, 2, 16, 64, [100, 7], "bf16")
+    meta, num_splits = wf.mla.get_mla_metadata(seqlens, 2 * 16, 1)
+    out, lse = wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, num_splits, causal=True)
+    want, want_lse = wf.mla_decode(q, cache, table, seqlens, causal=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert meta.num_splits is not None
+    out2, _ = wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, None, causal=True)  # reused
+    assert torch.equal(out2, want)
+    with pytest.raises(WarpforgeInputError, match="^tile_scheduler_metadata"):
+        wf.mla.flash_mla_with_kvcache(q[:1], cache, table[:1], seqlens[:1], 512, meta, causal=True)
+    with pytest.raises(WarpforgeInputError, match="^attn_sink"):
+        wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, attn_sink=torch.zeros(16))

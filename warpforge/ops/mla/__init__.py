@@ -16,7 +16,7 @@ from .reference import (D_QK, D_V, ROW_BYTES, dequantize_kv_reference, mla_decod
                         nvfp4_tensor_scale, quantize_kv_reference)
 
 __all__ = ["mla_decode", "quantize_kv", "nvfp4_tensor_scale", "mla_decode_reference", "dequantize_kv_reference",
-           "KV_FORMATS"]
+           "KV_FORMATS", "planned_num_splits", "flash_mla_with_kvcache", "get_mla_metadata", "MLASchedule"]
 
 KV_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 H_Q = (16, 32, 64, 128)
@@ -195,6 +195,17 @@ def _validate_indices(q, kv_cache, indices, topk_length, causal):
             fail("topk_length", f"values in [0, {indices.shape[2]}]", tl_host.tolist()[:8])
 
 
+def planned_num_splits(q, kv_cache, block_table, indices=None) -> int:
+    """The KV split count `mla_decode` plans when schedule=None: from shapes only (CUDA-graph safe)."""
+    from .decode_kernel import plan_num_splits
+    b, s_q, h_q, _ = q.shape
+    if indices is not None:  # programs own one query position's heads
+        cfg = _config(q.device, h_q)
+        return plan_num_splits(b * s_q, h_q, indices.shape[2], cfg[0], _sm_count(q.device))
+    cfg = _config(q.device, s_q * h_q)
+    return plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0], _sm_count(q.device))
+
+
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,
                kv_format="bf16", kv_scale=None, indices=None, topk_length=None, schedule=None, backend=None):
     """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
@@ -218,17 +229,12 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
     if backend == "reference":
         return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=scale, causal=causal,
                                     kv_format=kv_format, kv_scale=kv_scale, indices=indices, topk_length=topk_length)
-    b, s_q, h_q, _ = q.shape
     if schedule is None:
-        from .decode_kernel import plan_num_splits
-        if indices is not None:  # programs own one query position's heads
-            cfg = _config(q.device, h_q)
-            schedule = plan_num_splits(b * s_q, h_q, indices.shape[2], cfg[0], _sm_count(q.device))
-        else:
-            cfg = _config(q.device, s_q * h_q)
-            schedule = plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0],
-                                       _sm_count(q.device))
+        schedule = planned_num_splits(q, kv_cache, block_table, indices)
     if not isinstance(schedule, int) or schedule < 1:
         fail("schedule", "None or a positive int (number of KV splits)", schedule)
     return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, schedule,
                           indices, topk_length)
+
+
+from .flash_mla_compat import MLASchedule, flash_mla_with_kvcache, get_mla_metadata  # noqa: E402
