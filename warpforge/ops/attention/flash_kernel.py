@@ -42,41 +42,73 @@ def _seq_bounds(cu_ptr, b, seqlen, VARLEN: tl.constexpr):
     return start, length
 
 
+@triton.jit
+def _load_tile(src, blk, start, offs_rows, offs_d, stride, limit, D: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK) of one head: through the TMA descriptor `src` (rows past the end arrive
+    as zeros), or from `blk`, a pointer to the tile's first row, masking rows >= limit when MASK and
+    columns >= D when the head dim is padded."""
+    if USE_TMA:
+        tile = src.load([start, 0])
+    else:
+        ptrs = blk + offs_rows[:, None] * stride + offs_d[None, :]
+        if MASK:
+            ok = ((start + offs_rows) < limit)[:, None]
+            if not EVEN_D:
+                ok = ok & (offs_d < D)[None, :]
+            tile = tl.load(ptrs, mask=ok, other=0.0)
+        elif EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn, s_k,
+             D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+             USE_TMA: tl.constexpr):
+    """The K and V tiles at start_n, and the pointers moved on to the next tile."""
+    k = _load_tile(k_src, k_blk, start_n, offs_n, offs_d, stride_kn, s_k, D, MASK, EVEN_D, USE_TMA)
+    v = _load_tile(v_src, v_blk, start_n, offs_n, offs_d, stride_vn, s_k, D, MASK, EVEN_D, USE_TMA)
+    if not USE_TMA:
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return k, v, k_blk, v_blk
+
+
+@triton.jit
+def _tile_start(src, lo, stride, USE_TMA: tl.constexpr):
+    """A pointer to row `lo`, where a pointer walk starts. With TMA the descriptor addresses rows by
+    itself and this is a dummy 0 (descriptors are only ever passed into helpers, never returned)."""
+    if USE_TMA:
+        start = lo * 0
+    else:
+        start = src + lo.to(tl.int64) * stride
+    return start
+
+
+@triton.jit
+def _visible(rows, cols, limit, A, B):
+    """[rows, cols] mask of the band rule: col < limit and row + A <= col <= row + B."""
+    return (cols[None, :] < limit) & (cols[None, :] >= rows[:, None] + A) & (cols[None, :] <= rows[:, None] + B)
+
+
 # ----------------------------------------------------------------------------------------- forward
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
                s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
-    # k_src/v_src are tensor descriptors (USE_TMA: out-of-range rows arrive as zeros) or base pointers.
-    if not USE_TMA:
-        k_blk = k_src + lo.to(tl.int64) * stride_kn
-        v_blk = v_src + lo.to(tl.int64) * stride_vn
+    # k_src/v_src are tensor descriptors (USE_TMA) or base pointers.
+    k_blk = _tile_start(k_src, lo, stride_kn, USE_TMA)
+    v_blk = _tile_start(v_src, lo, stride_vn, USE_TMA)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if USE_TMA:
-            k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
-        else:
-            k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
-            if MASK:
-                kv_mask = (cols < s_k)[:, None]
-                if not EVEN_D:
-                    kv_mask = kv_mask & (offs_d < D)[None, :]
-                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            elif EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-            k_blk += BLOCK_N * stride_kn
-            v_blk += BLOCK_N * stride_vn
+        k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn,
+                                      s_k, D, BLOCK_N, MASK, EVEN_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         if MASK:
-            visible = (cols[None, :] < s_k) & (cols[None, :] >= rows[:, None] + A) & \
-                      (cols[None, :] <= rows[:, None] + B)
+            visible = _visible(rows, cols, s_k, A, B)
             qk = tl.where(visible, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
@@ -206,31 +238,15 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
                 ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
     # Transposed view: this program owns keys (rows), and walks queries (columns).
     # q_src/do_src are tensor descriptors (USE_TMA) or base pointers.
-    if not USE_TMA:
-        q_blk = q_src + lo.to(tl.int64) * stride_qs
-        do_blk = do_src + lo.to(tl.int64) * stride_dos
+    q_blk = _tile_start(q_src, lo, stride_qs, USE_TMA)
+    do_blk = _tile_start(do_src, lo, stride_dos, USE_TMA)
     if ATOMIC_DQ:
         dq_blk = dq_base + lo.to(tl.int64) * stride_dqs
     for start_m in range(lo, hi, BLOCK_M):
         cols = start_m + offs_m
-        ld_mask = (cols < s_q)[:, None]
-        if not EVEN_D:
-            ld_mask = ld_mask & (offs_d < D)[None, :]
-        if USE_TMA:
-            q = q_src.load([start_m, 0])
-            do = do_src.load([start_m, 0])
-        else:
-            q_ptrs = q_blk + offs_m[:, None] * stride_qs + offs_d[None, :]
-            do_ptrs = do_blk + offs_m[:, None] * stride_dos + offs_d[None, :]
-            if MASK:
-                q = tl.load(q_ptrs, mask=ld_mask, other=0.0)
-                do = tl.load(do_ptrs, mask=ld_mask, other=0.0)
-            elif EVEN_D:
-                q = tl.load(q_ptrs)
-                do = tl.load(do_ptrs)
-            else:
-                q = tl.load(q_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-                do = tl.load(do_ptrs, mask=(offs_d < D)[None, :], other=0.0)
+        q = _load_tile(q_src, q_blk, start_m, offs_m, offs_d, stride_qs, s_q, D, MASK, EVEN_D, USE_TMA)
+        do = _load_tile(do_src, do_blk, start_m, offs_m, offs_d, stride_dos, s_q, D, MASK, EVEN_D, USE_TMA)
+        if not USE_TMA:
             q_blk += BLOCK_M * stride_qs
             do_blk += BLOCK_M * stride_dos
         if MASK:
@@ -244,8 +260,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
         qkT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASK:
-            visible = (cols[None, :] < s_q) & (cols[None, :] >= key_rows[:, None] + A) & \
-                      (cols[None, :] <= key_rows[:, None] + B)
+            visible = _visible(key_rows, cols, s_q, A, B)
             pT = tl.where(visible, pT, 0.0)
         dv += tl.dot(pT.to(do.dtype), do)
         dpT = tl.dot(v, tl.trans(do))
@@ -256,6 +271,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
             dq_part = tl.dot(tl.trans(dsT), k) * sm_scale
             dq_ptrs = dq_blk + offs_m[:, None] * stride_dqs + offs_d[None, :]
             if MASK:
+                ld_mask = (cols < s_q)[:, None] & (offs_d < D)[None, :]
                 tl.atomic_add(dq_ptrs, dq_part, mask=ld_mask, sem="relaxed")
             elif EVEN_D:
                 tl.atomic_add(dq_ptrs, dq_part, sem="relaxed")
@@ -350,36 +366,16 @@ def flash_bwd_dkdv_kernel(
 def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
               s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
-    if not USE_TMA:
-        k_blk = k_src + lo.to(tl.int64) * stride_kn
-        v_blk = v_src + lo.to(tl.int64) * stride_vn
+    k_blk = _tile_start(k_src, lo, stride_kn, USE_TMA)
+    v_blk = _tile_start(v_src, lo, stride_vn, USE_TMA)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if USE_TMA:
-            k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
-        else:
-            k_ptrs = k_blk + offs_n[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = v_blk + offs_n[:, None] * stride_vn + offs_d[None, :]
-            if MASK:
-                kv_mask = (cols < s_k)[:, None]
-                if not EVEN_D:
-                    kv_mask = kv_mask & (offs_d < D)[None, :]
-                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-            elif EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=(offs_d < D)[None, :], other=0.0)
-            k_blk += BLOCK_N * stride_kn
-            v_blk += BLOCK_N * stride_vn
+        k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn,
+                                      s_k, D, BLOCK_N, MASK, EVEN_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASK:
-            visible = (cols[None, :] < s_k) & (cols[None, :] >= rows[:, None] + A) & \
-                      (cols[None, :] <= rows[:, None] + B)
+            visible = _visible(rows, cols, s_k, A, B)
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])

@@ -81,10 +81,7 @@ def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Te
 def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices,
               topk_length, backend):
     sparse = indices is not None
-    named = [("q", q), ("kv_cache", kv_cache)]
-    if not sparse or block_table is not None:
-        named += [("block_table", block_table), ("cache_seqlens", cache_seqlens)]
-    for name, t in named:
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
         check_tensor(name, t)
         check_same_device(name, t, "q", q)
     check_rank("q", q, 4)
@@ -136,17 +133,21 @@ def _capturing(q) -> bool:
     return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _check_int32(name, t, q, rank, lead):
+    """An int32 tensor on q's device of the given rank whose leading dims are `lead` (batch first)."""
+    check_tensor(name, t)
+    check_same_device(name, t, "q", q)
+    check_rank(name, t, rank)
+    check_dtype(name, t, (torch.int32,))
+    if tuple(t.shape[:len(lead)]) != tuple(lead):
+        fail(name, f"leading dims {tuple(lead)} (batch{', s_q' if len(lead) > 1 else ''} of q)", tuple(t.shape))
+    check_last_dim_contiguous(name, t)
+
+
 def _validate_table(q, kv_cache, block_table, cache_seqlens):
     b = q.shape[0]
-    check_rank("block_table", block_table, 2)
-    check_dtype("block_table", block_table, (torch.int32,))
-    if block_table.shape[0] != b:
-        fail("block_table", f"{b} rows (batch of q)", block_table.shape[0])
-    check_last_dim_contiguous("block_table", block_table)
-    check_rank("cache_seqlens", cache_seqlens, 1)
-    check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
-    if cache_seqlens.shape[0] != b:
-        fail("cache_seqlens", f"{b} entries (batch of q)", cache_seqlens.shape[0])
+    _check_int32("block_table", block_table, q, 2, (b,))
+    _check_int32("cache_seqlens", cache_seqlens, q, 1, (b,))
     if _capturing(q):
         return
     lens = cache_seqlens.to("cpu", torch.int64)
@@ -167,22 +168,13 @@ def _validate_table(q, kv_cache, block_table, cache_seqlens):
 
 def _validate_indices(q, kv_cache, indices, topk_length, causal):
     b, s_q = q.shape[:2]
-    check_tensor("indices", indices)
-    check_same_device("indices", indices, "q", q)
-    check_rank("indices", indices, 3)
-    check_dtype("indices", indices, (torch.int32,))
-    if tuple(indices.shape[:2]) != (b, s_q) or indices.shape[2] < 1:
+    _check_int32("indices", indices, q, 3, (b, s_q))
+    if indices.shape[2] < 1:
         fail("indices", f"[{b}, {s_q}, topk >= 1]", tuple(indices.shape))
-    check_last_dim_contiguous("indices", indices)
     if causal:
         fail("causal", "False with indices (the index list already says what each query sees)", causal)
     if topk_length is not None:
-        check_tensor("topk_length", topk_length)
-        check_same_device("topk_length", topk_length, "q", q)
-        check_rank("topk_length", topk_length, 1)
-        check_dtype("topk_length", topk_length, (torch.int32,))
-        if topk_length.shape[0] != b:
-            fail("topk_length", f"{b} entries (batch of q)", topk_length.shape[0])
+        _check_int32("topk_length", topk_length, q, 1, (b,))
     if _capturing(q):
         return
     slots = kv_cache.shape[0] * kv_cache.shape[1]
