@@ -1,4 +1,4 @@
-"""Command line: `warpforge bench`, `warpforge report`, `warpforge info`."""
+"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge info`."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +58,39 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_gpt(args) -> int:
+    """`warpforge gpt prepare | train | sample`: errors a user can act on are one line, exit code 2."""
+    if args.gpt_cmd == "prepare":
+        from .models.gpt.data import prepare
+        prepare(args.out)
+        return 0
+    if args.gpt_cmd == "train":
+        from .models.gpt.data import DataMissing
+        from .models.gpt.train import TrainError, train
+        try:
+            result = train(args.preset, args.out, resume=args.resume, max_steps=args.max_steps,
+                           max_minutes=args.max_minutes, data=args.data)
+        except (TrainError, DataMissing) as exc:
+            print(f"warpforge gpt train: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        vals = [h["val_loss"] for h in result["history"] if "val_loss" in h]
+        print(f"done: step {result['step']}" + (f", val {vals[-1]:.3f} nats/byte" if vals else ""))
+        return 0
+    from .models.gpt.sample import load, sample
+    try:
+        model = load(args.preset, args.ckpt)
+    except FileNotFoundError as exc:
+        print(f"warpforge gpt sample: {exc}", file=sys.stderr)
+        return 2
+    for text in sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.top_p, args.num,
+                       args.seed):
+        print(text)
+        print("-" * 40)
+    return 0
+
+
 def cmd_info(args) -> int:
     import torch
     import triton
@@ -85,6 +118,28 @@ def main(argv=None) -> int:
     r = sub.add_parser("report", help="render bench JSON files as text tables (markdown)")
     r.add_argument("paths", nargs="+")
     r.set_defaults(fn=cmd_report)
+    g = sub.add_parser("gpt", help="the hackable GPT: prepare data, train, sample")
+    gsub = g.add_subparsers(dest="gpt_cmd", required=True)
+    gp = gsub.add_parser("prepare", help="fetch and prepare the Shakespeare data into the cache directory")
+    gp.add_argument("--out", default=None, help="default: $WARPFORGE_CACHE/shakespeare")
+    gt = gsub.add_parser("train", help="train a preset (tiny, shakespeare, gpt2-124m)")
+    gt.add_argument("--preset", default="tiny")
+    gt.add_argument("--out", default=None, help="run directory (default: $WARPFORGE_CACHE/runs/<preset>)")
+    gt.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    gt.add_argument("--max-steps", type=int, default=None)
+    gt.add_argument("--max-minutes", type=float, default=None)
+    gt.add_argument("--data", choices=("shakespeare", "random"), default=None)
+    gs = gsub.add_parser("sample", help="generate text from a trained checkpoint")
+    gs.add_argument("--preset", default="tiny")
+    gs.add_argument("--ckpt", default=None)
+    gs.add_argument("--prompt", default="\n")
+    gs.add_argument("--tokens", type=int, default=300)
+    gs.add_argument("--temperature", type=float, default=0.8)
+    gs.add_argument("--top-k", type=int, default=50)
+    gs.add_argument("--top-p", type=float, default=None)
+    gs.add_argument("--num", type=int, default=1)
+    gs.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=cmd_gpt)
     i = sub.add_parser("info", help="versions and the device warpforge would use")
     i.set_defaults(fn=cmd_info)
     args = parser.parse_args(argv)

@@ -1,0 +1,114 @@
+"""The GPT: shapes and gradients, KV-cache decoding, resume, data preparation, bad input."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from warpforge.models.gpt import GPT, GPTConfig
+from warpforge.models.gpt import data as gdata
+from warpforge.models.gpt.model import sample_next
+from warpforge.models.gpt.train import TrainError, train
+
+SMALL = GPTConfig(seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=128)
+
+
+def test_forward_loss_and_gradients():
+    model = GPT(SMALL)
+    x = torch.randint(0, 256, (3, 32))
+    loss = model(x, x.roll(-1, 1))
+    assert 5.0 < loss.item() < 6.0  # about ln(256) at init
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert model(x).shape == (3, 32, 256)
+
+
+def test_kv_cache_decoding_equals_full_recompute():
+    torch.manual_seed(0)
+    model = GPT(SMALL).eval()
+    prompt = torch.randint(0, 256, (2, 5))
+    fast = model.generate(prompt, 20, temperature=0)  # greedy with the KV cache
+    slow = prompt
+    with torch.no_grad():
+        for _ in range(20):
+            slow = torch.cat([slow, model(slow)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(fast, slow)
+
+
+def test_top_k_top_p_keep_only_allowed_tokens():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
+    gen = torch.Generator().manual_seed(0)
+    picks = {int(sample_next(logits, 1.0, top_k=2, generator=gen)) for _ in range(200)}
+    assert picks <= {0, 1}
+    picks = {int(sample_next(logits, 1.0, top_p=0.5, generator=gen)) for _ in range(200)}
+    assert picks == {0}
+
+
+def _patch_small(monkeypatch):
+    from warpforge.models.gpt import config
+    tiny = config.PRESETS["tiny"]
+    small = config.Preset(SMALL, config.TrainConfig(batch_size=4, max_steps=12, lr=1e-3, warmup_steps=2,
+                                                    eval_every=10**9, ckpt_every=6, data="random"))
+    monkeypatch.setitem(config.PRESETS, "tiny", small)
+    return tiny
+
+
+def test_resume_continues_with_the_same_data_and_loss(tmp_path, monkeypatch):
+    _patch_small(monkeypatch)
+    quiet = lambda *a: None  # noqa: E731
+    full = train("tiny", str(tmp_path / "a"), log=quiet)
+    train("tiny", str(tmp_path / "b"), log=quiet, stop_at_step=6)        # a run killed at step 6 ...
+    resumed = train("tiny", str(tmp_path / "b"), resume=True, log=quiet)  # ... and continued
+    losses = lambda r: [h["loss"] for h in r["history"] if "loss" in h]  # noqa: E731
+    assert resumed["step"] == full["step"] == 12
+    assert losses(resumed)[-1] == pytest.approx(losses(full)[-1], rel=1e-5)
+
+
+def test_bad_runs_fail_clearly_and_overwrite_nothing(tmp_path, monkeypatch):
+    _patch_small(monkeypatch)
+    quiet = lambda *a: None  # noqa: E731
+    with pytest.raises(TrainError, match="unknown preset"):
+        train("nope", str(tmp_path), log=quiet)
+    train("tiny", str(tmp_path / "run"), log=quiet, stop_at_step=6)
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    before = ckpt.read_bytes()
+    with pytest.raises(TrainError, match="exists"):
+        train("tiny", str(tmp_path / "run"), log=quiet)
+    with pytest.raises(TrainError, match="another model config"):
+        train("shakespeare", str(tmp_path / "run"), resume=True, log=quiet)
+    with pytest.raises(TrainError, match="nothing to resume"):
+        train("tiny", str(tmp_path / "other"), resume=True, log=quiet)
+    assert ckpt.read_bytes() == before
+
+
+def test_missing_data_says_run_prepare(tmp_path, monkeypatch):
+    monkeypatch.setenv("WARPFORGE_CACHE", str(tmp_path))
+    with pytest.raises(gdata.DataMissing, match="warpforge gpt prepare"):
+        gdata.load_split("train")
+
+
+def test_play_selection_and_holdout(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    sections = {"macbeth_gut": "Macbeth", "macbeth_gut_f": "Macbeth", "sonnets_gut": "Sonnets",
+                "titus_andronicus_gut": "Titus Andronicus",
+                "tragedy_of_titus_andronicus_gut": "The Tragedy of Titus Andronicus", "lear_gut": "King Lear"}
+    meta = "".join(f"[{k}]\ntitle = {v}\n\n" for k, v in sections.items())
+    (texts / "metadata.txt").write_text(meta)
+    for k in sections:
+        (texts / f"{k}.txt").write_text(k)
+    plays = gdata._plays(texts)
+    assert [name for _, name in plays] == ["lear_gut.txt", "macbeth_gut.txt", "titus_andronicus_gut.txt"]
+
+
+def test_batches_are_reproducible():
+    data = np.arange(1000, dtype=np.uint8)
+    a, b = gdata.Batches(data, 16, 4, seed=3), gdata.Batches(data, 16, 4, seed=3)
+    a.next()
+    state = a.state()
+    x1, _ = a.next()
+    b.restore(state)
+    x2, _ = b.next()
+    assert torch.equal(x1, x2)
+    x, y = x1, _
+    assert torch.equal(x[:, 1:], y[:, :-1])

@@ -1,0 +1,5 @@
+"""The hackable GPT: config.py (presets), model.py (the network), data.py, train.py, sample.py."""
+from .config import PRESETS, GPTConfig, TrainConfig, preset
+from .model import GPT
+
+__all__ = ["GPT", "GPTConfig", "TrainConfig", "PRESETS", "preset"]

@@ -1,0 +1,81 @@
+"""GPT shapes and training settings, and the named presets."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256        # bytes
+    seq_len: int = 256
+    n_layer: int = 6
+    n_head: int = 6
+    n_kv_head: int = 6           # < n_head: grouped-query attention
+    d_model: int = 384
+    ffn_mult: float = 8 / 3      # SwiGLU hidden = ffn_mult * d_model, rounded up to a multiple of 64
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def ffn_dim(self) -> int:
+        return -(-int(self.ffn_mult * self.d_model) // 64) * 64
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 32
+    max_steps: int = 2000
+    max_minutes: float | None = None  # stop (and save) when this much wall time has passed
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 200
+    eval_batches: int = 20
+    ckpt_every: int = 500
+    data: str = "shakespeare"        # or "random" (throughput runs, no prepare needed)
+    seed: int = 1337
+
+
+@dataclass(frozen=True)
+class Preset:
+    model: GPTConfig
+    train: TrainConfig
+    note: str = ""
+    extras: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    # Trains on a 2-core CPU in a few minutes (the CPU bar: val <= 2.2 nats/byte within 5 minutes).
+    "tiny": Preset(GPTConfig(seq_len=128, n_layer=4, n_head=4, n_kv_head=4, d_model=128),
+                   TrainConfig(batch_size=32, max_steps=400, max_minutes=4.5, lr=3e-3, warmup_steps=30,
+                               eval_every=100, eval_batches=10, ckpt_every=100, weight_decay=0.0),
+                   "CPU-sized"),
+    # ~10M parameters, for one GPU.
+    "shakespeare": Preset(GPTConfig(seq_len=512, n_layer=8, n_head=8, n_kv_head=8, d_model=320),
+                          TrainConfig(batch_size=64, max_steps=5000, max_minutes=10, lr=2e-3, warmup_steps=200,
+                                      eval_every=250, ckpt_every=1000),
+                          "GPU, ~10M parameters"),
+    # GPT-2 small's shape, for throughput (bf16, seq 1024, batch 16, random tokens by default).
+    "gpt2-124m": Preset(GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_kv_head=12,
+                                  d_model=768, ffn_mult=4.0),
+                        TrainConfig(batch_size=16, max_steps=200, lr=6e-4, warmup_steps=20, eval_every=10**9,
+                                    ckpt_every=10**9, data="random"),
+                        "throughput"),
+}
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def to_dict(cfg) -> dict:
+    return asdict(cfg)

@@ -1,0 +1,173 @@
+"""A small GPT that reads in one sitting.
+
+Pre-norm decoder: RMSNorm -> attention with rotary positions (grouped-query when n_kv_head < n_head)
+-> RMSNorm -> SwiGLU MLP, residuals around both, tied input/output embeddings. Attention is
+`warpforge.flash_attention`: the Triton kernels on a GPU, the PyTorch reference on a CPU. The
+next-token loss is cross-entropy on bytes (nats per byte).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...ops.attention import flash_attention
+from .config import GPTConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float, device=None):
+    """cos, sin [seq_len, head_dim / 2] for rotating pairs (x_i, x_{i + head_dim/2})."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x [b, s, h, d]; cos/sin [s, d/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache=None, pos: int = 0):
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.n_head + 2 * self.n_kv_head, self.head_dim)
+        q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # decoding: append to this layer's cache, attend to everything so far
+            cache["k"][:b, pos:pos + s] = k
+            cache["v"][:b, pos:pos + s] = v
+            k, v = cache["k"][:b, :pos + s], cache["v"][:b, :pos + s]
+        out = flash_attention(q, k, v, causal=True)  # bottom-right causal: new queries see the whole cache
+        return self.proj(out.reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
+        self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1, self.attn = RMSNorm(cfg.d_model), Attention(cfg)
+        self.norm2, self.mlp = RMSNorm(cfg.d_model), MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None, pos: int = 0):
+        x = x + self.attn(self.norm1(x), cos, sin, cache, pos)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_head or cfg.n_head % cfg.n_kv_head:
+            raise ValueError("d_model must divide by n_head, and n_head by n_kv_head")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # residual branches start small (GPT-2)
+            if name.endswith(("proj.weight", "down.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets=None, cache=None, pos: int = 0):
+        """idx [b, s] token ids. With targets: mean cross-entropy (nats per token). Else: logits [b, s, vocab]."""
+        s = idx.shape[1]
+        if pos + s > self.cfg.seq_len:
+            raise ValueError(f"sequence of {pos + s} tokens is longer than seq_len {self.cfg.seq_len}")
+        x = self.embed(idx)
+        cos, sin = self.cos[pos:pos + s], self.sin[pos:pos + s]
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if cache is None else cache[i], pos)
+        x = self.norm(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self) -> float:
+        """llm.c's count: 6N for the matmuls of forward + backward, plus 6·L·C·T for attention."""
+        c = self.cfg
+        return 6 * self.num_params() + 6 * c.n_layer * c.d_model * c.seq_len
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None):
+        """Continue idx [b, s] by max_new_tokens, with a KV cache (prompt in one pass, then a token a step)."""
+        c = self.cfg
+        b = idx.shape[0]
+        total = min(idx.shape[1] + max_new_tokens, c.seq_len)
+        idx = idx[:, -c.seq_len:]
+        dtype = self.embed.weight.dtype
+        cache = [{"k": torch.empty(b, c.seq_len, c.n_kv_head, c.head_dim, device=idx.device, dtype=dtype),
+                  "v": torch.empty(b, c.seq_len, c.n_kv_head, c.head_dim, device=idx.device, dtype=dtype)}
+                 for _ in range(c.n_layer)]
+        logits = self(idx, cache=cache, pos=0)[:, -1]
+        out = [idx]
+        pos = idx.shape[1]
+        while pos < total:
+            nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
+            out.append(nxt)
+            logits = self(nxt, cache=cache, pos=pos)[:, -1]
+            pos += 1
+        return torch.cat(out, dim=1)
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token per row of logits [b, vocab]: greedy at temperature 0, else top-k / top-p sampling."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)

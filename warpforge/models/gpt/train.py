@@ -1,0 +1,211 @@
+"""Training loop: AdamW, warmup + cosine schedule, gradient clipping, bf16 autocast on GPU, periodic
+evaluation, atomic checkpoints (model, optimizer, RNG, data position) with --resume, Ctrl-C saves first.
+Several GPUs: launch with torchrun (DDP; the global batch stays the preset's)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from .config import GPTConfig, TrainConfig, preset
+from .data import Batches, cache_dir, load_split
+from .model import GPT
+
+PEAK_BF16 = 989e12  # H100/H200 dense bf16 datasheet rate, the MFU denominator
+
+
+class TrainError(RuntimeError):
+    """A one-line, user-facing reason a run cannot start (nothing has been written)."""
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def save_atomic(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+
+
+def _distributed():
+    if "RANK" not in os.environ:
+        return 0, 1, None
+    import torch.distributed as dist
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    return dist.get_rank(), dist.get_world_size(), local
+
+
+@torch.no_grad()
+def evaluate(model, val, cfg: TrainConfig, device, autocast) -> float:
+    model.eval()
+    batches = Batches(val, model.cfg.seq_len, cfg.batch_size, seed=0)  # the same batches at every eval
+    total = 0.0
+    for _ in range(cfg.eval_batches):
+        x, y = (t.to(device) for t in batches.next())
+        with autocast():
+            total += model(x, y).item()
+    model.train()
+    return total / cfg.eval_batches
+
+
+def train(preset_name: str, out_dir: str | None = None, resume: bool = False, log=print,
+          stop_at_step: int | None = None, **overrides) -> dict:
+    """Train a preset; overrides replace TrainConfig fields. A resumed run keeps the train config it was
+    started with (so its schedule and data continue), except for overrides given again. stop_at_step ends
+    the run there as a kill would, after its checkpoint (tests, time-boxed jobs)."""
+    try:
+        p = preset(preset_name)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    tcfg = replace(p.train, **overrides)
+    mcfg: GPTConfig = p.model
+    out = Path(out_dir) if out_dir else cache_dir().parent / "runs" / preset_name
+    ckpt_path = out / "ckpt.pt"
+    if ckpt_path.exists() and not resume:
+        raise TrainError(f"{ckpt_path} exists: pass --resume to continue it, or --out for a new run")
+    ckpt = None
+    if resume:
+        if not ckpt_path.exists():
+            raise TrainError(f"nothing to resume: no checkpoint at {ckpt_path}")
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if ckpt["model_cfg"] != asdict(mcfg):
+            raise TrainError(f"{ckpt_path} was trained with another model config than preset {preset_name!r}")
+        tcfg = replace(TrainConfig(**ckpt["train_cfg"]), **overrides)
+
+    rank, world, local = _distributed()
+    device = torch.device(f"cuda:{local or 0}" if torch.cuda.is_available() else "cpu")
+    if tcfg.batch_size % world:
+        raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes")
+    train_data = None if tcfg.data == "random" else load_split("train")
+    val_data = None if tcfg.data == "random" else load_split("val")
+    torch.manual_seed(tcfg.seed)
+    model = GPT(mcfg).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
+                              fused=device.type == "cuda")
+    batches = Batches(train_data, mcfg.seq_len, tcfg.batch_size // world, seed=tcfg.seed + rank,
+                      vocab_size=mcfg.vocab_size)
+    history, step = [], 0
+    if ckpt:
+        model.load_state_dict(ckpt["model"])
+        optim.load_state_dict(ckpt["optim"])
+        batches.restore(ckpt["data_state"][rank] if rank < len(ckpt["data_state"]) else ckpt["data_state"][0])
+        torch.set_rng_state(ckpt["rng"])
+        history, step = ckpt["history"], ckpt["step"]
+        log(f"resumed {ckpt_path} at step {step}")
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    else:
+        net = model
+
+    def autocast():
+        if device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def checkpoint(reason):
+        if rank != 0:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        states = [batches.state()]  # rank 0's; other ranks re-derive theirs from the seed offset
+        save_atomic({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                     "model_cfg": asdict(mcfg), "train_cfg": asdict(tcfg), "preset": preset_name,
+                     "rng": torch.get_rng_state(), "data_state": states, "history": history}, ckpt_path)
+        with open(out / "history.json", "w") as f:
+            json.dump(history, f)
+        log(f"checkpoint ({reason}) at step {step} -> {ckpt_path}")
+
+    tokens_per_step = tcfg.batch_size * mcfg.seq_len
+    flops_per_step = model.flops_per_token() * tokens_per_step
+    if rank == 0:
+        log(f"{preset_name}: {model.num_params() / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
+            f"device {device}, {world} process(es)")
+    start_wall = time.time()
+    bar = _progress(tcfg.max_steps, step, rank == 0)
+    last_t, last_step = time.time(), step
+    try:
+        while step < tcfg.max_steps:
+            if stop_at_step is not None and step >= stop_at_step:
+                break
+            if tcfg.max_minutes is not None and time.time() - start_wall > 60 * tcfg.max_minutes:
+                log(f"time limit of {tcfg.max_minutes} min reached")
+                break
+            for g in optim.param_groups:
+                g["lr"] = lr_at(step, tcfg)
+            x, y = (t.to(device, non_blocking=True) for t in batches.next())
+            with autocast():
+                loss = net(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            step += 1
+            if step % 10 == 0 or step == tcfg.max_steps:
+                lval = loss.item()
+                now = time.time()
+                tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
+                last_t, last_step = now, step
+                mfu = flops_per_step / tokens_per_step * tps / PEAK_BF16 if device.type == "cuda" else None
+                history.append({"step": step, "loss": lval, "tokens_per_s": tps, "mfu": mfu,
+                                "elapsed_s": now - start_wall})
+                bar.update(step, f"loss {lval:.3f} | {tps:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu else ""))
+            if val_data is not None and (step % tcfg.eval_every == 0 or step == tcfg.max_steps) and rank == 0:
+                v = evaluate(model, val_data, tcfg, device, autocast)
+                history.append({"step": step, "val_loss": v, "elapsed_s": time.time() - start_wall})
+                log(f"step {step}: val {v:.3f} nats/byte")
+            if step % tcfg.ckpt_every == 0:
+                checkpoint("periodic")
+    except KeyboardInterrupt:
+        log("interrupted")
+        checkpoint("interrupt")
+        raise
+    finally:
+        bar.close()
+    if val_data is not None and rank == 0 and not any(h.get("step") == step and "val_loss" in h for h in history):
+        history.append({"step": step, "val_loss": evaluate(model, val_data, tcfg, device, autocast),
+                        "elapsed_s": time.time() - start_wall})
+        log(f"step {step}: val {history[-1]['val_loss']:.3f} nats/byte")
+    checkpoint("end")
+    return {"step": step, "history": history, "out": str(out), "params": model.num_params()}
+
+
+class _progress:
+    """tqdm when it is installed, else a line every 10%."""
+
+    def __init__(self, total, start, enabled):
+        self.total, self.enabled, self.bar = total, enabled, None
+        self.next_print = start
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, initial=start, dynamic_ncols=True)
+            except ImportError:
+                pass
+
+    def update(self, step, text):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix_str(text, refresh=True)
+        elif step >= self.next_print:
+            print(f"step {step}/{self.total} | {text}", flush=True)
+            self.next_print = step + max(1, self.total // 10)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
