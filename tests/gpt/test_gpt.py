@@ -112,3 +112,9 @@ def test_batches_are_reproducible():
     assert torch.equal(x1, x2)
     x, y = x1, _
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_generation_runs_past_the_context():
+    model = GPT(SMALL).eval()
+    out = model.generate(torch.randint(0, 256, (1, 10)), 100, temperature=0)
+    assert out.shape == (1, 110)

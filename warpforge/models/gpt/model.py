@@ -136,24 +136,29 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None = None):
-        """Continue idx [b, s] by max_new_tokens, with a KV cache (prompt in one pass, then a token a step)."""
+        """Continue idx [b, s] by max_new_tokens with a KV cache: the prompt in one pass, then a token a step.
+        When the context is full, the cache restarts from the last half of it (a sliding window)."""
         c = self.cfg
         b = idx.shape[0]
-        total = min(idx.shape[1] + max_new_tokens, c.seq_len)
-        idx = idx[:, -c.seq_len:]
         dtype = self.embed.weight.dtype
         cache = [{"k": torch.empty(b, c.seq_len, c.n_kv_head, c.head_dim, device=idx.device, dtype=dtype),
                   "v": torch.empty(b, c.seq_len, c.n_kv_head, c.head_dim, device=idx.device, dtype=dtype)}
                  for _ in range(c.n_layer)]
-        logits = self(idx, cache=cache, pos=0)[:, -1]
-        out = [idx]
-        pos = idx.shape[1]
-        while pos < total:
+        out = idx
+        window = idx[:, -c.seq_len:]
+        logits = self(window, cache=cache, pos=0)[:, -1]
+        pos = window.shape[1]
+        for _ in range(max_new_tokens):
             nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
-            out.append(nxt)
-            logits = self(nxt, cache=cache, pos=pos)[:, -1]
-            pos += 1
-        return torch.cat(out, dim=1)
+            out = torch.cat([out, nxt], dim=1)
+            if pos == c.seq_len:  # full: re-read the last half of the context into a fresh cache
+                window = out[:, -(c.seq_len // 2):]
+                logits = self(window, cache=cache, pos=0)[:, -1]
+                pos = window.shape[1]
+            else:
+                logits = self(nxt, cache=cache, pos=pos)[:, -1]
+                pos += 1
+        return out
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
