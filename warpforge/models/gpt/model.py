@@ -1,19 +1,20 @@
 """A small GPT that reads in one sitting.
 
 Pre-norm decoder: RMSNorm -> attention with rotary positions (grouped-query when n_kv_head < n_head)
--> RMSNorm -> SwiGLU MLP, residuals around both, tied input/output embeddings. Attention is
-`warpforge.flash_attention`: the Triton kernels on a GPU, the PyTorch reference on a CPU. The
-next-token loss is cross-entropy on bytes (nats per byte).
+-> RMSNorm -> SwiGLU MLP, residuals around both, tied input/output embeddings. Every hot op is a
+warpforge op (flash_attention, rms_norm, apply_rope, swiglu, linear_cross_entropy): the Triton kernels on
+a GPU, their PyTorch references on a CPU. The next-token loss is cross-entropy on bytes (nats per byte),
+computed without materialising the logits.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ...ops.attention import flash_attention
+from ...ops.fused import apply_rope, linear_cross_entropy, rms_norm, swiglu
 from .config import GPTConfig
 
 
@@ -24,7 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device=None):
@@ -32,13 +33,6 @@ def rope_tables(seq_len: int, head_dim: int, base: float, device=None):
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x, cos, sin):
-    """x [b, s, h, d]; cos/sin [s, d/2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -70,8 +64,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(swiglu(self.gate_up(x)))
 
 
 class Block(nn.Module):
@@ -120,10 +113,13 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, None if cache is None else cache[i], pos)
         x = self.norm(x)
-        logits = self.head(x)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+            return self.head(x)
+        h, w = x.reshape(-1, x.shape[-1]), self.head.weight
+        if torch.is_autocast_enabled(h.device.type):  # custom ops see no autocast: cast as a Linear would
+            dtype = torch.get_autocast_dtype(h.device.type)
+            h, w = h.to(dtype), w.to(dtype)
+        return linear_cross_entropy(h, w, targets.reshape(-1))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

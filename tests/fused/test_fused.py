@@ -1,0 +1,79 @@
+"""Fused training ops vs their references: values and gradients, awkward sizes, bad input."""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.ops.fused import (linear_cross_entropy_reference, rms_norm_reference, rope_reference,
+                                 swiglu_reference)
+from warpforge.testing import REL_L2, device_under_test, poisoned_outputs, rel_l2
+
+DEV = device_under_test()
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+
+
+def _grads_match(fn, ref, inputs, dtype):
+    with poisoned_outputs():
+        out = fn(*inputs)
+    ref_in = [t.detach().float().requires_grad_(t.requires_grad) for t in inputs]
+    want = ref(*ref_in)
+    tol = max(REL_L2[dtype], 1e-5 if dtype == torch.float32 else 0)
+    assert rel_l2(out, want) <= tol
+    g = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+    got = torch.autograd.grad(out, [t for t in inputs if t.requires_grad], g)
+    exp = torch.autograd.grad(want, [t for t in ref_in if t.requires_grad], g.float())
+    for a, b in zip(got, exp):
+        assert rel_l2(a, b) <= (2e-2 if dtype != torch.float32 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 1000), (1, 33)])
+def test_rms_norm(shape, dtype):
+    x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV, dtype=dtype)).requires_grad_()
+    _grads_match(lambda a, b: wf.rms_norm(a, b, backend="triton"), rms_norm_reference, [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 7, 3, 32), (1, 5, 20, 64)])
+def test_rope(shape, dtype):
+    b, s, h, d = shape
+    x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+    angles = torch.rand(s, d // 2, device=DEV) * 6
+    cos, sin = angles.cos(), angles.sin()
+    _grads_match(lambda a: wf.apply_rope(a, cos, sin, backend="triton"), lambda a: rope_reference(a, cos, sin),
+                 [x], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 6, 2 * 40), (3, 2 * 1500)])
+def test_swiglu(shape, dtype):
+    gu = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+    _grads_match(lambda a: wf.swiglu(a, backend="triton"), swiglu_reference, [gu], dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,width,vocab", [(37, 64, 300), (5, 32, 5000)])
+def test_linear_cross_entropy(rows, width, vocab, dtype, monkeypatch):
+    from warpforge.ops import fused
+    monkeypatch.setattr(fused, "CE_CHUNK_ELEMENTS", 4 * vocab)  # several chunks even at these sizes
+    hidden = torch.randn(rows, width, device=DEV, dtype=dtype, requires_grad=True)
+    weight = (0.2 * torch.randn(vocab, width, device=DEV, dtype=dtype)).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device=DEV)
+    targets[::4] = -100  # ignored rows
+    _grads_match(lambda h, w: wf.linear_cross_entropy(h, w, targets, backend="triton"),
+                 lambda h, w: linear_cross_entropy_reference(h, w, targets), [hidden, weight], dtype)
+
+
+def test_bad_input():
+    x = torch.randn(2, 8, device=DEV)
+    with pytest.raises(WarpforgeInputError, match="^weight"):
+        wf.rms_norm(x, torch.ones(9, device=DEV), backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^gate_up"):
+        wf.swiglu(torch.randn(2, 7, device=DEV), backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^cos"):
+        wf.apply_rope(torch.randn(1, 4, 2, 8, device=DEV), torch.ones(5, 4, device=DEV), torch.ones(4, 4, device=DEV),
+                      backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^targets"):
+        wf.linear_cross_entropy(x, torch.randn(10, 8, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV),
+                                backend="triton")

@@ -1,0 +1,231 @@
+"""The GPT's fused training ops: `rms_norm`, `apply_rope`, `swiglu`, `linear_cross_entropy`.
+
+validate -> pick backend -> (reference | torch.library custom op with autograd over the Triton kernels)
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
+                       check_same_dtype, check_tensor, fail)
+from ...runtime import resolve_backend
+from .reference import (linear_cross_entropy_reference, rms_norm_reference, rope_reference,
+                        swiglu_reference)
+
+__all__ = ["rms_norm", "apply_rope", "swiglu", "linear_cross_entropy", "rms_norm_reference", "rope_reference",
+           "swiglu_reference", "linear_cross_entropy_reference"]
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+CE_CHUNK_ELEMENTS = 1 << 26  # logits materialised per chunk (rows x vocab): 128 MB in bf16
+
+
+def _kernels():
+    from . import fused_kernel
+    return fused_kernel
+
+
+def _programs(device) -> int:
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+# --------------------------------------------------------------------------------------- RMSNorm
+@torch.library.custom_op("warpforge::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().rmsnorm_fwd(x, weight, eps)
+
+
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("warpforge::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kernels().rmsnorm_bwd(dy.contiguous(), x, weight, rstd, _programs(x.device))
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _rms_backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+_rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
+
+
+def rms_norm(x, weight, eps: float = 1e-6, backend=None):
+    """x / sqrt(mean(x², -1) + eps) · weight over the last dim; x [..., n], weight [n]."""
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    backend = resolve_backend(backend, x.device)
+    check_dtype("x", x, FLOATS)
+    check_rank("weight", weight, 1)
+    check_dim("weight", weight, 0, x.shape[-1], "x's last dim")
+    check_same_device("weight", weight, "x", x)
+    if backend == "reference":
+        return rms_norm_reference(x, weight, eps)
+    return _rms_norm_fwd(x.contiguous(), weight.contiguous(), float(eps))[0]
+
+
+# ------------------------------------------------------------------------------------------- RoPE
+@torch.library.custom_op("warpforge::rope", mutates_args=())
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    return _kernels().rope(x, cos, sin, backward)
+
+
+@_rope.register_fake
+def _(x, cos, sin, backward):
+    return torch.empty_like(x)
+
+
+def _rope_setup(ctx, inputs, output):
+    _, cos, sin, backward = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.backward = backward
+
+
+def _rope_backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return _rope(dy.contiguous(), cos, sin, not ctx.backward), None, None, None
+
+
+_rope.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+
+def apply_rope(x, cos, sin, backend=None):
+    """Rotary embedding: pairs (x_i, x_{i + d/2}) of x [b, s, h, d] rotated by cos/sin [s, d/2]."""
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        check_tensor(name, t)
+    backend = resolve_backend(backend, x.device)
+    check_rank("x", x, 4)
+    check_dtype("x", x, FLOATS)
+    d = x.shape[-1]
+    if d % 2 or (d // 2) & (d // 2 - 1):
+        fail("x", "an even head dim whose half is a power of two", d)
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_rank(name, t, 2)
+        if tuple(t.shape) != (x.shape[1], d // 2):
+            fail(name, f"shape ({x.shape[1]}, {d // 2}) (seq, head_dim / 2)", tuple(t.shape))
+        check_same_device(name, t, "x", x)
+    check_last_dim_contiguous("x", x)
+    if backend == "reference":
+        return rope_reference(x, cos, sin)
+    return _rope(x, cos.contiguous(), sin.contiguous(), False)
+
+
+# ----------------------------------------------------------------------------------------- SwiGLU
+@torch.library.custom_op("warpforge::swiglu_fwd", mutates_args=())
+def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+    return _kernels().swiglu_fwd(gate_up)
+
+
+@_swiglu_fwd.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("warpforge::swiglu_bwd", mutates_args=())
+def _swiglu_bwd(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return _kernels().swiglu_bwd(dout.contiguous(), gate_up)
+
+
+@_swiglu_bwd.register_fake
+def _(dout, gate_up):
+    return torch.empty_like(gate_up)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return _swiglu_bwd(dout, gate_up)
+
+
+_swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+def swiglu(gate_up, backend=None):
+    """gate_up [..., 2I] (gate first, then up) -> silu(gate) · up [..., I], without an intermediate."""
+    check_tensor("gate_up", gate_up)
+    backend = resolve_backend(backend, gate_up.device)
+    check_dtype("gate_up", gate_up, FLOATS)
+    if gate_up.shape[-1] % 2:
+        fail("gate_up", "an even last dim (gate and up halves)", gate_up.shape[-1])
+    if backend == "reference":
+        return swiglu_reference(gate_up)
+    return _swiglu_fwd(gate_up.contiguous())
+
+
+# ------------------------------------------------------------------------------ linear + cross-entropy
+@torch.library.custom_op("warpforge::linear_cross_entropy", mutates_args=())
+def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+               ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward and both gradients at once, a chunk of rows at a time: the full [rows, vocab] logits never
+    exist. The gradients are those of the mean loss; backward only scales them."""
+    k = _kernels()
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    chunk = max(1, min(rows, CE_CHUNK_ELEMENTS // max(vocab, 1)))
+    d_hidden = torch.empty_like(hidden)
+    d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
+    for start in range(0, rows, chunk):
+        h = hidden[start:start + chunk]
+        logits = h @ weight.T  # becomes its own gradient in place
+        loss_sum += k.ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, 1.0).sum()
+        d_hidden[start:start + chunk] = logits @ weight
+        d_weight += (logits.T @ h).float()
+    n_valid = (targets != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
+    return loss_sum / n_valid, d_hidden / n_valid.to(hidden.dtype), (d_weight / n_valid).to(weight.dtype)
+
+
+@_linear_ce.register_fake
+def _(hidden, weight, targets, ignore_index):
+    return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden), torch.empty_like(weight)
+
+
+def _ce_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _ce_backward(ctx, d_loss, _dh, _dw):
+    d_hidden, d_weight = ctx.saved_tensors
+    return d_hidden * d_loss.to(d_hidden.dtype), d_weight * d_loss.to(d_weight.dtype), None, None
+
+
+_linear_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, backend=None):
+    """Mean cross-entropy of hidden [N, H] @ weight [V, H]ᵀ against targets [N] (int64), skipping
+    ignore_index, without materialising the [N, V] logits."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
+        check_tensor(name, t)
+    backend = resolve_backend(backend, hidden.device)
+    check_rank("hidden", hidden, 2)
+    check_rank("weight", weight, 2)
+    check_rank("targets", targets, 1)
+    check_dtype("hidden", hidden, FLOATS)
+    check_same_dtype("weight", weight, "hidden", hidden)
+    check_dtype("targets", targets, (torch.int64, torch.int32))
+    check_dim("weight", weight, 1, hidden.shape[1], "hidden's width")
+    check_dim("targets", targets, 0, hidden.shape[0], "hidden's rows")
+    for name, t in (("weight", weight), ("targets", targets)):
+        check_same_device(name, t, "hidden", hidden)
+    if backend == "reference":
+        return linear_cross_entropy_reference(hidden, weight, targets.long(), ignore_index)
+    return _linear_ce(hidden.contiguous(), weight.contiguous(), targets.contiguous(), int(ignore_index))[0]

@@ -1,0 +1,208 @@
+"""Row-wise and element-wise training kernels: RMSNorm, RoPE, SwiGLU, and the softmax-cross-entropy
+step of the chunked linear + cross-entropy. Each is one pass over memory in each direction.
+
+All work in fp32 registers whatever the storage dtype. Row offsets are int64 (rows × width can pass 2^31).
+"""
+import triton
+import triton.language as tl
+
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+@triton.jit
+def rmsnorm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def rmsnorm_bwd_kernel(X, W, DY, RSTD, DX, DW_PART, stride_x, stride_dy, stride_dx, n_rows, n_cols,
+                       rows_per_prog, BLOCK: tl.constexpr):
+    """dx = rstd · (g − x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw partial sums per program (summed
+    on the host side in a fixed order: deterministic)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    first = pid * rows_per_prog
+    for i in range(0, rows_per_prog):
+        r = first + i
+        if r < n_rows:
+            row = r.to(tl.int64)
+            x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            xhat = x * rstd
+            g = dy * w
+            dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / n_cols))
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+            dw += dy * xhat
+    tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, dw, mask=ok)
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+@triton.jit
+def rope_kernel(X, COS, SIN, Y, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh, stride_c,
+                n_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr):
+    """One program per (b, s) position: all heads rotated by that position's angles. The backward is the
+    inverse rotation (sin negated)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    heads = tl.arange(0, BLOCK_H)
+    c = tl.load(COS + s * stride_c + offs)[None, :].to(tl.float32)
+    sn = tl.load(SIN + s * stride_c + offs)[None, :].to(tl.float32)
+    if BACKWARD:
+        sn = -sn
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + heads
+        ok = (h < n_heads)[:, None]
+        xp = X + b * stride_xb + s * stride_xs + h[:, None].to(tl.int64) * stride_xh + offs[None, :]
+        x1 = tl.load(xp, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=ok, other=0.0).to(tl.float32)
+        yp = Y + b * stride_yb + s * stride_ys + h[:, None].to(tl.int64) * stride_yh + offs[None, :]
+        tl.store(yp, (x1 * c - x2 * sn).to(Y.dtype.element_ty), mask=ok)
+        tl.store(yp + HALF, (x1 * sn + x2 * c).to(Y.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------- SwiGLU
+@triton.jit
+def swiglu_fwd_kernel(GU, OUT, stride_gu, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(GU + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_gu + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + row * stride_o + cols, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu_bwd_kernel(GU, DOUT, DGU, stride_gu, stride_do, stride_dgu, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    g = tl.load(GU + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_gu + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DOUT + row * stride_do + cols, mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    dg = do * u * sig * (1.0 + g * (1.0 - sig))
+    tl.store(DGU + row * stride_dgu + cols, dg.to(DGU.dtype.element_ty), mask=ok)
+    tl.store(DGU + row * stride_dgu + n_cols + cols, (do * silu).to(DGU.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------ cross-entropy
+@triton.jit
+def ce_grad_kernel(LOGITS, TARGETS, LOSS, stride_l, n_cols, ignore_index, grad_scale, BLOCK: tl.constexpr):
+    """Per row: loss = lse − logit[target]; the row is overwritten with grad_scale · (softmax − onehot), the
+    gradient of the mean loss (0 for ignored rows). Two passes over the row, no copy of it."""
+    row = tl.program_id(0).to(tl.int64)
+    base = LOGITS + row * stride_l
+    target = tl.load(TARGETS + row)
+    m = float("-inf")
+    d = 0.0
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        m = m_new
+    lse = m + tl.log(d)
+    ignored = target == ignore_index
+    z_t = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
+    tl.store(LOSS + row, tl.where(ignored, 0.0, lse - z_t))
+    scale = tl.where(ignored, 0.0, grad_scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        z = tl.load(base + cols, mask=ok, other=0.0).to(tl.float32)
+        grad = (tl.exp(z - lse) - tl.where(cols == target, 1.0, 0.0)) * scale
+        tl.store(base + cols, grad.to(LOGITS.dtype.element_ty), mask=ok)
+
+
+# ------------------------------------------------------------------------------------------ launch
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def rmsnorm_fwd(x, weight, eps):
+    import torch
+    x2 = _rows(x)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    n = x2.shape[1]
+    if x2.shape[0]:
+        rmsnorm_fwd_kernel[(x2.shape[0],)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps,
+                                           BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+    return y.view(x.shape), rstd
+
+
+def rmsnorm_bwd(dy, x, weight, rstd, programs):
+    import torch
+    x2, dy2 = _rows(x), _rows(dy)
+    dx = torch.empty_like(x2)
+    rows, n = x2.shape
+    per = max(1, triton.cdiv(rows, programs))
+    grid = triton.cdiv(rows, per) if rows else 0
+    dw_part = torch.empty((max(grid, 1), n), device=x.device, dtype=torch.float32)
+    if rows:
+        rmsnorm_bwd_kernel[(grid,)](x2, weight, dy2, rstd, dx, dw_part, x2.stride(0), dy2.stride(0), dx.stride(0),
+                                    rows, n, per, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
+    else:
+        dw_part.zero_()
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
+
+
+def rope(x, cos, sin, backward=False):
+    import torch
+    b, s, h, d = x.shape
+    y = torch.empty_like(x)
+    if x.numel():
+        block_h = min(triton.next_power_of_2(h), 16)
+        rope_kernel[(b, s)](x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+                            y.stride(2), cos.stride(0), h, HALF=d // 2, BLOCK_H=block_h, BACKWARD=backward)
+    return y
+
+
+def swiglu_fwd(gate_up):
+    import torch
+    gu = _rows(gate_up)
+    n = gu.shape[1] // 2
+    out = torch.empty((gu.shape[0], n), device=gu.device, dtype=gu.dtype)
+    block = min(1024, triton.next_power_of_2(n))
+    if gu.shape[0]:
+        swiglu_fwd_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n,
+                                                               BLOCK=block)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def swiglu_bwd(dout, gate_up):
+    import torch
+    gu, do = _rows(gate_up), _rows(dout)
+    n = gu.shape[1] // 2
+    dgu = torch.empty_like(gu)
+    block = min(1024, triton.next_power_of_2(n))
+    if gu.shape[0]:
+        swiglu_bwd_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, do, dgu, gu.stride(0), do.stride(0),
+                                                               dgu.stride(0), n, BLOCK=block)
+    return dgu.view(gate_up.shape)
+
+
+def ce_loss_and_grad_(logits, targets, ignore_index, grad_scale):
+    """In place: logits [rows, vocab] become d(mean loss)/d logits; returns per-row losses (fp32)."""
+    import torch
+    losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
+    if logits.shape[0]:
+        ce_grad_kernel[(logits.shape[0],)](logits, targets, losses, logits.stride(0), logits.shape[1], ignore_index,
+                                           grad_scale, BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))
+    return losses
+
+
+def _warps(n):
+    return 1 if n <= 256 else 4 if n <= 2048 else 8

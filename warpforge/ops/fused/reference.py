@@ -1,0 +1,30 @@
+"""The GPT's training ops in plain PyTorch: what the fused kernels compute (and their CPU fallback)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x, weight, eps=1e-6):
+    """x / sqrt(mean(x², -1) + eps) * weight, computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rope_reference(x, cos, sin):
+    """Rotate pairs (x_i, x_{i + d/2}) of x [b, s, h, d] by angles with cos/sin [s, d/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    c, s = cos.float()[None, :, None, :], sin.float()[None, :, None, :]
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).to(x.dtype)
+
+
+def swiglu_reference(gate_up):
+    """gate_up [..., 2I] (gate first, then up) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100):
+    """Mean cross-entropy of logits = hidden @ weightᵀ against targets, over targets != ignore_index."""
+    logits = hidden.float() @ weight.float().T
+    return F.cross_entropy(logits, targets, ignore_index=ignore_index)
