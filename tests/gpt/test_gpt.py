@@ -137,3 +137,15 @@ def test_triton_path_matches_reference_path(monkeypatch):
     assert abs(results["triton"][0] - results["reference"][0]) < 1e-2
     for g_t, g_r in zip(results["triton"][1], results["reference"][1]):
         assert rel_l2(g_t, g_r) < 2e-2
+
+
+def test_pytorch_ops_baseline_matches():
+    """The plain-PyTorch ops table (the benchmark baseline) computes the same model."""
+    from warpforge.models.gpt.model import PYTORCH_OPS
+    torch.manual_seed(0)
+    ours = GPT(SMALL)
+    plain = GPT(SMALL, ops=PYTORCH_OPS)
+    plain.load_state_dict(ours.state_dict())
+    x = torch.randint(0, 256, (2, 32))
+    assert torch.allclose(ours(x, x), plain(x, x), rtol=1e-4)
+    assert torch.equal(ours.generate(x[:, :4], 12, temperature=0), plain.generate(x[:, :4], 12, temperature=0))

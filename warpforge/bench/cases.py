@@ -23,6 +23,7 @@ class Setup:
     score: Callable[[Any], float] | None = None  # an impl's output on set 0 -> error vs the reference
     reset: Callable[[], None] = lambda: None  # the next impl call runs on set 0
     err_kind: str = "rel_l2"
+    tokens: int | None = None  # tokens processed per call, for tokens/s
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Rotation:
 
 
 def families() -> list[str]:
-    from . import attention_cases, mla_cases  # noqa: F401  (registers)
+    from . import attention_cases, gpt_cases, mla_cases  # noqa: F401  (registers)
     return sorted({c.family for c in REGISTRY})
 
 

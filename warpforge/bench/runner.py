@@ -95,6 +95,8 @@ def run_case(case: Case, device, machine: dict, log=print) -> list[dict]:
             ms = _time_ms(fn, device)
             row.update(ms=ms, err=err, tflops=setup.flops / (ms * 1e-3) / 1e12 if setup.flops else None,
                        gbps=setup.bytes / (ms * 1e-3) / 1e9 if setup.bytes else None)
+            if setup.tokens:
+                row["tokens_per_s"] = setup.tokens / (ms * 1e-3)
             if device.type == "cuda":
                 floor_ms = max(setup.flops / (machine["gemm_tflops"] * 1e12),
                                setup.bytes / (machine["copy_tbps"] * 1e12)) * 1e3

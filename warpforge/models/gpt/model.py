@@ -9,8 +9,11 @@ computed without materialising the logits.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...ops.attention import flash_attention
@@ -18,14 +21,51 @@ from ...ops.fused import apply_rope, linear_cross_entropy, rms_norm, swiglu
 from .config import GPTConfig
 
 
+@dataclass(frozen=True)
+class Ops:
+    """The model's hot ops, swappable: warpforge's kernels, or plain PyTorch (the benchmark's baseline)."""
+    attention: Callable  # (q, k, v) [b, s, h, d] -> causal attention, bottom-right aligned
+    rms_norm: Callable   # (x, weight, eps)
+    rope: Callable       # (x, cos, sin)
+    swiglu: Callable     # (gate_up) -> silu(gate) * up
+    linear_ce: Callable  # (hidden [N, H], weight [V, H], targets [N]) -> mean loss
+
+
+def _torch_attention(q, k, v):
+    s_q, s_k = q.shape[1], k.shape[1]
+    mask = None if s_q == s_k else torch.ones(s_q, s_k, dtype=torch.bool, device=q.device).tril(s_k - s_q)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=mask is None, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _torch_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _torch_swiglu(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+WARPFORGE_OPS = Ops(attention=lambda q, k, v: flash_attention(q, k, v, causal=True), rms_norm=rms_norm,
+                    rope=apply_rope, swiglu=swiglu, linear_ce=linear_cross_entropy)
+PYTORCH_OPS = Ops(attention=_torch_attention,
+                  rms_norm=lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps), rope=_torch_rope,
+                  swiglu=_torch_swiglu,
+                  linear_ce=lambda h, w, t: F.cross_entropy((h @ w.T).float(), t))
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, ops: Ops, eps: float = 1e-6):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float, device=None):
@@ -36,8 +76,9 @@ def rope_tables(seq_len: int, head_dim: int, base: float, device=None):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
@@ -46,32 +87,33 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.n_head + 2 * self.n_kv_head, self.head_dim)
         q, k, v = qkv.split([self.n_head, self.n_kv_head, self.n_kv_head], dim=2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, cos, sin), self.ops.rope(k, cos, sin)
         if cache is not None:  # decoding: append to this layer's cache, attend to everything so far
             cache["k"][:b, pos:pos + s] = k
             cache["v"][:b, pos:pos + s] = v
             k, v = cache["k"][:b, :pos + s], cache["v"][:b, :pos + s]
-        out = flash_attention(q, k, v, causal=True)  # bottom-right causal: new queries see the whole cache
+        out = self.ops.attention(q, k, v)  # bottom-right causal: new queries see the whole cache
         return self.proj(out.reshape(b, s, -1))
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
 
     def forward(self, x):
-        return self.down(swiglu(self.gate_up(x)))
+        return self.down(self.ops.swiglu(self.gate_up(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ops: Ops):
         super().__init__()
-        self.norm1, self.attn = RMSNorm(cfg.d_model), Attention(cfg)
-        self.norm2, self.mlp = RMSNorm(cfg.d_model), MLP(cfg)
+        self.norm1, self.attn = RMSNorm(cfg.d_model, ops), Attention(cfg, ops)
+        self.norm2, self.mlp = RMSNorm(cfg.d_model, ops), MLP(cfg, ops)
 
     def forward(self, x, cos, sin, cache=None, pos: int = 0):
         x = x + self.attn(self.norm1(x), cos, sin, cache, pos)
@@ -79,14 +121,14 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, ops: Ops = WARPFORGE_OPS):
         super().__init__()
         if cfg.d_model % cfg.n_head or cfg.n_head % cfg.n_kv_head:
             raise ValueError("d_model must divide by n_head, and n_head by n_kv_head")
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, ops) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, ops)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -119,7 +161,7 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(h.device.type):  # custom ops see no autocast: cast as a Linear would
             dtype = torch.get_autocast_dtype(h.device.type)
             h, w = h.to(dtype), w.to(dtype)
-        return linear_cross_entropy(h, w, targets.reshape(-1))
+        return self.ops.linear_ce(h, w, targets.reshape(-1))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,67 @@
+"""GPT training throughput: one optimizer step of the gpt2-124m preset (bf16 autocast, fused AdamW, random
+tokens), warpforge's ops against the same model on plain PyTorch ops (SDPA), eager and torch.compile'd.
+Reported as ms per step and TFLOP/s by llm.c's count (6N + 6·L·C·T per token); tokens/s = tokens / time."""
+from __future__ import annotations
+
+import torch
+
+from ..models.gpt.config import GPTConfig, preset
+from ..models.gpt.model import GPT, PYTORCH_OPS, WARPFORGE_OPS
+from .cases import Setup, register
+
+
+def gpt_train_setup(device, tiny, *, name="gpt2-124m"):
+    cfg = preset(name).model
+    batch = preset(name).train.batch_size
+    if tiny:
+        cfg, batch = GPTConfig(seq_len=32, n_layer=2, n_head=4, n_kv_head=4, d_model=128), 2
+    torch.manual_seed(0)
+    base = GPT(cfg).to(device)
+    tokens = batch * cfg.seq_len
+    flops = base.flops_per_token() * tokens
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen).to(device)
+               for _ in range(4)]
+
+    def make_step(ops, compile_it):
+        model = GPT(cfg, ops=ops).to(device)
+        model.load_state_dict(base.state_dict())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        fwd = torch.compile(model) if compile_it else model
+        state = {"i": 0}
+
+        def step():
+            x = batches[state["i"] % len(batches)]
+            state["i"] += 1
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = fwd(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        return step, state
+
+    impls, states = {}, []
+    variants = [("warpforge", WARPFORGE_OPS, device.type == "cuda")]
+    if device.type == "cuda":
+        variants += [("torch.compile", PYTORCH_OPS, True), ("torch eager", PYTORCH_OPS, False)]
+    for label, ops, comp in variants:
+        impls[label], st = make_step(ops, comp)
+        states.append(st)
+    ref_model = GPT(cfg, ops=PYTORCH_OPS).to(device)  # fp32, plain ops: the loss every impl's first step should see
+    ref_model.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        ref_loss = ref_model(batches[0][:, :-1], batches[0][:, 1:]).float()
+    del ref_model
+
+    def reset():  # the scored call is each impl's first step, on batch 0, from the same weights
+        for st in states:
+            st["i"] = 0
+
+    def score(loss):
+        return (abs(loss.float() - ref_loss) / ref_loss).item()
+
+    return Setup(flops=flops, bytes=0, impls=impls, score=score, reset=reset, err_kind="rel loss", tokens=tokens)
+
+
+register("gpt", "train step gpt2-124m bf16 b16 s1024", quick=True)(lambda dev, tiny: gpt_train_setup(dev, tiny))
