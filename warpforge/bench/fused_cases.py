@@ -1,0 +1,111 @@
+"""Fused training ops at GPT-2 small's training shapes (16 x 1024 tokens, d 768, ffn 3072, vocab 50304),
+forward + backward, against the same math in PyTorch, eager and torch.compile'd. The elementwise ops are
+bound by memory (bytes = the tensors each pass must read and write); linear + cross-entropy by its matmuls."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.fused import (apply_rope, linear_cross_entropy, linear_cross_entropy_reference, rms_norm,
+                         rms_norm_reference, rope_reference, swiglu, swiglu_reference)
+from ..testing import rel_l2
+from .cases import Rotation, Setup, register
+
+TOKENS, D, FFN, VOCAB, HEADS = 16 * 1024, 768, 3072, 50304, 12
+
+
+def fwd_bwd_setup(device, tiny, *, make, ours, plain, reference, flops=0.0, nbytes=0.0, input_bytes=None):
+    """make(tiny, device, dtype) -> list of inputs (grad-requiring where they should); ours/plain/reference
+    take those inputs and return one tensor. input_bytes sizes the L2 rotation (default: nbytes)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+
+    def make_set():
+        inputs = make(tiny, device, dtype)
+        out_shape = plain(*[t.detach() for t in inputs]).shape
+        return inputs, torch.randn(out_shape, device=device, dtype=dtype) if len(out_shape) else None
+
+    rot = Rotation(make_set, input_bytes or nbytes, device)
+
+    def step(fn):
+        def run():
+            inputs, g = rot()
+            out = fn(*inputs)
+            grads = torch.autograd.grad(out, [t for t in inputs if t.requires_grad], g)
+            return (out, *grads)
+        return run
+
+    impls = {"warpforge": step(ours)}
+    if device.type == "cuda":
+        impls["torch.compile"] = step(torch.compile(plain))
+        impls["torch eager"] = step(plain)
+    cache = {}
+
+    def score(result):
+        if "ref" not in cache:
+            inputs, g = rot.sets[0]
+            ref_in = [t.detach().float().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+                      for t in inputs]
+            out = reference(*ref_in)
+            grads = torch.autograd.grad(out, [t for t in ref_in if t.requires_grad],
+                                        None if g is None else g.float())
+            cache["ref"] = (out, *grads)
+        return max(rel_l2(a, b) for a, b in zip(result, cache["ref"]))
+
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset)
+
+
+def _rows(tiny):
+    return (64, 96) if tiny else (TOKENS, D)
+
+
+def _register():
+    n, d = TOKENS, D
+    register("fused", "rms_norm fwd+bwd 16k x 768", quick=True)(lambda dev, tiny: fwd_bwd_setup(
+        dev, tiny,
+        make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
+                                torch.ones(_rows(t)[1], device=dv, dtype=dt, requires_grad=True)],
+        ours=lambda x, w: rms_norm(x, w, backend="triton"),
+        plain=lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+        reference=rms_norm_reference, nbytes=2.0 * n * d * 5))  # fwd: x, y; bwd: x, dy, dx
+    register("fused", "swiglu fwd+bwd 16k x 2x3072", quick=True)(lambda dev, tiny: fwd_bwd_setup(
+        dev, tiny,
+        make=lambda t, dv, dt: [torch.randn((64, 2 * 96) if t else (TOKENS, 2 * FFN), device=dv, dtype=dt,
+                                            requires_grad=True)],
+        ours=lambda gu: swiglu(gu, backend="triton"),
+        plain=lambda gu: F.silu(gu[..., :gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2:],
+        reference=swiglu_reference, nbytes=2.0 * n * FFN * 7))  # fwd: gu, out; bwd: gu, dout, dgu
+    register("fused", "rope fwd+bwd b16 s1024 h12 d64")(lambda dev, tiny: fwd_bwd_setup(
+        dev, tiny,
+        make=lambda t, dv, dt: [torch.randn((1, 16, 2, 32) if t else (16, 1024, HEADS, 64), device=dv, dtype=dt,
+                                            requires_grad=True)],
+        ours=lambda x: apply_rope(x, *_angles(x), backend="triton"),
+        plain=lambda x: _plain_rope(x, *_angles(x)),
+        reference=lambda x: rope_reference(x, *_angles(x)), nbytes=2.0 * n * d * 4))
+    register("fused", "linear+cross-entropy fwd+bwd 16k x 768 -> 50304", quick=True)(
+        lambda dev, tiny: fwd_bwd_setup(
+            dev, tiny,
+            make=lambda t, dv, dt: [torch.randn((64, 32) if t else (TOKENS, D), device=dv, dtype=dt,
+                                                requires_grad=True),
+                                    (0.05 * torch.randn((500, 32) if t else (VOCAB, D), device=dv,
+                                                        dtype=dt)).requires_grad_(),
+                                    torch.randint(0, 500 if t else VOCAB, (64 if t else TOKENS,), device=dv)],
+            ours=lambda h, w, y: linear_cross_entropy(h, w, y, backend="triton"),
+            plain=lambda h, w, y: F.cross_entropy((h @ w.T).float(), y),
+            reference=lambda h, w, y: linear_cross_entropy_reference(h, w, y),
+            flops=3 * 2.0 * TOKENS * D * VOCAB, input_bytes=2.0 * (TOKENS + VOCAB) * D))
+
+
+def _angles(x):
+    s, half = x.shape[1], x.shape[-1] // 2
+    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32),
+                      10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half))
+    return ang.cos(), ang.sin()
+
+
+def _plain_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+
+
+_register()
