@@ -32,6 +32,17 @@ def _span(lo, hi_last, A, B, n_other, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _key_span(m_lo, s_q, s_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The band of keys that query rows [m_lo, m_lo + BLOCK_M) see, bottom-right aligned: (A, B) of the
+    rule and the masked / unmasked split of the walk (see _span)."""
+    A = (s_k - s_q) - left
+    B = (s_k - s_q) + right
+    hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
+    start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
+    return A, B, start, full_lo, full_hi, end
+
+
+@triton.jit
 def _seq_bounds(cu_ptr, b, seqlen, VARLEN: tl.constexpr):
     if VARLEN:
         start = tl.load(cu_ptr + b)
@@ -62,6 +73,18 @@ def _load_tile(src, blk, start, offs_rows, offs_d, stride, limit, D: tl.constexp
         else:
             tile = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
     return tile
+
+
+@triton.jit
+def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
+    """This program's (batch, head, q start, s_q, k start, s_k, first query row). Causal row blocks get
+    heavier with their index, so the grid hands out the heaviest first."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1) // H_Q
+    h = tl.program_id(1) % H_Q
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
+    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
+    return b, h, q_start, s_q, k_start, s_k, pid_m * BLOCK_M
 
 
 @triton.jit
@@ -138,14 +161,7 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    # Causal row blocks get heavier with their index: hand the heaviest out first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
-    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
-    m_lo = pid_m * BLOCK_M
+    b, h, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, BLOCK_M, VARLEN)
     if m_lo >= s_q:
         return
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -162,13 +178,9 @@ def flash_fwd_kernel(
     q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
 
-    diag = s_k - s_q
-    A = diag - left
-    B = diag + right
-    hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
-    start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
+    A, B, start, full_lo, full_hi, end = _key_span(m_lo, s_q, s_k, left, right, BLOCK_M, BLOCK_N)
 
-    if USE_TMA:
+    if USE_TMA:  # made here in the kernel body: descriptors are passed into helpers, never returned
         k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
         v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
@@ -397,14 +409,7 @@ def flash_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    # Causal row blocks get heavier with their index: hand the heaviest out first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
-    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
-    m_lo = pid_m * BLOCK_M
+    b, h, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, BLOCK_M, VARLEN)
     if m_lo >= s_q:
         return
     EVEN_D: tl.constexpr = D == BLOCK_D
@@ -428,13 +433,9 @@ def flash_bwd_dq_kernel(
 
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kvh * stride_kh
     v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kvh * stride_vh
-    diag = s_k - s_q
-    A = diag - left
-    B = diag + right
-    hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
-    start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
+    A, B, start, full_lo, full_hi, end = _key_span(m_lo, s_q, s_k, left, right, BLOCK_M, BLOCK_N)
 
-    if USE_TMA:
+    if USE_TMA:  # made here in the kernel body: descriptors are passed into helpers, never returned
         k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
         v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
