@@ -1,0 +1,108 @@
+"""fused_moe against the fp32 reference: routings (uniform, skewed, empty experts, grouped sigmoid),
+shapes that are not multiples of the blocks, the alignment schedule, bad input."""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.ops.moe import align, experts_reference, route_reference
+from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, rel_l2
+
+DEV = device_under_test()
+DTYPE = dtypes_under_test()[-1]
+
+
+def _weights(e, h, i, dtype=DTYPE):
+    w13 = torch.randn(e, 2 * i, h, device=DEV, dtype=dtype) / h ** 0.5
+    w2 = torch.randn(e, h, i, device=DEV, dtype=dtype) / i ** 0.5
+    return w13, w2
+
+
+@pytest.mark.parametrize("t,e,k,h,i,skew", [
+    (1, 8, 2, 64, 96, False),       # decode: one token
+    (13, 8, 2, 80, 48, False),      # H and I not multiples of the blocks
+    (40, 16, 4, 64, 64, True),      # skewed: most tokens on a few experts, several experts empty
+    (7, 4, 4, 32, 32, False),       # topk = E
+])
+def test_matches_reference(t, e, k, h, i, skew):
+    hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
+    logits = torch.randn(t, e, device=DEV)
+    if skew:
+        logits[:, :3] += 6.0
+    w13, w2 = _weights(e, h, i)
+    with poisoned_outputs():
+        out = wf.fused_moe(hidden, w13, w2, logits, k, backend="triton")
+    ref = wf.fused_moe(hidden.float(), w13.float(), w2.float(), logits, k, backend="reference")
+    assert rel_l2(out, ref) <= REL_L2[DTYPE]
+
+
+def test_deepseek_grouped_sigmoid_routing():
+    t, e, k, h, i = 9, 32, 4, 64, 32
+    hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
+    logits = torch.randn(t, e, device=DEV)
+    w13, w2 = _weights(e, h, i)
+    kw = dict(scoring="sigmoid", num_expert_group=8, topk_group=2, routed_scaling_factor=2.5)
+    out = wf.fused_moe(hidden, w13, w2, logits, k, backend="triton", **kw)
+    ref = wf.fused_moe(hidden.float(), w13.float(), w2.float(), logits, k, backend="reference", **kw)
+    assert rel_l2(out, ref) <= REL_L2[DTYPE]
+    weights, ids = wf.moe.route(logits, k, **kw)
+    groups = (ids.long() // (e // 8))
+    assert all(len(set(row.tolist())) <= 2 for row in groups)  # experts come from at most topk_group groups
+    assert torch.allclose(weights.sum(-1), torch.full((t,), 2.5, device=DEV))
+
+
+def test_align_groups_slots_by_expert():
+    ids = torch.randint(0, 6, (50, 3), device=DEV, dtype=torch.int32)
+    ids[:, 0] = 2  # skew
+    sorted_ids, expert_ids, num_post = align(ids, 8, 16)
+    flat = ids.reshape(-1)
+    used = int(num_post)
+    assert used % 16 == 0 and sorted_ids.numel() % 16 == 0
+    blocks = sorted_ids[:used].view(-1, 16)
+    for b, row in enumerate(blocks):
+        real = row[row < flat.numel()].long()
+        assert (flat[real] == expert_ids[b]).all()
+    assert torch.equal(torch.sort(sorted_ids[sorted_ids < flat.numel()]).values.long(), torch.arange(150, device=DEV))
+    assert (expert_ids[used // 16:] == -1).all()
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(topk=9), "topk"),
+    (dict(topk_group=2), "topk_group"),
+    (dict(num_expert_group=3, topk_group=1), "num_expert_group"),
+    (dict(scoring="relu"), "scoring"),
+    (dict(w_format="fp8"), "w_format"),
+])
+def test_bad_routing_arguments(kwargs, name):
+    hidden = torch.randn(4, 32, device=DEV, dtype=DTYPE)
+    w13, w2 = _weights(8, 32, 16)
+    args = dict(topk=2)
+    args.update(kwargs)
+    with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
+        wf.fused_moe(hidden, w13, w2, torch.randn(4, 8, device=DEV), args.pop("topk"), backend="triton", **args)
+
+
+def test_bad_shapes_and_dtypes():
+    hidden = torch.randn(4, 32, device=DEV, dtype=DTYPE)
+    w13, w2 = _weights(8, 32, 16)
+    logits = torch.randn(4, 8, device=DEV)
+    with pytest.raises(WarpforgeInputError, match="^w13"):
+        wf.fused_moe(hidden, w13[:, :, :31], w2, logits, 2, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^w2"):
+        wf.fused_moe(hidden, w13, w2[:, :, :15], logits, 2, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^w13"):
+        wf.fused_moe(hidden, w13.float(), w2, logits, 2, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^router_logits"):
+        wf.fused_moe(hidden, w13, w2, logits[:3], 2, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16, 333])
+def test_gpu_mixtral_like(t):
+    e, k, h, i = 8, 2, 1024, 1792
+    hidden = torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    w13, w2 = _weights(e, h, i, torch.bfloat16)
+    logits = torch.randn(t, e, device=DEV)
+    out = wf.fused_moe(hidden, w13, w2, logits, k)
+    ref = experts_reference(hidden.float(), w13.float(), w2.float(), *route_reference(logits, k))
+    assert rel_l2(out, ref) <= 1e-2

@@ -1,0 +1,103 @@
+"""Fused Mixture-of-Experts: `fused_moe` (vLLM/SGLang's call) and its public pieces `route`, `align`.
+
+validate -> route (torch, on device) -> align (torch, on device, graph safe) -> two Triton grouped GEMMs.
+Forward only for now: training through `fused_moe` raises until the backward kernels land.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...errors import check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, fail
+from ...runtime import arch_key, resolve_backend
+from .align import align
+from .reference import experts_reference, fused_moe_reference, route_reference
+
+__all__ = ["fused_moe", "route", "align", "fused_moe_reference", "route_reference", "experts_reference", "CONFIGS"]
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per arch, by tokens: skinny row blocks for decode.
+# sm90 entries are first guesses until scripts measure them (benchmarks/NOTES.md).
+CONFIGS = {
+    "cpu": {0: (16, 32, 32, 1, 1)},
+    "default": {0: (16, 64, 64, 4, 3), 256: (64, 64, 64, 4, 3)},
+    "sm90": {0: (16, 64, 128, 4, 4), 64: (32, 64, 128, 4, 4), 512: (64, 128, 64, 8, 3)},
+}
+
+
+def _config(device: torch.device, tokens: int):
+    table = CONFIGS.get(arch_key(device), CONFIGS["default"])
+    return table[max(k for k in table if k <= tokens)]
+
+
+def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None, topk_group=None,
+          routed_scaling_factor=1.0):
+    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]); see reference.py."""
+    _check_routing(router_logits, topk, scoring, num_expert_group, topk_group)
+    return route_reference(router_logits, topk, renormalize=renormalize, scoring=scoring,
+                           num_expert_group=num_expert_group, topk_group=topk_group,
+                           routed_scaling_factor=routed_scaling_factor)
+
+
+def _check_routing(router_logits, topk, scoring, num_expert_group, topk_group):
+    check_tensor("router_logits", router_logits)
+    check_rank("router_logits", router_logits, 2)
+    e = router_logits.shape[1]
+    if not isinstance(topk, int) or not 1 <= topk <= e:
+        fail("topk", f"an int from 1 to the number of experts ({e})", topk)
+    if scoring not in ("softmax", "sigmoid"):
+        fail("scoring", "'softmax' or 'sigmoid'", repr(scoring))
+    if (num_expert_group is None) != (topk_group is None):
+        fail("topk_group", "given together with num_expert_group (or neither)",
+             f"topk_group={topk_group}, num_expert_group={num_expert_group}")
+    if num_expert_group is not None:
+        if e % num_expert_group:
+            fail("num_expert_group", f"a divisor of the number of experts ({e})", num_expert_group)
+        if not 1 <= topk_group <= num_expert_group:
+            fail("topk_group", f"from 1 to num_expert_group ({num_expert_group})", topk_group)
+        if topk > topk_group * (e // num_expert_group):
+            fail("topk", f"at most the experts in topk_group groups ({topk_group * (e // num_expert_group)})",
+                 topk)
+
+
+def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None,
+              topk_group=None, routed_scaling_factor=1.0, w_format="bf16", w_scales=None, backend=None):
+    """out [T, H] = Σ_k weight_k · W2_e (SiLU(gate) ⊙ up) with [gate; up] = W13_e · hidden.
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].
+    """
+    for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
+        check_tensor(name, t)
+    backend = resolve_backend(backend, hidden.device)
+    check_rank("hidden", hidden, 2)
+    check_rank("w13", w13, 3)
+    check_rank("w2", w2, 3)
+    check_dtype("hidden", hidden, (torch.float16, torch.bfloat16) + ((torch.float32,) if backend == "reference" else ()))
+    for name, t in (("w13", w13), ("w2", w2), ("router_logits", router_logits)):
+        check_same_device(name, t, "hidden", hidden)
+    check_same_dtype("w13", w13, "hidden", hidden)
+    check_same_dtype("w2", w2, "hidden", hidden)
+    t, h = hidden.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h:
+        fail("w13", f"[E, 2I, {h}] (H of hidden)", tuple(w13.shape))
+    if two_i % 2:
+        fail("w13", "an even middle dim (gate rows, then up rows)", two_i)
+    if tuple(w2.shape) != (e, h, two_i // 2):
+        fail("w2", f"[{e}, {h}, {two_i // 2}] ([E, H, I])", tuple(w2.shape))
+    _check_routing(router_logits, topk, scoring, num_expert_group, topk_group)
+    if tuple(router_logits.shape) != (t, e):
+        fail("router_logits", f"[{t}, {e}] ([T, E])", tuple(router_logits.shape))
+    if w_format != "bf16" or w_scales is not None:
+        fail("w_format", "'bf16' (FP8 expert weights are not implemented yet)", repr(w_format))
+    weights, ids = route_reference(router_logits, topk, renormalize=renormalize, scoring=scoring,
+                                   num_expert_group=num_expert_group, topk_group=topk_group,
+                                   routed_scaling_factor=routed_scaling_factor)
+    if backend == "reference":
+        return experts_reference(hidden, w13, w2, weights, ids)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, router_logits)):
+        fail("hidden", "no autograd (fused_moe's backward is not implemented yet; use backend='reference')",
+             "tensors that require grad")
+    from .moe_kernel import fused_experts
+    cfg = _config(hidden.device, t)
+    sorted_ids, expert_ids, num_post = align(ids, e, cfg[0])
+    return fused_experts(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, sorted_ids, expert_ids,
+                         num_post, topk, cfg)

@@ -1,0 +1,37 @@
+"""The MoE schedule: token slots grouped by expert, each expert's run padded to a multiple of block_m, so
+that every row block of the grouped GEMMs belongs to one expert.
+
+Plain torch ops on the device, sizes fixed by shapes alone (T·k slots, at most min(E, T·k) non-empty
+experts): no host synchronisation, so it can sit inside a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """topk_ids [T, k] -> (sorted_ids int32 [P], expert_ids int32 [P / block_m], num_post int32 [1]).
+
+    sorted_ids lists slots (token · k + j) expert by expert, padded with T·k (an invalid slot);
+    expert_ids[b] is the expert of row block b, -1 past the used blocks; num_post is the padded length used.
+    P = T·k + min(E, T·k) · (block_m − 1), rounded up to block_m: the most padding any routing can need.
+    """
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    device = flat.device
+    cap = n + min(num_experts, max(n, 1)) * (block_m - 1)
+    cap = -(-cap // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices                   # slots, expert by expert
+    first_of_expert = counts.cumsum(0) - counts
+    experts_sorted = flat[order]
+    rank = torch.arange(n, device=device) - first_of_expert[experts_sorted]
+    sorted_ids = torch.full((cap,), n, dtype=torch.int32, device=device)
+    sorted_ids[starts[experts_sorted] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, cap, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, block_starts, right=True)
+    expert_ids = torch.where(block_starts < ends[-1], expert_ids, -1).to(torch.int32)
+    return sorted_ids, expert_ids, ends[-1:].to(torch.int32)

@@ -1,0 +1,54 @@
+"""Mixture-of-Experts in plain PyTorch: what `fused_moe` computes.
+
+out[t] = Σ_k weight[t, k] · W2[e] · (SiLU(gate) ⊙ up),  [gate; up] = W13[e] · hidden[t],  e = ids[t, k]
+with W13 [E, 2I, H] (gate rows, then up rows) and W2 [E, H, I].
+
+Routing (`route_reference`): "softmax" scores = softmax(logits); "sigmoid" scores = sigmoid(logits), as
+DeepSeek-V3's router (group top-k: experts in num_expert_group groups, a group scored by the sum of its
+two best experts, only the topk_group best groups eligible). The top-k weights are renormalised to sum to
+one when asked, then multiplied by routed_scaling_factor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_reference(router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None,
+                    topk_group=None, routed_scaling_factor=1.0):
+    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
+    logits = router_logits.float()
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    choose = scores
+    if num_expert_group:
+        t, e = scores.shape
+        grouped = scores.view(t, num_expert_group, e // num_expert_group)
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_group, dim=-1).indices, 1.0)
+        choose = (grouped * keep[..., None]).masked_fill(keep[..., None] == 0, float("-inf")).view(t, e)
+    ids = choose.topk(topk, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-20)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def experts_reference(hidden, w13, w2, topk_weights, topk_ids):
+    """The expert computation for given routing, in fp32, looping over experts. Returns out in hidden's dtype."""
+    t, h = hidden.shape
+    inter = w2.shape[2]
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    x = hidden.float()
+    for e in range(w13.shape[0]):
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gate_up = x[tok] @ w13[e].float().T
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tok, (act @ w2[e].float().T) * topk_weights[tok, slot, None].float())
+    return out.to(hidden.dtype)
+
+
+def fused_moe_reference(hidden, w13, w2, router_logits, topk, **route_kw):
+    weights, ids = route_reference(router_logits, topk, **route_kw)
+    return experts_reference(hidden, w13, w2, weights, ids)
