@@ -64,7 +64,7 @@ class Rotation:
 
 
 def families() -> list[str]:
-    from . import attention_cases, fused_cases, gpt_cases, mla_cases  # noqa: F401  (registers)
+    from . import attention_cases, fused_cases, gpt_cases, mla_cases, moe_cases  # noqa: F401  (registers)
     return sorted({c.family for c in REGISTRY})
 
 

@@ -1,0 +1,108 @@
+"""MoE forward at the issue's model shapes (Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B) and token counts,
+uniform and Zipf(1.2)-skewed routing. Bytes are the weights of the experts actually touched (what decode
+must read); FLOPs are 2 · T · k · 3 · H · I. Baselines: the `torch._grouped_mm` path (sort rows by expert,
+two grouped GEMMs, scatter-add back) and a per-expert loop."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.moe import experts_reference, fused_moe, route_reference
+from ..testing import rel_l2
+from .cases import Rotation, Setup, register
+
+MODELS = {  # E, topk, H, I, router extras
+    "mixtral": (8, 2, 4096, 14336, {}),
+    "deepseek-v3": (256, 8, 7168, 2048, dict(scoring="sigmoid", num_expert_group=8, topk_group=4,
+                                             routed_scaling_factor=2.5)),
+    "qwen3-30b-a3b": (128, 8, 2048, 768, {}),
+}
+
+
+def _logits(t, e, skew, device, gen):
+    if not skew:
+        return torch.randn(t, e, generator=gen).to(device)
+    # Zipf(1.2) popularity: expert r gets a prior ∝ r^-1.2, added in log space
+    prior = torch.arange(1, e + 1, dtype=torch.float32).pow(-1.2).log()
+    return (torch.randn(t, e, generator=gen) + 3 * prior).to(device)
+
+
+def _grouped_mm_path(hidden, w13, w2, weights, ids):
+    t, k = ids.shape
+    inter = w2.shape[2]
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    rows = hidden[order // k]
+    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
+    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None].to(act.dtype)
+    return torch.zeros_like(hidden).index_add_(0, order // k, down)
+
+
+def _loop_path(hidden, w13, w2, weights, ids):
+    inter = w2.shape[2]
+    out = torch.zeros_like(hidden)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gate_up = hidden[tok] @ w13[e].T
+        out.index_add_(0, tok, (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].T
+                       * weights[tok, slot, None].to(hidden.dtype))
+    return out
+
+
+_WEIGHTS = {}
+
+
+def _expert_weights(model, e, h, i, device, dtype):
+    """Made on the device (DeepSeek-V3's are 22.5 GB in bf16) and shared by all of a model's cases."""
+    key = (model, e, h, i, str(device), dtype)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        torch.manual_seed(0)
+        w13 = torch.randn(e, 2 * i, h, device=device, dtype=dtype).mul_(h ** -0.5)
+        w2 = torch.randn(e, h, i, device=device, dtype=dtype).mul_(i ** -0.5)
+        _WEIGHTS[key] = (w13, w2)
+    return _WEIGHTS[key]
+
+
+def moe_setup(device, tiny, *, model, t, skew):
+    e, k, h, i, route_kw = MODELS[model]
+    if tiny:
+        e, k, h, i, t = 8, 2, 64, 96, min(t, 9)
+        route_kw = {}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(t)
+    w13, w2 = _expert_weights(model, e, h, i, device, dtype)
+    logits = _logits(t, e, skew, device, gen)
+    weights, ids = route_reference(logits, k, **route_kw)
+    touched = torch.unique(ids).numel()
+    nbytes = touched * 3 * h * i * 2 + 2 * t * h * 2
+    flops = 2.0 * t * k * 3 * h * i
+    rot = Rotation(lambda: torch.randn(t, h, device=device, dtype=dtype), 2 * t * h, device)
+    # The same weights serve every set (they are what is being read); only activations rotate.
+    impls = {"warpforge": lambda: fused_moe(rot(), w13, w2, logits, k, backend="triton", **route_kw)}
+    if device.type == "cuda":
+        if hasattr(torch, "_grouped_mm"):
+            impls["torch._grouped_mm"] = lambda: _grouped_mm_path(rot(), w13, w2, weights, ids)
+        impls["per-expert loop"] = lambda: _loop_path(rot(), w13, w2, weights, ids)
+    cache = {}
+
+    def score(out):
+        if "ref" not in cache:
+            cache["ref"] = experts_reference(rot.sets[0].float(), w13.float(), w2.float(), weights, ids)
+        return rel_l2(out, cache["ref"])
+
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, tokens=t)
+
+
+def _register():
+    for model in MODELS:
+        for t in (1, 4, 16, 64, 128, 512, 2048, 8192):
+            for skew in (False, True):
+                quick = model == "mixtral" and t == 16 and not skew
+                register("moe", f"{model} T{t} {'zipf' if skew else 'uniform'}", quick=quick)(
+                    lambda dev, tiny, model=model, t=t, skew=skew: moe_setup(dev, tiny, model=model, t=t, skew=skew))
+
+
+_register()
