@@ -1,7 +1,8 @@
 """Fused Mixture-of-Experts: `fused_moe` (vLLM/SGLang's call) and its public pieces `route`, `align`.
 
-validate -> route (torch, on device) -> align (torch, on device, graph safe) -> two Triton grouped GEMMs.
-Forward only for now: training through `fused_moe` raises until the backward kernels land.
+validate -> route (torch, on device) -> align (torch, on device, graph safe) -> two Triton grouped GEMMs,
+registered with torch.library; the backward (gradients for hidden, w13, w2 and, through the routing,
+router_logits) runs the same gather/scatter GEMMs plus a per-expert weight-gradient kernel.
 """
 from __future__ import annotations
 
@@ -21,6 +22,69 @@ CONFIGS = {
     "default": {0: (16, 64, 64, 4, 3), 256: (64, 64, 64, 4, 3)},
     "sm90": {0: (16, 64, 128, 4, 4), 64: (32, 64, 128, 4, 4), 512: (64, 128, 64, 8, 3)},
 }
+
+
+@torch.library.custom_op("warpforge::moe_experts_fwd", mutates_args=())
+def _experts_fwd(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor, torch.Tensor]:
+    """(out, act, pre, sorted_ids, expert_ids, num_post); act/pre are what the backward needs (pre is empty
+    when not training)."""
+    from .moe_kernel import fused_experts
+    cfg = _config(hidden.device, hidden.shape[0])
+    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg[0])
+    out, act, pre = fused_experts(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post, ids.shape[1], cfg,
+                                  save_pre=train)
+    if pre is None:
+        pre = hidden.new_empty(0, w13.shape[1])
+    return out, act, pre, sorted_ids, expert_ids, num_post
+
+
+@_experts_fwd.register_fake
+def _(hidden, w13, w2, weights, ids, train):
+    t, k = ids.shape
+    n = t * k
+    e, two_i, _ = w13.shape
+    bm = _config(hidden.device, t)[0]
+    cap = -(-(n + min(e, max(n, 1)) * (bm - 1)) // bm) * bm  # align()'s static size
+    return (torch.empty_like(hidden), hidden.new_empty(n, two_i // 2), hidden.new_empty(n if train else 0, two_i),
+            ids.new_empty(cap), ids.new_empty(cap // bm), ids.new_empty(1))
+
+
+@torch.library.custom_op("warpforge::moe_experts_bwd", mutates_args=())
+def _experts_bwd(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 weights: torch.Tensor, act: torch.Tensor, pre: torch.Tensor, sorted_ids: torch.Tensor,
+                 expert_ids: torch.Tensor, num_post: torch.Tensor,
+                 topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .moe_kernel import fused_experts_backward
+    cfg = _config(hidden.device, hidden.shape[0])
+    return fused_experts_backward(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post,
+                                  topk, cfg)
+
+
+@_experts_bwd.register_fake
+def _(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post, topk):
+    return torch.empty_like(hidden), torch.empty_like(w13), torch.empty_like(w2), weights.new_empty(weights.shape)
+
+
+def _experts_setup(ctx, inputs, output):
+    hidden, w13, w2, weights, ids, train = inputs
+    out, act, pre, sorted_ids, expert_ids, num_post = output
+    ctx.save_for_backward(hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post)
+    ctx.topk = ids.shape[1]
+    ctx.mark_non_differentiable(act, pre, sorted_ids, expert_ids, num_post)
+
+
+def _experts_backward(ctx, d_out, *_):
+    hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post = ctx.saved_tensors
+    if pre.shape[0] != act.shape[0]:
+        raise RuntimeError("fused_moe ran without saving activations (train=False): cannot backprop")
+    d_hidden, d_w13, d_w2, d_weights = _experts_bwd(d_out, hidden, w13, w2, weights, act, pre, sorted_ids,
+                                                    expert_ids, num_post, ctx.topk)
+    return d_hidden, d_w13, d_w2, d_weights.to(weights.dtype), None, None
+
+
+_experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
 def _config(device: torch.device, tokens: int):
@@ -93,11 +157,5 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
                                    routed_scaling_factor=routed_scaling_factor)
     if backend == "reference":
         return experts_reference(hidden, w13, w2, weights, ids)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, router_logits)):
-        fail("hidden", "no autograd (fused_moe's backward is not implemented yet; use backend='reference')",
-             "tensors that require grad")
-    from .moe_kernel import fused_experts
-    cfg = _config(hidden.device, t)
-    sorted_ids, expert_ids, num_post = align(ids, e, cfg[0])
-    return fused_experts(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, sorted_ids, expert_ids,
-                         num_post, topk, cfg)
+    train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, router_logits))
+    return _experts_fwd(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids, train)[0]

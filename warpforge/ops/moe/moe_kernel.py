@@ -1,10 +1,12 @@
 """Fused MoE grouped GEMMs in Triton. Rows are gathered inside the GEMM from the aligned slot list (no
 permuted copy of the activations); every block of BLOCK_M slots belongs to one expert (see align.py).
 
-gate_up: inter[slot] = SiLU(x[token] · W13[e][:I]ᵀ) ⊙ (x[token] · W13[e][I:]ᵀ); both halves are
-         accumulated by the same program, so only [T·k, I] is written.
-down:    out[token] += weight[slot] · inter[slot] · W2[e]ᵀ, an fp32 atomic add: the routed-weight multiply
-         and the top-k combine happen in the epilogue, with no separate sum pass.
+Two GEMM shapes serve forward and backward, B's layout given by strides:
+- gather: OUT[slot] = A[token or slot] · B[e]; with SWIGLU the program accumulates gate and up together, so
+  the forward writes only [T·k, I] (and [T·k, 2I] pre-activations when training).
+- scatter: OUT[token] += w[slot] · A[slot] · B[e] by fp32 atomics: the routed-weight multiply and the top-k
+  combine in the epilogue, with no separate sum pass.
+and the weight gradient: dW[e] = Σ over e's slots of Gᵀ A, one program per (expert, tile), no atomics.
 slot = token · topk + k. Expert and token offsets are int64 (E · 2I · H passes 2^31 for DeepSeek-V3).
 """
 import triton
@@ -24,78 +26,192 @@ def _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK: tl.const
 
 
 @triton.jit
-def moe_gate_up_kernel(X, W13, INTER, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                       stride_xt, stride_we, stride_wn, stride_it, n_slots, H, I,
-                       TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def moe_gather_gemm_kernel(A, B, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_POST,
+                           stride_a, stride_be, stride_bk, stride_bn, stride_o, stride_pre, n_slots, K, N,
+                           TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SWIGLU: tl.constexpr,
+                           SAVE_PRE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """OUT[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot.
+    SWIGLU: B's columns n and N + n are gate and up; OUT = SiLU(gate) ⊙ up (PRE keeps [gate | up])."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
     if e < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < I
-    w_gate = W13 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-    w_up = w_gate + I * stride_wn
-    x_rows = X + tokens[:, None] * stride_xt
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    n_ok = offs_n < N
+    b_cols = B + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    a_rows = A + (tokens if A_BY_TOKEN else slots)[:, None] * stride_a
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        a = tl.load(x_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = k_ok[:, None] & n_ok[None, :]
-        acc_g = tl.dot(a, tl.load(w_gate + offs_k[:, None], mask=wmask, other=0.0), acc_g)
-        acc_u = tl.dot(a, tl.load(w_up + offs_k[:, None], mask=wmask, other=0.0), acc_u)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(INTER + slots[:, None] * stride_it + offs_n[None, :], act.to(INTER.dtype.element_ty),
-             mask=ok[:, None] & n_ok[None, :])
+        k_ok = offs_k < K
+        a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
+        bmask = k_ok[:, None] & n_ok[None, :]
+        acc = tl.dot(a, tl.load(b_ptrs, mask=bmask, other=0.0), acc)
+        if SWIGLU:
+            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_bn, mask=bmask, other=0.0), acc_up)
+    omask = ok[:, None] & n_ok[None, :]
+    if SWIGLU:
+        if SAVE_PRE:
+            pre = PRE + slots[:, None] * stride_pre + offs_n[None, :]
+            tl.store(pre, acc.to(PRE.dtype.element_ty), mask=omask)
+            tl.store(pre + N, acc_up.to(PRE.dtype.element_ty), mask=omask)
+        acc = acc * tl.sigmoid(acc) * acc_up
+    tl.store(OUT + slots[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def moe_down_kernel(INTER, W2, OUT, TOPK_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                    stride_it, stride_we, stride_wn, stride_ot, n_slots, H, I,
-                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def moe_scatter_gemm_kernel(A, B, OUT, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+                            stride_a, stride_be, stride_bk, stride_bn, stride_o, n_slots, K, N,
+                            TOPK: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """OUT[token, n] += w[slot] · Σ_k A[slot, k] · B[e][k, n] by fp32 atomics: the top-k combine (and the
+    routed-weight multiply, HAS_W) in the epilogue."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
     if e < 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    w_rows = W2 + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-    a_rows = INTER + slots[:, None] * stride_it
+    n_ok = offs_n < N
+    b_cols = B + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    a_rows = A + slots[:, None] * stride_a
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < I
+        k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_rows + offs_k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
-    weight = tl.load(TOPK_W + slots, mask=ok, other=0.0)
-    tl.atomic_add(OUT + tokens[:, None] * stride_ot + offs_n[None, :], acc * weight[:, None],
-                  mask=ok[:, None] & n_ok[None, :], sem="relaxed")
+        b = tl.load(b_cols + offs_k[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    if HAS_W:
+        acc = acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
+    tl.atomic_add(OUT + tokens[:, None] * stride_o + offs_n[None, :], acc, mask=ok[:, None] & n_ok[None, :],
+                  sem="relaxed")
 
 
-def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg):
+@triton.jit
+def moe_weight_grad_kernel(G, A, DW, ROW_W, SORTED_IDS, BLOCK_START, BLOCK_COUNT,
+                           stride_g, stride_a, stride_de, stride_dn, n_slots, N, K,
+                           TOPK: tl.constexpr, G_BY_TOKEN: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                           HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DW[e][n, k] = Σ over expert e's slots of (w[slot] ·) G[g_row, n] · A[a_row, k]: one program per
+    (expert, tile), walking the expert's row blocks in order (deterministic, no atomics)."""
+    e = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    first = tl.load(BLOCK_START + e)
+    count = tl.load(BLOCK_COUNT + e)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for blk in range(first, first + count):
+        slots = tl.load(SORTED_IDS + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+        ok = slots < n_slots
+        slots64 = slots.to(tl.int64)
+        tokens = tl.where(ok, slots // TOPK, 0).to(tl.int64)
+        g = tl.load(G + (tokens if G_BY_TOKEN else slots64)[:, None] * stride_g + offs_n[None, :],
+                    mask=ok[:, None] & n_ok[None, :], other=0.0)
+        if HAS_W:
+            g = (g.to(tl.float32) * tl.load(ROW_W + slots64, mask=ok, other=0.0)[:, None]).to(A.dtype.element_ty)
+        a = tl.load(A + (tokens if A_BY_TOKEN else slots64)[:, None] * stride_a + offs_k[None, :],
+                    mask=ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(g), a, acc)
+    tl.store(DW + e.to(tl.int64) * stride_de + offs_n[:, None].to(tl.int64) * stride_dn + offs_k[None, :],
+             acc.to(DW.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+# ------------------------------------------------------------------------------------------ launch
+def _gather_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, swiglu=False, pre=None):
+    sorted_ids, expert_ids, num_post = schedule
+    bm, bn, bk, warps, stages = cfg
+    moe_gather_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
+        a, b, out, pre if pre is not None else out, sorted_ids, expert_ids, num_post,
+        a.stride(0), b.stride(0), b_strides[0], b_strides[1], out.stride(0),
+        pre.stride(0) if pre is not None else 0, out.shape[0], k, n,
+        TOPK=topk, A_BY_TOKEN=a_by_token, SWIGLU=swiglu, SAVE_PRE=pre is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def _scatter_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, row_w=None):
+    sorted_ids, expert_ids, num_post = schedule
+    bm, bn, bk, warps, stages = cfg
+    moe_scatter_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
+        a, b, out, row_w if row_w is not None else out, sorted_ids, expert_ids, num_post,
+        a.stride(0), b.stride(0), b_strides[0], b_strides[1], out.stride(0), a.shape[0], k, n,
+        TOPK=topk, HAS_W=row_w is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=stages)
+
+
+def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False):
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; the aligned schedule from align(); cfg (BLOCK_M, BLOCK_N,
-    BLOCK_K, warps, stages) with BLOCK_M equal to align's block_m. Returns out [T, H] in hidden's dtype."""
+    BLOCK_K, warps, stages) with BLOCK_M equal to align's block_m. Returns (out [T, H] in hidden's dtype,
+    act [T·k, I], pre [T·k, 2I] or None): the last two are what the backward needs."""
     import torch
 
     t, h = hidden.shape
     inter_dim = w2.shape[2]
     n_slots = t * topk
-    bm, bn, bk, warps, stages = cfg
-    inter = torch.empty((n_slots, inter_dim), device=hidden.device, dtype=hidden.dtype)
+    act = torch.empty((n_slots, inter_dim), device=hidden.device, dtype=hidden.dtype)
+    pre = torch.empty((n_slots, 2 * inter_dim), device=hidden.device, dtype=hidden.dtype) if save_pre else None
     out = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
-    blocks = sorted_ids.numel() // bm
-    if t == 0 or blocks == 0:
-        return out.to(hidden.dtype)
+    if t == 0 or sorted_ids.numel() == 0:
+        return out.to(hidden.dtype), act, pre
+    schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
-    moe_gate_up_kernel[(blocks, triton.cdiv(inter_dim, bn))](
-        hidden, w13, inter, sorted_ids, expert_ids, num_post,
-        hidden.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), n_slots, h, inter_dim,
-        TOPK=topk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    moe_down_kernel[(blocks, triton.cdiv(h, bn))](
-        inter, w2, out, weights, sorted_ids, expert_ids, num_post,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), n_slots, h, inter_dim,
-        TOPK=topk, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return out.to(hidden.dtype)
+    # gate_up: B[e][k=h, n] = w13[e, n, h]
+    _gather_gemm(hidden, w13, act, (w13.stride(2), w13.stride(1)), schedule, topk, inter_dim, h, cfg,
+                 a_by_token=True, swiglu=True, pre=pre)
+    # down: B[e][k=i, n=h] = w2[e, h, i]
+    _scatter_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), schedule, topk, h, inter_dim, cfg, row_w=weights)
+    return out.to(hidden.dtype), act, pre
+
+
+def expert_blocks(expert_ids, num_experts):
+    """Per expert: its first row block and how many it has (from align's expert_ids)."""
+    import torch
+    valid = expert_ids[expert_ids >= 0].long()
+    count = torch.bincount(valid, minlength=num_experts)
+    return (count.cumsum(0) - count).to(torch.int32), count.to(torch.int32)
+
+
+def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorted_ids, expert_ids, num_post, topk,
+                           cfg):
+    """Gradients of fused_experts: (d_hidden, d_w13, d_w2, d_topk_weights [T, k] fp32)."""
+    import torch
+
+    from ..fused.fused_kernel import swiglu_bwd
+    t, h = hidden.shape
+    e_count, two_i, _ = w13.shape
+    inter_dim = two_i // 2
+    n_slots = t * topk
+    schedule = (sorted_ids, expert_ids, num_post)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    d_out = d_out.contiguous()
+    # d_act_raw[slot] = d_out[token] · w2[e]  (B[e][k=h, n=i] = w2[e, h, i])
+    d_act_raw = torch.zeros((n_slots, inter_dim), device=hidden.device, dtype=hidden.dtype)
+    _gather_gemm(d_out, w2, d_act_raw, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg,
+                 a_by_token=True)
+    d_weights = (act.float() * d_act_raw.float()).sum(-1).view(t, topk)
+    d_act = (d_act_raw.float() * weights[:, None]).to(hidden.dtype)
+    d_pre = swiglu_bwd(d_act, pre)  # [gate | up] gradients, per slot
+    # d_hidden[token] += d_pre[slot] · w13[e]  (B[e][k=n2, n=h] = w13[e, n2, h])
+    d_hidden = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
+    _scatter_gemm(d_pre, w13, d_hidden, (w13.stride(1), w13.stride(2)), schedule, topk, h, two_i, cfg)
+    first, count = expert_blocks(expert_ids, e_count)
+    bm, bn, bk, warps, stages = cfg
+    d_w13 = torch.empty_like(w13)
+    moe_weight_grad_kernel[(e_count, triton.cdiv(two_i, bn), triton.cdiv(h, bk))](
+        d_pre, hidden, d_w13, weights, sorted_ids, first, count, d_pre.stride(0), hidden.stride(0),
+        d_w13.stride(0), d_w13.stride(1), n_slots, two_i, h,
+        TOPK=topk, G_BY_TOKEN=False, A_BY_TOKEN=True, HAS_W=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    d_w2 = torch.empty_like(w2)
+    moe_weight_grad_kernel[(e_count, triton.cdiv(h, bn), triton.cdiv(inter_dim, bk))](
+        d_out, act, d_w2, weights, sorted_ids, first, count, d_out.stride(0), act.stride(0),
+        d_w2.stride(0), d_w2.stride(1), n_slots, h, inter_dim,
+        TOPK=topk, G_BY_TOKEN=True, A_BY_TOKEN=False, HAS_W=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return d_hidden.to(hidden.dtype), d_w13, d_w2, d_weights
