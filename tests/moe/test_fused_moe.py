@@ -145,3 +145,17 @@ def test_compile_no_graph_break():
     loss.backward()
     assert torch.allclose(loss.detach(), step(hidden.detach()), rtol=1e-3)
     assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
+def test_nn_moe_module():
+    torch.manual_seed(0)
+    mod = wf.nn.MoE(32, 24, num_experts=8, topk=2, num_shared_experts=1, backend="triton").to(DEV, DTYPE)
+    x = torch.randn(2, 5, 32, device=DEV, dtype=DTYPE, requires_grad=True)
+    y = mod(x)
+    assert y.shape == x.shape
+    ref_mod = wf.nn.MoE(32, 24, num_experts=8, topk=2, num_shared_experts=1, backend="reference").to(DEV, torch.float32)
+    ref_mod.load_state_dict({k: v.float() for k, v in mod.state_dict().items()})
+    assert rel_l2(y, ref_mod(x.detach().float())) <= 2e-2
+    (y.float().square().mean() + mod.aux_loss).backward()
+    assert torch.isfinite(mod.aux_loss) and mod.aux_loss > 0
+    assert mod.router.weight.grad is not None and mod.w13.grad is not None and x.grad is not None

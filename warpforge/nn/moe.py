@@ -1,0 +1,53 @@
+"""`MoE`: a Mixture-of-Experts SwiGLU feed-forward over `fused_moe`, with optional shared experts and the
+load-balancing auxiliary loss."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import fail
+from ..ops.fused import swiglu
+from ..ops.moe import fused_moe, route
+
+
+class MoE(nn.Module):
+    """x [..., dim] -> [..., dim]. After each forward, `aux_loss` holds the Switch-Transformer balance loss
+    E · Σ_e f_e · P_e (f_e: fraction of routed slots on expert e, P_e: mean router probability of e), scaled
+    by aux_loss_coef; add it to the training loss."""
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, topk: int, *, num_shared_experts: int = 0,
+                 scoring: str = "softmax", num_expert_group: int | None = None, topk_group: int | None = None,
+                 routed_scaling_factor: float = 1.0, renormalize: bool = True, aux_loss_coef: float = 0.01,
+                 backend: str | None = None):
+        super().__init__()
+        if not 1 <= topk <= num_experts:
+            fail("topk", f"from 1 to num_experts ({num_experts})", topk)
+        self.topk, self.backend, self.aux_loss_coef = topk, backend, aux_loss_coef
+        self.route_kw = dict(renormalize=renormalize, scoring=scoring, num_expert_group=num_expert_group,
+                             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.w13 = nn.Parameter(torch.randn(num_experts, 2 * ffn_dim, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, dim, ffn_dim) * ffn_dim ** -0.5)
+        self.shared_gate_up = self.shared_down = None
+        if num_shared_experts:
+            self.shared_gate_up = nn.Linear(dim, 2 * ffn_dim * num_shared_experts, bias=False)
+            self.shared_down = nn.Linear(ffn_dim * num_shared_experts, dim, bias=False)
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        h = x.reshape(-1, x.shape[-1])
+        logits = self.router(h)
+        out = fused_moe(h, self.w13.to(h.dtype), self.w2.to(h.dtype), logits, self.topk, backend=self.backend,
+                        **self.route_kw)
+        if self.shared_gate_up is not None:
+            out = out + self.shared_down(swiglu(self.shared_gate_up(h), backend=self.backend))
+        self.aux_loss = self.aux_loss_coef * self._balance_loss(logits)
+        return out.reshape(*lead, -1)
+
+    def _balance_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        e = logits.shape[-1]
+        probs = logits.float().softmax(-1) if self.route_kw["scoring"] == "softmax" else logits.float().sigmoid()
+        _, ids = route(logits.detach(), self.topk, **self.route_kw)
+        frac = torch.bincount(ids.reshape(-1).long(), minlength=e).float() / max(ids.numel(), 1)
+        return e * (frac * probs.mean(0)).sum()
