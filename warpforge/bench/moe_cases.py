@@ -96,7 +96,56 @@ def moe_setup(device, tiny, *, model, t, skew):
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, tokens=t)
 
 
+def moe_train_setup(device, tiny, *, model, t):
+    """Forward + backward (gradients for hidden, w13, w2 and the router logits) of one MoE layer."""
+    e, k, h, i, route_kw = MODELS[model]
+    if tiny:
+        e, k, h, i, t = 8, 2, 64, 96, 9
+        route_kw = {}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    w13, w2 = (w.detach().clone().requires_grad_() for w in _expert_weights(model, e, h, i, device, dtype))
+    gen = torch.Generator().manual_seed(t)
+    logits = _logits(t, e, False, device, gen).requires_grad_()
+    flops = 3 * 2.0 * t * k * 3 * h * i  # forward + two backward matmuls per forward matmul
+    rot = Rotation(lambda: torch.randn(t, h, device=device, dtype=dtype, requires_grad=True), 2 * t * h, device)
+    grad = torch.randn(t, h, device=device, dtype=dtype)
+
+    def step(path):
+        def run():
+            x = rot()
+            out = path(x)
+            return torch.autograd.grad(out, (x, w13, w2, logits), grad)
+        return run
+
+    def ours(x):
+        return fused_moe(x, w13, w2, logits, k, backend="triton", **route_kw)
+
+    def grouped(x):
+        weights, ids = route_reference(logits, k, **route_kw)
+        return _grouped_mm_path(x, w13, w2, weights, ids)
+
+    impls = {"warpforge": step(ours)}
+    if device.type == "cuda" and hasattr(torch, "_grouped_mm"):
+        impls["torch._grouped_mm"] = step(grouped)
+    cache = {}
+
+    def score(grads):
+        if "ref" not in cache:
+            x = rot.sets[0].detach().float().requires_grad_()
+            ref_in = [w13.detach().float().requires_grad_(), w2.detach().float().requires_grad_(),
+                      logits.detach().requires_grad_()]
+            weights, ids = route_reference(ref_in[2], k, **route_kw)
+            out = experts_reference(x, ref_in[0], ref_in[1], weights, ids)
+            cache["ref"] = torch.autograd.grad(out, (x, *ref_in), grad.float())
+        return max(rel_l2(a, b) for a, b in zip(grads, cache["ref"]))
+
+    return Setup(flops=flops, bytes=0, impls=impls, score=score, reset=rot.reset, tokens=t)
+
+
 def _register():
+    for model in ("mixtral", "qwen3-30b-a3b"):
+        register("moe", f"{model} T8192 fwd+bwd", quick=model == "mixtral")(
+            lambda dev, tiny, model=model: moe_train_setup(dev, tiny, model=model, t=8192))
     for model in MODELS:
         for t in (1, 4, 16, 64, 128, 512, 2048, 8192):
             for skew in (False, True):
