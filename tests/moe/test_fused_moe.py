@@ -71,7 +71,7 @@ def test_align_groups_slots_by_expert():
     (dict(topk_group=2), "topk_group"),
     (dict(num_expert_group=3, topk_group=1), "num_expert_group"),
     (dict(scoring="relu"), "scoring"),
-    (dict(w_format="fp8"), "w_format"),
+    (dict(w_format="int4"), "w_format"),
 ])
 def test_bad_routing_arguments(kwargs, name):
     hidden = torch.randn(4, 32, device=DEV, dtype=DTYPE)
@@ -159,3 +159,25 @@ def test_nn_moe_module():
     (y.float().square().mean() + mod.aux_loss).backward()
     assert torch.isfinite(mod.aux_loss) and mod.aux_loss > 0
     assert mod.router.weight.grad is not None and mod.w13.grad is not None and x.grad is not None
+
+
+@pytest.mark.parametrize("t,e,k,h,i", [(5, 8, 2, 160, 96), (1, 4, 2, 64, 200)])
+def test_fp8_weights(t, e, k, h, i):
+    hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
+    logits = torch.randn(t, e, device=DEV)
+    w13, w2 = _weights(e, h, i)
+    (q13, s13), (q2, s2) = wf.moe.quantize_weights(w13), wf.moe.quantize_weights(w2)
+    with poisoned_outputs():
+        out = wf.fused_moe(hidden, q13, q2, logits, k, w_format="fp8", w_scales=(s13, s2), backend="triton")
+    same_weights = wf.fused_moe(hidden.float(), q13, q2, logits, k, w_format="fp8", w_scales=(s13, s2),
+                                backend="reference")
+    assert rel_l2(out, same_weights) <= REL_L2[DTYPE]  # the kernel's own error
+    exact = wf.fused_moe(hidden.float(), w13.float(), w2.float(), logits, k, backend="reference")
+    from warpforge.testing import cosine
+    # The format's error, not the kernel's: e4m3 keeps 0.9994 of a Gaussian matrix, and two chained GEMMs
+    # with SwiGLU between them land near 0.9988, under DESIGN's 0.999 (recorded in benchmarks/NOTES.md).
+    assert cosine(out, exact) >= 0.998
+    with pytest.raises(WarpforgeInputError, match="^w_scales"):
+        wf.fused_moe(hidden, q13, q2, logits, k, w_format="fp8", w_scales=(s13, s2[1:]), backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^w13"):
+        wf.fused_moe(hidden, w13, q2, logits, k, w_format="fp8", w_scales=(s13, s2), backend="triton")

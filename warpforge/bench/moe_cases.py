@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.moe import experts_reference, fused_moe, route_reference
+from ..ops.moe import experts_reference, fused_moe, quantize_weights, route_reference
 from ..testing import rel_l2
 from .cases import Rotation, Setup, register
 
@@ -66,7 +66,7 @@ def _expert_weights(model, e, h, i, device, dtype):
     return _WEIGHTS[key]
 
 
-def moe_setup(device, tiny, *, model, t, skew):
+def moe_setup(device, tiny, *, model, t, skew, fp8=False):
     e, k, h, i, route_kw = MODELS[model]
     if tiny:
         e, k, h, i, t = 8, 2, 64, 96, min(t, 9)
@@ -77,11 +77,18 @@ def moe_setup(device, tiny, *, model, t, skew):
     logits = _logits(t, e, skew, device, gen)
     weights, ids = route_reference(logits, k, **route_kw)
     touched = torch.unique(ids).numel()
-    nbytes = touched * 3 * h * i * 2 + 2 * t * h * 2
+    nbytes = touched * 3 * h * i * (1 if fp8 else 2) + 2 * t * h * 2
+    fp8_kw = {}
+    if fp8:
+        (q13, s13), (q2, s2) = quantize_weights(w13), quantize_weights(w2)
+        fp8_kw = dict(w_format="fp8", w_scales=(s13, s2))
     flops = 2.0 * t * k * 3 * h * i
     rot = Rotation(lambda: torch.randn(t, h, device=device, dtype=dtype), 2 * t * h, device)
     # The same weights serve every set (they are what is being read); only activations rotate.
-    impls = {"warpforge": lambda: fused_moe(rot(), w13, w2, logits, k, backend="triton", **route_kw)}
+    if fp8:
+        impls = {"warpforge": lambda: fused_moe(rot(), q13, q2, logits, k, backend="triton", **fp8_kw, **route_kw)}
+    else:
+        impls = {"warpforge": lambda: fused_moe(rot(), w13, w2, logits, k, backend="triton", **route_kw)}
     if device.type == "cuda":
         if hasattr(torch, "_grouped_mm"):
             impls["torch._grouped_mm"] = lambda: _grouped_mm_path(rot(), w13, w2, weights, ids)
@@ -142,6 +149,13 @@ def moe_train_setup(device, tiny, *, model, t):
     return Setup(flops=flops, bytes=0, impls=impls, score=score, reset=rot.reset, tokens=t)
 
 
+def _register_fp8():
+    for model in ("mixtral", "deepseek-v3"):
+        for t in (1, 16, 128):
+            register("moe", f"{model} T{t} uniform fp8", quick=model == "mixtral" and t == 16)(
+                lambda dev, tiny, model=model, t=t: moe_setup(dev, tiny, model=model, t=t, skew=False, fp8=True))
+
+
 def _register():
     for model in ("mixtral", "qwen3-30b-a3b"):
         register("moe", f"{model} T8192 fwd+bwd", quick=model == "mixtral")(
@@ -155,3 +169,4 @@ def _register():
 
 
 _register()
+_register_fp8()

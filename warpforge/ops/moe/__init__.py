@@ -11,9 +11,11 @@ import torch
 from ...errors import check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, fail
 from ...runtime import arch_key, resolve_backend
 from .align import align
-from .reference import experts_reference, fused_moe_reference, route_reference
+from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
+                        quantize_weights_reference, route_reference)
 
-__all__ = ["fused_moe", "route", "align", "fused_moe_reference", "route_reference", "experts_reference", "CONFIGS"]
+__all__ = ["fused_moe", "route", "align", "quantize_weights", "fused_moe_reference", "route_reference",
+           "experts_reference", "dequantize_weights_reference", "CONFIGS"]
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per arch, by tokens: skinny row blocks for decode.
 # sm90 entries are first guesses until scripts measure them (benchmarks/NOTES.md).
@@ -22,6 +24,30 @@ CONFIGS = {
     "default": {0: (16, 64, 64, 4, 3), 256: (64, 64, 64, 4, 3)},
     "sm90": {0: (16, 64, 128, 4, 4), 64: (32, 64, 128, 4, 4), 512: (64, 128, 64, 8, 3)},
 }
+
+
+def quantize_weights(w: torch.Tensor):
+    """Expert weights [E, rows, cols] -> (FP8 e4m3 weights, fp32 scales [E, ceil(rows/128), ceil(cols/128)]), for
+    fused_moe(..., w_format="fp8", w_scales=(scales13, scales2))."""
+    check_tensor("w", w)
+    check_rank("w", w, 3)
+    return quantize_weights_reference(w)
+
+
+@torch.library.custom_op("warpforge::moe_experts_fp8", mutates_args=())
+def _experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor, s2: torch.Tensor,
+                 weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Inference with FP8 expert weights (dequantised tile by tile inside the GEMMs); no backward."""
+    from .moe_kernel import fused_experts
+    cfg = _config(hidden.device, hidden.shape[0])
+    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg[0])
+    return fused_experts(hidden, w13.view(torch.uint8), w2.view(torch.uint8), weights, sorted_ids, expert_ids,
+                         num_post, ids.shape[1], cfg, scales=(s13, s2))[0]
+
+
+@_experts_fp8.register_fake
+def _(hidden, w13, w2, s13, s2, weights, ids):
+    return torch.empty_like(hidden)
 
 
 @torch.library.custom_op("warpforge::moe_experts_fwd", mutates_args=())
@@ -122,6 +148,18 @@ def _check_routing(router_logits, topk, scoring, num_expert_group, topk_group):
                  topk)
 
 
+def _check_scales(w_scales, w13, w2, hidden):
+    if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
+        fail("w_scales", "(scales for w13, scales for w2) from moe.quantize_weights", type(w_scales).__name__)
+    for name, sc, w in (("w_scales[0]", w_scales[0], w13), ("w_scales[1]", w_scales[1], w2)):
+        check_tensor(name, sc)
+        check_dtype(name, sc, (torch.float32,))
+        check_same_device(name, sc, "hidden", hidden)
+        want = (w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128))
+        if tuple(sc.shape) != want:
+            fail(name, f"shape {want} (one scale per 128 x 128 block)", tuple(sc.shape))
+
+
 def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None,
               topk_group=None, routed_scaling_factor=1.0, w_format="bf16", w_scales=None, backend=None):
     """out [T, H] = Σ_k weight_k · W2_e (SiLU(gate) ⊙ up) with [gate; up] = W13_e · hidden.
@@ -137,8 +175,14 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
     check_dtype("hidden", hidden, (torch.float16, torch.bfloat16) + ((torch.float32,) if backend == "reference" else ()))
     for name, t in (("w13", w13), ("w2", w2), ("router_logits", router_logits)):
         check_same_device(name, t, "hidden", hidden)
-    check_same_dtype("w13", w13, "hidden", hidden)
-    check_same_dtype("w2", w2, "hidden", hidden)
+    if w_format not in ("bf16", "fp8"):
+        fail("w_format", "'bf16' (weights in hidden's dtype) or 'fp8'", repr(w_format))
+    if w_format == "fp8":
+        check_dtype("w13", w13, (torch.float8_e4m3fn,))
+        check_dtype("w2", w2, (torch.float8_e4m3fn,))
+    else:
+        check_same_dtype("w13", w13, "hidden", hidden)
+        check_same_dtype("w2", w2, "hidden", hidden)
     t, h = hidden.shape
     e, two_i, h13 = w13.shape
     if h13 != h:
@@ -150,11 +194,21 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
     _check_routing(router_logits, topk, scoring, num_expert_group, topk_group)
     if tuple(router_logits.shape) != (t, e):
         fail("router_logits", f"[{t}, {e}] ([T, E])", tuple(router_logits.shape))
-    if w_format != "bf16" or w_scales is not None:
-        fail("w_format", "'bf16' (FP8 expert weights are not implemented yet)", repr(w_format))
+    if w_format == "fp8":
+        _check_scales(w_scales, w13, w2, hidden)
+    elif w_scales is not None:
+        fail("w_scales", "None unless w_format='fp8'", "scales")
     weights, ids = route_reference(router_logits, topk, renormalize=renormalize, scoring=scoring,
                                    num_expert_group=num_expert_group, topk_group=topk_group,
                                    routed_scaling_factor=routed_scaling_factor)
+    if w_format == "fp8":
+        if backend == "reference":
+            return experts_reference(hidden, *(dequantize_weights_reference(w, sc).to(hidden.dtype)
+                                               for w, sc in ((w13, w_scales[0]), (w2, w_scales[1]))), weights, ids)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            fail("w_format", "'bf16' for training (FP8 expert weights are for inference)", "'fp8' with autograd")
+        return _experts_fp8(hidden.contiguous(), w13.contiguous(), w2.contiguous(), w_scales[0].contiguous(),
+                            w_scales[1].contiguous(), weights, ids)
     if backend == "reference":
         return experts_reference(hidden, w13, w2, weights, ids)
     train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, router_logits))

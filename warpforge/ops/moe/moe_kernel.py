@@ -26,11 +26,26 @@ def _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK: tl.const
 
 
 @triton.jit
-def moe_gather_gemm_kernel(A, B, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                           stride_a, stride_be, stride_bk, stride_bn, stride_o, stride_pre, n_slots, K, N,
+def _load_b(ptrs, mask, SCALE, e, offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B: tl.constexpr,
+            OUT_DTYPE: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of B: as stored, or FP8 (e4m3 bytes) times its 128x128 block scale."""
+    if FP8_B:
+        codes = tl.load(ptrs, mask=mask, other=0)
+        scale = tl.load(SCALE + e.to(tl.int64) * stride_se + (offs_k // 128)[:, None] * stride_sk
+                        + (offs_n // 128)[None, :] * stride_sn, mask=mask, other=0.0)
+        tile = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(OUT_DTYPE)
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def moe_gather_gemm_kernel(A, B, B_SCALE, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_POST,
+                           stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
+                           stride_o, stride_pre, n_slots, K, N,
                            TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SWIGLU: tl.constexpr,
-                           SAVE_PRE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           SAVE_PRE: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """OUT[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot.
     SWIGLU: B's columns n and N + n are gate and up; OUT = SiLU(gate) ⊙ up (PRE keeps [gate | up])."""
     pid_m = tl.program_id(0)
@@ -50,9 +65,11 @@ def moe_gather_gemm_kernel(A, B, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_POST,
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
         bmask = k_ok[:, None] & n_ok[None, :]
-        acc = tl.dot(a, tl.load(b_ptrs, mask=bmask, other=0.0), acc)
+        acc = tl.dot(a, _load_b(b_ptrs, bmask, B_SCALE, e, offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
+                                a.dtype), acc)
         if SWIGLU:
-            acc_up = tl.dot(a, tl.load(b_ptrs + N * stride_bn, mask=bmask, other=0.0), acc_up)
+            acc_up = tl.dot(a, _load_b(b_ptrs + N * stride_bn, bmask, B_SCALE, e, offs_k, offs_n + N, stride_se,
+                                       stride_sk, stride_sn, FP8_B, a.dtype), acc_up)
     omask = ok[:, None] & n_ok[None, :]
     if SWIGLU:
         if SAVE_PRE:
@@ -64,10 +81,11 @@ def moe_gather_gemm_kernel(A, B, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_POST,
 
 
 @triton.jit
-def moe_scatter_gemm_kernel(A, B, OUT, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                            stride_a, stride_be, stride_bk, stride_bn, stride_o, n_slots, K, N,
-                            TOPK: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+def moe_scatter_gemm_kernel(A, B, B_SCALE, OUT, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+                            stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
+                            stride_o, n_slots, K, N,
+                            TOPK: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """OUT[token, n] += w[slot] · Σ_k A[slot, k] · B[e][k, n] by fp32 atomics: the top-k combine (and the
     routed-weight multiply, HAS_W) in the epilogue."""
     pid_m = tl.program_id(0)
@@ -84,7 +102,8 @@ def moe_scatter_gemm_kernel(A, B, OUT, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_cols + offs_k[:, None].to(tl.int64) * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = _load_b(b_cols + offs_k[:, None].to(tl.int64) * stride_bk, k_ok[:, None] & n_ok[None, :], B_SCALE, e,
+                    offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B, a.dtype)
         acc = tl.dot(a, b, acc)
     if HAS_W:
         acc = acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
@@ -124,31 +143,47 @@ def moe_weight_grad_kernel(G, A, DW, ROW_W, SORTED_IDS, BLOCK_START, BLOCK_COUNT
 
 
 # ------------------------------------------------------------------------------------------ launch
-def _gather_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, swiglu=False, pre=None):
+def _scale_args(b, scale, b_strides):
+    """(scale tensor, its expert / k-block / n-block strides) for an FP8 B, matching B's (k, n) orientation."""
+    if scale is None:
+        return b, 0, 0, 0
+    # scales are [E, rows / 128, cols / 128] of the stored [E, rows, cols] weight; k runs along the stored
+    # cols when B's k stride is 1 (B = Wᵀ), else along the rows
+    if b_strides[0] == 1:
+        return scale, scale.stride(0), scale.stride(2), scale.stride(1)
+    return scale, scale.stride(0), scale.stride(1), scale.stride(2)
+
+
+def _gather_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, swiglu=False, pre=None, scale=None):
     sorted_ids, expert_ids, num_post = schedule
     bm, bn, bk, warps, stages = cfg
+    sc, *sc_strides = _scale_args(b, scale, b_strides)
     moe_gather_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
-        a, b, out, pre if pre is not None else out, sorted_ids, expert_ids, num_post,
-        a.stride(0), b.stride(0), b_strides[0], b_strides[1], out.stride(0),
-        pre.stride(0) if pre is not None else 0, out.shape[0], k, n,
-        TOPK=topk, A_BY_TOKEN=a_by_token, SWIGLU=swiglu, SAVE_PRE=pre is not None,
+        a, b, sc, out, pre if pre is not None else out, sorted_ids, expert_ids,
+        num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides,
+        out.stride(0), pre.stride(0) if pre is not None else 0, out.shape[0], k, n,
+        TOPK=topk, A_BY_TOKEN=a_by_token, SWIGLU=swiglu, SAVE_PRE=pre is not None, FP8_B=scale is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
-def _scatter_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, row_w=None):
+def _scatter_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, row_w=None, scale=None):
     sorted_ids, expert_ids, num_post = schedule
     bm, bn, bk, warps, stages = cfg
+    sc, *sc_strides = _scale_args(b, scale, b_strides)
     moe_scatter_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
-        a, b, out, row_w if row_w is not None else out, sorted_ids, expert_ids, num_post,
-        a.stride(0), b.stride(0), b_strides[0], b_strides[1], out.stride(0), a.shape[0], k, n,
-        TOPK=topk, HAS_W=row_w is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages)
+        a, b, sc, out, row_w if row_w is not None else out, sorted_ids,
+        expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1],
+        *sc_strides, out.stride(0), a.shape[0], k, n,
+        TOPK=topk, HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
 
 
-def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False):
+def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
+                  scales=None):
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; the aligned schedule from align(); cfg (BLOCK_M, BLOCK_N,
     BLOCK_K, warps, stages) with BLOCK_M equal to align's block_m. Returns (out [T, H] in hidden's dtype,
-    act [T·k, I], pre [T·k, 2I] or None): the last two are what the backward needs."""
+    act [T·k, I], pre [T·k, 2I] or None): the last two are what the backward needs. scales: (s13, s2) when
+    w13 / w2 are FP8 (e4m3 as uint8) with fp32 scales per 128 x 128 block."""
     import torch
 
     t, h = hidden.shape
@@ -162,10 +197,12 @@ def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_pos
     schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
     # gate_up: B[e][k=h, n] = w13[e, n, h]
+    s13, s2 = scales if scales is not None else (None, None)
     _gather_gemm(hidden, w13, act, (w13.stride(2), w13.stride(1)), schedule, topk, inter_dim, h, cfg,
-                 a_by_token=True, swiglu=True, pre=pre)
+                 a_by_token=True, swiglu=True, pre=pre, scale=s13)
     # down: B[e][k=i, n=h] = w2[e, h, i]
-    _scatter_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), schedule, topk, h, inter_dim, cfg, row_w=weights)
+    _scatter_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), schedule, topk, h, inter_dim, cfg, row_w=weights,
+                  scale=s2)
     return out.to(hidden.dtype), act, pre
 
 

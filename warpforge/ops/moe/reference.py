@@ -52,3 +52,25 @@ def experts_reference(hidden, w13, w2, topk_weights, topk_ids):
 def fused_moe_reference(hidden, w13, w2, router_logits, topk, **route_kw):
     weights, ids = route_reference(router_logits, topk, **route_kw)
     return experts_reference(hidden, w13, w2, weights, ids)
+
+
+FP8_BLOCK = 128
+
+
+def quantize_weights_reference(w: torch.Tensor, block: int = FP8_BLOCK):
+    """w [E, rows, cols] -> (e4m3 [E, rows, cols], fp32 scales [E, ceil(rows/128), ceil(cols/128)]), one scale
+    per 128 x 128 block (DeepSeek-V3's layout): amax / 448."""
+    e, r, c = w.shape
+    rb, cb = -(-r // block), -(-c // block)
+    padded = torch.zeros(e, rb * block, cb * block, dtype=torch.float32, device=w.device)
+    padded[:, :r, :c] = w.float()
+    tiles = padded.view(e, rb, block, cb, block)
+    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-12)
+    q = (tiles / scale[:, :, None, :, None]).clamp(-448, 448).view(e, rb * block, cb * block)[:, :r, :c]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_weights_reference(q: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    e, r, c = q.shape
+    full = scale.repeat_interleave(block, 1).repeat_interleave(block, 2)[:, :r, :c]
+    return q.float() * full
