@@ -1,0 +1,144 @@
+"""`MLAttention`: DeepSeek-V3's Multi-head Latent Attention.
+
+Training and prefill use the non-absorbed form: per-head keys [nope 128 | shared rope 64] and values
+128, attended by `flash_attention`. Its head dims are equal, so q/k (192) and v (128) are zero-padded to
+256. That leaves the scores unchanged, and the softmax scale is passed explicitly.
+Decode uses the absorbed form: the cache keeps one 576-wide latent per token ([normalised c_kv 512 | roped
+k 64]), and the queries are moved into the latent space (q_nope · W_UK) so that `mla_decode` reads the paged
+cache once for all heads; its 512-wide output is mapped back by W_UV.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import fail
+from ..ops.attention import flash_attention
+from ..ops.fused import apply_rope, rms_norm
+from ..ops.mla import mla_decode
+
+
+@dataclass
+class MLACache:
+    """A paged latent cache: kv_cache [num_pages, page_size, 1, 576], block_table int32 [b, pages per request],
+    cache_seqlens int32 [b] (tokens written so far)."""
+    kv_cache: torch.Tensor
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+
+    @classmethod
+    def allocate(cls, batch: int, max_tokens: int, page_size: int = 64, device=None, dtype=torch.bfloat16):
+        pages = -(-max_tokens // page_size)
+        kv = torch.zeros(batch * pages, page_size, 1, 576, device=device, dtype=dtype)
+        table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
+        return cls(kv, table, torch.zeros(batch, device=device, dtype=torch.int32))
+
+
+class MLAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int | None = 1536, kv_lora_rank: int = 512,
+                 qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64, v_head_dim: int = 128,
+                 max_seq_len: int = 4096, rope_base: float = 10000.0, mscale: float = 1.0, backend: str | None = None):
+        super().__init__()
+        if kv_lora_rank != 512 or qk_rope_head_dim != 64:
+            fail("kv_lora_rank", "512 with qk_rope_head_dim 64 (the 576-wide latent mla_decode reads)",
+                 (kv_lora_rank, qk_rope_head_dim))
+        self.n_heads, self.nope, self.rope_dim, self.v_dim = n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.kv_rank, self.backend = kv_lora_rank, backend
+        qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        # YaRN's attention temperature enters as mscale² on the softmax scale
+        self.softmax_scale = mscale * mscale / math.sqrt(qk_dim)
+        if q_lora_rank:
+            self.wq_a = nn.Linear(dim, q_lora_rank, bias=False)
+            self.q_norm = nn.Parameter(torch.ones(q_lora_rank))
+            self.wq_b = nn.Linear(q_lora_rank, n_heads * qk_dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, n_heads * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(dim, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_norm = nn.Parameter(torch.ones(kv_lora_rank))
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
+        inv = rope_base ** (-torch.arange(0, qk_rope_head_dim, 2, dtype=torch.float32) / qk_rope_head_dim)
+        ang = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
+
+    # ----------------------------------------------------------------------------------- pieces
+    def _queries(self, x, pos):
+        q = self.wq_b(rms_norm(self.wq_a(x), self.q_norm, backend=self.backend)) if hasattr(self, "wq_a") \
+            else self.wq(x)
+        q = q.view(*x.shape[:2], self.n_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        return q_nope, self._rope(q_rope, pos)
+
+    def _latents(self, x, pos):
+        """[normalised c_kv | roped k]: [b, s, 576], what the cache keeps."""
+        c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        k_rope = self._rope(k_rope[:, :, None, :], pos)[:, :, 0]
+        return torch.cat([rms_norm(c_kv, self.kv_norm, backend=self.backend), k_rope], dim=-1)
+
+    def _rope(self, t, pos):
+        s = t.shape[1]
+        return apply_rope(t.contiguous(), self.cos[pos:pos + s], self.sin[pos:pos + s], backend=self.backend)
+
+    def _w_uk_uv(self):
+        w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
+        return w[:, :self.nope], w[:, self.nope:]  # [h, 128, 512] each for k and v
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
+        """x [b, s, dim]. Without a cache: causal self-attention over x (training). With a cache: x's tokens
+        are appended; a first call (empty cache) is a prefill, later calls decode (s ≤ 4) in absorbed form.
+        The requests of a batch advance together, and the position is read from cache_seqlens on the host.
+        A CUDA-graph decode engine would pass positions in instead."""
+        b, s, _ = x.shape
+        if cache is None:
+            return self._prefill(x, 0)
+        start = int(cache.cache_seqlens[0]) if cache.cache_seqlens.numel() else 0
+        latents = self._latents(x, start)
+        self._write(cache, latents, start)
+        if start == 0:
+            out = self._prefill(x, 0, latents)
+        else:
+            out = self._decode(x, cache, start)
+        cache.cache_seqlens += s
+        return out
+
+    def _prefill(self, x, pos, latents=None):
+        b, s, _ = x.shape
+        q_nope, q_rope = self._queries(x, pos)
+        latents = self._latents(x, pos) if latents is None else latents
+        kv = self.wkv_b(latents[..., :self.kv_rank]).view(b, s, self.n_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k_rope = latents[..., None, self.kv_rank:].expand(b, s, self.n_heads, self.rope_dim)
+        pad = 256
+        q = _pad(torch.cat([q_nope, q_rope], -1), pad)
+        k = _pad(torch.cat([k_nope, k_rope], -1), pad)
+        out = flash_attention(q, k, _pad(v, pad), causal=True, softmax_scale=self.softmax_scale,
+                              backend=self.backend)[..., :self.v_dim]
+        return self.wo(out.reshape(b, s, -1))
+
+    def _decode(self, x, cache, start):
+        b, s, _ = x.shape
+        q_nope, q_rope = self._queries(x, start)
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype))
+        q = torch.cat([q_latent, q_rope], dim=-1).to(cache.kv_cache.dtype)
+        out_latent, _ = mla_decode(q, cache.kv_cache, cache.block_table, cache.cache_seqlens + s,
+                                   softmax_scale=self.softmax_scale, causal=s > 1, backend=self.backend)
+        out = torch.einsum("bshc,hdc->bshd", out_latent.to(x.dtype), w_uv.to(x.dtype))
+        return self.wo(out.reshape(b, s, -1))
+
+    @staticmethod
+    def _write(cache, latents, start):
+        b, s, _ = latents.shape
+        page = cache.kv_cache.shape[1]
+        t = torch.arange(start, start + s, device=latents.device)
+        pages = cache.block_table[:, t // page].long()  # [b, s]
+        cache.kv_cache[pages, (t % page)[None, :].expand(b, s), 0] = latents.to(cache.kv_cache.dtype)
+
+
+def _pad(t, width):
+    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
