@@ -16,6 +16,14 @@ class GPTConfig:
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     dropout: float = 0.0
+    # DeepSeek-style blocks: Multi-head Latent Attention, Mixture-of-Experts feed-forward
+    attention: str = "mha"           # "mha" (GQA when n_kv_head < n_head) or "mla"
+    mla_head_dim: int = 32           # per-head nope and v width of MLA (its latent is 512 + 64 rope)
+    moe_experts: int = 0             # 0: dense SwiGLU everywhere
+    moe_topk: int = 2
+    moe_ffn_dim: int = 256           # per expert
+    moe_shared_experts: int = 1
+    moe_first_dense: int = 1         # the first layers keep a dense feed-forward
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +76,12 @@ PRESETS = {
                         TrainConfig(batch_size=16, max_steps=200, lr=6e-4, warmup_steps=20, eval_every=10**9,
                                     ckpt_every=10**9, data="random"),
                         "throughput"),
+    # MLA attention + MoE feed-forward, DeepSeek-V3's blocks at toy size (the MLA decode kernel wants 16+ heads).
+    "deepseek-mini": Preset(GPTConfig(seq_len=256, n_layer=4, n_head=16, n_kv_head=16, d_model=256,
+                                      attention="mla", mla_head_dim=32, moe_experts=8, moe_topk=2, moe_ffn_dim=256),
+                            TrainConfig(batch_size=32, max_steps=2000, max_minutes=10, lr=2e-3, warmup_steps=100,
+                                        eval_every=250, ckpt_every=500),
+                            "MLA + MoE; for a GPU (about 25 s a step on 2 CPU cores)"),
 }
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...nn.mla import MLACache, MLAttention
+from ...nn.moe import MoE
 from ...ops.attention import flash_attention
 from ...ops.fused import apply_rope, linear_cross_entropy, rms_norm, swiglu
 from .config import GPTConfig
@@ -110,13 +112,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, ops: Ops):
+    def __init__(self, cfg: GPTConfig, ops: Ops, layer: int):
         super().__init__()
-        self.norm1, self.attn = RMSNorm(cfg.d_model, ops), Attention(cfg, ops)
-        self.norm2, self.mlp = RMSNorm(cfg.d_model, ops), MLP(cfg, ops)
+        self.mla = cfg.attention == "mla"
+        if self.mla:  # its own rotary tables and latent cache (MLACache)
+            attn = MLAttention(cfg.d_model, cfg.n_head, q_lora_rank=None, qk_nope_head_dim=cfg.mla_head_dim,
+                               v_head_dim=cfg.mla_head_dim, max_seq_len=cfg.seq_len, rope_base=cfg.rope_base)
+        else:
+            attn = Attention(cfg, ops)
+        if cfg.moe_experts and layer >= cfg.moe_first_dense:
+            mlp = MoE(cfg.d_model, cfg.moe_ffn_dim, cfg.moe_experts, cfg.moe_topk,
+                      num_shared_experts=cfg.moe_shared_experts)
+        else:
+            mlp = MLP(cfg, ops)
+        self.norm1, self.attn = RMSNorm(cfg.d_model, ops), attn
+        self.norm2, self.mlp = RMSNorm(cfg.d_model, ops), mlp
 
     def forward(self, x, cos, sin, cache=None, pos: int = 0):
-        x = x + self.attn(self.norm1(x), cos, sin, cache, pos)
+        h = self.norm1(x)
+        x = x + (self.attn(h, cache) if self.mla else self.attn(h, cos, sin, cache, pos))
         return x + self.mlp(self.norm2(x))
 
 
@@ -127,7 +141,7 @@ class GPT(nn.Module):
             raise ValueError("d_model must divide by n_head, and n_head by n_kv_head")
         self.cfg, self.ops = cfg, ops
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, ops) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, ops, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, ops)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -161,15 +175,36 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(h.device.type):  # custom ops see no autocast: cast as a Linear would
             dtype = torch.get_autocast_dtype(h.device.type)
             h, w = h.to(dtype), w.to(dtype)
-        return self.ops.linear_ce(h, w, targets.reshape(-1))
+        loss = self.ops.linear_ce(h, w, targets.reshape(-1))
+        for block in self.blocks:  # MoE layers' load-balancing losses
+            if isinstance(block.mlp, MoE):
+                loss = loss + block.mlp.aux_loss
+        return loss
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def num_params(self, active: bool = False) -> int:
+        """All parameters, or (active=True) those one token uses: topk of each MoE layer's experts."""
+        total = sum(p.numel() for p in self.parameters())
+        if active:
+            for block in self.blocks:
+                if isinstance(block.mlp, MoE):
+                    experts = block.mlp.w13.numel() + block.mlp.w2.numel()
+                    total -= experts * (1 - block.mlp.topk / block.mlp.w13.shape[0])
+        return int(total)
 
     def flops_per_token(self) -> float:
-        """llm.c's count: 6N for the matmuls of forward + backward, plus 6·L·C·T for attention."""
+        """llm.c's count: 6N (active parameters) for the matmuls of forward + backward, plus 6·L·C·T for
+        attention."""
         c = self.cfg
-        return 6 * self.num_params() + 6 * c.n_layer * c.d_model * c.seq_len
+        return 6 * self.num_params(active=True) + 6 * c.n_layer * c.d_model * c.seq_len
+
+    def new_cache(self, batch: int, device, dtype):
+        c = self.cfg
+        if c.attention == "mla":
+            return [MLACache.allocate(batch, c.seq_len, page_size=16, device=device, dtype=dtype)
+                    for _ in range(c.n_layer)]
+        return [{"k": torch.empty(batch, c.seq_len, c.n_kv_head, c.head_dim, device=device, dtype=dtype),
+                 "v": torch.empty(batch, c.seq_len, c.n_kv_head, c.head_dim, device=device, dtype=dtype)}
+                for _ in range(c.n_layer)]
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
@@ -179,9 +214,7 @@ class GPT(nn.Module):
         c = self.cfg
         b = idx.shape[0]
         dtype = self.embed.weight.dtype
-        cache = [{"k": torch.empty(b, c.seq_len, c.n_kv_head, c.head_dim, device=idx.device, dtype=dtype),
-                  "v": torch.empty(b, c.seq_len, c.n_kv_head, c.head_dim, device=idx.device, dtype=dtype)}
-                 for _ in range(c.n_layer)]
+        cache = self.new_cache(b, idx.device, dtype)
         out = idx
         window = idx[:, -c.seq_len:]
         logits = self(window, cache=cache, pos=0)[:, -1]
@@ -191,6 +224,7 @@ class GPT(nn.Module):
             out = torch.cat([out, nxt], dim=1)
             if pos == c.seq_len:  # full: re-read the last half of the context into a fresh cache
                 window = out[:, -(c.seq_len // 2):]
+                cache = self.new_cache(b, idx.device, dtype)
                 logits = self(window, cache=cache, pos=0)[:, -1]
                 pos = window.shape[1]
             else:
