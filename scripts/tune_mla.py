@@ -57,7 +57,7 @@ def main():
                 results.append(dict(h_q=h_q, fmt=fmt, cfg=cfg, splits=splits, ms=ms, tbps=tbps, tflops=tflops))
                 print(f"h{h_q} {fmt} {cfg} splits {splits}: {ms:.3f} ms {tbps:.2f} TB/s {tflops:.0f} TFLOP/s",
                       flush=True)
-        del q, cache, table
+        q = cache = table = None  # free this shape's cache before the next
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

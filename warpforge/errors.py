@@ -32,6 +32,14 @@ def check_rank(name: str, t: torch.Tensor, ranks: int | Sequence[int]) -> None:
         fail(name, f"a {want}-d tensor", f"shape {tuple(t.shape)}")
 
 
+def check_tensors(**specs: tuple) -> None:
+    """check_tensors(name=(value, rank), ...): each is a tensor of that rank (rank None: any)."""
+    for name, (t, rank) in specs.items():
+        check_tensor(name, t)
+        if rank is not None:
+            check_rank(name, t, rank)
+
+
 def check_dtype(name: str, t: torch.Tensor, dtypes: Iterable[torch.dtype]) -> None:
     dtypes = tuple(dtypes)
     if t.dtype not in dtypes:

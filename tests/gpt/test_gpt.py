@@ -1,6 +1,4 @@
 """The GPT: shapes and gradients, KV-cache decoding, resume, data preparation, bad input."""
-import json
-
 import numpy as np
 import pytest
 import torch

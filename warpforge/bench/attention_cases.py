@@ -82,17 +82,14 @@ def attention_setup(device, tiny, *, b, s, h_q, h_kv, d, causal, window=(-1, -1)
         shapes_q, shapes_kv = (total, h_q, d), (total, h_kv, d)
         cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=device)
         pairs = sum(visible_pairs(n, n, causal, window) for n in lengths)
-        b_eff = 1
     else:
         shapes_q, shapes_kv = (b, s, h_q, d), (b, s, h_kv, d)
         pairs = b * visible_pairs(s, s, causal, window)
-        b_eff = b
     fwd_flops = 4.0 * h_q * d * pairs
     elems = (h_q + 2 * h_kv) * d * (sum(lengths) if varlen else b * s)
     fwd_bytes = 2.0 * (elems + h_q * d * (sum(lengths) if varlen else b * s))
     flops = fwd_flops * (3.5 if backward else 1.0)
     nbytes = fwd_bytes * (2.5 if backward else 1.0)
-    baseline_layout = not varlen and device.type == "cuda"
 
     def make_set():
         q = torch.randn(shapes_q, device=device, dtype=dtype)

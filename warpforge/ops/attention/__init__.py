@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from ...errors import (WarpforgeInputError, check_cu_seqlens, check_dtype, check_last_dim_contiguous,
+from ...errors import (check_cu_seqlens, check_dtype, check_last_dim_contiguous,
                        check_rank, check_same_device, check_same_dtype, check_tensor, fail)
 from ...runtime import arch_key, resolve_backend
 from . import configs

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
-                       check_same_dtype, check_tensor, fail)
+                       check_same_dtype, check_tensor, check_tensors, fail)
 from ...runtime import resolve_backend
 from .reference import (linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         swiglu_reference)
@@ -213,12 +213,8 @@ _linear_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
 def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, backend=None):
     """Mean cross-entropy of hidden [N, H] @ weight [V, H]ᵀ against targets [N] (int64), skipping
     ignore_index, without materialising the [N, V] logits."""
-    for name, t in (("hidden", hidden), ("weight", weight), ("targets", targets)):
-        check_tensor(name, t)
+    check_tensors(hidden=(hidden, 2), weight=(weight, 2), targets=(targets, 1))
     backend = resolve_backend(backend, hidden.device)
-    check_rank("hidden", hidden, 2)
-    check_rank("weight", weight, 2)
-    check_rank("targets", targets, 1)
     check_dtype("hidden", hidden, FLOATS)
     check_same_dtype("weight", weight, "hidden", hidden)
     check_dtype("targets", targets, (torch.int64, torch.int32))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, fail
+from ...errors import (check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, check_tensors,
+                       fail)
 from ...runtime import arch_key, resolve_backend
 from .align import align
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
@@ -166,12 +167,8 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].
     """
-    for name, t in (("hidden", hidden), ("w13", w13), ("w2", w2)):
-        check_tensor(name, t)
+    check_tensors(hidden=(hidden, 2), w13=(w13, 3), w2=(w2, 3))
     backend = resolve_backend(backend, hidden.device)
-    check_rank("hidden", hidden, 2)
-    check_rank("w13", w13, 3)
-    check_rank("w2", w2, 3)
     check_dtype("hidden", hidden, (torch.float16, torch.bfloat16) + ((torch.float32,) if backend == "reference" else ()))
     for name, t in (("w13", w13), ("w2", w2), ("router_logits", router_logits)):
         check_same_device(name, t, "hidden", hidden)

@@ -26,6 +26,13 @@ def _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK: tl.const
 
 
 @triton.jit
+def _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N: tl.constexpr):
+    """This program's output columns of expert e's B: (offsets, mask, pointers to each column's start)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_n, offs_n < N, B + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+
+
+@triton.jit
 def _load_b(ptrs, mask, SCALE, e, offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B: tl.constexpr,
             OUT_DTYPE: tl.constexpr):
     """A [BLOCK_K, BLOCK_N] tile of B: as stored, or FP8 (e4m3 bytes) times its 128x128 block scale."""
@@ -53,9 +60,7 @@ def moe_gather_gemm_kernel(A, B, B_SCALE, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
     if e < 0:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    b_cols = B + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    offs_n, n_ok, b_cols = _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N)
     a_rows = A + (tokens if A_BY_TOKEN else slots)[:, None] * stride_a
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -93,9 +98,7 @@ def moe_scatter_gemm_kernel(A, B, B_SCALE, OUT, ROW_W, SORTED_IDS, EXPERT_IDS, N
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
     if e < 0:
         return
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    b_cols = B + e.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+    offs_n, n_ok, b_cols = _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N)
     a_rows = A + slots[:, None] * stride_a
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
