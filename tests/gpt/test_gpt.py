@@ -169,3 +169,21 @@ def test_deepseek_mini_blocks_train_and_decode():
         for _ in range(8):
             slow = torch.cat([slow, model(slow)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(fast, slow)
+
+
+def test_ddp_two_processes_train_and_resume(tmp_path):
+    """torchrun with 2 CPU processes (gloo): trains, checkpoints every rank's data position, resumes."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "warpforge", "gpt", "train",
+            "--preset", "tiny", "--data", "random", "--out", str(tmp_path / "run")]
+    first = subprocess.run(base + ["--max-steps", "4"], env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run(base + ["--max-steps", "8", "--resume"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert ckpt["step"] == 8 and len(ckpt["data_state"]) == 2
+    assert not torch.equal(ckpt["data_state"][0], ckpt["data_state"][1])

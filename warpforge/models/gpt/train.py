@@ -102,7 +102,9 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
     if ckpt:
         model.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
-        batches.restore(ckpt["data_state"][rank] if rank < len(ckpt["data_state"]) else ckpt["data_state"][0])
+        if len(ckpt["data_state"]) != world:
+            raise TrainError(f"{ckpt_path} was written by {len(ckpt['data_state'])} process(es), not {world}")
+        batches.restore(ckpt["data_state"][rank])
         torch.set_rng_state(ckpt["rng"])
         history, step = ckpt["history"], ckpt["step"]
         log(f"resumed {ckpt_path} at step {step}")
@@ -118,10 +120,14 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
         return contextlib.nullcontext()
 
     def checkpoint(reason):
+        states = [batches.state()]
+        if world > 1:  # every rank's data position, so that each resumes its own stream (a collective)
+            import torch.distributed as dist
+            states = [None] * world
+            dist.all_gather_object(states, batches.state())
         if rank != 0:
             return
         out.mkdir(parents=True, exist_ok=True)
-        states = [batches.state()]  # rank 0's; other ranks re-derive theirs from the seed offset
         save_atomic({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
                      "model_cfg": asdict(mcfg), "train_cfg": asdict(tcfg), "preset": preset_name,
                      "rng": torch.get_rng_state(), "data_state": states, "history": history}, ckpt_path)
