@@ -77,3 +77,13 @@ def test_bad_input():
     with pytest.raises(WarpforgeInputError, match="^targets"):
         wf.linear_cross_entropy(x, torch.randn(10, 8, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV),
                                 backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 1000), (2, 33)])
+def test_layer_norm(shape, dtype):
+    from warpforge.ops.fused import layer_norm_reference
+    x = (torch.randn(shape, device=DEV, dtype=dtype) + 0.5).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV, dtype=dtype)).requires_grad_()
+    b = (0.1 * torch.randn(shape[-1], device=DEV, dtype=dtype)).requires_grad_()
+    _grads_match(lambda a, c, d: wf.layer_norm(a, c, d, backend="triton"), layer_norm_reference, [x, w, b], dtype)

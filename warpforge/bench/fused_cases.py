@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.fused import (apply_rope, linear_cross_entropy, linear_cross_entropy_reference, rms_norm,
-                         rms_norm_reference, rope_reference, swiglu, swiglu_reference)
+from ..ops.fused import (apply_rope, layer_norm, layer_norm_reference, linear_cross_entropy,
+                         linear_cross_entropy_reference, rms_norm, rms_norm_reference, rope_reference, swiglu,
+                         swiglu_reference)
 from ..testing import rel_l2
 from .cases import Rotation, Setup, register
 
@@ -67,6 +68,14 @@ def _register():
         ours=lambda x, w: rms_norm(x, w, backend="triton"),
         plain=lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
         reference=rms_norm_reference, nbytes=2.0 * n * d * 5))  # fwd: x, y; bwd: x, dy, dx
+    register("fused", "layer_norm fwd+bwd 16k x 768")(lambda dev, tiny: fwd_bwd_setup(
+        dev, tiny,
+        make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
+                                torch.ones(_rows(t)[1], device=dv, dtype=dt, requires_grad=True),
+                                torch.zeros(_rows(t)[1], device=dv, dtype=dt, requires_grad=True)],
+        ours=lambda x, w, b: layer_norm(x, w, b, backend="triton"),
+        plain=lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+        reference=layer_norm_reference, nbytes=2.0 * n * d * 5))
     register("fused", "swiglu fwd+bwd 16k x 2x3072", quick=True)(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
         make=lambda t, dv, dt: [torch.randn((64, 2 * 96) if t else (TOKENS, 2 * FFN), device=dv, dtype=dt,

@@ -1,19 +1,21 @@
-"""The GPT's fused training ops: `rms_norm`, `apply_rope`, `swiglu`, `linear_cross_entropy`.
+"""The GPT's fused training ops: `rms_norm`, `layer_norm`, `apply_rope`, `swiglu`, `linear_cross_entropy`.
 
 validate -> pick backend -> (reference | torch.library custom op with autograd over the Triton kernels)
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
                        check_same_dtype, check_tensor, check_tensors, fail)
 from ...runtime import resolve_backend
-from .reference import (linear_cross_entropy_reference, rms_norm_reference, rope_reference,
+from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         swiglu_reference)
 
-__all__ = ["rms_norm", "apply_rope", "swiglu", "linear_cross_entropy", "rms_norm_reference", "rope_reference",
-           "swiglu_reference", "linear_cross_entropy_reference"]
+__all__ = ["rms_norm", "layer_norm", "apply_rope", "swiglu", "linear_cross_entropy", "rms_norm_reference",
+           "layer_norm_reference", "rope_reference", "swiglu_reference", "linear_cross_entropy_reference"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 CE_CHUNK_ELEMENTS = 1 << 26  # logits materialised per chunk (rows x vocab): 128 MB in bf16
@@ -28,55 +30,77 @@ def _programs(device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-# --------------------------------------------------------------------------------------- RMSNorm
-@torch.library.custom_op("warpforge::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels().rmsnorm_fwd(x, weight, eps)
+# ----------------------------------------------------------------------------- RMSNorm / LayerNorm
+@torch.library.custom_op("warpforge::norm_fwd", mutates_args=())
+def _norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+              layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd); mean is empty for RMSNorm."""
+    y, mean, rstd = _kernels().norm_fwd(x, weight, bias, eps, layer)
+    return y, mean if mean is not None else rstd.new_empty(0), rstd
 
 
-@_rms_norm_fwd.register_fake
-def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.numel() // max(x.shape[-1], 1), dtype=torch.float32)
+@_norm_fwd.register_fake
+def _(x, weight, bias, eps, layer):
+    rows = x.numel() // max(x.shape[-1], 1)
+    return torch.empty_like(x), x.new_empty(rows if layer else 0, dtype=torch.float32), \
+        x.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("warpforge::rms_norm_bwd", mutates_args=())
-def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                  rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kernels().rmsnorm_bwd(dy.contiguous(), x, weight, rstd, _programs(x.device))
+@torch.library.custom_op("warpforge::norm_bwd", mutates_args=())
+def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+              layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = _kernels().norm_bwd(dy.contiguous(), x, weight, mean, rstd, _programs(x.device), layer)
+    return dx, dw, db if db is not None else weight.new_empty(0)
 
 
-@_rms_norm_bwd.register_fake
-def _(dy, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
+@_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, layer):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0)
 
 
-def _rms_setup(ctx, inputs, output):
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.mark_non_differentiable(output[1])
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, _, layer = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.layer = layer
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _rms_backward(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = _rms_norm_bwd(dy, x, weight, rstd)
-    return dx, dw, None
+def _norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
+    return dx, dw, db if ctx.layer else None, None, None
 
 
-_rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
+_norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
+
+
+def _check_norm(x, weight, bias):
+    check_tensor("x", x)
+    check_tensor("weight", weight)
+    check_dtype("x", x, FLOATS)
+    for name, t in (("weight", weight),) + ((("bias", bias),) if bias is not None else ()):
+        check_tensor(name, t)
+        check_rank(name, t, 1)
+        check_dim(name, t, 0, x.shape[-1], "x's last dim")
+        check_same_device(name, t, "x", x)
 
 
 def rms_norm(x, weight, eps: float = 1e-6, backend=None):
     """x / sqrt(mean(x², -1) + eps) · weight over the last dim; x [..., n], weight [n]."""
-    check_tensor("x", x)
-    check_tensor("weight", weight)
-    backend = resolve_backend(backend, x.device)
-    check_dtype("x", x, FLOATS)
-    check_rank("weight", weight, 1)
-    check_dim("weight", weight, 0, x.shape[-1], "x's last dim")
-    check_same_device("weight", weight, "x", x)
-    if backend == "reference":
+    _check_norm(x, weight, None)
+    if resolve_backend(backend, x.device) == "reference":
         return rms_norm_reference(x, weight, eps)
-    return _rms_norm_fwd(x.contiguous(), weight.contiguous(), float(eps))[0]
+    return _norm_fwd(x.contiguous(), weight.contiguous(), None, float(eps), False)[0]
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None):
+    """(x − mean) / sqrt(var + eps) · weight + bias over the last dim; x [..., n], weight and bias [n]."""
+    _check_norm(x, weight, bias)
+    if bias is None:
+        fail("bias", "a tensor [n] (use rms_norm for a norm without bias or centring)", None)
+    if resolve_backend(backend, x.device) == "reference":
+        return layer_norm_reference(x, weight, bias, eps)
+    return _norm_fwd(x.contiguous(), weight.contiguous(), bias.contiguous(), float(eps), True)[0]
 
 
 # ------------------------------------------------------------------------------------------- RoPE

@@ -1,4 +1,4 @@
-"""Row-wise and element-wise training kernels: RMSNorm, RoPE, SwiGLU, and the softmax-cross-entropy
+"""Row-wise and element-wise training kernels: RMSNorm / LayerNorm, RoPE, SwiGLU, and the softmax-cross-entropy
 step of the chunked linear + cross-entropy. Each is one pass over memory in each direction.
 
 All work in fp32 registers whatever the storage dtype. Row offsets are int64 (rows × width can pass 2^31).
@@ -7,29 +7,39 @@ import triton
 import triton.language as tl
 
 
-# ------------------------------------------------------------------------------------------ RMSNorm
+# ------------------------------------------------------------------------------ RMSNorm / LayerNorm
 @triton.jit
-def rmsnorm_fwd_kernel(X, W, Y, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr):
+def norm_fwd_kernel(X, W, Bias, Y, MEAN, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr,
+                    LAYER: tl.constexpr):
+    """RMSNorm: y = x · rstd · w. LAYER (LayerNorm): y = (x − mean) · rstd · w + b. One row per program."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    if LAYER:
+        mean = tl.sum(x, 0) / n_cols
+        x = tl.where(ok, x - mean, 0.0)
+        tl.store(MEAN + row, mean)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
-    tl.store(Y + row * stride_y + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=ok)
+    y = x * rstd * w
+    if LAYER:
+        y += tl.load(Bias + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
     tl.store(RSTD + row, rstd)
 
 
 @triton.jit
-def rmsnorm_bwd_kernel(X, W, DY, RSTD, DX, DW_PART, stride_x, stride_dy, stride_dx, n_rows, n_cols,
-                       rows_per_prog, BLOCK: tl.constexpr):
-    """dx = rstd · (g − x̂ · mean(g · x̂)) with g = dy · w, x̂ = x · rstd; dw partial sums per program (summed
-    on the host side in a fixed order: deterministic)."""
+def norm_bwd_kernel(X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, stride_dy, stride_dx, n_rows, n_cols,
+                    rows_per_prog, BLOCK: tl.constexpr, LAYER: tl.constexpr):
+    """dx = rstd · (g − [mean(g)] − x̂ · mean(g · x̂)) with g = dy · w, x̂ the normalised x (the bracket is
+    LayerNorm's); dw (and db) as partial sums per program, summed on the host side in a fixed order."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], tl.float32)
+    db = tl.zeros([BLOCK], tl.float32)
     first = pid * rows_per_prog
     for i in range(0, rows_per_prog):
         r = first + i
@@ -38,12 +48,19 @@ def rmsnorm_bwd_kernel(X, W, DY, RSTD, DX, DW_PART, stride_x, stride_dy, stride_
             x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
             dy = tl.load(DY + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
             rstd = tl.load(RSTD + row)
+            if LAYER:
+                x = tl.where(ok, x - tl.load(MEAN + row), 0.0)
             xhat = x * rstd
             g = dy * w
-            dx = rstd * (g - xhat * (tl.sum(g * xhat, 0) / n_cols))
-            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=ok)
+            dx = g - xhat * (tl.sum(g * xhat, 0) / n_cols)
+            if LAYER:
+                dx -= tl.sum(g, 0) / n_cols
+                db += dy
+            tl.store(DX + row * stride_dx + cols, (rstd * dx).to(DX.dtype.element_ty), mask=ok)
             dw += dy * xhat
     tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, dw, mask=ok)
+    if LAYER:
+        tl.store(DB_PART + pid.to(tl.int64) * n_cols + cols, db, mask=ok)
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -131,32 +148,37 @@ def _rows(t):
     return t.reshape(-1, t.shape[-1])
 
 
-def rmsnorm_fwd(x, weight, eps):
+def norm_fwd(x, weight, bias, eps, layer):
+    """Returns (y like x, mean or None, rstd), statistics fp32 per row."""
     import torch
     x2 = _rows(x)
     y = torch.empty_like(x2)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
+    mean = torch.empty_like(rstd) if layer else None
     n = x2.shape[1]
     if x2.shape[0]:
-        rmsnorm_fwd_kernel[(x2.shape[0],)](x2, weight, y, rstd, x2.stride(0), y.stride(0), n, eps,
-                                           BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
-    return y.view(x.shape), rstd
+        norm_fwd_kernel[(x2.shape[0],)](x2, weight, bias if layer else weight, y, mean if layer else rstd, rstd,
+                                        x2.stride(0), y.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
+                                        LAYER=layer, num_warps=_warps(n))
+    return y.view(x.shape), mean, rstd
 
 
-def rmsnorm_bwd(dy, x, weight, rstd, programs):
+def norm_bwd(dy, x, weight, mean, rstd, programs, layer):
+    """Returns (dx, dw, db or None)."""
     import torch
     x2, dy2 = _rows(x), _rows(dy)
     dx = torch.empty_like(x2)
     rows, n = x2.shape
     per = max(1, triton.cdiv(rows, programs))
     grid = triton.cdiv(rows, per) if rows else 0
-    dw_part = torch.empty((max(grid, 1), n), device=x.device, dtype=torch.float32)
+    dw_part = torch.zeros((max(grid, 1), n), device=x.device, dtype=torch.float32)
+    db_part = torch.zeros_like(dw_part) if layer else dw_part
     if rows:
-        rmsnorm_bwd_kernel[(grid,)](x2, weight, dy2, rstd, dx, dw_part, x2.stride(0), dy2.stride(0), dx.stride(0),
-                                    rows, n, per, BLOCK=triton.next_power_of_2(n), num_warps=_warps(n))
-    else:
-        dw_part.zero_()
-    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype)
+        norm_bwd_kernel[(grid,)](x2, weight, dy2, mean if layer else rstd, rstd, dx, dw_part, db_part,
+                                 x2.stride(0), dy2.stride(0), dx.stride(0), rows, n, per,
+                                 BLOCK=triton.next_power_of_2(n), LAYER=layer, num_warps=_warps(n))
+    db = db_part.sum(0).to(weight.dtype) if layer else None
+    return dx.view(x.shape), dw_part.sum(0).to(weight.dtype), db
 
 
 def rope(x, cos, sin, backward=False):

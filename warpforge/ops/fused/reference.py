@@ -11,6 +11,10 @@ def rms_norm_reference(x, weight, eps=1e-6):
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def layer_norm_reference(x, weight, bias, eps=1e-5):
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
 def rope_reference(x, cos, sin):
     """Rotate pairs (x_i, x_{i + d/2}) of x [b, s, h, d] by angles with cos/sin [s, d/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)
