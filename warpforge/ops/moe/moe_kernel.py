@@ -1,10 +1,10 @@
 """Fused MoE grouped GEMMs in Triton. Rows are gathered inside the GEMM from the aligned slot list (no
 permuted copy of the activations); every block of BLOCK_M slots belongs to one expert (see align.py).
 
-Two GEMM shapes serve forward and backward, B's layout given by strides:
-- gather: OUT[slot] = A[token or slot] · B[e]; with SWIGLU the program accumulates gate and up together, so
-  the forward writes only [T·k, I] (and [T·k, 2I] pre-activations when training).
-- scatter: OUT[token] += w[slot] · A[slot] · B[e] by fp32 atomics: the routed-weight multiply and the top-k
+One GEMM kernel serves forward and backward, B's layout given by strides, with two epilogues:
+- per slot: OUT[slot] = A[token or slot] · B[e]; with SWIGLU the program accumulates gate and up together,
+  so the forward writes only [T·k, I] (and [T·k, 2I] pre-activations when training).
+- SCATTER: OUT[token] += w[slot] · A[slot] · B[e] by fp32 atomics: the routed-weight multiply and the top-k
   combine in the epilogue, with no separate sum pass.
 and the weight gradient: dW[e] = Σ over e's slots of Gᵀ A, one program per (expert, tile), no atomics.
 slot = token · topk + k. Expert and token offsets are int64 (E · 2I · H passes 2^31 for DeepSeek-V3).
@@ -47,14 +47,15 @@ def _load_b(ptrs, mask, SCALE, e, offs_k, offs_n, stride_se, stride_sk, stride_s
 
 
 @triton.jit
-def moe_gather_gemm_kernel(A, B, B_SCALE, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                           stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
-                           stride_o, stride_pre, n_slots, K, N,
-                           TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SWIGLU: tl.constexpr,
-                           SAVE_PRE: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """OUT[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot.
-    SWIGLU: B's columns n and N + n are gate and up; OUT = SiLU(gate) ⊙ up (PRE keeps [gate | up])."""
+def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+                    stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
+                    stride_o, stride_pre, n_slots, K, N,
+                    TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
+                    SAVE_PRE: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then either
+    OUT[slot] = acc (SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
+    [gate | up]), or SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
@@ -76,42 +77,18 @@ def moe_gather_gemm_kernel(A, B, B_SCALE, OUT, PRE, SORTED_IDS, EXPERT_IDS, NUM_
             acc_up = tl.dot(a, _load_b(b_ptrs + N * stride_bn, bmask, B_SCALE, e, offs_k, offs_n + N, stride_se,
                                        stride_sk, stride_sn, FP8_B, a.dtype), acc_up)
     omask = ok[:, None] & n_ok[None, :]
-    if SWIGLU:
-        if SAVE_PRE:
-            pre = PRE + slots[:, None] * stride_pre + offs_n[None, :]
-            tl.store(pre, acc.to(PRE.dtype.element_ty), mask=omask)
-            tl.store(pre + N, acc_up.to(PRE.dtype.element_ty), mask=omask)
-        acc = acc * tl.sigmoid(acc) * acc_up
-    tl.store(OUT + slots[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def moe_scatter_gemm_kernel(A, B, B_SCALE, OUT, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                            stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
-                            stride_o, n_slots, K, N,
-                            TOPK: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """OUT[token, n] += w[slot] · Σ_k A[slot, k] · B[e][k, n] by fp32 atomics: the top-k combine (and the
-    routed-weight multiply, HAS_W) in the epilogue."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
-    if e < 0:
-        return
-    offs_n, n_ok, b_cols = _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N)
-    a_rows = A + slots[:, None] * stride_a
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        b = _load_b(b_cols + offs_k[:, None].to(tl.int64) * stride_bk, k_ok[:, None] & n_ok[None, :], B_SCALE, e,
-                    offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B, a.dtype)
-        acc = tl.dot(a, b, acc)
-    if HAS_W:
-        acc = acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
-    tl.atomic_add(OUT + tokens[:, None] * stride_o + offs_n[None, :], acc, mask=ok[:, None] & n_ok[None, :],
-                  sem="relaxed")
+    if SCATTER:
+        if HAS_W:
+            acc = acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
+        tl.atomic_add(OUT + tokens[:, None] * stride_o + offs_n[None, :], acc, mask=omask, sem="relaxed")
+    else:
+        if SWIGLU:
+            if SAVE_PRE:
+                pre = PRE + slots[:, None] * stride_pre + offs_n[None, :]
+                tl.store(pre, acc.to(PRE.dtype.element_ty), mask=omask)
+                tl.store(pre + N, acc_up.to(PRE.dtype.element_ty), mask=omask)
+            acc = acc * tl.sigmoid(acc) * acc_up
+        tl.store(OUT + slots[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -157,28 +134,20 @@ def _scale_args(b, scale, b_strides):
     return scale, scale.stride(0), scale.stride(1), scale.stride(2)
 
 
-def _gather_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, swiglu=False, pre=None, scale=None):
+def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
+              pre=None, row_w=None, scale=None):
+    """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side."""
     sorted_ids, expert_ids, num_post = schedule
     bm, bn, bk, warps, stages = cfg
     sc, *sc_strides = _scale_args(b, scale, b_strides)
-    moe_gather_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
-        a, b, sc, out, pre if pre is not None else out, sorted_ids, expert_ids,
-        num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides,
-        out.stride(0), pre.stride(0) if pre is not None else 0, out.shape[0], k, n,
-        TOPK=topk, A_BY_TOKEN=a_by_token, SWIGLU=swiglu, SAVE_PRE=pre is not None, FP8_B=scale is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-
-
-def _scatter_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, row_w=None, scale=None):
-    sorted_ids, expert_ids, num_post = schedule
-    bm, bn, bk, warps, stages = cfg
-    sc, *sc_strides = _scale_args(b, scale, b_strides)
-    moe_scatter_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
-        a, b, sc, out, row_w if row_w is not None else out, sorted_ids,
-        expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1],
-        *sc_strides, out.stride(0), a.shape[0], k, n,
-        TOPK=topk, HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+    n_slots = a.shape[0] if scatter else out.shape[0]
+    moe_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
+        a, b, sc, out, pre if pre is not None else out, row_w if row_w is not None else out, sorted_ids,
+        expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0),
+        pre.stride(0) if pre is not None else 0, n_slots, k, n,
+        TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu, SAVE_PRE=pre is not None,
+        HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+        num_stages=stages)
 
 
 def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
@@ -201,11 +170,11 @@ def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_pos
     weights = topk_weights.reshape(-1).float().contiguous()
     # gate_up: B[e][k=h, n] = w13[e, n, h]
     s13, s2 = scales if scales is not None else (None, None)
-    _gather_gemm(hidden, w13, act, (w13.stride(2), w13.stride(1)), schedule, topk, inter_dim, h, cfg,
-                 a_by_token=True, swiglu=True, pre=pre, scale=s13)
+    _moe_gemm(hidden, w13, act, (w13.stride(2), w13.stride(1)), schedule, topk, inter_dim, h, cfg,
+              a_by_token=True, swiglu=True, pre=pre, scale=s13)
     # down: B[e][k=i, n=h] = w2[e, h, i]
-    _scatter_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), schedule, topk, h, inter_dim, cfg, row_w=weights,
-                  scale=s2)
+    _moe_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), schedule, topk, h, inter_dim, cfg, a_by_token=False,
+              scatter=True, row_w=weights, scale=s2)
     return out.to(hidden.dtype), act, pre
 
 
@@ -215,6 +184,20 @@ def expert_blocks(expert_ids, num_experts):
     valid = expert_ids[expert_ids >= 0].long()
     count = torch.bincount(valid, minlength=num_experts)
     return (count.cumsum(0) - count).to(torch.int32), count.to(torch.int32)
+
+
+def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token, row_w=None):
+    """dw [E, N, K] = per expert Σ over its slots of (w ·) g[row]ᵀ a[row]; g and a are read by token or slot,
+    whichever the other is not."""
+    first, count = blocks
+    e_count, n, k = dw.shape
+    bm, bn, bk, warps, stages = cfg
+    moe_weight_grad_kernel[(e_count, triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        g, a, dw, row_w if row_w is not None else g, sorted_ids, first, count, g.stride(0), a.stride(0),
+        dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,
+        TOPK=topk, G_BY_TOKEN=g_by_token, A_BY_TOKEN=not g_by_token, HAS_W=row_w is not None, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return dw
 
 
 def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorted_ids, expert_ids, num_post, topk,
@@ -232,26 +215,18 @@ def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorte
     d_out = d_out.contiguous()
     # d_act_raw[slot] = d_out[token] · w2[e]  (B[e][k=h, n=i] = w2[e, h, i])
     d_act_raw = torch.zeros((n_slots, inter_dim), device=hidden.device, dtype=hidden.dtype)
-    _gather_gemm(d_out, w2, d_act_raw, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg,
-                 a_by_token=True)
+    _moe_gemm(d_out, w2, d_act_raw, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg,
+              a_by_token=True)
     d_weights = (act.float() * d_act_raw.float()).sum(-1).view(t, topk)
     d_act = (d_act_raw.float() * weights[:, None]).to(hidden.dtype)
     d_pre = swiglu_bwd(d_act, pre)  # [gate | up] gradients, per slot
     # d_hidden[token] += d_pre[slot] · w13[e]  (B[e][k=n2, n=h] = w13[e, n2, h])
     d_hidden = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
-    _scatter_gemm(d_pre, w13, d_hidden, (w13.stride(1), w13.stride(2)), schedule, topk, h, two_i, cfg)
-    first, count = expert_blocks(expert_ids, e_count)
-    bm, bn, bk, warps, stages = cfg
-    d_w13 = torch.empty_like(w13)
-    moe_weight_grad_kernel[(e_count, triton.cdiv(two_i, bn), triton.cdiv(h, bk))](
-        d_pre, hidden, d_w13, weights, sorted_ids, first, count, d_pre.stride(0), hidden.stride(0),
-        d_w13.stride(0), d_w13.stride(1), n_slots, two_i, h,
-        TOPK=topk, G_BY_TOKEN=False, A_BY_TOKEN=True, HAS_W=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
-    d_w2 = torch.empty_like(w2)
-    moe_weight_grad_kernel[(e_count, triton.cdiv(h, bn), triton.cdiv(inter_dim, bk))](
-        d_out, act, d_w2, weights, sorted_ids, first, count, d_out.stride(0), act.stride(0),
-        d_w2.stride(0), d_w2.stride(1), n_slots, h, inter_dim,
-        TOPK=topk, G_BY_TOKEN=True, A_BY_TOKEN=False, HAS_W=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, num_stages=stages)
+    _moe_gemm(d_pre, w13, d_hidden, (w13.stride(1), w13.stride(2)), schedule, topk, h, two_i, cfg,
+              a_by_token=False, scatter=True)
+    blocks = expert_blocks(expert_ids, e_count)
+    # d_w13[e] = Σ d_pre[slot]ᵀ hidden[token];  d_w2[e] = Σ (w · d_out[token])ᵀ act[slot]
+    d_w13 = _weight_grad(d_pre, hidden, torch.empty_like(w13), sorted_ids, blocks, topk, cfg, g_by_token=False)
+    d_w2 = _weight_grad(d_out, act, torch.empty_like(w2), sorted_ids, blocks, topk, cfg, g_by_token=True,
+                        row_w=weights)
     return d_hidden.to(hidden.dtype), d_w13, d_w2, d_weights
