@@ -177,8 +177,9 @@ def test_ddp_two_processes_train_and_resume(tmp_path):
     import subprocess
     import sys
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "warpforge", "gpt", "train",
-            "--preset", "tiny", "--data", "random", "--out", str(tmp_path / "run")]
+    # --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "warpforge",
+            "gpt", "train", "--preset", "tiny", "--data", "random", "--out", str(tmp_path / "run")]
     first = subprocess.run(base + ["--max-steps", "4"], env=env, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     again = subprocess.run(base + ["--max-steps", "8", "--resume"], env=env, capture_output=True, text=True,

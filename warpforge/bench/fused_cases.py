@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..models.gpt.model import PYTORCH_OPS
 from ..ops.fused import (apply_rope, layer_norm, layer_norm_reference, linear_cross_entropy,
-                         linear_cross_entropy_reference, rms_norm, rms_norm_reference, rope_reference, swiglu,
-                         swiglu_reference)
+                         linear_cross_entropy_reference, rms_norm, rms_norm_reference, rope_reference, rope_tables,
+                         swiglu, swiglu_reference)
 from ..testing import rel_l2
 from .cases import Rotation, Setup, register
 
@@ -66,7 +67,7 @@ def _register():
         make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
                                 torch.ones(_rows(t)[1], device=dv, dtype=dt, requires_grad=True)],
         ours=lambda x, w: rms_norm(x, w, backend="triton"),
-        plain=lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6),
+        plain=lambda x, w: PYTORCH_OPS.rms_norm(x, w, 1e-6),
         reference=rms_norm_reference, nbytes=2.0 * n * d * 5))  # fwd: x, y; bwd: x, dy, dx
     register("fused", "layer_norm fwd+bwd 16k x 768")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
@@ -81,14 +82,14 @@ def _register():
         make=lambda t, dv, dt: [torch.randn((64, 2 * 96) if t else (TOKENS, 2 * FFN), device=dv, dtype=dt,
                                             requires_grad=True)],
         ours=lambda gu: swiglu(gu, backend="triton"),
-        plain=lambda gu: F.silu(gu[..., :gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2:],
+        plain=PYTORCH_OPS.swiglu,
         reference=swiglu_reference, nbytes=2.0 * n * FFN * 7))  # fwd: gu, out; bwd: gu, dout, dgu
     register("fused", "rope fwd+bwd b16 s1024 h12 d64")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
         make=lambda t, dv, dt: [torch.randn((1, 16, 2, 32) if t else (16, 1024, HEADS, 64), device=dv, dtype=dt,
                                             requires_grad=True)],
         ours=lambda x: apply_rope(x, *_angles(x), backend="triton"),
-        plain=lambda x: _plain_rope(x, *_angles(x)),
+        plain=lambda x: PYTORCH_OPS.rope(x, *_angles(x)),
         reference=lambda x: rope_reference(x, *_angles(x)), nbytes=2.0 * n * d * 4))
     register("fused", "linear+cross-entropy fwd+bwd 16k x 768 -> 50304", quick=True)(
         lambda dev, tiny: fwd_bwd_setup(
@@ -105,16 +106,7 @@ def _register():
 
 
 def _angles(x):
-    s, half = x.shape[1], x.shape[-1] // 2
-    ang = torch.outer(torch.arange(s, device=x.device, dtype=torch.float32),
-                      10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half))
-    return ang.cos(), ang.sin()
-
-
-def _plain_rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[None, :, None, :].to(x.dtype), sin[None, :, None, :].to(x.dtype)
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)
+    return rope_tables(x.shape[1], x.shape[-1], device=x.device)
 
 
 _register()

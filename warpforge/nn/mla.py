@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import fail
 from ..ops.attention import flash_attention
-from ..ops.fused import apply_rope, rms_norm
+from ..ops.fused import apply_rope, rms_norm, rope_tables
 from ..ops.mla import mla_decode
 
 
@@ -60,10 +60,9 @@ class MLAttention(nn.Module):
         self.kv_norm = nn.Parameter(torch.ones(kv_lora_rank))
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
-        inv = rope_base ** (-torch.arange(0, qk_rope_head_dim, 2, dtype=torch.float32) / qk_rope_head_dim)
-        ang = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv)
-        self.register_buffer("cos", ang.cos(), persistent=False)
-        self.register_buffer("sin", ang.sin(), persistent=False)
+        cos, sin = rope_tables(max_seq_len, qk_rope_head_dim, rope_base)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     # ----------------------------------------------------------------------------------- pieces
     def _queries(self, x, pos):

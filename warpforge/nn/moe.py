@@ -49,5 +49,7 @@ class MoE(nn.Module):
         e = logits.shape[-1]
         probs = logits.float().softmax(-1) if self.route_kw["scoring"] == "softmax" else logits.float().sigmoid()
         _, ids = route(logits.detach(), self.topk, **self.route_kw)
-        frac = torch.bincount(ids.reshape(-1).long(), minlength=e).float() / max(ids.numel(), 1)
+        flat = ids.reshape(-1).long()
+        frac = torch.zeros(e, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        frac = frac / max(ids.numel(), 1)  # scatter_add, not bincount: no host sync in the training step
         return e * (frac * probs.mean(0)).sum()

@@ -19,7 +19,7 @@ from torch import nn
 from ...nn.mla import MLACache, MLAttention
 from ...nn.moe import MoE
 from ...ops.attention import flash_attention
-from ...ops.fused import apply_rope, linear_cross_entropy, rms_norm, swiglu
+from ...ops.fused import apply_rope, linear_cross_entropy, rms_norm, rope_tables, swiglu
 from .config import GPTConfig
 
 
@@ -68,13 +68,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return self.ops.rms_norm(x, self.weight, self.eps)
-
-
-def rope_tables(seq_len: int, head_dim: int, base: float, device=None):
-    """cos, sin [seq_len, head_dim / 2] for rotating pairs (x_i, x_{i + head_dim/2})."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
 
 
 class Attention(nn.Module):

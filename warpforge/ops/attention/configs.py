@@ -3,7 +3,8 @@
 Keyed by arch (runtime.arch_key) and padded head dim. "cpu" is the Triton interpreter: small tiles so
 that CI's small shapes still cross block boundaries. sm90 entries come from scripts/tune_attention.py on
 an H200 (numbers in benchmarks/NOTES.md); an arch without a table falls back to "default", which is safe
-rather than fast.
+rather than fast. sm90 enables TMA only at d 64 / 128, the dims tuned and verified on the H200 (d 32 / 96
+with TMA are untested there: benchmarks/NOTES.md).
 """
 from typing import NamedTuple
 

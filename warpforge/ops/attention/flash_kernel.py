@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -467,12 +466,10 @@ def _pow2(d):
     return triton.next_power_of_2(d)
 
 
-def _tma_ok(d, *tensors):
-    """Tensor descriptors need 16-byte aligned bases and strides (2-byte elements: multiples of 8).
-    Only head dims 64 and 128 are enabled: on an H200 with Triton 3.6, d 96 (a 128-wide box over 96
-    columns) and the backward at d 32 gave wrong results (benchmarks/NOTES.md)."""
-    return d in (64, 128) and all(
-        t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
+def _tma_ok(*tensors):
+    """Tensor descriptors need 16-byte aligned bases and strides (2-byte elements: multiples of 8). Which
+    head dims use TMA at all is the config table's decision."""
+    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
 def _scratch(size, align, stream):
@@ -507,7 +504,7 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
         out.zero_()
         return out, lse
     bm, bn, warps, stages = cfg.block_m, cfg.block_n, cfg.warps, cfg.stages
-    use_tma = cfg.tma and _tma_ok(d, k, v)
+    use_tma = cfg.tma and _tma_ok(k, v)
     if use_tma:
         _ensure_allocator(q.device)
     grid = (triton.cdiv(max_q, bm), batch * h_q)
@@ -546,8 +543,8 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         H_Q=h_q, D=d, BLOCK_M=pre_bm, BLOCK_D=bd, VARLEN=varlen,
     )
     atomic_dq = cfg_dkdv.atomic_dq
-    dkdv_tma = cfg_dkdv.tma and _tma_ok(d, q, do)
-    dq_tma = cfg_dq.tma and _tma_ok(d, k, v)
+    dkdv_tma = cfg_dkdv.tma and _tma_ok(q, do)
+    dq_tma = cfg_dq.tma and _tma_ok(k, v)
     if dkdv_tma or dq_tma:
         _ensure_allocator(q.device)
     # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q

@@ -12,9 +12,9 @@ from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_
                        check_same_dtype, check_tensor, check_tensors, fail)
 from ...runtime import resolve_backend
 from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
-                        swiglu_reference)
+                        rope_tables, swiglu_reference)
 
-__all__ = ["rms_norm", "layer_norm", "apply_rope", "swiglu", "linear_cross_entropy", "rms_norm_reference",
+__all__ = ["rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "linear_cross_entropy", "rms_norm_reference",
            "layer_norm_reference", "rope_reference", "swiglu_reference", "linear_cross_entropy_reference"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -15,6 +15,13 @@ def layer_norm_reference(x, weight, bias, eps=1e-5):
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 
 
+def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0, device=None):
+    """cos, sin [seq_len, head_dim / 2]: position t rotates pair (x_i, x_{i + head_dim/2}) by t · base^(-2i/head_dim)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
 def rope_reference(x, cos, sin):
     """Rotate pairs (x_i, x_{i + d/2}) of x [b, s, h, d] by angles with cos/sin [s, d/2]."""
     x1, x2 = x.float().chunk(2, dim=-1)

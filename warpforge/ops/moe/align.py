@@ -21,7 +21,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     device = flat.device
     cap = n + min(num_experts, max(n, 1)) * (block_m - 1)
     cap = -(-cap // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max back to the host to size its output
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded

@@ -179,10 +179,11 @@ def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_pos
 
 
 def expert_blocks(expert_ids, num_experts):
-    """Per expert: its first row block and how many it has (from align's expert_ids)."""
+    """Per expert: its first row block and how many it has (from align's expert_ids), without a host sync."""
     import torch
-    valid = expert_ids[expert_ids >= 0].long()
-    count = torch.bincount(valid, minlength=num_experts)
+    used = expert_ids >= 0
+    count = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device).scatter_add_(
+        0, expert_ids.long().clamp(min=0), used.long())
     return (count.cumsum(0) - count).to(torch.int32), count.to(torch.int32)
 
 
