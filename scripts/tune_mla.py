@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.testing
 
-from warpforge.ops.mla import quantize_kv
+from warpforge.ops.mla import nvfp4_tensor_scale, quantize_kv
 from warpforge.ops.mla.decode_kernel import mla_decode_fwd, plan_num_splits
 
 
@@ -21,9 +21,10 @@ def problem(b, L, h_q, fmt, page=64):
     lens = [L + 2 * i for i in range(b)]
     max_pages = -(-max(lens) // page)
     q = torch.randn(b, 1, h_q, 576, device="cuda", dtype=torch.bfloat16)
-    cache = quantize_kv(torch.randn(b * max_pages, page, 1, 576, device="cuda", dtype=torch.bfloat16), fmt)
+    kv_scale = nvfp4_tensor_scale(torch.full((1, 576), 6.0, device="cuda")) if fmt == "nvfp4" else None
+    cache = quantize_kv(torch.randn(b * max_pages, page, 1, 576, device="cuda", dtype=torch.bfloat16), fmt, kv_scale)
     table = torch.randperm(b * max_pages, device="cuda").view(b, max_pages).int()
-    return q, cache, table, torch.tensor(lens, dtype=torch.int32, device="cuda"), sum(lens)
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32, device="cuda"), sum(lens), kv_scale
 
 
 def main():
@@ -33,22 +34,26 @@ def main():
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plans = {
-        (16, "bf16"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3), (16, 32, 8, 2)],
-        (16, "fp8"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2)],
-        (128, "bf16"): [(64, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 16, 8, 2)],
+        (16, "bf16"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3), (16, 32, 8, 3),
+                       (16, 32, 2, 3), (16, 16, 4, 4)],
+        (16, "fp8"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3), (16, 16, 4, 3), (16, 32, 4, 4)],
+        (16, "nvfp4"): [(16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3)],
+        (16, "mxfp4"): [(16, 32, 4, 2), (16, 64, 8, 2), (16, 32, 8, 3)],
+        (128, "bf16"): [(64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 1), (64, 32, 8, 3), (32, 64, 4, 2),
+                        (64, 16, 8, 3)],
     }
     results = []
     for (h_q, fmt), cfgs in plans.items():
-        q, cache, table, lens, tokens = problem(128, args.L, h_q, fmt)
-        row_bytes = 1152 if fmt == "bf16" else 656
+        q, cache, table, lens, tokens, kv_scale = problem(128, args.L, h_q, fmt)
+        row_bytes = {"bf16": 1152, "fp8": 656, "nvfp4": 416, "mxfp4": 400}[fmt]
         for cfg in cfgs:
             auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg[0], sms)
-            for splits in sorted({auto, 2 * auto, max(1, auto // 2)}):
+            for splits in sorted({auto, 2 * auto, 4 * auto, max(1, auto // 2)}):
                 def run():
-                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, fmt, None, splits, cfg)
+                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, fmt, kv_scale, splits, cfg)
                 try:
                     run()
-                    ms = triton.testing.do_bench(run, warmup=10, rep=40, return_mode="median")
+                    ms = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
                 except Exception as exc:
                     print(f"h{h_q} {fmt} {cfg} splits {splits}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
                     continue

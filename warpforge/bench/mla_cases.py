@@ -14,7 +14,7 @@ import torch
 from ..ops.mla import mla_decode, mla_decode_reference, nvfp4_tensor_scale, quantize_kv
 from ..ops.mla.reference import D_QK, D_V, ROW_BYTES
 from ..testing import cosine
-from .cases import Rotation, Setup, register
+from .cases import Rotation, Setup, graphed, register
 
 PAGE = 64
 
@@ -51,21 +51,7 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
         return mla_decode(st["q"], st["cache"], st["table"], seqlens, softmax_scale=scale, kv_format=fmt,
                           kv_scale=kv_scale, backend="triton")[0]
 
-    if device.type == "cuda":
-        # Decode is served from CUDA graphs; inside one the host-side value checks are skipped, as in serving.
-        for st in rot.sets:
-            decode(st)  # compile and validate once, outside the capture
-            st["graph"] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(st["graph"]):
-                st["graph_out"] = decode(st)
-
-        def ours():
-            st = rot()
-            st["graph"].replay()
-            return st["graph_out"]
-    else:
-        def ours():
-            return decode(rot())
+    ours = graphed(decode, rot, device)  # decode is served from CUDA graphs
     impls = {"warpforge": ours}
     if fmt == "bf16" and device.type == "cuda":
         valid = torch.arange(max_pages * page, device=device)[None, :] < seqlens[:, None]
@@ -113,10 +99,11 @@ def mla_sparse_setup(device, tiny, *, b=128, s_q=2, h_q=128, topk=2048, fmt="fp8
 
     rot = Rotation(make_set, pool_tokens * row_bytes, device)
 
-    def ours():
-        st = rot()
+    def decode(st):
         return mla_decode(st["q"], st["cache"], None, None, softmax_scale=scale, kv_format=fmt, indices=st["idx"],
                           backend="triton")[0]
+
+    ours = graphed(decode, rot, device)
 
     reference = {}
 

@@ -1,7 +1,8 @@
 """MoE forward at the issue's model shapes (Mixtral-8x7B, DeepSeek-V3, Qwen3-30B-A3B) and token counts,
 uniform and Zipf(1.2)-skewed routing. Bytes are the weights of the experts actually touched (what decode
 must read); FLOPs are 2 · T · k · 3 · H · I. Baselines: the `torch._grouped_mm` path (sort rows by expert,
-two grouped GEMMs, scatter-add back) and a per-expert loop."""
+two grouped GEMMs, scatter-add back) and a per-expert loop. Every path includes routing; up to T 512 ours and
+the `_grouped_mm` path replay CUDA graphs (the loop cannot be captured: it reads expert lists on the host)."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from ..ops.moe import experts_reference, fused_moe, quantize_weights, route_reference
 from ..testing import rel_l2
-from .cases import Rotation, Setup, register
+from .cases import Rotation, Setup, graphed, register
 
 MODELS = {  # E, topk, H, I, router extras
     "mixtral": (8, 2, 4096, 14336, {}),
@@ -33,7 +34,10 @@ def _grouped_mm_path(hidden, w13, w2, weights, ids):
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
     rows = hidden[order // k]
-    offs = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)
+    # counts by scatter_add (bincount syncs with the host), so that this path can be graph-captured too
+    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=flat.device).scatter_add_(0, flat,
+                                                                                          torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
     gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
     act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None].to(act.dtype)
@@ -84,14 +88,21 @@ def moe_setup(device, tiny, *, model, t, skew, fp8=False):
         fp8_kw = dict(w_format="fp8", w_scales=(s13, s2))
     flops = 2.0 * t * k * 3 * h * i
     rot = Rotation(lambda: torch.randn(t, h, device=device, dtype=dtype), 2 * t * h, device)
-    # The same weights serve every set (they are what is being read); only activations rotate.
-    if fp8:
-        impls = {"warpforge": lambda: fused_moe(rot(), q13, q2, logits, k, backend="triton", **fp8_kw, **route_kw)}
-    else:
-        impls = {"warpforge": lambda: fused_moe(rot(), w13, w2, logits, k, backend="triton", **route_kw)}
+    # The same weights serve every set (they are what is being read); only activations rotate. Every path
+    # routes; up to T 512 (decode, small prefill) the capturable paths replay CUDA graphs, as serving does.
+    def ours(x):
+        return fused_moe(x, q13 if fp8 else w13, q2 if fp8 else w2, logits, k, backend="triton", **fp8_kw,
+                         **route_kw)
+
+    def grouped(x):
+        return _grouped_mm_path(x, w13, w2, *route_reference(logits, k, **route_kw))
+
+    def timed(step):
+        return graphed(step, rot, device) if t <= 512 else (lambda: step(rot()))
+    impls = {"warpforge": timed(ours)}
     if device.type == "cuda":
         if hasattr(torch, "_grouped_mm"):
-            impls["torch._grouped_mm"] = lambda: _grouped_mm_path(rot(), w13, w2, weights, ids)
+            impls["torch._grouped_mm"] = timed(grouped)
         impls["per-expert loop"] = lambda: _loop_path(rot(), w13, w2, weights, ids)
     cache = {}
 

@@ -23,12 +23,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _e2m1_to_float(code):
-    """e2m1 code (sign in bit 3) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6."""
-    m = code & 7
-    e = (m >> 1).to(tl.float32)
-    half = (m & 1).to(tl.float32) * 0.5
-    mag = tl.where(e == 0.0, half, (1.0 + half) * tl.math.exp2(e - 1.0))
-    return tl.where((code & 8) != 0, -mag, mag)
+    """e2m1 code (sign in bit 3) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6. The three magnitude bits placed at fp16's
+    exponent/mantissa boundary (<< 9) read as 2^(e-15)(1 + m/2), or m·2^-15 for e = 0; times 2^14 that is e2m1."""
+    c = code.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit
@@ -46,9 +45,14 @@ def _load_latent_block(cache, rows64, tok_ok, offs_v, offs_r, row_stride,
     if KV_FMT == 1:
         codes = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        scale_ptr = (base + D_V).to(tl.pointer_type(tl.float32))
-        scales = tl.load(scale_ptr + tl.arange(0, 4)[None, :], mask=tok_ok[:, None], other=0.0)  # [BN, 4]
-        latent = tl.reshape(vals, [BLOCK_N, 4, 128]) * scales[:, :, None]
+        scale_ptr = (cache + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
+        # four [BN] scale columns picked per element by selects: no reshape of the tile (a layout shuffle)
+        s0 = tl.load(scale_ptr, mask=tok_ok, other=0.0)[:, None]
+        s1 = tl.load(scale_ptr + 1, mask=tok_ok, other=0.0)[:, None]
+        s2 = tl.load(scale_ptr + 2, mask=tok_ok, other=0.0)[:, None]
+        s3 = tl.load(scale_ptr + 3, mask=tok_ok, other=0.0)[:, None]
+        chunk = offs_v[None, :] // 128
+        latent = vals * tl.where(chunk < 2, tl.where(chunk == 0, s0, s1), tl.where(chunk == 2, s2, s3))
         rope_off: tl.constexpr = D_V + 16
     else:
         GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32

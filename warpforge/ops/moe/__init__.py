@@ -12,20 +12,12 @@ from ...errors import (check_dtype, check_rank, check_same_device, check_same_dt
                        fail)
 from ...runtime import arch_key, resolve_backend
 from .align import align
+from .configs import CONFIGS, MoECfg, pick
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
                         quantize_weights_reference, route_reference)
 
 __all__ = ["fused_moe", "route", "align", "quantize_weights", "fused_moe_reference", "route_reference",
-           "experts_reference", "dequantize_weights_reference", "CONFIGS"]
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per arch, by tokens: skinny row blocks for decode.
-# sm90 entries are first guesses until scripts measure them (benchmarks/NOTES.md).
-CONFIGS = {
-    "cpu": {0: (16, 32, 32, 1, 1)},
-    "default": {0: (16, 64, 64, 4, 3), 256: (64, 64, 64, 4, 3)},
-    "sm90": {0: (16, 64, 128, 4, 4), 64: (32, 64, 128, 4, 4), 512: (64, 128, 64, 8, 3)},
-}
-
+           "experts_reference", "dequantize_weights_reference", "CONFIGS", "MoECfg"]
 
 def quantize_weights(w: torch.Tensor):
     """Expert weights [E, rows, cols] -> (FP8 e4m3 weights, fp32 scales [E, ceil(rows/128), ceil(cols/128)]), for
@@ -40,8 +32,8 @@ def _experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13:
                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Inference with FP8 expert weights (dequantised tile by tile inside the GEMMs); no backward."""
     from .moe_kernel import fused_experts
-    cfg = _config(hidden.device, hidden.shape[0])
-    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg[0])
+    cfg = _config(hidden.device, hidden.shape[0], w13)
+    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m)
     return fused_experts(hidden, w13.view(torch.uint8), w2.view(torch.uint8), weights, sorted_ids, expert_ids,
                          num_post, ids.shape[1], cfg, scales=(s13, s2))[0]
 
@@ -58,8 +50,8 @@ def _experts_fwd(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     """(out, act, pre, sorted_ids, expert_ids, num_post); act/pre are what the backward needs (pre is empty
     when not training)."""
     from .moe_kernel import fused_experts
-    cfg = _config(hidden.device, hidden.shape[0])
-    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg[0])
+    cfg = _config(hidden.device, hidden.shape[0], w13)
+    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m)
     out, act, pre = fused_experts(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post, ids.shape[1], cfg,
                                   save_pre=train)
     if pre is None:
@@ -72,7 +64,7 @@ def _(hidden, w13, w2, weights, ids, train):
     t, k = ids.shape
     n = t * k
     e, two_i, _ = w13.shape
-    bm = _config(hidden.device, t)[0]
+    bm = _config(hidden.device, t, w13).block_m
     cap = -(-(n + min(e, max(n, 1)) * (bm - 1)) // bm) * bm  # align()'s static size
     return (torch.empty_like(hidden), hidden.new_empty(n, two_i // 2), hidden.new_empty(n if train else 0, two_i),
             ids.new_empty(cap), ids.new_empty(cap // bm), ids.new_empty(1))
@@ -84,7 +76,7 @@ def _experts_bwd(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w
                  expert_ids: torch.Tensor, num_post: torch.Tensor,
                  topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .moe_kernel import fused_experts_backward
-    cfg = _config(hidden.device, hidden.shape[0])
+    cfg = _config(hidden.device, hidden.shape[0], w13)
     return fused_experts_backward(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post,
                                   topk, cfg)
 
@@ -114,9 +106,8 @@ def _experts_backward(ctx, d_out, *_):
 _experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup)
 
 
-def _config(device: torch.device, tokens: int):
-    table = CONFIGS.get(arch_key(device), CONFIGS["default"])
-    return table[max(k for k in table if k <= tokens)]
+def _config(device: torch.device, tokens: int, w13: torch.Tensor) -> MoECfg:
+    return pick(arch_key(device), tuple(w13.shape), tokens)
 
 
 def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None, topk_group=None,

@@ -65,7 +65,10 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_
     a_rows = A + (tokens if A_BY_TOKEN else slots)[:, None] * stride_a
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # split-K (SCATTER only, whose atomics sum the ranges): program_id(2) owns a BLOCK_K-aligned range of K
+    k_chunk = tl.cdiv(tl.cdiv(K, tl.num_programs(2)), BLOCK_K) * BLOCK_K
+    k_lo = tl.program_id(2) * k_chunk
+    for k0 in range(k_lo, tl.minimum(k_lo + k_chunk, K), BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
@@ -136,12 +139,15 @@ def _scale_args(b, scale, b_strides):
 
 def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
               pre=None, row_w=None, scale=None):
-    """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side."""
+    """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side.
+    Scatter GEMMs take cfg.down's tiles and cfg.split_k, per-slot ones cfg.up's."""
     sorted_ids, expert_ids, num_post = schedule
-    bm, bn, bk, warps, stages = cfg
+    bm = cfg.block_m
+    bn, bk, warps, stages = cfg.down if scatter else cfg.up
+    split_k = cfg.split_k if scatter else 1
     sc, *sc_strides = _scale_args(b, scale, b_strides)
     n_slots = a.shape[0] if scatter else out.shape[0]
-    moe_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn))](
+    moe_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn), split_k)](
         a, b, sc, out, pre if pre is not None else out, row_w if row_w is not None else out, sorted_ids,
         expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0),
         pre.stride(0) if pre is not None else 0, n_slots, k, n,
@@ -152,8 +158,8 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
 
 def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
                   scales=None):
-    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; the aligned schedule from align(); cfg (BLOCK_M, BLOCK_N,
-    BLOCK_K, warps, stages) with BLOCK_M equal to align's block_m. Returns (out [T, H] in hidden's dtype,
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; the aligned schedule from align(); cfg a configs.MoECfg whose
+    block_m is align's. Returns (out [T, H] in hidden's dtype,
     act [T·k, I], pre [T·k, 2I] or None): the last two are what the backward needs. scales: (s13, s2) when
     w13 / w2 are FP8 (e4m3 as uint8) with fp32 scales per 128 x 128 block."""
     import torch
@@ -192,7 +198,8 @@ def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token, row_w=N
     whichever the other is not."""
     first, count = blocks
     e_count, n, k = dw.shape
-    bm, bn, bk, warps, stages = cfg
+    bm = cfg.block_m
+    bn, bk, warps, stages = cfg.up
     moe_weight_grad_kernel[(e_count, triton.cdiv(n, bn), triton.cdiv(k, bk))](
         g, a, dw, row_w if row_w is not None else g, sorted_ids, first, count, g.stride(0), a.stride(0),
         dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,

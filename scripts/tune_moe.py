@@ -1,0 +1,106 @@
+"""Sweep the MoE grouped-GEMM tiles on this GPU, per model shape and token count, and print the table entries.
+
+    PYTHONPATH=. python scripts/tune_moe.py [--models mixtral,deepseek-v3,qwen3-30b-a3b] [--tokens 1,16,128,...]
+                                            [--out tune_moe.json] [--budget-s 300]
+
+The two GEMMs are tuned apart for each block_m (they share only align's block_m): the gate/up GEMM with its
+SwiGLU epilogue over (BLOCK_N, BLOCK_K, warps, stages), the down GEMM with its scatter epilogue over the same
+plus split-K. Each is timed as a replayed CUDA graph (decode runs that way), uniform routing. The winners
+become warpforge/ops/moe/configs.py's sm90 entries, with the numbers in benchmarks/NOTES.md.
+"""
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import triton
+import triton.testing
+
+from warpforge.bench.moe_cases import MODELS
+from warpforge.ops.moe import align, route_reference
+from warpforge.ops.moe.configs import MoECfg
+from warpforge.ops.moe.moe_kernel import _moe_gemm
+
+
+def candidates(tokens):
+    """(block_ms, up tiles, down tiles, split_ks) worth trying at this token count."""
+    if tokens <= 64:
+        tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5)))
+        return (16,), tiles, tiles, (1, 2, 4)
+    if tokens <= 512:
+        tiles = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4)))
+        return (16, 32, 64), tiles, tiles, (1, 2)
+    tiles = list(itertools.product((128, 256), (64,), (4, 8), (3, 4))) + [(64, 64, 4, 4), (128, 128, 8, 3)]
+    return (64, 128), tiles, tiles, (1,)
+
+
+def bench(fn):
+    try:
+        fn()
+        return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+    except Exception as exc:  # e.g. out of shared memory: a config too big for this GPU
+        print(f"  skipped: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+        return float("inf")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--tokens", default="1,16,128,512,2048,8192")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    args = ap.parse_args()
+    t0 = time.time()
+    results = []
+    for model in args.models.split(","):
+        e, k, h, i, route_kw = MODELS[model]
+        torch.manual_seed(0)
+        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+        w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) * i ** -0.5
+        for t in map(int, args.tokens.split(",")):
+            if time.time() - t0 > args.budget_s:
+                print("budget spent: stopping", flush=True)
+                break
+            hidden = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+            weights, ids = route_reference(torch.randn(t, e, device="cuda"), k, **route_kw)
+            flat_w = weights.reshape(-1).float().contiguous()
+            act = torch.empty(t * k, i, device="cuda", dtype=torch.bfloat16)
+            out = torch.zeros(t, h, device="cuda", dtype=torch.float32)
+            bms, up_tiles, down_tiles, split_ks = candidates(t)
+            best = None
+            for bm in bms:
+                sched = align(ids, e, bm)
+
+                def up(tile):
+                    cfg = MoECfg(bm, tile, tile)
+                    return bench(lambda: _moe_gemm(hidden, w13, act, (w13.stride(2), w13.stride(1)), sched, k, i, h,
+                                                   cfg, a_by_token=True, swiglu=True))
+
+                def down(tile, sk):
+                    cfg = MoECfg(bm, tile, tile, sk)
+                    return bench(lambda: _moe_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), sched, k, h, i, cfg,
+                                                   a_by_token=False, scatter=True, row_w=flat_w))
+                up_ms, up_tile = min((up(tile), tile) for tile in up_tiles)
+                down_ms, down_tile, sk = min((down(tile, sk), tile, sk) for tile in down_tiles for sk in split_ks)
+                total = up_ms + down_ms
+                print(f"{model} T{t} bm{bm}: up {up_tile} {up_ms * 1e3:.1f} us, down {down_tile} split {sk} "
+                      f"{down_ms * 1e3:.1f} us", flush=True)
+                if best is None or total < best[0]:
+                    best = (total, MoECfg(bm, up_tile, down_tile, sk), up_ms, down_ms)
+            touched = torch.unique(ids).numel()
+            floor_ms = touched * 3 * h * i * 2 / 4.3e12 * 1e3
+            total, cfg, up_ms, down_ms = best
+            print(f"BEST {model} (E {e}, 2I {2 * i}, H {h}) T{t}: {tuple(cfg)}  {total * 1e3:.1f} us "
+                  f"(weight floor at 4.3 TB/s {floor_ms * 1e3:.1f} us)", flush=True)
+            results.append(dict(model=model, shape=[e, 2 * i, h], tokens=t, cfg=list(cfg), up_ms=up_ms,
+                                down_ms=down_ms, floor_ms=floor_ms))
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(results, f, indent=1)
+        w13 = w2 = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

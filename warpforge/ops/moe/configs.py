@@ -1,0 +1,31 @@
+"""Tiles for the MoE grouped GEMMs, per architecture, model shape and token count.
+
+A model shape is (E, 2I, H) of w13; "any" serves shapes without their own entry. Within a shape the entry
+with the largest token threshold <= T is used. "cpu" is the Triton interpreter (small tiles so that CI's
+small shapes cross block boundaries). sm90 entries come from scripts/tune_moe.py on an H200 (numbers in
+benchmarks/NOTES.md); an arch without a table falls back to "default", which is safe rather than fast.
+"""
+from typing import NamedTuple
+
+
+class MoECfg(NamedTuple):
+    block_m: int   # slots per row block (align's block_m): small for decode, where weights dominate
+    up: tuple      # gate/up GEMM (and the per-slot backward GEMM, weight gradients): BLOCK_N, BLOCK_K, warps, stages
+    down: tuple    # down GEMM with the scatter epilogue (and d_hidden): BLOCK_N, BLOCK_K, warps, stages
+    split_k: int = 1  # down GEMM only: K cut into this many ranges, summed by the scatter's atomics
+
+
+C = MoECfg
+CONFIGS = {
+    "cpu": {"any": {0: C(16, (32, 32, 1, 1), (32, 32, 1, 1))}},
+    "default": {"any": {0: C(16, (64, 64, 4, 3), (64, 64, 4, 3)), 256: C(64, (64, 64, 4, 3), (64, 64, 4, 3))}},
+    "sm90": {"any": {0: C(16, (64, 128, 4, 4), (64, 128, 4, 4)),
+                     64: C(32, (64, 128, 4, 4), (64, 128, 4, 4)),
+                     512: C(64, (128, 64, 8, 3), (128, 64, 8, 3))}},
+}
+
+
+def pick(arch: str, shape: tuple, tokens: int) -> MoECfg:
+    table = CONFIGS.get(arch, CONFIGS["default"])
+    by_tokens = table.get(tuple(shape), table["any"])
+    return by_tokens[max(k for k in by_tokens if k <= tokens)]
