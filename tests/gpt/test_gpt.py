@@ -176,7 +176,8 @@ def test_ddp_two_processes_train_and_resume(tmp_path):
     import os
     import subprocess
     import sys
-    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    # CPU processes even on a GPU machine (which may have fewer GPUs than ranks): this checks the logic
+    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     # --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "warpforge",
             "gpt", "train", "--preset", "tiny", "--data", "random", "--out", str(tmp_path / "run")]

@@ -12,8 +12,10 @@ The schedule is static: a request's tokens are cut into `num_splits` equal, BLOC
 program. num_splits comes from shapes alone (see `plan_num_splits`), never from cache_seqlens values, so
 a decode step needs no host sync and can be captured in a CUDA graph.
 
-Quantized rows (FP8, NVFP4, MXFP4; layouts in reference.py) are dequantised to q's dtype in registers,
-then the same bf16/fp16 matmuls.
+The 512 latent columns are walked as four 128-wide chunks, each with its own accumulator: FP8 rows carry one
+scale per chunk, which is then applied to the [rows, tokens] scores and probabilities instead of the
+[tokens, 512] tile, leaving the tile a plain e4m3 -> bf16 conversion. FP4 rows (NVFP4, MXFP4; layouts in
+reference.py) are dequantised per chunk in registers. All formats then run the same bf16/fp16 matmuls.
 """
 import triton
 import triton.language as tl
@@ -31,46 +33,68 @@ def _e2m1_to_float(code):
 
 
 @triton.jit
-def _load_latent_block(cache, rows64, tok_ok, offs_v, offs_r, row_stride,
-                       KV_FMT: tl.constexpr, D_V: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """[BLOCK_N, 512] latent and [BLOCK_N, 64] rope of the given cache rows, in OUT_DTYPE.
-    KV_FMT: 0 bf16/fp16, 1 fp8 (e4m3 + fp32 per 128), 2 nvfp4 (e2m1 + e4m3 per 16, x kv_scale),
-    3 mxfp4 (e2m1 + e8m0 per 32). nvfp4's latent comes back without its cache-wide scale."""
+def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl.constexpr, D_V: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr):
+    """Latent columns [128 C, 128 C + 128) of the given cache rows: (values [BLOCK_N, 128] in OUT_DTYPE, the
+    rows' FP8 scales [BLOCK_N] for that chunk, or 1.0). FP8's scale is per row and chunk, so it is left for
+    the caller to apply to the [rows, BLOCK_N] scores and probabilities (cheap) rather than to the tile: the
+    tile is then a plain e4m3 -> bf16 conversion. FP4 scales (per 16 / 32) are applied here.
+    KV_FMT: 0 bf16/fp16, 1 fp8 (e4m3 + fp32 per 128), 2 nvfp4 (e2m1 + e4m3 per 16, x kv_scale), 3 mxfp4
+    (e2m1 + e8m0 per 32). nvfp4's values come back without the cache-wide scale."""
     base = cache + rows64[:, None] * row_stride
     BLOCK_N: tl.constexpr = rows64.shape[0]
+    scale = 1.0
     if KV_FMT == 0:
-        latent = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0.0)
-        rope = tl.load(base + D_V + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
-        return latent, rope
-    if KV_FMT == 1:
-        codes = tl.load(base + offs_v[None, :], mask=tok_ok[:, None], other=0)
-        vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        vals = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0.0)
+    elif KV_FMT == 1:
+        codes = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0)
+        vals = codes.to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)  # exact: e4m3 fits bf16 and fp16
         scale_ptr = (cache + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
-        # four [BN] scale columns picked per element by selects: no reshape of the tile (a layout shuffle)
-        s0 = tl.load(scale_ptr, mask=tok_ok, other=0.0)[:, None]
-        s1 = tl.load(scale_ptr + 1, mask=tok_ok, other=0.0)[:, None]
-        s2 = tl.load(scale_ptr + 2, mask=tok_ok, other=0.0)[:, None]
-        s3 = tl.load(scale_ptr + 3, mask=tok_ok, other=0.0)[:, None]
-        chunk = offs_v[None, :] // 128
-        latent = vals * tl.where(chunk < 2, tl.where(chunk == 0, s0, s1), tl.where(chunk == 2, s2, s3))
-        rope_off: tl.constexpr = D_V + 16
+        scale = tl.load(scale_ptr + C, mask=tok_ok, other=0.0)
     else:
         GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32
-        N_SCALES: tl.constexpr = D_V // GROUP
-        packed = tl.load(base + tl.arange(0, D_V // 2)[None, :], mask=tok_ok[:, None], other=0)
-        codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, D_V])  # low nibble = even element
-        vals = _e2m1_to_float(codes)
-        sbytes = tl.load(base + D_V // 2 + tl.arange(0, N_SCALES)[None, :], mask=tok_ok[:, None], other=0)
+        N_SCALES: tl.constexpr = 128 // GROUP
+        packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128])  # low nibble = even element
+        sbytes = tl.load(base + D_V // 2 + C * N_SCALES + tl.arange(0, N_SCALES)[None, :], mask=tok_ok[:, None],
+                         other=0)
         if KV_FMT == 2:  # e2m1 x e4m3 is exact in bf16; the fp32 tensor scale is applied to scores and output
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
-        latent = tl.reshape(vals, [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None]
-        rope_off: tl.constexpr = D_V // 2 + N_SCALES
-    latent = tl.reshape(latent, [BLOCK_N, D_V]).to(OUT_DTYPE)
-    rope_ptr = (base + rope_off).to(tl.pointer_type(tl.bfloat16))
-    rope = tl.load(rope_ptr + offs_r[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
-    return latent, rope
+        vals = tl.reshape(tl.reshape(_e2m1_to_float(codes), [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
+                          [BLOCK_N, 128]).to(OUT_DTYPE)
+    return vals, scale
+
+
+@triton.jit
+def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+                OUT_DTYPE: tl.constexpr):
+    """The [BLOCK_N, 64] rope part of the given cache rows (bf16 after the quantized latent, or q's dtype)."""
+    if KV_FMT == 0:
+        ptr = cache + rows64[:, None] * row_stride + D_V
+    elif KV_FMT == 1:
+        ptr = (cache + rows64[:, None] * row_stride + D_V + 16).to(tl.pointer_type(tl.bfloat16))
+    else:
+        GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32
+        ptr = (cache + rows64[:, None] * row_stride + D_V // 2 + D_V // GROUP).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(ptr + tl.arange(0, D_R)[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
+
+
+@triton.jit
+def _chunk_scores(s, q_c, lat_c, scale_c, ROW_SCALE: tl.constexpr):
+    """s += q_c · lat_cᵀ, each token's column times its chunk scale when ROW_SCALE (FP8)."""
+    if ROW_SCALE:
+        return s + tl.dot(q_c, tl.trans(lat_c)) * scale_c[None, :]
+    return tl.dot(q_c, tl.trans(lat_c), s)
+
+
+@triton.jit
+def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ROW_SCALE: tl.constexpr):
+    """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8)."""
+    if ROW_SCALE:
+        p = p * scale_c[None, :]
+    return tl.dot(p.to(lat_c.dtype), lat_c, acc_c * alpha[:, None])
 
 
 @triton.jit
@@ -114,11 +138,15 @@ def mla_decode_split_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, length)
 
-    offs_v = tl.arange(0, D_V)
-    offs_r = tl.arange(0, D_R)
-    q_rows = Q + b64 * stride_qb + j.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=r_ok[:, None], other=0.0)
-    q_rope = tl.load(q_rows[:, None] + D_V + offs_r[None, :], mask=r_ok[:, None], other=0.0)
+    offs_c = tl.arange(0, 128)
+    q_rows = (Q + b64 * stride_qb + j.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh)[:, None]
+    q_mask = r_ok[:, None]
+    # the latent in four 128-wide chunks (FP8's scale groups), each with its own accumulator
+    q0 = tl.load(q_rows + offs_c[None, :], mask=q_mask, other=0.0)
+    q1 = tl.load(q_rows + 128 + offs_c[None, :], mask=q_mask, other=0.0)
+    q2 = tl.load(q_rows + 256 + offs_c[None, :], mask=q_mask, other=0.0)
+    q3 = tl.load(q_rows + 384 + offs_c[None, :], mask=q_mask, other=0.0)
+    q_rope = tl.load(q_rows + D_V + tl.arange(0, D_R)[None, :], mask=q_mask, other=0.0)
     if CAUSAL and not SPARSE:
         visible = length - S_Q + 1 + j  # per row, bottom-right aligned
     else:
@@ -128,10 +156,15 @@ def mla_decode_split_kernel(
         latent_scale = tl.load(KV_SCALE)  # nvfp4's cache-wide scale
     else:
         latent_scale = 1.0
+    ROW_SCALE: tl.constexpr = KV_FMT == 1
+    dt = q0.dtype
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_V], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     if SPARSE:
         idx_row = INDICES + b64 * stride_ib + j0.to(tl.int64) * stride_is
@@ -147,10 +180,17 @@ def mla_decode_split_kernel(
         else:
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
             rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
-        latent, rope = _load_latent_block(CACHE, rows64, tok_ok, offs_v, offs_r, row_stride, KV_FMT, D_V,
-                                          q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(latent)) * latent_scale + tl.dot(q_rope, tl.trans(rope))
-        s = s * qk_scale
+        lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt)
+        lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt)
+        lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt)
+        lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt)
+        rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, D_V, D_R, dt)
+        s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        s = _chunk_scores(s, q0, lat0, sc0, ROW_SCALE)
+        s = _chunk_scores(s, q1, lat1, sc1, ROW_SCALE)
+        s = _chunk_scores(s, q2, lat2, sc2, ROW_SCALE)
+        s = _chunk_scores(s, q3, lat3, sc3, ROW_SCALE)
+        s = (s * latent_scale + tl.dot(q_rope, tl.trans(rope))) * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -158,16 +198,22 @@ def mla_decode_split_kernel(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ROW_SCALE)
+        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ROW_SCALE)
+        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ROW_SCALE)
+        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, ROW_SCALE)
         m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (latent_scale / l_safe)[:, None]
+    norm = (latent_scale / l_safe)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # log2 units until the combine
     o_ptrs = O_PART + split.to(tl.int64) * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + \
-        offs_v[None, :]
-    tl.store(o_ptrs, out, mask=r_ok[:, None])
+        offs_c[None, :]
+    tl.store(o_ptrs, acc0 * norm, mask=r_ok[:, None])
+    tl.store(o_ptrs + 128, acc1 * norm, mask=r_ok[:, None])
+    tl.store(o_ptrs + 256, acc2 * norm, mask=r_ok[:, None])
+    tl.store(o_ptrs + 384, acc3 * norm, mask=r_ok[:, None])
     tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + r, lse2, mask=r_ok)
 
 

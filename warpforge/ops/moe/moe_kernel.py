@@ -33,14 +33,16 @@ def _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_b(ptrs, mask, SCALE, e, offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B: tl.constexpr,
+def _load_b(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B: tl.constexpr,
             OUT_DTYPE: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of B: as stored, or FP8 (e4m3 bytes) times its 128x128 block scale."""
+    """A [BLOCK_K, BLOCK_N] tile of B: as stored, or FP8 (e4m3 bytes) times its 128x128 block scale. FP8 tiles
+    start at a multiple of BLOCK_K <= 128 (launcher), so the tile's k lies in one scale block: one scale per
+    column, not a [BLOCK_K, BLOCK_N] gather (which the pipeliner would stage in shared memory)."""
     if FP8_B:
         codes = tl.load(ptrs, mask=mask, other=0)
-        scale = tl.load(SCALE + e.to(tl.int64) * stride_se + (offs_k // 128)[:, None] * stride_sk
-                        + (offs_n // 128)[None, :] * stride_sn, mask=mask, other=0.0)
-        tile = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(OUT_DTYPE)
+        scale = tl.load(SCALE + e.to(tl.int64) * stride_se + (k0 // 128) * stride_sk + (offs_n // 128) * stride_sn,
+                        mask=n_ok, other=0.0)
+        tile = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(OUT_DTYPE)
     else:
         tile = tl.load(ptrs, mask=mask, other=0.0)
     return tile
@@ -74,10 +76,10 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
         bmask = k_ok[:, None] & n_ok[None, :]
-        acc = tl.dot(a, _load_b(b_ptrs, bmask, B_SCALE, e, offs_k, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
+        acc = tl.dot(a, _load_b(b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
                                 a.dtype), acc)
         if SWIGLU:
-            acc_up = tl.dot(a, _load_b(b_ptrs + N * stride_bn, bmask, B_SCALE, e, offs_k, offs_n + N, stride_se,
+            acc_up = tl.dot(a, _load_b(b_ptrs + N * stride_bn, bmask, n_ok, B_SCALE, e, k0, offs_n + N, stride_se,
                                        stride_sk, stride_sn, FP8_B, a.dtype), acc_up)
     omask = ok[:, None] & n_ok[None, :]
     if SCATTER:
@@ -145,6 +147,8 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
     bm = cfg.block_m
     bn, bk, warps, stages = cfg.down if scatter else cfg.up
     split_k = cfg.split_k if scatter else 1
+    if scale is not None:
+        bk = min(bk, 128)  # an FP8 tile's k must lie in one 128-wide scale block
     sc, *sc_strides = _scale_args(b, scale, b_strides)
     n_slots = a.shape[0] if scatter else out.shape[0]
     moe_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn), split_k)](
