@@ -157,7 +157,11 @@ def _sparse(b, s_q, h_q, page, topk, fmt, with_len):
     indices[..., ::5] = -1  # holes
     if b > 1:
         indices[1, 0] = -1  # a query position that reads nothing
-    topk_length = torch.randint(0, topk + 1, (b,), device=DEV, dtype=torch.int32) if with_len else None
+    topk_length = None
+    if with_len:  # lengths from 1 (an all-empty batch has no cosine to check); a 0 only beside a non-empty one
+        topk_length = torch.randint(1, topk + 1, (b,), device=DEV, dtype=torch.int32)
+        if b > 1:
+            topk_length[1] = 0
     return q, cache, indices, topk_length, kv_scale
 
 
