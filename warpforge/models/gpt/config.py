@@ -66,7 +66,7 @@ PRESETS = {
                                eval_every=100, eval_batches=10, ckpt_every=100, weight_decay=0.0),
                    "CPU-sized"),
     # ~10M parameters, for one GPU.
-    "shakespeare": Preset(GPTConfig(seq_len=512, n_layer=8, n_head=8, n_kv_head=8, d_model=320),
+    "shakespeare": Preset(GPTConfig(seq_len=512, n_layer=8, n_head=5, n_kv_head=5, d_model=320),
                           TrainConfig(batch_size=64, max_steps=5000, max_minutes=10, lr=2e-3, warmup_steps=200,
                                       eval_every=250, ckpt_every=1000),
                           "GPU, ~10M parameters"),
