@@ -15,7 +15,8 @@ export PYTHONUNBUFFERED=1
 start=$(date +%s)
 python3 -m warpforge gpt train --preset "$preset" --out "$run" "$@"
 end=$(date +%s)
-python3 -m warpforge gpt sample --ckpt "$run/ckpt.pt" --prompt "ROMEO." --tokens 300 --seed 1 | tee "$run/sample.txt"
+python3 -m warpforge gpt sample --ckpt "$run/ckpt.pt" --prompt "ROMEO." --tokens 300 --seed 1 | tee "$run/sample.txt" ||
+  echo "(sampling failed: see the log)" > "$run/sample.txt"  # the training record is written regardless
 python3 - "$run" "$((end - start))" "$preset" "$bar" "$result" <<'PY'
 import json, os, platform, subprocess, sys, time
 import torch
