@@ -5,7 +5,7 @@
 
 The two GEMMs are tuned apart for each block_m (they share only align's block_m): the gate/up GEMM with its
 SwiGLU epilogue over (BLOCK_N, BLOCK_K, warps, stages), the down GEMM with its scatter epilogue over the same
-plus split-K. Each is timed as a replayed CUDA graph (decode runs that way), uniform routing. The winners
+plus split-K. Each is timed as a replayed CUDA graph (decode runs that way), uniform routing (or --skew). The winners
 become warpforge/ops/moe/configs.py's sm90 entries, with the numbers in benchmarks/NOTES.md.
 """
 import argparse
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.testing
 
-from warpforge.bench.moe_cases import MODELS
+from warpforge.bench.moe_cases import MODELS, _logits
 from warpforge.ops.moe import align, route_reference
 from warpforge.ops.moe.configs import MoECfg
 from warpforge.ops.moe.moe_kernel import _moe_gemm
@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--tokens", default="1,16,128,512,2048,8192")
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    ap.add_argument("--skew", action="store_true", help="Zipf(1.2) routing, as the bench's zipf cases")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -63,7 +64,8 @@ def main():
                 print("budget spent: stopping", flush=True)
                 break
             hidden = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-            weights, ids = route_reference(torch.randn(t, e, device="cuda"), k, **route_kw)
+            logits = _logits(t, e, args.skew, torch.device("cuda"), torch.Generator().manual_seed(t))
+            weights, ids = route_reference(logits, k, **route_kw)
             flat_w = weights.reshape(-1).float().contiguous()
             act = torch.empty(t * k, i, device="cuda", dtype=torch.bfloat16)
             out = torch.zeros(t, h, device="cuda", dtype=torch.float32)

@@ -69,7 +69,7 @@ def cmd_gpt(args) -> int:
         from .models.gpt.train import TrainError, train
         try:
             result = train(args.preset, args.out, resume=args.resume, max_steps=args.max_steps,
-                           max_minutes=args.max_minutes, data=args.data)
+                           max_minutes=args.max_minutes, data=args.data, compile=args.compile)
         except (TrainError, DataMissing) as exc:
             print(f"warpforge gpt train: {exc}", file=sys.stderr)
             return 2
@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     gt.add_argument("--max-steps", type=int, default=None)
     gt.add_argument("--max-minutes", type=float, default=None)
     gt.add_argument("--data", choices=("shakespeare", "random"), default=None)
+    gt.add_argument("--compile", choices=("auto", "on", "off"), default=None,
+                    help="torch.compile the training step (auto: on CUDA only)")
     gs = gsub.add_parser("sample", help="generate text from a trained checkpoint")
     gs.add_argument("--preset", default="tiny")
     gs.add_argument("--ckpt", default=None)

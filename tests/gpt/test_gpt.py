@@ -76,6 +76,8 @@ def test_bad_runs_fail_clearly_and_overwrite_nothing(tmp_path, monkeypatch):
         train("shakespeare", str(tmp_path / "run"), resume=True, log=quiet)
     with pytest.raises(TrainError, match="nothing to resume"):
         train("tiny", str(tmp_path / "other"), resume=True, log=quiet)
+    with pytest.raises(TrainError, match="compile"):
+        train("tiny", str(tmp_path / "third"), log=quiet, compile="maybe")
     assert ckpt.read_bytes() == before
 
 

@@ -113,6 +113,10 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         net = model
+    if tcfg.compile not in ("on", "off", "auto"):
+        raise TrainError(f"compile: expected 'on', 'off' or 'auto', got {tcfg.compile!r}")
+    if tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"):
+        net = torch.compile(net)  # checkpoints and evaluation keep using the plain module
 
     def autocast():
         if device.type == "cuda":
