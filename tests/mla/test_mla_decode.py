@@ -233,3 +233,14 @@ def test_flash_mla_compatible_call():
         wf.mla.flash_mla_with_kvcache(q[:1], cache, table[:1], seqlens[:1], 512, meta, causal=True)
     with pytest.raises(WarpforgeInputError, match="^attn_sink"):
         wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, attn_sink=torch.zeros(16))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_quantize_kv_in_slices_equals_whole(fmt, monkeypatch):
+    """quantize_kv works through large caches in slices of rows; the slicing changes no byte."""
+    from warpforge.ops import mla
+    from warpforge.ops.mla.reference import quantize_kv_reference
+    latent = torch.randn(3, 5, 1, 576, device=DEV)
+    scale = mla.nvfp4_tensor_scale(latent) if fmt == "nvfp4" else None
+    monkeypatch.setattr(mla, "QUANTIZE_ROWS", 4)
+    assert torch.equal(mla.quantize_kv(latent, fmt, scale), quantize_kv_reference(latent, fmt, scale))

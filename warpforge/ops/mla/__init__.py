@@ -20,6 +20,7 @@ __all__ = ["mla_decode", "quantize_kv", "nvfp4_tensor_scale", "mla_decode_refere
 
 KV_FORMATS = ("bf16", "fp8", "nvfp4", "mxfp4")
 H_Q = (16, 32, 64, 128)
+QUANTIZE_ROWS = 1 << 16
 PAGE_SIZES = (16, 32, 64)
 
 # (BLOCK_H query rows, BLOCK_N tokens, warps, stages) per arch, for few (<= 16) and many query rows
@@ -75,7 +76,15 @@ def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Te
         fail("latent", f"last dim {D_QK}", tuple(latent.shape))
     if kv_format == "nvfp4" and kv_scale is None:
         fail("kv_scale", "the cache-wide fp32 scale for nvfp4 (see nvfp4_tensor_scale)", None)
-    return quantize_kv_reference(latent, kv_format, kv_scale)
+    if kv_format == "bf16":
+        return latent
+    # in slices of rows: the reference quantiser's fp32 temporaries are ~10x the slice (a 10 GB cache at once
+    # ran an H200 out of memory)
+    rows = latent.reshape(-1, D_QK)
+    out = torch.empty(rows.shape[0], ROW_BYTES[kv_format], dtype=torch.uint8, device=latent.device)
+    for i in range(0, rows.shape[0], QUANTIZE_ROWS):
+        out[i:i + QUANTIZE_ROWS] = quantize_kv_reference(rows[i:i + QUANTIZE_ROWS], kv_format, kv_scale)
+    return out.reshape(*latent.shape[:-1], ROW_BYTES[kv_format])
 
 
 def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv_scale, causal, indices,
