@@ -87,6 +87,21 @@ def test_align_groups_slots_by_expert():
     assert (expert_ids[used // 16:] == -1).all()
 
 
+@pytest.mark.parametrize("t,k,e,block_m,skew", [(1, 2, 8, 16, False), (50, 3, 8, 16, True), (33, 8, 128, 16, False),
+                                                  (7, 8, 256, 64, True), (300, 4, 16, 32, False)])
+def test_align_kernel_equals_torch_align(t, k, e, block_m, skew):
+    """The one-launch Triton align gives exactly the torch version's schedule (same slot order)."""
+    ids = torch.stack([torch.randperm(e, device=DEV)[:k] for _ in range(t)]).to(torch.int32)
+    if skew:
+        ids[:, 0] = 1
+        ids[:, 1:] = torch.where(ids[:, 1:] == 1, 0, ids[:, 1:])
+    from warpforge.ops.moe.align_kernel import align_triton
+    want = align(ids, e, block_m, backend="reference")
+    got = align_triton(ids, e, block_m, want[0].numel())
+    for a, b in zip(got, want):
+        assert a.dtype == torch.int32 and torch.equal(a.cpu(), b.cpu().to(torch.int32))
+
+
 @pytest.mark.parametrize("kwargs,name", [
     (dict(topk=9), "topk"),
     (dict(topk_group=2), "topk_group"),

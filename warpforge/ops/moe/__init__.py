@@ -33,7 +33,7 @@ def _experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13:
     """Inference with FP8 expert weights (dequantised tile by tile inside the GEMMs); no backward."""
     from .moe_kernel import fused_experts
     cfg = _config(hidden.device, hidden.shape[0], w13)
-    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m)
+    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m, backend="triton")
     return fused_experts(hidden, w13.view(torch.uint8), w2.view(torch.uint8), weights, sorted_ids, expert_ids,
                          num_post, ids.shape[1], cfg, scales=(s13, s2))[0]
 
@@ -51,7 +51,7 @@ def _experts_fwd(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     when not training)."""
     from .moe_kernel import fused_experts
     cfg = _config(hidden.device, hidden.shape[0], w13)
-    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m)
+    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m, backend="triton")
     out, act, pre = fused_experts(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post, ids.shape[1], cfg,
                                   save_pre=train)
     if pre is None:

@@ -1,26 +1,37 @@
 """The MoE schedule: token slots grouped by expert, each expert's run padded to a multiple of block_m, so
 that every row block of the grouped GEMMs belongs to one expert.
 
-Plain torch ops on the device, sizes fixed by shapes alone (T·k slots, at most min(E, T·k) non-empty
+Plain torch ops on the device here (align_kernel.py does the same in one launch for decode sizes), sizes fixed
+by shapes alone (T·k slots, at most min(E, T·k) non-empty
 experts): no host synchronisation, so it can sit inside a CUDA graph.
 """
 from __future__ import annotations
 
 import torch
 
+from ...runtime import arch_key, resolve_backend
+from .configs import ALIGN_ONE_LAUNCH
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, backend: str | None = None):
     """topk_ids [T, k] -> (sorted_ids int32 [P], expert_ids int32 [P / block_m], num_post int32 [1]).
 
-    sorted_ids lists slots (token · k + j) expert by expert, padded with T·k (an invalid slot);
-    expert_ids[b] is the expert of row block b, -1 past the used blocks; num_post is the padded length used.
-    P = T·k + min(E, T·k) · (block_m − 1), rounded up to block_m: the most padding any routing can need.
+    sorted_ids lists slots (token · k + j) expert by expert (in slot order within an expert), padded with
+    T·k (an invalid slot); expert_ids[b] is the expert of row block b, -1 past the used blocks; num_post is the
+    padded length used. P = T·k + min(E, T·k) · (block_m − 1), rounded up to block_m: the most padding any
+    routing can need. On the Triton backend, up to ALIGN_KERNEL_MAX_SLOTS slots run as one kernel launch where
+    configs.ALIGN_ONE_LAUNCH lists the arch.
     """
-    flat = topk_ids.reshape(-1).long()
-    n = flat.numel()
-    device = flat.device
+    n = topk_ids.numel()
     cap = n + min(num_experts, max(n, 1)) * (block_m - 1)
     cap = -(-cap // block_m) * block_m
+    if 0 < n and resolve_backend(backend, topk_ids.device) == "triton" and \
+            arch_key(topk_ids.device) in ALIGN_ONE_LAUNCH:
+        from .align_kernel import ALIGN_KERNEL_MAX_SLOTS, align_triton
+        if n <= ALIGN_KERNEL_MAX_SLOTS:
+            return align_triton(topk_ids, num_experts, block_m, cap)
+    flat = topk_ids.reshape(-1).long()
+    device = flat.device
     # scatter_add, not bincount: bincount reads the max back to the host to size its output
     counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
