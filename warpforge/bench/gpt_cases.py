@@ -3,14 +3,18 @@ tokens), warpforge's ops against the same model on plain PyTorch ops (SDPA), eag
 Reported as ms per step and TFLOP/s by llm.c's count (6N + 6·L·C·T per token); tokens/s = tokens / time."""
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import torch
 
 from ..models.gpt.config import GPTConfig, preset
-from ..models.gpt.model import GPT, PYTORCH_OPS, WARPFORGE_OPS
+from ..models.gpt.model import GPT, PYTORCH_OPS, WARPFORGE_OPS, Ops
 from .cases import Setup, register
 
 
-def gpt_train_setup(device, tiny, *, name="gpt2-124m"):
+def gpt_train_setup(device, tiny, *, name="gpt2-124m", ablation=False):
+    """ablation: also the PyTorch model with one warpforge op swapped in at a time (all compiled), to see which
+    op gains or loses against Inductor's own code."""
     cfg = preset(name).model
     batch = preset(name).train.batch_size
     if tiny:
@@ -45,6 +49,9 @@ def gpt_train_setup(device, tiny, *, name="gpt2-124m"):
     variants = [("warpforge", WARPFORGE_OPS, device.type == "cuda")]
     if device.type == "cuda":
         variants += [("torch.compile", PYTORCH_OPS, True), ("torch eager", PYTORCH_OPS, False)]
+    if ablation:
+        variants += [(f"warpforge (only {op})", replace(PYTORCH_OPS, **{op: getattr(WARPFORGE_OPS, op)}),
+                      device.type == "cuda") for op in (f.name for f in fields(Ops))]
     for label, ops, comp in variants:
         impls[label], st = make_step(ops, comp)
         states.append(st)
@@ -65,3 +72,5 @@ def gpt_train_setup(device, tiny, *, name="gpt2-124m"):
 
 
 register("gpt", "train step gpt2-124m bf16 b16 s1024", quick=True)(lambda dev, tiny: gpt_train_setup(dev, tiny))
+register("gpt", "train step gpt2-124m bf16 b16 s1024 op ablation")(
+    lambda dev, tiny: gpt_train_setup(dev, tiny, ablation=True))
