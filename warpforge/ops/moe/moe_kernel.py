@@ -14,6 +14,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _grouped_tile(pid, num_a, num_b, GROUP: tl.constexpr):
+    """Linear program id -> (a, b) tile, walking GROUP a-tiles across all b-tiles before the next group (the
+    Triton matmul tutorial's order): programs that run together share their a-side and b-side data in L2."""
+    per_group = GROUP * num_b
+    first = (pid // per_group) * GROUP
+    size = tl.minimum(num_a - first, GROUP)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
 def _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
     """(expert, slots, slot mask, tokens) of row block pid_m; expert -1 when the block is past the end."""
     e = tl.load(EXPERT_IDS + pid_m)
@@ -58,8 +68,12 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_
     """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then either
     OUT[slot] = acc (SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
     [gate | up]), or SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # the grid covers align's static capacity; only the row blocks in use get tiles
+    used_blocks = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    if tl.program_id(0) >= used_blocks * num_n:
+        return
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), used_blocks, num_n, 8)
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
     if e < 0:
         return
@@ -103,9 +117,10 @@ def moe_weight_grad_kernel(G, A, DW, ROW_W, SORTED_IDS, BLOCK_START, BLOCK_COUNT
                            HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """DW[e][n, k] = Σ over expert e's slots of (w[slot] ·) G[g_row, n] · A[a_row, k]: one program per
     (expert, tile), walking the expert's row blocks in order (deterministic, no atomics)."""
-    e = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    e = tl.program_id(1)
+    pid_n, pid_k = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), 8)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     k_ok = offs_k < K
     first = tl.load(BLOCK_START + e)
@@ -151,7 +166,7 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         bk = min(bk, 128)  # an FP8 tile's k must lie in one 128-wide scale block
     sc, *sc_strides = _scale_args(b, scale, b_strides)
     n_slots = a.shape[0] if scatter else out.shape[0]
-    moe_gemm_kernel[(sorted_ids.numel() // bm, triton.cdiv(n, bn), split_k)](
+    moe_gemm_kernel[(sorted_ids.numel() // bm * triton.cdiv(n, bn), 1, split_k)](
         a, b, sc, out, pre if pre is not None else out, row_w if row_w is not None else out, sorted_ids,
         expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0),
         pre.stride(0) if pre is not None else 0, n_slots, k, n,
@@ -204,7 +219,7 @@ def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token, row_w=N
     e_count, n, k = dw.shape
     bm = cfg.block_m
     bn, bk, warps, stages = cfg.up
-    moe_weight_grad_kernel[(e_count, triton.cdiv(n, bn), triton.cdiv(k, bk))](
+    moe_weight_grad_kernel[(triton.cdiv(n, bn) * triton.cdiv(k, bk), e_count)](
         g, a, dw, row_w if row_w is not None else g, sorted_ids, first, count, g.stride(0), a.stride(0),
         dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,
         TOPK=topk, G_BY_TOKEN=g_by_token, A_BY_TOKEN=not g_by_token, HAS_W=row_w is not None, BLOCK_M=bm,
