@@ -35,7 +35,7 @@ def test_rms_norm(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(2, 7, 3, 32), (1, 5, 20, 64)])
+@pytest.mark.parametrize("shape", [(2, 7, 3, 32), (1, 5, 20, 64), (2, 3, 5, 40)])  # d 40: half not a power of 2
 def test_rope(shape, dtype):
     b, s, h, d = shape
     x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
@@ -73,6 +73,9 @@ def test_bad_input():
         wf.swiglu(torch.randn(2, 7, device=DEV), backend="triton")
     with pytest.raises(WarpforgeInputError, match="^cos"):
         wf.apply_rope(torch.randn(1, 4, 2, 8, device=DEV), torch.ones(5, 4, device=DEV), torch.ones(4, 4, device=DEV),
+                      backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^x: expected an even head dim"):
+        wf.apply_rope(torch.randn(1, 4, 2, 7, device=DEV), torch.ones(4, 3, device=DEV), torch.ones(4, 3, device=DEV),
                       backend="triton")
     with pytest.raises(WarpforgeInputError, match="^targets"):
         wf.linear_cross_entropy(x, torch.randn(10, 8, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV),

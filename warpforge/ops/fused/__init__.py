@@ -136,8 +136,8 @@ def apply_rope(x, cos, sin, backend=None):
     check_rank("x", x, 4)
     check_dtype("x", x, FLOATS)
     d = x.shape[-1]
-    if d % 2 or (d // 2) & (d // 2 - 1):
-        fail("x", "an even head dim whose half is a power of two", d)
+    if d % 2:
+        fail("x", "an even head dim (rotated in pairs i, i + d/2)", d)
     for name, t in (("cos", cos), ("sin", sin)):
         check_rank(name, t, 2)
         if tuple(t.shape) != (x.shape[1], d // 2):
