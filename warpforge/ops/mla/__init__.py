@@ -23,8 +23,9 @@ H_Q = (16, 32, 64, 128)
 QUANTIZE_ROWS = 1 << 16
 PAGE_SIZES = (16, 32, 64)
 
-# (BLOCK_H query rows, BLOCK_N tokens, warps, stages) per arch, for few (<= 16) and many query rows
-# (h_q * s_q). sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md).
+# decode_kernel.MLACfg (BLOCK_H query rows, BLOCK_N tokens, warps, stages[, fp8_dot]) per arch, for few (<= 16)
+# and many query rows (h_q * s_q). sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md); fp8_dot
+# (e4m3 q and P, fp8 dots, for FP8 caches) stays off until a sweep shows it faster.
 CONFIGS = {
     "cpu": {"few": (16, 16, 1, 1), "many": (16, 16, 1, 1)},
     "default": {"few": (16, 32, 4, 2), "many": (64, 32, 8, 2)},
