@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh OUT_DIR [families...]
 # 1. the whole test suite compiled on the GPU (bf16 included, gpu-marked shapes included),
 # 2. `warpforge bench --json OUT_DIR/<family>.json --plot OUT_DIR/<family>.png` for each family.
-# Set QUICK=1 for the headline cases only, TUNE=1 to sweep attention block sizes first.
+# Set QUICK=1 for the headline cases only, TUNE=attention,mla,moe (any of them; TUNE=1 means attention) to run
+# those sweeps first (their JSON and logs land in OUT_DIR), SKIP_TESTS=1 to skip the tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-out}}
@@ -13,9 +14,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 status=0
-if [ "${TUNE:-0}" = 1 ]; then
-  python3 scripts/tune_attention.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
-fi
+tune=${TUNE:-}
+[ "$tune" = 1 ] && tune=attention
+for t in ${tune//,/ }; do
+  python3 "scripts/tune_$t.py" --out "$out/tune_$t.json" 2>&1 | tee "$out/tune_$t.log" | grep -v "^  skipped" || status=1
+done
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # compile-bound: spread the test files' kernels over the CPU cores when pytest-xdist is there
   par=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
