@@ -195,6 +195,19 @@ def swiglu(gate_up, backend=None):
 
 
 # ------------------------------------------------------------------------------ linear + cross-entropy
+def _add_product_fp32(acc, a, b):
+    """acc (fp32) += a @ b for bf16/fp16 a, b: on CUDA one cuBLAS GEMM with fp32 output accumulating into acc
+    (torch's addmm out_dtype), not a rounded half-precision product, a conversion and an add (three passes
+    over [vocab, H] per chunk)."""
+    if acc.is_cuda and a.dtype != torch.float32:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):  # a torch without the fp32-output GEMM
+            pass
+    acc += (a @ b).float()
+
+
 @torch.library.custom_op("warpforge::linear_cross_entropy", mutates_args=())
 def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,7 +224,7 @@ def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         logits = h @ weight.T  # becomes its own gradient in place
         loss_sum += k.ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, 1.0).sum()
         d_hidden[start:start + chunk] = logits @ weight
-        d_weight += (logits.T @ h).float()
+        _add_product_fp32(d_weight, logits.T, h)
     n_valid = (targets != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
     return loss_sum / n_valid, d_hidden / n_valid.to(hidden.dtype), (d_weight / n_valid).to(weight.dtype)
 
