@@ -109,11 +109,16 @@ def swiglu_bwd_kernel(GU, DOUT, DGU, stride_gu, stride_do, stride_dgu, n_cols, B
     g = tl.load(GU + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(GU + row * stride_gu + n_cols + cols, mask=ok, other=0.0).to(tl.float32)
     do = tl.load(DOUT + row * stride_do + cols, mask=ok, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    dg = do * u * sig * (1.0 + g * (1.0 - sig))
+    dg, du = swiglu_grads(do, g, u)
     tl.store(DGU + row * stride_dgu + cols, dg.to(DGU.dtype.element_ty), mask=ok)
-    tl.store(DGU + row * stride_dgu + n_cols + cols, (do * silu).to(DGU.dtype.element_ty), mask=ok)
+    tl.store(DGU + row * stride_dgu + n_cols + cols, du.to(DGU.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def swiglu_grads(d_out, gate, up):
+    """(d gate, d up) of out = SiLU(gate) · up, all fp32; shared with the MoE backward's GEMM epilogue."""
+    sig = tl.sigmoid(gate)
+    return d_out * up * sig * (1.0 + gate * (1.0 - sig)), d_out * gate * sig
 
 
 # ------------------------------------------------------------------------------------ cross-entropy

@@ -12,6 +12,8 @@ slot = token · topk + k. Expert and token offsets are int64 (E · 2I · H passe
 import triton
 import triton.language as tl
 
+from ..fused.fused_kernel import swiglu_grads
+
 
 @triton.jit
 def _grouped_tile(pid, num_a, num_b, GROUP: tl.constexpr):
@@ -59,15 +61,18 @@ def _load_b(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride
 
 
 @triton.jit
-def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST,
                     stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
-                    stride_o, stride_pre, n_slots, K, N,
+                    stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N,
                     TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
-                    SAVE_PRE: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then either
-    OUT[slot] = acc (SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
-    [gate | up]), or SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine."""
+                    SAVE_PRE: tl.constexpr, SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then one of
+    - OUT[slot] = acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
+      [gate | up] (forward);
+    - SWIGLU_BWD: acc is d act; DW_PART[slot, tile] = Σ_n act · acc (router-weight gradient partials), and
+      OUT = [d gate | d up] of w[slot] · acc through SiLU(gate) ⊙ up with PRE's [gate | up] (backward);
+    - SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine."""
     # the grid covers align's static capacity; only the row blocks in use get tiles
     used_blocks = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -100,6 +105,17 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_
         if HAS_W:
             acc = acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
         tl.atomic_add(OUT + tokens[:, None] * stride_o + offs_n[None, :], acc, mask=omask, sem="relaxed")
+    elif SWIGLU_BWD:
+        rows = slots[:, None]
+        act = tl.load(ACT + rows * stride_act + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
+        tl.store(DW_PART + slots * stride_dwp + pid_n, tl.sum(act * acc, 1), mask=ok)
+        pre = PRE + rows * stride_pre + offs_n[None, :]
+        d_gate, d_up = swiglu_grads(acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None],
+                                    tl.load(pre, mask=omask, other=0.0).to(tl.float32),
+                                    tl.load(pre + N, mask=omask, other=0.0).to(tl.float32))
+        out = OUT + rows * stride_o + offs_n[None, :]
+        tl.store(out, d_gate.to(OUT.dtype.element_ty), mask=omask)
+        tl.store(out + N, d_up.to(OUT.dtype.element_ty), mask=omask)
     else:
         if SWIGLU:
             if SAVE_PRE:
@@ -155,9 +171,10 @@ def _scale_args(b, scale, b_strides):
 
 
 def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
-              pre=None, row_w=None, scale=None):
+              pre=None, row_w=None, scale=None, swiglu_bwd=None):
     """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side.
-    Scatter GEMMs take cfg.down's tiles and cfg.split_k, per-slot ones cfg.up's."""
+    Scatter GEMMs take cfg.down's tiles and cfg.split_k, per-slot ones cfg.up's. swiglu_bwd: (act, pre,
+    dw_part) for the backward epilogue (dw_part [slots, cdiv(n, cfg.up BLOCK_N)] fp32)."""
     sorted_ids, expert_ids, num_post = schedule
     bm = cfg.block_m
     bn, bk, warps, stages = cfg.down if scatter else cfg.up
@@ -167,10 +184,14 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
     sc, *sc_strides = _scale_args(b, scale, b_strides)
     n_slots = a.shape[0] if scatter else out.shape[0]
     moe_gemm_kernel[(sorted_ids.numel() // bm * triton.cdiv(n, bn), 1, split_k)](
-        a, b, sc, out, pre if pre is not None else out, row_w if row_w is not None else out, sorted_ids,
+        a, b, sc, out, pre if pre is not None else (swiglu_bwd[1] if swiglu_bwd else out),
+        row_w if row_w is not None else out, swiglu_bwd[0] if swiglu_bwd else out,
+        swiglu_bwd[2] if swiglu_bwd else out, sorted_ids,
         expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0),
-        pre.stride(0) if pre is not None else 0, n_slots, k, n,
+        pre.stride(0) if pre is not None else (swiglu_bwd[1].stride(0) if swiglu_bwd else 0),
+        swiglu_bwd[0].stride(0) if swiglu_bwd else 0, swiglu_bwd[2].stride(0) if swiglu_bwd else 0, n_slots, k, n,
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu, SAVE_PRE=pre is not None,
+        SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         num_stages=stages)
 
@@ -232,7 +253,6 @@ def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorte
     """Gradients of fused_experts: (d_hidden, d_w13, d_w2, d_topk_weights [T, k] fp32)."""
     import torch
 
-    from ..fused.fused_kernel import swiglu_bwd
     t, h = hidden.shape
     e_count, two_i, _ = w13.shape
     inter_dim = two_i // 2
@@ -240,13 +260,13 @@ def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorte
     schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
     d_out = d_out.contiguous()
-    # d_act_raw[slot] = d_out[token] · w2[e]  (B[e][k=h, n=i] = w2[e, h, i])
-    d_act_raw = torch.zeros((n_slots, inter_dim), device=hidden.device, dtype=hidden.dtype)
-    _moe_gemm(d_out, w2, d_act_raw, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg,
-              a_by_token=True)
-    d_weights = (act.float() * d_act_raw.float()).sum(-1).view(t, topk)
-    d_act = (d_act_raw.float() * weights[:, None]).to(hidden.dtype)
-    d_pre = swiglu_bwd(d_act, pre)  # [gate | up] gradients, per slot
+    # d act[slot] = d_out[token] · w2[e] (B[e][k=h, n=i] = w2[e, h, i]), consumed in the epilogue: router-weight
+    # gradient partials per column tile, then d_pre = [d gate | d up] of the routed weight times it
+    d_pre = torch.empty((n_slots, two_i), device=hidden.device, dtype=hidden.dtype)  # every slot is in one block
+    dw_part = torch.zeros((n_slots, triton.cdiv(inter_dim, cfg.up[0])), device=hidden.device, dtype=torch.float32)
+    _moe_gemm(d_out, w2, d_pre, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg, a_by_token=True,
+              row_w=weights, swiglu_bwd=(act, pre, dw_part))
+    d_weights = dw_part.sum(1).view(t, topk)
     # d_hidden[token] += d_pre[slot] · w13[e]  (B[e][k=n2, n=h] = w13[e, n2, h])
     d_hidden = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
     _moe_gemm(d_pre, w13, d_hidden, (w13.stride(1), w13.stride(2)), schedule, topk, h, two_i, cfg,
