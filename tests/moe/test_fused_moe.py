@@ -102,6 +102,27 @@ def test_align_kernel_equals_torch_align(t, k, e, block_m, skew):
         assert a.dtype == torch.int32 and torch.equal(a.cpu(), b.cpu().to(torch.int32))
 
 
+@pytest.mark.parametrize("t,e,k,kw", [
+    (1, 8, 2, {}),
+    (37, 60, 6, {}),                                    # E not a power of two, rows past one program's block
+    (5, 128, 8, dict(renormalize=False)),
+    (19, 256, 8, dict(scoring="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5)),
+    (3, 64, 4, dict(scoring="sigmoid", num_expert_group=4, topk_group=1, renormalize=False)),
+])
+def test_route_kernel_equals_torch_route(t, e, k, kw):
+    """The one-launch Triton router picks the same experts with the same weights as the torch version."""
+    from warpforge.ops.moe.route_kernel import route_triton
+    logits = torch.randn(t, e, device=DEV)
+    want_w, want_ids = route_reference(logits, k, **kw)
+    full = dict(renormalize=True, scoring="softmax", num_expert_group=None, topk_group=None,
+                routed_scaling_factor=1.0)
+    full.update(kw)
+    got_w, got_ids = route_triton(logits, k, full["renormalize"], full["scoring"], full["num_expert_group"],
+                                  full["topk_group"], full["routed_scaling_factor"])
+    assert torch.equal(got_ids.cpu(), want_ids.cpu())
+    assert torch.allclose(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,name", [
     (dict(topk=9), "topk"),
     (dict(topk_group=2), "topk_group"),

@@ -12,7 +12,7 @@ from ...errors import (check_dtype, check_rank, check_same_device, check_same_dt
                        fail)
 from ...runtime import arch_key, resolve_backend
 from .align import align
-from .configs import CONFIGS, MoECfg, pick
+from .configs import CONFIGS, ONE_LAUNCH_ROUTING, MoECfg, pick
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
                         quantize_weights_reference, route_reference)
 
@@ -111,12 +111,40 @@ def _config(device: torch.device, tokens: int, w13: torch.Tensor) -> MoECfg:
 
 
 def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None, topk_group=None,
-          routed_scaling_factor=1.0):
-    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]); see reference.py."""
+          routed_scaling_factor=1.0, backend=None):
+    """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]); see reference.py. The
+    weights are differentiable in router_logits; without autograd the Triton backend routes in one launch
+    (where configs.ONE_LAUNCH_ROUTING lists the arch)."""
     _check_routing(router_logits, topk, scoring, num_expert_group, topk_group)
-    return route_reference(router_logits, topk, renormalize=renormalize, scoring=scoring,
-                           num_expert_group=num_expert_group, topk_group=topk_group,
-                           routed_scaling_factor=routed_scaling_factor)
+    return _route(router_logits, topk, resolve_backend(backend, router_logits.device), renormalize=renormalize,
+                  scoring=scoring, num_expert_group=num_expert_group, topk_group=topk_group,
+                  routed_scaling_factor=routed_scaling_factor)
+
+
+@torch.library.custom_op("warpforge::moe_route", mutates_args=())
+def _route_op(router_logits: torch.Tensor, topk: int, renormalize: bool, scoring: str, num_expert_group: int,
+              topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inference routing in one launch (no autograd: training routes through the torch version)."""
+    from .route_kernel import route_triton
+    return route_triton(router_logits, topk, renormalize, scoring, num_expert_group, topk_group,
+                        routed_scaling_factor)
+
+
+@_route_op.register_fake
+def _(router_logits, topk, renormalize, scoring, num_expert_group, topk_group, routed_scaling_factor):
+    t = router_logits.shape[0]
+    return (router_logits.new_empty((t, topk), dtype=torch.float32),
+            router_logits.new_empty((t, topk), dtype=torch.int32))
+
+
+def _route(router_logits, topk, backend, **kw):
+    from .route_kernel import fits
+    needs_grad = torch.is_grad_enabled() and router_logits.requires_grad
+    if backend == "triton" and not needs_grad and arch_key(router_logits.device) in ONE_LAUNCH_ROUTING and \
+            fits(router_logits.shape[1], kw["num_expert_group"]):
+        return _route_op(router_logits, topk, bool(kw["renormalize"]), kw["scoring"], kw["num_expert_group"] or 0,
+                         kw["topk_group"] or 0, float(kw["routed_scaling_factor"]))
+    return route_reference(router_logits, topk, **kw)
 
 
 def _check_routing(router_logits, topk, scoring, num_expert_group, topk_group):
@@ -186,9 +214,9 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
         _check_scales(w_scales, w13, w2, hidden)
     elif w_scales is not None:
         fail("w_scales", "None unless w_format='fp8'", "scales")
-    weights, ids = route_reference(router_logits, topk, renormalize=renormalize, scoring=scoring,
-                                   num_expert_group=num_expert_group, topk_group=topk_group,
-                                   routed_scaling_factor=routed_scaling_factor)
+    weights, ids = _route(router_logits, topk, backend, renormalize=renormalize, scoring=scoring,
+                          num_expert_group=num_expert_group, topk_group=topk_group,
+                          routed_scaling_factor=routed_scaling_factor)
     if w_format == "fp8":
         if backend == "reference":
             return experts_reference(hidden, *(dequantize_weights_reference(w, sc).to(hidden.dtype)

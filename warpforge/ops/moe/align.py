@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...runtime import arch_key, resolve_backend
-from .configs import ALIGN_ONE_LAUNCH
+from .configs import ONE_LAUNCH_ROUTING
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, backend: str | None = None):
@@ -20,13 +20,13 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, backend: str |
     T·k (an invalid slot); expert_ids[b] is the expert of row block b, -1 past the used blocks; num_post is the
     padded length used. P = T·k + min(E, T·k) · (block_m − 1), rounded up to block_m: the most padding any
     routing can need. On the Triton backend, up to ALIGN_KERNEL_MAX_SLOTS slots run as one kernel launch where
-    configs.ALIGN_ONE_LAUNCH lists the arch.
+    configs.ONE_LAUNCH_ROUTING lists the arch.
     """
     n = topk_ids.numel()
     cap = n + min(num_experts, max(n, 1)) * (block_m - 1)
     cap = -(-cap // block_m) * block_m
     if 0 < n and resolve_backend(backend, topk_ids.device) == "triton" and \
-            arch_key(topk_ids.device) in ALIGN_ONE_LAUNCH:
+            arch_key(topk_ids.device) in ONE_LAUNCH_ROUTING:
         from .align_kernel import ALIGN_KERNEL_MAX_SLOTS, align_triton
         if n <= ALIGN_KERNEL_MAX_SLOTS:
             return align_triton(topk_ids, num_experts, block_m, cap)

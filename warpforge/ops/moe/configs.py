@@ -34,9 +34,10 @@ CONFIGS = {
 }
 
 
-# Archs where `align` runs as one Triton launch (align_kernel.py) for decode sizes. On by arch once its GPU test
-# has passed there: "cpu" is the interpreter (CI); sm90 is next (the kernel is new since the last H200 run).
-ALIGN_ONE_LAUNCH = {"cpu"}
+# Archs where inference routing (route_kernel.py) and `align` (align_kernel.py, decode sizes) run as one Triton
+# launch each instead of ~25 small torch kernels. On by arch once their GPU tests have passed there: "cpu" is
+# the interpreter (CI); sm90 is next (both kernels are new since the last H200 run).
+ONE_LAUNCH_ROUTING = {"cpu"}
 
 
 def pick(arch: str, shape: tuple, tokens: int) -> MoECfg:
