@@ -183,15 +183,21 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         bk = min(bk, 128)  # an FP8 tile's k must lie in one 128-wide scale block
     sc, *sc_strides = _scale_args(b, scale, b_strides)
     n_slots = a.shape[0] if scatter else out.shape[0]
+    act = dw_part = None
+    if swiglu_bwd is not None:
+        act, pre, dw_part = swiglu_bwd  # pre is read here (the forward's pre-activations), not written
+
+    def ptr(t):  # a pointer for arguments the chosen mode never reads
+        return t if t is not None else out
+
+    def row_stride(t):
+        return t.stride(0) if t is not None else 0
     moe_gemm_kernel[(sorted_ids.numel() // bm * triton.cdiv(n, bn), 1, split_k)](
-        a, b, sc, out, pre if pre is not None else (swiglu_bwd[1] if swiglu_bwd else out),
-        row_w if row_w is not None else out, swiglu_bwd[0] if swiglu_bwd else out,
-        swiglu_bwd[2] if swiglu_bwd else out, sorted_ids,
-        expert_ids, num_post, a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0),
-        pre.stride(0) if pre is not None else (swiglu_bwd[1].stride(0) if swiglu_bwd else 0),
-        swiglu_bwd[0].stride(0) if swiglu_bwd else 0, swiglu_bwd[2].stride(0) if swiglu_bwd else 0, n_slots, k, n,
-        TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu, SAVE_PRE=pre is not None,
-        SWIGLU_BWD=swiglu_bwd is not None,
+        a, b, sc, out, ptr(pre), ptr(row_w), ptr(act), ptr(dw_part), sorted_ids, expert_ids, num_post,
+        a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0), row_stride(pre),
+        row_stride(act), row_stride(dw_part), n_slots, k, n,
+        TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
+        SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         num_stages=stages)
 
@@ -199,8 +205,8 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
 def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
                   scales=None):
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; the aligned schedule from align(); cfg a configs.MoECfg whose
-    block_m is align's. Returns (out [T, H] in hidden's dtype,
-    act [T·k, I], pre [T·k, 2I] or None): the last two are what the backward needs. scales: (s13, s2) when
+    block_m is align's. Returns (out [T, H] in hidden's dtype, act [T·k, I], pre [T·k, 2I] or None): the
+    last two are what the backward needs. scales: (s13, s2) when
     w13 / w2 are FP8 (e4m3 as uint8) with fp32 scales per 128 x 128 block."""
     import torch
 
