@@ -15,6 +15,7 @@ import triton.testing
 
 from warpforge.ops.mla import nvfp4_tensor_scale, quantize_kv
 from warpforge.ops.mla.decode_kernel import mla_decode_fwd, plan_num_splits
+from warpforge.runtime import sm_count
 
 
 def problem(b, L, h_q, fmt, page=64):
@@ -32,7 +33,7 @@ def main():
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     plans = {
         (16, "bf16"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3)],
         (16, "fp8"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4),

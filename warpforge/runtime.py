@@ -50,6 +50,19 @@ def _triton_compiled_mode() -> bool:
     return tl is not None and type(tl.zeros).__name__ == "JITFunction"
 
 
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: launch planning asks on every call); 4 for the interpreter."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def arch_key(device: torch.device) -> str:
     """A short key for per-architecture config tables: 'sm90', 'sm80', ..., or 'cpu'."""
     if device.type != "cuda":

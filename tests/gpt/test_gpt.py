@@ -33,6 +33,17 @@ def test_kv_cache_decoding_equals_full_recompute():
     assert torch.equal(fast, slow)
 
 
+def test_generation_under_autocast_keeps_the_cache_in_its_dtype():
+    """Under autocast (how `gpt sample` runs on a GPU) the KV cache takes the activations' dtype, so cached
+    k/v match the new queries; the model's own weights stay as they were."""
+    torch.manual_seed(0)
+    model = GPT(SMALL).eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(torch.randint(0, 256, (2, 5)), 8, temperature=0)
+    assert out.shape == (2, 13)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_top_k_top_p_keep_only_allowed_tokens():
     logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
     gen = torch.Generator().manual_seed(0)

@@ -57,6 +57,21 @@ def test_split_k_down_gemm(monkeypatch):
     assert rel_l2(d_x, d_ref) <= REL_L2[DTYPE]
 
 
+def test_route_then_experts_equals_fused_moe():
+    """`experts` on `route`'s output is `fused_moe` in two steps (how nn.MoE routes once per forward)."""
+    t, e, k, h, i = 11, 8, 2, 64, 48
+    hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
+    logits = torch.randn(t, e, device=DEV)
+    w13, w2 = _weights(e, h, i)
+    weights, ids = wf.moe.route(logits, k, backend="triton")
+    out = wf.moe.experts(hidden, w13, w2, weights, ids, backend="triton")
+    assert torch.equal(out, wf.fused_moe(hidden, w13, w2, logits, k, backend="triton"))
+    with pytest.raises(WarpforgeInputError, match="^topk_weights"):
+        wf.moe.experts(hidden, w13, w2, weights[:, :1], ids, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^topk_ids"):
+        wf.moe.experts(hidden, w13, w2, weights, ids.float(), backend="triton")
+
+
 def test_deepseek_grouped_sigmoid_routing():
     t, e, k, h, i = 9, 32, 4, 64, 32
     hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)

@@ -1,5 +1,5 @@
-"""`MoE`: a Mixture-of-Experts SwiGLU feed-forward over `fused_moe`, with optional shared experts and the
-load-balancing auxiliary loss."""
+"""`MoE`: a Mixture-of-Experts SwiGLU feed-forward over `moe.route` and `moe.experts` (`fused_moe` in two
+steps), with optional shared experts and the load-balancing auxiliary loss."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,7 @@ from torch import nn
 
 from ..errors import fail
 from ..ops.fused import swiglu
-from ..ops.moe import fused_moe, route
+from ..ops.moe import experts, route
 
 
 class MoE(nn.Module):
@@ -38,17 +38,17 @@ class MoE(nn.Module):
         lead = x.shape[:-1]
         h = x.reshape(-1, x.shape[-1])
         logits = self.router(h)
-        out = fused_moe(h, self.w13.to(h.dtype), self.w2.to(h.dtype), logits, self.topk, backend=self.backend,
-                        **self.route_kw)
+        # routed once: the weights carry the router's gradient, the ids also feed the balance loss
+        weights, ids = route(logits, self.topk, backend=self.backend, **self.route_kw)
+        out = experts(h, self.w13.to(h.dtype), self.w2.to(h.dtype), weights, ids, backend=self.backend)
         if self.shared_gate_up is not None:
             out = out + self.shared_down(swiglu(self.shared_gate_up(h), backend=self.backend))
-        self.aux_loss = self.aux_loss_coef * self._balance_loss(logits)
+        self.aux_loss = self.aux_loss_coef * self._balance_loss(logits, ids)
         return out.reshape(*lead, -1)
 
-    def _balance_loss(self, logits: torch.Tensor) -> torch.Tensor:
+    def _balance_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         e = logits.shape[-1]
         probs = logits.float().softmax(-1) if self.route_kw["scoring"] == "softmax" else logits.float().sigmoid()
-        _, ids = route(logits.detach(), self.topk, **self.route_kw)
         flat = ids.reshape(-1).long()
         frac = torch.zeros(e, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         frac = frac / max(ids.numel(), 1)  # scatter_add, not bincount: no host sync in the training step

@@ -206,7 +206,8 @@ class GPT(nn.Module):
         When the context is full, the cache restarts from the last half of it (a sliding window)."""
         c = self.cfg
         b = idx.shape[0]
-        dtype = self.embed.weight.dtype
+        kind = idx.device.type  # the cache holds k/v as attention sees them: autocast's dtype when it is on
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.embed.weight.dtype
         cache = self.new_cache(b, idx.device, dtype)
         out = idx
         window = idx[:, -c.seq_len:]

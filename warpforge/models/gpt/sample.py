@@ -1,6 +1,7 @@
 """Sampling from a trained GPT checkpoint: temperature, top-k, top-p, KV cache, a prompt."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -31,7 +32,8 @@ def sample(model: GPT, prompt: str = "\n", max_new_tokens: int = 300, temperatur
         raise ValueError("the prompt has bytes outside this model's vocabulary")
     idx = torch.tensor([ids] * num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    if device.type == "cuda":  # bf16 weights, activations and KV cache (the attention kernels take fp16/bf16)
-        model = model.to(torch.bfloat16)
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    # on GPU in bf16 as the model trained (the attention kernels take fp16/bf16); the model itself is untouched
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+    with amp:
+        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
     return [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out]

@@ -111,6 +111,13 @@ def _tile_start(src, lo, stride, USE_TMA: tl.constexpr):
 
 
 @triton.jit
+def _lse_log2(lse):
+    """The forward's lse (natural log) in log2 units for exp2; -inf marks a query that saw nothing, and +inf
+    makes all its probabilities 0."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+@triton.jit
 def _visible(rows, cols, limit, A, B):
     """[rows, cols] mask of the band rule: col < limit and row + A <= col <= row + B."""
     return (cols[None, :] < limit) & (cols[None, :] >= rows[:, None] + A) & (cols[None, :] <= rows[:, None] + B)
@@ -266,8 +273,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
         else:
             lse = tl.load(lse_base + cols)
             delta = tl.load(delta_base + cols)
-        # lse is natural log; -inf marks a query that saw nothing: make its probabilities 0.
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = _lse_log2(lse)
         qkT = tl.dot(k, tl.trans(q))
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASK:
@@ -427,7 +433,7 @@ def flash_bwd_dq_kernel(
                  + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
     stat = b64 * stride_lb + h64 * stride_lh + q_start + m_lo + offs_m
     lse = tl.load(LSE + stat, mask=rows < s_q, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = _lse_log2(lse)
     delta = tl.load(DELTA + stat, mask=rows < s_q, other=0.0)
 
     k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kvh * stride_kh

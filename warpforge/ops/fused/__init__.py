@@ -10,7 +10,7 @@ import torch
 
 from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
                        check_same_dtype, check_tensor, check_tensors, fail)
-from ...runtime import resolve_backend
+from ...runtime import resolve_backend, sm_count
 from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         rope_tables, swiglu_reference)
 
@@ -27,7 +27,7 @@ def _kernels():
 
 
 def _programs(device) -> int:
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return 4 * sm_count(device)  # persistent norm-backward programs: 4 per multiprocessor
 
 
 # ----------------------------------------------------------------------------- RMSNorm / LayerNorm

@@ -11,7 +11,7 @@ import torch
 
 from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor,
                        fail)
-from ...runtime import arch_key, resolve_backend
+from ...runtime import arch_key, resolve_backend, sm_count
 from .reference import (D_QK, D_V, ROW_BYTES, dequantize_kv_reference, mla_decode_reference,
                         nvfp4_tensor_scale, quantize_kv_reference)
 
@@ -36,15 +36,6 @@ CONFIGS = {
 def _config(device: torch.device, rows: int):
     table = CONFIGS.get(arch_key(device), CONFIGS["default"])
     return table["few" if rows <= 16 else "many"]
-_SM_COUNT = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device.index not in _SM_COUNT:
-        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SM_COUNT[device.index]
 
 
 @torch.library.custom_op("warpforge::mla_decode", mutates_args=())
@@ -160,20 +151,21 @@ def _validate_table(q, kv_cache, block_table, cache_seqlens):
     _check_int32("cache_seqlens", cache_seqlens, q, 1, (b,))
     if _capturing(q):
         return
-    lens = cache_seqlens.to("cpu", torch.int64)
     page = kv_cache.shape[1]
+    capacity = block_table.shape[1] * page
+    # every check as one reduction on the device and a single read-back; the details only on failure
+    lens = cache_seqlens.long()
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < ((lens + page - 1) // page)[:, None]
+    bad_pages = used & ((block_table < 0) | (block_table >= kv_cache.shape[0]))
+    if not bool(((lens < 0) | (lens > capacity)).any() | bad_pages.any()):
+        return
+    lens = lens.cpu()
     if bool((lens < 0).any()):
         fail("cache_seqlens", "values >= 0", lens.tolist()[:8])
-    capacity = block_table.shape[1] * page
     if bool((lens > capacity).any()):
         fail("cache_seqlens", f"values <= {capacity} (block_table pages x page_size)", int(lens.max()))
-    pages_needed = (lens + page - 1) // page
-    used = torch.arange(block_table.shape[1])[None, :] < pages_needed[:, None]
-    table = block_table.to("cpu", torch.int64)
-    bad = used & ((table < 0) | (table >= kv_cache.shape[0]))
-    if bool(bad.any()):
-        i, p = (int(x) for x in bad.nonzero()[0])
-        fail("block_table", f"page indices in [0, {kv_cache.shape[0]})", f"{int(table[i, p])} at [{i}, {p}]")
+    i, p = (int(x) for x in bad_pages.nonzero()[0])
+    fail("block_table", f"page indices in [0, {kv_cache.shape[0]})", f"{int(block_table[i, p])} at [{i}, {p}]")
 
 
 def _validate_indices(q, kv_cache, indices, topk_length, causal):
@@ -188,13 +180,13 @@ def _validate_indices(q, kv_cache, indices, topk_length, causal):
     if _capturing(q):
         return
     slots = kv_cache.shape[0] * kv_cache.shape[1]
-    idx = indices.to("cpu", torch.int64)
-    if bool(((idx < -1) | (idx >= slots)).any()):
-        fail("indices", f"slots in [-1, {slots})", f"min {int(idx.min())}, max {int(idx.max())}")
-    if topk_length is not None:
-        tl_host = topk_length.to("cpu", torch.int64)
-        if bool(((tl_host < 0) | (tl_host > indices.shape[2])).any()):
-            fail("topk_length", f"values in [0, {indices.shape[2]}]", tl_host.tolist()[:8])
+    bad_idx = ((indices < -1) | (indices >= slots)).any()  # one read-back for both checks, as above
+    bad_len = ((topk_length < 0) | (topk_length > indices.shape[2])).any() if topk_length is not None else bad_idx
+    if not bool(bad_idx | bad_len):
+        return
+    if bool(bad_idx):
+        fail("indices", f"slots in [-1, {slots})", f"min {int(indices.min())}, max {int(indices.max())}")
+    fail("topk_length", f"values in [0, {indices.shape[2]}]", topk_length.tolist()[:8])
 
 
 def planned_num_splits(q, kv_cache, block_table, indices=None) -> int:
@@ -203,9 +195,9 @@ def planned_num_splits(q, kv_cache, block_table, indices=None) -> int:
     b, s_q, h_q, _ = q.shape
     if indices is not None:  # programs own one query position's heads
         cfg = _config(q.device, h_q)
-        return plan_num_splits(b * s_q, h_q, indices.shape[2], cfg[0], _sm_count(q.device))
+        return plan_num_splits(b * s_q, h_q, indices.shape[2], cfg[0], sm_count(q.device))
     cfg = _config(q.device, s_q * h_q)
-    return plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0], _sm_count(q.device))
+    return plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0], sm_count(q.device))
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,

@@ -129,10 +129,12 @@ def mla_decode_split_kernel(
     rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr,
+    FP8_DOT: tl.constexpr, FINAL: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
-    SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped)."""
+    SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped).
+    FINAL (one split): O_PART / LSE_PART are the outputs themselves, out [b, s_q, h_q, 512] in q's dtype and
+    lse [b, h_q, s_q] in natural log, and no combine runs."""
     D_V: tl.constexpr = 512
     D_R: tl.constexpr = 64
     split = tl.program_id(0)
@@ -239,11 +241,15 @@ def mla_decode_split_kernel(
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))  # log2 units until the combine
     o_ptrs = O_PART + split.to(tl.int64) * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + \
         offs_c[None, :]
-    tl.store(o_ptrs, acc0 * norm, mask=r_ok[:, None])
-    tl.store(o_ptrs + 128, acc1 * norm, mask=r_ok[:, None])
-    tl.store(o_ptrs + 256, acc2 * norm, mask=r_ok[:, None])
-    tl.store(o_ptrs + 384, acc3 * norm, mask=r_ok[:, None])
-    tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + r, lse2, mask=r_ok)
+    o_dtype = O_PART.dtype.element_ty
+    tl.store(o_ptrs, (acc0 * norm).to(o_dtype), mask=r_ok[:, None])
+    tl.store(o_ptrs + 128, (acc1 * norm).to(o_dtype), mask=r_ok[:, None])
+    tl.store(o_ptrs + 256, (acc2 * norm).to(o_dtype), mask=r_ok[:, None])
+    tl.store(o_ptrs + 384, (acc3 * norm).to(o_dtype), mask=r_ok[:, None])
+    if FINAL:
+        tl.store(LSE_PART + b64 * stride_lb + h * S_Q + j, lse2 * 0.6931471805599453, mask=r_ok)
+    else:
+        tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + r, lse2, mask=r_ok)
 
 
 @triton.jit
@@ -319,8 +325,12 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     if b == 0:
         return out, lse
-    o_part = torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32)
-    lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
+    final = num_splits == 1  # the split kernel writes out and lse itself: no partials, no combine pass
+    if final:
+        o_part, lse_part = out.unsqueeze(0), lse
+    else:
+        o_part = torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
     fmt = KV_FMT[kv_format]
     cache = kv_cache.view(torch.uint8) if fmt else kv_cache
     scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
@@ -341,13 +351,14 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         q.stride(0), q.stride(1), q.stride(2),
         row_stride, block_table.stride(0) if block_table is not None else 0,
         idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
-        o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
         rows, topk, softmax_scale * LOG2E,
         H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP8_DOT=fp8_dot and fmt == 1,
-        num_warps=warps,
-        num_stages=stages,
+        FINAL=final, num_warps=warps, num_stages=stages,
     )
+    if final:
+        return out, lse
     block_r = 16
     mla_combine_kernel[(b, triton.cdiv(rows, block_r))](
         o_part, lse_part, out, lse,

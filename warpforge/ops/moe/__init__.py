@@ -11,12 +11,12 @@ import torch
 from ...errors import (check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, check_tensors,
                        fail)
 from ...runtime import arch_key, resolve_backend
-from .align import align
+from .align import align, capacity
 from .configs import CONFIGS, ONE_LAUNCH_ROUTING, MoECfg, pick
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
                         quantize_weights_reference, route_reference)
 
-__all__ = ["fused_moe", "route", "align", "quantize_weights", "fused_moe_reference", "route_reference",
+__all__ = ["fused_moe", "experts", "route", "align", "quantize_weights", "fused_moe_reference", "route_reference",
            "experts_reference", "dequantize_weights_reference", "CONFIGS", "MoECfg"]
 
 def quantize_weights(w: torch.Tensor):
@@ -65,7 +65,7 @@ def _(hidden, w13, w2, weights, ids, train):
     n = t * k
     e, two_i, _ = w13.shape
     bm = _config(hidden.device, t, w13).block_m
-    cap = -(-(n + min(e, max(n, 1)) * (bm - 1)) // bm) * bm  # align()'s static size
+    cap = capacity(n, e, bm)
     return (torch.empty_like(hidden), hidden.new_empty(n, two_i // 2), hidden.new_empty(n if train else 0, two_i),
             ids.new_empty(cap), ids.new_empty(cap // bm), ids.new_empty(1))
 
@@ -186,10 +186,39 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].
     """
+    backend = _check_experts(hidden, w13, w2, w_format, w_scales, backend)
+    check_same_device("router_logits", router_logits, "hidden", hidden)
+    _check_routing(router_logits, topk, scoring, num_expert_group, topk_group)
+    if tuple(router_logits.shape) != (hidden.shape[0], w13.shape[0]):
+        fail("router_logits", f"[{hidden.shape[0]}, {w13.shape[0]}] ([T, E])", tuple(router_logits.shape))
+    weights, ids = _route(router_logits, topk, backend, renormalize=renormalize, scoring=scoring,
+                          num_expert_group=num_expert_group, topk_group=topk_group,
+                          routed_scaling_factor=routed_scaling_factor)
+    return _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend)
+
+
+def experts(hidden, w13, w2, topk_weights, topk_ids, *, w_format="bf16", w_scales=None, backend=None):
+    """The expert half of `fused_moe` for a routing already made (e.g. by `route`, whose weights carry the router's
+    gradient): out [T, H] = Σ_k topk_weights[t, k] · expert topk_ids[t, k] (hidden[t]). topk_weights [T, k]
+    float, topk_ids [T, k] int32/int64 in [0, E) (values are not checked: that would sync with the host)."""
+    backend = _check_experts(hidden, w13, w2, w_format, w_scales, backend)
+    check_tensors(topk_weights=(topk_weights, 2), topk_ids=(topk_ids, 2))
+    check_dtype("topk_ids", topk_ids, (torch.int32, torch.int64))
+    for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        check_same_device(name, t, "hidden", hidden)
+        if t.shape[0] != hidden.shape[0]:
+            fail(name, f"[{hidden.shape[0]}, k] (a row per token)", tuple(t.shape))
+    if topk_weights.shape != topk_ids.shape:
+        fail("topk_weights", f"the shape of topk_ids {tuple(topk_ids.shape)}", tuple(topk_weights.shape))
+    return _run_experts(hidden, w13, w2, topk_weights.float(), topk_ids.to(torch.int32), w_format, w_scales, backend)
+
+
+def _check_experts(hidden, w13, w2, w_format, w_scales, backend) -> str:
+    """Checks of the expert inputs shared by fused_moe and experts; returns the resolved backend."""
     check_tensors(hidden=(hidden, 2), w13=(w13, 3), w2=(w2, 3))
     backend = resolve_backend(backend, hidden.device)
     check_dtype("hidden", hidden, (torch.float16, torch.bfloat16) + ((torch.float32,) if backend == "reference" else ()))
-    for name, t in (("w13", w13), ("w2", w2), ("router_logits", router_logits)):
+    for name, t in (("w13", w13), ("w2", w2)):
         check_same_device(name, t, "hidden", hidden)
     if w_format not in ("bf16", "fp8"):
         fail("w_format", "'bf16' (weights in hidden's dtype) or 'fp8'", repr(w_format))
@@ -199,7 +228,7 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
     else:
         check_same_dtype("w13", w13, "hidden", hidden)
         check_same_dtype("w2", w2, "hidden", hidden)
-    t, h = hidden.shape
+    h = hidden.shape[1]
     e, two_i, h13 = w13.shape
     if h13 != h:
         fail("w13", f"[E, 2I, {h}] (H of hidden)", tuple(w13.shape))
@@ -207,16 +236,14 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
         fail("w13", "an even middle dim (gate rows, then up rows)", two_i)
     if tuple(w2.shape) != (e, h, two_i // 2):
         fail("w2", f"[{e}, {h}, {two_i // 2}] ([E, H, I])", tuple(w2.shape))
-    _check_routing(router_logits, topk, scoring, num_expert_group, topk_group)
-    if tuple(router_logits.shape) != (t, e):
-        fail("router_logits", f"[{t}, {e}] ([T, E])", tuple(router_logits.shape))
     if w_format == "fp8":
         _check_scales(w_scales, w13, w2, hidden)
     elif w_scales is not None:
         fail("w_scales", "None unless w_format='fp8'", "scales")
-    weights, ids = _route(router_logits, topk, backend, renormalize=renormalize, scoring=scoring,
-                          num_expert_group=num_expert_group, topk_group=topk_group,
-                          routed_scaling_factor=routed_scaling_factor)
+    return backend
+
+
+def _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend):
     if w_format == "fp8":
         if backend == "reference":
             return experts_reference(hidden, *(dequantize_weights_reference(w, sc).to(hidden.dtype)
@@ -227,5 +254,5 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
                             w_scales[1].contiguous(), weights, ids)
     if backend == "reference":
         return experts_reference(hidden, w13, w2, weights, ids)
-    train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, router_logits))
+    train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, weights))
     return _experts_fwd(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids, train)[0]

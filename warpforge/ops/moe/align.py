@@ -13,6 +13,12 @@ from ...runtime import arch_key, resolve_backend
 from .configs import ONE_LAUNCH_ROUTING
 
 
+def capacity(n_slots: int, num_experts: int, block_m: int) -> int:
+    """align's static length P: every slot plus the most padding any routing can need, in whole blocks."""
+    cap = n_slots + min(num_experts, max(n_slots, 1)) * (block_m - 1)
+    return -(-cap // block_m) * block_m
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, backend: str | None = None):
     """topk_ids [T, k] -> (sorted_ids int32 [P], expert_ids int32 [P / block_m], num_post int32 [1]).
 
@@ -23,8 +29,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, backend: str |
     configs.ONE_LAUNCH_ROUTING lists the arch.
     """
     n = topk_ids.numel()
-    cap = n + min(num_experts, max(n, 1)) * (block_m - 1)
-    cap = -(-cap // block_m) * block_m
+    cap = capacity(n, num_experts, block_m)
     if 0 < n and resolve_backend(backend, topk_ids.device) == "triton" and \
             arch_key(topk_ids.device) in ONE_LAUNCH_ROUTING:
         from .align_kernel import ALIGN_KERNEL_MAX_SLOTS, align_triton

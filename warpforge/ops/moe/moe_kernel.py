@@ -26,11 +26,9 @@ def _grouped_tile(pid, num_a, num_b, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, slots, slot mask, tokens) of row block pid_m; expert -1 when the block is past the end."""
+def _block_rows(SORTED_IDS, EXPERT_IDS, pid_m, n_slots, TOPK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, slots, slot mask, tokens) of row block pid_m, one of the blocks in use."""
     e = tl.load(EXPERT_IDS + pid_m)
-    if pid_m * BLOCK_M >= tl.load(NUM_POST):
-        e = -1
     slots = tl.load(SORTED_IDS + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     ok = slots < n_slots
     tokens = tl.where(ok, slots // TOPK, 0).to(tl.int64)
@@ -79,9 +77,7 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, DW_PART, SORTED_IDS, EX
     if tl.program_id(0) >= used_blocks * num_n:
         return
     pid_m, pid_n = _grouped_tile(tl.program_id(0), used_blocks, num_n, 8)
-    e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, NUM_POST, pid_m, n_slots, TOPK, BLOCK_M)
-    if e < 0:
-        return
+    e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, pid_m, n_slots, TOPK, BLOCK_M)
     offs_n, n_ok, b_cols = _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N)
     a_rows = A + (tokens if A_BY_TOKEN else slots)[:, None] * stride_a
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
