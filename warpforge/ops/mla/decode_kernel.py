@@ -129,7 +129,7 @@ def mla_decode_split_kernel(
     rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr, FINAL: tl.constexpr,
+    FP8_DOT: tl.constexpr, FP16_MATH: tl.constexpr, FINAL: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
     SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped).
@@ -183,6 +183,9 @@ def mla_decode_split_kernel(
         latent_scale = 1.0
     ROW_SCALE: tl.constexpr = KV_FMT == 1
     dt = q0.dtype
+    if FP16_MATH:  # quantized caches: latent dots in fp16 (e4m3 -> fp16 is one conversion per pair, bf16 three)
+        dt = tl.float16
+        q0, q1, q2, q3 = q0.to(dt), q1.to(dt), q2.to(dt), q3.to(dt)
     qs0, qs1, qs2, qs3 = 1.0, 1.0, 1.0, 1.0
     if FP8_DOT:  # FP8 caches only (launcher): q's latent chunks to e4m3 once, with power-of-two row scales
         q0, qs0 = _e4m3_rows(q0.to(tl.float32))
@@ -215,7 +218,7 @@ def mla_decode_split_kernel(
         lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt, FP8_DOT)
         lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt, FP8_DOT)
         lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt, FP8_DOT)
-        rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, D_V, D_R, dt)
+        rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, D_V, D_R, q_rope.dtype)
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         s = _chunk_scores(s, q0, qs0, lat0, sc0, ROW_SCALE, FP8_DOT)
         s = _chunk_scores(s, q1, qs1, lat1, sc1, ROW_SCALE, FP8_DOT)
@@ -311,6 +314,7 @@ class MLACfg(NamedTuple):
     warps: int
     stages: int
     fp8_dot: bool = False  # FP8 caches: q and P in e4m3 and fp8 dots, instead of converting the cache to bf16
+    fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
 
 
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format, kv_scale,
@@ -319,7 +323,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
 
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp8_dot = MLACfg(*cfg)
+    block_h, block_n, warps, stages, fp8_dot, fp16_math = MLACfg(*cfg)
     block_h = min(block_h, max(16, triton.next_power_of_2(rows)))
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -355,7 +359,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         rows, topk, softmax_scale * LOG2E,
         H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP8_DOT=fp8_dot and fmt == 1,
-        FINAL=final, num_warps=warps, num_stages=stages,
+        FP16_MATH=fp16_math and fmt != 0 and not fp8_dot, FINAL=final, num_warps=warps, num_stages=stages,
     )
     if final:
         return out, lse

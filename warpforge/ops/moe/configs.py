@@ -36,8 +36,8 @@ CONFIGS = {
 
 # Archs where inference routing (route_kernel.py) and `align` (align_kernel.py, decode sizes) run as one Triton
 # launch each instead of ~25 small torch kernels. On by arch once their GPU tests have passed there: "cpu" is
-# the interpreter (CI); sm90 is next (both kernels are new since the last H200 run).
-ONE_LAUNCH_ROUTING = {"cpu"}
+# the interpreter (CI), sm90 the H200.
+ONE_LAUNCH_ROUTING = {"cpu", "sm90"}
 
 
 def pick(arch: str, shape: tuple, tokens: int) -> MoECfg:
