@@ -263,28 +263,3 @@ def test_fp16_math_variant(fmt, h_q, s_q, causal, splits, monkeypatch):
                                         kv_scale=kv_scale)
     assert 1 - cosine(out, ref) <= 1e-5
     assert torch.allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (32, 2, True)])
-def test_fp8_dot_variant_accuracy(h_q, s_q, causal, monkeypatch):
-    """The FP8-cache variant with q and P in e4m3 and fp8 dots (MLACfg.fp8_dot, off in the tables until it is
-    measured faster): within e4m3 rounding of the FP8-cache reference, and cosine >= 0.999 end to end
-    against the unquantised latents (the issue's FP8 bar)."""
-    from warpforge.ops import mla
-    from warpforge.ops.mla.decode_kernel import MLACfg
-    from warpforge.runtime import arch_key
-    base = mla.CONFIGS.get(arch_key(DEV), mla.CONFIGS["default"])
-    monkeypatch.setitem(mla.CONFIGS, arch_key(DEV), {k: MLACfg(*v[:4], fp8_dot=True) for k, v in base.items()})
-    lens = [300, 77]
-    q, latent, cache, table, seqlens, _ = _problem(2, s_q, h_q, 16, lens, "fp8")
-    out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format="fp8", backend="triton")
-    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, causal=causal, kv_format="fp8")
-    exact, _ = mla_decode_reference(q.float(), latent.float(), table, seqlens, causal=causal)
-    if DEV.type == "cpu":
-        # The interpreter (Triton 3.9) rounds fp32 -> e4m3 wrongly where the mantissa carries into the exponent
-        # (1.95 -> 1.0): only the wiring is checked here; the accuracy bar is checked on the GPU.
-        assert 1 - cosine(out, ref) <= 2e-2
-        return
-    assert 1 - cosine(out, ref) <= 1e-3
-    assert torch.allclose(lse, ref_lse, rtol=1e-2, atol=1e-2)
-    assert cosine(out, exact) >= 0.999

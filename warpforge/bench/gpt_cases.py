@@ -1,5 +1,6 @@
 """GPT training throughput: one optimizer step of the gpt2-124m preset (bf16 autocast, fused AdamW, random
-tokens), warpforge's ops against the same model on plain PyTorch ops (SDPA), eager and torch.compile'd.
+tokens), warpforge's ops against the same model on plain PyTorch ops (SDPA), eager and torch.compile'd, both
+compiled ones also replayed from CUDA graphs (mode="reduce-overhead").
 Reported as ms per step and TFLOP/s by llm.c's count (6N + 6·L·C·T per token); tokens/s = tokens / time."""
 from __future__ import annotations
 
@@ -27,31 +28,39 @@ def gpt_train_setup(device, tiny, *, name="gpt2-124m", ablation=False):
     batches = [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen).to(device)
                for _ in range(4)]
 
-    def make_step(ops, compile_it):
+    def make_step(ops, compile_mode):
+        """compile_mode: None (eager), "default" (Inductor) or "reduce-overhead" (Inductor + CUDA graphs)."""
         model = GPT(cfg, ops=ops).to(device)
         model.load_state_dict(base.state_dict())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        fwd = torch.compile(model) if compile_it else model
+        fwd = torch.compile(model, mode=compile_mode) if compile_mode else model
+        graphs = compile_mode == "reduce-overhead"
         state = {"i": 0}
 
         def step():
             x = batches[state["i"] % len(batches)]
             state["i"] += 1
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 loss = fwd(x[:, :-1], x[:, 1:])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            return loss.detach().clone()  # a graph's output buffer is reused by its next replay
         return step, state
 
     impls, states = {}, []
-    variants = [("warpforge", WARPFORGE_OPS, device.type == "cuda")]
-    if device.type == "cuda":
-        variants += [("torch.compile", PYTORCH_OPS, True), ("torch eager", PYTORCH_OPS, False)]
+    cuda = device.type == "cuda"
+    variants = [("warpforge", WARPFORGE_OPS, "default" if cuda else None)]
+    if cuda:
+        variants += [("warpforge (CUDA graphs)", WARPFORGE_OPS, "reduce-overhead"),
+                     ("torch.compile", PYTORCH_OPS, "default"),
+                     ("torch.compile (CUDA graphs)", PYTORCH_OPS, "reduce-overhead"),
+                     ("torch eager", PYTORCH_OPS, None)]
     if ablation:
         variants += [(f"warpforge (only {op})", replace(PYTORCH_OPS, **{op: getattr(WARPFORGE_OPS, op)}),
-                      device.type == "cuda") for op in (f.name for f in fields(Ops))]
+                      "default" if cuda else None) for op in (f.name for f in fields(Ops))]
     for label, ops, comp in variants:
         impls[label], st = make_step(ops, comp)
         states.append(st)

@@ -48,8 +48,9 @@ class TrainConfig:
     eval_batches: int = 20
     ckpt_every: int = 500
     data: str = "shakespeare"        # or "random" (throughput runs, no prepare needed)
-    compile: str = "auto"            # torch.compile the step: "on", "off", "auto" (on for CUDA, where launch
-                                     # overhead otherwise bounds small models and DDP cannot scale)
+    compile: str = "auto"            # torch.compile the step: "on", "off", "graphs" (compiled and replayed from
+                                     # CUDA graphs), "auto" (on for CUDA, where launch overhead otherwise bounds
+                                     # small models and DDP cannot scale)
     seed: int = 1337
 
 

@@ -113,10 +113,12 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         net = model
-    if tcfg.compile not in ("on", "off", "auto"):
-        raise TrainError(f"compile: expected 'on', 'off' or 'auto', got {tcfg.compile!r}")
-    if tcfg.compile == "on" or (tcfg.compile == "auto" and device.type == "cuda"):
-        net = torch.compile(net)  # checkpoints and evaluation keep using the plain module
+    if tcfg.compile not in ("on", "off", "auto", "graphs"):
+        raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
+    graphs = tcfg.compile == "graphs"
+    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and device.type == "cuda"):
+        # checkpoints and evaluation keep using the plain module
+        net = torch.compile(net, mode="reduce-overhead" if graphs else None)
 
     def autocast():
         if device.type == "cuda":
@@ -157,6 +159,8 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
             for g in optim.param_groups:
                 g["lr"] = lr_at(step, tcfg)
             x, y = (t.to(device, non_blocking=True) for t in batches.next())
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast():
                 loss = net(x, y)
             loss.backward()

@@ -23,19 +23,24 @@ H_Q = (16, 32, 64, 128)
 QUANTIZE_ROWS = 1 << 16
 PAGE_SIZES = (16, 32, 64)
 
-# decode_kernel.MLACfg (BLOCK_H query rows, BLOCK_N tokens, warps, stages[, fp8_dot]) per arch, for few (<= 16)
-# and many query rows (h_q * s_q). sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md); fp8_dot
-# (e4m3 q and P, fp8 dots, for FP8 caches) stays off until a sweep shows it faster.
+# decode_kernel.MLACfg (BLOCK_H query rows, BLOCK_N tokens, warps, stages[, fp16_math]) per arch, for few
+# (<= 16) and many query rows (h_q * s_q); "few-<format>" / "many-<format>" override them for one cache format
+# (keep BLOCK_H the same: the split plan reads it without the format). sm90 from scripts/tune_mla.py on an H200
+# (benchmarks/NOTES.md): FP8 at h_q 16 is fastest with fp16 math and 32-token steps (0.62 ms vs 0.72 at
+# b128 L8k), FP4 with 32-token steps (0.87 vs 1.00 ms). (An fp8-dot variant, e4m3 q and P, was slower everywhere and missed FP8's cosine bar:
+# removed; NOTES.md has its numbers.)
 CONFIGS = {
     "cpu": {"few": (16, 16, 1, 1), "many": (16, 16, 1, 1)},
     "default": {"few": (16, 32, 4, 2), "many": (64, 32, 8, 2)},
-    "sm90": {"few": (16, 64, 4, 2), "many": (64, 64, 8, 2)},
+    "sm90": {"few": (16, 64, 4, 2), "many": (64, 64, 8, 2), "few-fp8": (16, 32, 4, 2, True),
+             "few-nvfp4": (16, 32, 4, 2), "few-mxfp4": (16, 32, 4, 2)},
 }
 
 
-def _config(device: torch.device, rows: int):
+def _config(device: torch.device, rows: int, kv_format: str = "bf16"):
     table = CONFIGS.get(arch_key(device), CONFIGS["default"])
-    return table["few" if rows <= 16 else "many"]
+    size = "few" if rows <= 16 else "many"
+    return table.get(f"{size}-{kv_format}", table[size])
 
 
 @torch.library.custom_op("warpforge::mla_decode", mutates_args=())
@@ -45,7 +50,7 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optiona
                    topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode_kernel import mla_decode_fwd
 
-    cfg = _config(q.device, q.shape[1] * q.shape[2])
+    cfg = _config(q.device, q.shape[1] * q.shape[2], kv_format)
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format, kv_scale, num_splits,
                           cfg, indices, topk_length)
 

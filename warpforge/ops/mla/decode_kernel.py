@@ -36,14 +36,13 @@ def _e2m1_to_float(code):
 
 @triton.jit
 def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl.constexpr, D_V: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr, FP8_DOT: tl.constexpr):
+                  OUT_DTYPE: tl.constexpr):
     """Latent columns [128 C, 128 C + 128) of the given cache rows: (values [BLOCK_N, 128] in OUT_DTYPE, the
     rows' FP8 scales [BLOCK_N] for that chunk, or 1.0). FP8's scale is per row and chunk, so it is left for
     the caller to apply to the [rows, BLOCK_N] scores and probabilities (cheap) rather than to the tile: the
     tile is then a plain e4m3 -> bf16 conversion. FP4 scales (per 16 / 32) are applied here.
     KV_FMT: 0 bf16/fp16, 1 fp8 (e4m3 + fp32 per 128), 2 nvfp4 (e2m1 + e4m3 per 16, x kv_scale), 3 mxfp4
-    (e2m1 + e8m0 per 32). nvfp4's values come back without the cache-wide scale. FP8_DOT: FP8 values stay
-    e4m3 for fp8 dots."""
+    (e2m1 + e8m0 per 32). nvfp4's values come back without the cache-wide scale."""
     base = cache + rows64[:, None] * row_stride
     BLOCK_N: tl.constexpr = rows64.shape[0]
     scale = 1.0
@@ -51,9 +50,7 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
         vals = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0.0)
     elif KV_FMT == 1:
         codes = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0)
-        vals = codes.to(tl.float8e4nv, bitcast=True)
-        if not FP8_DOT:
-            vals = vals.to(OUT_DTYPE)  # exact: e4m3 fits bf16 and fp16
+        vals = codes.to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)  # exact: e4m3 fits bf16 and fp16
         scale_ptr = (cache + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
         scale = tl.load(scale_ptr + C, mask=tok_ok, other=0.0)
     else:
@@ -87,33 +84,16 @@ def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, D_V: tl
 
 
 @triton.jit
-def _e4m3_rows(x):
-    """x [rows, cols] fp32 -> (e4m3 values, per-row power-of-two scale [rows]) with x ≈ values · scale."""
-    amax = tl.maximum(tl.max(tl.abs(x), 1), 1e-30)
-    scale = tl.math.exp2(tl.math.ceil(tl.math.log2(amax / 448.0)))
-    return (x / scale[:, None]).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def _chunk_scores(s, q_c, q_scale_c, lat_c, scale_c, ROW_SCALE: tl.constexpr, FP8_DOT: tl.constexpr):
-    """s += q_c · lat_cᵀ, each token's column times its chunk scale when ROW_SCALE (FP8); with FP8_DOT q_c is
-    e4m3 with row scales q_scale_c and the dot runs on fp8 operands."""
-    if FP8_DOT:
-        return s + tl.dot(q_c, tl.trans(lat_c)) * (q_scale_c[:, None] * scale_c[None, :])
+def _chunk_scores(s, q_c, lat_c, scale_c, ROW_SCALE: tl.constexpr):
+    """s += q_c · lat_cᵀ, each token's column times its chunk scale when ROW_SCALE (FP8)."""
     if ROW_SCALE:
         return s + tl.dot(q_c, tl.trans(lat_c)) * scale_c[None, :]
     return tl.dot(q_c, tl.trans(lat_c), s)
 
 
 @triton.jit
-def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ROW_SCALE: tl.constexpr, FP8_DOT: tl.constexpr):
-    """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8).
-    FP8_DOT: p · scale goes to e4m3 as p · scale / max(scale) · 256 (≤ 256, powers of two: exact rescaling),
-    an fp8 dot, then the factor back."""
-    if FP8_DOT:
-        top = tl.maximum(tl.max(scale_c, 0), 1e-30)
-        p8 = (p * (scale_c * (256.0 / top))[None, :]).to(tl.float8e4nv)
-        return acc_c * alpha[:, None] + tl.dot(p8, lat_c) * (top / 256.0)
+def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ROW_SCALE: tl.constexpr):
+    """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8)."""
     if ROW_SCALE:
         p = p * scale_c[None, :]
     return tl.dot(p.to(lat_c.dtype), lat_c, acc_c * alpha[:, None])
@@ -129,7 +109,7 @@ def mla_decode_split_kernel(
     rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_DOT: tl.constexpr, FP16_MATH: tl.constexpr, FINAL: tl.constexpr,
+    FP16_MATH: tl.constexpr, FINAL: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
     SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped).
@@ -186,12 +166,6 @@ def mla_decode_split_kernel(
     if FP16_MATH:  # quantized caches: latent dots in fp16 (e4m3 -> fp16 is one conversion per pair, bf16 three)
         dt = tl.float16
         q0, q1, q2, q3 = q0.to(dt), q1.to(dt), q2.to(dt), q3.to(dt)
-    qs0, qs1, qs2, qs3 = 1.0, 1.0, 1.0, 1.0
-    if FP8_DOT:  # FP8 caches only (launcher): q's latent chunks to e4m3 once, with power-of-two row scales
-        q0, qs0 = _e4m3_rows(q0.to(tl.float32))
-        q1, qs1 = _e4m3_rows(q1.to(tl.float32))
-        q2, qs2 = _e4m3_rows(q2.to(tl.float32))
-        q3, qs3 = _e4m3_rows(q3.to(tl.float32))
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -214,16 +188,16 @@ def mla_decode_split_kernel(
         else:
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
             rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
-        lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt, FP8_DOT)
-        lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt, FP8_DOT)
-        lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt, FP8_DOT)
-        lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt, FP8_DOT)
+        lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt)
+        lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt)
+        lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt)
+        lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt)
         rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, D_V, D_R, q_rope.dtype)
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        s = _chunk_scores(s, q0, qs0, lat0, sc0, ROW_SCALE, FP8_DOT)
-        s = _chunk_scores(s, q1, qs1, lat1, sc1, ROW_SCALE, FP8_DOT)
-        s = _chunk_scores(s, q2, qs2, lat2, sc2, ROW_SCALE, FP8_DOT)
-        s = _chunk_scores(s, q3, qs3, lat3, sc3, ROW_SCALE, FP8_DOT)
+        s = _chunk_scores(s, q0, lat0, sc0, ROW_SCALE)
+        s = _chunk_scores(s, q1, lat1, sc1, ROW_SCALE)
+        s = _chunk_scores(s, q2, lat2, sc2, ROW_SCALE)
+        s = _chunk_scores(s, q3, lat3, sc3, ROW_SCALE)
         s = (s * latent_scale + tl.dot(q_rope, tl.trans(rope))) * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
         s = tl.where(ok, s, float("-inf"))
@@ -232,10 +206,10 @@ def mla_decode_split_kernel(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ROW_SCALE, FP8_DOT)
-        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ROW_SCALE, FP8_DOT)
-        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ROW_SCALE, FP8_DOT)
-        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, ROW_SCALE, FP8_DOT)
+        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ROW_SCALE)
+        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ROW_SCALE)
+        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ROW_SCALE)
+        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, ROW_SCALE)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -313,7 +287,6 @@ class MLACfg(NamedTuple):
     block_n: int   # cache tokens per step
     warps: int
     stages: int
-    fp8_dot: bool = False  # FP8 caches: q and P in e4m3 and fp8 dots, instead of converting the cache to bf16
     fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
 
 
@@ -323,7 +296,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
 
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp8_dot, fp16_math = MLACfg(*cfg)
+    block_h, block_n, warps, stages, fp16_math = MLACfg(*cfg)
     block_h = min(block_h, max(16, triton.next_power_of_2(rows)))
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -358,8 +331,8 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
         rows, topk, softmax_scale * LOG2E,
         H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
-        HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP8_DOT=fp8_dot and fmt == 1,
-        FP16_MATH=fp16_math and fmt != 0 and not fp8_dot, FINAL=final, num_warps=warps, num_stages=stages,
+        HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt != 0,
+        FINAL=final, num_warps=warps, num_stages=stages,
     )
     if final:
         return out, lse
