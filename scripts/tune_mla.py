@@ -32,6 +32,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", default=None, help="e.g. 16:fp8 (h_q:format) to sweep one entry of the plan")
     args = ap.parse_args()
     sms = sm_count(torch.device("cuda"))
     plans = {
@@ -45,6 +46,8 @@ def main():
     }
     results = []
     for (h_q, fmt), cfgs in plans.items():
+        if args.only and args.only != f"{h_q}:{fmt}":
+            continue
         q, cache, table, lens, tokens, kv_scale = problem(128, args.L, h_q, fmt)
         row_bytes = {"bf16": 1152, "fp8": 656, "nvfp4": 416, "mxfp4": 400}[fmt]
         for cfg in cfgs:
