@@ -13,6 +13,7 @@ class MoECfg(NamedTuple):
     up: tuple      # gate/up GEMM (and the per-slot backward GEMM, weight gradients): BLOCK_N, BLOCK_K, warps, stages
     down: tuple    # down GEMM with the scatter epilogue (and d_hidden): BLOCK_N, BLOCK_K, warps, stages
     split_k: int = 1  # down GEMM only: K cut into this many ranges, summed by the scatter's atomics
+    wgrad: tuple | None = None  # weight-gradient kernel: BLOCK_N, BLOCK_K, warps, stages (None: `up`'s)
 
 
 C = MoECfg

@@ -241,7 +241,7 @@ def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token, row_w=N
     first, count = blocks
     e_count, n, k = dw.shape
     bm = cfg.block_m
-    bn, bk, warps, stages = cfg.up
+    bn, bk, warps, stages = cfg.wgrad or cfg.up
     moe_weight_grad_kernel[(triton.cdiv(n, bn) * triton.cdiv(k, bk), e_count)](
         g, a, dw, row_w if row_w is not None else g, sorted_ids, first, count, g.stride(0), a.stride(0),
         dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,

@@ -1,0 +1,66 @@
+"""Sweep the MoE weight-gradient kernel's tiles on this GPU (training sizes), for MoECfg.wgrad.
+
+    PYTHONPATH=. python scripts/tune_moe_wgrad.py [--models mixtral,qwen3-30b-a3b] [--tokens 8192]
+
+Times d_w13 = Σ d_preᵀ hidden and d_w2 = Σ (w · d_out)ᵀ act per expert, as the backward runs them, with the
+table's block_m for that token count; prints TFLOP/s per tile and the best, for configs.py's sm90 entries.
+"""
+import argparse
+
+import torch
+import triton.testing
+
+from warpforge.bench.moe_cases import MODELS, _logits
+from warpforge.ops.moe import align, route_reference
+from warpforge.ops.moe.configs import pick
+from warpforge.ops.moe.moe_kernel import _weight_grad, expert_blocks
+from warpforge.runtime import arch_key
+
+TILES = [(128, 64, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4),
+         (64, 256, 8, 3), (256, 64, 8, 4), (128, 128, 8, 4)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="mixtral,qwen3-30b-a3b")
+    ap.add_argument("--tokens", default="8192")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    for model in args.models.split(","):
+        e, k, h, i, route_kw = MODELS[model]
+        for t in map(int, args.tokens.split(",")):
+            torch.manual_seed(0)
+            hidden = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+            d_out = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+            d_pre = torch.randn(t * k, 2 * i, device=dev, dtype=torch.bfloat16)
+            act = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16)
+            weights, ids = route_reference(_logits(t, e, False, dev, torch.Generator().manual_seed(t)), k, **route_kw)
+            flat_w = weights.reshape(-1).float().contiguous()
+            base = pick(arch_key(dev), (e, 2 * i, h), t)
+            sorted_ids, expert_ids, _ = align(ids, e, base.block_m)
+            blocks = expert_blocks(expert_ids, e)
+            dw13 = torch.empty(e, 2 * i, h, device=dev, dtype=torch.bfloat16)
+            dw2 = torch.empty(e, h, i, device=dev, dtype=torch.bfloat16)
+            flops = 2 * t * k * 3 * h * i
+            best = None
+            for tile in TILES:
+                cfg = base._replace(wgrad=tile)
+
+                def run():
+                    _weight_grad(d_pre, hidden, dw13, sorted_ids, blocks, k, cfg, g_by_token=False)
+                    _weight_grad(d_out, act, dw2, sorted_ids, blocks, k, cfg, g_by_token=True, row_w=flat_w)
+                try:
+                    run()
+                    ms = triton.testing.do_bench(run, rep=50, return_mode="median")
+                except Exception as exc:  # out of shared memory and the like
+                    print(f"{model} T{t} {tile}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
+                    continue
+                print(f"{model} T{t} bm{base.block_m} wgrad {tile}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s",
+                      flush=True)
+                if best is None or ms < best[0]:
+                    best = (ms, tile)
+            print(f"BEST {model} T{t}: wgrad {best[1]} {best[0]:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
