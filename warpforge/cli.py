@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     gt.add_argument("--max-minutes", type=float, default=None)
     gt.add_argument("--data", choices=("shakespeare", "random"), default=None)
     gt.add_argument("--compile", choices=("auto", "on", "off", "graphs"), default=None,
-                    help="torch.compile the training step (auto: on CUDA only; graphs: also replay it from CUDA "
-                         "graphs, for models small enough that launches bound the step)")
+                    help="torch.compile the training step; graphs: also replay it from CUDA graphs (auto: graphs "
+                         "on CUDA, off on CPU)")
     gs = gsub.add_parser("sample", help="generate text from a trained checkpoint")
     gs.add_argument("--preset", default="tiny")
     gs.add_argument("--ckpt", default=None)

@@ -49,8 +49,8 @@ class TrainConfig:
     ckpt_every: int = 500
     data: str = "shakespeare"        # or "random" (throughput runs, no prepare needed)
     compile: str = "auto"            # torch.compile the step: "on", "off", "graphs" (compiled and replayed from
-                                     # CUDA graphs), "auto" (on for CUDA, where launch overhead otherwise bounds
-                                     # small models and DDP cannot scale)
+                                     # CUDA graphs), "auto" (graphs on CUDA, where launch overhead otherwise bounds
+                                     # the step and DDP cannot scale; off on CPU)
     seed: int = 1337
 
 
