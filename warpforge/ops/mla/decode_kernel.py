@@ -70,6 +70,15 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
 
 
 @triton.jit
+def _fp8_raw(cache, rows64, tok_ok, row_stride):
+    """The four [BLOCK_N, 128] e4m3 chunks of the given rows as raw bytes (to be converted a step later)."""
+    base = cache + rows64[:, None] * row_stride + tl.arange(0, 128)[None, :]
+    m = tok_ok[:, None]
+    return (tl.load(base, mask=m, other=0), tl.load(base + 128, mask=m, other=0),
+            tl.load(base + 256, mask=m, other=0), tl.load(base + 384, mask=m, other=0))
+
+
+@triton.jit
 def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
                 OUT_DTYPE: tl.constexpr):
     """The [BLOCK_N, 64] rope part of the given cache rows (bf16 after the quantized latent, or q's dtype)."""
@@ -109,7 +118,7 @@ def mla_decode_split_kernel(
     rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP16_MATH: tl.constexpr, FINAL: tl.constexpr,
+    FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
     SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped).
@@ -178,6 +187,12 @@ def mla_decode_split_kernel(
         idx_row = INDICES + b64 * stride_ib + j0.to(tl.int64) * stride_is
     else:
         bt_row = BLOCK_TABLE + b64 * stride_bt
+    raw0, raw1, raw2, raw3 = 0, 0, 0, 0
+    if PREFETCH:  # FP8, dense (launcher): the first step's bytes before the loop, each step loads the next's
+        ptok = start + offs_n
+        pok = ptok < end
+        ppage = tl.load(bt_row + ptok // PAGE, mask=pok, other=0)
+        raw0, raw1, raw2, raw3 = _fp8_raw(CACHE, ppage.to(tl.int64) * PAGE + (ptok % PAGE), pok, row_stride)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
@@ -188,10 +203,26 @@ def mla_decode_split_kernel(
         else:
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
             rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
-        lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt)
-        lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt)
-        lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt)
-        lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt)
+        if PREFETCH:
+            cur0, cur1, cur2, cur3 = raw0, raw1, raw2, raw3
+            ntok = tok + BLOCK_N
+            nok = ntok < end
+            npage = tl.load(bt_row + ntok // PAGE, mask=nok, other=0)
+            raw0, raw1, raw2, raw3 = _fp8_raw(CACHE, npage.to(tl.int64) * PAGE + (ntok % PAGE), nok, row_stride)
+            scale_ptr = (CACHE + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
+            lat0 = cur0.to(tl.float8e4nv, bitcast=True).to(dt)
+            lat1 = cur1.to(tl.float8e4nv, bitcast=True).to(dt)
+            lat2 = cur2.to(tl.float8e4nv, bitcast=True).to(dt)
+            lat3 = cur3.to(tl.float8e4nv, bitcast=True).to(dt)
+            sc0 = tl.load(scale_ptr, mask=tok_ok, other=0.0)
+            sc1 = tl.load(scale_ptr + 1, mask=tok_ok, other=0.0)
+            sc2 = tl.load(scale_ptr + 2, mask=tok_ok, other=0.0)
+            sc3 = tl.load(scale_ptr + 3, mask=tok_ok, other=0.0)
+        else:
+            lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt)
+            lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt)
+            lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt)
+            lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt)
         rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, D_V, D_R, q_rope.dtype)
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         s = _chunk_scores(s, q0, lat0, sc0, ROW_SCALE)
@@ -288,6 +319,7 @@ class MLACfg(NamedTuple):
     warps: int
     stages: int
     fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
+    prefetch: bool = False   # FP8, dense: load the next step's bytes into registers while this step computes
 
 
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format, kv_scale,
@@ -296,7 +328,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
 
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp16_math = MLACfg(*cfg)
+    block_h, block_n, warps, stages, fp16_math, prefetch = MLACfg(*cfg)
     block_h = min(block_h, max(16, triton.next_power_of_2(rows)))
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -332,7 +364,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         rows, topk, softmax_scale * LOG2E,
         H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt != 0,
-        FINAL=final, num_warps=warps, num_stages=stages,
+        FINAL=final, PREFETCH=prefetch and fmt == 1 and not sparse, num_warps=warps, num_stages=stages,
     )
     if final:
         return out, lse
