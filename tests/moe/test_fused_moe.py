@@ -26,15 +26,37 @@ def _weights(e, h, i, dtype=DTYPE):
     (7, 4, 4, 32, 32, False),       # topk = E
 ])
 def test_matches_reference(t, e, k, h, i, skew):
+    _check_against_reference(t, e, k, h, i, skew)
+
+
+def _check_against_reference(t, e, k, h, i, skew):
     hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
     logits = torch.randn(t, e, device=DEV)
     if skew:
-        logits[:, :3] += 6.0
+        logits[:, :3] += 6.0  # most tokens on a few experts
     w13, w2 = _weights(e, h, i)
     with poisoned_outputs():
         out = wf.fused_moe(hidden, w13, w2, logits, k, backend="triton")
     ref = wf.fused_moe(hidden.float(), w13.float(), w2.float(), logits, k, backend="reference")
+    assert out.dtype == hidden.dtype
     assert rel_l2(out, ref) <= REL_L2[DTYPE]
+
+
+@pytest.mark.parametrize("decode_gemv", [True, False])
+@pytest.mark.parametrize("t,e,k,h,i,skew", [
+    (1, 8, 2, 64, 96, False),
+    (3, 16, 4, 80, 48, True),       # tokens sharing experts; H and I not multiples of the tiles
+    (4, 4, 4, 32, 40, False),       # topk = E
+])
+def test_decode_sizes_both_paths(t, e, k, h, i, skew, decode_gemv, monkeypatch):
+    """Decode-sized calls through the token-major GEMV kernels (configs.DECODE_GEMV) and through the grouped
+    GEMMs give the reference's answer; the GEMV path is forced on (or off) for this device's arch."""
+    from warpforge.ops import moe
+    if decode_gemv:
+        monkeypatch.setitem(moe.DECODE_GEMV, arch_key(DEV), (4, (16, 16, 32, 1 if DEV.type == "cpu" else 4)))
+    else:
+        monkeypatch.delitem(moe.DECODE_GEMV, arch_key(DEV), raising=False)
+    _check_against_reference(t, e, k, h, i, skew)
 
 
 def test_split_k_down_gemm(monkeypatch):

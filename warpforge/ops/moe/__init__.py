@@ -12,7 +12,7 @@ from ...errors import (check_dtype, check_rank, check_same_device, check_same_dt
                        fail)
 from ...runtime import arch_key, resolve_backend
 from .align import align, capacity
-from .configs import CONFIGS, ONE_LAUNCH_ROUTING, MoECfg, pick
+from .configs import CONFIGS, DECODE_GEMV, ONE_LAUNCH_ROUTING, MoECfg, pick
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
                         quantize_weights_reference, route_reference)
 
@@ -41,6 +41,24 @@ def _experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13:
 @_experts_fp8.register_fake
 def _(hidden, w13, w2, s13, s2, weights, ids):
     return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("warpforge::moe_experts_decode", mutates_args=())
+def _experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """Inference for a few tokens: two token-major GEMVs (decode_kernel.py), no schedule; no backward."""
+    from .decode_kernel import decode_experts
+    return decode_experts(hidden, w13, w2, weights, ids, DECODE_GEMV[arch_key(hidden.device)][1])
+
+
+@_experts_decode.register_fake
+def _(hidden, w13, w2, weights, ids):
+    return torch.empty_like(hidden)
+
+
+def _decode_sized(hidden) -> bool:
+    gemv = DECODE_GEMV.get(arch_key(hidden.device))
+    return gemv is not None and hidden.shape[0] <= gemv[0]
 
 
 @torch.library.custom_op("warpforge::moe_experts_fwd", mutates_args=())
@@ -255,4 +273,6 @@ def _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend):
     if backend == "reference":
         return experts_reference(hidden, w13, w2, weights, ids)
     train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, weights))
+    if not train and _decode_sized(hidden):
+        return _experts_decode(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids)
     return _experts_fwd(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids, train)[0]
