@@ -8,6 +8,7 @@ Each call routes its tokens to experts no other call in the rotation touches, so
 (it is the same kernel for both). Prints µs per call and the fraction of the weight-read floor at 4.3 TB/s.
 """
 import argparse
+import json
 
 import torch
 import triton.testing
@@ -40,7 +41,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,2,4")
+    ap.add_argument("--out", default=None, help="also write the results as JSON (gpu_check.sh's TUNE passes it)")
     args = ap.parse_args()
+    results = []
     dev = torch.device("cuda")
     DECODE_GEMV.pop(arch_key(dev), None)  # "grouped" below must be the grouped path whatever the table says
     for model in args.models.split(","):
@@ -69,6 +72,7 @@ def main():
                         print(f"{model} T{t} {label}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
                         return
                 us = ms * 1e3 / rounds
+                results.append(dict(model=model, tokens=t, path=label, us=us, floor_us=floor_us))
                 print(f"{model} T{t} {label}: {us:.1f} us ({100 * floor_us / us:.0f}% of the {floor_us:.1f} us "
                       f"floor)", flush=True)
 
@@ -77,6 +81,9 @@ def main():
                 report(f"gemv {tiles}", lambda w, ids, tiles=tiles: decode_experts(hidden, w13, w2, w, ids, tiles))
         w13 = w2 = None
         torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Times d_w13 = Σ d_preᵀ hidden and d_w2 = Σ (w · d_out)ᵀ act per expert, a
 table's block_m for that token count; prints TFLOP/s per tile and the best, for configs.py's sm90 entries.
 """
 import argparse
+import json
 
 import torch
 import triton.testing
@@ -25,7 +26,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="mixtral,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--out", default=None, help="also write the results as JSON (gpu_check.sh's TUNE passes it)")
     args = ap.parse_args()
+    results = []
     dev = torch.device("cuda")
     for model in args.models.split(","):
         e, k, h, i, route_kw = MODELS[model]
@@ -58,9 +61,13 @@ def main():
                     continue
                 print(f"{model} T{t} bm{base.block_m} wgrad {tile}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s",
                       flush=True)
+                results.append(dict(model=model, tokens=t, wgrad=list(tile), ms=ms))
                 if best is None or ms < best[0]:
                     best = (ms, tile)
             print(f"BEST {model} T{t}: wgrad {best[1]} {best[0]:.3f} ms", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
