@@ -15,7 +15,10 @@ a decode step needs no host sync and can be captured in a CUDA graph.
 The 512 latent columns are walked as four 128-wide chunks, each with its own accumulator: FP8 rows carry one
 scale per chunk, which is then applied to the [rows, tokens] scores and probabilities instead of the
 [tokens, 512] tile, leaving the tile a plain e4m3 -> bf16 conversion. FP4 rows (NVFP4, MXFP4; layouts in
-reference.py) are dequantised per chunk in registers. All formats then run the same bf16/fp16 matmuls.
+reference.py) are dequantised per chunk in registers. All formats then run the same bf16/fp16 matmuls;
+FP16_MATH runs a quantized cache's latent dots in fp16 (e4m3 -> fp16 is one hardware conversion per pair,
+-> bf16 goes through fp32), and PREFETCH loads the next step's FP8 bytes while the current step computes
+(Triton leaves a load with a register consumer unpipelined: see benchmarks/NOTES.md).
 """
 from typing import NamedTuple
 

@@ -1,8 +1,10 @@
 """Fused Mixture-of-Experts: `fused_moe` (vLLM/SGLang's call) and its public pieces `route`, `align`.
 
-validate -> route (torch, on device) -> align (torch, on device, graph safe) -> two Triton grouped GEMMs,
-registered with torch.library; the backward (gradients for hidden, w13, w2 and, through the routing,
-router_logits) runs the same gather/scatter GEMMs plus a per-expert weight-gradient kernel.
+validate -> route -> align (graph safe) -> two Triton grouped GEMMs, registered with torch.library. Inference
+routes and aligns in one Triton launch each where configs.ONE_LAUNCH_ROUTING lists the arch (torch ops on the
+device otherwise), and a few tokens can skip align for two token-major GEMVs (configs.DECODE_GEMV). The
+backward (gradients for hidden, w13, w2 and, through the routing, router_logits) runs the same gather/scatter
+GEMMs plus a per-expert weight-gradient kernel.
 """
 from __future__ import annotations
 
