@@ -73,8 +73,12 @@ def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> 
     for s in rot.sets:
         step(s)  # compile and validate once, outside the capture
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = step(s)
+        try:
+            with torch.cuda.graph(g):
+                out = step(s)
+        except RuntimeError:  # not capturable (a host sync, say): time it as it is
+            torch.cuda.synchronize()
+            return lambda: step(rot())
         graphs.append((g, out))
 
     def replay():
