@@ -44,6 +44,35 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+def eager_or_op(op, impl, setup_context=None, backward=None):
+    """A caller for `op`, a torch.library custom op over `impl`: under torch.compile the op itself (opaque and
+    whole to Inductor), otherwise `impl` directly, through a torch.autograd.Function made of the op's own
+    setup_context and backward when it has them. The custom-op machinery (dispatcher, dynamo guard, autograd
+    shim) was ~70% of an eager call's host time (benchmarks/NOTES.md). That Function's ctx carries
+    `eager = True`, so a backward can call its own ops' impls too; the op's registered backward must keep
+    calling ops, as AOTAutograd traces it on fake tensors."""
+    eager_fn = None
+    if backward is not None:
+        class _Eager(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                out = impl(*args)
+                ctx.eager = True
+                setup_context(ctx, args, out)
+                return out
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return backward(ctx, *grads)
+        eager_fn = _Eager.apply
+
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return eager_fn(*args) if eager_fn is not None else impl(*args)
+    return call
+
+
 def _triton_compiled_mode() -> bool:
     """True when triton was imported without the interpreter (its own jit helpers are then compiled-only)."""
     tl = sys.modules.get("triton.language")

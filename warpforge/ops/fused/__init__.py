@@ -1,6 +1,7 @@
 """The GPT's fused training ops: `rms_norm`, `layer_norm`, `apply_rope`, `swiglu`, `linear_cross_entropy`.
 
-validate -> pick backend -> (reference | torch.library custom op with autograd over the Triton kernels)
+validate -> pick backend -> (reference | torch.library custom op with autograd over the Triton kernels; eager
+calls take the same impls and backward through a plain autograd.Function: runtime.eager_or_op)
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
                        check_same_dtype, check_tensor, check_tensors, fail)
-from ...runtime import resolve_backend, sm_count
+from ...runtime import eager_or_op, resolve_backend, sm_count
 from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         rope_tables, swiglu_reference)
 
@@ -31,26 +32,30 @@ def _programs(device) -> int:
 
 
 # ----------------------------------------------------------------------------- RMSNorm / LayerNorm
-@torch.library.custom_op("warpforge::norm_fwd", mutates_args=())
-def _norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-              layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                   layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd); mean is empty for RMSNorm."""
     y, mean, rstd = _kernels().norm_fwd(x, weight, bias, eps, layer)
     return y, mean if mean is not None else rstd.new_empty(0), rstd
 
 
-@_norm_fwd.register_fake
+_norm_fwd_op = torch.library.custom_op("warpforge::norm_fwd", _norm_fwd_impl, mutates_args=())
+
+
+@_norm_fwd_op.register_fake
 def _(x, weight, bias, eps, layer):
     rows = x.numel() // max(x.shape[-1], 1)
     return torch.empty_like(x), x.new_empty(rows if layer else 0, dtype=torch.float32), \
         x.new_empty(rows, dtype=torch.float32)
 
 
-@torch.library.custom_op("warpforge::norm_bwd", mutates_args=())
-def _norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-              layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx, dw, db = _kernels().norm_bwd(dy.contiguous(), x, weight, mean, rstd, _programs(x.device), layer)
     return dx, dw, db if db is not None else weight.new_empty(0)
+
+
+_norm_bwd = torch.library.custom_op("warpforge::norm_bwd", _norm_bwd_impl, mutates_args=())
 
 
 @_norm_bwd.register_fake
@@ -67,11 +72,13 @@ def _norm_setup(ctx, inputs, output):
 
 def _norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
+    bwd = _norm_bwd_impl if getattr(ctx, "eager", False) else _norm_bwd
+    dx, dw, db = bwd(dy, x, weight, mean, rstd, ctx.layer)
     return dx, dw, db if ctx.layer else None, None, None
 
 
-_norm_fwd.register_autograd(_norm_backward, setup_context=_norm_setup)
+_norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup)
+_norm_fwd = eager_or_op(_norm_fwd_op, _norm_fwd_impl, _norm_setup, _norm_backward)
 
 
 def _check_norm(x, weight, bias):
@@ -104,12 +111,14 @@ def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None):
 
 
 # ------------------------------------------------------------------------------------------- RoPE
-@torch.library.custom_op("warpforge::rope", mutates_args=())
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+def _rope_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
     return _kernels().rope(x, cos, sin, backward)
 
 
-@_rope.register_fake
+_rope_op = torch.library.custom_op("warpforge::rope", _rope_impl, mutates_args=())
+
+
+@_rope_op.register_fake
 def _(x, cos, sin, backward):
     return torch.empty_like(x)
 
@@ -122,10 +131,12 @@ def _rope_setup(ctx, inputs, output):
 
 def _rope_backward(ctx, dy):
     cos, sin = ctx.saved_tensors
-    return _rope(dy.contiguous(), cos, sin, not ctx.backward), None, None, None
+    rotate = _rope_impl if getattr(ctx, "eager", False) else _rope_op  # the inverse rotation: no autograd here
+    return rotate(dy.contiguous(), cos, sin, not ctx.backward), None, None, None
 
 
-_rope.register_autograd(_rope_backward, setup_context=_rope_setup)
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+_rope = eager_or_op(_rope_op, _rope_impl, _rope_setup, _rope_backward)
 
 
 def apply_rope(x, cos, sin, backend=None):
@@ -150,19 +161,23 @@ def apply_rope(x, cos, sin, backend=None):
 
 
 # ----------------------------------------------------------------------------------------- SwiGLU
-@torch.library.custom_op("warpforge::swiglu_fwd", mutates_args=())
-def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
+def _swiglu_fwd_impl(gate_up: torch.Tensor) -> torch.Tensor:
     return _kernels().swiglu_fwd(gate_up)
 
 
-@_swiglu_fwd.register_fake
+_swiglu_fwd_op = torch.library.custom_op("warpforge::swiglu_fwd", _swiglu_fwd_impl, mutates_args=())
+
+
+@_swiglu_fwd_op.register_fake
 def _(gate_up):
     return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
-@torch.library.custom_op("warpforge::swiglu_bwd", mutates_args=())
-def _swiglu_bwd(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd_impl(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return _kernels().swiglu_bwd(dout.contiguous(), gate_up)
+
+
+_swiglu_bwd = torch.library.custom_op("warpforge::swiglu_bwd", _swiglu_bwd_impl, mutates_args=())
 
 
 @_swiglu_bwd.register_fake
@@ -176,10 +191,11 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_backward(ctx, dout):
     (gate_up,) = ctx.saved_tensors
-    return _swiglu_bwd(dout, gate_up)
+    return (_swiglu_bwd_impl if getattr(ctx, "eager", False) else _swiglu_bwd)(dout, gate_up)
 
 
-_swiglu_fwd.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+_swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+_swiglu_fwd = eager_or_op(_swiglu_fwd_op, _swiglu_fwd_impl, _swiglu_setup, _swiglu_backward)
 
 
 def swiglu(gate_up, backend=None):
@@ -208,9 +224,8 @@ def _add_product_fp32(acc, a, b):
     acc += (a @ b).float()
 
 
-@torch.library.custom_op("warpforge::linear_cross_entropy", mutates_args=())
-def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-               ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward and both gradients at once, a chunk of rows at a time: the full [rows, vocab] logits never
     exist. The gradients are those of the mean loss; backward only scales them."""
     k = _kernels()
@@ -229,7 +244,10 @@ def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     return loss_sum / n_valid, d_hidden / n_valid.to(hidden.dtype), (d_weight / n_valid).to(weight.dtype)
 
 
-@_linear_ce.register_fake
+_linear_ce_op = torch.library.custom_op("warpforge::linear_cross_entropy", _linear_ce_impl, mutates_args=())
+
+
+@_linear_ce_op.register_fake
 def _(hidden, weight, targets, ignore_index):
     return hidden.new_empty((), dtype=torch.float32), torch.empty_like(hidden), torch.empty_like(weight)
 
@@ -244,7 +262,8 @@ def _ce_backward(ctx, d_loss, _dh, _dw):
     return d_hidden * d_loss.to(d_hidden.dtype), d_weight * d_loss.to(d_weight.dtype), None, None
 
 
-_linear_ce.register_autograd(_ce_backward, setup_context=_ce_setup)
+_linear_ce_op.register_autograd(_ce_backward, setup_context=_ce_setup)
+_linear_ce = eager_or_op(_linear_ce_op, _linear_ce_impl, _ce_setup, _ce_backward)
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, backend=None):
