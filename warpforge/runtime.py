@@ -66,10 +66,10 @@ def eager_or_op(op, impl, setup_context=None, backward=None):
                 return backward(ctx, *grads)
         eager_fn = _Eager.apply
 
-    def call(*args):
+    def call(*args, **kwargs):  # keywords only for ops without autograd (Function.apply takes none)
         if torch.compiler.is_compiling():
-            return op(*args)
-        return eager_fn(*args) if eager_fn is not None else impl(*args)
+            return op(*args, **kwargs)
+        return eager_fn(*args) if eager_fn is not None else impl(*args, **kwargs)
     return call
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ...errors import (check_cu_seqlens, check_dtype, check_last_dim_contiguous,
                        check_rank, check_same_device, check_same_dtype, check_tensor, fail)
-from ...runtime import arch_key, resolve_backend
+from ...runtime import arch_key, eager_or_op, resolve_backend
 from . import configs
 from .reference import attention_reference, attention_varlen_reference
 
@@ -29,14 +29,17 @@ def _cfgs(device: torch.device, d: int):
 
 
 # ------------------------------------------------------------------------- custom ops (Triton path)
-@torch.library.custom_op("warpforge::flash_attn_fwd", mutates_args=())
-def _flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
-                  cu_k: Optional[torch.Tensor], batch: int, max_q: int, max_k: int, scale: float, left: int,
-                  right: int) -> tuple[torch.Tensor, torch.Tensor]:
+# Under torch.compile the custom ops; eager calls take the same impls through runtime.eager_or_op.
+def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
+                    cu_k: Optional[torch.Tensor], batch: int, max_q: int, max_k: int, scale: float, left: int,
+                    right: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .flash_kernel import flash_fwd
 
     cfg, _, _ = _cfgs(q.device, q.shape[-1])
     return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg)
+
+
+_flash_fwd_op = torch.library.custom_op("warpforge::flash_attn_fwd", _flash_fwd_impl, mutates_args=())
 
 
 @_flash_fwd_op.register_fake
@@ -48,11 +51,10 @@ def _(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right):
     return torch.empty_like(q), lse
 
 
-@torch.library.custom_op("warpforge::flash_attn_bwd", mutates_args=())
-def _flash_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], batch: int,
-                  max_q: int, max_k: int, scale: float, left: int,
-                  right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], batch: int,
+                    max_q: int, max_k: int, scale: float, left: int,
+                    right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .flash_kernel import flash_bwd
 
     _, cfg_dkdv, cfg_dq = _cfgs(q.device, q.shape[-1])
@@ -60,6 +62,9 @@ def _flash_bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         do = do.contiguous()
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
                      cfg_dq)
+
+
+_flash_bwd_op = torch.library.custom_op("warpforge::flash_attn_bwd", _flash_bwd_impl, mutates_args=())
 
 
 @_flash_bwd_op.register_fake
@@ -77,11 +82,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_out, d_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd_op(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    bwd = _flash_bwd_impl if getattr(ctx, "eager", False) else _flash_bwd_op
+    dq, dk, dv = bwd(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_flash_fwd = eager_or_op(_flash_fwd_op, _flash_fwd_impl, _setup_context, _backward)
 
 
 # ---------------------------------------------------------------------------------- public door
@@ -176,6 +183,6 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             out, lse = attention_reference(q, k, v, softmax_scale=scale, window=win)
         return (out, lse) if return_lse else out
 
-    out, lse = _flash_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale,
+    out, lse = _flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale,
                              _UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right)
     return (out, lse) if return_lse else out

@@ -11,7 +11,7 @@ import torch
 
 from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor,
                        fail)
-from ...runtime import arch_key, resolve_backend, sm_count
+from ...runtime import arch_key, eager_or_op, resolve_backend, sm_count
 from .reference import (D_QK, D_V, ROW_BYTES, dequantize_kv_reference, mla_decode_reference,
                         nvfp4_tensor_scale, quantize_kv_reference)
 
@@ -43,11 +43,10 @@ def _config(device: torch.device, rows: int, kv_format: str = "bf16"):
     return table.get(f"{size}-{kv_format}", table[size])
 
 
-@torch.library.custom_op("warpforge::mla_decode", mutates_args=())
-def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
-                   cache_seqlens: Optional[torch.Tensor], kv_scale: Optional[torch.Tensor], scale: float, causal: bool,
-                   kv_format: str, num_splits: int, indices: Optional[torch.Tensor] = None,
-                   topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+                     cache_seqlens: Optional[torch.Tensor], kv_scale: Optional[torch.Tensor], scale: float,
+                     causal: bool, kv_format: str, num_splits: int, indices: Optional[torch.Tensor] = None,
+                     topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .decode_kernel import mla_decode_fwd
 
     cfg = _config(q.device, q.shape[1] * q.shape[2], kv_format)
@@ -55,11 +54,17 @@ def _mla_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optiona
                           cfg, indices, topk_length)
 
 
+_mla_decode_op = torch.library.custom_op("warpforge::mla_decode", _mla_decode_impl, mutates_args=())
+
+
 @_mla_decode_op.register_fake
 def _(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits, indices=None,
       topk_length=None):
     b, s_q, h_q, _ = q.shape
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+_mla_decode_call = eager_or_op(_mla_decode_op, _mla_decode_impl)  # the custom op under torch.compile only
 
 
 def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Tensor:
@@ -232,8 +237,8 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
         schedule = planned_num_splits(q, kv_cache, block_table, indices)
     if not isinstance(schedule, int) or schedule < 1:
         fail("schedule", "None or a positive int (number of KV splits)", schedule)
-    return _mla_decode_op(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, schedule,
-                          indices, topk_length)
+    return _mla_decode_call(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format,
+                            schedule, indices, topk_length)
 
 
 from .flash_mla_compat import MLASchedule, flash_mla_with_kvcache, get_mla_metadata  # noqa: E402

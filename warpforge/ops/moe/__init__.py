@@ -12,7 +12,7 @@ import torch
 
 from ...errors import (check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, check_tensors,
                        fail)
-from ...runtime import arch_key, resolve_backend
+from ...runtime import arch_key, eager_or_op, resolve_backend
 from .align import align, capacity
 from .configs import CONFIGS, DECODE_GEMV, ONE_LAUNCH_ROUTING, MoECfg, pick
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
@@ -29,9 +29,8 @@ def quantize_weights(w: torch.Tensor):
     return quantize_weights_reference(w)
 
 
-@torch.library.custom_op("warpforge::moe_experts_fp8", mutates_args=())
-def _experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor, s2: torch.Tensor,
-                 weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _experts_fp8_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor,
+                      s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Inference with FP8 expert weights (dequantised tile by tile inside the GEMMs); no backward."""
     from .moe_kernel import fused_experts
     cfg = _config(hidden.device, hidden.shape[0], w13)
@@ -40,22 +39,34 @@ def _experts_fp8(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13:
                          num_post, ids.shape[1], cfg, scales=(s13, s2))[0]
 
 
-@_experts_fp8.register_fake
+_experts_fp8_op = torch.library.custom_op("warpforge::moe_experts_fp8", _experts_fp8_impl, mutates_args=())
+
+
+@_experts_fp8_op.register_fake
 def _(hidden, w13, w2, s13, s2, weights, ids):
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op("warpforge::moe_experts_decode", mutates_args=())
-def _experts_decode(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+_experts_fp8 = eager_or_op(_experts_fp8_op, _experts_fp8_impl)
+
+
+def _experts_decode_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
     """Inference for a few tokens: two token-major GEMVs (decode_kernel.py), no schedule; no backward."""
     from .decode_kernel import decode_experts
     return decode_experts(hidden, w13, w2, weights, ids, DECODE_GEMV[arch_key(hidden.device)][1])
 
 
-@_experts_decode.register_fake
+_experts_decode_op = torch.library.custom_op("warpforge::moe_experts_decode", _experts_decode_impl,
+                                             mutates_args=())
+
+
+@_experts_decode_op.register_fake
 def _(hidden, w13, w2, weights, ids):
     return torch.empty_like(hidden)
+
+
+_experts_decode = eager_or_op(_experts_decode_op, _experts_decode_impl)
 
 
 def _decode_sized(hidden) -> bool:
@@ -63,10 +74,10 @@ def _decode_sized(hidden) -> bool:
     return gemv is not None and hidden.shape[0] <= gemv[0]
 
 
-@torch.library.custom_op("warpforge::moe_experts_fwd", mutates_args=())
-def _experts_fwd(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                 ids: torch.Tensor, train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                          torch.Tensor, torch.Tensor]:
+def _experts_fwd_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor,
+                      train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                            torch.Tensor]:
     """(out, act, pre, sorted_ids, expert_ids, num_post); act/pre are what the backward needs (pre is empty
     when not training)."""
     from .moe_kernel import fused_experts
@@ -79,7 +90,10 @@ def _experts_fwd(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return out, act, pre, sorted_ids, expert_ids, num_post
 
 
-@_experts_fwd.register_fake
+_experts_fwd_op = torch.library.custom_op("warpforge::moe_experts_fwd", _experts_fwd_impl, mutates_args=())
+
+
+@_experts_fwd_op.register_fake
 def _(hidden, w13, w2, weights, ids, train):
     t, k = ids.shape
     n = t * k
@@ -90,18 +104,20 @@ def _(hidden, w13, w2, weights, ids, train):
             ids.new_empty(cap), ids.new_empty(cap // bm), ids.new_empty(1))
 
 
-@torch.library.custom_op("warpforge::moe_experts_bwd", mutates_args=())
-def _experts_bwd(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                 weights: torch.Tensor, act: torch.Tensor, pre: torch.Tensor, sorted_ids: torch.Tensor,
-                 expert_ids: torch.Tensor, num_post: torch.Tensor,
-                 topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _experts_bwd_impl(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      weights: torch.Tensor, act: torch.Tensor, pre: torch.Tensor, sorted_ids: torch.Tensor,
+                      expert_ids: torch.Tensor, num_post: torch.Tensor,
+                      topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .moe_kernel import fused_experts_backward
     cfg = _config(hidden.device, hidden.shape[0], w13)
     return fused_experts_backward(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post,
                                   topk, cfg)
 
 
-@_experts_bwd.register_fake
+_experts_bwd_op = torch.library.custom_op("warpforge::moe_experts_bwd", _experts_bwd_impl, mutates_args=())
+
+
+@_experts_bwd_op.register_fake
 def _(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post, topk):
     return torch.empty_like(hidden), torch.empty_like(w13), torch.empty_like(w2), weights.new_empty(weights.shape)
 
@@ -118,12 +134,14 @@ def _experts_backward(ctx, d_out, *_):
     hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post = ctx.saved_tensors
     if pre.shape[0] != act.shape[0]:
         raise RuntimeError("fused_moe ran without saving activations (train=False): cannot backprop")
-    d_hidden, d_w13, d_w2, d_weights = _experts_bwd(d_out, hidden, w13, w2, weights, act, pre, sorted_ids,
-                                                    expert_ids, num_post, ctx.topk)
+    bwd = _experts_bwd_impl if getattr(ctx, "eager", False) else _experts_bwd_op
+    d_hidden, d_w13, d_w2, d_weights = bwd(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids,
+                                           num_post, ctx.topk)
     return d_hidden, d_w13, d_w2, d_weights.to(weights.dtype), None, None
 
 
-_experts_fwd.register_autograd(_experts_backward, setup_context=_experts_setup)
+_experts_fwd_op.register_autograd(_experts_backward, setup_context=_experts_setup)
+_experts_fwd = eager_or_op(_experts_fwd_op, _experts_fwd_impl, _experts_setup, _experts_backward)
 
 
 def _config(device: torch.device, tokens: int, w13: torch.Tensor) -> MoECfg:
@@ -141,13 +159,15 @@ def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_exper
                   routed_scaling_factor=routed_scaling_factor)
 
 
-@torch.library.custom_op("warpforge::moe_route", mutates_args=())
-def _route_op(router_logits: torch.Tensor, topk: int, renormalize: bool, scoring: str, num_expert_group: int,
-              topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_impl(router_logits: torch.Tensor, topk: int, renormalize: bool, scoring: str, num_expert_group: int,
+                topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Inference routing in one launch (no autograd: training routes through the torch version)."""
     from .route_kernel import route_triton
     return route_triton(router_logits, topk, renormalize, scoring, num_expert_group, topk_group,
                         routed_scaling_factor)
+
+
+_route_op = torch.library.custom_op("warpforge::moe_route", _route_impl, mutates_args=())
 
 
 @_route_op.register_fake
@@ -157,13 +177,17 @@ def _(router_logits, topk, renormalize, scoring, num_expert_group, topk_group, r
             router_logits.new_empty((t, topk), dtype=torch.int32))
 
 
+_route_one_launch = eager_or_op(_route_op, _route_impl)
+
+
 def _route(router_logits, topk, backend, **kw):
     from .route_kernel import fits
     needs_grad = torch.is_grad_enabled() and router_logits.requires_grad
     if backend == "triton" and not needs_grad and arch_key(router_logits.device) in ONE_LAUNCH_ROUTING and \
             fits(router_logits.shape[1], kw["num_expert_group"]):
-        return _route_op(router_logits, topk, bool(kw["renormalize"]), kw["scoring"], kw["num_expert_group"] or 0,
-                         kw["topk_group"] or 0, float(kw["routed_scaling_factor"]))
+        return _route_one_launch(router_logits, topk, bool(kw["renormalize"]), kw["scoring"],
+                                 kw["num_expert_group"] or 0, kw["topk_group"] or 0,
+                                 float(kw["routed_scaling_factor"]))
     return route_reference(router_logits, topk, **kw)
 
 
