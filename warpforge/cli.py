@@ -69,7 +69,8 @@ def cmd_gpt(args) -> int:
         from .models.gpt.train import TrainError, train
         try:
             result = train(args.preset, args.out, resume=args.resume, max_steps=args.max_steps,
-                           max_minutes=args.max_minutes, data=args.data, compile=args.compile)
+                           max_minutes=args.max_minutes, data=args.data, compile=args.compile,
+                           parallel=args.parallel)
         except (TrainError, DataMissing) as exc:
             print(f"warpforge gpt train: {exc}", file=sys.stderr)
             return 2
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
     gt.add_argument("--max-steps", type=int, default=None)
     gt.add_argument("--max-minutes", type=float, default=None)
     gt.add_argument("--data", choices=("shakespeare", "random"), default=None)
+    gt.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
+                    help="under torchrun: DDP (default) or FSDP2 (sharded parameters and optimizer state)")
     gt.add_argument("--compile", choices=("auto", "on", "off", "graphs"), default=None,
                     help="torch.compile the training step; graphs: also replay it from CUDA graphs (auto: graphs "
                          "on CUDA, off on CPU)")

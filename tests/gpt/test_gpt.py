@@ -184,21 +184,29 @@ def test_deepseek_mini_blocks_train_and_decode():
     assert torch.equal(fast, slow)
 
 
-def test_ddp_two_processes_train_and_resume(tmp_path):
-    """torchrun with 2 CPU processes (gloo): trains, checkpoints every rank's data position, resumes."""
+def test_ddp_and_fsdp_two_processes_train_and_resume(tmp_path):
+    """torchrun with 2 CPU processes (gloo), DDP and FSDP2: each trains, checkpoints every rank's data position
+    with full weights, resumes; both give the same losses (the same averaged gradients, sharded or not)."""
     import os
     import subprocess
     import sys
     # CPU processes even on a GPU machine (which may have fewer GPUs than ranks): this checks the logic
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    # --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "warpforge",
-            "gpt", "train", "--preset", "tiny", "--data", "random", "--out", str(tmp_path / "run")]
-    first = subprocess.run(base + ["--max-steps", "4"], env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = subprocess.run(base + ["--max-steps", "8", "--resume"], env=env, capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0, again.stderr[-2000:]
-    ckpt = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
-    assert ckpt["step"] == 8 and len(ckpt["data_state"]) == 2
-    assert not torch.equal(ckpt["data_state"][0], ckpt["data_state"][1])
+    runs = {}
+    for parallel in ("ddp", "fsdp"):
+        # --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold
+        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--parallel", parallel,
+                "--out", str(tmp_path / parallel)]
+        first = subprocess.run(base + ["--max-steps", "4"], env=env, capture_output=True, text=True, timeout=300)
+        assert first.returncode == 0, first.stderr[-2000:]
+        again = subprocess.run(base + ["--max-steps", "8", "--resume"], env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        ckpt = torch.load(tmp_path / parallel / "ckpt.pt", weights_only=False)
+        assert ckpt["step"] == 8 and len(ckpt["data_state"]) == 2
+        assert not torch.equal(ckpt["data_state"][0], ckpt["data_state"][1])
+        assert all(not hasattr(v, "device_mesh") for v in ckpt["model"].values())  # full tensors, not shards
+        runs[parallel] = [h["loss"] for h in ckpt["history"] if "loss" in h]
+    assert len(runs["ddp"]) == len(runs["fsdp"]) == 2
+    assert runs["ddp"] == pytest.approx(runs["fsdp"], rel=1e-4)

@@ -51,6 +51,8 @@ class TrainConfig:
     compile: str = "auto"            # torch.compile the step: "on", "off", "graphs" (compiled and replayed from
                                      # CUDA graphs), "auto" (graphs on CUDA, where launch overhead otherwise bounds
                                      # the step and DDP cannot scale; off on CPU)
+    parallel: str = "ddp"            # several processes (torchrun): "ddp" (replicated) or "fsdp" (FSDP2: parameters,
+                                     # gradients and optimizer state sharded across ranks)
     seed: int = 1337
 
 

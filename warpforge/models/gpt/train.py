@@ -1,6 +1,7 @@
 """Training loop: AdamW, warmup + cosine schedule, gradient clipping, bf16 autocast on GPU, periodic
 evaluation, atomic checkpoints (model, optimizer, RNG, data position) with --resume, Ctrl-C saves first.
-Several GPUs: launch with torchrun (DDP; the global batch stays the preset's)."""
+Several GPUs: launch with torchrun (DDP, or FSDP2 with --parallel fsdp; the global batch stays the preset's).
+Checkpoints hold full (unsharded) weights and optimizer state either way."""
 from __future__ import annotations
 
 import contextlib
@@ -86,7 +87,10 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
             raise TrainError(f"{ckpt_path} was trained with another model config than preset {preset_name!r}")
         tcfg = replace(TrainConfig(**ckpt["train_cfg"]), **overrides)
 
+    if tcfg.parallel not in ("ddp", "fsdp"):
+        raise TrainError(f"parallel: expected 'ddp' or 'fsdp', got {tcfg.parallel!r}")
     rank, world, local = _distributed()
+    fsdp = world > 1 and tcfg.parallel == "fsdp"
     device = torch.device(f"cuda:{local or 0}" if torch.cuda.is_available() else "cpu")
     if tcfg.batch_size % world:
         raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes")
@@ -94,30 +98,34 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
     val_data = None if tcfg.data == "random" else load_split("val")
     torch.manual_seed(tcfg.seed)
     model = GPT(mcfg).to(device)
+    if ckpt:
+        model.load_state_dict(ckpt["model"])  # full weights, before any sharding
+    if fsdp:
+        _shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
                               fused=device.type == "cuda")
     batches = Batches(train_data, mcfg.seq_len, tcfg.batch_size // world, seed=tcfg.seed + rank,
                       vocab_size=mcfg.vocab_size)
     history, step = [], 0
     if ckpt:
-        model.load_state_dict(ckpt["model"])
-        optim.load_state_dict(ckpt["optim"])
+        _load_optimizer(model, optim, ckpt["optim"], fsdp, ckpt_path)
         if len(ckpt["data_state"]) != world:
             raise TrainError(f"{ckpt_path} was written by {len(ckpt['data_state'])} process(es), not {world}")
         batches.restore(ckpt["data_state"][rank])
         torch.set_rng_state(ckpt["rng"])
         history, step = ckpt["history"], ckpt["step"]
         log(f"resumed {ckpt_path} at step {step}")
-    if world > 1:
+    if world > 1 and not fsdp:
         from torch.nn.parallel import DistributedDataParallel
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
-        net = model
+        net = model  # FSDP2 shards the module in place
     if tcfg.compile not in ("on", "off", "auto", "graphs"):
         raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
     # auto on CUDA = graphs: the compiled step is still bound by launching ~850 kernels (gpt2-124m, H200: 46.9 ms
     # a step, 38.9 ms of kernels; from CUDA graphs 40.1 ms), and DDP only scales without that bound (0.94x -> 1.68x)
-    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and device.type == "cuda")
+    # (FSDP2's per-block all-gathers are not captured: auto compiles without graphs there)
+    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and device.type == "cuda" and not fsdp)
     if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and device.type == "cuda"):
         # checkpoints and evaluation keep using the plain module
         net = torch.compile(net, mode="reduce-overhead" if graphs else None)
@@ -133,10 +141,11 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
             import torch.distributed as dist
             states = [None] * world
             dist.all_gather_object(states, batches.state())
+        model_state, optim_state = _full_states(model, optim, fsdp)  # a collective under FSDP
         if rank != 0:
             return
         out.mkdir(parents=True, exist_ok=True)
-        save_atomic({"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+        save_atomic({"model": model_state, "optim": optim_state, "step": step,
                      "model_cfg": asdict(mcfg), "train_cfg": asdict(tcfg), "preset": preset_name,
                      "rng": torch.get_rng_state(), "data_state": states, "history": history}, ckpt_path)
         with open(out / "history.json", "w") as f:
@@ -179,10 +188,12 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
                 history.append({"step": step, "loss": lval, "tokens_per_s": tps, "mfu": mfu,
                                 "elapsed_s": now - start_wall})
                 bar.update(step, f"loss {lval:.3f} | {tps:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu else ""))
-            if val_data is not None and (step % tcfg.eval_every == 0 or step == tcfg.max_steps) and rank == 0:
+            if val_data is not None and (step % tcfg.eval_every == 0 or step == tcfg.max_steps) and \
+                    (rank == 0 or fsdp):  # FSDP: every rank takes part in the forward's all-gathers
                 v = evaluate(model, val_data, tcfg, device, autocast)
                 history.append({"step": step, "val_loss": v, "elapsed_s": time.time() - start_wall})
-                log(f"step {step}: val {v:.3f} nats/byte")
+                if rank == 0:
+                    log(f"step {step}: val {v:.3f} nats/byte")
             if step % tcfg.ckpt_every == 0:
                 checkpoint("periodic")
     except KeyboardInterrupt:
@@ -191,12 +202,46 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
         raise
     finally:
         bar.close()
-    if val_data is not None and rank == 0 and not any(h.get("step") == step and "val_loss" in h for h in history):
+    if val_data is not None and (rank == 0 or fsdp) and \
+            not any(h.get("step") == step and "val_loss" in h for h in history):
         history.append({"step": step, "val_loss": evaluate(model, val_data, tcfg, device, autocast),
                         "elapsed_s": time.time() - start_wall})
-        log(f"step {step}: val {history[-1]['val_loss']:.3f} nats/byte")
+        if rank == 0:
+            log(f"step {step}: val {history[-1]['val_loss']:.3f} nats/byte")
     checkpoint("end")
     return {"step": step, "history": history, "out": str(out), "params": model.num_params()}
+
+
+def _shard(model: GPT) -> None:
+    """FSDP2: each block its own unit (its parameters gathered for its forward and backward, then freed), the
+    embedding, final norm and (tied) head in the root's."""
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _full_states(model, optim, fsdp: bool):
+    """(model, optimizer) state dicts, full and on the CPU under FSDP (gathered from every rank: a collective),
+    so that a checkpoint reads the same whatever wrote it."""
+    if not fsdp:
+        return model.state_dict(), optim.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optim, options=opts)
+
+
+def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path) -> None:
+    try:
+        if fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            optim.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise TrainError(f"{ckpt_path}: its optimizer state does not load here ({type(exc).__name__}); resume "
+                         f"with the --parallel it was written with") from None
 
 
 class _progress:
