@@ -6,13 +6,13 @@ The winners go into warpforge/ops/attention/configs.py by hand (with the numbers
 a small table keyed by arch and head dim, not an autotuner on the hot path.
 """
 import argparse
-import json
 import math
 
 import torch
 import triton
 import triton.testing
 
+from warpforge.bench.report import write_json
 from warpforge.ops.attention.configs import KernelCfg as C
 from warpforge.ops.attention.flash_kernel import flash_bwd, flash_fwd
 
@@ -86,5 +86,4 @@ if __name__ == "__main__":
         b, s, h = (4, 8192, 16) if d == 128 else (8, 4096, 32) if d == 64 else (4, 4096, 16)
         results.append(sweep(b, s, h, d, True, args.parts.split(",")))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(results, args.out)

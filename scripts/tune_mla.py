@@ -6,13 +6,13 @@ Prints each result as it lands (a run cut short still says something); winners g
 warpforge/ops/mla/__init__.py's CONFIGS with the numbers in benchmarks/NOTES.md.
 """
 import argparse
-import json
 import math
 
 import torch
 import triton
 import triton.testing
 
+from warpforge.bench.report import write_json
 from warpforge.ops.mla import nvfp4_tensor_scale, quantize_kv
 from warpforge.ops.mla.decode_kernel import mla_decode_fwd, plan_num_splits
 from warpforge.runtime import sm_count
@@ -70,8 +70,7 @@ def main():
         q = cache = table = None  # free this shape's cache before the next
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(results, args.out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ become warpforge/ops/moe/configs.py's sm90 entries, with the numbers in benchmar
 """
 import argparse
 import itertools
-import json
 import time
 
 import torch
@@ -18,6 +17,7 @@ import triton
 import triton.testing
 
 from warpforge.bench.moe_cases import MODELS, _logits
+from warpforge.bench.report import write_json
 from warpforge.ops.moe import align, route_reference
 from warpforge.ops.moe.configs import MoECfg
 from warpforge.ops.moe.moe_kernel import _moe_gemm
@@ -98,8 +98,7 @@ def main():
             results.append(dict(model=model, shape=[e, 2 * i, h], tokens=t, cfg=list(cfg), up_ms=up_ms,
                                 down_ms=down_ms, floor_ms=floor_ms))
             if args.out:
-                with open(args.out, "w") as f:
-                    json.dump(results, f, indent=1)
+                write_json(results, args.out)
         w13 = w2 = None
         torch.cuda.empty_cache()
 

@@ -8,12 +8,12 @@ Each call routes its tokens to experts no other call in the rotation touches, so
 (it is the same kernel for both). Prints µs per call and the fraction of the weight-read floor at 4.3 TB/s.
 """
 import argparse
-import json
 
 import torch
 import triton.testing
 
 from warpforge.bench.moe_cases import MODELS
+from warpforge.bench.report import write_json
 from warpforge.ops.moe import DECODE_GEMV, experts
 from warpforge.ops.moe.decode_kernel import decode_experts
 from warpforge.runtime import arch_key
@@ -82,8 +82,7 @@ def main():
         w13 = w2 = None
         torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(results, args.out)
 
 
 if __name__ == "__main__":

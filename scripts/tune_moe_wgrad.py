@@ -6,12 +6,12 @@ Times d_w13 = Σ d_preᵀ hidden and d_w2 = Σ (w · d_out)ᵀ act per expert, a
 table's block_m for that token count; prints TFLOP/s per tile and the best, for configs.py's sm90 entries.
 """
 import argparse
-import json
 
 import torch
 import triton.testing
 
 from warpforge.bench.moe_cases import MODELS, _logits
+from warpforge.bench.report import write_json
 from warpforge.ops.moe import align, route_reference
 from warpforge.ops.moe.configs import pick
 from warpforge.ops.moe.moe_kernel import _weight_grad, expert_blocks
@@ -66,8 +66,7 @@ def main():
                     best = (ms, tile)
             print(f"BEST {model} T{t}: wgrad {best[1]} {best[0]:.3f} ms", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(results, args.out)
 
 
 if __name__ == "__main__":

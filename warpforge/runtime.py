@@ -48,16 +48,15 @@ def eager_or_op(op, impl, setup_context=None, backward=None):
     """A caller for `op`, a torch.library custom op over `impl`: under torch.compile the op itself (opaque and
     whole to Inductor), otherwise `impl` directly, through a torch.autograd.Function made of the op's own
     setup_context and backward when it has them. The custom-op machinery (dispatcher, dynamo guard, autograd
-    shim) was ~70% of an eager call's host time (benchmarks/NOTES.md). That Function's ctx carries
-    `eager = True`, so a backward can call its own ops' impls too; the op's registered backward must keep
-    calling ops, as AOTAutograd traces it on fake tensors."""
+    shim) was ~70% of an eager call's host time (benchmarks/NOTES.md). A backward that calls other ops calls
+    them through their own eager_or_op callers: torch.compiler.is_compiling() also holds while AOTAutograd
+    traces a registered backward, so the traced graph gets the ops and an eager backward the impls."""
     eager_fn = None
     if backward is not None:
         class _Eager(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *args):
                 out = impl(*args)
-                ctx.eager = True
                 setup_context(ctx, args, out)
                 return out
 
@@ -79,22 +78,25 @@ def _triton_compiled_mode() -> bool:
     return tl is not None and type(tl.zeros).__name__ == "JITFunction"
 
 
-_SM_COUNT: dict = {}
+_PROPS: dict = {}
+
+
+def _props(device: torch.device):
+    """A CUDA device's properties, read once: config lookups and launch planning ask on every call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROPS:
+        _PROPS[index] = torch.cuda.get_device_properties(index)
+    return _PROPS[index]
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (cached: launch planning asks on every call); 4 for the interpreter."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    """Multiprocessors of a CUDA device; 4 for the interpreter."""
+    return _props(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def arch_key(device: torch.device) -> str:
     """A short key for per-architecture config tables: 'sm90', 'sm80', ..., or 'cpu'."""
     if device.type != "cuda":
         return "cpu"
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
+    props = _props(device)
+    return f"sm{props.major}{props.minor}"

@@ -74,7 +74,8 @@ PRESETS = {
     "shakespeare": Preset(GPTConfig(seq_len=512, n_layer=8, n_head=5, n_kv_head=5, d_model=320),
                           TrainConfig(batch_size=64, max_steps=600, max_minutes=10, lr=2e-3, warmup_steps=60,
                                       eval_every=100, ckpt_every=300),
-                          "GPU, ~10M parameters; 600 steps: longer runs overfit the 4.2 MB of plays (H200: val 1.45 at step 300, 3.5 at 4500)"),
+                          "GPU, ~10M parameters; 600 steps: longer runs overfit the 4.2 MB of plays "
+                          "(H200: val 1.45 at step 300, 3.5 at 4500)"),
     # GPT-2 small's shape, for throughput (bf16, seq 1024, batch 16, random tokens by default).
     "gpt2-124m": Preset(GPTConfig(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, n_kv_head=12,
                                   d_model=768, ffn_mult=4.0),

@@ -89,6 +89,8 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
 
     if tcfg.parallel not in ("ddp", "fsdp"):
         raise TrainError(f"parallel: expected 'ddp' or 'fsdp', got {tcfg.parallel!r}")
+    if tcfg.compile not in ("on", "off", "auto", "graphs"):
+        raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
     rank, world, local = _distributed()
     fsdp = world > 1 and tcfg.parallel == "fsdp"
     device = torch.device(f"cuda:{local or 0}" if torch.cuda.is_available() else "cpu")
@@ -120,8 +122,6 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
         net = model  # FSDP2 shards the module in place
-    if tcfg.compile not in ("on", "off", "auto", "graphs"):
-        raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
     # auto on CUDA = graphs: the compiled step is still bound by launching ~850 kernels (gpt2-124m, H200: 46.9 ms
     # a step, 38.9 ms of kernels; from CUDA graphs 40.1 ms), and DDP only scales without that bound (0.94x -> 1.68x)
     # (FSDP2's per-block all-gathers are not captured: auto compiles without graphs there)
@@ -222,8 +222,8 @@ def _shard(model: GPT) -> None:
 
 
 def _full_states(model, optim, fsdp: bool):
-    """(model, optimizer) state dicts, full and on the CPU under FSDP (gathered from every rank: a collective),
-    so that a checkpoint reads the same whatever wrote it."""
+    """(model, optimizer) state dicts; under FSDP full and on the CPU, gathered from every rank (a collective),
+    so the weights read the same whatever wrote them (the optimizer state is keyed by parameter name there)."""
     if not fsdp:
         return model.state_dict(), optim.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,

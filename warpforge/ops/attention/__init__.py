@@ -72,6 +72,9 @@ def _(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+_flash_bwd = eager_or_op(_flash_bwd_op, _flash_bwd_impl)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right = inputs
     out, lse = output
@@ -82,8 +85,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_out, d_lse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    bwd = _flash_bwd_impl if getattr(ctx, "eager", False) else _flash_bwd_op
-    dq, dk, dv = bwd(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = _flash_bwd(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -15,8 +15,9 @@ from ...runtime import eager_or_op, resolve_backend, sm_count
 from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         rope_tables, swiglu_reference)
 
-__all__ = ["rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "linear_cross_entropy", "rms_norm_reference",
-           "layer_norm_reference", "rope_reference", "swiglu_reference", "linear_cross_entropy_reference"]
+__all__ = ["rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "linear_cross_entropy",
+           "rms_norm_reference", "layer_norm_reference", "rope_reference", "swiglu_reference",
+           "linear_cross_entropy_reference"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 CE_CHUNK_ELEMENTS = 1 << 26  # logits materialised per chunk (rows x vocab): 128 MB in bf16
@@ -55,12 +56,15 @@ def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean
     return dx, dw, db if db is not None else weight.new_empty(0)
 
 
-_norm_bwd = torch.library.custom_op("warpforge::norm_bwd", _norm_bwd_impl, mutates_args=())
+_norm_bwd_op = torch.library.custom_op("warpforge::norm_bwd", _norm_bwd_impl, mutates_args=())
 
 
-@_norm_bwd.register_fake
+@_norm_bwd_op.register_fake
 def _(dy, x, weight, mean, rstd, layer):
     return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0)
+
+
+_norm_bwd = eager_or_op(_norm_bwd_op, _norm_bwd_impl)
 
 
 def _norm_setup(ctx, inputs, output):
@@ -72,8 +76,7 @@ def _norm_setup(ctx, inputs, output):
 
 def _norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
-    bwd = _norm_bwd_impl if getattr(ctx, "eager", False) else _norm_bwd
-    dx, dw, db = bwd(dy, x, weight, mean, rstd, ctx.layer)
+    dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
     return dx, dw, db if ctx.layer else None, None, None
 
 
@@ -129,10 +132,12 @@ def _rope_setup(ctx, inputs, output):
     ctx.backward = backward
 
 
+_rotate = eager_or_op(_rope_op, _rope_impl)  # without autograd: the backward's inverse rotation
+
+
 def _rope_backward(ctx, dy):
     cos, sin = ctx.saved_tensors
-    rotate = _rope_impl if getattr(ctx, "eager", False) else _rope_op  # the inverse rotation: no autograd here
-    return rotate(dy.contiguous(), cos, sin, not ctx.backward), None, None, None
+    return _rotate(dy.contiguous(), cos, sin, not ctx.backward), None, None, None
 
 
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
@@ -177,12 +182,15 @@ def _swiglu_bwd_impl(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     return _kernels().swiglu_bwd(dout.contiguous(), gate_up)
 
 
-_swiglu_bwd = torch.library.custom_op("warpforge::swiglu_bwd", _swiglu_bwd_impl, mutates_args=())
+_swiglu_bwd_op = torch.library.custom_op("warpforge::swiglu_bwd", _swiglu_bwd_impl, mutates_args=())
 
 
-@_swiglu_bwd.register_fake
+@_swiglu_bwd_op.register_fake
 def _(dout, gate_up):
     return torch.empty_like(gate_up)
+
+
+_swiglu_bwd = eager_or_op(_swiglu_bwd_op, _swiglu_bwd_impl)
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -191,7 +199,7 @@ def _swiglu_setup(ctx, inputs, output):
 
 def _swiglu_backward(ctx, dout):
     (gate_up,) = ctx.saved_tensors
-    return (_swiglu_bwd_impl if getattr(ctx, "eager", False) else _swiglu_bwd)(dout, gate_up)
+    return _swiglu_bwd(dout, gate_up)
 
 
 _swiglu_fwd_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
@@ -227,21 +235,23 @@ def _add_product_fp32(acc, a, b):
 def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward and both gradients at once, a chunk of rows at a time: the full [rows, vocab] logits never
-    exist. The gradients are those of the mean loss; backward only scales them."""
+    exist. The gradients are those of the mean loss (the 1 / n scale is applied inside the softmax kernel, so
+    neither gradient takes another pass); backward only scales them."""
     k = _kernels()
     rows, vocab = hidden.shape[0], weight.shape[0]
     chunk = max(1, min(rows, CE_CHUNK_ELEMENTS // max(vocab, 1)))
+    n_valid = (targets != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
+    inv_n = 1.0 / n_valid
     d_hidden = torch.empty_like(hidden)
     d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
     loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
     for start in range(0, rows, chunk):
         h = hidden[start:start + chunk]
         logits = h @ weight.T  # becomes its own gradient in place
-        loss_sum += k.ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, 1.0).sum()
+        loss_sum += k.ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, inv_n).sum()
         d_hidden[start:start + chunk] = logits @ weight
         _add_product_fp32(d_weight, logits.T, h)
-    n_valid = (targets != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
-    return loss_sum / n_valid, d_hidden / n_valid.to(hidden.dtype), (d_weight / n_valid).to(weight.dtype)
+    return loss_sum / n_valid, d_hidden, d_weight.to(weight.dtype)
 
 
 _linear_ce_op = torch.library.custom_op("warpforge::linear_cross_entropy", _linear_ce_impl, mutates_args=())

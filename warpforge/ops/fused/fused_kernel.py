@@ -123,9 +123,10 @@ def swiglu_grads(d_out, gate, up):
 
 # ------------------------------------------------------------------------------------ cross-entropy
 @triton.jit
-def ce_grad_kernel(LOGITS, TARGETS, LOSS, stride_l, n_cols, ignore_index, grad_scale, BLOCK: tl.constexpr):
+def ce_grad_kernel(LOGITS, TARGETS, LOSS, GRAD_SCALE, stride_l, n_cols, ignore_index, BLOCK: tl.constexpr):
     """Per row: loss = lse − logit[target]; the row is overwritten with grad_scale · (softmax − onehot), the
-    gradient of the mean loss (0 for ignored rows). Two passes over the row, no copy of it."""
+    gradient of the mean loss when GRAD_SCALE (read on the device: no host sync) holds 1 / (rows counted), and
+    0 for ignored rows. Two passes over the row, no copy of it."""
     row = tl.program_id(0).to(tl.int64)
     base = LOGITS + row * stride_l
     target = tl.load(TARGETS + row)
@@ -141,7 +142,7 @@ def ce_grad_kernel(LOGITS, TARGETS, LOSS, stride_l, n_cols, ignore_index, grad_s
     ignored = target == ignore_index
     z_t = tl.load(base + tl.where(ignored, 0, target)).to(tl.float32)
     tl.store(LOSS + row, tl.where(ignored, 0.0, lse - z_t))
-    scale = tl.where(ignored, 0.0, grad_scale)
+    scale = tl.where(ignored, 0.0, tl.load(GRAD_SCALE))
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -178,8 +179,9 @@ def norm_bwd(dy, x, weight, mean, rstd, programs, layer):
     rows, n = x2.shape
     per = max(1, triton.cdiv(rows, programs))
     grid = triton.cdiv(rows, per) if rows else 0
-    dw_part = torch.zeros((max(grid, 1), n), device=x.device, dtype=torch.float32)
-    db_part = torch.zeros_like(dw_part) if layer else dw_part
+    alloc = torch.empty if rows else torch.zeros  # every program writes its row; no rows: sums of nothing
+    dw_part = alloc((max(grid, 1), n), device=x.device, dtype=torch.float32)
+    db_part = alloc((max(grid, 1), n), device=x.device, dtype=torch.float32) if layer else dw_part
     if rows:
         norm_bwd_kernel[(grid,)](x2, weight, dy2, mean if layer else rstd, rstd, dx, dw_part, db_part,
                                  x2.stride(0), dy2.stride(0), dx.stride(0), rows, n, per,
@@ -225,12 +227,13 @@ def swiglu_bwd(dout, gate_up):
 
 
 def ce_loss_and_grad_(logits, targets, ignore_index, grad_scale):
-    """In place: logits [rows, vocab] become d(mean loss)/d logits; returns per-row losses (fp32)."""
+    """In place: logits [rows, vocab] become grad_scale (a one-element fp32 tensor) · d(summed loss)/d logits;
+    returns per-row losses (fp32)."""
     import torch
     losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
     if logits.shape[0]:
-        ce_grad_kernel[(logits.shape[0],)](logits, targets, losses, logits.stride(0), logits.shape[1], ignore_index,
-                                           grad_scale, BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))
+        ce_grad_kernel[(logits.shape[0],)](logits, targets, losses, grad_scale, logits.stride(0), logits.shape[1],
+                                           ignore_index, BLOCK=min(4096, triton.next_power_of_2(logits.shape[1])))
     return losses
 
 

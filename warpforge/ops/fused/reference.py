@@ -16,7 +16,8 @@ def layer_norm_reference(x, weight, bias, eps=1e-5):
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0, device=None):
-    """cos, sin [seq_len, head_dim / 2]: position t rotates pair (x_i, x_{i + head_dim/2}) by t · base^(-2i/head_dim)."""
+    """cos, sin [seq_len, head_dim / 2]: position t rotates pair (x_i, x_{i + head_dim/2}) by
+    t · base^(-2i/head_dim)."""
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()

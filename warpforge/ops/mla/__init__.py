@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor,
-                       fail)
+from ...errors import (check_choice, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
+                       check_tensor, fail)
 from ...runtime import arch_key, eager_or_op, resolve_backend, sm_count
 from .reference import (D_QK, D_V, ROW_BYTES, dequantize_kv_reference, mla_decode_reference,
                         nvfp4_tensor_scale, quantize_kv_reference)
@@ -24,11 +24,10 @@ QUANTIZE_ROWS = 1 << 16
 PAGE_SIZES = (16, 32, 64)
 
 # decode_kernel.MLACfg (BLOCK_H query rows, BLOCK_N tokens, warps, stages[, fp16_math]) per arch, for few
-# (<= 16) and many query rows (h_q * s_q); "few-<format>" / "many-<format>" override them for one cache format
-# (keep BLOCK_H the same: the split plan reads it without the format). sm90 from scripts/tune_mla.py on an H200
-# (benchmarks/NOTES.md): FP8 at h_q 16 is fastest with fp16 math and 32-token steps (0.62 ms vs 0.72 at
-# b128 L8k), FP4 with 32-token steps (0.87 vs 1.00 ms). (An fp8-dot variant, e4m3 q and P, was slower everywhere and missed FP8's cosine bar:
-# removed; NOTES.md has its numbers.)
+# (<= 16) and many query rows (h_q * s_q); "few-<format>" / "many-<format>" override them for one cache format.
+# sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md): FP8 at h_q 16 is fastest with fp16 math and
+# 32-token steps (0.62 ms vs 0.72 at b128 L8k), FP4 with 32-token steps (0.87 vs 1.00 ms). (An fp8-dot
+# variant, e4m3 q and P, was slower everywhere and missed FP8's cosine bar: removed; NOTES.md has its numbers.)
 CONFIGS = {
     "cpu": {"few": (16, 16, 1, 1), "many": (16, 16, 1, 1)},
     "default": {"few": (16, 32, 4, 2), "many": (64, 32, 8, 2)},
@@ -72,8 +71,7 @@ def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Te
     [..., 656 / 416 / 400] (layouts in reference.py). "nvfp4" takes the cache-wide fp32 kv_scale, fixed for
     the cache's life (e.g. nvfp4_tensor_scale of calibration data); pass the same to mla_decode."""
     check_tensor("latent", latent)
-    if kv_format not in KV_FORMATS:
-        fail("kv_format", f"one of {KV_FORMATS}", repr(kv_format))
+    check_choice("kv_format", kv_format, KV_FORMATS)
     if latent.shape[-1] != D_QK:
         fail("latent", f"last dim {D_QK}", tuple(latent.shape))
     if kv_format == "nvfp4" and kv_scale is None:
@@ -107,8 +105,7 @@ def _validate(q, kv_cache, block_table, cache_seqlens, head_dim_v, kv_format, kv
     if not 1 <= s_q <= 4:
         fail("q", "s_q from 1 to 4", s_q)
     check_last_dim_contiguous("q", q)
-    if kv_format not in KV_FORMATS:
-        fail("kv_format", f"one of {KV_FORMATS}", repr(kv_format))
+    check_choice("kv_format", kv_format, KV_FORMATS)
     check_rank("kv_cache", kv_cache, 4)
     if kv_cache.shape[2] != 1:
         fail("kv_cache", "one latent head: [num_pages, page_size, 1, width]", tuple(kv_cache.shape))
@@ -199,14 +196,14 @@ def _validate_indices(q, kv_cache, indices, topk_length, causal):
     fail("topk_length", f"values in [0, {indices.shape[2]}]", topk_length.tolist()[:8])
 
 
-def planned_num_splits(q, kv_cache, block_table, indices=None) -> int:
+def planned_num_splits(q, kv_cache, block_table, indices=None, kv_format="bf16") -> int:
     """The KV split count `mla_decode` plans when schedule=None: from shapes only (CUDA-graph safe)."""
     from .decode_kernel import plan_num_splits
     b, s_q, h_q, _ = q.shape
     if indices is not None:  # programs own one query position's heads
-        cfg = _config(q.device, h_q)
+        cfg = _config(q.device, h_q, kv_format)
         return plan_num_splits(b * s_q, h_q, indices.shape[2], cfg[0], sm_count(q.device))
-    cfg = _config(q.device, s_q * h_q)
+    cfg = _config(q.device, s_q * h_q, kv_format)
     return plan_num_splits(b, s_q * h_q, block_table.shape[1] * kv_cache.shape[1], cfg[0], sm_count(q.device))
 
 
@@ -234,7 +231,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
         return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=scale, causal=causal,
                                     kv_format=kv_format, kv_scale=kv_scale, indices=indices, topk_length=topk_length)
     if schedule is None:
-        schedule = planned_num_splits(q, kv_cache, block_table, indices)
+        schedule = planned_num_splits(q, kv_cache, block_table, indices, kv_format)
     if not isinstance(schedule, int) or schedule < 1:
         fail("schedule", "None or a positive int (number of KV splits)", schedule)
     return _mla_decode_call(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format,

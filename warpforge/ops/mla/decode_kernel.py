@@ -38,6 +38,15 @@ def _e2m1_to_float(code):
 
 
 @triton.jit
+def _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C: tl.constexpr, D_V: tl.constexpr,
+               OUT_DTYPE: tl.constexpr):
+    """FP8 chunk C of the given rows from its raw e4m3 bytes: (values in OUT_DTYPE, the rows' scales)."""
+    vals = codes.to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)  # exact: e4m3 fits bf16 and fp16
+    scale_ptr = (cache + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
+    return vals, tl.load(scale_ptr + C, mask=tok_ok, other=0.0)
+
+
+@triton.jit
 def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl.constexpr, D_V: tl.constexpr,
                   OUT_DTYPE: tl.constexpr):
     """Latent columns [128 C, 128 C + 128) of the given cache rows: (values [BLOCK_N, 128] in OUT_DTYPE, the
@@ -53,9 +62,7 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
         vals = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0.0)
     elif KV_FMT == 1:
         codes = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0)
-        vals = codes.to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)  # exact: e4m3 fits bf16 and fp16
-        scale_ptr = (cache + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
-        scale = tl.load(scale_ptr + C, mask=tok_ok, other=0.0)
+        vals, scale = _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C, D_V, OUT_DTYPE)
     else:
         GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32
         N_SCALES: tl.constexpr = 128 // GROUP
@@ -212,15 +219,10 @@ def mla_decode_split_kernel(
             nok = ntok < end
             npage = tl.load(bt_row + ntok // PAGE, mask=nok, other=0)
             raw0, raw1, raw2, raw3 = _fp8_raw(CACHE, npage.to(tl.int64) * PAGE + (ntok % PAGE), nok, row_stride)
-            scale_ptr = (CACHE + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
-            lat0 = cur0.to(tl.float8e4nv, bitcast=True).to(dt)
-            lat1 = cur1.to(tl.float8e4nv, bitcast=True).to(dt)
-            lat2 = cur2.to(tl.float8e4nv, bitcast=True).to(dt)
-            lat3 = cur3.to(tl.float8e4nv, bitcast=True).to(dt)
-            sc0 = tl.load(scale_ptr, mask=tok_ok, other=0.0)
-            sc1 = tl.load(scale_ptr + 1, mask=tok_ok, other=0.0)
-            sc2 = tl.load(scale_ptr + 2, mask=tok_ok, other=0.0)
-            sc3 = tl.load(scale_ptr + 3, mask=tok_ok, other=0.0)
+            lat0, sc0 = _fp8_chunk(cur0, CACHE, rows64, tok_ok, row_stride, 0, D_V, dt)
+            lat1, sc1 = _fp8_chunk(cur1, CACHE, rows64, tok_ok, row_stride, 1, D_V, dt)
+            lat2, sc2 = _fp8_chunk(cur2, CACHE, rows64, tok_ok, row_stride, 2, D_V, dt)
+            lat3, sc3 = _fp8_chunk(cur3, CACHE, rows64, tok_ok, row_stride, 3, D_V, dt)
         else:
             lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt)
             lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt)

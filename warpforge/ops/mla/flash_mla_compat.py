@@ -45,12 +45,13 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             fail("tile_scheduler_metadata", f"a schedule planned for shapes {sched.planned_for}",
                  f"a call with shapes {shapes} (get a new one from get_mla_metadata)")
         schedule = sched.num_splits
+    kv_format = "fp8" if is_fp8_kvcache else "bf16"
     out, lse = mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v=head_dim_v,
-                          softmax_scale=softmax_scale, causal=causal, kv_format="fp8" if is_fp8_kvcache else "bf16",
+                          softmax_scale=softmax_scale, causal=causal, kv_format=kv_format,
                           indices=indices, topk_length=topk_length, schedule=schedule)
     if sched is not None and sched.num_splits is None:
         from . import planned_num_splits
-        sched.num_splits = planned_num_splits(q, k_cache, block_table, indices)
+        sched.num_splits = planned_num_splits(q, k_cache, block_table, indices, kv_format)
         sched.planned_for = shapes
     return out, lse
 

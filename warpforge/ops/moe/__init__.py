@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import (check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor, check_tensors,
-                       fail)
+from ...errors import (check_choice, check_dtype, check_rank, check_same_device, check_same_dtype, check_tensor,
+                       check_tensors, fail)
 from ...runtime import arch_key, eager_or_op, resolve_backend
 from .align import align, capacity
 from .configs import CONFIGS, DECODE_GEMV, ONE_LAUNCH_ROUTING, MoECfg, pick
@@ -20,6 +20,7 @@ from .reference import (dequantize_weights_reference, experts_reference, fused_m
 
 __all__ = ["fused_moe", "experts", "route", "align", "quantize_weights", "fused_moe_reference", "route_reference",
            "experts_reference", "dequantize_weights_reference", "CONFIGS", "MoECfg"]
+
 
 def quantize_weights(w: torch.Tensor):
     """Expert weights [E, rows, cols] -> (FP8 e4m3 weights, fp32 scales [E, ceil(rows/128), ceil(cols/128)]), for
@@ -122,6 +123,9 @@ def _(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_pos
     return torch.empty_like(hidden), torch.empty_like(w13), torch.empty_like(w2), weights.new_empty(weights.shape)
 
 
+_experts_bwd = eager_or_op(_experts_bwd_op, _experts_bwd_impl)
+
+
 def _experts_setup(ctx, inputs, output):
     hidden, w13, w2, weights, ids, train = inputs
     out, act, pre, sorted_ids, expert_ids, num_post = output
@@ -134,9 +138,8 @@ def _experts_backward(ctx, d_out, *_):
     hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post = ctx.saved_tensors
     if pre.shape[0] != act.shape[0]:
         raise RuntimeError("fused_moe ran without saving activations (train=False): cannot backprop")
-    bwd = _experts_bwd_impl if getattr(ctx, "eager", False) else _experts_bwd_op
-    d_hidden, d_w13, d_w2, d_weights = bwd(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids,
-                                           num_post, ctx.topk)
+    d_hidden, d_w13, d_w2, d_weights = _experts_bwd(d_out, hidden, w13, w2, weights, act, pre, sorted_ids,
+                                                    expert_ids, num_post, ctx.topk)
     return d_hidden, d_w13, d_w2, d_weights.to(weights.dtype), None, None
 
 
@@ -197,8 +200,7 @@ def _check_routing(router_logits, topk, scoring, num_expert_group, topk_group):
     e = router_logits.shape[1]
     if not isinstance(topk, int) or not 1 <= topk <= e:
         fail("topk", f"an int from 1 to the number of experts ({e})", topk)
-    if scoring not in ("softmax", "sigmoid"):
-        fail("scoring", "'softmax' or 'sigmoid'", repr(scoring))
+    check_choice("scoring", scoring, ("softmax", "sigmoid"))
     if (num_expert_group is None) != (topk_group is None):
         fail("topk_group", "given together with num_expert_group (or neither)",
              f"topk_group={topk_group}, num_expert_group={num_expert_group}")
@@ -261,7 +263,8 @@ def _check_experts(hidden, w13, w2, w_format, w_scales, backend) -> str:
     """Checks of the expert inputs shared by fused_moe and experts; returns the resolved backend."""
     check_tensors(hidden=(hidden, 2), w13=(w13, 3), w2=(w2, 3))
     backend = resolve_backend(backend, hidden.device)
-    check_dtype("hidden", hidden, (torch.float16, torch.bfloat16) + ((torch.float32,) if backend == "reference" else ()))
+    check_dtype("hidden", hidden,
+                (torch.float16, torch.bfloat16) + ((torch.float32,) if backend == "reference" else ()))
     for name, t in (("w13", w13), ("w2", w2)):
         check_same_device(name, t, "hidden", hidden)
     if w_format not in ("bf16", "fp8"):

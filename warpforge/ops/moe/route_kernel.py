@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 ROUTE_KERNEL_MAX_EXPERTS = 1024
+TOKENS_PER_PROGRAM = 1  # one warp a token (see above); the kernel takes any BLOCK_T
 
 
 @triton.jit
@@ -83,12 +84,11 @@ def route_triton(router_logits, topk, renormalize, scoring, num_expert_group, to
         return weights, ids
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     e_pad = triton.next_power_of_2(e)
-    block_t = 1
-    moe_route_kernel[(triton.cdiv(t, block_t),)](
+    moe_route_kernel[(triton.cdiv(t, TOKENS_PER_PROGRAM),)](
         logits, weights, ids, t, logits.stride(0), float(routed_scaling_factor),
         E=e, E_PAD=e_pad, TOPK=topk, K_PAD=triton.next_power_of_2(topk), SIGMOID=scoring == "sigmoid",
-        RENORM=bool(renormalize), GROUPS=num_expert_group or 1, TOPK_GROUP=topk_group or 1, BLOCK_T=block_t,
-        num_warps=1)
+        RENORM=bool(renormalize), GROUPS=num_expert_group or 1, TOPK_GROUP=topk_group or 1,
+        BLOCK_T=TOKENS_PER_PROGRAM, num_warps=1)
     return weights, ids
 
 
