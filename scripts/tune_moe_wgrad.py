@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python scripts/tune_moe_wgrad.py [--models mixtral,qwen3-30b-a3b] [--tokens 8192]
 
-Times d_w13 = Σ d_preᵀ hidden and d_w2 = Σ (w · d_out)ᵀ act per expert, as the backward runs them, with the
-table's block_m for that token count; prints TFLOP/s per tile and the best, for configs.py's sm90 entries.
+Times d_w13 = Σ d_preᵀ hidden and d_w2 = Σ d_outᵀ (w · act) per expert, as the backward runs them (each
+alone, then both), with the table's block_m for that token count; prints TFLOP/s per tile and the best, for
+configs.py's sm90 entries.
 """
 import argparse
 
@@ -39,7 +40,6 @@ def main():
             d_pre = torch.randn(t * k, 2 * i, device=dev, dtype=torch.bfloat16)
             act = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16)
             weights, ids = route_reference(_logits(t, e, False, dev, torch.Generator().manual_seed(t)), k, **route_kw)
-            flat_w = weights.reshape(-1).float().contiguous()
             base = pick(arch_key(dev), (e, 2 * i, h), t)
             sorted_ids, expert_ids, _ = align(ids, e, base.block_m)
             blocks = expert_blocks(expert_ids, e)
@@ -50,18 +50,25 @@ def main():
             for tile in TILES:
                 cfg = base._replace(wgrad=tile)
 
-                def run():
+                def w13():
                     _weight_grad(d_pre, hidden, dw13, sorted_ids, blocks, k, cfg, g_by_token=False)
-                    _weight_grad(d_out, act, dw2, sorted_ids, blocks, k, cfg, g_by_token=True, row_w=flat_w)
+
+                def w2():
+                    _weight_grad(d_out, act, dw2, sorted_ids, blocks, k, cfg, g_by_token=True)
+
+                def run():
+                    w13()
+                    w2()
                 try:
                     run()
-                    ms = triton.testing.do_bench(run, rep=50, return_mode="median")
+                    ms, ms13, ms2 = (triton.testing.do_bench(f, rep=50, return_mode="median") for f in (run, w13, w2))
                 except Exception as exc:  # out of shared memory and the like
                     print(f"{model} T{t} {tile}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
                     continue
-                print(f"{model} T{t} bm{base.block_m} wgrad {tile}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s",
-                      flush=True)
-                results.append(dict(model=model, tokens=t, wgrad=list(tile), ms=ms))
+                print(f"{model} T{t} bm{base.block_m} wgrad {tile}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s "
+                      f"(d_w13 {ms13:.3f} ms {flops * 2 / 3 / ms13 / 1e9:.0f}, d_w2 {ms2:.3f} ms "
+                      f"{flops / 3 / ms2 / 1e9:.0f})", flush=True)
+                results.append(dict(model=model, tokens=t, wgrad=list(tile), ms=ms, ms_d_w13=ms13, ms_d_w2=ms2))
                 if best is None or ms < best[0]:
                     best = (ms, tile)
             print(f"BEST {model} T{t}: wgrad {best[1]} {best[0]:.3f} ms", flush=True)

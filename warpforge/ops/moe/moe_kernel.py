@@ -59,7 +59,7 @@ def _load_b(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride
 
 
 @triton.jit
-def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST,
+def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST,
                     stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
                     stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N,
                     TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
@@ -68,8 +68,9 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, DW_PART, SORTED_IDS, EX
     """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then one of
     - OUT[slot] = acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
       [gate | up] (forward);
-    - SWIGLU_BWD: acc is d act; DW_PART[slot, tile] = Σ_n act · acc (router-weight gradient partials), and
-      OUT = [d gate | d up] of w[slot] · acc through SiLU(gate) ⊙ up with PRE's [gate | up] (backward);
+    - SWIGLU_BWD: acc is d act; DW_PART[slot, tile] = Σ_n act · acc (router-weight gradient partials),
+      OUT = [d gate | d up] of w[slot] · acc through SiLU(gate) ⊙ up with PRE's [gate | up], and ACT_W =
+      w[slot] · act, the w2 weight gradient's operand (backward);
     - SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine."""
     # the grid covers align's static capacity; only the row blocks in use get tiles
     used_blocks = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
@@ -105,8 +106,12 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, DW_PART, SORTED_IDS, EX
         rows = slots[:, None]
         act = tl.load(ACT + rows * stride_act + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
         tl.store(DW_PART + slots * stride_dwp + pid_n, tl.sum(act * acc, 1), mask=ok)
+        w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
+        # the weight gradient reads w · act as a plain operand, which its loads can then stream through shared
+        # memory asynchronously (scaling rows there put the loads in registers, synchronous)
+        tl.store(ACT_W + rows * stride_act + offs_n[None, :], (w * act).to(ACT_W.dtype.element_ty), mask=omask)
         pre = PRE + rows * stride_pre + offs_n[None, :]
-        d_gate, d_up = swiglu_grads(acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None],
+        d_gate, d_up = swiglu_grads(acc * w,
                                     tl.load(pre, mask=omask, other=0.0).to(tl.float32),
                                     tl.load(pre + N, mask=omask, other=0.0).to(tl.float32))
         out = OUT + rows * stride_o + offs_n[None, :]
@@ -123,11 +128,11 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, DW_PART, SORTED_IDS, EX
 
 
 @triton.jit
-def moe_weight_grad_kernel(G, A, DW, ROW_W, SORTED_IDS, BLOCK_START, BLOCK_COUNT,
+def moe_weight_grad_kernel(G, A, DW, SORTED_IDS, BLOCK_START, BLOCK_COUNT,
                            stride_g, stride_a, stride_de, stride_dn, n_slots, N, K,
                            TOPK: tl.constexpr, G_BY_TOKEN: tl.constexpr, A_BY_TOKEN: tl.constexpr,
-                           HAS_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """DW[e][n, k] = Σ over expert e's slots of (w[slot] ·) G[g_row, n] · A[a_row, k]: one program per
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DW[e][n, k] = Σ over expert e's slots of G[g_row, n] · A[a_row, k]: one program per
     (expert, tile), walking the expert's row blocks in order (deterministic, no atomics)."""
     e = tl.program_id(1)
     pid_n, pid_k = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K), 8)
@@ -145,8 +150,6 @@ def moe_weight_grad_kernel(G, A, DW, ROW_W, SORTED_IDS, BLOCK_START, BLOCK_COUNT
         tokens = tl.where(ok, slots // TOPK, 0).to(tl.int64)
         g = tl.load(G + (tokens if G_BY_TOKEN else slots64)[:, None] * stride_g + offs_n[None, :],
                     mask=ok[:, None] & n_ok[None, :], other=0.0)
-        if HAS_W:
-            g = (g.to(tl.float32) * tl.load(ROW_W + slots64, mask=ok, other=0.0)[:, None]).to(A.dtype.element_ty)
         a = tl.load(A + (tokens if A_BY_TOKEN else slots64)[:, None] * stride_a + offs_k[None, :],
                     mask=ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(g), a, acc)
@@ -169,8 +172,9 @@ def _scale_args(b, scale, b_strides):
 def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
               pre=None, row_w=None, scale=None, swiglu_bwd=None):
     """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side.
-    Scatter GEMMs take cfg.down's tiles and cfg.split_k, per-slot ones cfg.up's. swiglu_bwd: (act, pre,
-    dw_part) for the backward epilogue (dw_part [slots, cdiv(n, cfg.up BLOCK_N)] fp32)."""
+    Scatter GEMMs take cfg.down's tiles and cfg.split_k, per-slot ones cfg.up's. swiglu_bwd: (act, act_w,
+    pre, dw_part) for the backward epilogue (act_w written like act; dw_part [slots, cdiv(n, cfg.up BLOCK_N)]
+    fp32)."""
     sorted_ids, expert_ids, num_post = schedule
     bm = cfg.block_m
     bn, bk, warps, stages = cfg.down if scatter else cfg.up
@@ -179,9 +183,9 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         bk = min(bk, 128)  # an FP8 tile's k must lie in one 128-wide scale block
     sc, *sc_strides = _scale_args(b, scale, b_strides)
     n_slots = a.shape[0] if scatter else out.shape[0]
-    act = dw_part = None
+    act = act_w = dw_part = None
     if swiglu_bwd is not None:
-        act, pre, dw_part = swiglu_bwd  # pre is read here (the forward's pre-activations), not written
+        act, act_w, pre, dw_part = swiglu_bwd  # pre is read here (the forward's pre-activations), not written
 
     def ptr(t):  # a pointer for arguments the chosen mode never reads
         return t if t is not None else out
@@ -189,7 +193,7 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
     def row_stride(t):
         return t.stride(0) if t is not None else 0
     moe_gemm_kernel[(sorted_ids.numel() // bm * triton.cdiv(n, bn), 1, split_k)](
-        a, b, sc, out, ptr(pre), ptr(row_w), ptr(act), ptr(dw_part), sorted_ids, expert_ids, num_post,
+        a, b, sc, out, ptr(pre), ptr(row_w), ptr(act), ptr(act_w), ptr(dw_part), sorted_ids, expert_ids, num_post,
         a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0), row_stride(pre),
         row_stride(act), row_stride(dw_part), n_slots, k, n,
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
@@ -235,7 +239,7 @@ def expert_blocks(expert_ids, num_experts):
     return (count.cumsum(0) - count).to(torch.int32), count.to(torch.int32)
 
 
-def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token, row_w=None):
+def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token):
     """dw [E, N, K] = per expert Σ over its slots of (w ·) g[row]ᵀ a[row]; g and a are read by token or slot,
     whichever the other is not."""
     first, count = blocks
@@ -243,9 +247,9 @@ def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token, row_w=N
     bm = cfg.block_m
     bn, bk, warps, stages = cfg.wgrad or cfg.up
     moe_weight_grad_kernel[(triton.cdiv(n, bn) * triton.cdiv(k, bk), e_count)](
-        g, a, dw, row_w if row_w is not None else g, sorted_ids, first, count, g.stride(0), a.stride(0),
+        g, a, dw, sorted_ids, first, count, g.stride(0), a.stride(0),
         dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,
-        TOPK=topk, G_BY_TOKEN=g_by_token, A_BY_TOKEN=not g_by_token, HAS_W=row_w is not None, BLOCK_M=bm,
+        TOPK=topk, G_BY_TOKEN=g_by_token, A_BY_TOKEN=not g_by_token, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return dw
 
@@ -267,16 +271,16 @@ def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorte
     d_pre = torch.empty((n_slots, two_i), device=hidden.device, dtype=hidden.dtype)  # every slot is in one block
     # every slot is in one used block, whose programs write all its column tiles: no zero fill needed
     dw_part = torch.empty((n_slots, triton.cdiv(inter_dim, cfg.up[0])), device=hidden.device, dtype=torch.float32)
+    act_w = torch.empty_like(act)
     _moe_gemm(d_out, w2, d_pre, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg, a_by_token=True,
-              row_w=weights, swiglu_bwd=(act, pre, dw_part))
+              row_w=weights, swiglu_bwd=(act, act_w, pre, dw_part))
     d_weights = dw_part.sum(1).view(t, topk)
     # d_hidden[token] += d_pre[slot] · w13[e]  (B[e][k=n2, n=h] = w13[e, n2, h])
     d_hidden = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
     _moe_gemm(d_pre, w13, d_hidden, (w13.stride(1), w13.stride(2)), schedule, topk, h, two_i, cfg,
               a_by_token=False, scatter=True)
     blocks = expert_blocks(expert_ids, e_count)
-    # d_w13[e] = Σ d_pre[slot]ᵀ hidden[token];  d_w2[e] = Σ (w · d_out[token])ᵀ act[slot]
+    # d_w13[e] = Σ d_pre[slot]ᵀ hidden[token];  d_w2[e] = Σ d_out[token]ᵀ (w · act)[slot]
     d_w13 = _weight_grad(d_pre, hidden, torch.empty_like(w13), sorted_ids, blocks, topk, cfg, g_by_token=False)
-    d_w2 = _weight_grad(d_out, act, torch.empty_like(w2), sorted_ids, blocks, topk, cfg, g_by_token=True,
-                        row_w=weights)
+    d_w2 = _weight_grad(d_out, act_w, torch.empty_like(w2), sorted_ids, blocks, topk, cfg, g_by_token=True)
     return d_hidden.to(hidden.dtype), d_w13, d_w2, d_weights
