@@ -27,10 +27,11 @@ def candidates(tokens):
     """(block_ms, up tiles, down tiles, split_ks) worth trying at this token count."""
     if tokens <= 64:
         tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5)))
-        return (16,), tiles, tiles, (1, 2, 4)
+        return (16, 32) if tokens > 16 else (16,), tiles, tiles, (1, 2, 4)
     if tokens <= 512:
         tiles = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4)))
-        return (16, 32, 64), tiles, tiles, (1, 2)
+        # 128: one row block per expert at Mixtral T 512 (each weight tile read once)
+        return (16, 32, 64, 128) if tokens > 128 else (16, 32, 64), tiles, tiles, (1, 2)
     tiles = list(itertools.product((128, 256), (64,), (4, 8), (3, 4))) + [(64, 64, 4, 4), (128, 128, 8, 3)]
     return (64, 128), tiles, tiles, (1,)
 

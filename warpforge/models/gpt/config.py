@@ -53,6 +53,8 @@ class TrainConfig:
                                      # the step and DDP cannot scale; off on CPU)
     parallel: str = "ddp"            # several processes (torchrun): "ddp" (replicated) or "fsdp" (FSDP2: parameters,
                                      # gradients and optimizer state sharded across ranks)
+    ddp_bucket_mb: float = 25.0      # DDP's gradient bucket size: each bucket is one all-reduce, and under
+                                     # torch.compile one graph split (DDPOptimizer), so fewer buckets fuse more
     seed: int = 1337
 
 
