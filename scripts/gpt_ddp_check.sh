@@ -3,7 +3,8 @@
 # under torchrun); writes OUT/gpt-ddp.json with both loss curves, both tokens/s (median of the logged windows
 # after warm-up) and the speedup.   bash scripts/gpt_ddp_check.sh OUT [PRESET STEPS [PRESET STEPS ...]]
 # Needs the prepared data in WARPFORGE_CACHE for presets trained on Shakespeare. TRAIN_ARGS (e.g. "--compile graphs")
-# go to every training run, single-GPU and DDP alike.
+# go to every training run, single-GPU and DDP alike; DDP_ARGS (e.g. "--ddp-bucket-mb 100") to the DDP runs only.
+# WORK=DIR keeps the runs there, and a single-GPU run already there is reused (to compare several DDP_ARGS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1
@@ -11,14 +12,16 @@ shift
 runs=("$@")
 [ ${#runs[@]} -gt 0 ] || runs=(shakespeare 400 gpt2-124m 60)
 export PYTHONUNBUFFERED=1
-tmp=$(mktemp -d)
+tmp=${WORK:-$(mktemp -d)}
+mkdir -p "$tmp"
 args=()
 for ((i = 0; i < ${#runs[@]}; i += 2)); do
   preset=${runs[i]} steps=${runs[i + 1]}
-  CUDA_VISIBLE_DEVICES=0 python3 -m warpforge gpt train --preset "$preset" --max-steps "$steps" --out "$tmp/$preset-1" \
-    ${TRAIN_ARGS:-} 2>&1 | tail -n 3
+  [ -f "$tmp/$preset-1/history.json" ] || CUDA_VISIBLE_DEVICES=0 python3 -m warpforge gpt train --preset "$preset" \
+    --max-steps "$steps" --out "$tmp/$preset-1" ${TRAIN_ARGS:-} 2>&1 | tail -n 3
+  rm -rf "$tmp/$preset-2"
   python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m warpforge gpt train --preset "$preset" \
-    --max-steps "$steps" --out "$tmp/$preset-2" ${TRAIN_ARGS:-} 2>&1 | tail -n 3
+    --max-steps "$steps" --out "$tmp/$preset-2" ${TRAIN_ARGS:-} ${DDP_ARGS:-} 2>&1 | tail -n 3
   args+=("$preset" "$tmp/$preset-1" "$tmp/$preset-2")
 done
 python3 - "$out/gpt-ddp.json" "${args[@]}" <<'PY'
@@ -28,6 +31,7 @@ path, rest = sys.argv[1], sys.argv[2:]
 report = {"machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
                       "torch": torch.__version__, "git_commit": os.environ.get("WARPFORGE_GIT_COMMIT"),
                       "train_args": os.environ.get("TRAIN_ARGS", ""),
+                      "ddp_args": os.environ.get("DDP_ARGS", ""),
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "runs": {}}
 for i in range(0, len(rest), 3):
     preset, one, two = rest[i:i + 3]

@@ -13,6 +13,7 @@ import os
 import sys
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .errors import WarpforgeInputError
 
@@ -49,8 +50,10 @@ def eager_or_op(op, impl, setup_context=None, backward=None):
     whole to Inductor), otherwise `impl` directly, through a torch.autograd.Function made of the op's own
     setup_context and backward when it has them. The custom-op machinery (dispatcher, dynamo guard, autograd
     shim) was ~70% of an eager call's host time (benchmarks/NOTES.md). A backward that calls other ops calls
-    them through their own eager_or_op callers: torch.compiler.is_compiling() also holds while AOTAutograd
-    traces a registered backward, so the traced graph gets the ops and an eager backward the impls."""
+    them through their own eager_or_op callers. "Under torch.compile" means dynamo tracing or any dispatch mode
+    being active: AOTAutograd traces a registered backward under fake/proxy modes, and on torch 2.11 outside
+    dynamo's is_compiling() (impls given fake tensors fail there); any other mode (a FLOP counter, a debug
+    mode) sees the op as a whole too."""
     eager_fn = None
     if backward is not None:
         class _Eager(torch.autograd.Function):
@@ -66,7 +69,7 @@ def eager_or_op(op, impl, setup_context=None, backward=None):
         eager_fn = _Eager.apply
 
     def call(*args, **kwargs):  # keywords only for ops without autograd (Function.apply takes none)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
             return op(*args, **kwargs)
         return eager_fn(*args) if eager_fn is not None else impl(*args, **kwargs)
     return call

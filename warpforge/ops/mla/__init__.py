@@ -23,15 +23,16 @@ H_Q = (16, 32, 64, 128)
 QUANTIZE_ROWS = 1 << 16
 PAGE_SIZES = (16, 32, 64)
 
-# decode_kernel.MLACfg (BLOCK_H query rows, BLOCK_N tokens, warps, stages[, fp16_math]) per arch, for few
-# (<= 16) and many query rows (h_q * s_q); "few-<format>" / "many-<format>" override them for one cache format.
-# sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md): FP8 at h_q 16 is fastest with fp16 math and
-# 32-token steps (0.62 ms vs 0.72 at b128 L8k), FP4 with 32-token steps (0.87 vs 1.00 ms). (An fp8-dot
+# decode_kernel.MLACfg (BLOCK_H query rows, BLOCK_N tokens, warps, stages[, fp16_math, prefetch]) per arch, for
+# few (<= 16) and many query rows (h_q * s_q); "few-<format>" / "many-<format>" override them for one cache
+# format. sm90 from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md): FP8 at h_q 16 is fastest with fp16
+# math, 32-token steps and the next step's bytes prefetched into registers (0.50 ms vs 0.62 without, 0.72 with
+# neither, at b128 L8k), FP4 with 32-token steps (0.87 vs 1.00 ms). (An fp8-dot
 # variant, e4m3 q and P, was slower everywhere and missed FP8's cosine bar: removed; NOTES.md has its numbers.)
 CONFIGS = {
     "cpu": {"few": (16, 16, 1, 1), "many": (16, 16, 1, 1)},
     "default": {"few": (16, 32, 4, 2), "many": (64, 32, 8, 2)},
-    "sm90": {"few": (16, 64, 4, 2), "many": (64, 64, 8, 2), "few-fp8": (16, 32, 4, 2, True),
+    "sm90": {"few": (16, 64, 4, 2), "many": (64, 64, 8, 2), "few-fp8": (16, 32, 4, 3, True, True),
              "few-nvfp4": (16, 32, 4, 2), "few-mxfp4": (16, 32, 4, 2)},
 }
 
