@@ -6,12 +6,12 @@ by total GPU time.
 """
 import argparse
 import re
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from warpforge.bench.cases import select
+from warpforge.profiling import kernel_table
 
 
 def main():
@@ -44,18 +44,10 @@ def main():
                 for _ in range(args.iters):
                     fn()
                 torch.cuda.synchronize()
-            kernels = defaultdict(lambda: [0.0, 0])
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    k = kernels[ev.name[:90]]
-                    k[0] += ev.device_time_total / 1000 / args.iters
-                    k[1] += 1
-            busy = sum(v[0] for v in kernels.values())
-            calls = sum(v[1] for v in kernels.values()) / args.iters
+            busy, calls, lines = kernel_table(prof, args.iters, args.top)
             print(f"\n{case.family} | {case.name} | {name}: {wall:.3f} ms a call, kernels {busy:.3f} ms "
                   f"({calls:.0f} launches a call)")
-            for kname, (ms, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:args.top]:
-                print(f"  {ms:8.3f} ms  {n / args.iters:5.0f}x  {kname}")
+            print("\n".join(lines))
         del setup
         torch.cuda.empty_cache()
 

@@ -70,7 +70,8 @@ def cmd_gpt(args) -> int:
         try:
             result = train(args.preset, args.out, resume=args.resume, max_steps=args.max_steps,
                            max_minutes=args.max_minutes, data=args.data, compile=args.compile,
-                           parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb)
+                           parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
+                           ddp_bf16_grads=args.ddp_bf16_grads or None)
         except (TrainError, DataMissing) as exc:
             print(f"warpforge gpt train: {exc}", file=sys.stderr)
             return 2
@@ -134,6 +135,7 @@ def main(argv=None) -> int:
                     help="under torchrun: DDP (default) or FSDP2 (sharded parameters and optimizer state)")
     gt.add_argument("--ddp-bucket-mb", type=float, default=None,
                     help="DDP gradient bucket size in MB (default 25): one all-reduce and one compiled-graph split each")
+    gt.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16 (half the bytes)")
     gt.add_argument("--compile", choices=("auto", "on", "off", "graphs"), default=None,
                     help="torch.compile the training step; graphs: also replay it from CUDA graphs (auto: graphs "
                          "on CUDA, off on CPU)")

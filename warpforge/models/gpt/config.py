@@ -55,6 +55,7 @@ class TrainConfig:
                                      # gradients and optimizer state sharded across ranks)
     ddp_bucket_mb: float = 25.0      # DDP's gradient bucket size: each bucket is one all-reduce, and under
                                      # torch.compile one graph split (DDPOptimizer), so fewer buckets fuse more
+    ddp_bf16_grads: bool = False     # DDP: all-reduce gradients in bf16 (half the bytes; rounded once a step)
     seed: int = 1337
 
 
