@@ -4,7 +4,7 @@
 # after warm-up) and the speedup.   bash scripts/gpt_ddp_check.sh OUT [PRESET STEPS [PRESET STEPS ...]]
 # Needs the prepared data in WARPFORGE_CACHE for presets trained on Shakespeare. TRAIN_ARGS (e.g. "--compile graphs")
 # go to every training run, single-GPU and DDP alike; DDP_ARGS (e.g. "--ddp-bucket-mb 100") to the DDP runs only.
-# WORK=DIR keeps the runs there, and a single-GPU run already there is reused (to compare several DDP_ARGS).
+# Each run's log lands in OUT/train-PRESET-{1,2}gpu.log. WORK=DIR keeps the runs there, and a single-GPU run already there is reused (to compare several DDP_ARGS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1
@@ -18,10 +18,11 @@ args=()
 for ((i = 0; i < ${#runs[@]}; i += 2)); do
   preset=${runs[i]} steps=${runs[i + 1]}
   [ -f "$tmp/$preset-1/history.json" ] || CUDA_VISIBLE_DEVICES=0 python3 -m warpforge gpt train --preset "$preset" \
-    --max-steps "$steps" --out "$tmp/$preset-1" ${TRAIN_ARGS:-} 2>&1 | tail -n 3
+    --max-steps "$steps" --out "$tmp/$preset-1" ${TRAIN_ARGS:-} 2>&1 | tee "$out/train-$preset-1gpu.log" | tail -n 3
   rm -rf "$tmp/$preset-2"
   python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m warpforge gpt train --preset "$preset" \
-    --max-steps "$steps" --out "$tmp/$preset-2" ${TRAIN_ARGS:-} ${DDP_ARGS:-} 2>&1 | tail -n 3
+    --max-steps "$steps" --out "$tmp/$preset-2" ${TRAIN_ARGS:-} ${DDP_ARGS:-} 2>&1 | tee "$out/train-$preset-2gpu.log" \
+    | tail -n 3
   args+=("$preset" "$tmp/$preset-1" "$tmp/$preset-2")
 done
 python3 - "$out/gpt-ddp.json" "${args[@]}" <<'PY'
