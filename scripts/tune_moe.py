@@ -26,7 +26,9 @@ from warpforge.ops.moe.moe_kernel import _moe_gemm
 def candidates(tokens):
     """(block_ms, up tiles, down tiles, split_ks) worth trying at this token count."""
     if tokens <= 64:
-        tiles = list(itertools.product((32, 64, 128), (64, 128, 256), (4,), (3, 4, 5)))
+        # BLOCK_N 16 at T <= 4: more programs over the few experts touched (Qwen3 T1: 192 programs at 32, 1.5 waves)
+        widths = (16, 32, 64, 128) if tokens <= 4 else (32, 64, 128)
+        tiles = list(itertools.product(widths, (64, 128, 256), (4,), (3, 4, 5)))
         return (16, 32) if tokens > 16 else (16,), tiles, tiles, (1, 2, 4)
     if tokens <= 512:
         tiles = list(itertools.product((64, 128), (64, 128), (4, 8), (3, 4)))
