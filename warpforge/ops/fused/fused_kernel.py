@@ -9,65 +9,58 @@ import triton.language as tl
 
 # ------------------------------------------------------------------------------ RMSNorm / LayerNorm
 @triton.jit
-def norm_fwd_kernel(X, W, Bias, Y, MEAN, RSTD, stride_x, stride_y, n_rows, n_cols, eps, BLOCK: tl.constexpr,
-                    ROWS: tl.constexpr, LAYER: tl.constexpr):
-    """RMSNorm: y = x · rstd · w. LAYER (LayerNorm): y = (x − mean) · rstd · w + b. ROWS rows per program (a
-    768-wide row alone is too little work to keep a program's loads in flight)."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)[:, None]
+def norm_fwd_kernel(X, W, Bias, Y, MEAN, RSTD, stride_x, stride_y, n_cols, eps, BLOCK: tl.constexpr,
+                    LAYER: tl.constexpr):
+    """RMSNorm: y = x · rstd · w. LAYER (LayerNorm): y = (x − mean) · rstd · w + b. One row per program."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(X + rows64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    ok = cols < n_cols
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
     if LAYER:
-        mean = tl.sum(x, 1) / n_cols
-        x = tl.where(ok, x - mean[:, None], 0.0)
-        tl.store(MEAN + rows, mean, mask=row_ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / n_cols + eps)
-    y = x * rstd[:, None] * w
+        mean = tl.sum(x, 0) / n_cols
+        x = tl.where(ok, x - mean, 0.0)
+        tl.store(MEAN + row, mean)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    y = x * rstd * w
     if LAYER:
-        y += tl.load(Bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows64 * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+        y += tl.load(Bias + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=ok)
+    tl.store(RSTD + row, rstd)
 
 
 @triton.jit
 def norm_bwd_kernel(X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART, stride_x, stride_dy, stride_dx, n_rows, n_cols,
-                    rows_per_prog, BLOCK: tl.constexpr, ROWS: tl.constexpr, LAYER: tl.constexpr):
+                    rows_per_prog, BLOCK: tl.constexpr, LAYER: tl.constexpr):
     """dx = rstd · (g − [mean(g)] − x̂ · mean(g · x̂)) with g = dy · w, x̂ the normalised x (the bracket is
-    LayerNorm's); dw (and db) as partial sums per program, summed on the host side in a fixed order. Each
-    program walks its rows_per_prog rows ROWS at a time."""
+    LayerNorm's); dw (and db) as partial sums per program, summed on the host side in a fixed order."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    col_ok = cols < n_cols
-    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    dw = tl.zeros([ROWS, BLOCK], tl.float32)
-    db = tl.zeros([ROWS, BLOCK], tl.float32)
+    ok = cols < n_cols
+    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK], tl.float32)
+    db = tl.zeros([BLOCK], tl.float32)
     first = pid * rows_per_prog
-    end = tl.minimum(first + rows_per_prog, n_rows)
-    for r0 in range(first, end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        row_ok = rows < end
-        rows64 = rows.to(tl.int64)[:, None]
-        ok = row_ok[:, None] & col_ok[None, :]
-        x = tl.load(X + rows64 * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        dy = tl.load(DY + rows64 * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
-        if LAYER:
-            x = tl.where(ok, x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None], 0.0)
-        xhat = x * rstd
-        g = dy * w
-        dx = g - xhat * (tl.sum(g * xhat, 1) / n_cols)[:, None]
-        if LAYER:
-            dx -= (tl.sum(g, 1) / n_cols)[:, None]
-            db += dy
-        tl.store(DX + rows64 * stride_dx + cols[None, :], (rstd * dx).to(DX.dtype.element_ty), mask=ok)
-        dw += dy * xhat
-    tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, tl.sum(dw, 0), mask=col_ok)
+    for i in range(0, rows_per_prog):
+        r = first + i
+        if r < n_rows:
+            row = r.to(tl.int64)
+            x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row)
+            if LAYER:
+                x = tl.where(ok, x - tl.load(MEAN + row), 0.0)
+            xhat = x * rstd
+            g = dy * w
+            dx = g - xhat * (tl.sum(g * xhat, 0) / n_cols)
+            if LAYER:
+                dx -= tl.sum(g, 0) / n_cols
+                db += dy
+            tl.store(DX + row * stride_dx + cols, (rstd * dx).to(DX.dtype.element_ty), mask=ok)
+            dw += dy * xhat
+    tl.store(DW_PART + pid.to(tl.int64) * n_cols + cols, dw, mask=ok)
     if LAYER:
-        tl.store(DB_PART + pid.to(tl.int64) * n_cols + cols, tl.sum(db, 0), mask=col_ok)
+        tl.store(DB_PART + pid.to(tl.int64) * n_cols + cols, db, mask=ok)
 
 
 # --------------------------------------------------------------------------------------------- RoPE
@@ -170,13 +163,11 @@ def norm_fwd(x, weight, bias, eps, layer):
     y = torch.empty_like(x2)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     mean = torch.empty_like(rstd) if layer else None
-    rows, n = x2.shape
-    block = triton.next_power_of_2(n)
-    per = _norm_rows(block)
-    if rows:
-        norm_fwd_kernel[(triton.cdiv(rows, per),)](x2, weight, bias if layer else weight, y, mean if layer else rstd,
-                                                   rstd, x2.stride(0), y.stride(0), rows, n, eps, BLOCK=block,
-                                                   ROWS=per, LAYER=layer, num_warps=_warps(per * block))
+    n = x2.shape[1]
+    if x2.shape[0]:
+        norm_fwd_kernel[(x2.shape[0],)](x2, weight, bias if layer else weight, y, mean if layer else rstd, rstd,
+                                        x2.stride(0), y.stride(0), n, eps, BLOCK=triton.next_power_of_2(n),
+                                        LAYER=layer, num_warps=_warps(n))
     return y.view(x.shape), mean, rstd
 
 
@@ -192,11 +183,9 @@ def norm_bwd(dy, x, weight, mean, rstd, programs, layer):
     dw_part = alloc((max(grid, 1), n), device=x.device, dtype=torch.float32)
     db_part = alloc((max(grid, 1), n), device=x.device, dtype=torch.float32) if layer else dw_part
     if rows:
-        block = triton.next_power_of_2(n)
-        block_rows = _norm_rows(block)
         norm_bwd_kernel[(grid,)](x2, weight, dy2, mean if layer else rstd, rstd, dx, dw_part, db_part,
-                                 x2.stride(0), dy2.stride(0), dx.stride(0), rows, n, per, BLOCK=block,
-                                 ROWS=block_rows, LAYER=layer, num_warps=_warps(block_rows * block))
+                                 x2.stride(0), dy2.stride(0), dx.stride(0), rows, n, per,
+                                 BLOCK=triton.next_power_of_2(n), LAYER=layer, num_warps=_warps(n))
     db = db_part.sum(0).to(weight.dtype) if layer else None
     return dx.view(x.shape), dw_part.sum(0).to(weight.dtype), db
 
@@ -250,9 +239,3 @@ def ce_loss_and_grad_(logits, targets, ignore_index, grad_scale):
 
 def _warps(n):
     return 1 if n <= 256 else 4 if n <= 2048 else 8
-
-
-def _norm_rows(block):
-    """Rows a norm program takes at once: about 4k elements (8 warps' worth of 16-byte loads), one row for
-    rows of 4k and wider."""
-    return max(1, min(16, 4096 // block))
