@@ -56,7 +56,7 @@ def test_swiglu(shape, dtype):
 @pytest.mark.parametrize("rows,width,vocab", [(37, 64, 300), (5, 32, 5000)])
 def test_linear_cross_entropy(rows, width, vocab, dtype, monkeypatch):
     from warpforge.ops import fused
-    monkeypatch.setattr(fused, "CE_CHUNK_ELEMENTS", 4 * vocab)  # several chunks even at these sizes
+    monkeypatch.setattr(fused, "CE_CHUNK_ELEMENTS", {"default": 4 * vocab})  # several chunks even at these sizes
     hidden = torch.randn(rows, width, device=DEV, dtype=dtype, requires_grad=True)
     weight = (0.2 * torch.randn(vocab, width, device=DEV, dtype=dtype)).requires_grad_()
     targets = torch.randint(0, vocab, (rows,), device=DEV)

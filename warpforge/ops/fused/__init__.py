@@ -11,7 +11,7 @@ import torch
 
 from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
                        check_same_dtype, check_tensor, check_tensors, fail)
-from ...runtime import eager_or_op, resolve_backend, sm_count
+from ...runtime import arch_key, eager_or_op, resolve_backend, sm_count
 from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         rope_tables, swiglu_reference)
 
@@ -20,7 +20,10 @@ __all__ = ["rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "lin
            "linear_cross_entropy_reference"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-CE_CHUNK_ELEMENTS = 1 << 26  # logits materialised per chunk (rows x vocab): 128 MB in bf16
+# logits materialised per linear_cross_entropy chunk (rows x vocab), per arch: larger chunks make fewer, larger
+# GEMMs (gpt2-124m on an H200: 13 chunks of 1334 rows; its 13 fp32 d_weight accumulations took 2.5 ms of a
+# 39 ms step) for more memory; scripts/tune_lce.py sweeps it. 1 << 26 is 128 MB of bf16 logits.
+CE_CHUNK_ELEMENTS = {"default": 1 << 26}
 
 
 def _kernels():
@@ -239,7 +242,8 @@ def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     neither gradient takes another pass); backward only scales them."""
     k = _kernels()
     rows, vocab = hidden.shape[0], weight.shape[0]
-    chunk = max(1, min(rows, CE_CHUNK_ELEMENTS // max(vocab, 1)))
+    elements = CE_CHUNK_ELEMENTS.get(arch_key(hidden.device), CE_CHUNK_ELEMENTS["default"])
+    chunk = max(1, min(rows, elements // max(vocab, 1)))
     n_valid = (targets != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
     inv_n = 1.0 / n_valid
     d_hidden = torch.empty_like(hidden)
