@@ -42,20 +42,13 @@ def _check_against_reference(t, e, k, h, i, skew):
     assert rel_l2(out, ref) <= REL_L2[DTYPE]
 
 
-@pytest.mark.parametrize("decode_gemv", [True, False])
 @pytest.mark.parametrize("t,e,k,h,i,skew", [
     (1, 8, 2, 64, 96, False),
     (3, 16, 4, 80, 48, True),       # tokens sharing experts; H and I not multiples of the tiles
     (4, 4, 4, 32, 40, False),       # topk = E
 ])
-def test_decode_sizes_both_paths(t, e, k, h, i, skew, decode_gemv, monkeypatch):
-    """Decode-sized calls through the token-major GEMV kernels (configs.DECODE_GEMV) and through the grouped
-    GEMMs give the reference's answer; the GEMV path is forced on (or off) for this device's arch."""
-    from warpforge.ops import moe
-    if decode_gemv:
-        monkeypatch.setitem(moe.DECODE_GEMV, arch_key(DEV), (4, (16, 16, 32, 1 if DEV.type == "cpu" else 4)))
-    else:
-        monkeypatch.delitem(moe.DECODE_GEMV, arch_key(DEV), raising=False)
+def test_decode_sizes(t, e, k, h, i, skew):
+    """Decode-sized calls (one to four tokens) give the reference's answer."""
     _check_against_reference(t, e, k, h, i, skew)
 
 

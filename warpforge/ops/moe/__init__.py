@@ -2,7 +2,7 @@
 
 validate -> route -> align (graph safe) -> two Triton grouped GEMMs, registered with torch.library. Inference
 routes and aligns in one Triton launch each where configs.ONE_LAUNCH_ROUTING lists the arch (torch ops on the
-device otherwise), and a few tokens can skip align for two token-major GEMVs (configs.DECODE_GEMV). The
+device otherwise). The
 backward (gradients for hidden, w13, w2 and, through the routing, router_logits) runs the same gather/scatter
 GEMMs plus a per-expert weight-gradient kernel.
 """
@@ -14,7 +14,7 @@ from ...errors import (check_choice, check_dtype, check_rank, check_same_device,
                        check_tensors, fail)
 from ...runtime import arch_key, eager_or_op, resolve_backend
 from .align import align, capacity
-from .configs import CONFIGS, DECODE_GEMV, ONE_LAUNCH_ROUTING, MoECfg, pick
+from .configs import CONFIGS, ONE_LAUNCH_ROUTING, MoECfg, pick
 from .reference import (dequantize_weights_reference, experts_reference, fused_moe_reference,
                         quantize_weights_reference, route_reference)
 
@@ -49,30 +49,6 @@ def _(hidden, w13, w2, s13, s2, weights, ids):
 
 
 _experts_fp8 = eager_or_op(_experts_fp8_op, _experts_fp8_impl)
-
-
-def _experts_decode_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor) -> torch.Tensor:
-    """Inference for a few tokens: two token-major GEMVs (decode_kernel.py), no schedule; no backward."""
-    from .decode_kernel import decode_experts
-    return decode_experts(hidden, w13, w2, weights, ids, DECODE_GEMV[arch_key(hidden.device)][1])
-
-
-_experts_decode_op = torch.library.custom_op("warpforge::moe_experts_decode", _experts_decode_impl,
-                                             mutates_args=())
-
-
-@_experts_decode_op.register_fake
-def _(hidden, w13, w2, weights, ids):
-    return torch.empty_like(hidden)
-
-
-_experts_decode = eager_or_op(_experts_decode_op, _experts_decode_impl)
-
-
-def _decode_sized(hidden) -> bool:
-    gemv = DECODE_GEMV.get(arch_key(hidden.device))
-    return gemv is not None and hidden.shape[0] <= gemv[0]
 
 
 def _experts_fwd_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -302,6 +278,4 @@ def _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend):
     if backend == "reference":
         return experts_reference(hidden, w13, w2, weights, ids)
     train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, weights))
-    if not train and _decode_sized(hidden):
-        return _experts_decode(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids)
     return _experts_fwd(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids, train)[0]

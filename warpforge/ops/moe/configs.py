@@ -45,11 +45,6 @@ CONFIGS = {
 # the interpreter (CI), sm90 the H200.
 ONE_LAUNCH_ROUTING = {"cpu", "sm90"}
 
-# Decode-size experts as two token-major GEMV kernels (decode_kernel.py: no align, no atomics, no zero fill or
-# cast) for T <= max_tokens, bf16 inference: arch -> (max_tokens, (BLOCK_I, BLOCK_H, BLOCK_K, warps)). sm90 is
-# not listed until scripts/tune_moe_decode.py has measured it against the grouped path there.
-DECODE_GEMV = {"cpu": (4, (16, 16, 32, 1))}
-
 
 def pick(arch: str, shape: tuple, tokens: int) -> MoECfg:
     table = CONFIGS.get(arch, CONFIGS["default"])
