@@ -75,6 +75,19 @@ def eager_or_op(op, impl, setup_context=None, backward=None):
     return call
 
 
+def _tma_scratch(size, align, stream):
+    return torch.empty(size, dtype=torch.int8, device=_tma_scratch.device)
+
+
+def ensure_tma_allocator(device: torch.device) -> None:
+    """Kernels that build TMA descriptors in their body (tl.make_tensor_descriptor) need a small global
+    scratch per program. Triton keeps the allocator in a context variable, i.e. per thread, and autograd runs
+    the backward on its own thread: so call this at every launch that needs it."""
+    import triton
+    _tma_scratch.device = device
+    triton.set_allocator(_tma_scratch)
+
+
 def _triton_compiled_mode() -> bool:
     """True when triton was imported without the interpreter (its own jit helpers are then compiled-only)."""
     tl = sys.modules.get("triton.language")

@@ -246,18 +246,29 @@ def test_quantize_kv_in_slices_equals_whole(fmt, monkeypatch):
     assert torch.equal(mla.quantize_kv(latent, fmt, scale), quantize_kv_reference(latent, fmt, scale))
 
 
-@pytest.mark.parametrize("fmt,prefetch", [("fp8", False), ("fp8", True), ("nvfp4", False), ("mxfp4", False)])
+@pytest.mark.parametrize("fmt,load", [("fp8", None), ("fp8", "prefetch"), ("fp8", "tma"), ("nvfp4", None),
+                                      ("mxfp4", None)])
 @pytest.mark.parametrize("h_q,s_q,causal,splits", [(16, 1, False, None), (32, 2, True, 2)])
-def test_fp16_math_variant(fmt, prefetch, h_q, s_q, causal, splits, monkeypatch):
-    """Quantized caches dequantised to fp16 with fp16 latent dots (MLACfg.fp16_math): q's latent is rounded to
-    fp16 instead of kept in bf16, so the kernel stays within bf16-level error of the dequantised-cache reference."""
+def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
+    """Quantized caches dequantised to fp16 with fp16 latent dots (MLACfg.fp16_math), FP8 also with its bytes
+    prefetched into registers or copied through TMA descriptors: q's latent is rounded to fp16 instead of kept
+    in bf16, so the kernel stays within bf16-level error of the dequantised-cache reference. The cache rows
+    past each request's end hold NaN codes and scales, which must not reach the output."""
     from warpforge.ops import mla
     from warpforge.ops.mla.decode_kernel import MLACfg
     from warpforge.runtime import arch_key
     base = mla.CONFIGS.get(arch_key(DEV), mla.CONFIGS["default"])
-    monkeypatch.setitem(mla.CONFIGS, arch_key(DEV), {k: MLACfg(*v[:4], fp16_math=True, prefetch=prefetch)
-                                                            for k, v in base.items()})
+    monkeypatch.setitem(mla.CONFIGS, arch_key(DEV), {
+        k: MLACfg(*v[:4], fp16_math=True, prefetch=load == "prefetch", tma=load == "tma")
+        for k, v in base.items()})
     q, _, cache, table, seqlens, kv_scale = _problem(2, s_q, h_q, 16, [300, 77], fmt)
+    if fmt == "fp8":  # every row past the end (and the spare pages): NaN codes, scales and rope
+        pages_used = [(int(n) + 15) // 16 for n in seqlens]
+        valid = torch.zeros(cache.shape[0], 16, dtype=torch.bool, device=DEV)
+        for i, n in enumerate(seqlens.tolist()):
+            for p in range(pages_used[i]):
+                valid[table[i, p], : min(16, n - 16 * p)] = True
+        cache[~valid] = 0xFF
     out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,
                              schedule=splits, backend="triton")
     ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, causal=causal, kv_format=fmt,

@@ -13,6 +13,8 @@ Offsets that can pass 2^31 (batch, sequence start, block start) are taken in int
 import triton
 import triton.language as tl
 
+from ...runtime import ensure_tma_allocator
+
 LOG2E = 1.4426950408889634
 
 
@@ -478,19 +480,6 @@ def _tma_ok(*tensors):
     return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
-def _scratch(size, align, stream):
-    import torch
-    return torch.empty(size, dtype=torch.int8, device=_scratch.device)
-
-
-def _ensure_allocator(device):
-    # In-kernel descriptors (tl.make_tensor_descriptor) need a small global scratch per program. Triton
-    # keeps the allocator in a context variable, i.e. per thread, and autograd runs the backward on its
-    # own thread: so set it at every launch that needs it.
-    _scratch.device = device
-    triton.set_allocator(_scratch)
-
-
 def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg):
     """Returns (out like q, lse fp32: [b, h_q, s_q] or [h_q, total_q] when varlen)."""
     import torch
@@ -512,7 +501,7 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
     bm, bn, warps, stages = cfg.block_m, cfg.block_n, cfg.warps, cfg.stages
     use_tma = cfg.tma and _tma_ok(k, v)
     if use_tma:
-        _ensure_allocator(q.device)
+        ensure_tma_allocator(q.device)
     grid = (triton.cdiv(max_q, bm), batch * h_q)
     flash_fwd_kernel[grid](
         q, k, v, out, lse, cu_q if varlen else q, cu_k if varlen else q,
@@ -552,7 +541,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
     dkdv_tma = cfg_dkdv.tma and _tma_ok(q, do)
     dq_tma = cfg_dq.tma and _tma_ok(k, v)
     if dkdv_tma or dq_tma:
-        _ensure_allocator(q.device)
+        ensure_tma_allocator(q.device)
     # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
     flash_bwd_dkdv_kernel[(triton.cdiv(max_k, cfg_dkdv.block_n), batch * h_kv)](
