@@ -34,6 +34,30 @@ def test_rms_norm(shape, dtype):
     _grads_match(lambda a, b: wf.rms_norm(a, b, backend="triton"), rms_norm_reference, [x, w], dtype)
 
 
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_out_dtype(norm):
+    """An fp32 input normalised straight into a half-precision output (what autocast's next matmul reads): the
+    fp32 result rounded once; gradients flow back to the fp32 input and weights."""
+    x = torch.randn(5, 3, 200, device=DEV, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(200, device=DEV)).requires_grad_()
+    b = (0.1 * torch.randn(200, device=DEV)).requires_grad_()
+    if norm == "rms":
+        got = wf.rms_norm(x, w, backend="triton", out_dtype=torch.float16)
+        want = rms_norm_reference(x, w, 1e-6)
+    else:
+        from warpforge.ops.fused import layer_norm_reference
+        got = wf.layer_norm(x, w, b, backend="triton", out_dtype=torch.float16)
+        want = layer_norm_reference(x, w, b, 1e-5)
+    assert got.dtype == torch.float16 and x.dtype == torch.float32
+    assert rel_l2(got.float(), want) <= 1e-3
+    g = torch.randn_like(want)
+    inputs = [x, w] if norm == "rms" else [x, w, b]
+    for a, e in zip(torch.autograd.grad(got, inputs, g.half()), torch.autograd.grad(want, inputs, g)):
+        assert a.dtype == torch.float32 and rel_l2(a, e) <= 1e-3
+    with pytest.raises(WarpforgeInputError, match="^out_dtype"):
+        wf.rms_norm(x, w, backend="triton", out_dtype=torch.int32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 7, 3, 32), (1, 5, 20, 64), (2, 3, 5, 40)])  # d 40: half not a power of 2
 def test_rope(shape, dtype):

@@ -72,7 +72,7 @@ def _register():
         make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
                                 torch.ones(_rows(t)[1], device=dv, dtype=dt, requires_grad=True)],
         ours=lambda x, w: rms_norm(x, w, backend="triton"),
-        plain=lambda x, w: PYTORCH_OPS.rms_norm(x, w, 1e-6),
+        plain=lambda x, w: PYTORCH_OPS.rms_norm(x, w, 1e-6, x.dtype),
         reference=rms_norm_reference, nbytes=2.0 * n * d * 5))  # fwd: x, y; bwd: x, dy, dx
     register("fused", "layer_norm fwd+bwd 16k x 768")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,

@@ -27,7 +27,7 @@ from .config import GPTConfig
 class Ops:
     """The model's hot ops, swappable: warpforge's kernels, or plain PyTorch (the benchmark's baseline)."""
     attention: Callable  # (q, k, v) [b, s, h, d] -> causal attention, bottom-right aligned
-    rms_norm: Callable   # (x, weight, eps)
+    rms_norm: Callable   # (x, weight, eps, out_dtype)
     rope: Callable       # (x, cos, sin)
     swiglu: Callable     # (gate_up) -> silu(gate) * up
     linear_ce: Callable  # (hidden [N, H], weight [V, H], targets [N]) -> mean loss
@@ -52,10 +52,12 @@ def _torch_swiglu(gate_up):
     return F.silu(gate) * up
 
 
-WARPFORGE_OPS = Ops(attention=lambda q, k, v: flash_attention(q, k, v, causal=True), rms_norm=rms_norm,
+WARPFORGE_OPS = Ops(attention=lambda q, k, v: flash_attention(q, k, v, causal=True),
+                    rms_norm=lambda x, w, eps, out_dtype: rms_norm(x, w, eps, out_dtype=out_dtype),
                     rope=apply_rope, swiglu=swiglu, linear_ce=linear_cross_entropy)
 PYTORCH_OPS = Ops(attention=_torch_attention,
-                  rms_norm=lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps), rope=_torch_rope,
+                  rms_norm=lambda x, w, eps, out_dtype: F.rms_norm(x, (x.shape[-1],), w, eps).to(out_dtype),
+                  rope=_torch_rope,
                   swiglu=_torch_swiglu,
                   linear_ce=lambda h, w, t: F.cross_entropy((h @ w.T).float(), t))
 
@@ -67,7 +69,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        # under autocast the next matmul reads bf16: the norm writes it, one pass less over the fp32 residual
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+        return self.ops.rms_norm(x, self.weight, self.eps, dtype)
 
 
 class Attention(nn.Module):

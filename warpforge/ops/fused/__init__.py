@@ -37,9 +37,9 @@ def _programs(device) -> int:
 
 # ----------------------------------------------------------------------------- RMSNorm / LayerNorm
 def _norm_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-                   layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   layer: bool, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd); mean is empty for RMSNorm."""
-    y, mean, rstd = _kernels().norm_fwd(x, weight, bias, eps, layer)
+    y, mean, rstd = _kernels().norm_fwd(x, weight, bias, eps, layer, out_dtype)
     return y, mean if mean is not None else rstd.new_empty(0), rstd
 
 
@@ -47,9 +47,9 @@ _norm_fwd_op = torch.library.custom_op("warpforge::norm_fwd", _norm_fwd_impl, mu
 
 
 @_norm_fwd_op.register_fake
-def _(x, weight, bias, eps, layer):
+def _(x, weight, bias, eps, layer, out_dtype):
     rows = x.numel() // max(x.shape[-1], 1)
-    return torch.empty_like(x), x.new_empty(rows if layer else 0, dtype=torch.float32), \
+    return torch.empty_like(x, dtype=out_dtype), x.new_empty(rows if layer else 0, dtype=torch.float32), \
         x.new_empty(rows, dtype=torch.float32)
 
 
@@ -71,7 +71,7 @@ _norm_bwd = eager_or_op(_norm_bwd_op, _norm_bwd_impl)
 
 
 def _norm_setup(ctx, inputs, output):
-    x, weight, bias, _, layer = inputs
+    x, weight, bias, _, layer, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2])
     ctx.layer = layer
     ctx.mark_non_differentiable(output[1], output[2])
@@ -80,15 +80,17 @@ def _norm_setup(ctx, inputs, output):
 def _norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
-    return dx, dw, db if ctx.layer else None, None, None
+    return dx, dw, db if ctx.layer else None, None, None, None
 
 
 _norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup)
 _norm_fwd = eager_or_op(_norm_fwd_op, _norm_fwd_impl, _norm_setup, _norm_backward)
 
 
-def _check_norm(x, weight, bias):
+def _check_norm(x, weight, bias, out_dtype):
     check_tensor("x", x)
+    if out_dtype is not None and out_dtype not in FLOATS:
+        fail("out_dtype", f"None or one of {FLOATS}", out_dtype)
     check_tensor("weight", weight)
     check_dtype("x", x, FLOATS)
     for name, t in (("weight", weight),) + ((("bias", bias),) if bias is not None else ()):
@@ -98,22 +100,27 @@ def _check_norm(x, weight, bias):
         check_same_device(name, t, "x", x)
 
 
-def rms_norm(x, weight, eps: float = 1e-6, backend=None):
-    """x / sqrt(mean(x², -1) + eps) · weight over the last dim; x [..., n], weight [n]."""
-    _check_norm(x, weight, None)
+def rms_norm(x, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
+    """x / sqrt(mean(x², -1) + eps) · weight over the last dim; x [..., n], weight [n]. out_dtype: the output's
+    dtype if not x's (e.g. bf16 from an fp32 residual stream under autocast: the cast the next matmul would
+    make, without another pass over memory)."""
+    _check_norm(x, weight, None, out_dtype)
     if resolve_backend(backend, x.device) == "reference":
-        return rms_norm_reference(x, weight, eps)
-    return _norm_fwd(x.contiguous(), weight.contiguous(), None, float(eps), False)[0]
+        y = rms_norm_reference(x, weight, eps)
+        return y if out_dtype is None else y.to(out_dtype)
+    return _norm_fwd(x.contiguous(), weight.contiguous(), None, float(eps), False, out_dtype)[0]
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None):
-    """(x − mean) / sqrt(var + eps) · weight + bias over the last dim; x [..., n], weight and bias [n]."""
-    _check_norm(x, weight, bias)
+def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None, *, out_dtype=None):
+    """(x − mean) / sqrt(var + eps) · weight + bias over the last dim; x [..., n], weight and bias [n].
+    out_dtype: as rms_norm's."""
+    _check_norm(x, weight, bias, out_dtype)
     if bias is None:
         fail("bias", "a tensor [n] (use rms_norm for a norm without bias or centring)", None)
     if resolve_backend(backend, x.device) == "reference":
-        return layer_norm_reference(x, weight, bias, eps)
-    return _norm_fwd(x.contiguous(), weight.contiguous(), bias.contiguous(), float(eps), True)[0]
+        y = layer_norm_reference(x, weight, bias, eps)
+        return y if out_dtype is None else y.to(out_dtype)
+    return _norm_fwd(x.contiguous(), weight.contiguous(), bias.contiguous(), float(eps), True, out_dtype)[0]
 
 
 # ------------------------------------------------------------------------------------------- RoPE

@@ -156,11 +156,11 @@ def _rows(t):
     return t.reshape(-1, t.shape[-1])
 
 
-def norm_fwd(x, weight, bias, eps, layer):
-    """Returns (y like x, mean or None, rstd), statistics fp32 per row."""
+def norm_fwd(x, weight, bias, eps, layer, out_dtype=None):
+    """Returns (y like x, in out_dtype if given; mean or None; rstd), statistics fp32 per row."""
     import torch
     x2 = _rows(x)
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2, dtype=out_dtype)
     rstd = torch.empty(x2.shape[0], device=x.device, dtype=torch.float32)
     mean = torch.empty_like(rstd) if layer else None
     n = x2.shape[1]
