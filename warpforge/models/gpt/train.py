@@ -178,7 +178,10 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
                 break
             for g in optim.param_groups:
                 g["lr"] = lr_at(step, tcfg)
-            x, y = (t.to(device, non_blocking=True) for t in batches.next())
+            x, y = batches.next()
+            if device.type == "cuda":  # from pageable memory the copy waits for the GPU to drain every step:
+                x, y = x.pin_memory(), y.pin_memory()  # pinned, the host queues this step while the last runs
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with autocast():
