@@ -73,8 +73,8 @@ def main():
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if m:
             ops[m.group(1)] += 1
-    print(f"{args.fmt} fp16_math={args.fp16_math} prefetch={args.prefetch} tma={args.tma} BLOCK_H {args.block_h} BLOCK_N {args.block_n} "
-          f"{args.warps} warps {args.stages} stages: {sum(ops.values())} instructions, "
+    print(f"{args.fmt} fp16_math={args.fp16_math} prefetch={args.prefetch} tma={args.tma} BLOCK_H {args.block_h} "
+          f"BLOCK_N {args.block_n} {args.warps} warps {args.stages} stages: {sum(ops.values())} instructions, "
           f"shared {kernel.metadata.shared} B")
     keys = ("UTMALDG", "LDGSTS", "LDG", "LDS", "LDSM", "STS", "STL", "LDL", "F2F", "F2FP", "PRMT", "HMMA", "HGMMA",
             "BAR")

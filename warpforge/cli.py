@@ -134,7 +134,8 @@ def main(argv=None) -> int:
     gt.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
                     help="under torchrun: DDP (default) or FSDP2 (sharded parameters and optimizer state)")
     gt.add_argument("--ddp-bucket-mb", type=float, default=None,
-                    help="DDP gradient bucket size in MB (default 25): one all-reduce and one compiled-graph split each")
+                    help="DDP gradient bucket size in MB (default 25): one all-reduce and one compiled-graph split "
+                         "each")
     gt.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16 (half the bytes)")
     gt.add_argument("--compile", choices=("auto", "on", "off", "graphs"), default=None,
                     help="torch.compile the training step; graphs: also replay it from CUDA graphs (auto: graphs "
