@@ -1,6 +1,6 @@
 """Sweep block sizes for the attention kernels on this GPU and print the best per head dim.
 
-    PYTHONPATH=. python scripts/tune_attention.py [--out tune.json] [--quick]
+    PYTHONPATH=. python scripts/tune_attention.py [--out tune.json] [--dims 128,64] [--shape b,s,h]
 
 The winners go into warpforge/ops/attention/configs.py by hand (with the numbers in benchmarks/NOTES.md):
 a small table keyed by arch and head dim, not an autotuner on the hot path.
@@ -80,10 +80,14 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--parts", default="fwd,bwd", help="fwd: sweep the forward too (else the sm90 pick)")
+    ap.add_argument("--shape", default=None, help="b,s,h instead of the per-dim default (e.g. 16,1024,12: the "
+                                                  "gpt2-124m training step)")
     args = ap.parse_args()
     results = []
     for d in map(int, args.dims.split(",")):
         b, s, h = (4, 8192, 16) if d == 128 else (8, 4096, 32) if d == 64 else (4, 4096, 16)
+        if args.shape:
+            b, s, h = map(int, args.shape.split(","))
         results.append(sweep(b, s, h, d, True, args.parts.split(",")))
     if args.out:
         write_json(results, args.out)
