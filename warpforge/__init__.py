@@ -7,10 +7,10 @@ from . import nn
 from .errors import WarpforgeInputError
 from .ops import mla, moe
 from .ops.attention import flash_attention
-from .ops.fused import apply_rope, layer_norm, linear_cross_entropy, rms_norm, swiglu
+from .ops.fused import add_rms_norm, apply_rope, layer_norm, linear_cross_entropy, rms_norm, swiglu
 from .ops.mla import mla_decode
 from .ops.moe import fused_moe
 
 __version__ = "0.1.0"
-__all__ = ["WarpforgeInputError", "flash_attention", "mla", "mla_decode", "moe", "fused_moe", "rms_norm", "layer_norm",
-           "apply_rope", "swiglu", "linear_cross_entropy", "nn", "__version__"]
+__all__ = ["WarpforgeInputError", "flash_attention", "mla", "mla_decode", "moe", "fused_moe", "rms_norm", "add_rms_norm",
+           "layer_norm", "apply_rope", "swiglu", "linear_cross_entropy", "nn", "__version__"]

@@ -58,6 +58,33 @@ def test_norm_out_dtype(norm):
         wf.rms_norm(x, w, backend="triton", out_dtype=torch.int32)
 
 
+@pytest.mark.parametrize("x_dtype,res_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float16),
+                                               (torch.float32, torch.float32)])
+def test_add_rms_norm(x_dtype, res_dtype):
+    """rms_norm(x + residual) and the sum in one pass: the sum in the promoted dtype, normalised as stored; both
+    outputs used downstream, so x's and the residual's gradients get the norm's and the sum's."""
+    x = torch.randn(3, 7, 130, device=DEV, dtype=x_dtype, requires_grad=True)
+    r = torch.randn(3, 7, 130, device=DEV, dtype=res_dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(130, device=DEV)).requires_grad_()
+    y, total = wf.add_rms_norm(x, r, w, backend="triton", out_dtype=torch.float16)
+    ref_total = x.double() + r.double()
+    ref_y = rms_norm_reference(ref_total.to(total.dtype).double(), w.double(), 1e-6)
+    assert total.dtype == torch.result_type(x, r) and y.dtype == torch.float16
+    tol = 1e-5 if total.dtype == torch.float32 else 1e-3
+    assert rel_l2(total.double(), ref_total) <= tol
+    assert rel_l2(y.double(), ref_y) <= 1e-3
+    gy, gt = torch.randn_like(y), torch.randn_like(total)
+    got = torch.autograd.grad((y, total), (x, r, w), (gy, gt))
+    want = torch.autograd.grad((ref_y, ref_total), (x, r, w), (gy.double(), gt.double()))
+    for a, e in zip(got, want):
+        assert a.dtype in (x_dtype, res_dtype, torch.float32)
+        assert rel_l2(a.double(), e) <= (2e-3 if torch.float16 in (x_dtype, res_dtype) else 1e-4)
+    ref_y2, ref_t2 = wf.add_rms_norm(x, r, w, backend="reference", out_dtype=torch.float16)
+    assert rel_l2(ref_t2.double(), ref_total) <= tol and ref_y2.dtype == torch.float16
+    with pytest.raises(WarpforgeInputError, match="^residual"):
+        wf.add_rms_norm(x, r[:, :3], w, backend="triton")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(2, 7, 3, 32), (1, 5, 20, 64), (2, 3, 5, 40)])  # d 40: half not a power of 2
 def test_rope(shape, dtype):
@@ -130,6 +157,8 @@ def test_compiled_matches_eager():
 
     def step(x, w, gu, head):
         h = wf.rms_norm(x, w, backend="triton") + wf.layer_norm(x, w, w, backend="triton")
+        y, h = wf.add_rms_norm(h, x, w, backend="triton")
+        h = h + y
         r = wf.apply_rope(wf.swiglu(gu, backend="triton").view(6, 2, 4, 32), cos, sin, backend="triton")
         h = h + r.sum((1, 2))[:, :1]
         return wf.linear_cross_entropy(h, head, targets, backend="triton")

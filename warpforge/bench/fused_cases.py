@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.gpt.model import PYTORCH_OPS
-from ..ops.fused import (apply_rope, layer_norm, layer_norm_reference, linear_cross_entropy,
+from ..ops.fused import (add_rms_norm, apply_rope, layer_norm, layer_norm_reference, linear_cross_entropy,
                          linear_cross_entropy_reference, rms_norm, rms_norm_reference, rope_reference, rope_tables,
                          swiglu, swiglu_reference)
 from ..testing import rel_l2
@@ -20,24 +20,30 @@ from .cases import Rotation, Setup, graphed, register
 TOKENS, D, FFN, VOCAB, HEADS = 16 * 1024, 768, 3072, 50304, 12
 
 
+def _outputs(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
 def fwd_bwd_setup(device, tiny, *, make, ours, plain, reference, flops=0.0, nbytes=0.0, input_bytes=None):
     """make(tiny, device, dtype) -> list of inputs (grad-requiring where they should); ours/plain/reference
-    take those inputs and return one tensor. input_bytes sizes the L2 rotation (default: nbytes)."""
+    take those inputs and return a tensor or a tuple of them. input_bytes sizes the L2 rotation (default:
+    nbytes)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
 
     def make_set():
         inputs = make(tiny, device, dtype)
-        out_shape = plain(*[t.detach() for t in inputs]).shape
-        return inputs, torch.randn(out_shape, device=device, dtype=dtype) if len(out_shape) else None
+        outs = _outputs(plain(*[t.detach() for t in inputs]))
+        grads = tuple(torch.randn(o.shape, device=device, dtype=o.dtype) for o in outs if o.dim())
+        return inputs, grads or None  # a scalar loss: no upstream gradient
 
     rot = Rotation(make_set, input_bytes or nbytes, device)
 
     def on_set(fn):
         def run(one_set):
             inputs, g = one_set
-            out = fn(*inputs)
+            out = _outputs(fn(*inputs))
             grads = torch.autograd.grad(out, [t for t in inputs if t.requires_grad], g)
-            return (out, *grads)
+            return (*out, *grads)
         return run
 
     impls = {"warpforge": graphed(on_set(ours), rot, device)}
@@ -52,13 +58,18 @@ def fwd_bwd_setup(device, tiny, *, make, ours, plain, reference, flops=0.0, nbyt
             inputs, g = rot.sets[0]
             ref_in = [t.detach().float().requires_grad_(t.requires_grad) if t.is_floating_point() else t
                       for t in inputs]
-            out = reference(*ref_in)
+            out = _outputs(reference(*ref_in))
             grads = torch.autograd.grad(out, [t for t in ref_in if t.requires_grad],
-                                        None if g is None else g.float())
-            cache["ref"] = (out, *grads)
+                                        None if g is None else tuple(t.float() for t in g))
+            cache["ref"] = (*out, *grads)
         return max(rel_l2(a, b) for a, b in zip(result, cache["ref"]))
 
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset)
+
+
+def _add_rms_norm_reference(x, r, w):
+    total = x + r
+    return rms_norm_reference(total, w), total
 
 
 def _rows(tiny):
@@ -74,6 +85,15 @@ def _register():
         ours=lambda x, w: rms_norm(x, w, backend="triton"),
         plain=lambda x, w: PYTORCH_OPS.rms_norm(x, w, 1e-6, x.dtype),
         reference=rms_norm_reference, nbytes=2.0 * n * d * 5))  # fwd: x, y; bwd: x, dy, dx
+    register("fused", "add_rms_norm fwd+bwd 16k x 768 (fp32 stream + bf16 branch)")(lambda dev, tiny: fwd_bwd_setup(
+        dev, tiny,
+        make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=torch.float32, requires_grad=True),
+                                torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
+                                torch.ones(_rows(t)[1], device=dv, dtype=torch.float32, requires_grad=True)],
+        ours=lambda x, r, w: add_rms_norm(x, r, w, backend="triton", out_dtype=r.dtype),
+        plain=lambda x, r, w: PYTORCH_OPS.add_rms_norm(x, r, w, 1e-6, r.dtype),
+        reference=lambda x, r, w: _add_rms_norm_reference(x, r, w),
+        nbytes=2.0 * n * d * 13))  # fwd: x, r, sum, y; bwd: sum, dy, d_sum, dx (fp32 stream, bf16 branch)
     register("fused", "layer_norm fwd+bwd 16k x 768")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
         make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),

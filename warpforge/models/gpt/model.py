@@ -2,8 +2,8 @@
 
 Pre-norm decoder: RMSNorm -> attention with rotary positions (grouped-query when n_kv_head < n_head)
 -> RMSNorm -> SwiGLU MLP, residuals around both, tied input/output embeddings. Every hot op is a
-warpforge op (flash_attention, rms_norm, apply_rope, swiglu, linear_cross_entropy): the Triton kernels on
-a GPU, their PyTorch references on a CPU. The next-token loss is cross-entropy on bytes (nats per byte),
+warpforge op (flash_attention, rms_norm / add_rms_norm, apply_rope, swiglu, linear_cross_entropy): the
+Triton kernels on a GPU, their PyTorch references on a CPU. The next-token loss is cross-entropy on bytes (nats per byte),
 computed without materialising the logits.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import nn
 from ...nn.mla import MLACache, MLAttention
 from ...nn.moe import MoE
 from ...ops.attention import flash_attention
-from ...ops.fused import apply_rope, linear_cross_entropy, rms_norm, rope_tables, swiglu
+from ...ops.fused import add_rms_norm, apply_rope, linear_cross_entropy, rms_norm, rope_tables, swiglu
 from .config import GPTConfig
 
 
@@ -28,6 +28,7 @@ class Ops:
     """The model's hot ops, swappable: warpforge's kernels, or plain PyTorch (the benchmark's baseline)."""
     attention: Callable  # (q, k, v) [b, s, h, d] -> causal attention, bottom-right aligned
     rms_norm: Callable   # (x, weight, eps, out_dtype)
+    add_rms_norm: Callable  # (x, residual, weight, eps, out_dtype) -> (norm of x + residual, x + residual)
     rope: Callable       # (x, cos, sin)
     swiglu: Callable     # (gate_up) -> silu(gate) * up
     linear_ce: Callable  # (hidden [N, H], weight [V, H], targets [N]) -> mean loss
@@ -47,6 +48,11 @@ def _torch_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def _torch_add_rms_norm(x, residual, weight, eps, out_dtype):
+    total = x + residual
+    return F.rms_norm(total, (total.shape[-1],), weight, eps).to(out_dtype), total
+
+
 def _torch_swiglu(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -54,10 +60,11 @@ def _torch_swiglu(gate_up):
 
 WARPFORGE_OPS = Ops(attention=lambda q, k, v: flash_attention(q, k, v, causal=True),
                     rms_norm=lambda x, w, eps, out_dtype: rms_norm(x, w, eps, out_dtype=out_dtype),
+                    add_rms_norm=lambda x, r, w, eps, out_dtype: add_rms_norm(x, r, w, eps, out_dtype=out_dtype),
                     rope=apply_rope, swiglu=swiglu, linear_ce=linear_cross_entropy)
 PYTORCH_OPS = Ops(attention=_torch_attention,
                   rms_norm=lambda x, w, eps, out_dtype: F.rms_norm(x, (x.shape[-1],), w, eps).to(out_dtype),
-                  rope=_torch_rope,
+                  add_rms_norm=_torch_add_rms_norm, rope=_torch_rope,
                   swiglu=_torch_swiglu,
                   linear_ce=lambda h, w, t: F.cross_entropy((h @ w.T).float(), t))
 
@@ -68,12 +75,15 @@ class RMSNorm(nn.Module):
         self.eps, self.ops = eps, ops
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """norm(x); with a residual, (norm(x + residual), x + residual) in one pass over memory."""
         # under autocast the next matmul reads bf16: the norm writes it, one pass less over the fp32 residual
         dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-        return self.ops.rms_norm(x, self.weight, self.eps, dtype)
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps, dtype)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, dtype)
 
 
 class Attention(nn.Module):
@@ -129,8 +139,9 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, pos: int = 0):
         h = self.norm1(x)
-        x = x + (self.attn(h, cache) if self.mla else self.attn(h, cos, sin, cache, pos))
-        return x + self.mlp(self.norm2(x))
+        a = self.attn(h, cache) if self.mla else self.attn(h, cos, sin, cache, pos)
+        h, x = self.norm2(x, a)  # x + a and its norm
+        return x + self.mlp(h)
 
 
 class GPT(nn.Module):

@@ -1,4 +1,5 @@
-"""The GPT's fused training ops: `rms_norm`, `layer_norm`, `apply_rope`, `swiglu`, `linear_cross_entropy`.
+"""The GPT's fused training ops: `rms_norm` (and `add_rms_norm`, with the residual add), `layer_norm`, `apply_rope`,
+`swiglu`, `linear_cross_entropy`.
 
 validate -> pick backend -> (reference | torch.library custom op with autograd over the Triton kernels; eager
 calls take the same impls and backward through a plain autograd.Function: runtime.eager_or_op)
@@ -15,7 +16,7 @@ from ...runtime import arch_key, eager_or_op, resolve_backend, sm_count
 from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
                         rope_tables, swiglu_reference)
 
-__all__ = ["rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "linear_cross_entropy",
+__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "linear_cross_entropy",
            "rms_norm_reference", "layer_norm_reference", "rope_reference", "swiglu_reference",
            "linear_cross_entropy_reference"]
 
@@ -39,7 +40,7 @@ def _programs(device) -> int:
 def _norm_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                    layer: bool, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd); mean is empty for RMSNorm."""
-    y, mean, rstd = _kernels().norm_fwd(x, weight, bias, eps, layer, out_dtype)
+    y, mean, rstd, _ = _kernels().norm_fwd(x, weight, bias, eps, layer, out_dtype)
     return y, mean if mean is not None else rstd.new_empty(0), rstd
 
 
@@ -54,8 +55,10 @@ def _(x, weight, bias, eps, layer, out_dtype):
 
 
 def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                   layer: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, db = _kernels().norm_bwd(dy.contiguous(), x, weight, mean, rstd, _programs(x.device), layer)
+                   layer: bool, d_sum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db); d_sum: x's gradient from its other uses when x is a residual sum, added into dx."""
+    dx, dw, db = _kernels().norm_bwd(dy.contiguous(), x, weight, mean, rstd, _programs(x.device), layer,
+                                     d_sum.contiguous() if d_sum is not None else None)
     return dx, dw, db if db is not None else weight.new_empty(0)
 
 
@@ -63,7 +66,7 @@ _norm_bwd_op = torch.library.custom_op("warpforge::norm_bwd", _norm_bwd_impl, mu
 
 
 @_norm_bwd_op.register_fake
-def _(dy, x, weight, mean, rstd, layer):
+def _(dy, x, weight, mean, rstd, layer, d_sum=None):
     return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0)
 
 
@@ -85,6 +88,40 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
 
 _norm_fwd_op.register_autograd(_norm_backward, setup_context=_norm_setup)
 _norm_fwd = eager_or_op(_norm_fwd_op, _norm_fwd_impl, _norm_setup, _norm_backward)
+
+
+def _add_norm_fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y = rms_norm(x + residual), x + residual, rstd)."""
+    y, _, rstd, total = _kernels().norm_fwd(x, weight, None, eps, False, out_dtype, residual)
+    return y, total, rstd
+
+
+_add_norm_fwd_op = torch.library.custom_op("warpforge::add_rms_norm_fwd", _add_norm_fwd_impl, mutates_args=())
+
+
+@_add_norm_fwd_op.register_fake
+def _(x, residual, weight, eps, out_dtype):
+    rows = x.numel() // max(x.shape[-1], 1)
+    return torch.empty_like(x, dtype=out_dtype), torch.empty_like(x, dtype=torch.result_type(x, residual)), \
+        x.new_empty(rows, dtype=torch.float32)
+
+
+def _add_norm_setup(ctx, inputs, output):
+    x, residual, weight, _, _ = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.dtypes = x.dtype, residual.dtype
+    ctx.mark_non_differentiable(output[2])
+
+
+def _add_norm_backward(ctx, dy, d_total, _drstd):
+    total, weight, rstd = ctx.saved_tensors
+    d_sum, dw, _ = _norm_bwd(dy, total, weight, rstd, rstd, False, d_total)  # rstd stands in for the unused mean
+    return d_sum.to(ctx.dtypes[0]), d_sum.to(ctx.dtypes[1]), dw, None, None
+
+
+_add_norm_fwd_op.register_autograd(_add_norm_backward, setup_context=_add_norm_setup)
+_add_norm_fwd = eager_or_op(_add_norm_fwd_op, _add_norm_fwd_impl, _add_norm_setup, _add_norm_backward)
 
 
 def _check_norm(x, weight, bias, out_dtype):
@@ -109,6 +146,24 @@ def rms_norm(x, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
         y = rms_norm_reference(x, weight, eps)
         return y if out_dtype is None else y.to(out_dtype)
     return _norm_fwd(x.contiguous(), weight.contiguous(), None, float(eps), False, out_dtype)[0]
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
+    """(rms_norm(x + residual), x + residual) in one pass over memory: a pre-norm block's residual add fused with
+    the next norm. The sum has x's and residual's promoted dtype (an fp32 stream plus a bf16 branch stays fp32);
+    out_dtype is the normalised output's, as in rms_norm."""
+    _check_norm(x, weight, None, out_dtype)
+    check_tensor("residual", residual)
+    check_dtype("residual", residual, FLOATS)
+    check_same_device("residual", residual, "x", x)
+    if residual.shape != x.shape:
+        fail("residual", f"x's shape {tuple(x.shape)}", tuple(residual.shape))
+    if resolve_backend(backend, x.device) == "reference":
+        total = x + residual
+        y = rms_norm_reference(total, weight, eps)
+        return (y if out_dtype is None else y.to(out_dtype)), total
+    y, total, _ = _add_norm_fwd(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), out_dtype)
+    return y, total
 
 
 def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None, *, out_dtype=None):
