@@ -24,12 +24,10 @@ def _weights(e, h, i, dtype=DTYPE):
     (13, 8, 2, 80, 48, False),      # H and I not multiples of the blocks
     (40, 16, 4, 64, 64, True),      # skewed: most tokens on a few experts, several experts empty
     (7, 4, 4, 32, 32, False),       # topk = E
+    (3, 16, 4, 80, 48, True),       # decode sizes: tokens sharing experts, H and I not multiples of the tiles
+    (4, 4, 4, 32, 40, False),       # decode, topk = E
 ])
 def test_matches_reference(t, e, k, h, i, skew):
-    _check_against_reference(t, e, k, h, i, skew)
-
-
-def _check_against_reference(t, e, k, h, i, skew):
     hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
     logits = torch.randn(t, e, device=DEV)
     if skew:
@@ -40,16 +38,6 @@ def _check_against_reference(t, e, k, h, i, skew):
     ref = wf.fused_moe(hidden.float(), w13.float(), w2.float(), logits, k, backend="reference")
     assert out.dtype == hidden.dtype
     assert rel_l2(out, ref) <= REL_L2[DTYPE]
-
-
-@pytest.mark.parametrize("t,e,k,h,i,skew", [
-    (1, 8, 2, 64, 96, False),
-    (3, 16, 4, 80, 48, True),       # tokens sharing experts; H and I not multiples of the tiles
-    (4, 4, 4, 32, 40, False),       # topk = E
-])
-def test_decode_sizes(t, e, k, h, i, skew):
-    """Decode-sized calls (one to four tokens) give the reference's answer."""
-    _check_against_reference(t, e, k, h, i, skew)
 
 
 def test_split_k_down_gemm(monkeypatch):

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from ..models.gpt.model import PYTORCH_OPS
-from ..ops.fused import (add_rms_norm, apply_rope, layer_norm, layer_norm_reference, linear_cross_entropy,
-                         linear_cross_entropy_reference, rms_norm, rms_norm_reference, rope_reference, rope_tables,
-                         swiglu, swiglu_reference)
+from ..ops.fused import (add_rms_norm, add_rms_norm_reference, apply_rope, layer_norm, layer_norm_reference,
+                         linear_cross_entropy, linear_cross_entropy_reference, rms_norm, rms_norm_reference,
+                         rope_reference, rope_tables, swiglu, swiglu_reference)
 from ..testing import rel_l2
 from .cases import Rotation, Setup, graphed, register
 
@@ -67,11 +67,6 @@ def fwd_bwd_setup(device, tiny, *, make, ours, plain, reference, flops=0.0, nbyt
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset)
 
 
-def _add_rms_norm_reference(x, r, w):
-    total = x + r
-    return rms_norm_reference(total, w), total
-
-
 def _rows(tiny):
     return (64, 96) if tiny else (TOKENS, D)
 
@@ -92,7 +87,7 @@ def _register():
                                 torch.ones(_rows(t)[1], device=dv, dtype=torch.float32, requires_grad=True)],
         ours=lambda x, r, w: add_rms_norm(x, r, w, backend="triton", out_dtype=r.dtype),
         plain=lambda x, r, w: PYTORCH_OPS.add_rms_norm(x, r, w, 1e-6, r.dtype),
-        reference=lambda x, r, w: _add_rms_norm_reference(x, r, w),
+        reference=add_rms_norm_reference,
         nbytes=2.0 * n * d * 13))  # fwd: x, r, sum, y; bwd: sum, dy, d_sum, dx (fp32 stream, bf16 branch)
     register("fused", "layer_norm fwd+bwd 16k x 768")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,

@@ -110,13 +110,12 @@ def run_case(case: Case, device, machine: dict, log=print) -> list[dict]:
         rows.append(row)
     # "warpforge" and its variants ("warpforge (eager)") against every baseline
     base = [r for r in rows if not r["impl"].startswith("warpforge") and r.get("ms")]
-    for ours in (r for r in rows if r["impl"].startswith("warpforge") and r.get("ms")):
-        if base:
-            best = min(base, key=lambda r: r["ms"])
-            ours["best_baseline"] = best["impl"]
-            ours["speedup"] = best["ms"] / ours["ms"]
-            for r in base:
-                ours[f"speedup_vs_{r['impl']}"] = r["ms"] / ours["ms"]
+    best = min(base, key=lambda r: r["ms"]) if base else None
+    for ours in (r for r in rows if best and r["impl"].startswith("warpforge") and r.get("ms")):
+        ours["best_baseline"] = best["impl"]
+        ours["speedup"] = best["ms"] / ours["ms"]
+        for r in base:
+            ours[f"speedup_vs_{r['impl']}"] = r["ms"] / ours["ms"]
     del setup
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -3,8 +3,8 @@
 Pre-norm decoder: RMSNorm -> attention with rotary positions (grouped-query when n_kv_head < n_head)
 -> RMSNorm -> SwiGLU MLP, residuals around both, tied input/output embeddings. Every hot op is a
 warpforge op (flash_attention, rms_norm / add_rms_norm, apply_rope, swiglu, linear_cross_entropy): the
-Triton kernels on a GPU, their PyTorch references on a CPU. The next-token loss is cross-entropy on bytes (nats per byte),
-computed without materialising the logits.
+Triton kernels on a GPU, their PyTorch references on a CPU. The next-token loss is cross-entropy on bytes
+(nats per byte), computed without materialising the logits.
 """
 from __future__ import annotations
 
@@ -69,6 +69,11 @@ PYTORCH_OPS = Ops(attention=_torch_attention,
                   linear_ce=lambda h, w, t: F.cross_entropy((h @ w.T).float(), t))
 
 
+def _compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in here: autocast's when it is on (custom ops and caches do not see autocast)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, ops: Ops, eps: float = 1e-6):
         super().__init__()
@@ -78,9 +83,7 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual=None):
         """norm(x); with a residual, (norm(x + residual), x + residual) in one pass over memory."""
         # under autocast the next matmul reads bf16: the norm writes it, one pass less over the fp32 residual
-        dtype = x.dtype
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = _compute_dtype(x.device, x.dtype)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps, dtype)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps, dtype)
@@ -181,11 +184,9 @@ class GPT(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.head(x)
-        h, w = x.reshape(-1, x.shape[-1]), self.head.weight
-        if torch.is_autocast_enabled(h.device.type):  # custom ops see no autocast: cast as a Linear would
-            dtype = torch.get_autocast_dtype(h.device.type)
-            h, w = h.to(dtype), w.to(dtype)
-        loss = self.ops.linear_ce(h, w, targets.reshape(-1))
+        h = x.reshape(-1, x.shape[-1])
+        dtype = _compute_dtype(h.device, h.dtype)  # cast as a Linear under autocast would
+        loss = self.ops.linear_ce(h.to(dtype), self.head.weight.to(dtype), targets.reshape(-1))
         for block in self.blocks:  # MoE layers' load-balancing losses
             if isinstance(block.mlp, MoE):
                 loss = loss + block.mlp.aux_loss
@@ -223,8 +224,7 @@ class GPT(nn.Module):
         When the context is full, the cache restarts from the last half of it (a sliding window)."""
         c = self.cfg
         b = idx.shape[0]
-        kind = idx.device.type  # the cache holds k/v as attention sees them: autocast's dtype when it is on
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else self.embed.weight.dtype
+        dtype = _compute_dtype(idx.device, self.embed.weight.dtype)  # the cache holds k/v as attention sees them
         cache = self.new_cache(b, idx.device, dtype)
         out = idx
         window = idx[:, -c.seq_len:]

@@ -186,5 +186,5 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         return (out, lse) if return_lse else out
 
     out, lse = _flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale,
-                             _UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right)
+                          _UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right)
     return (out, lse) if return_lse else out

@@ -13,12 +13,12 @@ import torch
 from ...errors import (check_dim, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
                        check_same_dtype, check_tensor, check_tensors, fail)
 from ...runtime import arch_key, eager_or_op, resolve_backend, sm_count
-from .reference import (layer_norm_reference, linear_cross_entropy_reference, rms_norm_reference, rope_reference,
-                        rope_tables, swiglu_reference)
+from .reference import (add_rms_norm_reference, layer_norm_reference, linear_cross_entropy_reference,
+                        rms_norm_reference, rope_reference, rope_tables, swiglu_reference)
 
 __all__ = ["rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "rope_tables", "swiglu", "linear_cross_entropy",
-           "rms_norm_reference", "layer_norm_reference", "rope_reference", "swiglu_reference",
-           "linear_cross_entropy_reference"]
+           "rms_norm_reference", "add_rms_norm_reference", "layer_norm_reference", "rope_reference",
+           "swiglu_reference", "linear_cross_entropy_reference"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # logits materialised per linear_cross_entropy chunk (rows x vocab), per arch: larger chunks make fewer, larger
@@ -159,8 +159,7 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, backend=None, *, out_dt
     if residual.shape != x.shape:
         fail("residual", f"x's shape {tuple(x.shape)}", tuple(residual.shape))
     if resolve_backend(backend, x.device) == "reference":
-        total = x + residual
-        y = rms_norm_reference(total, weight, eps)
+        y, total = add_rms_norm_reference(x, residual, weight, eps)
         return (y if out_dtype is None else y.to(out_dtype)), total
     y, total, _ = _add_norm_fwd(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), out_dtype)
     return y, total

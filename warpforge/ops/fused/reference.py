@@ -11,6 +11,12 @@ def rms_norm_reference(x, weight, eps=1e-6):
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
+def add_rms_norm_reference(x, residual, weight, eps=1e-6):
+    """(rms_norm_reference(x + residual), x + residual), the sum in x's and residual's promoted dtype."""
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
 def layer_norm_reference(x, weight, bias, eps=1e-5):
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 

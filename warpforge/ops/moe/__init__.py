@@ -2,9 +2,8 @@
 
 validate -> route -> align (graph safe) -> two Triton grouped GEMMs, registered with torch.library. Inference
 routes and aligns in one Triton launch each where configs.ONE_LAUNCH_ROUTING lists the arch (torch ops on the
-device otherwise). The
-backward (gradients for hidden, w13, w2 and, through the routing, router_logits) runs the same gather/scatter
-GEMMs plus a per-expert weight-gradient kernel.
+device otherwise). The backward (gradients for hidden, w13, w2 and, through the routing, router_logits) runs
+the same gather/scatter GEMMs plus a per-expert weight-gradient kernel.
 """
 from __future__ import annotations
 

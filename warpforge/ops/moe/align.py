@@ -2,8 +2,8 @@
 that every row block of the grouped GEMMs belongs to one expert.
 
 Plain torch ops on the device here (align_kernel.py does the same in one launch for decode sizes), sizes fixed
-by shapes alone (T·k slots, at most min(E, T·k) non-empty
-experts): no host synchronisation, so it can sit inside a CUDA graph.
+by shapes alone (T·k slots, at most min(E, T·k) non-empty experts): no host synchronisation, so it can sit
+inside a CUDA graph.
 """
 from __future__ import annotations
 
