@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python scripts/tune_lce.py [--rows 16384] [--width 768] [--vocab 50304] [--out tune_lce.json]
 
-Times forward + backward (the op computes both gradients in its forward, a chunk of rows at a time) from a
-CUDA graph, and the peak memory of one call, for chunks of 2^25 ... 2^30 logits; gpt2-124m's shape by default.
+Times forward + backward (the op computes both gradients in its forward, a chunk of rows at a time) with
+do_bench, and the peak memory of one call, for chunks of 2^25 ... 2^30 logits; gpt2-124m's shape by default.
 """
 import argparse
 

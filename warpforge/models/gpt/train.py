@@ -197,7 +197,8 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
                 now = time.time()
                 tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
                 last_t, last_step = now, step
-                mfu = flops_per_step / tokens_per_step * tps / PEAK_BF16 if device.type == "cuda" else None
+                # per GPU: tps counts the global batch, which `world` GPUs share
+                mfu = flops_per_step / tokens_per_step * tps / (world * PEAK_BF16) if device.type == "cuda" else None
                 history.append({"step": step, "loss": lval, "tokens_per_s": tps, "mfu": mfu,
                                 "elapsed_s": now - start_wall})
                 bar.update(step, f"loss {lval:.3f} | {tps:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu else ""))
