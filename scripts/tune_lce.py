@@ -13,6 +13,7 @@ import triton.testing
 import warpforge as wf
 from warpforge.bench.report import write_json
 from warpforge.ops import fused
+from warpforge.runtime import arch_key
 
 
 def main():
@@ -31,7 +32,7 @@ def main():
     results = []
     saved = dict(fused.CE_CHUNK_ELEMENTS)
     for log2 in range(25, 31):
-        fused.CE_CHUNK_ELEMENTS["default"] = 1 << log2
+        fused.CE_CHUNK_ELEMENTS[arch_key(dev)] = 1 << log2  # this arch's entry, which the op reads first
 
         def step():
             hidden.grad = weight.grad = None
@@ -43,7 +44,7 @@ def main():
         step()
         peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
         ms = triton.testing.do_bench(step, rep=100, return_mode="median")
-        rows = min(args.rows, (1 << log2) // args.vocab)
+        rows = fused.ce_chunk_rows(args.rows, args.vocab, 1 << log2)
         print(f"chunk 2^{log2} ({rows} rows): {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s, peak +{peak_gb:.2f} GB",
               flush=True)
         results.append(dict(chunk_elements=1 << log2, chunk_rows=rows, ms=ms, peak_gb=peak_gb))

@@ -116,6 +116,16 @@ def test_linear_cross_entropy(rows, width, vocab, dtype, monkeypatch):
                  lambda h, w: linear_cross_entropy_reference(h, w, targets), [hidden, weight], dtype)
 
 
+def test_ce_chunks_are_equal():
+    from warpforge.ops.fused import ce_chunk_rows
+    assert ce_chunk_rows(16384, 50304, 1 << 28) == 4096  # 4 chunks of 4096, not 3 of 5336 and one of 376
+    assert ce_chunk_rows(16384, 50304, 1 << 40) == 16384
+    assert ce_chunk_rows(10, 1000, 1) == 1
+    for rows, vocab, elements in [(37, 300, 1200), (16383, 50304, 1 << 26), (5, 5000, 20000)]:
+        chunk = ce_chunk_rows(rows, vocab, elements)
+        assert chunk * vocab <= max(elements, vocab) and -(-rows // chunk) * chunk - rows < chunk
+
+
 def test_bad_input():
     x = torch.randn(2, 8, device=DEV)
     with pytest.raises(WarpforgeInputError, match="^weight"):

@@ -124,7 +124,8 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
         from torch.nn.parallel import DistributedDataParallel
         # gradients live in the buckets (no copy into them after each backward)
         net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      bucket_cap_mb=tcfg.ddp_bucket_mb, gradient_as_bucket_view=True)
+                                      bucket_cap_mb=tcfg.ddp_bucket_mb, gradient_as_bucket_view=True,
+                                      broadcast_buffers=False)  # rotary tables: the same on every rank
         if tcfg.ddp_bf16_grads:  # half the all-reduce bytes; the sum is rounded to bf16 once per step
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
             net.register_comm_hook(None, bf16_compress_hook)

@@ -23,8 +23,16 @@ __all__ = ["rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "rope_tables"
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 # logits materialised per linear_cross_entropy chunk (rows x vocab), per arch: larger chunks make fewer, larger
 # GEMMs (gpt2-124m on an H200: 13 chunks of 1334 rows; its 13 fp32 d_weight accumulations took 2.5 ms of a
-# 39 ms step) for more memory; scripts/tune_lce.py sweeps it. 1 << 26 is 128 MB of bf16 logits.
-CE_CHUNK_ELEMENTS = {"default": 1 << 26}
+# 39 ms step) for more memory; scripts/tune_lce.py sweeps it. 1 << 26 is 128 MB of bf16 logits. sm90: 16k x 50304
+# fwd+bwd 8.50 ms at 1 << 26, 7.16 ms at 1 << 28 (peak +1.15 GB), 8.00 at 1 << 29 (two uneven chunks).
+CE_CHUNK_ELEMENTS = {"default": 1 << 26, "sm90": 1 << 28}
+
+
+def ce_chunk_rows(rows: int, vocab: int, elements: int) -> int:
+    """Rows per linear_cross_entropy chunk: as many chunks as `elements` logits each allow, of equal size (a
+    short last chunk is a GEMM that fills few SMs and still pays a full pass over the weight)."""
+    n_chunks = -(-rows * max(vocab, 1) // max(elements, 1))
+    return max(1, -(-rows // max(n_chunks, 1)))
 
 
 def _kernels():
@@ -304,7 +312,7 @@ def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     k = _kernels()
     rows, vocab = hidden.shape[0], weight.shape[0]
     elements = CE_CHUNK_ELEMENTS.get(arch_key(hidden.device), CE_CHUNK_ELEMENTS["default"])
-    chunk = max(1, min(rows, elements // max(vocab, 1)))
+    chunk = ce_chunk_rows(rows, vocab, elements)
     n_valid = (targets != ignore_index).sum().clamp(min=1).float()  # stays on the device: no sync
     inv_n = 1.0 / n_valid
     d_hidden = torch.empty_like(hidden)
