@@ -27,6 +27,23 @@ def kernel_table(prof, iters: int, top: int = 15) -> tuple[float, float, list[st
     return busy, launches, lines
 
 
+def idle_gaps(prof, iters: int, top: int = 8, min_us: float = 5.0) -> tuple[float, list[str]]:
+    """Where the GPU ran nothing at all (no kernel, copy or memset on any stream) inside a finished profile:
+    (idle ms per repetition, lines of the longest gaps with the work on either side). A gap after the last
+    kernel of one phase and before the first of the next points at the host code between them."""
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:60]) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end, before = [], None, None
+    for start, stop, name in spans:
+        if end is not None and start - end > min_us:
+            gaps.append((start - end, before, name))
+        if end is None or stop > end:
+            end, before = stop, name
+    idle = sum(g for g, _, _ in gaps) / 1000 / iters
+    lines = [f"  {us:8.1f} us idle  after {a}  before {b}" for us, a, b in sorted(gaps, reverse=True)[:top]]
+    return idle, lines
+
+
 class StepProfiler:
     """WARPFORGE_PROFILE_STEPS=A:B profiles training steps A+1..B (after warm-up and graph capture) on one
     process and logs, per step, the wall time beside the kernels' GPU time and the top kernels."""
@@ -50,6 +67,8 @@ class StepProfiler:
             wall = (time.perf_counter() - self.t0) * 1000 / n
             self.prof.__exit__(None, None, None)
             busy, launches, lines = kernel_table(self.prof, n)
+            idle, gap_lines = idle_gaps(self.prof, n, top=12)
             log(f"profile of steps {self.first + 1}-{self.last}: {wall:.2f} ms a step, kernels {busy:.2f} ms "
-                f"({launches:.0f} launches a step)\n" + "\n".join(lines))
+                f"({launches:.0f} launches a step)\n" + "\n".join(lines) +
+                f"\nGPU idle {idle:.2f} ms a step; longest gaps:\n" + "\n".join(gap_lines))
             self.prof = None
