@@ -18,7 +18,6 @@ from ...profiling import StepProfiler
 from .config import GPTConfig, TrainConfig, preset
 from .data import Batches, cache_dir, load_split
 from .model import GPT
-from .optim_step import OptimizerStep
 
 PEAK_BF16 = 989e12  # H100/H200 dense bf16 datasheet rate, the MFU denominator
 
@@ -139,8 +138,6 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
     if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and device.type == "cuda"):
         # checkpoints and evaluation keep using the plain module
         net = torch.compile(net, mode="reduce-overhead" if graphs else None)
-    opt_step = OptimizerStep(list(model.parameters()), optim, tcfg.grad_clip, graphed=graphs and not fsdp,
-                             log=log if rank == 0 else (lambda _: None))
 
     def autocast():
         if device.type == "cuda":
@@ -153,7 +150,7 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
             import torch.distributed as dist
             states = [None] * world
             dist.all_gather_object(states, batches.state())
-        model_state, optim_state = _full_states(model, opt_step, fsdp)  # a collective under FSDP
+        model_state, optim_state = _full_states(model, optim, fsdp)  # a collective under FSDP
         if rank != 0:
             return
         out.mkdir(parents=True, exist_ok=True)
@@ -180,6 +177,8 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
             if tcfg.max_minutes is not None and time.time() - start_wall > 60 * tcfg.max_minutes:
                 log(f"time limit of {tcfg.max_minutes} min reached")
                 break
+            for g in optim.param_groups:
+                g["lr"] = lr_at(step, tcfg)
             x, y = batches.next()
             if device.type == "cuda":  # from pageable memory the copy waits for the GPU to drain every step:
                 x, y = x.pin_memory(), y.pin_memory()  # pinned, the host queues this step while the last runs
@@ -189,7 +188,8 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
             with autocast():
                 loss = net(x, y)
             loss.backward()
-            opt_step(lr_at(step, tcfg))  # clipping + AdamW
+            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            optim.step()
             optim.zero_grad(set_to_none=True)
             step += 1
             profiler.after_step(step, log)
@@ -236,15 +236,15 @@ def _shard(model: GPT) -> None:
     fully_shard(model)
 
 
-def _full_states(model, opt_step: OptimizerStep, fsdp: bool):
+def _full_states(model, optim, fsdp: bool):
     """(model, optimizer) state dicts; under FSDP full and on the CPU, gathered from every rank (a collective),
     so the weights read the same whatever wrote them (the optimizer state is keyed by parameter name there)."""
     if not fsdp:
-        return model.state_dict(), opt_step.state_dict()
+        return model.state_dict(), optim.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, opt_step.optim, options=opts)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optim, options=opts)
 
 
 def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path) -> None:
