@@ -18,21 +18,20 @@ from triton.compiler import ASTSource
 from warpforge.ops.mla.decode_kernel import KV_FMT, mla_decode_split_kernel
 
 INT_ARGS = ("stride_qb", "stride_qs", "stride_qh", "row_stride", "stride_bt", "stride_ib", "stride_is",
-            "stride_ps", "stride_pb", "stride_ls", "stride_lb", "rows_total", "topk", "cache_rows")
+            "stride_ps", "stride_pb", "stride_ls", "stride_lb", "rows_total", "topk")
 ALIGNED = {"stride_qb", "stride_qs", "stride_qh", "row_stride", "stride_bt", "stride_ps", "stride_pb", "stride_ls",
            "stride_lb"}  # multiples of 16 in every real launch, as Triton's specialisation would see them
 
 
-def compile_sm90(fmt, fp16_math, block_h, block_n, warps, stages, h_q, s_q, prefetch=False, tma=False):
+def compile_sm90(fmt, fp16_math, block_h, block_n, warps, stages, h_q, s_q, prefetch=False):
     quantized = KV_FMT[fmt] != 0
     sig = dict(Q="*bf16", CACHE="*u8" if quantized else "*bf16", BLOCK_TABLE="*i32", SEQLENS="*i32",
                INDICES="*fp32", TOPK_LEN="*fp32", KV_SCALE="*fp32", O_PART="*fp32", LSE_PART="*fp32")
-    sig.update({name: "i32" for name in INT_ARGS[:-1]})
+    sig.update({name: "i32" for name in INT_ARGS})
     sig["qk_scale"] = "fp32"
-    sig["cache_rows"] = "i32"
     const = dict(H_Q=h_q, S_Q=s_q, PAGE=64, CAUSAL=False, KV_FMT=KV_FMT[fmt], SPARSE=False, HAS_TOPK_LEN=False,
                  BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math, FINAL=False,
-                 PREFETCH=prefetch, TMA=tma)
+                 PREFETCH=prefetch)
     sig.update({name: "constexpr" for name in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
              if sig[name].startswith("*") or name in ALIGNED}
@@ -59,11 +58,10 @@ def main():
     ap.add_argument("--h-q", type=int, default=16)
     ap.add_argument("--s-q", type=int, default=1)
     ap.add_argument("--prefetch", action="store_true")
-    ap.add_argument("--tma", action="store_true")
     ap.add_argument("--dump", default=None, help="write the SASS here")
     args = ap.parse_args()
     kernel = compile_sm90(args.fmt, args.fp16_math, args.block_h, args.block_n, args.warps, args.stages, args.h_q,
-                          args.s_q, args.prefetch, args.tma)
+                          args.s_q, args.prefetch)
     sass = sass_of(kernel)
     if args.dump:
         with open(args.dump, "w") as f:
@@ -73,7 +71,7 @@ def main():
         m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if m:
             ops[m.group(1)] += 1
-    print(f"{args.fmt} fp16_math={args.fp16_math} prefetch={args.prefetch} tma={args.tma} BLOCK_H {args.block_h} "
+    print(f"{args.fmt} fp16_math={args.fp16_math} prefetch={args.prefetch} BLOCK_H {args.block_h} "
           f"BLOCK_N {args.block_n} {args.warps} warps {args.stages} stages: {sum(ops.values())} instructions, "
           f"shared {kernel.metadata.shared} B")
     keys = ("UTMALDG", "LDGSTS", "LDG", "LDS", "LDSM", "STS", "STL", "LDL", "F2F", "F2FP", "PRMT", "HMMA", "HGMMA",

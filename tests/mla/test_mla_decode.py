@@ -246,12 +246,12 @@ def test_quantize_kv_in_slices_equals_whole(fmt, monkeypatch):
     assert torch.equal(mla.quantize_kv(latent, fmt, scale), quantize_kv_reference(latent, fmt, scale))
 
 
-@pytest.mark.parametrize("fmt,load", [("fp8", None), ("fp8", "prefetch"), ("fp8", "tma"), ("nvfp4", None),
+@pytest.mark.parametrize("fmt,load", [("fp8", None), ("fp8", "prefetch"), ("nvfp4", None),
                                       ("mxfp4", None)])
 @pytest.mark.parametrize("h_q,s_q,causal,splits", [(16, 1, False, None), (32, 2, True, 2)])
 def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
     """Quantized caches dequantised to fp16 with fp16 latent dots (MLACfg.fp16_math), FP8 also with its bytes
-    prefetched into registers or copied through TMA descriptors: q's latent is rounded to fp16 instead of kept
+    prefetched into registers: q's latent is rounded to fp16 instead of kept
     in bf16, so the kernel stays within bf16-level error of the dequantised-cache reference. The cache rows
     past each request's end hold NaN codes and scales, which must not reach the output."""
     from warpforge.ops import mla
@@ -259,7 +259,7 @@ def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
     from warpforge.runtime import arch_key
     base = mla.CONFIGS.get(arch_key(DEV), mla.CONFIGS["default"])
     monkeypatch.setitem(mla.CONFIGS, arch_key(DEV), {
-        k: MLACfg(*v[:4], fp16_math=True, prefetch=load == "prefetch", tma=load == "tma")
+        k: MLACfg(*v[:4], fp16_math=True, prefetch=load == "prefetch")
         for k, v in base.items()})
     q, _, cache, table, seqlens, kv_scale = _problem(2, s_q, h_q, 16, [300, 77], fmt)
     if fmt == "fp8":  # every row past the end (and the spare pages): NaN codes, scales and rope

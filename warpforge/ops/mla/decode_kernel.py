@@ -18,16 +18,13 @@ scale per chunk, which is then applied to the [rows, tokens] scores and probabil
 reference.py) are dequantised per chunk in registers. All formats then run the same bf16/fp16 matmuls;
 FP16_MATH runs a quantized cache's latent dots in fp16 (e4m3 -> fp16 is one hardware conversion per pair,
 -> bf16 goes through fp32), and PREFETCH loads the next step's FP8 bytes while the current step computes
-(Triton leaves a load with a register consumer unpipelined: see benchmarks/NOTES.md). TMA instead copies the
-FP8 step (BLOCK_N consecutive rows of one page) through descriptors: asynchronous copies into shared memory,
-which Triton pipelines over num_stages whatever consumes them.
+(Triton leaves a load with a register consumer unpipelined: see benchmarks/NOTES.md; copying the step through
+TMA descriptors instead was measured slower, 0.58 vs 0.50 ms at b128 L8k on the H200).
 """
 from typing import NamedTuple
 
 import triton
 import triton.language as tl
-
-from ...runtime import ensure_tma_allocator
 
 LOG2E = 1.4426950408889634
 
@@ -93,23 +90,6 @@ def _fp8_raw(cache, rows64, tok_ok, row_stride):
 
 
 @triton.jit
-def _fp8_tma_step(lat_desc, scale_desc, row0, tok_ok, OUT_DTYPE: tl.constexpr):
-    """The four FP8 latent chunks (in OUT_DTYPE) and their scales of the BLOCK_N cache rows from row0 (one page's
-    consecutive rows), copied through TMA descriptors. Rows past the request's end are zeroed: the cache there
-    may hold any bytes, NaN codes included, and 0 · NaN would reach the output through the PV dot."""
-    scales = tl.where(tok_ok[:, None], scale_desc.load([row0, 128]), 0.0)  # bytes 512..527: four fp32
-    even, odd = tl.split(tl.reshape(scales, [scales.shape[0], 2, 2]))  # columns (0, 2) and (1, 3)
-    sc0, sc2 = tl.split(even)
-    sc1, sc3 = tl.split(odd)
-    keep = tok_ok[:, None]
-    lat0 = tl.where(keep, lat_desc.load([row0, 0]).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE), 0.0)
-    lat1 = tl.where(keep, lat_desc.load([row0, 128]).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE), 0.0)
-    lat2 = tl.where(keep, lat_desc.load([row0, 256]).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE), 0.0)
-    lat3 = tl.where(keep, lat_desc.load([row0, 384]).to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE), 0.0)
-    return lat0, lat1, lat2, lat3, sc0, sc1, sc2, sc3
-
-
-@triton.jit
 def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
                 OUT_DTYPE: tl.constexpr):
     """The [BLOCK_N, 64] rope part of the given cache rows (bf16 after the quantized latent, or q's dtype)."""
@@ -146,10 +126,10 @@ def mla_decode_split_kernel(
     row_stride, stride_bt, stride_ib, stride_is,
     stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]
     stride_ls, stride_lb,
-    rows_total, topk, qk_scale, cache_rows,
+    rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr, TMA: tl.constexpr,
+    FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
     SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped).
@@ -219,12 +199,6 @@ def mla_decode_split_kernel(
     else:
         bt_row = BLOCK_TABLE + b64 * stride_bt
     raw0, raw1, raw2, raw3 = 0, 0, 0, 0
-    if TMA:  # FP8, dense, BLOCK_N dividing PAGE (launcher): each step is BLOCK_N consecutive rows of one page
-        lat_desc = tl.make_tensor_descriptor(CACHE, shape=[cache_rows, row_stride], strides=[row_stride, 1],
-                                             block_shape=[BLOCK_N, 128])
-        scale_desc = tl.make_tensor_descriptor(CACHE.to(tl.pointer_type(tl.float32)),
-                                               shape=[cache_rows, row_stride // 4], strides=[row_stride // 4, 1],
-                                               block_shape=[BLOCK_N, 4])
     if PREFETCH:  # FP8, dense (launcher): the first step's bytes before the loop, each step loads the next's
         ptok = start + offs_n
         pok = ptok < end
@@ -240,10 +214,7 @@ def mla_decode_split_kernel(
         else:
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
             rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
-        if TMA:
-            row0 = tl.load(bt_row + n0 // PAGE) * PAGE + n0 % PAGE
-            lat0, lat1, lat2, lat3, sc0, sc1, sc2, sc3 = _fp8_tma_step(lat_desc, scale_desc, row0, tok_ok, dt)
-        elif PREFETCH:
+        if PREFETCH:
             cur0, cur1, cur2, cur3 = raw0, raw1, raw2, raw3
             ntok = tok + BLOCK_N
             nok = ntok < end
@@ -355,7 +326,6 @@ class MLACfg(NamedTuple):
     stages: int
     fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
     prefetch: bool = False   # FP8, dense: load the next step's bytes into registers while this step computes
-    tma: bool = False        # FP8, dense: copy each step through TMA descriptors (pipelined); needs BLOCK_N | page
 
 
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format, kv_scale,
@@ -364,7 +334,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
 
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp16_math, prefetch, tma = MLACfg(*cfg)
+    block_h, block_n, warps, stages, fp16_math, prefetch = MLACfg(*cfg)
     block_h = min(block_h, max(16, triton.next_power_of_2(rows)))
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -389,11 +359,6 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         grid = (num_splits, b, triton.cdiv(rows, block_h))
         idx, topk = lse_part, 0  # unused
     dummy = lse_part  # a pointer for arguments the chosen mode never reads
-    cache_rows = kv_cache.shape[0] * kv_cache.shape[1]
-    # TMA: FP8 dense steps inside one page (BLOCK_N | page; steps start at multiples of BLOCK_N), coordinates int32
-    tma = tma and fmt == 1 and not sparse and kv_cache.shape[1] % block_n == 0 and cache_rows < 2 ** 31
-    if tma:
-        ensure_tma_allocator(q.device)
     mla_decode_split_kernel[grid](
         q, cache, block_table if block_table is not None else dummy,
         cache_seqlens if cache_seqlens is not None else dummy, idx,
@@ -402,10 +367,10 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         row_stride, block_table.stride(0) if block_table is not None else 0,
         idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
         o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
-        rows, topk, softmax_scale * LOG2E, cache_rows,
+        rows, topk, softmax_scale * LOG2E,
         H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
         HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt != 0,
-        FINAL=final, PREFETCH=prefetch and fmt == 1 and not sparse and not tma, TMA=tma, num_warps=warps,
+        FINAL=final, PREFETCH=prefetch and fmt == 1 and not sparse, num_warps=warps,
         num_stages=stages,
     )
     if final:
