@@ -2,9 +2,11 @@
 # The GPT's multi-GPU bar on a 2-GPU machine: the same preset, steps and global batch on 1 GPU and on 2 (DDP
 # under torchrun); writes OUT/gpt-ddp.json with both loss curves, both tokens/s (median of the logged windows
 # after warm-up) and the speedup.   bash scripts/gpt_ddp_check.sh OUT [PRESET STEPS [PRESET STEPS ...]]
-# Needs the prepared data in WARPFORGE_CACHE for presets trained on Shakespeare. TRAIN_ARGS (e.g. "--compile graphs")
-# go to every training run, single-GPU and DDP alike; DDP_ARGS (e.g. "--ddp-bucket-mb 100") to the DDP runs only.
-# Each run's log lands in OUT/train-PRESET-{1,2}gpu.log. WORK=DIR keeps the runs there, and a single-GPU run already there is reused (to compare several DDP_ARGS).
+# Needs the prepared data in WARPFORGE_CACHE for presets trained on Shakespeare. TRAIN_ARGS (e.g. "--compile
+# graphs") go to every training run, single-GPU and DDP alike; DDP_ARGS (e.g. "--ddp-bucket-mb 100") to the DDP
+# runs only.
+# Each run's log lands in OUT/train-PRESET-{1,2}gpu.log. WORK=DIR keeps the runs there, and a single-GPU run
+# already there is reused (to compare several DDP_ARGS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1

@@ -4,7 +4,8 @@
 # 1. the whole test suite compiled on the GPU (bf16 included, gpu-marked shapes included),
 # 2. `warpforge bench --json OUT_DIR/<family>.json --plot OUT_DIR/<family>.png` for each family.
 # Set QUICK=1 for the headline cases only, TUNE=attention,mla,moe,moe_wgrad,lce (any of them; TUNE=1
-# means attention) to run those sweeps first (their JSON and logs land in OUT_DIR), SKIP_TESTS=1 to skip the tests.
+# means attention) to run those sweeps first (their JSON and logs land in OUT_DIR), SKIP_TESTS=1 to skip the
+# tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-out}}

@@ -12,5 +12,5 @@ from .ops.mla import mla_decode
 from .ops.moe import fused_moe
 
 __version__ = "0.1.0"
-__all__ = ["WarpforgeInputError", "flash_attention", "mla", "mla_decode", "moe", "fused_moe", "rms_norm", "add_rms_norm",
-           "layer_norm", "apply_rope", "swiglu", "linear_cross_entropy", "nn", "__version__"]
+__all__ = ["WarpforgeInputError", "flash_attention", "mla", "mla_decode", "moe", "fused_moe", "rms_norm",
+           "add_rms_norm", "layer_norm", "apply_rope", "swiglu", "linear_cross_entropy", "nn", "__version__"]

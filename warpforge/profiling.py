@@ -46,7 +46,8 @@ def idle_gaps(prof, iters: int, top: int = 8, min_us: float = 5.0) -> tuple[floa
 
 class StepProfiler:
     """WARPFORGE_PROFILE_STEPS=A:B profiles training steps A+1..B (after warm-up and graph capture) on one
-    process and logs, per step, the wall time beside the kernels' GPU time and the top kernels."""
+    process and logs, per step, the wall time beside the kernels' GPU time, the top kernels and the GPU's
+    longest idle gaps (the profiler's own host cost makes host-bound stretches look longer than they are)."""
 
     def __init__(self, enabled: bool):
         spec = os.environ.get("WARPFORGE_PROFILE_STEPS", "") if enabled and torch.cuda.is_available() else ""

@@ -246,14 +246,13 @@ def test_quantize_kv_in_slices_equals_whole(fmt, monkeypatch):
     assert torch.equal(mla.quantize_kv(latent, fmt, scale), quantize_kv_reference(latent, fmt, scale))
 
 
-@pytest.mark.parametrize("fmt,load", [("fp8", None), ("fp8", "prefetch"), ("nvfp4", None),
-                                      ("mxfp4", None)])
+@pytest.mark.parametrize("fmt,load", [("fp8", None), ("fp8", "prefetch"), ("nvfp4", None), ("mxfp4", None)])
 @pytest.mark.parametrize("h_q,s_q,causal,splits", [(16, 1, False, None), (32, 2, True, 2)])
 def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
     """Quantized caches dequantised to fp16 with fp16 latent dots (MLACfg.fp16_math), FP8 also with its bytes
-    prefetched into registers: q's latent is rounded to fp16 instead of kept
-    in bf16, so the kernel stays within bf16-level error of the dequantised-cache reference. The cache rows
-    past each request's end hold NaN codes and scales, which must not reach the output."""
+    prefetched into registers: q's latent is rounded to fp16 instead of kept in bf16, so the kernel stays
+    within bf16-level error of the dequantised-cache reference. The cache rows past each request's end hold
+    NaN codes and scales, which must not reach the output."""
     from warpforge.ops import mla
     from warpforge.ops.mla.decode_kernel import MLACfg
     from warpforge.runtime import arch_key

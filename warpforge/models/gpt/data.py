@@ -97,12 +97,21 @@ class Batches:
         if data is not None and len(data) <= seq_len + 1:
             raise DataMissing(f"data of {len(data)} tokens is too short for seq_len {seq_len}")
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) [batch, seq_len]: two views of one window of seq_len + 1 tokens, which goes to
+        `device` (when given) in one copy."""
         if self.data is None:
             x = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=self.gen)
         else:
             starts = torch.randint(0, len(self.data) - self.seq_len - 1, (self.batch_size,), generator=self.gen)
-            x = torch.from_numpy(np.stack([self.data[s:s + self.seq_len + 1] for s in starts.tolist()]).astype(np.int64))
+            windows = np.stack([self.data[s:s + self.seq_len + 1] for s in starts.tolist()])
+            x = torch.from_numpy(windows.astype(np.int64))
+        if device is not None and device.type == "cuda":
+            # from pageable memory the copy would wait for the GPU to drain; pinned, the host queues the next
+            # step while the GPU still runs this one
+            x = x.pin_memory().to(device, non_blocking=True)
+        elif device is not None:
+            x = x.to(device)
         return x[:, :-1], x[:, 1:]
 
     def state(self) -> torch.Tensor:

@@ -56,7 +56,7 @@ def evaluate(model, val, cfg: TrainConfig, device, autocast) -> float:
     batches = Batches(val, model.cfg.seq_len, cfg.batch_size, seed=0)  # the same batches at every eval
     total = 0.0
     for _ in range(cfg.eval_batches):
-        x, y = (t.to(device) for t in batches.next())
+        x, y = batches.next(device)
         with autocast():
             total += model(x, y).item()
     model.train()
@@ -179,10 +179,7 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, lo
                 break
             for g in optim.param_groups:
                 g["lr"] = lr_at(step, tcfg)
-            x, y = batches.next()
-            if device.type == "cuda":  # from pageable memory the copy waits for the GPU to drain every step:
-                x, y = x.pin_memory(), y.pin_memory()  # pinned, the host queues this step while the last runs
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = batches.next(device)
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with autocast():

@@ -63,7 +63,8 @@ def _(x, weight, bias, eps, layer, out_dtype):
 
 
 def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                   layer: bool, d_sum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   layer: bool,
+                   d_sum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw, db); d_sum: x's gradient from its other uses when x is a residual sum, added into dx."""
     dx, dw, db = _kernels().norm_bwd(dy.contiguous(), x, weight, mean, rstd, _programs(x.device), layer,
                                      d_sum.contiguous() if d_sum is not None else None)

@@ -240,8 +240,8 @@ def expert_blocks(expert_ids, num_experts):
 
 
 def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token):
-    """dw [E, N, K] = per expert Σ over its slots of (w ·) g[row]ᵀ a[row]; g and a are read by token or slot,
-    whichever the other is not."""
+    """dw [E, N, K] = per expert Σ over its slots of g[row]ᵀ a[row]; g and a are read by token or slot,
+    whichever the other is not (a routing weight is already in one of them: the backward passes w · act)."""
     first, count = blocks
     e_count, n, k = dw.shape
     bm = cfg.block_m
