@@ -15,7 +15,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from warpforge.ops.mla.decode_kernel import KV_FMT, mla_decode_split_kernel
+from warpforge.ops.mla import KV_FORMATS
+from warpforge.ops.mla.decode_kernel import mla_decode_split_kernel
 
 INT_ARGS = ("stride_qb", "stride_qs", "stride_qh", "row_stride", "stride_bt", "stride_ib", "stride_is",
             "stride_ps", "stride_pb", "stride_ls", "stride_lb", "rows_total", "topk")
@@ -24,12 +25,14 @@ ALIGNED = {"stride_qb", "stride_qs", "stride_qh", "row_stride", "stride_bt", "st
 
 
 def compile_sm90(fmt, fp16_math, block_h, block_n, warps, stages, h_q, s_q, prefetch=False):
-    quantized = KV_FMT[fmt] != 0
+    kv = KV_FORMATS[fmt]
+    quantized = kv.quantized
     sig = dict(Q="*bf16", CACHE="*u8" if quantized else "*bf16", BLOCK_TABLE="*i32", SEQLENS="*i32",
                INDICES="*fp32", TOPK_LEN="*fp32", KV_SCALE="*fp32", O_PART="*fp32", LSE_PART="*fp32")
     sig.update({name: "i32" for name in INT_ARGS})
     sig["qk_scale"] = "fp32"
-    const = dict(H_Q=h_q, S_Q=s_q, PAGE=64, CAUSAL=False, KV_FMT=KV_FMT[fmt], SPARSE=False, HAS_TOPK_LEN=False,
+    const = dict(H_Q=h_q, S_Q=s_q, PAGE=64, CAUSAL=False, KV_FMT=kv.code, GROUP=max(kv.group, 1),
+                 SCALE_OFF=kv.scale_offset, ROPE_OFF=kv.rope_offset, SPARSE=False, HAS_TOPK_LEN=False,
                  BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math, FINAL=False,
                  PREFETCH=prefetch)
     sig.update({name: "constexpr" for name in const})
@@ -49,7 +52,7 @@ def sass_of(kernel):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fmt", default="bf16", choices=list(KV_FMT))
+    ap.add_argument("--fmt", default="bf16", choices=list(KV_FORMATS))
     ap.add_argument("--fp16-math", action="store_true")
     ap.add_argument("--block-h", type=int, default=16)
     ap.add_argument("--block-n", type=int, default=64)

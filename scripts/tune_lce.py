@@ -1,4 +1,4 @@
-"""Sweep linear_cross_entropy's chunk size on this GPU, for ops/fused's CE_CHUNK_ELEMENTS table.
+"""Sweep linear_cross_entropy's chunk size on this GPU, for ops/linear_ce/configs.py's LINEAR_CE table.
 
     PYTHONPATH=. python scripts/tune_lce.py [--rows 16384] [--width 768] [--vocab 50304] [--out tune_lce.json]
 
@@ -12,8 +12,7 @@ import triton.testing
 
 import warpforge as wf
 from warpforge.bench.report import write_json
-from warpforge.ops import fused
-from warpforge.runtime import arch_key
+from warpforge.ops.linear_ce import api, configs
 
 
 def main():
@@ -30,9 +29,9 @@ def main():
     targets = torch.randint(0, args.vocab, (args.rows,), device=dev)
     flops = 3 * 2 * args.rows * args.width * args.vocab
     results = []
-    saved = dict(fused.CE_CHUNK_ELEMENTS)
+    saved = configs.LINEAR_CE
     for log2 in range(25, 31):
-        fused.CE_CHUNK_ELEMENTS[arch_key(dev)] = 1 << log2  # this arch's entry, which the op reads first
+        configs.LINEAR_CE = saved.map(lambda c: c._replace(chunk_elements=1 << log2))
 
         def step():
             hidden.grad = weight.grad = None
@@ -44,12 +43,11 @@ def main():
         step()
         peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
         ms = triton.testing.do_bench(step, rep=100, return_mode="median")
-        rows = fused.ce_chunk_rows(args.rows, args.vocab, 1 << log2)
+        rows = api.ce_chunk_rows(args.rows, args.vocab, 1 << log2)
         print(f"chunk 2^{log2} ({rows} rows): {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s, peak +{peak_gb:.2f} GB",
               flush=True)
         results.append(dict(chunk_elements=1 << log2, chunk_rows=rows, ms=ms, peak_gb=peak_gb))
-    fused.CE_CHUNK_ELEMENTS.clear()
-    fused.CE_CHUNK_ELEMENTS.update(saved)
+    configs.LINEAR_CE = saved
     if args.out:
         write_json(results, args.out)
 

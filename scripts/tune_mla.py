@@ -3,7 +3,7 @@
     PYTHONPATH=. python scripts/tune_mla.py [--L 8192] [--out tune_mla.json]
 
 Prints each result as it lands (a run cut short still says something); winners go into
-warpforge/ops/mla/__init__.py's CONFIGS with the numbers in benchmarks/NOTES.md.
+warpforge/ops/mla/configs.py's DECODE table with the numbers in benchmarks/NOTES.md.
 """
 import argparse
 import math
@@ -13,8 +13,9 @@ import triton
 import triton.testing
 
 from warpforge.bench.report import write_json
-from warpforge.ops.mla import nvfp4_tensor_scale, quantize_kv
-from warpforge.ops.mla.decode_kernel import mla_decode_fwd, plan_num_splits
+from warpforge.ops.mla import KV_FORMATS, nvfp4_tensor_scale, quantize_kv
+from warpforge.ops.mla.configs import MLACfg
+from warpforge.ops.mla.decode_kernel import mla_decode_fwd, plan_block_h, plan_num_splits
 from warpforge.runtime import sm_count
 
 
@@ -50,22 +51,25 @@ def main():
         if args.only and args.only != f"{h_q}:{fmt}":
             continue
         q, cache, table, lens, tokens, kv_scale = problem(128, args.L, h_q, fmt)
-        row_bytes = {"bf16": 1152, "fp8": 656, "nvfp4": 416, "mxfp4": 400}[fmt]
+        row_bytes = KV_FORMATS[fmt].row_bytes
         for cfg in cfgs:
-            auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg[0], sms)
+            cfg = MLACfg(*cfg)
+            cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, h_q))
+            auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg.block_h, sms)
             for splits in sorted({auto, 2 * auto, max(1, auto // 2)}):
                 def run():
-                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, fmt, kv_scale, splits, cfg)
+                    return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, KV_FORMATS[fmt], kv_scale,
+                                          splits, cfg)
                 try:
                     run()
                     ms = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
                 except Exception as exc:
-                    print(f"h{h_q} {fmt} {cfg} splits {splits}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    print(f"h{h_q} {fmt} {tuple(cfg)} splits {splits}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
                     continue
                 tbps = tokens * row_bytes / ms / 1e9
                 tflops = 2 * h_q * tokens * 1088 / ms / 1e9
-                results.append(dict(h_q=h_q, fmt=fmt, cfg=cfg, splits=splits, ms=ms, tbps=tbps, tflops=tflops))
-                print(f"h{h_q} {fmt} {cfg} splits {splits}: {ms:.3f} ms {tbps:.2f} TB/s {tflops:.0f} TFLOP/s",
+                results.append(dict(h_q=h_q, fmt=fmt, cfg=tuple(cfg), splits=splits, ms=ms, tbps=tbps, tflops=tflops))
+                print(f"h{h_q} {fmt} {tuple(cfg)} splits {splits}: {ms:.3f} ms {tbps:.2f} TB/s {tflops:.0f} TFLOP/s",
                       flush=True)
         q = cache = table = None  # free this shape's cache before the next
         torch.cuda.empty_cache()

@@ -14,9 +14,8 @@ import triton.testing
 from warpforge.bench.moe_cases import MODELS, _logits
 from warpforge.bench.report import write_json
 from warpforge.ops.moe import align, route_reference
-from warpforge.ops.moe.configs import pick
+from warpforge.ops.moe.configs import GEMMS
 from warpforge.ops.moe.moe_kernel import _weight_grad, expert_blocks
-from warpforge.runtime import arch_key
 
 TILES = [(128, 64, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), (128, 128, 4, 4),
          (64, 256, 8, 3), (256, 64, 8, 4), (128, 128, 8, 4), (128, 256, 8, 2), (128, 256, 8, 4), (128, 512, 8, 2),
@@ -40,7 +39,7 @@ def main():
             d_pre = torch.randn(t * k, 2 * i, device=dev, dtype=torch.bfloat16)
             act = torch.randn(t * k, i, device=dev, dtype=torch.bfloat16)
             weights, ids = route_reference(_logits(t, e, False, dev, torch.Generator().manual_seed(t)), k, **route_kw)
-            base = pick(arch_key(dev), (e, 2 * i, h), t)
+            base = GEMMS.lookup(dev, (e, 2 * i, h), t)
             sorted_ids, expert_ids, _ = align(ids, e, base.block_m)
             blocks = expert_blocks(expert_ids, e)
             dw13 = torch.empty(e, 2 * i, h, device=dev, dtype=torch.bfloat16)

@@ -7,9 +7,12 @@ from . import nn
 from .errors import WarpforgeInputError
 from .ops import mla, moe
 from .ops.attention import flash_attention
-from .ops.fused import add_rms_norm, apply_rope, layer_norm, linear_cross_entropy, rms_norm, swiglu
+from .ops.linear_ce import linear_cross_entropy
 from .ops.mla import mla_decode
 from .ops.moe import fused_moe
+from .ops.norm import add_rms_norm, layer_norm, rms_norm
+from .ops.rope import apply_rope
+from .ops.swiglu import swiglu
 
 __version__ = "0.1.0"
 __all__ = ["WarpforgeInputError", "flash_attention", "mla", "mla_decode", "moe", "fused_moe", "rms_norm",

@@ -6,6 +6,7 @@ expected and what came.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -96,3 +97,36 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, ref: torch.Tensor, read_values
     if int(host[-1]) != ref.size(0):
         fail(name, f"last entry equal to total tokens {ref.size(0)}", int(host[-1]))
     return host
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        fail(name, "a bool", repr(value))
+
+
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None, what: str = "") -> None:
+    """An int (not a bool) within [lo, hi] where given."""
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = "" if lo is None and hi is None else (f" from {lo}" if lo is not None else "") + \
+            (f" to {hi}" if hi is not None else "")
+        fail(name, what or f"an int{bounds}", repr(value))
+
+
+def check_positive_float(name: str, value: object, allow_none: bool = True, allow_zero: bool = False) -> None:
+    """A finite float (or int) > 0 (>= 0 with allow_zero), or None where allowed."""
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
+        (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        fail(name, f"a finite float {'>= 0' if allow_zero else '> 0'}" + (" or None" if allow_none else ""),
+             repr(value))
+
+
+def host_reads_allowed(t: torch.Tensor) -> bool:
+    """Whether a check may read t's values on the host: not while torch.compile traces or a CUDA graph is being
+    captured (a read would sync or break the capture; shapes and dtypes are still checked then)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple, Optional
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .errors import WarpforgeInputError
 
@@ -45,34 +45,13 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return backend
 
 
-def eager_or_op(op, impl, setup_context=None, backward=None):
-    """A caller for `op`, a torch.library custom op over `impl`: under torch.compile the op itself (opaque and
-    whole to Inductor), otherwise `impl` directly, through a torch.autograd.Function made of the op's own
-    setup_context and backward when it has them. The custom-op machinery (dispatcher, dynamo guard, autograd
-    shim) was ~70% of an eager call's host time (benchmarks/NOTES.md). A backward that calls other ops calls
-    them through their own eager_or_op callers. "Under torch.compile" means dynamo tracing or any dispatch mode
-    being active: AOTAutograd traces a registered backward under fake/proxy modes, and on torch 2.11 outside
-    dynamo's is_compiling() (impls given fake tensors fail there); any other mode (a FLOP counter, a debug
-    mode) sees the op as a whole too."""
-    eager_fn = None
-    if backward is not None:
-        class _Eager(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, *args):
-                out = impl(*args)
-                setup_context(ctx, args, out)
-                return out
-
-            @staticmethod
-            def backward(ctx, *grads):
-                return backward(ctx, *grads)
-        eager_fn = _Eager.apply
-
-    def call(*args, **kwargs):  # keywords only for ops without autograd (Function.apply takes none)
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-            return op(*args, **kwargs)
-        return eager_fn(*args) if eager_fn is not None else impl(*args, **kwargs)
-    return call
+def check_interpreted_matmul_dtype(backend: str, name: str, t: torch.Tensor) -> None:
+    """The Triton interpreter's tl.dot is wrong on bf16 operands (it returns values of ~1e9): an op whose kernels
+    multiply matrices refuses bf16 there rather than return garbage."""
+    if backend == "triton" and t.device.type == "cpu" and t.dtype == torch.bfloat16:
+        raise WarpforgeInputError(
+            f"{name}: expected float16 or float32 on the Triton interpreter (its bf16 matmuls are wrong: run bf16 "
+            f"on a GPU, or with backend='reference'), got bfloat16")
 
 
 def _tma_scratch(size, align, stream):
@@ -116,3 +95,58 @@ def arch_key(device: torch.device) -> str:
         return "cpu"
     props = _props(device)
     return f"sm{props.major}{props.minor}"
+
+
+# ----------------------------------------------------------------------------------------- device specs
+class DeviceSpec(NamedTuple):
+    """What a GPU can do at most, from its datasheet: dense (non-sparse) tensor-core rates and the size of the
+    last-level cache a benchmark must rotate its inputs past."""
+    name: str
+    bf16_flops: float
+    fp8_flops: Optional[float]
+    cache_bytes: int
+
+
+_MiB = 2**20
+# matched against torch.cuda.get_device_name() in this order, so the more specific names come first
+DEVICE_SPECS = (
+    ("H200", DeviceSpec("H200", 989e12, 1979e12, 50 * _MiB)),
+    ("GH200", DeviceSpec("GH200", 989e12, 1979e12, 50 * _MiB)),
+    ("H100 PCIe", DeviceSpec("H100 PCIe", 756e12, 1513e12, 50 * _MiB)),
+    ("H100 NVL", DeviceSpec("H100 NVL", 835e12, 1671e12, 50 * _MiB)),
+    ("H100", DeviceSpec("H100 SXM", 989e12, 1979e12, 50 * _MiB)),
+    ("H20", DeviceSpec("H20", 148e12, 296e12, 60 * _MiB)),
+    ("A100", DeviceSpec("A100", 312e12, None, 40 * _MiB)),
+    ("L40S", DeviceSpec("L40S", 362e12, 733e12, 96 * _MiB)),
+    ("RTX 4090", DeviceSpec("RTX 4090", 165e12, 330e12, 72 * _MiB)),
+    ("GB200", DeviceSpec("GB200", 2500e12, 5000e12, 126 * _MiB)),
+    ("B200", DeviceSpec("B200", 2250e12, 4500e12, 126 * _MiB)),
+    ("MI325X", DeviceSpec("MI325X", 1307e12, 2615e12, 256 * _MiB)),  # the 256 MB Infinity Cache, not the L2
+    ("MI300X", DeviceSpec("MI300X", 1307e12, 2615e12, 256 * _MiB)),
+)
+_SPECS: dict = {}
+
+
+def device_spec(device: torch.device) -> DeviceSpec:
+    """The device's DeviceSpec: from DEVICE_SPECS by name, else measured once (the bf16 rate of a large GEMM,
+    the cache size the driver reports). The cache size is the larger of the table's and the driver's."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SPECS:
+        props = _props(torch.device("cuda", index))
+        name = torch.cuda.get_device_name(index)
+        spec = next((s for key, s in DEVICE_SPECS if key in name), None)
+        if spec is None:
+            spec = DeviceSpec(name, measured_gemm_flops(torch.device("cuda", index)), None, 0)
+        _SPECS[index] = spec._replace(cache_bytes=max(spec.cache_bytes, getattr(props, "L2_cache_size", 0)))
+    return _SPECS[index]
+
+
+def measured_gemm_flops(device: torch.device, n: int = 8192) -> float:
+    """The bf16 rate of torch.matmul (cuBLAS / hipBLASLt) at n³, the fastest of the NN and NT layouts: the
+    ceiling a kernel is measured against is the one the best library reaches on this machine."""
+    import triton.testing
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = min(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+               for fn in (lambda: a @ b, lambda: a @ b.T))
+    return 2 * n**3 / (best * 1e-3)

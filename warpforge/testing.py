@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import random
 from typing import Iterator
 
 import torch
@@ -29,13 +28,6 @@ def cosine(out: torch.Tensor, ref: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(out, ref, dim=0).item()
 
 
-def max_abs(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return (out - ref).abs().max().item() if out.numel() else 0.0
-
-
 @contextlib.contextmanager
 def poisoned_outputs() -> Iterator[None]:
     """Inside the block, torch.empty / torch.empty_like hand out NaN-filled float tensors (and -1 for
@@ -57,13 +49,6 @@ def poisoned_outputs() -> Iterator[None]:
         torch.empty, torch.empty_like = real_empty, real_empty_like
 
 
-def awkward_lengths(block: int = 16, rng: random.Random | None = None) -> list[int]:
-    """Sequence lengths that stress block edges: 1, a block minus one, a block plus one, and a random
-    non-multiple."""
-    rng = rng or random.Random(0)
-    return [1, block - 1, block + 1, rng.randrange(2, 4 * block) | 1]
-
-
 def ragged_cu_seqlens(lengths: list[int], device="cpu") -> torch.Tensor:
     cu = [0]
     for n in lengths:
@@ -78,3 +63,19 @@ def device_under_test() -> torch.device:
 def dtypes_under_test() -> list[torch.dtype]:
     """bf16 is only trusted on a GPU: the interpreter's tl.dot on bf16 operands is wrong."""
     return [torch.float16, torch.bfloat16] if torch.cuda.is_available() else [torch.float16]
+
+
+def assert_grads_match(fn, ref, inputs, dtype):
+    """fn(*inputs) (outputs poisoned) against ref on fp32 copies: the value within the dtype's REL_L2 and the
+    gradients of every input that requires one within 2e-2 (1e-4 in fp32)."""
+    with poisoned_outputs():
+        out = fn(*inputs)
+    ref_in = [t.detach().float().requires_grad_(t.requires_grad) for t in inputs]
+    want = ref(*ref_in)
+    tol = max(REL_L2[dtype], 1e-5 if dtype == torch.float32 else 0)
+    assert rel_l2(out, want) <= tol
+    g = torch.randn_like(out) if out.dim() else torch.ones_like(out)
+    got = torch.autograd.grad(out, [t for t in inputs if t.requires_grad], g)
+    exp = torch.autograd.grad(want, [t for t in ref_in if t.requires_grad], g.float())
+    for a, b in zip(got, exp):
+        assert rel_l2(a, b) <= (2e-2 if dtype != torch.float32 else 1e-4)

@@ -220,23 +220,17 @@ def test_gpu_varlen_uneven():
 def test_kernel_variants(case, variant, monkeypatch):
     """The config switches (TMA descriptor loads, atomic dq) compute the same function."""
     from warpforge.ops.attention import configs
-    from warpforge.runtime import arch_key
-    arch = arch_key(DEV)
-    tables = {"tma": [(configs.FWD, "tma")], "atomic_dq": [(configs.BWD_DKDV, "atomic_dq")],
-              "tma_bwd": [(configs.BWD_DKDV, "tma"), (configs.BWD_DQ, "tma")]}[variant]
+    tables = {"tma": [("FWD", "tma")], "atomic_dq": [("BWD_DKDV", "atomic_dq")],
+              "tma_bwd": [("BWD_DKDV", "tma"), ("BWD_DQ", "tma")]}[variant]
     for table, flag in tables:
-        base = table.get(arch, table["default"])
-        monkeypatch.setitem(table, arch, {d: cfg._replace(**{flag: True}) for d, cfg in base.items()})
+        monkeypatch.setattr(configs, table, getattr(configs, table).map(lambda c, f=flag: c._replace(**{f: True})))
     b, s_q, s_k, h_q, h_kv, d, causal, window = case
     _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
 
 
 def test_varlen_atomic_dq(monkeypatch):
     from warpforge.ops.attention import configs
-    from warpforge.runtime import arch_key
-    arch = arch_key(DEV)
-    base = configs.BWD_DKDV.get(arch, configs.BWD_DKDV["default"])
-    monkeypatch.setitem(configs.BWD_DKDV, arch, {d: c._replace(atomic_dq=True) for d, c in base.items()})
+    monkeypatch.setattr(configs, "BWD_DKDV", configs.BWD_DKDV.map(lambda c: c._replace(atomic_dq=True)))
     lq = [13, 0, 1, 33]
     q, k, v = _inputs(None, None, None, 4, 2, 32, DTYPES[-1], varlen_lengths=(lq, lq))
     cu = ragged_cu_seqlens(lq, DEV)

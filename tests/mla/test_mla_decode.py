@@ -26,7 +26,7 @@ def _problem(b, s_q, h_q, page, lens, fmt, dtype=DTYPE, spare_pages=3):
 def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None):
     with poisoned_outputs():
         out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,
-                                 schedule=splits, backend="triton")
+                                 num_splits=splits, backend="triton")
     ref_cache = cache.float() if fmt == "bf16" else cache
     ref, ref_lse = mla_decode_reference(q.float(), ref_cache, table, seqlens, causal=causal, kv_format=fmt,
                                         kv_scale=kv_scale)
@@ -139,10 +139,11 @@ def test_gpu_long_cache(h_q, s_q, causal, fmt):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
     q, _, cache, table, seqlens, _ = _problem(4, 1, 16, 64, [300, 1000, 5, 64], "bf16", torch.bfloat16)
-    out, _ = wf.mla_decode(q, cache, table, seqlens)  # warm-up compiles outside the capture
+    plan = wf.mla.plan(q, cache, table)
+    out, _ = plan.run(q, cache, table, seqlens)  # warm-up compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        g_out, g_lse = wf.mla_decode(q, cache, table, seqlens)
+        g_out, g_lse = plan.run(q, cache, table, seqlens)
     seqlens.add_(7)  # the same graph serves the next step with longer caches
     graph.replay()
     want, _ = wf.mla_decode(q, cache, table, seqlens)
@@ -175,7 +176,7 @@ def test_sparse_matches_reference(b, s_q, h_q, page, topk, with_len, splits, fmt
     q, cache, indices, topk_length, kv_scale = _sparse(b, s_q, h_q, page, topk, fmt, with_len)
     with poisoned_outputs():
         out, lse = wf.mla_decode(q, cache, None, None, kv_format=fmt, kv_scale=kv_scale, indices=indices,
-                                 topk_length=topk_length, schedule=splits, backend="triton")
+                                 topk_length=topk_length, num_splits=splits, backend="triton")
     ref_cache = cache.float() if fmt == "bf16" else cache
     ref, ref_lse = mla_decode_reference(q.float(), ref_cache, None, None, kv_format=fmt, kv_scale=kv_scale,
                                         indices=indices, topk_length=topk_length)
@@ -214,36 +215,55 @@ def test_compile_no_graph_break():
     q, _, cache, table, seqlens, _ = _problem(2, 1, 16, 16, [20, 9], "bf16")
 
     def step(q):
-        return wf.mla_decode(q, cache, table, seqlens, schedule=2, backend="triton")[0].float().sum()
+        return wf.mla_decode(q, cache, table, seqlens, num_splits=2, backend="triton")[0].float().sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if DEV.type == "cpu" else "inductor")
     assert torch.allclose(compiled(q), step(q), rtol=1e-3)
 
 
+def test_plan_once_run_every_step():
+    """A plan fixes the config and splits from shapes; run() takes each step's tensors (longer caches, other
+    pages) and gives mla_decode's answer; tensors of other shapes are refused by name."""
+    q, _, cache, table, seqlens, _ = _problem(2, 2, 16, 16, [40, 7], "bf16")
+    plan = wf.mla.plan(q, cache, table, causal=True, num_splits=2)
+    assert plan.num_splits == 2 and plan.config.block_h >= 16
+    for step in range(3):
+        seqlens.add_(step)
+        out, lse = plan.run(q, cache, table, seqlens, backend="triton")
+        want, want_lse = wf.mla_decode(q, cache, table, seqlens, causal=True, num_splits=2, backend="triton")
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    with pytest.raises(WarpforgeInputError, match="^q"):
+        plan.run(q[:1], cache, table[:1], seqlens[:1], backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^block_table"):
+        plan.run(q, cache, table[:, :1].contiguous(), seqlens, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^num_splits"):
+        wf.mla.plan(q, cache, table, num_splits=0)
+
+
 def test_flash_mla_compatible_call():
+    from warpforge.compat.flash_mla import flash_mla_with_kvcache, get_mla_metadata
     q, _, cache, table, seqlens, _ = _problem(2, 2, 16, 64, [100, 7], "bf16")
-    meta, num_splits = wf.mla.get_mla_metadata(seqlens, 2 * 16, 1)
-    out, lse = wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, num_splits, causal=True)
+    meta, num_splits = get_mla_metadata(seqlens, 2 * 16, 1)
+    out, lse = flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, num_splits, causal=True)
     want, want_lse = wf.mla_decode(q, cache, table, seqlens, causal=True)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
-    assert meta.num_splits is not None
-    out2, _ = wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, None, causal=True)  # reused
+    assert meta.plan is not None
+    out2, _ = flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, None, causal=True)  # reused
     assert torch.equal(out2, want)
     with pytest.raises(WarpforgeInputError, match="^tile_scheduler_metadata"):
-        wf.mla.flash_mla_with_kvcache(q[:1], cache, table[:1], seqlens[:1], 512, meta, causal=True)
+        flash_mla_with_kvcache(q[:1], cache, table[:1], seqlens[:1], 512, meta, causal=True)
     with pytest.raises(WarpforgeInputError, match="^attn_sink"):
-        wf.mla.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, attn_sink=torch.zeros(16))
+        flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, attn_sink=torch.zeros(16))
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
 def test_quantize_kv_in_slices_equals_whole(fmt, monkeypatch):
     """quantize_kv works through large caches in slices of rows; the slicing changes no byte."""
-    from warpforge.ops import mla
-    from warpforge.ops.mla.reference import quantize_kv_reference
+    from warpforge.ops.mla import api, quantize_kv_reference
     latent = torch.randn(3, 5, 1, 576, device=DEV)
-    scale = mla.nvfp4_tensor_scale(latent) if fmt == "nvfp4" else None
-    monkeypatch.setattr(mla, "QUANTIZE_ROWS", 4)
-    assert torch.equal(mla.quantize_kv(latent, fmt, scale), quantize_kv_reference(latent, fmt, scale))
+    scale = nvfp4_tensor_scale(latent) if fmt == "nvfp4" else None
+    monkeypatch.setattr(api, "QUANTIZE_ROWS", 4)
+    assert torch.equal(wf.mla.quantize_kv(latent, fmt, scale), quantize_kv_reference(latent, fmt, scale))
 
 
 @pytest.mark.parametrize("fmt,load", [("fp8", None), ("fp8", "prefetch"), ("nvfp4", None), ("mxfp4", None)])
@@ -253,13 +273,9 @@ def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
     prefetched into registers: q's latent is rounded to fp16 instead of kept in bf16, so the kernel stays
     within bf16-level error of the dequantised-cache reference. The cache rows past each request's end hold
     NaN codes and scales, which must not reach the output."""
-    from warpforge.ops import mla
-    from warpforge.ops.mla.decode_kernel import MLACfg
-    from warpforge.runtime import arch_key
-    base = mla.CONFIGS.get(arch_key(DEV), mla.CONFIGS["default"])
-    monkeypatch.setitem(mla.CONFIGS, arch_key(DEV), {
-        k: MLACfg(*v[:4], fp16_math=True, prefetch=load == "prefetch")
-        for k, v in base.items()})
+    from warpforge.ops.mla import configs
+    monkeypatch.setattr(configs, "DECODE",
+                        configs.DECODE.map(lambda c: c._replace(fp16_math=True, prefetch=load == "prefetch")))
     q, _, cache, table, seqlens, kv_scale = _problem(2, s_q, h_q, 16, [300, 77], fmt)
     if fmt == "fp8":  # every row past the end (and the spare pages): NaN codes, scales and rope
         pages_used = [(int(n) + 15) // 16 for n in seqlens]
@@ -269,7 +285,7 @@ def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
                 valid[table[i, p], : min(16, n - 16 * p)] = True
         cache[~valid] = 0xFF
     out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,
-                             schedule=splits, backend="triton")
+                             num_splits=splits, backend="triton")
     ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, causal=causal, kv_format=fmt,
                                         kv_scale=kv_scale)
     assert 1 - cosine(out, ref) <= 1e-5

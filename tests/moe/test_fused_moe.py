@@ -6,7 +6,6 @@ import torch
 import warpforge as wf
 from warpforge import WarpforgeInputError
 from warpforge.ops.moe import align, experts_reference, route_reference
-from warpforge.runtime import arch_key
 from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, rel_l2
 
 DEV = device_under_test()
@@ -43,10 +42,9 @@ def test_matches_reference(t, e, k, h, i, skew):
 def test_split_k_down_gemm(monkeypatch):
     """The down GEMM with K cut into ranges (decode configs) sums them right, forward and backward."""
     from warpforge.ops.moe import configs
-    arch = arch_key(DEV)
     t, e, k, h, i = 5, 4, 2, 64, 200
-    cfg = configs.MoECfg(16, (32, 32, 4, 2), (32, 32, 4, 2), split_k=3)
-    monkeypatch.setitem(configs.CONFIGS, arch, {"any": {0: cfg}})
+    cfg = configs.MoECfg(16, configs.GemmTile(32, 32, 4, 2), configs.GemmTile(32, 32, 4, 2), split_k=3)
+    monkeypatch.setattr(configs, "GEMMS", configs.GEMMS.map(lambda _: cfg))
     hidden = torch.randn(t, h, device=DEV, dtype=DTYPE, requires_grad=True)
     logits = torch.randn(t, e, device=DEV)
     w13, w2 = _weights(e, h, i)

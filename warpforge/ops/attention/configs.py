@@ -1,12 +1,12 @@
-"""Block sizes per architecture for the attention kernels.
+"""Tiles for the attention kernels: arch -> padded head dim -> KernelCfg (see ops/_tiles.py).
 
-Keyed by arch (runtime.arch_key) and padded head dim. "cpu" is the Triton interpreter: small tiles so
-that CI's small shapes still cross block boundaries. sm90 entries come from scripts/tune_attention.py on
-an H200 (numbers in benchmarks/NOTES.md); an arch without a table falls back to "default", which is safe
-rather than fast. sm90 enables TMA only at d 64 / 128, the dims tuned and verified on the H200 (d 32 / 96
-with TMA are untested there: benchmarks/NOTES.md).
+"cpu" is the Triton interpreter: small tiles so that CI's small shapes still cross block boundaries. sm90
+entries come from scripts/tune_attention.py on an H200 (benchmarks/NOTES.md); "default" serves any other
+arch, safe rather than fast. sm90 loads through TMA only at d 64 / 128, the dims tuned and verified there.
 """
 from typing import NamedTuple
+
+from .._tiles import TileTable
 
 
 class KernelCfg(NamedTuple):
@@ -19,31 +19,32 @@ class KernelCfg(NamedTuple):
 
 
 C = KernelCfg
-_CPU = {d: C(16, 16, 1, 1) for d in (32, 64, 128, 256)}
+_CPU = {"any": C(16, 16, 1, 1)}
+# fp32 inputs (matmuls in full fp32 precision): tiles sized for 4-byte elements, correct rather than fast
+_FP32_FWD = {("fp32", 32): C(64, 32, 4, 2), ("fp32", 64): C(64, 32, 4, 2), ("fp32", 128): C(32, 32, 4, 2),
+             ("fp32", 256): C(32, 16, 4, 1)}
+_FP32_BWD = {("fp32", 32): C(32, 32, 4, 1), ("fp32", 64): C(32, 32, 4, 1), ("fp32", 128): C(32, 32, 4, 1),
+             ("fp32", 256): C(16, 16, 4, 1)}
 
-FWD = {
+FWD = TileTable({
     "cpu": _CPU,
-    "default": {32: C(64, 64, 4, 2), 64: C(64, 64, 4, 2), 128: C(64, 64, 4, 2), 256: C(32, 32, 4, 1)},
+    "default": {32: C(64, 64, 4, 2), 64: C(64, 64, 4, 2), 128: C(64, 64, 4, 2), 256: C(32, 32, 4, 1), **_FP32_FWD},
     "sm90": {32: C(64, 64, 4, 3), 64: C(128, 64, 4, 3, tma=True), 128: C(128, 128, 8, 3, tma=True),
-             256: C(64, 64, 4, 2)},
-}
+             256: C(64, 64, 4, 2), **_FP32_FWD},
+})
 
 # dk/dv pass: a program owns block_n keys and walks block_m queries per step.
-BWD_DKDV = {
+BWD_DKDV = TileTable({
     "cpu": _CPU,
-    "default": {32: C(32, 64, 4, 2), 64: C(32, 64, 4, 2), 128: C(32, 64, 4, 2), 256: C(16, 32, 4, 1)},
+    "default": {32: C(32, 64, 4, 2), 64: C(32, 64, 4, 2), 128: C(32, 64, 4, 2), 256: C(16, 32, 4, 1), **_FP32_BWD},
     "sm90": {32: C(32, 64, 4, 2), 64: C(32, 64, 4, 3, tma=True), 128: C(64, 64, 4, 2, tma=True),
-             256: C(32, 64, 4, 2)},
-}
+             256: C(32, 64, 4, 2), **_FP32_BWD},
+})
 
 # dq pass: a program owns block_m queries and walks block_n keys per step.
-BWD_DQ = {
+BWD_DQ = TileTable({
     "cpu": _CPU,
-    "default": {32: C(64, 32, 4, 2), 64: C(64, 32, 4, 2), 128: C(64, 32, 4, 2), 256: C(32, 16, 4, 1)},
+    "default": {32: C(64, 32, 4, 2), 64: C(64, 32, 4, 2), 128: C(64, 32, 4, 2), 256: C(32, 16, 4, 1), **_FP32_BWD},
     "sm90": {32: C(128, 64, 8, 3), 64: C(64, 64, 4, 3, tma=True), 128: C(128, 64, 8, 3, tma=True),
-             256: C(64, 32, 4, 2)},
-}
-
-
-def pick(table, arch, head_dim_padded):
-    return table.get(arch, table["default"])[head_dim_padded]
+             256: C(64, 32, 4, 2), **_FP32_BWD},
+})

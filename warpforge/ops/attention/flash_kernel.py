@@ -10,6 +10,7 @@ Layouts: every tensor is addressed through strides, so the batched [b, s, h, d] 
 [total, h, d] forms share the kernels (varlen: stride_b = 0 and per-sequence offsets from cu_seqlens).
 Offsets that can pass 2^31 (batch, sequence start, block start) are taken in int64.
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -77,15 +78,23 @@ def _load_tile(src, blk, start, offs_rows, offs_d, stride, limit, D: tl.constexp
 
 
 @triton.jit
-def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
-    """This program's (batch, head, q start, s_q, k start, s_k, first query row). Causal row blocks get
-    heavier with their index, so the grid hands out the heaviest first."""
+def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                VARLEN: tl.constexpr):
+    """This program's (batch, head, kv head) in int64, (q start, s_q, k start, s_k) and first query row. Causal
+    row blocks get heavier with their index, so the grid hands out the heaviest first."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H_Q
     h = tl.program_id(1) % H_Q
     q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
     k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
-    return b, h, q_start, s_q, k_start, s_k, pid_m * BLOCK_M
+    return (b.to(tl.int64), h.to(tl.int64), (h // GROUP).to(tl.int64), q_start, s_q, k_start, s_k,
+            pid_m * BLOCK_M)
+
+
+@triton.jit
+def _head_bases(X, b64, start, h64, stride_b, stride_s, stride_h):
+    """A pointer to row `start` of head h64 of batch b64 (int64 offsets)."""
+    return X + b64 * stride_b + start.to(tl.int64) * stride_s + h64 * stride_h
 
 
 @triton.jit
@@ -125,12 +134,14 @@ def _visible(rows, cols, limit, A, B):
     return (cols[None, :] < limit) & (cols[None, :] >= rows[:, None] + A) & (cols[None, :] <= rows[:, None] + B)
 
 
-# ----------------------------------------------------------------------------------------- forward
+# ------------------------------------------------------------------------------- a query tile's walk
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
-               s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
-    # k_src/v_src are tensor descriptors (USE_TMA) or base pointers.
+def _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n,
+               offs_d, s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DQ: tl.constexpr):
+    """A query tile's walk over the key tiles [lo, hi): the forward's online softmax into (acc, l_i, m_i), or
+    (DQ) the backward's dq into acc, l_i and m_i passing through. k_src/v_src are tensor descriptors (USE_TMA)
+    or base pointers; do, lse2 and delta are read by DQ only."""
     k_blk = _tile_start(k_src, lo, stride_kn, USE_TMA)
     v_blk = _tile_start(v_src, lo, stride_vn, USE_TMA)
     for start_n in range(lo, hi, BLOCK_N):
@@ -138,24 +149,73 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_kn, stride_vn, lo, hi, row
         k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn,
                                       s_k, D, BLOCK_N, MASK, EVEN_D, USE_TMA)
         qk = tl.dot(q, tl.trans(k))
-        if MASK:
-            visible = _visible(rows, cols, s_k, A, B)
-            qk = tl.where(visible, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-            p = tl.math.exp2(qk - m_use[:, None])
+        if DQ:
+            acc = _dq_step(acc, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, qk_scale, MASK)
         else:
-            # scale and shift in one FMA per score: on Hopper the non-matmul work is what limits
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_use = m_new
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, qk_scale, MASK)
     return acc, l_i, m_i
 
 
+@triton.jit
+def _attend_keys(acc, l_i, m_i, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, m_lo, s_q, s_k, left, right,
+                 rows, offs_n, offs_d, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, DQ: tl.constexpr):
+    """A query tile against its band of keys (forward, or DQ): the masked head, the unmasked middle and the
+    masked tail of the walk, K and V read through TMA descriptors made here (they are passed into helpers,
+    never returned) or through pointers from k_base / v_base."""
+    EVEN_D: tl.constexpr = D == BLOCK_D
+    A, B, start, full_lo, full_hi, end = _key_span(m_lo, s_q, s_k, left, right, BLOCK_M, BLOCK_N)
+    if USE_TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
+    acc, l_i, m_i = _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start, full_lo,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA, DQ)
+    acc, l_i, m_i = _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_lo,
+                               full_hi, rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D, USE_TMA,
+                               DQ)
+    acc, l_i, m_i = _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, end,
+                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA, DQ)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, qk_scale, MASK: tl.constexpr):
+    """The forward's online-softmax update with one key tile's scores."""
+    if MASK:
+        visible = _visible(rows, cols, s_k, A, B)
+        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.math.exp2(qk - m_use[:, None])
+    else:
+        # scale and shift in one FMA per score: on Hopper the non-matmul work is what limits
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_use = m_new
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _dq_step(dq, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, qk_scale, MASK: tl.constexpr):
+    """dq += ds · k for one key tile, ds = p · (do · vᵀ − delta)."""
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    if MASK:
+        visible = _visible(rows, cols, s_k, A, B)
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, tl.trans(v))
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)
+
+
+# ----------------------------------------------------------------------------------------- forward
 @triton.jit
 def flash_fwd_kernel(
     Q, K, V, O, LSE, cu_q, cu_k,
@@ -169,53 +229,36 @@ def flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    b, h, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, BLOCK_M, VARLEN)
+    b64, h64, kvh, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, GROUP,
+                                                                   BLOCK_M, VARLEN)
     if m_lo >= s_q:
         return
-    EVEN_D: tl.constexpr = D == BLOCK_D
-    b64 = b.to(tl.int64)
-    kvh = (h // GROUP).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     rows = m_lo + offs_m
-
-    q_base = Q + b64 * stride_qb + (q_start + m_lo).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kvh * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kvh * stride_vh
+    q_base = _head_bases(Q, b64, q_start + m_lo, h64, stride_qb, stride_qs, stride_qh)
+    k_base = _head_bases(K, b64, k_start, kvh, stride_kb, stride_ks, stride_kh)
+    v_base = _head_bases(V, b64, k_start, kvh, stride_vb, stride_vs, stride_vh)
     q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-
-    A, B, start, full_lo, full_hi, end = _key_span(m_lo, s_q, s_k, left, right, BLOCK_M, BLOCK_N)
-
-    if USE_TMA:  # made here in the kernel body: descriptors are passed into helpers, never returned
-        k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_src = k_base
-        v_src = v_base
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, start, full_lo,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D, USE_TMA)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs, full_hi, end,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
+    # q and l_i stand in for dq's do, lse2 and delta
+    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q, l_i, l_i, k_base, v_base, stride_ks, stride_vs, m_lo, s_q, s_k,
+                                 left, right, rows, offs_n, offs_d, qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA,
+                                 False)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
 
-    o_base = O + b64 * stride_ob + (q_start + m_lo).to(tl.int64) * stride_os + h.to(tl.int64) * stride_oh
+    o_base = _head_bases(O, b64, q_start + m_lo, h64, stride_ob, stride_os, stride_oh)
     tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_mask)
-    lse_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m_lo
-    tl.store(lse_base + offs_m, lse, mask=rows < s_q)
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + rows, lse, mask=rows < s_q)
 
 
 # ---------------------------------------------------------------------------------------- backward
@@ -382,83 +425,43 @@ def flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n, offs_d,
-              s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
-    k_blk = _tile_start(k_src, lo, stride_kn, USE_TMA)
-    v_blk = _tile_start(v_src, lo, stride_vn, USE_TMA)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn,
-                                      s_k, D, BLOCK_N, MASK, EVEN_D, USE_TMA)
-        qk = tl.dot(q, tl.trans(k))
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if MASK:
-            visible = _visible(rows, cols, s_k, A, B)
-            p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-    return dq
-
-
-@triton.jit
 def flash_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, stride_lb, stride_lh,
+    stride_qb, stride_qs, stride_qh,  # the query side this program owns
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_lb, stride_lh,
+    stride_kb, stride_ks, stride_kh,  # the key side it walks
+    stride_vb, stride_vs, stride_vh,
     seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    b, h, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, BLOCK_M, VARLEN)
+    b64, h64, kvh, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, GROUP,
+                                                                   BLOCK_M, VARLEN)
     if m_lo >= s_q:
         return
-    EVEN_D: tl.constexpr = D == BLOCK_D
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    kvh = (h // GROUP).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
     rows = m_lo + offs_m
-    row0 = (q_start + m_lo).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
     q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
-    q = tl.load(Q + b64 * stride_qb + row0 * stride_qs + h64 * stride_qh
+    q = tl.load(_head_bases(Q, b64, q_start + m_lo, h64, stride_qb, stride_qs, stride_qh)
                 + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + row0 * stride_dos + h64 * stride_doh
+    do = tl.load(_head_bases(DO, b64, q_start + m_lo, h64, stride_dob, stride_dos, stride_doh)
                  + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-    stat = b64 * stride_lb + h64 * stride_lh + q_start + m_lo + offs_m
-    lse = tl.load(LSE + stat, mask=rows < s_q, other=float("inf"))
-    lse2 = _lse_log2(lse)
+    stat = b64 * stride_lb + h64 * stride_lh + q_start + rows
+    lse2 = _lse_log2(tl.load(LSE + stat, mask=rows < s_q, other=float("inf")))
     delta = tl.load(DELTA + stat, mask=rows < s_q, other=0.0)
 
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + kvh * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + kvh * stride_vh
-    A, B, start, full_lo, full_hi, end = _key_span(m_lo, s_q, s_k, left, right, BLOCK_M, BLOCK_N)
-
-    if USE_TMA:  # made here in the kernel body: descriptors are passed into helpers, never returned
-        k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
-    else:
-        k_src = k_base
-        v_src = v_base
+    k_base = _head_bases(K, b64, k_start, kvh, stride_kb, stride_ks, stride_kh)
+    v_base = _head_bases(V, b64, k_start, kvh, stride_vb, stride_vs, stride_vh)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start, full_lo, rows, offs_n,
-                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_lo, full_hi, rows,
-                   offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D, USE_TMA)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, end, rows, offs_n,
-                   offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA)
+    # lse2 stands in for the forward's l_i and m_i
+    dq, _, _ = _attend_keys(dq, lse2, lse2, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, m_lo, s_q, s_k,
+                            left, right, rows, tl.arange(0, BLOCK_N), offs_d, qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D,
+                            USE_TMA, True)
     dq = dq * sm_scale
-    tl.store(DQ + b64 * stride_dqb + row0 * stride_dqs + h64 * stride_dqh
+    tl.store(_head_bases(DQ, b64, q_start + m_lo, h64, stride_dqb, stride_dqs, stride_dqh)
              + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
@@ -474,6 +477,11 @@ def _pow2(d):
     return triton.next_power_of_2(d)
 
 
+def _precision(t):
+    """fp32 inputs multiply in full fp32 (not TF32): the kernels then give fp32 answers."""
+    return {"default_dot_input_precision": "ieee"} if t.dtype == torch.float32 else {}
+
+
 def _tma_ok(*tensors):
     """Tensor descriptors need 16-byte aligned bases and strides (2-byte elements: multiples of 8). Which
     head dims use TMA at all is the config table's decision."""
@@ -482,8 +490,6 @@ def _tma_ok(*tensors):
 
 def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg):
     """Returns (out like q, lse fp32: [b, h_q, s_q] or [h_q, total_q] when varlen)."""
-    import torch
-
     varlen = cu_q is not None
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv = k.shape[-2]
@@ -509,15 +515,13 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
         stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E,
         H_Q=h_q, GROUP=h_q // h_kv, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(d), VARLEN=varlen,
-        USE_TMA=use_tma, num_warps=warps, num_stages=stages,
+        USE_TMA=use_tma, num_warps=warps, num_stages=stages, **_precision(q),
     )
     return out, lse
 
 
 def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg_dkdv,
               cfg_dq):
-    import torch
-
     varlen = cu_q is not None
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv = k.shape[-2]
@@ -550,18 +554,17 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
         H_KV=h_kv, GROUP=group, D=d, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
-        VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, num_warps=cfg_dkdv.warps,
+        VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, num_warps=cfg_dkdv.warps, **_precision(q),
         num_stages=cfg_dkdv.stages,
     )
     if atomic_dq:
         dq.copy_(dq_acc)
         return dq, dk, dv
     flash_bwd_dq_kernel[(triton.cdiv(max_q, cfg_dq.block_m), batch * h_q)](
-        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg,
-        *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
-        *_layout(dq, varlen), stride_lb, stride_lh,
+        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg, stride_lb, stride_lh,
+        *_layout(q, varlen), *_layout(do, varlen), *_layout(dq, varlen), *_layout(k, varlen), *_layout(v, varlen),
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
         H_Q=h_q, GROUP=group, D=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, BLOCK_D=bd, VARLEN=varlen,
-        USE_TMA=dq_tma, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages,
+        USE_TMA=dq_tma, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages, **_precision(q),
     )
     return dq, dk, dv

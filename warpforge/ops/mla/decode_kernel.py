@@ -15,14 +15,13 @@ a decode step needs no host sync and can be captured in a CUDA graph.
 The 512 latent columns are walked as four 128-wide chunks, each with its own accumulator: FP8 rows carry one
 scale per chunk, which is then applied to the [rows, tokens] scores and probabilities instead of the
 [tokens, 512] tile, leaving the tile a plain e4m3 -> bf16 conversion. FP4 rows (NVFP4, MXFP4; layouts in
-reference.py) are dequantised per chunk in registers. All formats then run the same bf16/fp16 matmuls;
+kv_format.py) are dequantised per chunk in registers. All formats then run the same bf16/fp16 matmuls;
 FP16_MATH runs a quantized cache's latent dots in fp16 (e4m3 -> fp16 is one hardware conversion per pair,
 -> bf16 goes through fp32), and PREFETCH loads the next step's FP8 bytes while the current step computes
-(Triton leaves a load with a register consumer unpipelined: see benchmarks/NOTES.md; copying the step through
-TMA descriptors instead was measured slower, 0.58 vs 0.50 ms at b128 L8k on the H200).
+(Triton leaves a load with a register consumer unpipelined; benchmarks/NOTES.md has the measurements, and
+those of a TMA-descriptor variant that lost to it).
 """
-from typing import NamedTuple
-
+import torch
 import triton
 import triton.language as tl
 
@@ -39,23 +38,24 @@ def _e2m1_to_float(code):
 
 
 @triton.jit
-def _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C: tl.constexpr, D_V: tl.constexpr,
+def _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C: tl.constexpr, SCALE_OFF: tl.constexpr,
                OUT_DTYPE: tl.constexpr):
     """FP8 chunk C of the given rows from its raw e4m3 bytes: (values in OUT_DTYPE, the rows' scales)."""
     vals = codes.to(tl.float8e4nv, bitcast=True).to(OUT_DTYPE)  # exact: e4m3 fits bf16 and fp16
-    scale_ptr = (cache + rows64 * row_stride + D_V).to(tl.pointer_type(tl.float32))
+    scale_ptr = (cache + rows64 * row_stride + SCALE_OFF).to(tl.pointer_type(tl.float32))
     return vals, tl.load(scale_ptr + C, mask=tok_ok, other=0.0)
 
 
 @triton.jit
-def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl.constexpr, D_V: tl.constexpr,
-                  OUT_DTYPE: tl.constexpr):
+def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr,
+                  SCALE_OFF: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """Latent columns [128 C, 128 C + 128) of the given cache rows: (values [BLOCK_N, 128] in OUT_DTYPE, the
     rows' FP8 scales [BLOCK_N] for that chunk, or 1.0). FP8's scale is per row and chunk, so it is left for
     the caller to apply to the [rows, BLOCK_N] scores and probabilities (cheap) rather than to the tile: the
     tile is then a plain e4m3 -> bf16 conversion. FP4 scales (per 16 / 32) are applied here.
     KV_FMT: 0 bf16/fp16, 1 fp8 (e4m3 + fp32 per 128), 2 nvfp4 (e2m1 + e4m3 per 16, x kv_scale), 3 mxfp4
-    (e2m1 + e8m0 per 32). nvfp4's values come back without the cache-wide scale."""
+    (e2m1 + e8m0 per 32), with GROUP values per scale from SCALE_OFF on (kv_format.py). nvfp4's values come
+    back without the cache-wide scale."""
     base = cache + rows64[:, None] * row_stride
     BLOCK_N: tl.constexpr = rows64.shape[0]
     scale = 1.0
@@ -63,13 +63,12 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
         vals = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0.0)
     elif KV_FMT == 1:
         codes = tl.load(base + C * 128 + tl.arange(0, 128)[None, :], mask=tok_ok[:, None], other=0)
-        vals, scale = _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C, D_V, OUT_DTYPE)
+        vals, scale = _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C, SCALE_OFF, OUT_DTYPE)
     else:
-        GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32
         N_SCALES: tl.constexpr = 128 // GROUP
         packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
         codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128])  # low nibble = even element
-        sbytes = tl.load(base + D_V // 2 + C * N_SCALES + tl.arange(0, N_SCALES)[None, :], mask=tok_ok[:, None],
+        sbytes = tl.load(base + SCALE_OFF + C * N_SCALES + tl.arange(0, N_SCALES)[None, :], mask=tok_ok[:, None],
                          other=0)
         if KV_FMT == 2:  # e2m1 x e4m3 is exact in bf16; the fp32 tensor scale is applied to scores and output
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
@@ -90,16 +89,12 @@ def _fp8_raw(cache, rows64, tok_ok, row_stride):
 
 
 @triton.jit
-def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, D_V: tl.constexpr, D_R: tl.constexpr,
+def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, ROPE_OFF: tl.constexpr, D_R: tl.constexpr,
                 OUT_DTYPE: tl.constexpr):
     """The [BLOCK_N, 64] rope part of the given cache rows (bf16 after the quantized latent, or q's dtype)."""
-    if KV_FMT == 0:
-        ptr = cache + rows64[:, None] * row_stride + D_V
-    elif KV_FMT == 1:
-        ptr = (cache + rows64[:, None] * row_stride + D_V + 16).to(tl.pointer_type(tl.bfloat16))
-    else:
-        GROUP: tl.constexpr = 16 if KV_FMT == 2 else 32
-        ptr = (cache + rows64[:, None] * row_stride + D_V // 2 + D_V // GROUP).to(tl.pointer_type(tl.bfloat16))
+    ptr = cache + rows64[:, None] * row_stride + ROPE_OFF
+    if KV_FMT != 0:
+        ptr = ptr.to(tl.pointer_type(tl.bfloat16))
     return tl.load(ptr + tl.arange(0, D_R)[None, :], mask=tok_ok[:, None], other=0.0).to(OUT_DTYPE)
 
 
@@ -128,7 +123,7 @@ def mla_decode_split_kernel(
     stride_ls, stride_lb,
     rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
-    SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
@@ -220,16 +215,20 @@ def mla_decode_split_kernel(
             nok = ntok < end
             npage = tl.load(bt_row + ntok // PAGE, mask=nok, other=0)
             raw0, raw1, raw2, raw3 = _fp8_raw(CACHE, npage.to(tl.int64) * PAGE + (ntok % PAGE), nok, row_stride)
-            lat0, sc0 = _fp8_chunk(cur0, CACHE, rows64, tok_ok, row_stride, 0, D_V, dt)
-            lat1, sc1 = _fp8_chunk(cur1, CACHE, rows64, tok_ok, row_stride, 1, D_V, dt)
-            lat2, sc2 = _fp8_chunk(cur2, CACHE, rows64, tok_ok, row_stride, 2, D_V, dt)
-            lat3, sc3 = _fp8_chunk(cur3, CACHE, rows64, tok_ok, row_stride, 3, D_V, dt)
+            lat0, sc0 = _fp8_chunk(cur0, CACHE, rows64, tok_ok, row_stride, 0, SCALE_OFF, dt)
+            lat1, sc1 = _fp8_chunk(cur1, CACHE, rows64, tok_ok, row_stride, 1, SCALE_OFF, dt)
+            lat2, sc2 = _fp8_chunk(cur2, CACHE, rows64, tok_ok, row_stride, 2, SCALE_OFF, dt)
+            lat3, sc3 = _fp8_chunk(cur3, CACHE, rows64, tok_ok, row_stride, 3, SCALE_OFF, dt)
         else:
-            lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, D_V, dt)
-            lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, D_V, dt)
-            lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, D_V, dt)
-            lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, D_V, dt)
-        rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, D_V, D_R, q_rope.dtype)
+            lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, GROUP, SCALE_OFF,
+                                         dt)
+            lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, GROUP, SCALE_OFF,
+                                         dt)
+            lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, GROUP, SCALE_OFF,
+                                         dt)
+            lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, GROUP, SCALE_OFF,
+                                         dt)
+        rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, ROPE_OFF, D_R, q_rope.dtype)
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         s = _chunk_scores(s, q0, lat0, sc0, ROW_SCALE)
         s = _chunk_scores(s, q1, lat1, sc1, ROW_SCALE)
@@ -307,35 +306,27 @@ def mla_combine_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launch
+def plan_block_h(block_h, rows):
+    """A program's query rows: the table's block_h, but no more than the rows (rounded up to a power of two, at
+    least 16, the smallest MMA tile)."""
+    return min(block_h, max(16, triton.next_power_of_2(rows)))
+
+
 def plan_num_splits(batch, rows, max_tokens, block_h, sm_count, min_tokens_per_split=256, waves=2):
-    """About `waves` (request, split, row-tile) programs per SM; decided from shapes only.
-    (H200, b 128, L 8k, chunked kernel: h_q 16 2 splits 4.00 TB/s, 5 splits 3.51; h_q 128 1 split 239
-    TFLOP/s, 3 splits 234: fewer, longer programs win once every SM has work.)"""
+    """About `waves` (request, split, row-tile) programs per SM, decided from shapes only: fewer, longer
+    programs win once every SM has work (benchmarks/NOTES.md, MLA)."""
     tiles = batch * triton.cdiv(rows, block_h)
     want = max(1, round(waves * sm_count / max(tiles, 1)))
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
 
 
-KV_FMT = {"bf16": 0, "fp8": 1, "nvfp4": 2, "mxfp4": 3}
-
-
-class MLACfg(NamedTuple):
-    block_h: int   # query rows (h_q · s_q) per program
-    block_n: int   # cache tokens per step
-    warps: int
-    stages: int
-    fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
-    prefetch: bool = False   # FP8, dense: load the next step's bytes into registers while this step computes
-
-
-def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, kv_format, kv_scale,
+def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, fmt, kv_scale,
                    num_splits, cfg, indices=None, topk_length=None):
-    import torch
-
+    """fmt: the cache's kv_format.KVFormat; cfg: a configs.MLACfg whose block_h fits the rows (plan_block_h);
+    num_splits from plan_num_splits."""
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp16_math, prefetch = MLACfg(*cfg)
-    block_h = min(block_h, max(16, triton.next_power_of_2(rows)))
+    block_h, block_n, warps, stages, fp16_math, prefetch = cfg
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     if b == 0:
@@ -346,13 +337,11 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     else:
         o_part = torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
-    fmt = KV_FMT[kv_format]
-    cache = kv_cache.view(torch.uint8) if fmt else kv_cache
+    cache = kv_cache.view(torch.uint8) if fmt.quantized else kv_cache
     scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
     row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
     sparse = indices is not None
     if sparse:
-        block_h = min(block_h, max(16, triton.next_power_of_2(h_q)))
         grid = (num_splits, b * s_q, triton.cdiv(h_q, block_h))
         idx, topk = indices, indices.shape[-1]
     else:
@@ -368,10 +357,11 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
         o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
         rows, topk, softmax_scale * LOG2E,
-        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt, SPARSE=sparse,
-        HAS_TOPK_LEN=topk_length is not None, BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt != 0,
-        FINAL=final, PREFETCH=prefetch and fmt == 1 and not sparse, num_warps=warps,
-        num_stages=stages,
+        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt.code, GROUP=max(fmt.group, 1),
+        SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None,
+        BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
+        PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
+        num_stages=stages, **({"default_dot_input_precision": "ieee"} if q.dtype == torch.float32 else {}),
     )
     if final:
         return out, lse

@@ -6,12 +6,7 @@ block_table[b, t // page_size]. With s_q > 1 and causal=True (multi-token predic
 the first cache_seqlens[b] - s_q + 1 + i tokens (bottom-right aligned). A request with no visible token
 gets output 0 and lse -inf.
 
-Cache formats (per token, one row of the cache):
-- "bf16": 576 values in q's dtype.
-- "fp8":  656 bytes = 512 e4m3 + 4 fp32 scales (one per 128 latent values, powers of two) + 64 bf16 rope.
-- "nvfp4": 416 bytes = 256 bytes of e2m1 pairs (low nibble = even element) + 32 e4m3 scales (one per 16)
-  + 64 bf16 rope; values are e2m1 · scale · kv_scale, kv_scale one fp32 for the whole cache.
-- "mxfp4": 400 bytes = 256 bytes of e2m1 pairs + 16 e8m0 scales (one per 32, 2^(byte - 127)) + 64 bf16 rope.
+Cache formats (one row per token): kv_format.py.
 """
 from __future__ import annotations
 
@@ -19,12 +14,8 @@ import math
 
 import torch
 
-D_QK, D_V, D_ROPE = 576, 512, 64
-FP8_GROUP = 128
-FP8_ROW_BYTES = D_V + 4 * (D_V // FP8_GROUP) + 2 * D_ROPE  # 656
-FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}
-ROW_BYTES = {"fp8": FP8_ROW_BYTES, "nvfp4": D_V // 2 + D_V // 16 + 2 * D_ROPE,  # 416
-             "mxfp4": D_V // 2 + D_V // 32 + 2 * D_ROPE}  # 400
+from .kv_format import D_V, KV_FORMATS
+
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -46,77 +37,64 @@ def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) > 0, -vals, vals)
 
 
-def _pack_rope(latent, lead):
-    return latent[..., D_V:].to(torch.bfloat16).contiguous().view(torch.uint8).reshape(*lead, 2 * D_ROPE)
+def _pack_rope(latent):
+    return latent[..., D_V:].to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
 def quantize_kv_reference(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Tensor:
     """latent [..., 576] -> the cache rows of `kv_format` (uint8 for quantized formats). nvfp4 needs the
     cache-wide kv_scale (see nvfp4_tensor_scale)."""
-    if kv_format == "bf16":
+    fmt = KV_FORMATS[kv_format]
+    if not fmt.quantized:
         return latent
     lead = latent.shape[:-1]
-    nope = latent[..., :D_V].float()
-    out = torch.empty(*lead, ROW_BYTES[kv_format], dtype=torch.uint8, device=latent.device)
+    blocks = latent[..., :D_V].float().unflatten(-1, (D_V // fmt.group, fmt.group))
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-30)
     if kv_format == "fp8":
-        nope = nope.unflatten(-1, (D_V // FP8_GROUP, FP8_GROUP))
-        amax = nope.abs().amax(-1, keepdim=True).clamp(min=1e-30)
         # power-of-two scales: dequantising is an exact exponent shift
         scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-        codes = (nope / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-        out[..., :D_V] = codes.flatten(-2).view(torch.uint8)
-        out[..., D_V:D_V + 16] = scale.squeeze(-1).float().contiguous().view(torch.uint8).reshape(*lead, 16)
-        out[..., D_V + 16:] = _pack_rope(latent, lead)
-        return out
-    group = FP4_GROUP[kv_format]
-    blocks = nope.unflatten(-1, (D_V // group, group))
-    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-30)
-    n_scales = D_V // group
-    if kv_format == "nvfp4":
-        ts = torch.as_tensor(kv_scale, dtype=torch.float32, device=latent.device)
-        scale = (amax / 6.0 / ts).clamp(max=448.0).to(torch.float8_e4m3fn)
-        eff = scale.float() * ts
-        scale_bytes = scale.squeeze(-1).view(torch.uint8)
-    else:  # mxfp4: of the two powers of two around amax / 6, the one with the smaller block error
-        hi = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
-        errs = []
-        for exp in (hi, hi - 1):
-            deq = _e2m1_values(_e2m1_codes((blocks / torch.exp2(exp)).clamp(-6, 6))) * torch.exp2(exp)
-            errs.append((deq - blocks).square().sum(-1, keepdim=True))
-        exp = torch.where(errs[1] < errs[0], hi - 1, hi)
-        eff = torch.exp2(exp)
-        scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)
-    codes = _e2m1_codes((blocks / eff.clamp(min=1e-30)).clamp(-6, 6)).flatten(-2)
-    out[..., :D_V // 2] = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    out[..., D_V // 2:D_V // 2 + n_scales] = scale_bytes
-    out[..., D_V // 2 + n_scales:] = _pack_rope(latent, lead)
-    return out
+        data = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)
+        scale_bytes = scale.squeeze(-1).float().contiguous().view(torch.uint8).reshape(*lead, -1)
+    else:
+        if kv_format == "nvfp4":
+            ts = torch.as_tensor(kv_scale, dtype=torch.float32, device=latent.device)
+            scale = (amax / 6.0 / ts).clamp(max=448.0).to(torch.float8_e4m3fn)
+            eff = scale.float() * ts
+            scale_bytes = scale.squeeze(-1).view(torch.uint8)
+        else:  # mxfp4: of the two powers of two around amax / 6, the one with the smaller block error
+            hi = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
+            errs = []
+            for exp in (hi, hi - 1):
+                deq = _e2m1_values(_e2m1_codes((blocks / torch.exp2(exp)).clamp(-6, 6))) * torch.exp2(exp)
+                errs.append((deq - blocks).square().sum(-1, keepdim=True))
+            exp = torch.where(errs[1] < errs[0], hi - 1, hi)
+            eff = torch.exp2(exp)
+            scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)
+        codes = _e2m1_codes((blocks / eff.clamp(min=1e-30)).clamp(-6, 6)).flatten(-2)
+        data = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.cat([data, scale_bytes, _pack_rope(latent)], -1)
 
 
 def dequantize_kv_reference(cache: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Tensor:
     """Cache rows of `kv_format` -> [..., 576] float32."""
-    if kv_format == "bf16":
+    fmt = KV_FORMATS[kv_format]
+    if not fmt.quantized:
         return cache.float()
-    lead = cache.shape[:-1]
+    n_scales = D_V // fmt.group
+    scale_bytes = cache[..., fmt.scale_offset:fmt.rope_offset].contiguous()
     if kv_format == "fp8":
-        codes = cache[..., :D_V].contiguous().view(torch.float8_e4m3fn).float()
-        scale = cache[..., D_V:D_V + 16].contiguous().view(torch.float32).reshape(*lead, D_V // FP8_GROUP)
-        nope = (codes.unflatten(-1, (D_V // FP8_GROUP, FP8_GROUP)) * scale[..., None]).flatten(-2)
-        rope = cache[..., D_V + 16:].contiguous().view(torch.bfloat16).float()
-        return torch.cat([nope, rope], -1)
-    group = FP4_GROUP[kv_format]
-    n_scales = D_V // group
-    packed = cache[..., :D_V // 2]
-    codes = torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
-    vals = _e2m1_values(codes)
-    scale_bytes = cache[..., D_V // 2:D_V // 2 + n_scales].contiguous()
-    if kv_format == "nvfp4":
-        scale = scale_bytes.view(torch.float8_e4m3fn).float() * torch.as_tensor(kv_scale, dtype=torch.float32,
-                                                                               device=cache.device)
+        vals = cache[..., :D_V].contiguous().view(torch.float8_e4m3fn).float()
+        scale = scale_bytes.view(torch.float32)
     else:
-        scale = torch.exp2(scale_bytes.float() - 127)
-    nope = (vals.unflatten(-1, (n_scales, group)) * scale[..., None]).flatten(-2)
-    rope = cache[..., D_V // 2 + n_scales:].contiguous().view(torch.bfloat16).float()
+        packed = cache[..., :fmt.scale_offset]
+        vals = _e2m1_values(torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2))
+        if kv_format == "nvfp4":
+            scale = scale_bytes.view(torch.float8_e4m3fn).float() * torch.as_tensor(
+                kv_scale, dtype=torch.float32, device=cache.device)
+        else:
+            scale = torch.exp2(scale_bytes.float() - 127)
+    nope = (vals.unflatten(-1, (n_scales, fmt.group)) * scale[..., None]).flatten(-2)
+    rope = cache[..., fmt.rope_offset:].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope, rope], -1)
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime import arch_key, resolve_backend
-from .configs import ONE_LAUNCH_ROUTING
+from ...runtime import resolve_backend
+from .configs import ROUTING
 
 
 def capacity(n_slots: int, num_experts: int, block_m: int) -> int:
@@ -26,12 +26,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, backend: str |
     T·k (an invalid slot); expert_ids[b] is the expert of row block b, -1 past the used blocks; num_post is the
     padded length used. P = T·k + min(E, T·k) · (block_m − 1), rounded up to block_m: the most padding any
     routing can need. On the Triton backend, up to ALIGN_KERNEL_MAX_SLOTS slots run as one kernel launch where
-    configs.ONE_LAUNCH_ROUTING lists the arch.
+    configs.ROUTING says so for the arch.
     """
     n = topk_ids.numel()
     cap = capacity(n, num_experts, block_m)
     if 0 < n and resolve_backend(backend, topk_ids.device) == "triton" and \
-            arch_key(topk_ids.device) in ONE_LAUNCH_ROUTING:
+            ROUTING.lookup(topk_ids.device).one_launch:
         from .align_kernel import ALIGN_KERNEL_MAX_SLOTS, align_triton
         if n <= ALIGN_KERNEL_MAX_SLOTS:
             return align_triton(topk_ids, num_experts, block_m, cap)

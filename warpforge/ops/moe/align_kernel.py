@@ -1,13 +1,14 @@
 """`align` in one Triton launch, for decode-sized routings (T·k up to ALIGN_KERNEL_MAX_SLOTS slots).
 
-The torch version (align.py) is about twenty small kernels (sort, scans, scatters): ≈ 96 µs per MoE call on an
-H200 even inside a CUDA graph, more than the GEMMs of a small model at T 1. Here one program holds every slot:
+The torch version (align.py) is about twenty small kernels (sort, scans, scatters): even inside a CUDA graph
+they cost more than the GEMMs of a small model at T 1 (benchmarks/NOTES.md). Here one program holds every slot:
   counts  = histogram of the expert ids; padded to block_m; starts/ends by a cumulative sum,
   order   = sort of (expert · N_PAD + slot): slots expert by expert, in slot order within an expert
             (the same order as the torch version, so results are identical and deterministic),
   dest    = sorted position + (padded start − unpadded start) of its expert, gathered through SCRATCH,
   blocks  = for each row block, how many experts end at or before it (a searchsorted by comparison).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -46,7 +47,6 @@ def moe_align_kernel(TOPK_IDS, SORTED_IDS, EXPERT_IDS, NUM_POST, SCRATCH, n, cap
 
 
 def align_triton(topk_ids, num_experts, block_m, cap):
-    import torch
     flat = topk_ids.reshape(-1).to(torch.int32)
     n = flat.numel()
     device = flat.device

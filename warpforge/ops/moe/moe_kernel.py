@@ -9,10 +9,11 @@ One GEMM kernel serves forward and backward, B's layout given by strides, with t
 and the weight gradient: dW[e] = Σ over e's slots of Gᵀ A, one program per (expert, tile), no atomics.
 slot = token · topk + k. Expert and token offsets are int64 (E · 2I · H passes 2^31 for DeepSeek-V3).
 """
+import torch
 import triton
 import triton.language as tl
 
-from ..fused.fused_kernel import swiglu_grads
+from ..shared_kernels import swiglu_grads
 
 
 @triton.jit
@@ -158,6 +159,11 @@ def moe_weight_grad_kernel(G, A, DW, SORTED_IDS, BLOCK_START, BLOCK_COUNT,
 
 
 # ------------------------------------------------------------------------------------------ launch
+def _precision(t):
+    """fp32 activations multiply in full fp32 (not TF32)."""
+    return {"default_dot_input_precision": "ieee"} if t.dtype == torch.float32 else {}
+
+
 def _scale_args(b, scale, b_strides):
     """(scale tensor, its expert / k-block / n-block strides) for an FP8 B, matching B's (k, n) orientation."""
     if scale is None:
@@ -199,7 +205,7 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
         SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages)
+        num_stages=stages, **_precision(a))
 
 
 def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
@@ -208,8 +214,6 @@ def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_pos
     block_m is align's. Returns (out [T, H] in hidden's dtype, act [T·k, I], pre [T·k, 2I] or None): the
     last two are what the backward needs. scales: (s13, s2) when
     w13 / w2 are FP8 (e4m3 as uint8) with fp32 scales per 128 x 128 block."""
-    import torch
-
     t, h = hidden.shape
     inter_dim = w2.shape[2]
     n_slots = t * topk
@@ -232,7 +236,6 @@ def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_pos
 
 def expert_blocks(expert_ids, num_experts):
     """Per expert: its first row block and how many it has (from align's expert_ids), without a host sync."""
-    import torch
     used = expert_ids >= 0
     count = torch.zeros(num_experts, dtype=torch.long, device=expert_ids.device).scatter_add_(
         0, expert_ids.long().clamp(min=0), used.long())
@@ -250,15 +253,13 @@ def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token):
         g, a, dw, sorted_ids, first, count, g.stride(0), a.stride(0),
         dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,
         TOPK=topk, G_BY_TOKEN=g_by_token, A_BY_TOKEN=not g_by_token, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **_precision(a))
     return dw
 
 
 def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorted_ids, expert_ids, num_post, topk,
                            cfg):
     """Gradients of fused_experts: (d_hidden, d_w13, d_w2, d_topk_weights [T, k] fp32)."""
-    import torch
-
     t, h = hidden.shape
     e_count, two_i, _ = w13.shape
     inter_dim = two_i // 2

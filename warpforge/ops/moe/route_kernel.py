@@ -6,11 +6,11 @@ GEMMs. Here a program takes BLOCK_T tokens with all E scores in registers and pi
 argmax (ties go to the lower expert id). Training keeps the torch version: its weights are differentiable in
 the router logits.
 
-The launcher gives each token one program of one warp: every reduction is then a few lane shuffles. With 16
-tokens over 4 warps (the first version) the sm_90 code had 119 barriers and 14k instructions for DeepSeek-V3's
-router, 32 µs at T 1 on an H200; one warp a token is 1.8k instructions and no barrier, and instruction counts
-grow linearly with BLOCK_T, so batching tokens in a program saves nothing.
+The launcher gives each token one program of one warp: every reduction is then a few lane shuffles and no
+barrier, and instruction counts grow linearly with BLOCK_T, so batching tokens in a program saves nothing
+(benchmarks/NOTES.md, MoE: the 4-warp version's barriers).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -76,7 +76,6 @@ def moe_route_kernel(LOGITS, WEIGHTS, IDS, n_tokens, stride_l, scaling,
 
 def route_triton(router_logits, topk, renormalize, scoring, num_expert_group, topk_group, routed_scaling_factor):
     """(topk_weights fp32 [T, k], topk_ids int32 [T, k]); the caller checked the arguments and fits()."""
-    import torch
     t, e = router_logits.shape
     weights = torch.empty((t, topk), device=router_logits.device, dtype=torch.float32)
     ids = torch.empty((t, topk), device=router_logits.device, dtype=torch.int32)

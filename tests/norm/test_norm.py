@@ -1,0 +1,84 @@
+"""rms_norm, add_rms_norm and layer_norm vs their references: values and gradients, awkward sizes, bad input."""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.testing import assert_grads_match, device_under_test, dtypes_under_test, rel_l2
+from warpforge.ops.norm import layer_norm_reference, rms_norm_reference
+
+DEV = device_under_test()
+DTYPES = [torch.float32] + dtypes_under_test()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 1000), (1, 33)])
+def test_rms_norm(shape, dtype):
+    x = torch.randn(shape, device=DEV, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV, dtype=dtype)).requires_grad_()
+    assert_grads_match(lambda a, b: wf.rms_norm(a, b, backend="triton"), rms_norm_reference, [x, w], dtype)
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_out_dtype(norm):
+    """An fp32 input normalised straight into a half-precision output (what autocast's next matmul reads): the
+    fp32 result rounded once; gradients flow back to the fp32 input and weights."""
+    x = torch.randn(5, 3, 200, device=DEV, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(200, device=DEV)).requires_grad_()
+    b = (0.1 * torch.randn(200, device=DEV)).requires_grad_()
+    if norm == "rms":
+        got = wf.rms_norm(x, w, backend="triton", out_dtype=torch.float16)
+        want = rms_norm_reference(x, w, 1e-6)
+    else:
+        got = wf.layer_norm(x, w, b, backend="triton", out_dtype=torch.float16)
+        want = layer_norm_reference(x, w, b, 1e-5)
+    assert got.dtype == torch.float16 and x.dtype == torch.float32
+    assert rel_l2(got.float(), want) <= 1e-3
+    g = torch.randn_like(want)
+    inputs = [x, w] if norm == "rms" else [x, w, b]
+    for a, e in zip(torch.autograd.grad(got, inputs, g.half()), torch.autograd.grad(want, inputs, g)):
+        assert a.dtype == torch.float32 and rel_l2(a, e) <= 1e-3
+    with pytest.raises(WarpforgeInputError, match="^out_dtype"):
+        wf.rms_norm(x, w, backend="triton", out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("x_dtype,res_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float16),
+                                               (torch.float32, torch.float32)])
+def test_add_rms_norm(x_dtype, res_dtype):
+    """rms_norm(x + residual) and the sum in one pass: the sum in the promoted dtype, normalised as stored; both
+    outputs used downstream, so x's and the residual's gradients get the norm's and the sum's."""
+    x = torch.randn(3, 7, 130, device=DEV, dtype=x_dtype, requires_grad=True)
+    r = torch.randn(3, 7, 130, device=DEV, dtype=res_dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(130, device=DEV)).requires_grad_()
+    y, total = wf.add_rms_norm(x, r, w, backend="triton", out_dtype=torch.float16)
+    ref_total = x.double() + r.double()
+    ref_y = rms_norm_reference(ref_total.to(total.dtype).double(), w.double(), 1e-6)
+    assert total.dtype == torch.result_type(x, r) and y.dtype == torch.float16
+    tol = 1e-5 if total.dtype == torch.float32 else 1e-3
+    assert rel_l2(total.double(), ref_total) <= tol
+    assert rel_l2(y.double(), ref_y) <= 1e-3
+    gy, gt = torch.randn_like(y), torch.randn_like(total)
+    got = torch.autograd.grad((y, total), (x, r, w), (gy, gt))
+    want = torch.autograd.grad((ref_y, ref_total), (x, r, w), (gy.double(), gt.double()))
+    for a, e in zip(got, want):
+        assert a.dtype in (x_dtype, res_dtype, torch.float32)
+        assert rel_l2(a.double(), e) <= (2e-3 if torch.float16 in (x_dtype, res_dtype) else 1e-4)
+    ref_y2, ref_t2 = wf.add_rms_norm(x, r, w, backend="reference", out_dtype=torch.float16)
+    assert rel_l2(ref_t2.double(), ref_total) <= tol and ref_y2.dtype == torch.float16
+    with pytest.raises(WarpforgeInputError, match="^residual"):
+        wf.add_rms_norm(x, r[:, :3], w, backend="triton")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 96), (7, 1000), (2, 33)])
+def test_layer_norm(shape, dtype):
+    x = (torch.randn(shape, device=DEV, dtype=dtype) + 0.5).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], device=DEV, dtype=dtype)).requires_grad_()
+    b = (0.1 * torch.randn(shape[-1], device=DEV, dtype=dtype)).requires_grad_()
+    assert_grads_match(lambda a, c, d: wf.layer_norm(a, c, d, backend="triton"), layer_norm_reference, [x, w, b], dtype)
+
+
+def test_bad_input():
+    x = torch.randn(2, 8, device=DEV)
+    with pytest.raises(WarpforgeInputError, match="^weight"):
+        wf.rms_norm(x, torch.ones(9, device=DEV), backend="triton")

@@ -1,0 +1,1 @@
+"""Drop-in call shapes of other libraries over warpforge's ops (`compat.flash_mla`: FlashMLA's)."""

@@ -1,0 +1,276 @@
+"""MLA decode: `plan` -> `MLAPlan.run` (FlashInfer's plan/run), `mla_decode` (both in one call), `quantize_kv`.
+
+plan() validates the shapes, dtypes and formats and fixes everything a decode step needs from them alone: the
+tile config and the KV split count. plan.run(...) then checks the tensors it is given against the plan
+(their values too, except while a CUDA graph is captured or torch.compile traces) and dispatches: the
+reference, or the Triton split-KV kernel and combine as an op. Nothing in run() reads a value back to the
+host when capturing, so one plan serves every replay of a captured decode step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...errors import (check_choice, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
+                       check_tensor, fail, host_reads_allowed)
+from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
+from .._op import kernel_op
+from . import configs
+from .kv_format import D_QK, D_V, KV_FORMATS
+from .reference import mla_decode_reference, quantize_kv_reference
+
+H_Q = (16, 32, 64, 128)
+PAGE_SIZES = (16, 32, 64)
+QUANTIZE_ROWS = 1 << 16
+
+
+# ------------------------------------------------------------------------------------------- op
+def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+                     cache_seqlens: Optional[torch.Tensor], kv_scale: Optional[torch.Tensor], scale: float,
+                     causal: bool, kv_format: str, num_splits: int, cfg: list[int],
+                     indices: Optional[torch.Tensor] = None,
+                     topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    from .decode_kernel import mla_decode_fwd
+    return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, KV_FORMATS[kv_format], kv_scale,
+                          num_splits, configs.MLACfg(*cfg), indices, topk_length)
+
+
+def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits, cfg,
+                     indices=None, topk_length=None):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+_mla_decode = kernel_op("mla_decode", _mla_decode_impl, _mla_decode_fake)
+
+
+# ---------------------------------------------------------------------------------------- plan / run
+@dataclass(frozen=True)
+class MLAPlan:
+    """What a decode step's shapes decide, fixed once: run() it on every step (CUDA-graph safe)."""
+    batch: int
+    s_q: int
+    h_q: int
+    page_size: int
+    max_tokens: int        # per request: block_table pages × page size, or topk when sparse
+    kv_format: str
+    sparse: bool
+    causal: bool
+    softmax_scale: float
+    dtype: torch.dtype     # q's
+    config: configs.MLACfg
+    num_splits: int
+
+    @property
+    def shapes(self) -> tuple:
+        return (self.batch, self.s_q, self.h_q, self.page_size, self.max_tokens, self.kv_format, self.sparse)
+
+    def run(self, q, kv_cache, block_table=None, cache_seqlens=None, *, kv_scale=None, indices=None,
+            topk_length=None, backend=None):
+        """(out [b, s_q, h_q, 512] in q's dtype, lse [b, h_q, s_q] fp32, natural log) for this step's tensors,
+        which must have the shapes the plan was made for."""
+        backend = resolve_backend(backend, q.device) if isinstance(q, torch.Tensor) else backend
+        _check_step(self, q, kv_cache, block_table, cache_seqlens, kv_scale, indices, topk_length)
+        check_interpreted_matmul_dtype(backend, "q", q)
+        kv_scale = kv_scale if KV_FORMATS[self.kv_format].tensor_scale else None
+        if backend == "reference":
+            return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=self.softmax_scale,
+                                        causal=self.causal, kv_format=self.kv_format, kv_scale=kv_scale,
+                                        indices=indices, topk_length=topk_length)
+        return _mla_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, self.softmax_scale, self.causal,
+                           self.kv_format, self.num_splits, list(self.config), indices, topk_length)
+
+
+def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softmax_scale=None, causal=False,
+         num_splits=None, head_dim_v=D_V) -> MLAPlan:
+    """An MLAPlan for decode steps shaped like these tensors (only their shapes, dtypes and device are read):
+    q [b, s_q, h_q, 576]; kv_cache [num_pages, page_size, 1, width] in `kv_format` (see mla_decode); block_table
+    int32 [b, max_pages], or, sparse, indices int32 [b, s_q, topk]. num_splits: None plans it, an int forces it."""
+    from .decode_kernel import plan_block_h, plan_num_splits
+    _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim_v)
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0
+                                          and math.isfinite(softmax_scale)):
+        fail("softmax_scale", "a positive finite float or None", softmax_scale)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        fail("num_splits", "None (planned) or a positive int", num_splits)
+    b, s_q, h_q, _ = q.shape
+    sparse = indices is not None
+    rows = h_q if sparse else s_q * h_q  # the query rows one program's tiles are cut from
+    cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else kv_format, rows)
+    cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
+    max_tokens = indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
+    if num_splits is None:
+        num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device))
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
+    return MLAPlan(b, s_q, h_q, kv_cache.shape[1], max_tokens, kv_format, sparse, causal, scale, q.dtype, cfg,
+                   num_splits)
+
+
+def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,
+               kv_format="bf16", kv_scale=None, indices=None, topk_length=None, num_splits=None, backend=None):
+    """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
+    fp32, natural log). `plan(...).run(...)` in one call; a serving loop makes the plan once instead.
+
+    q [b, s_q, h_q, 576] (h_q 16/32/64/128, s_q 1-4); kv_cache [num_pages, page_size, 1, width]: bf16 in q's dtype
+    (width 576), or uint8 rows of "fp8" (656), "nvfp4" (416; kv_scale: its one-element fp32 tensor scale) or
+    "mxfp4" (400), made by `quantize_kv`; block_table int32 [b, max_pages]; cache_seqlens int32 [b]. causal (MTP,
+    s_q > 1): query i sees the first cache_seqlens - s_q + 1 + i tokens. A request that sees no token gets out 0
+    and lse -inf. num_splits: None (planned from shapes) or an int number of KV splits.
+
+    Sparse (top-k) variant: indices int32 [b, s_q, topk] of absolute cache slots (page * page_size + offset,
+    -1 skipped) replace the block table walk (block_table / cache_seqlens may then be None); topk_length
+    int32 [b] optionally limits each request's list.
+    """
+    p = plan(q, kv_cache, block_table, indices=indices, kv_format=kv_format, softmax_scale=softmax_scale,
+             causal=causal, num_splits=num_splits, head_dim_v=head_dim_v)
+    return p.run(q, kv_cache, block_table, cache_seqlens, kv_scale=kv_scale, indices=indices,
+                 topk_length=topk_length, backend=backend)
+
+
+def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Tensor:
+    """latent [..., 576] -> cache rows in `kv_format`: "bf16" unchanged; "fp8" / "nvfp4" / "mxfp4" uint8
+    [..., 656 / 416 / 400] (layouts in kv_format.py). "nvfp4" takes the cache-wide fp32 kv_scale, fixed for
+    the cache's life (e.g. nvfp4_tensor_scale of calibration data); pass the same to mla_decode."""
+    check_tensor("latent", latent)
+    check_choice("kv_format", kv_format, KV_FORMATS)
+    fmt = KV_FORMATS[kv_format]
+    check_dtype("latent", latent, (torch.bfloat16, torch.float16, torch.float32))
+    if latent.dim() == 0 or latent.shape[-1] != D_QK:
+        fail("latent", f"a tensor [..., {D_QK}]", f"shape {tuple(latent.shape)}")
+    if fmt.tensor_scale:
+        if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
+            fail("kv_scale", f"the cache-wide one-element fp32 scale for {kv_format} (see nvfp4_tensor_scale)",
+                 kv_scale)
+    if fmt.quantized and host_reads_allowed(latent) and not bool(torch.isfinite(latent).all()):
+        fail("latent", "finite values (a NaN or inf has no place in a quantized cache)", "NaN or inf")
+    if not fmt.quantized:
+        return latent
+    # in slices of rows: the reference quantiser's fp32 temporaries are ~10x the slice (a whole large cache at
+    # once runs a GPU out of memory)
+    rows = latent.reshape(-1, D_QK)
+    out = torch.empty(rows.shape[0], fmt.width, dtype=torch.uint8, device=latent.device)
+    for i in range(0, rows.shape[0], QUANTIZE_ROWS):
+        out[i:i + QUANTIZE_ROWS] = quantize_kv_reference(rows[i:i + QUANTIZE_ROWS], kv_format, kv_scale)
+    return out.reshape(*latent.shape[:-1], fmt.width)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim_v):
+    """What plan() reads: shapes, dtypes, formats, flags."""
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        check_tensor(name, t)
+        check_same_device(name, t, "q", q)
+    check_rank("q", q, 4)
+    check_dtype("q", q, (torch.bfloat16, torch.float16, torch.float32))
+    b, s_q, h_q, d = q.shape
+    if d != D_QK:
+        fail("q", f"head dim {D_QK} (512 latent + 64 rope)", d)
+    if head_dim_v != D_V:
+        fail("head_dim_v", f"{D_V}", head_dim_v)
+    if h_q not in H_Q:
+        fail("q", f"h_q in {H_Q}", h_q)
+    if not 1 <= s_q <= 4:
+        fail("q", "s_q from 1 to 4", s_q)
+    check_last_dim_contiguous("q", q)
+    check_choice("kv_format", kv_format, KV_FORMATS)
+    fmt = KV_FORMATS[kv_format]
+    check_rank("kv_cache", kv_cache, 4)
+    if kv_cache.shape[2] != 1:
+        fail("kv_cache", "one latent head: [num_pages, page_size, 1, width]", tuple(kv_cache.shape))
+    if kv_cache.shape[1] not in PAGE_SIZES:
+        fail("kv_cache", f"page size in {PAGE_SIZES}", kv_cache.shape[1])
+    check_dtype("kv_cache", kv_cache, (torch.uint8,) if fmt.quantized else (q.dtype,))
+    if kv_cache.shape[3] != fmt.width:
+        fail("kv_cache", f"{fmt.width} {'bytes' if fmt.quantized else 'values'} per token for {kv_format}",
+             kv_cache.shape[3])
+    if not kv_cache.is_contiguous():
+        fail("kv_cache", "a contiguous tensor", f"strides {kv_cache.stride()}")
+    if not isinstance(causal, bool):
+        fail("causal", "a bool", type(causal).__name__)
+    if indices is not None:
+        _check_int32("indices", indices, q, 3, (b, s_q))
+        if indices.shape[2] < 1:
+            fail("indices", f"[{b}, {s_q}, topk >= 1]", tuple(indices.shape))
+        if causal:
+            fail("causal", "False with indices (the index list already says what each query sees)", causal)
+    else:
+        _check_int32("block_table", block_table, q, 2, (b,))
+
+
+def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, indices, topk_length):
+    """What run() is given: the plan's shapes, and (unless capturing) values in range."""
+    check_tensor("q", q)
+    if tuple(q.shape) != (p.batch, p.s_q, p.h_q, D_QK) or q.dtype != p.dtype:
+        fail("q", f"[{p.batch}, {p.s_q}, {p.h_q}, {D_QK}] {p.dtype} (the plan's)", f"{tuple(q.shape)} {q.dtype}")
+    check_last_dim_contiguous("q", q)
+    fmt = KV_FORMATS[p.kv_format]
+    check_tensor("kv_cache", kv_cache)
+    check_same_device("kv_cache", kv_cache, "q", q)
+    if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (p.page_size, 1, fmt.width) or \
+            kv_cache.dtype != (torch.uint8 if fmt.quantized else q.dtype) or not kv_cache.is_contiguous():
+        fail("kv_cache", f"a contiguous [num_pages, {p.page_size}, 1, {fmt.width}] {p.kv_format} cache (the plan's)",
+             f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
+    if fmt.tensor_scale:
+        if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
+            fail("kv_scale", f"a one-element fp32 tensor ({p.kv_format}'s cache-wide scale)", kv_scale)
+        check_same_device("kv_scale", kv_scale, "q", q)
+    if p.sparse:
+        _check_int32("indices", indices, q, 3, (p.batch, p.s_q))
+        if indices.shape[2] != p.max_tokens:
+            fail("indices", f"topk {p.max_tokens} (the plan's)", indices.shape[2])
+        if topk_length is not None:
+            _check_int32("topk_length", topk_length, q, 1, (p.batch,))
+        if host_reads_allowed(q):
+            _check_index_values(kv_cache, indices, topk_length)
+    else:
+        _check_int32("block_table", block_table, q, 2, (p.batch,))
+        if block_table.shape[1] * p.page_size != p.max_tokens:
+            fail("block_table", f"{p.max_tokens // p.page_size} pages per request (the plan's)",
+                 block_table.shape[1])
+        _check_int32("cache_seqlens", cache_seqlens, q, 1, (p.batch,))
+        if host_reads_allowed(q):
+            _check_table_values(kv_cache, block_table, cache_seqlens)
+
+
+def _check_int32(name, t, q, rank, lead):
+    """An int32 tensor on q's device of the given rank whose leading dims are `lead` (batch first)."""
+    check_tensor(name, t)
+    check_same_device(name, t, "q", q)
+    check_rank(name, t, rank)
+    check_dtype(name, t, (torch.int32,))
+    if tuple(t.shape[:len(lead)]) != tuple(lead):
+        fail(name, f"leading dims {tuple(lead)} (batch{', s_q' if len(lead) > 1 else ''} of q)", tuple(t.shape))
+    check_last_dim_contiguous(name, t)
+
+
+def _check_table_values(kv_cache, block_table, cache_seqlens):
+    page = kv_cache.shape[1]
+    capacity = block_table.shape[1] * page
+    # every check as one reduction on the device and a single read-back; the details only on failure
+    lens = cache_seqlens.long()
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < ((lens + page - 1) // page)[:, None]
+    bad_pages = used & ((block_table < 0) | (block_table >= kv_cache.shape[0]))
+    if not bool(((lens < 0) | (lens > capacity)).any() | bad_pages.any()):
+        return
+    lens = lens.cpu()
+    if bool((lens < 0).any()):
+        fail("cache_seqlens", "values >= 0", lens.tolist()[:8])
+    if bool((lens > capacity).any()):
+        fail("cache_seqlens", f"values <= {capacity} (block_table pages x page_size)", int(lens.max()))
+    i, p = (int(x) for x in bad_pages.nonzero()[0])
+    fail("block_table", f"page indices in [0, {kv_cache.shape[0]})", f"{int(block_table[i, p])} at [{i}, {p}]")
+
+
+def _check_index_values(kv_cache, indices, topk_length):
+    slots = kv_cache.shape[0] * kv_cache.shape[1]
+    bad_idx = ((indices < -1) | (indices >= slots)).any()  # one read-back for both checks, as above
+    bad_len = ((topk_length < 0) | (topk_length > indices.shape[2])).any() if topk_length is not None else bad_idx
+    if not bool(bad_idx | bad_len):
+        return
+    if bool(bad_idx):
+        fail("indices", f"slots in [-1, {slots})", f"min {int(indices.min())}, max {int(indices.max())}")
+    fail("topk_length", f"values in [0, {indices.shape[2]}]", topk_length.tolist()[:8])

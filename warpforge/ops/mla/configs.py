@@ -1,0 +1,32 @@
+"""Tiles for MLA decode: arch -> cache format -> query rows per request (h_q · s_q, or h_q when sparse) ->
+MLACfg (see ops/_tiles.py: a format without entries of its own takes "any"'s).
+
+"cpu" is the Triton interpreter. sm90 entries come from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md):
+FP8 runs fastest at h_q 16 with fp16 math, 32-token steps and the next step's bytes prefetched into
+registers; FP4 with 32-token steps. "default" serves any other arch, safe rather than fast.
+"""
+from typing import NamedTuple
+
+from .._tiles import TileTable
+
+
+class MLACfg(NamedTuple):
+    block_h: int   # query rows (h_q · s_q) per program
+    block_n: int   # cache tokens per step
+    warps: int
+    stages: int
+    fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
+    prefetch: bool = False   # FP8, dense: load the next step's bytes into registers while this step computes
+
+
+C = MLACfg
+MANY_ROWS = 17  # from here a request's rows fill a larger tile
+_FP32 = {0: C(16, 16, 4, 1), MANY_ROWS: C(32, 16, 4, 1)}  # fp32 q (full-precision matmuls): small tiles
+DECODE = TileTable({
+    "cpu": {"any": C(16, 16, 1, 1)},
+    "default": {"any": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 32, 8, 2)}, "fp32": _FP32},
+    "sm90": {"any": {0: C(16, 64, 4, 2), MANY_ROWS: C(64, 64, 8, 2)}, "fp32": _FP32,
+             "fp8": {0: C(16, 32, 4, 3, fp16_math=True, prefetch=True), MANY_ROWS: C(64, 64, 8, 2)},
+             "nvfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)},
+             "mxfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)}},
+})

@@ -1,0 +1,158 @@
+"""`rms_norm`, `add_rms_norm` (a residual add fused with the next norm) and `layer_norm`: validate -> dispatch
+(the reference, or the Triton kernels as ops with autograd)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...errors import check_dim, check_dtype, check_positive_float, check_rank, check_same_device, check_tensor, fail
+from ...runtime import resolve_backend, sm_count
+from .._op import kernel_op
+from . import configs
+from .reference import add_rms_norm_reference, layer_norm_reference, rms_norm_reference
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _cfg(x: torch.Tensor) -> configs.NormCfg:
+    return configs.NORM.lookup(x.device, size=x.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------- ops
+def _norm_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                   layer: bool, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd); mean is empty for RMSNorm."""
+    from .norm_kernel import norm_fwd
+    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x))
+    return y, mean if mean is not None else rstd.new_empty(0), rstd
+
+
+def _norm_fwd_fake(x, weight, bias, eps, layer, out_dtype):
+    rows = x.numel() // max(x.shape[-1], 1)
+    return torch.empty_like(x, dtype=out_dtype), x.new_empty(rows if layer else 0, dtype=torch.float32), \
+        x.new_empty(rows, dtype=torch.float32)
+
+
+def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   layer: bool,
+                   d_sum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db); d_sum: x's gradient from its other uses when x is a residual sum, added into dx."""
+    from .norm_kernel import norm_bwd
+    cfg = _cfg(x)
+    dx, dw, db = norm_bwd(dy.contiguous(), x, weight, mean, rstd, cfg.programs_per_sm * sm_count(x.device), layer,
+                          d_sum.contiguous() if d_sum is not None else None, cfg)
+    return dx, dw, db if db is not None else weight.new_empty(0)
+
+
+def _norm_bwd_fake(dy, x, weight, mean, rstd, layer, d_sum=None):
+    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0)
+
+
+_norm_bwd = kernel_op("norm_bwd", _norm_bwd_impl, _norm_bwd_fake)
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, _, layer, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], output[2])
+    ctx.layer = layer
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
+    return dx, dw, db if ctx.layer else None, None, None, None
+
+
+_norm_fwd = kernel_op("norm_fwd", _norm_fwd_impl, _norm_fwd_fake, setup_context=_norm_setup,
+                      backward=_norm_backward)
+
+
+def _add_norm_fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y = rms_norm(x + residual), x + residual, rstd)."""
+    from .norm_kernel import norm_fwd
+    y, _, rstd, total = norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x))
+    return y, total, rstd
+
+
+def _add_norm_fwd_fake(x, residual, weight, eps, out_dtype):
+    rows = x.numel() // max(x.shape[-1], 1)
+    return torch.empty_like(x, dtype=out_dtype), torch.empty_like(x, dtype=torch.result_type(x, residual)), \
+        x.new_empty(rows, dtype=torch.float32)
+
+
+def _add_norm_setup(ctx, inputs, output):
+    x, residual, weight, _, _ = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.dtypes = x.dtype, residual.dtype
+    ctx.mark_non_differentiable(output[2])
+
+
+def _add_norm_backward(ctx, dy, d_total, _drstd):
+    total, weight, rstd = ctx.saved_tensors
+    d_sum, dw, _ = _norm_bwd(dy, total, weight, rstd, rstd, False, d_total)  # rstd stands in for the unused mean
+    return d_sum.to(ctx.dtypes[0]), d_sum.to(ctx.dtypes[1]), dw, None, None
+
+
+_add_norm_fwd = kernel_op("add_rms_norm_fwd", _add_norm_fwd_impl, _add_norm_fwd_fake, setup_context=_add_norm_setup,
+                          backward=_add_norm_backward)
+
+
+# ------------------------------------------------------------------------------------ public door
+def _check_norm(x, weight, bias, eps, out_dtype):
+    check_tensor("x", x)
+    if out_dtype is not None and out_dtype not in FLOATS:
+        fail("out_dtype", f"None or one of {FLOATS}", out_dtype)
+    check_tensor("weight", weight)
+    check_dtype("x", x, FLOATS)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        fail("x", "a tensor [..., n] with n >= 1 (normalised over its last dim)", f"shape {tuple(x.shape)}")
+    for name, t in (("weight", weight),) + ((("bias", bias),) if bias is not None else ()):
+        check_tensor(name, t)
+        check_rank(name, t, 1)
+        check_dtype(name, t, FLOATS)
+        check_dim(name, t, 0, x.shape[-1], "x's last dim")
+        check_same_device(name, t, "x", x)
+    check_positive_float("eps", eps, allow_none=False)
+
+
+def rms_norm(x, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
+    """x / sqrt(mean(x², -1) + eps) · weight over the last dim; x [..., n], weight [n]. out_dtype: the output's
+    dtype if not x's (e.g. bf16 from an fp32 residual stream under autocast: the cast the next matmul would
+    make, without another pass over memory)."""
+    _check_norm(x, weight, None, eps, out_dtype)
+    if resolve_backend(backend, x.device) == "reference":
+        y = rms_norm_reference(x, weight, eps)
+        return y if out_dtype is None else y.to(out_dtype)
+    return _norm_fwd(x.contiguous(), weight.contiguous(), None, float(eps), False, out_dtype)[0]
+
+
+def add_rms_norm(x, residual, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
+    """(rms_norm(x + residual), x + residual) in one pass over memory: a pre-norm block's residual add fused with
+    the next norm. The sum has x's and residual's promoted dtype (an fp32 stream plus a bf16 branch stays fp32);
+    out_dtype is the normalised output's, as in rms_norm."""
+    _check_norm(x, weight, None, eps, out_dtype)
+    check_tensor("residual", residual)
+    check_dtype("residual", residual, FLOATS)
+    check_same_device("residual", residual, "x", x)
+    if residual.shape != x.shape:
+        fail("residual", f"x's shape {tuple(x.shape)}", tuple(residual.shape))
+    if resolve_backend(backend, x.device) == "reference":
+        y, total = add_rms_norm_reference(x, residual, weight, eps)
+        return (y if out_dtype is None else y.to(out_dtype)), total
+    y, total, _ = _add_norm_fwd(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), out_dtype)
+    return y, total
+
+
+def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None, *, out_dtype=None):
+    """(x − mean) / sqrt(var + eps) · weight + bias over the last dim; x [..., n], weight and bias [n].
+    out_dtype: as rms_norm's."""
+    _check_norm(x, weight, bias, eps, out_dtype)
+    if bias is None:
+        fail("bias", "a tensor [n] (use rms_norm for a norm without bias or centring)", None)
+    if resolve_backend(backend, x.device) == "reference":
+        y = layer_norm_reference(x, weight, bias, eps)
+        return y if out_dtype is None else y.to(out_dtype)
+    return _norm_fwd(x.contiguous(), weight.contiguous(), bias.contiguous(), float(eps), True, out_dtype)[0]

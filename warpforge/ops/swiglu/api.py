@@ -1,0 +1,58 @@
+"""`swiglu`: validate -> dispatch (the reference, or the Triton kernels as ops with autograd)."""
+from __future__ import annotations
+
+import torch
+
+from ...errors import check_dtype, check_tensor, fail
+from ...runtime import resolve_backend
+from .._op import kernel_op
+from . import configs
+from .reference import swiglu_reference
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _swiglu_fwd_impl(gate_up: torch.Tensor) -> torch.Tensor:
+    from .swiglu_kernel import swiglu_fwd
+    return swiglu_fwd(gate_up, configs.SWIGLU.lookup(gate_up.device))
+
+
+def _swiglu_fwd_fake(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def _swiglu_bwd_impl(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    from .swiglu_kernel import swiglu_bwd
+    return swiglu_bwd(dout.contiguous(), gate_up, configs.SWIGLU.lookup(gate_up.device))
+
+
+def _swiglu_bwd_fake(dout, gate_up):
+    return torch.empty_like(gate_up)
+
+
+_swiglu_bwd = kernel_op("swiglu_bwd", _swiglu_bwd_impl, _swiglu_bwd_fake)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _swiglu_backward(ctx, dout):
+    (gate_up,) = ctx.saved_tensors
+    return _swiglu_bwd(dout, gate_up)
+
+
+_swiglu_fwd = kernel_op("swiglu_fwd", _swiglu_fwd_impl, _swiglu_fwd_fake, setup_context=_swiglu_setup,
+                        backward=_swiglu_backward)
+
+
+def swiglu(gate_up, backend=None):
+    """gate_up [..., 2I] (gate first, then up) -> silu(gate) · up [..., I], without an intermediate."""
+    check_tensor("gate_up", gate_up)
+    backend = resolve_backend(backend, gate_up.device)
+    check_dtype("gate_up", gate_up, FLOATS)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        fail("gate_up", "a tensor [..., 2I] with an even last dim (gate and up halves)", f"shape {tuple(gate_up.shape)}")
+    if backend == "reference":
+        return swiglu_reference(gate_up)
+    return _swiglu_fwd(gate_up.contiguous())
