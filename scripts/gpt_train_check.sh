@@ -3,8 +3,10 @@
 # time, loss curve, the first validation at or under BAR, a sample) and a PNG of the loss curve beside it.
 #   bash scripts/gpt_train_check.sh tiny 2.2 benchmarks/results/cpu/gpt-tiny.json            (the CPU bar)
 #   bash scripts/gpt_train_check.sh shakespeare 1.6 $OUT/gpt.json                            (the H200 bar)
-# Extra arguments go to `warpforge gpt train`. Set SKIP_PREPARE=1 where the data is already in WARPFORGE_CACHE
-# (a GPU machine without network); WARPFORGE_GIT_COMMIT names the commit where there is no .git.
+# Extra arguments go to `warpforge gpt train` (e.g. --max-minutes: the preset's own time limit otherwise; the
+# train summary line says whether the run finished or stopped at it). Set SKIP_PREPARE=1 where the data is
+# already in WARPFORGE_CACHE (a GPU machine without network); WARPFORGE_GIT_COMMIT names the commit where there
+# is no .git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=$1 bar=$2 result=$3

@@ -1,7 +1,11 @@
-"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge info`."""
+"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge info`.
+Errors a user can act on are one line on stderr and exit code 2; the library's progress lines (the "warpforge"
+logger) are shown on stdout."""
 from __future__ import annotations
 
 import argparse
+import logging
+import math
 import os
 import re
 import sys
@@ -16,6 +20,12 @@ def _prepare_device():
     return torch.device("cuda")
 
 
+def _fail(cmd: str, message) -> int:
+    print(f"warpforge {cmd}: {message}", file=sys.stderr)
+    return 2
+
+
+# ------------------------------------------------------------------------------------ commands
 def cmd_bench(args) -> int:
     device = _prepare_device()
     from .bench import cases as registry
@@ -27,14 +37,13 @@ def cmd_bench(args) -> int:
         return 0
     known = registry.families()
     if args.family not in (None, "all") and args.family not in known:
-        print(f"warpforge bench: unknown family {args.family!r}; known: {', '.join(known)}", file=sys.stderr)
-        return 2
+        return _fail("bench", f"unknown family {args.family!r}; known: {', '.join(known)}")
     selected = registry.select(args.family, args.quick)
     if device.type == "cpu":
         print("No GPU found: running every kernel through the Triton interpreter at tiny sizes, "
               "checked against its reference. Times are not GPU times.", flush=True)
     if args.match:
-        selected = [c for c in selected if re.search(args.match, c.name)]
+        selected = [c for c in selected if args.match.search(c.name)]
     checkpoint = (lambda res: report.write_json(res, args.json)) if args.json else None
     result = runner.run(selected, device, log=lambda s: print(s, flush=True), checkpoint=checkpoint)
     print(report.table(result))
@@ -44,7 +53,9 @@ def cmd_bench(args) -> int:
     if args.plot:
         report.plot(result, args.plot)
         print(f"wrote {args.plot}")
-    failed = [r for r in result["rows"] if r["impl"] == "warpforge" and r.get("ms") is None]
+    # our kernels failing to run, or computing outside their tolerance, fail the command
+    failed = [r for r in result["rows"] if r["impl"].startswith("warpforge")
+              and (r.get("ms") is None or r.get("ok") is False)]
     return 1 if failed else 0
 
 
@@ -53,41 +64,65 @@ def cmd_report(args) -> int:
 
     from .bench import report
     for path in args.paths:
-        with open(path) as f:
-            print(f"### {os.path.basename(path)}\n\n```\n{report.table(json.load(f))}\n```\n")
+        try:
+            with open(path) as f:
+                results = json.load(f)
+        except (OSError, ValueError) as exc:
+            return _fail("report", f"{path}: {exc}")
+        print(f"### {os.path.basename(path)}\n\n```\n{report.table(results)}\n```\n")
     return 0
 
 
-def cmd_gpt(args) -> int:
-    """`warpforge gpt prepare | train | sample`: errors a user can act on are one line, exit code 2."""
-    if args.gpt_cmd == "prepare":
-        from .models.gpt.data import prepare
+def cmd_gpt_prepare(args) -> int:
+    import subprocess
+
+    from .models.gpt.data import prepare
+    try:
         prepare(args.out)
-        return 0
-    if args.gpt_cmd == "train":
-        from .models.gpt.data import DataMissing
-        from .models.gpt.train import TrainError, train
-        try:
-            result = train(args.preset, args.out, resume=args.resume, max_steps=args.max_steps,
-                           max_minutes=args.max_minutes, data=args.data, compile=args.compile,
-                           parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
-                           ddp_bf16_grads=args.ddp_bf16_grads or None)
-        except (TrainError, DataMissing) as exc:
-            print(f"warpforge gpt train: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            return 130
-        vals = [h["val_loss"] for h in result["history"] if "val_loss" in h]
-        print(f"done: step {result['step']}" + (f", val {vals[-1]:.3f} nats/byte" if vals else ""))
-        return 0
+    except (subprocess.CalledProcessError, OSError) as exc:
+        return _fail("gpt prepare", f"fetching the data failed ({exc})")
+    return 0
+
+
+def cmd_gpt_train(args) -> int:
+    from .models.gpt.data import DataMissing
+    from .models.gpt.train import TrainError, train
+    try:
+        result = train(args.preset, args.out, resume=args.resume, progress_bar=sys.stderr.isatty(),
+                       max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
+                       data=args.data, compile=args.compile, parallel=args.parallel,
+                       ddp_bucket_mb=args.ddp_bucket_mb, ddp_bf16_grads=args.ddp_bf16_grads or None)
+    except (TrainError, DataMissing) as exc:
+        return _fail("gpt train", exc)
+    except KeyboardInterrupt:
+        print("interrupted: stopped without saving; the last checkpoint stays", file=sys.stderr)
+        return 130
+    vals = [h["val_loss"] for h in result["history"] if "val_loss" in h]
+    where = f"step {result['step']} of {result['max_steps']}" + (f", val {vals[-1]:.3f} nats/byte" if vals else "")
+    stopped = result["stopped"]
+    if stopped == "time limit":
+        print(f"stopped early at the time limit of {result['max_minutes']:g} min (--max-minutes): {where}; "
+              f"--resume continues")
+    elif stopped == "interrupted":
+        print(f"stopped early (interrupted): {where}, saved; --resume continues")
+        return 130
+    elif stopped is not None:
+        print(f"stopped early ({stopped}): {where}")
+    else:
+        print(f"done: {where}")
+    return 0
+
+
+def cmd_gpt_sample(args) -> int:
+    from .models.gpt.checkpoint import CheckpointError
     from .models.gpt.sample import load, sample
     try:
         model = load(args.preset, args.ckpt)
-    except FileNotFoundError as exc:
-        print(f"warpforge gpt sample: {exc}", file=sys.stderr)
-        return 2
-    for text in sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.top_p, args.num,
-                       args.seed):
+        texts = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.top_p, args.num,
+                       args.seed)
+    except (FileNotFoundError, CheckpointError, ValueError) as exc:
+        return _fail("gpt sample", exc)
+    for text in texts:
         print(text)
         print("-" * 40)
     return 0
@@ -106,52 +141,125 @@ def cmd_info(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="warpforge")
-    sub = parser.add_subparsers(dest="cmd", required=True)
+# ------------------------------------------------------------------------------------ arguments
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: `warpforge ...: message`, exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind, ok, expected):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+int_value = _number(int, lambda v: True, "an integer")
+positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
+temperature = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+probability = _number(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
+
+
+def regex(text):
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {text!r} ({exc})") from None
+
+
+def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="time every kernel beside its best alternative")
     b.add_argument("--family", default=None, help="one family (default: all)")
     b.add_argument("--quick", action="store_true", help="only the headline cases")
-    b.add_argument("--json", default=None, metavar="PATH")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (after each case)")
     b.add_argument("--plot", default=None, metavar="PATH", help="PNG of TFLOP/s per case (needs matplotlib)")
-    b.add_argument("--match", default=None, metavar="REGEX", help="only cases whose name matches")
+    b.add_argument("--match", default=None, metavar="REGEX", type=regex, help="only cases whose name matches")
     b.add_argument("--list", action="store_true", help="list the cases and exit")
     b.set_defaults(fn=cmd_bench)
     r = sub.add_parser("report", help="render bench JSON files as text tables (markdown)")
-    r.add_argument("paths", nargs="+")
+    r.add_argument("paths", nargs="+", metavar="PATH", help="JSON files written by `warpforge bench --json`")
     r.set_defaults(fn=cmd_report)
-    g = sub.add_parser("gpt", help="the hackable GPT: prepare data, train, sample")
-    gsub = g.add_subparsers(dest="gpt_cmd", required=True)
-    gp = gsub.add_parser("prepare", help="fetch and prepare the Shakespeare data into the cache directory")
-    gp.add_argument("--out", default=None, help="default: $WARPFORGE_CACHE/shakespeare")
-    gt = gsub.add_parser("train", help="train a preset (tiny, shakespeare, gpt2-124m)")
-    gt.add_argument("--preset", default="tiny")
+
+
+def _train_parser(gsub) -> None:
+    from .models.gpt.config import PRESETS
+    minutes = ", ".join(f"{name}: {p.train.max_minutes or 'none'}" for name, p in PRESETS.items())
+    gt = gsub.add_parser("train", help=f"train a preset ({', '.join(PRESETS)})")
+    gt.add_argument("--preset", default="tiny", help="the model and training settings (default: tiny)")
     gt.add_argument("--out", default=None, help="run directory (default: $WARPFORGE_CACHE/runs/<preset>)")
     gt.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
-    gt.add_argument("--max-steps", type=int, default=None)
-    gt.add_argument("--max-minutes", type=float, default=None)
-    gt.add_argument("--data", choices=("shakespeare", "random"), default=None)
+    gt.add_argument("--max-steps", type=positive_int, default=None, help="train to this step (default: the preset's)")
+    gt.add_argument("--max-minutes", type=positive_float, default=None,
+                    help=f"stop (and save) after this many minutes of training (default: the preset's; {minutes})")
+    gt.add_argument("--ckpt-every", type=positive_int, default=None,
+                    help="save a checkpoint every this many steps (default: the preset's)")
+    gt.add_argument("--data", choices=("shakespeare", "random"), default=None,
+                    help="the prepared plays, or random tokens (throughput; default: the preset's)")
     gt.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
                     help="under torchrun: DDP (default) or FSDP2 (sharded parameters and optimizer state)")
-    gt.add_argument("--ddp-bucket-mb", type=float, default=None,
+    gt.add_argument("--ddp-bucket-mb", type=positive_float, default=None,
                     help="DDP gradient bucket size in MB (default 25): one all-reduce and one compiled-graph split "
                          "each")
     gt.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16 (half the bytes)")
     gt.add_argument("--compile", choices=("auto", "on", "off", "graphs"), default=None,
                     help="torch.compile the training step; graphs: also replay it from CUDA graphs (auto: graphs "
                          "on CUDA, off on CPU)")
+    gt.set_defaults(fn=cmd_gpt_train)
+
+
+def _sample_parser(gsub) -> None:
     gs = gsub.add_parser("sample", help="generate text from a trained checkpoint")
-    gs.add_argument("--preset", default="tiny")
-    gs.add_argument("--ckpt", default=None)
-    gs.add_argument("--prompt", default="\n")
-    gs.add_argument("--tokens", type=int, default=300)
-    gs.add_argument("--temperature", type=float, default=0.8)
-    gs.add_argument("--top-k", type=int, default=50)
-    gs.add_argument("--top-p", type=float, default=None)
-    gs.add_argument("--num", type=int, default=1)
-    gs.add_argument("--seed", type=int, default=0)
-    g.set_defaults(fn=cmd_gpt)
+    gs.add_argument("--preset", default="tiny", help="whose default run to read when --ckpt is not given")
+    gs.add_argument("--ckpt", default=None, help="checkpoint file (default: $WARPFORGE_CACHE/runs/<preset>/ckpt.pt)")
+    gs.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
+    gs.add_argument("--tokens", type=positive_int, default=300, help="bytes to generate per sample (default 300)")
+    gs.add_argument("--temperature", type=temperature, default=0.8,
+                    help="softmax temperature; 0 is greedy (default 0.8)")
+    gs.add_argument("--top-k", type=positive_int, default=50,
+                    help="sample among the k most likely bytes (default 50; 256: no limit)")
+    gs.add_argument("--top-p", type=probability, default=None,
+                    help="sample among the most likely bytes holding this much probability (default: no limit)")
+    gs.add_argument("--num", type=positive_int, default=1, help="number of samples (default 1)")
+    gs.add_argument("--seed", type=int_value, default=0, help="random seed (default 0)")
+    gs.set_defaults(fn=cmd_gpt_sample)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    parser = _Parser(prog="warpforge", description="Portable Triton kernels: benchmarks and the hackable GPT.")
+    parser.add_argument("--version", action="version", version=f"warpforge {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _bench_parser(sub)
+    g = sub.add_parser("gpt", help="the hackable GPT: prepare data, train, sample")
+    gsub = g.add_subparsers(dest="gpt_cmd", required=True)
+    gp = gsub.add_parser("prepare", help="fetch and prepare the Shakespeare data into the cache directory")
+    gp.add_argument("--out", default=None, help="directory (default: $WARPFORGE_CACHE/shakespeare)")
+    gp.set_defaults(fn=cmd_gpt_prepare)
+    _train_parser(gsub)
+    _sample_parser(gsub)
     i = sub.add_parser("info", help="versions and the device warpforge would use")
     i.set_defaults(fn=cmd_info)
-    args = parser.parse_args(argv)
-    return args.fn(args)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = logging.StreamHandler(sys.stdout)  # the library's progress lines, as the user's output
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("warpforge")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return args.fn(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)

@@ -4,11 +4,14 @@ by the kernels. Used by scripts/profile_case.py (bench cases) and by `gpt train`
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import defaultdict
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def kernel_table(prof, iters: int, top: int = 15) -> tuple[float, float, list[str]]:
@@ -46,15 +49,16 @@ def idle_gaps(prof, iters: int, top: int = 8, min_us: float = 5.0) -> tuple[floa
 
 class StepProfiler:
     """WARPFORGE_PROFILE_STEPS=A:B profiles training steps A+1..B (after warm-up and graph capture) on one
-    process and logs, per step, the wall time beside the kernels' GPU time, the top kernels and the GPU's
-    longest idle gaps (the profiler's own host cost makes host-bound stretches look longer than they are)."""
+    process and logs (to the "warpforge" logger), per step, the wall time beside the kernels' GPU time, the top
+    kernels and the GPU's longest idle gaps (the profiler's own host cost makes host-bound stretches look longer
+    than they are)."""
 
     def __init__(self, enabled: bool):
         spec = os.environ.get("WARPFORGE_PROFILE_STEPS", "") if enabled and torch.cuda.is_available() else ""
         self.first, self.last = map(int, spec.split(":")) if spec else (None, None)
         self.prof = None
 
-    def after_step(self, step: int, log) -> None:
+    def after_step(self, step: int) -> None:
         if self.first is None:
             return
         if step == self.first:
@@ -69,7 +73,7 @@ class StepProfiler:
             self.prof.__exit__(None, None, None)
             busy, launches, lines = kernel_table(self.prof, n)
             idle, gap_lines = idle_gaps(self.prof, n, top=12)
-            log(f"profile of steps {self.first + 1}-{self.last}: {wall:.2f} ms a step, kernels {busy:.2f} ms "
+            log.info(f"profile of steps {self.first + 1}-{self.last}: {wall:.2f} ms a step, kernels {busy:.2f} ms "
                 f"({launches:.0f} launches a step)\n" + "\n".join(lines) +
                 f"\nGPU idle {idle:.2f} ms a step; longest gaps:\n" + "\n".join(gap_lines))
             self.prof = None

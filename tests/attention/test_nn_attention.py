@@ -50,3 +50,53 @@ def test_module_bad_config():
         wf.nn.Attention(128, 4, 3)
     with pytest.raises(WarpforgeInputError, match="^dim"):
         wf.nn.Attention(130, 4)
+
+
+def test_rotary_kv_cache_decoding_matches_full_attention():
+    """With rotary positions, a prompt into a KVCache and then a token at a time give what attention over the
+    whole sequence gives; the cache's position lives on the host."""
+    dtype = dtypes_under_test()[-1]
+    torch.manual_seed(0)
+    mod = wf.nn.Attention(128, 4, 2, rotary=True, max_seq_len=32, backend="triton").to(DEV, dtype)
+    x = torch.randn(2, 11, 128, device=DEV, dtype=dtype)
+    with torch.no_grad():
+        full = mod(x)
+        cache = mod.new_cache(2, 16, device=DEV, dtype=dtype)
+        parts = [mod(x[:, :8], cache)] + [mod(x[:, t:t + 1], cache) for t in range(8, 11)]
+    assert cache.length == 11
+    assert rel_l2(torch.cat(parts, 1), full) <= 1e-2
+    with pytest.raises(WarpforgeInputError, match="^cache"):
+        mod(torch.randn(2, 6, 128, device=DEV, dtype=dtype), cache)  # 17 tokens into a cache of 16
+
+
+def test_rotary_packed_sequences_each_start_at_position_zero():
+    dtype = dtypes_under_test()[-1]
+    mod = wf.nn.Attention(64, 2, rotary=True, max_seq_len=32, backend="triton").to(DEV, dtype)
+    lengths = [5, 17, 1]
+    x = torch.randn(sum(lengths), 64, device=DEV, dtype=dtype)
+    out = mod(x, cu_seqlens=ragged_cu_seqlens(lengths, DEV), max_seqlen=max(lengths))
+    start = 0
+    for n in lengths:
+        assert rel_l2(out[start:start + n], mod(x[None, start:start + n])[0]) <= 1e-2
+        start += n
+
+
+def test_rotary_positions_past_the_tables_fail():
+    mod = wf.nn.Attention(64, 2, rotary=True, max_seq_len=8)
+    with pytest.raises(WarpforgeInputError, match="max_seq_len"):
+        mod(torch.randn(1, 9, 64))
+
+
+def test_torch_backend_matches():
+    torch.manual_seed(0)
+    ours = wf.nn.Attention(128, 4, 2, rotary=True, max_seq_len=32)
+    plain = wf.nn.Attention(128, 4, 2, rotary=True, max_seq_len=32, backend="torch")
+    plain.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 9, 128)
+    torch.testing.assert_close(ours(x), plain(x), rtol=1e-4, atol=1e-5)
+
+
+def test_cu_seqlens_by_position_is_caught():
+    mod = wf.nn.Attention(64, 2)
+    with pytest.raises(WarpforgeInputError, match="^cache.*by keyword"):
+        mod(torch.randn(6, 64), ragged_cu_seqlens([2, 4], "cpu"))

@@ -8,7 +8,7 @@ from warpforge.models.gpt import data as gdata
 from warpforge.models.gpt.model import sample_next
 from warpforge.models.gpt.train import TrainError, train
 
-SMALL = GPTConfig(seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=128)
+from .conftest import SMALL
 
 
 def test_forward_loss_and_gradients():
@@ -53,43 +53,35 @@ def test_top_k_top_p_keep_only_allowed_tokens():
     assert picks == {0}
 
 
-def _patch_small(monkeypatch):
-    from warpforge.models.gpt import config
-    tiny = config.PRESETS["tiny"]
-    small = config.Preset(SMALL, config.TrainConfig(batch_size=4, max_steps=12, lr=1e-3, warmup_steps=2,
-                                                    eval_every=10**9, ckpt_every=6, data="random"))
-    monkeypatch.setitem(config.PRESETS, "tiny", small)
-    return tiny
-
-
-def test_resume_continues_with_the_same_data_and_loss(tmp_path, monkeypatch):
-    _patch_small(monkeypatch)
-    quiet = lambda *a: None  # noqa: E731
-    full = train("tiny", str(tmp_path / "a"), log=quiet)
-    train("tiny", str(tmp_path / "b"), log=quiet, stop_at_step=6)        # a run killed at step 6 ...
-    resumed = train("tiny", str(tmp_path / "b"), resume=True, log=quiet)  # ... and continued
+def test_resume_continues_with_the_same_data_and_loss(tmp_path, small_tiny):
+    full = train("tiny", str(tmp_path / "a"))
+    train("tiny", str(tmp_path / "b"), stop_at_step=6)        # a run killed at step 6 ...
+    resumed = train("tiny", str(tmp_path / "b"), resume=True)  # ... and continued
     losses = lambda r: [h["loss"] for h in r["history"] if "loss" in h]  # noqa: E731
     assert resumed["step"] == full["step"] == 12
     assert losses(resumed)[-1] == pytest.approx(losses(full)[-1], rel=1e-5)
 
 
-def test_bad_runs_fail_clearly_and_overwrite_nothing(tmp_path, monkeypatch):
-    _patch_small(monkeypatch)
-    quiet = lambda *a: None  # noqa: E731
+def test_bad_runs_fail_clearly_and_overwrite_nothing(tmp_path, small_tiny):
     with pytest.raises(TrainError, match="unknown preset"):
-        train("nope", str(tmp_path), log=quiet)
-    train("tiny", str(tmp_path / "run"), log=quiet, stop_at_step=6)
+        train("nope", str(tmp_path))
+    train("tiny", str(tmp_path / "run"), stop_at_step=6)
     ckpt = tmp_path / "run" / "ckpt.pt"
     before = ckpt.read_bytes()
     with pytest.raises(TrainError, match="exists"):
-        train("tiny", str(tmp_path / "run"), log=quiet)
+        train("tiny", str(tmp_path / "run"))
     with pytest.raises(TrainError, match="another model config"):
-        train("shakespeare", str(tmp_path / "run"), resume=True, log=quiet)
+        train("shakespeare", str(tmp_path / "run"), resume=True)
     with pytest.raises(TrainError, match="nothing to resume"):
-        train("tiny", str(tmp_path / "other"), resume=True, log=quiet)
+        train("tiny", str(tmp_path / "other"), resume=True)
     with pytest.raises(TrainError, match="compile"):
-        train("tiny", str(tmp_path / "third"), log=quiet, compile="maybe")
+        train("tiny", str(tmp_path / "third"), compile="maybe")
+    with pytest.raises(TrainError, match="max_steps"):
+        train("tiny", str(tmp_path / "fourth"), max_steps=-5)
+    with pytest.raises(TrainError, match="max_minutes"):
+        train("tiny", str(tmp_path / "fifth"), max_minutes=float("nan"))
     assert ckpt.read_bytes() == before
+    assert not (tmp_path / "fourth").exists()
 
 
 def test_missing_data_says_run_prepare(tmp_path, monkeypatch):
@@ -150,12 +142,11 @@ def test_triton_path_matches_reference_path(monkeypatch):
         assert rel_l2(g_t, g_r) < 2e-2
 
 
-def test_pytorch_ops_baseline_matches():
-    """The plain-PyTorch ops table (the benchmark baseline) computes the same model."""
-    from warpforge.models.gpt.model import PYTORCH_OPS
+def test_pytorch_backend_baseline_matches():
+    """backend="torch" (the benchmark baseline: SDPA, F.rms_norm, ...) computes the same model."""
     torch.manual_seed(0)
     ours = GPT(SMALL)
-    plain = GPT(SMALL, ops=PYTORCH_OPS)
+    plain = GPT(SMALL, backend="torch")
     plain.load_state_dict(ours.state_dict())
     x = torch.randint(0, 256, (2, 32))
     assert torch.allclose(ours(x, x), plain(x, x), rtol=1e-4)

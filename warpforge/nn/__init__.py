@@ -1,6 +1,10 @@
-"""Drop-in torch.nn modules over warpforge ops."""
-from .attention import Attention
+"""Drop-in torch.nn modules over warpforge ops. Each takes `backend` (see `functional`): warpforge's ops
+(None, "triton", "reference"), plain PyTorch ("torch"), or a dict choosing per op."""
+from . import functional
+from .attention import Attention, KVCache
 from .mla import MLACache, MLAttention
+from .mlp import SwiGLU
 from .moe import MoE
+from .norm import RMSNorm
 
-__all__ = ["Attention", "MLAttention", "MLACache", "MoE"]
+__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "RMSNorm", "SwiGLU", "functional"]

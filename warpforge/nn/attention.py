@@ -1,23 +1,58 @@
-"""`Attention`: multi-head self-attention (MHA/GQA/MQA) whose core is `flash_attention`."""
+"""`Attention`: multi-head self-attention (MHA/GQA/MQA) whose core is `flash_attention`, with optional rotary
+positions and a `KVCache` for decoding."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..errors import fail
-from ..ops.attention import flash_attention
+from ..ops.rope import rope_tables
+from . import functional as F
+
+
+@dataclass
+class KVCache:
+    """One layer's keys and values so far: k, v [batch, max_tokens, kv_heads, head_dim], of which the first
+    `length` tokens are written. The rows of a batch advance together, and `length` lives on the host, so a
+    decode step never reads the device back."""
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, batch: int, max_tokens: int, n_kv_heads: int, head_dim: int, device=None,
+                 dtype=torch.bfloat16) -> "KVCache":
+        shape = (batch, max_tokens, n_kv_heads, head_dim)
+        return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [b, s, kv_heads, head_dim] after the cached tokens; return every key and value so far."""
+        b = k.shape[0]
+        start, end = self.length, self.length + k.shape[1]
+        if end > self.k.shape[1]:
+            fail("cache", f"room for {end} tokens", f"a cache of {self.k.shape[1]}")
+        self.k[:b, start:end] = k
+        self.v[:b, start:end] = v
+        self.length = end
+        return self.k[:b, :end], self.v[:b, :end]
 
 
 class Attention(nn.Module):
     """x [b, s, dim] -> [b, s, dim]; or packed x [total, dim] with cu_seqlens (int32 [batch + 1]).
 
     n_kv_heads < n_heads gives grouped-query attention (1: multi-query). causal and window follow
-    `flash_attention`. Projections are plain nn.Linear, so autocast and weight loading work as usual.
+    `flash_attention`. rotary: rotate q and k by their positions (RoPE, tables for max_seq_len positions; in a
+    packed batch each sequence starts at position 0). A `KVCache` (from `new_cache`) makes forward append x's
+    keys and values and attend to all cached tokens (decoding; bottom-right causal). Projections are plain
+    nn.Linear, so autocast and weight loading work as usual. backend: see `warpforge.nn.functional`.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, *, causal: bool = True,
                  window: tuple[int, int] = (-1, -1), bias: bool = False, softmax_scale: float | None = None,
-                 backend: str | None = None):
+                 rotary: bool = False, max_seq_len: int = 4096, rope_base: float = 10000.0,
+                 backend: F.Backend = None):
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
         if dim % n_heads:
@@ -25,20 +60,48 @@ class Attention(nn.Module):
         if n_heads % n_kv_heads:
             fail("n_kv_heads", f"a divisor of n_heads ({n_heads})", n_kv_heads)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
-        self.causal, self.window, self.softmax_scale, self.backend = causal, tuple(window), softmax_scale, backend
+        self.causal, self.window, self.softmax_scale, self.backend = causal, tuple(window), softmax_scale, \
+            F.check_backend(backend)
         self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_heads * self.head_dim, dim, bias=bias)
+        cos, sin = rope_tables(max_seq_len, self.head_dim, rope_base) if rotary else (None, None)
+        self.register_buffer("cos", cos, persistent=False)  # tables, not weights: not in the state dict
+        self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         qkv = self.qkv(x).unflatten(-1, (self.n_heads + 2 * self.n_kv_heads, self.head_dim))
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
-        out = flash_attention(q, k, v, causal=self.causal, window=self.window, softmax_scale=self.softmax_scale,
-                              cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                              max_seqlen_k=max_seqlen, backend=self.backend)
+        if cache is not None and not isinstance(cache, KVCache):  # e.g. cu_seqlens passed by position
+            fail("cache", "a KVCache or None (pass cu_seqlens by keyword)", type(cache).__name__)
+        if cache is not None and cu_seqlens is not None:
+            fail("cache", "None with a packed batch (cu_seqlens)", type(cache).__name__)
+        if self.cos is not None:
+            q, k = self._rotate(q, k, cache.length if cache is not None else 0, cu_seqlens)
+        if cache is not None:  # decoding: the new queries see the whole cache
+            k, v = cache.append(k, v)
+        out = F.attention(q, k, v, causal=self.causal, window=self.window, softmax_scale=self.softmax_scale,
+                          cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend)
         return self.proj(out.reshape(*lead, -1))
+
+    def _rotate(self, q, k, pos: int, cu_seqlens):
+        if cu_seqlens is None:  # [b, s, h, d] at positions pos, pos + 1, ...
+            s = q.shape[1]
+            if pos + s > self.cos.shape[0]:
+                fail("x", f"at most max_seq_len ({self.cos.shape[0]}) positions", pos + s)
+            cos, sin = self.cos[pos:pos + s], self.sin[pos:pos + s]
+            return F.rope(q, cos, sin, backend=self.backend), F.rope(k, cos, sin, backend=self.backend)
+        # packed [total, h, d]: each token's position inside its own sequence, found on the device
+        t = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
+        pos = (t - cu_seqlens[torch.searchsorted(cu_seqlens[1:], t, right=True)]).long()
+        cos, sin = self.cos[pos], self.sin[pos]
+        return F.rope(q[None], cos, sin, backend=self.backend)[0], F.rope(k[None], cos, sin, backend=self.backend)[0]
+
+    def new_cache(self, batch: int, max_tokens: int, device=None, dtype=torch.bfloat16) -> KVCache:
+        """An empty KVCache for this layer: dtype is the one k and v arrive in (autocast's, if on)."""
+        return KVCache.allocate(batch, max_tokens, self.n_kv_heads, self.head_dim, device, dtype)
 
     def extra_repr(self) -> str:
         return (f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
-                f"causal={self.causal}, window={self.window}")
+                f"causal={self.causal}, window={self.window}, rotary={self.cos is not None}")

@@ -16,18 +16,19 @@ import torch
 from torch import nn
 
 from ..errors import fail
-from ..ops.attention import flash_attention
-from ..ops.fused import apply_rope, rms_norm, rope_tables
-from ..ops.mla import mla_decode
+from ..ops.rope import rope_tables
+from . import functional as F
 
 
 @dataclass
 class MLACache:
     """A paged latent cache: kv_cache [num_pages, page_size, 1, 576], block_table int32 [b, pages per request],
-    cache_seqlens int32 [b] (tokens written so far)."""
+    cache_seqlens int32 [b] (tokens written so far, what mla_decode reads). The requests of a batch advance
+    together, and `length` is their common count on the host, so a decode step never reads the device back."""
     kv_cache: torch.Tensor
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
+    length: int = 0
 
     @classmethod
     def allocate(cls, batch: int, max_tokens: int, page_size: int = 64, device=None, dtype=torch.bfloat16):
@@ -38,15 +39,19 @@ class MLACache:
 
 
 class MLAttention(nn.Module):
+    """x [b, s, dim] -> [b, s, dim], causal; with an `MLACache` (from `new_cache`) x's tokens are appended to it
+    (see forward). backend: see `warpforge.nn.functional` (its "mla" op is the absorbed decode)."""
+
     def __init__(self, dim: int, n_heads: int, *, q_lora_rank: int | None = 1536, kv_lora_rank: int = 512,
                  qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64, v_head_dim: int = 128,
-                 max_seq_len: int = 4096, rope_base: float = 10000.0, mscale: float = 1.0, backend: str | None = None):
+                 max_seq_len: int = 4096, rope_base: float = 10000.0, mscale: float = 1.0,
+                 backend: F.Backend = None):
         super().__init__()
         if kv_lora_rank != 512 or qk_rope_head_dim != 64:
             fail("kv_lora_rank", "512 with qk_rope_head_dim 64 (the 576-wide latent mla_decode reads)",
                  (kv_lora_rank, qk_rope_head_dim))
         self.n_heads, self.nope, self.rope_dim, self.v_dim = n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.kv_rank, self.backend = kv_lora_rank, backend
+        self.kv_rank, self.backend = kv_lora_rank, F.check_backend(backend)
         qk_dim = qk_nope_head_dim + qk_rope_head_dim
         # YaRN's attention temperature enters as mscale² on the softmax scale
         self.softmax_scale = mscale * mscale / math.sqrt(qk_dim)
@@ -66,7 +71,7 @@ class MLAttention(nn.Module):
 
     # ----------------------------------------------------------------------------------- pieces
     def _queries(self, x, pos):
-        q = self.wq_b(rms_norm(self.wq_a(x), self.q_norm, backend=self.backend)) if hasattr(self, "wq_a") \
+        q = self.wq_b(F.rms_norm(self.wq_a(x), self.q_norm, backend=self.backend)) if hasattr(self, "wq_a") \
             else self.wq(x)
         q = q.view(*x.shape[:2], self.n_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
@@ -76,11 +81,13 @@ class MLAttention(nn.Module):
         """[normalised c_kv | roped k]: [b, s, 576], what the cache keeps."""
         c_kv, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope_dim], dim=-1)
         k_rope = self._rope(k_rope[:, :, None, :], pos)[:, :, 0]
-        return torch.cat([rms_norm(c_kv, self.kv_norm, backend=self.backend), k_rope], dim=-1)
+        return torch.cat([F.rms_norm(c_kv, self.kv_norm, backend=self.backend), k_rope], dim=-1)
 
     def _rope(self, t, pos):
         s = t.shape[1]
-        return apply_rope(t.contiguous(), self.cos[pos:pos + s], self.sin[pos:pos + s], backend=self.backend)
+        if pos + s > self.cos.shape[0]:
+            fail("x", f"at most max_seq_len ({self.cos.shape[0]}) positions", pos + s)
+        return F.rope(t.contiguous(), self.cos[pos:pos + s], self.sin[pos:pos + s], backend=self.backend)
 
     def _w_uk_uv(self):
         w = self.wkv_b.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_rank)
@@ -90,12 +97,11 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: MLACache | None = None) -> torch.Tensor:
         """x [b, s, dim]. Without a cache: causal self-attention over x (training). With a cache: x's tokens
         are appended; a first call (empty cache) is a prefill, later calls decode (s ≤ 4) in absorbed form.
-        The requests of a batch advance together, and the position is read from cache_seqlens on the host.
-        A CUDA-graph decode engine would pass positions in instead."""
-        b, s, _ = x.shape
+        The requests of a batch advance together, from the cache's host-side `length`."""
+        s = x.shape[1]
         if cache is None:
             return self._prefill(x, 0)
-        start = int(cache.cache_seqlens[0]) if cache.cache_seqlens.numel() else 0
+        start = cache.length
         latents = self._latents(x, start)
         self._write(cache, latents, start)
         if start == 0:
@@ -103,7 +109,13 @@ class MLAttention(nn.Module):
         else:
             out = self._decode(x, cache, start)
         cache.cache_seqlens += s
+        cache.length += s
         return out
+
+    def new_cache(self, batch: int, max_tokens: int, device=None, dtype=torch.bfloat16,
+                  page_size: int = 16) -> MLACache:
+        """An empty MLACache for this layer (dtype: the latents' as they arrive, autocast's if on)."""
+        return MLACache.allocate(batch, max_tokens, page_size=page_size, device=device, dtype=dtype)
 
     def _prefill(self, x, pos, latents=None):
         b, s, _ = x.shape
@@ -112,12 +124,17 @@ class MLAttention(nn.Module):
         kv = self.wkv_b(latents[..., :self.kv_rank]).view(b, s, self.n_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = latents[..., None, self.kv_rank:].expand(b, s, self.n_heads, self.rope_dim)
-        pad = 256
-        q = _pad(torch.cat([q_nope, q_rope], -1), pad)
-        k = _pad(torch.cat([k_nope, k_rope], -1), pad)
-        out = flash_attention(q, k, _pad(v, pad), causal=True, softmax_scale=self.softmax_scale,
-                              backend=self.backend)[..., :self.v_dim]
+        out = self._attend(torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v)
         return self.wo(out.reshape(b, s, -1))
+
+    def _attend(self, q, k, v):
+        """Causal attention with q, k wider than v: flash_attention takes one head dim, so all three are
+        zero-padded to 256 (the scores do not change); SDPA takes them as they are."""
+        if F.pick(self.backend, "attention") == F.TORCH:
+            return F.sdpa(q, k, v, causal=True, softmax_scale=self.softmax_scale)
+        pad = 256
+        return F.attention(_pad(q, pad), _pad(k, pad), _pad(v, pad), causal=True, softmax_scale=self.softmax_scale,
+                           backend=self.backend)[..., :self.v_dim]
 
     def _decode(self, x, cache, start):
         b, s, _ = x.shape
@@ -125,8 +142,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_latent = torch.einsum("bshd,hdc->bshc", q_nope, w_uk.to(q_nope.dtype))
         q = torch.cat([q_latent, q_rope], dim=-1).to(cache.kv_cache.dtype)
-        out_latent, _ = mla_decode(q, cache.kv_cache, cache.block_table, cache.cache_seqlens + s,
-                                   softmax_scale=self.softmax_scale, causal=s > 1, backend=self.backend)
+        out_latent = F.mla_decode(q, cache.kv_cache, cache.block_table, cache.cache_seqlens + s,
+                                  softmax_scale=self.softmax_scale, causal=s > 1, backend=self.backend)
         out = torch.einsum("bshc,hdc->bshd", out_latent.to(x.dtype), w_uv.to(x.dtype))
         return self.wo(out.reshape(b, s, -1))
 

@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from ..errors import fail
-from ..ops.fused import swiglu
-from ..ops.moe import experts, route
+from . import functional as F
 
 
 class MoE(nn.Module):
@@ -18,11 +17,11 @@ class MoE(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, topk: int, *, num_shared_experts: int = 0,
                  scoring: str = "softmax", num_expert_group: int | None = None, topk_group: int | None = None,
                  routed_scaling_factor: float = 1.0, renormalize: bool = True, aux_loss_coef: float = 0.01,
-                 backend: str | None = None):
+                 backend: F.Backend = None):
         super().__init__()
         if not 1 <= topk <= num_experts:
             fail("topk", f"from 1 to num_experts ({num_experts})", topk)
-        self.topk, self.backend, self.aux_loss_coef = topk, backend, aux_loss_coef
+        self.topk, self.backend, self.aux_loss_coef = topk, F.check_backend(backend), aux_loss_coef
         self.route_kw = dict(renormalize=renormalize, scoring=scoring, num_expert_group=num_expert_group,
                              topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
         self.router = nn.Linear(dim, num_experts, bias=False)
@@ -39,10 +38,10 @@ class MoE(nn.Module):
         h = x.reshape(-1, x.shape[-1])
         logits = self.router(h)
         # routed once: the weights carry the router's gradient, the ids also feed the balance loss
-        weights, ids = route(logits, self.topk, backend=self.backend, **self.route_kw)
-        out = experts(h, self.w13.to(h.dtype), self.w2.to(h.dtype), weights, ids, backend=self.backend)
+        weights, ids = F.route(logits, self.topk, backend=self.backend, **self.route_kw)
+        out = F.moe_experts(h, self.w13.to(h.dtype), self.w2.to(h.dtype), weights, ids, backend=self.backend)
         if self.shared_gate_up is not None:
-            out = out + self.shared_down(swiglu(self.shared_gate_up(h), backend=self.backend))
+            out = out + self.shared_down(F.swiglu(self.shared_gate_up(h), backend=self.backend))
         self.aux_loss = self.aux_loss_coef * self._balance_loss(logits, ids)
         return out.reshape(*lead, -1)
 

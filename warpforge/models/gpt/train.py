@@ -1,29 +1,39 @@
 """Training loop: AdamW, warmup + cosine schedule, gradient clipping, bf16 autocast on GPU, periodic
-evaluation, atomic checkpoints (model, optimizer, RNG, data position) with --resume, Ctrl-C saves first.
+evaluation, atomic checkpoints (model, optimizer, RNG, data position) with --resume.
+Ctrl-C stops after the step under way and saves it; a second Ctrl-C stops at once (the last checkpoint stays).
 Several GPUs: launch with torchrun (DDP, or FSDP2 with --parallel fsdp; the global batch stays the preset's).
-Checkpoints hold full (unsharded) weights and optimizer state either way."""
+Checkpoints hold full (unsharded) weights and optimizer state either way.
+
+The parts: `resolve_run` (preset, overrides, resume checks), `_distributed` (processes and device), `Trainer`
+(builds the model and optimizer, wraps them for parallelism and compilation, runs the loop), `Checkpointer`
+(checkpoint.py). Progress goes to the "warpforge" logger.
+"""
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import math
 import os
+import signal
+import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ...profiling import StepProfiler
-from .config import GPTConfig, TrainConfig, preset
+from ...runtime import device_spec
+from .checkpoint import Checkpointer, CheckpointError, TrainError, load_weights, read_checkpoint
+from .config import GPTConfig, TrainConfig, from_dict, preset
 from .data import Batches, cache_dir, load_split
 from .model import GPT
 
-PEAK_BF16 = 989e12  # H100/H200 dense bf16 datasheet rate, the MFU denominator
+__all__ = ["train", "TrainError", "CheckpointError", "resolve_run", "Trainer", "lr_at", "evaluate"]
 
-
-class TrainError(RuntimeError):
-    """A one-line, user-facing reason a run cannot start (nothing has been written)."""
+log = logging.getLogger(__name__)
+LOG_EVERY = 10  # steps between loss readings (each one waits for the device)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -33,21 +43,146 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def save_atomic(obj, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+# ---------------------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class Run:
+    """What a run is before anything is built: its preset, configs, directory and (resumed) checkpoint."""
+    preset: str
+    model_cfg: GPTConfig
+    train_cfg: TrainConfig
+    out: Path
+    ckpt: Optional[dict] = None
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.out / "ckpt.pt"
 
 
-def _distributed():
-    if "RANK" not in os.environ:
-        return 0, 1, None
-    import torch.distributed as dist
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-    return dist.get_rank(), dist.get_world_size(), local
+def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = False, **overrides) -> Run:
+    """The preset with overrides (TrainConfig fields; None: not given). A resumed run keeps the train config it
+    was started with (so its schedule and data continue), except for overrides given again."""
+    try:
+        p = preset(preset_name)
+    except ValueError as exc:
+        raise TrainError(str(exc)) from None
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        tcfg = replace(p.train, **overrides)
+    except TypeError as exc:
+        raise TrainError(f"unknown training setting: {exc}") from None
+    out = Path(out_dir) if out_dir else cache_dir().parent / "runs" / preset_name
+    run = Run(preset_name, p.model, tcfg, out)
+    if run.ckpt_path.exists() and not resume:
+        raise TrainError(f"{run.ckpt_path} exists: pass --resume to continue it, or --out for a new run")
+    if resume:
+        if not run.ckpt_path.exists():
+            raise TrainError(f"nothing to resume: no checkpoint at {run.ckpt_path}")
+        ckpt = read_checkpoint(run.ckpt_path)
+        try:
+            same_model = from_dict(GPTConfig, ckpt["model_cfg"]) == p.model
+            tcfg = replace(from_dict(TrainConfig, ckpt["train_cfg"]), **overrides)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{run.ckpt_path}: its configs do not read here ({exc})") from None
+        if not same_model:
+            raise TrainError(f"{run.ckpt_path} was trained with another model config than preset {preset_name!r}")
+        run = replace(run, train_cfg=tcfg, ckpt=ckpt)
+    _check(run.train_cfg)
+    return run
+
+
+def _check(tcfg: TrainConfig) -> None:
+    if tcfg.parallel not in ("ddp", "fsdp"):
+        raise TrainError(f"parallel: expected 'ddp' or 'fsdp', got {tcfg.parallel!r}")
+    if tcfg.compile not in ("on", "off", "auto", "graphs"):
+        raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
+    if not tcfg.ddp_bucket_mb > 0:
+        raise TrainError(f"ddp_bucket_mb: expected a positive size in MB, got {tcfg.ddp_bucket_mb!r}")
+    for name in ("max_steps", "batch_size", "ckpt_every", "eval_every", "eval_batches"):
+        if not (isinstance(getattr(tcfg, name), int) and getattr(tcfg, name) >= 1):
+            raise TrainError(f"{name}: expected a positive integer, got {getattr(tcfg, name)!r}")
+    if tcfg.max_minutes is not None and not (math.isfinite(tcfg.max_minutes) and tcfg.max_minutes > 0):
+        raise TrainError(f"max_minutes: expected a positive number of minutes or None, got {tcfg.max_minutes!r}")
+    if tcfg.data not in ("shakespeare", "random"):
+        raise TrainError(f"data: expected 'shakespeare' or 'random', got {tcfg.data!r}")
+
+
+@dataclass(frozen=True)
+class Env:
+    """This process's place: rank of world, the device, and whether parameters are sharded (FSDP2)."""
+    rank: int
+    world: int
+    device: torch.device
+    fsdp: bool
+
+
+def _distributed(tcfg: TrainConfig) -> Env:
+    """One process, or one of torchrun's (RANK set): the process group is made here."""
+    rank, world, local = 0, 1, 0
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        rank, world, local = dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+    device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
+    if tcfg.batch_size % world:
+        raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes")
+    return Env(rank, world, device, world > 1 and tcfg.parallel == "fsdp")
+
+
+# ------------------------------------------------------------------------------ model, parallelism
+def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer]:
+    """The model (with the checkpoint's weights, then sharded under FSDP) and its AdamW."""
+    tcfg = run.train_cfg
+    torch.manual_seed(tcfg.seed)
+    model = GPT(run.model_cfg).to(env.device)
+    if run.ckpt:
+        load_weights(model, run.ckpt["model"], run.ckpt_path)  # full weights, before any sharding
+    if env.fsdp:
+        _shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
+                              fused=env.device.type == "cuda")
+    return model, optim
+
+
+def _shard(model: GPT) -> None:
+    """FSDP2: each block its own unit (its parameters gathered for its forward and backward, then freed), the
+    embedding, final norm and (tied) head in the root's."""
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _wrap(model: GPT, tcfg: TrainConfig, env: Env):
+    """(the module the training step calls, whether it replays CUDA graphs): DDP across processes (FSDP2 has
+    sharded the model in place already), then torch.compile by tcfg.compile. Checkpoints and evaluation keep
+    using the plain module."""
+    net = model
+    if env.world > 1 and not env.fsdp:
+        from torch.nn.parallel import DistributedDataParallel
+        # gradients live in the buckets (no copy into them after each backward)
+        net = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                      bucket_cap_mb=tcfg.ddp_bucket_mb, gradient_as_bucket_view=True,
+                                      broadcast_buffers=False)  # rotary tables: the same on every rank
+        if tcfg.ddp_bf16_grads:  # half the all-reduce bytes; the sum is rounded to bf16 once per step
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+            net.register_comm_hook(None, bf16_compress_hook)
+    cuda = env.device.type == "cuda"
+    # auto on CUDA = graphs: compiled, the step is still bound by launching its kernels one by one, and DDP only
+    # scales without that bound. FSDP2's per-block all-gathers are not captured: auto compiles without graphs there.
+    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and not env.fsdp)
+    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and cuda):
+        net = torch.compile(net, mode="reduce-overhead" if graphs else None)
+    return net, graphs
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, env: Env) -> float | None:
+    """Model FLOP utilisation per GPU (tokens_per_s counts the global batch, which `world` GPUs share) against
+    the GPU's dense bf16 peak; None off CUDA."""
+    if env.device.type != "cuda":
+        return None
+    return flops_per_token * tokens_per_s / (env.world * device_spec(env.device).bf16_flops)
 
 
 @torch.no_grad()
@@ -63,206 +198,182 @@ def evaluate(model, val, cfg: TrainConfig, device, autocast) -> float:
     return total / cfg.eval_batches
 
 
-def train(preset_name: str, out_dir: str | None = None, resume: bool = False, log=print,
-          stop_at_step: int | None = None, **overrides) -> dict:
-    """Train a preset; overrides replace TrainConfig fields. A resumed run keeps the train config it was
-    started with (so its schedule and data continue), except for overrides given again. stop_at_step ends
-    the run there as a kill would, after its checkpoint (tests, time-boxed jobs)."""
-    try:
-        p = preset(preset_name)
-    except ValueError as exc:
-        raise TrainError(str(exc)) from None
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    tcfg = replace(p.train, **overrides)
-    mcfg: GPTConfig = p.model
-    out = Path(out_dir) if out_dir else cache_dir().parent / "runs" / preset_name
-    ckpt_path = out / "ckpt.pt"
-    if ckpt_path.exists() and not resume:
-        raise TrainError(f"{ckpt_path} exists: pass --resume to continue it, or --out for a new run")
-    ckpt = None
-    if resume:
-        if not ckpt_path.exists():
-            raise TrainError(f"nothing to resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        if ckpt["model_cfg"] != asdict(mcfg):
-            raise TrainError(f"{ckpt_path} was trained with another model config than preset {preset_name!r}")
-        tcfg = replace(TrainConfig(**ckpt["train_cfg"]), **overrides)
+# ---------------------------------------------------------------------------------------- the loop
+class _StopRequest:
+    """While active, Ctrl-C (SIGINT) only asks the loop to stop at the end of the step under way, whose state
+    (weights, optimizer, data position) is then consistent. In one process a second Ctrl-C raises
+    KeyboardInterrupt at once; under torchrun (which forwards the signal) later ones are ignored."""
 
-    if tcfg.parallel not in ("ddp", "fsdp"):
-        raise TrainError(f"parallel: expected 'ddp' or 'fsdp', got {tcfg.parallel!r}")
-    if tcfg.compile not in ("on", "off", "auto", "graphs"):
-        raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
-    if not tcfg.ddp_bucket_mb > 0:
-        raise TrainError(f"ddp_bucket_mb: expected a positive size in MB, got {tcfg.ddp_bucket_mb!r}")
-    rank, world, local = _distributed()
-    fsdp = world > 1 and tcfg.parallel == "fsdp"
-    device = torch.device(f"cuda:{local or 0}" if torch.cuda.is_available() else "cpu")
-    if tcfg.batch_size % world:
-        raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes")
-    train_data = None if tcfg.data == "random" else load_split("train")
-    val_data = None if tcfg.data == "random" else load_split("val")
-    torch.manual_seed(tcfg.seed)
-    model = GPT(mcfg).to(device)
-    if ckpt:
-        model.load_state_dict(ckpt["model"])  # full weights, before any sharding
-    if fsdp:
-        _shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
-                              fused=device.type == "cuda")
-    batches = Batches(train_data, mcfg.seq_len, tcfg.batch_size // world, seed=tcfg.seed + rank,
-                      vocab_size=mcfg.vocab_size)
-    history, step = [], 0
-    if ckpt:
-        _load_optimizer(model, optim, ckpt["optim"], fsdp, ckpt_path)
-        if len(ckpt["data_state"]) != world:
-            raise TrainError(f"{ckpt_path} was written by {len(ckpt['data_state'])} process(es), not {world}")
-        batches.restore(ckpt["data_state"][rank])
-        torch.set_rng_state(ckpt["rng"])
-        history, step = ckpt["history"], ckpt["step"]
-        log(f"resumed {ckpt_path} at step {step}")
-    if world > 1 and not fsdp:
-        from torch.nn.parallel import DistributedDataParallel
-        # gradients live in the buckets (no copy into them after each backward)
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      bucket_cap_mb=tcfg.ddp_bucket_mb, gradient_as_bucket_view=True,
-                                      broadcast_buffers=False)  # rotary tables: the same on every rank
-        if tcfg.ddp_bf16_grads:  # half the all-reduce bytes; the sum is rounded to bf16 once per step
-            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-            net.register_comm_hook(None, bf16_compress_hook)
-    else:
-        net = model  # FSDP2 shards the module in place
-    # auto on CUDA = graphs: the compiled step is still bound by launching ~850 kernels (gpt2-124m, H200: 46.9 ms
-    # a step, 38.9 ms of kernels; from CUDA graphs 40.1 ms), and DDP only scales without that bound (0.94x -> 1.68x)
-    # (FSDP2's per-block all-gathers are not captured: auto compiles without graphs there)
-    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and device.type == "cuda" and not fsdp)
-    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and device.type == "cuda"):
-        # checkpoints and evaluation keep using the plain module
-        net = torch.compile(net, mode="reduce-overhead" if graphs else None)
+    def __init__(self, world: int):
+        self.world, self.requested, self.previous = world, False, None
 
-    def autocast():
-        if device.type == "cuda":
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and self.world == 1:
+            raise KeyboardInterrupt
+        if not self.requested:
+            log.warning("interrupted: stopping after this step and saving it (Ctrl-C again: stop at once)")
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+class Trainer:
+    """One process's part of a run: model, optimizer, data and checkpoints, and the loop. fit() trains until
+    max_steps, the time limit, Ctrl-C or stop_at_step, saves, and returns the result."""
+
+    def __init__(self, run: Run, env: Env, stop_at_step: int | None = None, progress_bar: bool = False):
+        self.run, self.env, self.cfg = run, env, run.train_cfg
+        self.stop_at_step, self.progress_bar = stop_at_step, progress_bar
+        random_data = self.cfg.data == "random"
+        train_data = None if random_data else load_split("train")
+        self.val_data = None if random_data else load_split("val")
+        self.model, self.optim = _build(run, env)
+        mcfg = run.model_cfg
+        self.batches = Batches(train_data, mcfg.seq_len, self.cfg.batch_size // env.world,
+                               seed=self.cfg.seed + env.rank, vocab_size=mcfg.vocab_size)
+        self.ckpt = Checkpointer(run.out, run.preset, mcfg, self.cfg, self.model, self.optim, self.batches,
+                                 rank=env.rank, world=env.world, fsdp=env.fsdp)
+        self.step, self.history = self.ckpt.restore(run.ckpt) if run.ckpt else (0, [])
+        self.net, self.graphs = _wrap(self.model, self.cfg, env)
+        self.tokens_per_step = self.cfg.batch_size * mcfg.seq_len
+        self.flops_per_token = self.model.flops_per_token()
+        self.profiler = StepProfiler(env.rank == 0)  # WARPFORGE_PROFILE_STEPS=A:B: wall vs kernel time
+
+    def autocast(self):
+        if self.env.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def checkpoint(reason):
-        states = [batches.state()]
-        if world > 1:  # every rank's data position, so that each resumes its own stream (a collective)
-            import torch.distributed as dist
-            states = [None] * world
-            dist.all_gather_object(states, batches.state())
-        model_state, optim_state = _full_states(model, optim, fsdp)  # a collective under FSDP
-        if rank != 0:
+    def fit(self) -> dict:
+        self._announce()
+        self.start = self.last_t = time.time()
+        self.last_step = self.step
+        bar = _Progress(self.cfg.max_steps, self.step, self.env.rank == 0, self.progress_bar)
+        try:
+            with _StopRequest(self.env.world) as stop:
+                stopped = self._loop(stop, bar)
+        except KeyboardInterrupt:
+            log.warning(f"stopped at once at step {self.step}: the last checkpoint stays")
+            raise
+        finally:
+            bar.close()
+        if stopped != "interrupted":
+            self._final_evaluation()
+        self.ckpt.save(self.step, self.history, "interrupt" if stopped == "interrupted" else "end")
+        return {"step": self.step, "history": self.history, "out": str(self.run.out),
+                "params": self.model.num_params(), "stopped": stopped, "max_steps": self.cfg.max_steps,
+                "max_minutes": self.cfg.max_minutes}
+
+    def _announce(self) -> None:
+        if self.env.rank != 0:
             return
-        out.mkdir(parents=True, exist_ok=True)
-        save_atomic({"model": model_state, "optim": optim_state, "step": step,
-                     "model_cfg": asdict(mcfg), "train_cfg": asdict(tcfg), "preset": preset_name,
-                     "rng": torch.get_rng_state(), "data_state": states, "history": history}, ckpt_path)
-        with open(out / "history.json", "w") as f:
-            json.dump(history, f)
-        log(f"checkpoint ({reason}) at step {step} -> {ckpt_path}")
+        limit = f"{self.cfg.max_minutes:g} min (--max-minutes)" if self.cfg.max_minutes else "none"
+        log.info(f"{self.run.preset}: {self.model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step} "
+                 f"tokens/step, device {self.env.device}, {self.env.world} process(es)")
+        log.info(f"steps {self.step} -> {self.cfg.max_steps}; time limit {limit}")
 
-    tokens_per_step = tcfg.batch_size * mcfg.seq_len
-    flops_per_step = model.flops_per_token() * tokens_per_step
-    if rank == 0:
-        log(f"{preset_name}: {model.num_params() / 1e6:.2f}M parameters, {tokens_per_step} tokens/step, "
-            f"device {device}, {world} process(es)")
-    profiler = StepProfiler(rank == 0)  # WARPFORGE_PROFILE_STEPS=A:B: wall vs kernel time of those steps
-    start_wall = time.time()
-    bar = _progress(tcfg.max_steps, step, rank == 0)
-    last_t, last_step = time.time(), step
-    try:
-        while step < tcfg.max_steps:
-            if stop_at_step is not None and step >= stop_at_step:
-                break
-            if tcfg.max_minutes is not None and time.time() - start_wall > 60 * tcfg.max_minutes:
-                log(f"time limit of {tcfg.max_minutes} min reached")
-                break
-            for g in optim.param_groups:
-                g["lr"] = lr_at(step, tcfg)
-            x, y = batches.next(device)
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with autocast():
-                loss = net(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-            optim.step()
-            optim.zero_grad(set_to_none=True)
-            step += 1
-            profiler.after_step(step, log)
-            if step % 10 == 0 or step == tcfg.max_steps:
-                lval = loss.item()
-                now = time.time()
-                tps = tokens_per_step * (step - last_step) / max(now - last_t, 1e-9)
-                last_t, last_step = now, step
-                # per GPU: tps counts the global batch, which `world` GPUs share
-                mfu = flops_per_step / tokens_per_step * tps / (world * PEAK_BF16) if device.type == "cuda" else None
-                history.append({"step": step, "loss": lval, "tokens_per_s": tps, "mfu": mfu,
-                                "elapsed_s": now - start_wall})
-                bar.update(step, f"loss {lval:.3f} | {tps:,.0f} tok/s" + (f" | MFU {100 * mfu:.1f}%" if mfu else ""))
-            if val_data is not None and (step % tcfg.eval_every == 0 or step == tcfg.max_steps) and \
-                    (rank == 0 or fsdp):  # FSDP: every rank takes part in the forward's all-gathers
-                v = evaluate(model, val_data, tcfg, device, autocast)
-                history.append({"step": step, "val_loss": v, "elapsed_s": time.time() - start_wall})
-                if rank == 0:
-                    log(f"step {step}: val {v:.3f} nats/byte")
-            if step % tcfg.ckpt_every == 0:
-                checkpoint("periodic")
-    except KeyboardInterrupt:
-        log("interrupted")
-        checkpoint("interrupt")
-        raise
-    finally:
-        bar.close()
-    if val_data is not None and (rank == 0 or fsdp) and \
-            not any(h.get("step") == step and "val_loss" in h for h in history):
-        history.append({"step": step, "val_loss": evaluate(model, val_data, tcfg, device, autocast),
-                        "elapsed_s": time.time() - start_wall})
-        if rank == 0:
-            log(f"step {step}: val {history[-1]['val_loss']:.3f} nats/byte")
-    checkpoint("end")
-    return {"step": step, "history": history, "out": str(out), "params": model.num_params()}
+    def _loop(self, stop: _StopRequest, bar: "_Progress") -> str | None:
+        """Steps until max_steps (None) or a stop: "stop_at_step", "time limit", "interrupted"."""
+        cfg = self.cfg
+        while self.step < cfg.max_steps:
+            reason = self._stop_reason(stop)
+            if reason:
+                return reason
+            loss = self._train_step()
+            self.step += 1
+            self.profiler.after_step(self.step)
+            if self.step % LOG_EVERY == 0 or self.step == cfg.max_steps:
+                self._record(loss, bar)
+            if self.val_data is not None and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
+                self._evaluate()
+            if self.step % cfg.ckpt_every == 0:
+                self.ckpt.save(self.step, self.history, "periodic")
+        return None
 
+    def _stop_reason(self, stop: _StopRequest) -> str | None:
+        if self.stop_at_step is not None and self.step >= self.stop_at_step:
+            return "stop_at_step"  # as a kill would, after the checkpoint of that step (tests)
+        if self.env.world > 1 and self.step % LOG_EVERY:
+            return None  # the ranks agree where the loss is read anyway (a wait for the device)
+        reason = 0
+        if stop.requested:
+            reason = 2
+        elif self.cfg.max_minutes is not None and time.time() - self.start > 60 * self.cfg.max_minutes:
+            reason = 1
+        if self.env.world > 1:  # every rank stops at the same step, or their collectives would hang
+            import torch.distributed as dist
+            flag = torch.tensor([reason], device=self.env.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            reason = int(flag.item())
+        if reason == 1 and self.env.rank == 0:
+            log.info(f"time limit of {self.cfg.max_minutes:g} min reached at step {self.step}")
+        return (None, "time limit", "interrupted")[reason]
 
-def _shard(model: GPT) -> None:
-    """FSDP2: each block its own unit (its parameters gathered for its forward and backward, then freed), the
-    embedding, final norm and (tied) head in the root's."""
-    from torch.distributed.fsdp import fully_shard
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    def _train_step(self) -> torch.Tensor:
+        for g in self.optim.param_groups:
+            g["lr"] = lr_at(self.step, self.cfg)
+        x, y = self.batches.next(self.env.device)
+        if self.graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.autocast():
+            loss = self.net(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        return loss
 
+    def _record(self, loss: torch.Tensor, bar: "_Progress") -> None:
+        lval = loss.item()
+        now = time.time()
+        tps = self.tokens_per_step * (self.step - self.last_step) / max(now - self.last_t, 1e-9)
+        self.last_t, self.last_step = now, self.step
+        util = mfu(self.flops_per_token, tps, self.env)
+        self.history.append({"step": self.step, "loss": lval, "tokens_per_s": tps, "mfu": util,
+                             "elapsed_s": now - self.start})
+        bar.update(self.step, f"loss {lval:.3f} | {tps:,.0f} tok/s" + (f" | MFU {100 * util:.1f}%" if util else ""))
 
-def _full_states(model, optim, fsdp: bool):
-    """(model, optimizer) state dicts; under FSDP full and on the CPU, gathered from every rank (a collective),
-    so the weights read the same whatever wrote them (the optimizer state is keyed by parameter name there)."""
-    if not fsdp:
-        return model.state_dict(), optim.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optim, options=opts)
+    def _evaluate(self) -> None:
+        if not (self.env.rank == 0 or self.env.fsdp):  # FSDP: every rank takes part in the forward's all-gathers
+            return
+        v = evaluate(self.model, self.val_data, self.cfg, self.env.device, self.autocast)
+        self.history.append({"step": self.step, "val_loss": v, "elapsed_s": time.time() - self.start})
+        if self.env.rank == 0:
+            log.info(f"step {self.step}: val {v:.3f} nats/byte")
+
+    def _final_evaluation(self) -> None:
+        """The last step's validation, unless the loop made it."""
+        if self.val_data is not None and \
+                not any(h.get("step") == self.step and "val_loss" in h for h in self.history):
+            self._evaluate()
 
 
-def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path) -> None:
-    try:
-        if fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-            set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))
-        else:
-            optim.load_state_dict(state)
-    except (KeyError, ValueError, RuntimeError) as exc:
-        raise TrainError(f"{ckpt_path}: its optimizer state does not load here ({type(exc).__name__}); resume "
-                         f"with the --parallel it was written with") from None
+def train(preset_name: str, out_dir: str | None = None, resume: bool = False, *, stop_at_step: int | None = None,
+          progress_bar: bool = False, **overrides) -> dict:
+    """Train a preset; overrides replace TrainConfig fields (None: keep). Returns {"step", "history", "out",
+    "params", "stopped", "max_steps", "max_minutes"}: stopped is None when max_steps was reached, else "time
+    limit", "interrupted" (Ctrl-C: saved after the step under way) or "stop_at_step" (ends the run there as a
+    kill would, after its checkpoint: tests, time-boxed jobs). progress_bar: a tqdm bar, where installed, instead
+    of a log line every tenth of the run."""
+    run = resolve_run(preset_name, out_dir, resume, **overrides)
+    return Trainer(run, _distributed(run.train_cfg), stop_at_step, progress_bar).fit()
 
 
-class _progress:
-    """tqdm when it is installed, else a line every 10%."""
+class _Progress:
+    """tqdm (when asked for and installed), else a log line every 10% of the run."""
 
-    def __init__(self, total, start, enabled):
+    def __init__(self, total, start, enabled, bar: bool):
         self.total, self.enabled, self.bar = total, enabled, None
-        self.next_print = start
-        if enabled:
+        self.next_line = start
+        if enabled and bar:
             try:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total, initial=start, dynamic_ncols=True)
@@ -275,9 +386,9 @@ class _progress:
         if self.bar is not None:
             self.bar.n = step
             self.bar.set_postfix_str(text, refresh=True)
-        elif step >= self.next_print:
-            print(f"step {step}/{self.total} | {text}", flush=True)
-            self.next_print = step + max(1, self.total // 10)
+        elif step >= self.next_line:
+            log.info(f"step {step}/{self.total} | {text}")
+            self.next_line = step + max(1, self.total // 10)
 
     def close(self):
         if self.bar is not None:

@@ -1,0 +1,15 @@
+import pytest
+
+from warpforge.models.gpt import GPTConfig
+from warpforge.models.gpt import config
+
+SMALL = GPTConfig(seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=128)
+
+
+@pytest.fixture
+def small_tiny(monkeypatch):
+    """The "tiny" preset shrunk to SMALL on random tokens (12 steps, a checkpoint every 6): runs in seconds."""
+    small = config.Preset(SMALL, config.TrainConfig(batch_size=4, max_steps=12, lr=1e-3, warmup_steps=2,
+                                                    eval_every=10**9, ckpt_every=6, data="random"))
+    monkeypatch.setitem(config.PRESETS, "tiny", small)
+    return small

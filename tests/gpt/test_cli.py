@@ -1,0 +1,112 @@
+"""The command line: bad input is one line on stderr and exit code 2, never a traceback; every option is
+documented."""
+import argparse
+
+import pytest
+
+import warpforge
+from warpforge import cli
+from warpforge.models.gpt.train import train
+
+
+def _exit_code(argv, capsys):
+    """(exit code, stderr) of `warpforge argv`, whether argparse exits or the command returns."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    return rc, capsys.readouterr().err
+
+
+def _one_line_error(argv, capsys, match=None):
+    rc, err = _exit_code(argv, capsys)
+    assert rc == 2, (argv, rc, err)
+    assert err.strip() and "\n" not in err.strip() and "Traceback" not in err, err
+    if match:
+        assert match in err, err
+    return err
+
+
+@pytest.mark.parametrize("args", [["--top-k", "0"], ["--top-k", "-1"], ["--top-p", "2"], ["--top-p", "0"],
+                                  ["--temperature", "nan"], ["--temperature", "-1"], ["--num", "0"],
+                                  ["--tokens", "-3"], ["--tokens", "many"]])
+def test_bad_sampling_settings_are_one_line_errors(args, capsys):
+    _one_line_error(["gpt", "sample", *args], capsys, match=args[0])
+
+
+@pytest.mark.parametrize("args", [["--max-steps", "-5"], ["--max-steps", "0"], ["--max-minutes", "-1"],
+                                  ["--max-minutes", "inf"], ["--ckpt-every", "0"], ["--ddp-bucket-mb", "0"]])
+def test_bad_training_settings_are_one_line_errors(args, capsys, tmp_path):
+    _one_line_error(["gpt", "train", "--data", "random", "--out", str(tmp_path / "run"), *args], capsys,
+                    match=args[0])
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_bad_bench_regex_is_a_one_line_error(capsys):
+    _one_line_error(["bench", "--match", "("], capsys, match="--match")
+
+
+def test_unknown_preset_is_a_one_line_error(capsys, tmp_path):
+    _one_line_error(["gpt", "train", "--preset", "nope", "--out", str(tmp_path)], capsys, match="unknown preset")
+
+
+@pytest.fixture
+def truncated_checkpoint(tmp_path, small_tiny):
+    """A run directory whose ckpt.pt lost its second half (a full disk, a copy cut short)."""
+    train("tiny", str(tmp_path / "run"), max_steps=1)
+    ckpt = tmp_path / "run" / "ckpt.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:ckpt.stat().st_size // 2])
+    return ckpt
+
+
+def test_truncated_checkpoint_is_a_one_line_error_for_resume_and_sample(truncated_checkpoint, capsys):
+    run = truncated_checkpoint.parent
+    _one_line_error(["gpt", "train", "--resume", "--out", str(run)], capsys, match="ckpt.pt")
+    _one_line_error(["gpt", "sample", "--ckpt", str(truncated_checkpoint)], capsys, match="ckpt.pt")
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all", b"PK\x03\x04garbage"])
+def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, capsys, content, small_tiny):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "ckpt.pt").write_bytes(content)
+    _one_line_error(["gpt", "train", "--resume", "--out", str(tmp_path / "run")], capsys, match="ckpt.pt")
+    _one_line_error(["gpt", "sample", "--ckpt", str(tmp_path / "run" / "ckpt.pt")], capsys, match="ckpt.pt")
+
+
+def test_foreign_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    import torch
+    torch.save({"weights": torch.zeros(3)}, tmp_path / "other.pt")
+    _one_line_error(["gpt", "sample", "--ckpt", str(tmp_path / "other.pt")], capsys, match="not a warpforge")
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    _one_line_error(["gpt", "sample", "--ckpt", str(tmp_path / "none.pt")], capsys, match="no checkpoint")
+
+
+def test_sample_from_a_checkpoint(tmp_path, capsys, small_tiny):
+    train("tiny", str(tmp_path / "run"), max_steps=1)
+    rc = cli.main(["gpt", "sample", "--ckpt", str(tmp_path / "run" / "ckpt.pt"), "--prompt", "ab", "--tokens", "5",
+                   "--num", "2", "--top-p", "0.9"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.count("ab") >= 2
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"warpforge {warpforge.__version__}"
+
+
+def _all_actions(parser):
+    for action in parser._actions:
+        yield parser.prog, action
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _all_actions(sub)
+
+
+def test_every_option_has_help_text():
+    missing = [f"{prog} {action.option_strings or action.dest}" for prog, action in _all_actions(cli.build_parser())
+               if not isinstance(action, argparse._SubParsersAction) and not action.help]
+    assert not missing, missing

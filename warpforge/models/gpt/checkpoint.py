@@ -1,0 +1,122 @@
+"""Checkpoints of a GPT run: one file, ckpt.pt, written atomically, holding the full (unsharded) weights and
+optimizer state, the RNG state, every rank's data position, the configs and the history, all as of the end of
+one step. `read_checkpoint` turns a missing, truncated or foreign file into a one-line CheckpointError."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KEYS = ("model", "optim", "step", "model_cfg", "train_cfg", "rng", "data_state", "history")
+
+
+class TrainError(RuntimeError):
+    """A one-line, user-facing reason a run cannot start (nothing has been written)."""
+
+
+class CheckpointError(TrainError):
+    """A checkpoint that cannot be read, or does not fit what it is loaded into."""
+
+
+def save_atomic(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+
+
+def read_checkpoint(path: Path, keys=KEYS) -> dict:
+    """The checkpoint at path (tensors on the CPU), with at least `keys`; else a CheckpointError."""
+    path = Path(path)
+    try:  # weights_only: a checkpoint is tensors and plain values, and unpickling nothing else runs no code
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"no checkpoint at {path}") from None
+    except Exception as exc:  # noqa: BLE001 (torch raises many kinds for a truncated or foreign file)
+        raise CheckpointError(f"{path} is not a readable checkpoint (truncated or corrupt?): {_first(exc)}") \
+            from None
+    missing = [k for k in keys if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is not a warpforge GPT checkpoint (it lacks {', '.join(missing)})")
+    return ckpt
+
+
+class Checkpointer:
+    """Saves a run's state to out/ckpt.pt (and its history to history.json) and restores it. Every rank calls
+    save (the data positions and, under FSDP, the weights are gathered); rank 0 writes."""
+
+    def __init__(self, out: Path, preset: str, model_cfg, train_cfg, model, optim, batches, *, rank: int = 0,
+                 world: int = 1, fsdp: bool = False):
+        self.out, self.path = Path(out), Path(out) / "ckpt.pt"
+        self.meta = {"model_cfg": asdict(model_cfg), "train_cfg": asdict(train_cfg), "preset": preset}
+        self.model, self.optim, self.batches = model, optim, batches
+        self.rank, self.world, self.fsdp = rank, world, fsdp
+
+    def save(self, step: int, history: list, reason: str) -> None:
+        states = [self.batches.state()]
+        if self.world > 1:  # every rank's data position, so that each resumes its own stream (a collective)
+            import torch.distributed as dist
+            states = [None] * self.world
+            dist.all_gather_object(states, self.batches.state())
+        model_state, optim_state = _full_states(self.model, self.optim, self.fsdp)  # a collective under FSDP
+        if self.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_atomic({"model": model_state, "optim": optim_state, "step": step, **self.meta,
+                     "rng": torch.get_rng_state(), "data_state": states, "history": history}, self.path)
+        with open(self.out / "history.json", "w") as f:
+            json.dump(history, f)
+        log.info(f"checkpoint ({reason}) at step {step} -> {self.path}")
+
+    def restore(self, ckpt: dict) -> tuple[int, list]:
+        """Optimizer, data position and RNG from ckpt (the weights were loaded before any sharding); returns
+        (step, history)."""
+        _load_optimizer(self.model, self.optim, ckpt["optim"], self.fsdp, self.path)
+        if len(ckpt["data_state"]) != self.world:
+            raise CheckpointError(f"{self.path} was written by {len(ckpt['data_state'])} process(es), "
+                                  f"not {self.world}")
+        self.batches.restore(ckpt["data_state"][self.rank])
+        torch.set_rng_state(ckpt["rng"])
+        log.info(f"resumed {self.path} at step {ckpt['step']}")
+        return ckpt["step"], ckpt["history"]
+
+
+def load_weights(model, state: dict, path: Path) -> None:
+    try:
+        model.load_state_dict(state)
+    except (KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: its weights do not fit the model ({_first(exc)})") from None
+
+
+def _first(exc: Exception) -> str:
+    """An exception's first sentence, for a one-line message."""
+    text = " ".join(str(exc).split())
+    return text.split(". ")[0][:200] if text else type(exc).__name__
+
+
+def _full_states(model, optim, fsdp: bool):
+    """(model, optimizer) state dicts; under FSDP full and on the CPU, gathered from every rank (a collective),
+    so the weights read the same whatever wrote them (the optimizer state is keyed by parameter name there)."""
+    if not fsdp:
+        return model.state_dict(), optim.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optim, options=opts)
+
+
+def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path) -> None:
+    try:
+        if fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))
+        else:
+            optim.load_state_dict(state)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{ckpt_path}: its optimizer state does not load here ({type(exc).__name__}); resume "
+                              f"with the --parallel it was written with") from None
