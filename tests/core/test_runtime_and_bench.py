@@ -48,3 +48,50 @@ def test_bench_quick_writes_json(tmp_path, capsys):
 def test_bench_unknown_family():
     from warpforge.cli import main
     assert main(["bench", "--family", "nope"]) == 2
+
+
+def test_tile_table_lookup():
+    from typing import NamedTuple
+
+    from warpforge.ops._tiles import TileTable
+
+    class Cfg(NamedTuple):
+        tile: int
+
+    table = TileTable({"cpu": {"any": Cfg(1)}, "default": {"any": {0: Cfg(2), 100: Cfg(3)}},
+                       "sm90": {"any": Cfg(4), "big": {0: Cfg(5), 64: Cfg(6)}}})
+    assert table.lookup("cpu", "big", 10**6) == Cfg(1)
+    assert table.lookup("sm80", "big", 99) == Cfg(2) and table.lookup("sm80", "x", 100) == Cfg(3)  # default row
+    assert table.lookup("sm90", "big", 63) == Cfg(5) and table.lookup("sm90", "big", 64) == Cfg(6)
+    assert table.lookup("sm90", "other", 7) == Cfg(4)  # a kind without entries takes "any"
+    assert table.map(lambda c: c._replace(tile=0)).lookup("sm90", "big", 64) == Cfg(0)
+    with pytest.raises(ValueError, match="default"):
+        TileTable({"cpu": {"any": Cfg(1)}})
+
+
+def test_device_specs_cover_the_gpus_users_have():
+    from warpforge.runtime import DEVICE_SPECS
+    names = " ".join(key for key, _ in DEVICE_SPECS)
+    for gpu in ("H100", "H200", "A100", "B200", "MI300X"):
+        assert gpu in names
+    for _, spec in DEVICE_SPECS:
+        assert spec.bf16_flops > 1e14 and spec.cache_bytes >= 2**20
+
+
+def test_bench_finds_a_new_cases_module(tmp_path, monkeypatch):
+    """A *_cases.py dropped into warpforge/bench is listed by the bench without any other edit."""
+    import pathlib
+    import sys
+
+    from warpforge.bench import cases
+    bench_dir = pathlib.Path(cases.__file__).parent
+    path = bench_dir / "zz_probe_cases.py"
+    path.write_text('from .cases import Setup, register\n'
+                    'register("zzprobe", "probe case")(lambda dev, tiny: Setup(0, 0, {"warpforge": lambda: None}))\n')
+    try:
+        assert "zzprobe" in cases.families()
+        assert [c.name for c in cases.select("zzprobe")] == ["probe case"]
+    finally:
+        path.unlink()
+        sys.modules.pop("warpforge.bench.zz_probe_cases", None)
+        cases.REGISTRY[:] = [c for c in cases.REGISTRY if c.family != "zzprobe"]

@@ -12,6 +12,7 @@ import torch
 
 from ..ops.attention import attention_reference, attention_varlen_reference, flash_attention
 from ..testing import rel_l2
+from . import baselines
 from .cases import Rotation, Setup, register
 
 MAX_SCORED_GRAD_LEN = 8192  # the fp32 reference of longer gradients would need tens of GB
@@ -25,47 +26,6 @@ def visible_pairs(s_q: int, s_k: int, causal: bool, window: tuple[int, int]) -> 
     lo = torch.zeros_like(i) if left < 0 else (i - left).clamp(min=0)
     hi = torch.full_like(i, s_k - 1) if right < 0 else (i + right).clamp(max=s_k - 1)
     return int((hi - lo + 1).clamp(min=0).sum())
-
-
-def _flex_block_mask(causal, window, s, doc_ids=None, device="cuda"):
-    from torch.nn.attention.flex_attention import create_block_mask
-    left = window[0]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        keep = q_idx >= 0
-        if causal:
-            keep = keep & (q_idx >= kv_idx)
-        if left >= 0:
-            keep = keep & (q_idx - kv_idx <= left)
-        if doc_ids is not None:
-            keep = keep & (doc_ids[q_idx] == doc_ids[kv_idx])
-        return keep
-    return create_block_mask(mask_mod, None, None, s, s, device=device)
-
-
-_FLEX = {}
-
-
-def _flex():
-    if "fn" not in _FLEX:
-        import torch._dynamo
-        from torch.nn.attention.flex_attention import flex_attention
-        # one compiled graph per shape and mask: without room for them all, dynamo falls back to eager
-        # flex_attention, which materialises the scores (slow, and out of memory at long lengths)
-        torch._dynamo.config.cache_size_limit = 256
-        torch._dynamo.config.accumulated_cache_size_limit = 4096
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
-
-
-def _sdpa(backend_name):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    backend = getattr(SDPBackend, backend_name)
-
-    def run(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
 
 
 def attention_setup(device, tiny, *, b, s, h_q, h_kv, d, causal, window=(-1, -1), lengths=None,
@@ -131,15 +91,16 @@ def attention_setup(device, tiny, *, b, s, h_q, h_kv, d, causal, window=(-1, -1)
         kv_keys = ("qt", "kx", "vx") if group > 1 else ("qt", "kt", "vt")
         unpack = _packed_to_bshd if varlen else _bhsd_to_bshd
         if window == (-1, -1) and not varlen:
-            impls["cudnn"] = step(lambda q, k, v: _sdpa("CUDNN_ATTENTION")(q, k, v, causal), kv_keys, unpack)
-            impls["sdpa-flash"] = step(lambda q, k, v: _sdpa("FLASH_ATTENTION")(q, k, v, causal), kv_keys,
-                                       unpack)
+            impls["cudnn"] = step(lambda q, k, v: baselines.sdpa("CUDNN_ATTENTION")(q, k, v, causal), kv_keys,
+                                  unpack)
+            impls["sdpa-flash"] = step(lambda q, k, v: baselines.sdpa("FLASH_ATTENTION")(q, k, v, causal),
+                                       kv_keys, unpack)
         doc_ids = None
         if varlen:
             doc_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                               torch.tensor(lengths, device=device))
-        mask = _flex_block_mask(causal, window, sum(lengths) if varlen else s, doc_ids, device)
-        impls["flex"] = step(lambda q, k, v: _flex()(q, k, v, block_mask=mask, enable_gqa=group > 1),
+        mask = baselines.flex_block_mask(causal, window, sum(lengths) if varlen else s, doc_ids, device)
+        impls["flex"] = step(lambda q, k, v: baselines.flex_attention()(q, k, v, block_mask=mask, enable_gqa=group > 1),
                              ("qt", "kt", "vt"), unpack)
 
     # Score against the fp32 reference on batch 0 and the query heads of kv head 0.
@@ -177,7 +138,13 @@ def attention_setup(device, tiny, *, b, s, h_q, h_kv, d, causal, window=(-1, -1)
             errs.append(rel_l2(got if varlen else got[:1], want))
         return max(errs)
 
-    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=next_set.reset)
+    ran = (f"varlen {len(lengths)} seqs {sum(lengths)} tok" if varlen else f"b{b} s{s}") + \
+        f" h{h_q}/{h_kv} d{d}" + (f" window {window[0]}" if window[0] >= 0 else "") + f" {_name(dtype)}"
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=next_set.reset, ran=ran)
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
 
 
 def _same(t):

@@ -1,18 +1,22 @@
 """The benchmark registry: per family, the shapes, their FLOP and byte counts, and the baselines.
 
-A `Case` knows how to build a `Setup` on a device: inputs rotated past L2, one callable per
-implementation (ours is "warpforge"), and how to score each output against the fp32 reference. Families
-register cases with `@register`; `warpforge bench --family NAME` picks them by family.
+A `Case` knows how to build a `Setup` on a device: inputs rotated past the last-level cache, one callable per
+implementation (ours is "warpforge"), and how to score each output against the fp32 reference. Every module
+`warpforge/bench/<name>_cases.py` is found and imported by `families()`; it registers its cases with
+`@register`, and `warpforge bench --family NAME` picks them by family.
 """
 from __future__ import annotations
 
+import importlib
 import math
+import os
+import pkgutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-L2_BYTES = 60 * 2**20  # the H200's L2; rotation keeps 3x this in flight so no impl is served from cache
+from ..runtime import device_spec
 
 
 @dataclass
@@ -23,7 +27,9 @@ class Setup:
     score: Callable[[Any], float] | None = None  # an impl's output on set 0 -> error vs the reference
     reset: Callable[[], None] = lambda: None  # the next impl call runs on set 0
     err_kind: str = "rel_l2"
+    tol: float = 1e-2  # the error at which an impl's output counts as wrong
     tokens: int | None = None  # tokens processed per call, for tokens/s
+    ran: str | None = None  # the shape actually run (the interpreter runs small ones)
 
 
 @dataclass
@@ -50,7 +56,9 @@ class Rotation:
     next call get set 0, the one the reference is computed on."""
 
     def __init__(self, make_set: Callable[[], Any], bytes_per_set: float, device: torch.device):
-        n = 1 if device.type == "cpu" else max(2, min(16, math.ceil(3 * L2_BYTES / max(bytes_per_set, 1))))
+        n = 1
+        if device.type == "cuda":  # 3x the cache in flight, so no impl is served from it
+            n = max(2, min(16, math.ceil(3 * device_spec(device).cache_bytes / max(bytes_per_set, 1))))
         self.sets = [make_set() for _ in range(n)]
         self.i = 0
 
@@ -90,7 +98,10 @@ def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> 
 
 
 def families() -> list[str]:
-    from . import attention_cases, fused_cases, gpt_cases, mla_cases, moe_cases  # noqa: F401  (registers)
+    """Imports every *_cases module of this package once (each registers its cases); the families found."""
+    for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):
+        if mod.name.endswith("_cases"):
+            importlib.import_module(f"{__package__}.{mod.name}")
     return sorted({c.family for c in REGISTRY})
 
 

@@ -3,18 +3,17 @@ forward + backward, against the same math in PyTorch, eager and torch.compile'd.
 bound by memory (bytes = the tensors each pass must read and write); linear + cross-entropy by its matmuls.
 
 Every path is replayed from CUDA graphs, so the rows compare kernels (inside a compiled, graphed training step
-that is what counts); "warpforge (eager)" adds the host cost of calling our ops one by one (0.64 ms for
-rms_norm fwd+bwd on the H200, for 65 µs of kernels: see benchmarks/NOTES.md)."""
+that is what counts); "warpforge (eager)" adds the host cost of calling our ops one by one."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..models.gpt.model import PYTORCH_OPS
-from ..ops.fused import (add_rms_norm, add_rms_norm_reference, apply_rope, layer_norm, layer_norm_reference,
-                         linear_cross_entropy, linear_cross_entropy_reference, rms_norm, rms_norm_reference,
-                         rope_reference, rope_tables, swiglu, swiglu_reference)
+from ..ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
+from ..ops.norm import add_rms_norm, add_rms_norm_reference, layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from ..ops.rope import apply_rope, rope_reference, rope_tables
+from ..ops.swiglu import swiglu, swiglu_reference
 from ..testing import rel_l2
+from . import baselines
 from .cases import Rotation, Setup, graphed, register
 
 TOKENS, D, FFN, VOCAB, HEADS = 16 * 1024, 768, 3072, 50304, 12
@@ -64,7 +63,9 @@ def fwd_bwd_setup(device, tiny, *, make, ours, plain, reference, flops=0.0, nbyt
             cache["ref"] = (*out, *grads)
         return max(rel_l2(a, b) for a, b in zip(result, cache["ref"]))
 
-    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset)
+    ran = " ".join("x".join(map(str, t.shape)) for t in rot.sets[0][0] if t.is_floating_point() and t.dim() > 1)
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset,
+                 ran=f"{ran} {str(dtype).replace('torch.', '')}")
 
 
 def _rows(tiny):
@@ -78,7 +79,7 @@ def _register():
         make=lambda t, dv, dt: [torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
                                 torch.ones(_rows(t)[1], device=dv, dtype=dt, requires_grad=True)],
         ours=lambda x, w: rms_norm(x, w, backend="triton"),
-        plain=lambda x, w: PYTORCH_OPS.rms_norm(x, w, 1e-6, x.dtype),
+        plain=lambda x, w: baselines.rms_norm(x, w, 1e-6, x.dtype),
         reference=rms_norm_reference, nbytes=2.0 * n * d * 5))  # fwd: x, y; bwd: x, dy, dx
     register("fused", "add_rms_norm fwd+bwd 16k x 768 (fp32 stream + bf16 branch)")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
@@ -86,7 +87,7 @@ def _register():
                                 torch.randn(_rows(t), device=dv, dtype=dt, requires_grad=True),
                                 torch.ones(_rows(t)[1], device=dv, dtype=torch.float32, requires_grad=True)],
         ours=lambda x, r, w: add_rms_norm(x, r, w, backend="triton", out_dtype=r.dtype),
-        plain=lambda x, r, w: PYTORCH_OPS.add_rms_norm(x, r, w, 1e-6, r.dtype),
+        plain=lambda x, r, w: baselines.add_rms_norm(x, r, w, 1e-6, r.dtype),
         reference=add_rms_norm_reference,
         nbytes=2.0 * n * d * 13))  # fwd: x, r, sum, y; bwd: sum, dy, d_sum, dx (fp32 stream, bf16 branch)
     register("fused", "layer_norm fwd+bwd 16k x 768")(lambda dev, tiny: fwd_bwd_setup(
@@ -95,21 +96,21 @@ def _register():
                                 torch.ones(_rows(t)[1], device=dv, dtype=dt, requires_grad=True),
                                 torch.zeros(_rows(t)[1], device=dv, dtype=dt, requires_grad=True)],
         ours=lambda x, w, b: layer_norm(x, w, b, backend="triton"),
-        plain=lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
+        plain=baselines.layer_norm,
         reference=layer_norm_reference, nbytes=2.0 * n * d * 5))
     register("fused", "swiglu fwd+bwd 16k x 2x3072", quick=True)(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
         make=lambda t, dv, dt: [torch.randn((64, 2 * 96) if t else (TOKENS, 2 * FFN), device=dv, dtype=dt,
                                             requires_grad=True)],
         ours=lambda gu: swiglu(gu, backend="triton"),
-        plain=PYTORCH_OPS.swiglu,
+        plain=baselines.swiglu,
         reference=swiglu_reference, nbytes=2.0 * n * FFN * 7))  # fwd: gu, out; bwd: gu, dout, dgu
     register("fused", "rope fwd+bwd b16 s1024 h12 d64")(lambda dev, tiny: fwd_bwd_setup(
         dev, tiny,
         make=lambda t, dv, dt: [torch.randn((1, 16, 2, 32) if t else (16, 1024, HEADS, 64), device=dv, dtype=dt,
                                             requires_grad=True)],
         ours=lambda x: apply_rope(x, *_angles(x), backend="triton"),
-        plain=lambda x: PYTORCH_OPS.rope(x, *_angles(x)),
+        plain=lambda x: baselines.rope(x, *_angles(x)),
         reference=lambda x: rope_reference(x, *_angles(x)), nbytes=2.0 * n * d * 4))
     register("fused", "linear+cross-entropy fwd+bwd 16k x 768 -> 50304", quick=True)(
         lambda dev, tiny: fwd_bwd_setup(
@@ -120,7 +121,7 @@ def _register():
                                                         dtype=dt)).requires_grad_(),
                                     torch.randint(0, 500 if t else VOCAB, (64 if t else TOKENS,), device=dv)],
             ours=lambda h, w, y: linear_cross_entropy(h, w, y, backend="triton"),
-            plain=lambda h, w, y: F.cross_entropy((h @ w.T).float(), y),
+            plain=baselines.linear_cross_entropy,
             reference=lambda h, w, y: linear_cross_entropy_reference(h, w, y),
             flops=3 * 2.0 * TOKENS * D * VOCAB, input_bytes=2.0 * (TOKENS + VOCAB) * D))
 

@@ -1,16 +1,19 @@
 """GPT training throughput: one optimizer step of the gpt2-124m preset (bf16 autocast, fused AdamW, random
-tokens), warpforge's ops against the same model on plain PyTorch ops (SDPA), eager and torch.compile'd, both
-compiled ones also replayed from CUDA graphs (mode="reduce-overhead").
+tokens), warpforge's ops against the same model on plain PyTorch ops (GPT(cfg, backend="torch"): SDPA,
+F.rms_norm, ...), eager and torch.compile'd, both compiled ones also replayed from CUDA graphs
+(mode="reduce-overhead").
 Reported as ms per step and TFLOP/s by llm.c's count (6N + 6·L·C·T per token); tokens/s = tokens / time."""
 from __future__ import annotations
-
-from dataclasses import fields, replace
 
 import torch
 
 from ..models.gpt.config import GPTConfig, preset
-from ..models.gpt.model import GPT, PYTORCH_OPS, WARPFORGE_OPS, Ops
+from ..models.gpt.model import GPT
+from ..nn import functional
 from .cases import Setup, register
+
+# the hot ops of the dense GPT, each swapped in alone by the ablation
+ABLATION_OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy")
 
 
 def gpt_train_setup(device, tiny, *, name="gpt2-124m", ablation=False):
@@ -28,9 +31,10 @@ def gpt_train_setup(device, tiny, *, name="gpt2-124m", ablation=False):
     batches = [torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen).to(device)
                for _ in range(4)]
 
-    def make_step(ops, compile_mode):
-        """compile_mode: None (eager), "default" (Inductor) or "reduce-overhead" (Inductor + CUDA graphs)."""
-        model = GPT(cfg, ops=ops).to(device)
+    def make_step(backend, compile_mode):
+        """backend: GPT's (None: warpforge, "torch", or a dict per op); compile_mode: None (eager), "default"
+        (Inductor) or "reduce-overhead" (Inductor + CUDA graphs)."""
+        model = GPT(cfg, backend=backend).to(device)
         model.load_state_dict(base.state_dict())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         fwd = torch.compile(model, mode=compile_mode) if compile_mode else model
@@ -52,19 +56,19 @@ def gpt_train_setup(device, tiny, *, name="gpt2-124m", ablation=False):
 
     impls, states = {}, []
     cuda = device.type == "cuda"
-    variants = [("warpforge", WARPFORGE_OPS, "default" if cuda else None)]
+    variants = [("warpforge", None, "default" if cuda else None)]
     if cuda:
-        variants += [("warpforge (CUDA graphs)", WARPFORGE_OPS, "reduce-overhead"),
-                     ("torch.compile", PYTORCH_OPS, "default"),
-                     ("torch.compile (CUDA graphs)", PYTORCH_OPS, "reduce-overhead"),
-                     ("torch eager", PYTORCH_OPS, None)]
+        variants += [("warpforge (CUDA graphs)", None, "reduce-overhead"),
+                     ("torch.compile", functional.TORCH, "default"),
+                     ("torch.compile (CUDA graphs)", functional.TORCH, "reduce-overhead"),
+                     ("torch eager", functional.TORCH, None)]
     if ablation:
-        variants += [(f"warpforge (only {op})", replace(PYTORCH_OPS, **{op: getattr(WARPFORGE_OPS, op)}),
-                      "default" if cuda else None) for op in (f.name for f in fields(Ops))]
-    for label, ops, comp in variants:
-        impls[label], st = make_step(ops, comp)
+        variants += [(f"warpforge (only {op})", {"*": functional.TORCH, op: None}, "default" if cuda else None)
+                     for op in ABLATION_OPS]
+    for label, backend, comp in variants:
+        impls[label], st = make_step(backend, comp)
         states.append(st)
-    ref_model = GPT(cfg, ops=PYTORCH_OPS).to(device)  # fp32, plain ops: the loss every impl's first step should see
+    ref_model = GPT(cfg, backend=functional.TORCH).to(device)  # fp32, plain ops: the loss each first step should see
     ref_model.load_state_dict(base.state_dict())
     with torch.no_grad():
         ref_loss = ref_model(batches[0][:, :-1], batches[0][:, 1:]).float()

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from ..ops.mla import mla_decode, mla_decode_reference, nvfp4_tensor_scale, quantize_kv
-from ..ops.mla.reference import D_QK, D_V, ROW_BYTES
+from ..ops.mla import D_QK, D_V, KV_FORMATS, mla_decode, mla_decode_reference, nvfp4_tensor_scale, quantize_kv
 from ..testing import cosine
+from . import baselines
 from .cases import Rotation, Setup, graphed, register
 
 PAGE = 64
@@ -26,7 +26,7 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
     page = PAGE if not tiny else 16
     lens = [L + 2 * i for i in range(b)]
     max_pages = -(-max(lens) // page)
-    row_bytes = D_QK * 2 if fmt == "bf16" else ROW_BYTES[fmt]
+    row_bytes = KV_FORMATS[fmt].row_bytes
     tokens = sum(lens)
     nbytes = tokens * row_bytes + b * s_q * h_q * (D_QK + D_V) * 2
     flops = 2.0 * h_q * s_q * tokens * (D_QK + D_V)
@@ -54,16 +54,9 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
     ours = graphed(decode, rot, device)  # decode is served from CUDA graphs
     impls = {"warpforge": ours}
     if fmt == "bf16" and device.type == "cuda":
-        valid = torch.arange(max_pages * page, device=device)[None, :] < seqlens[:, None]
-
         def torch_path():
             st = rot()
-            kv = st["cache"].view(-1, D_QK)[st["rows"]]                      # [b, L_max, 576]
-            qf = st["q"].view(b, s_q * h_q, D_QK)
-            scores = torch.bmm(qf, kv.transpose(1, 2)).float() * scale
-            scores.masked_fill_(~valid[:, None, :], float("-inf"))
-            p = torch.softmax(scores, -1).to(dtype)
-            return torch.bmm(p, kv[..., :D_V]).view(b, s_q, h_q, D_V)
+            return baselines.gathered_mla_decode(st["q"], st["cache"], st["rows"], seqlens, scale)
         impls["torch"] = torch_path
 
     reference = {}
@@ -76,7 +69,8 @@ def mla_setup(device, tiny, *, L, h_q, fmt, b=128, s_q=1):
                                                     softmax_scale=scale, kv_format=fmt, kv_scale=kv_scale)[0]
         return 1 - cosine(out, reference["ref"])
 
-    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, err_kind="1-cos")
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, err_kind="1-cos", tol=1e-5,
+                 ran=f"b{b} h{h_q} s_q{s_q} L{L} page {page} {fmt}")
 
 
 def mla_sparse_setup(device, tiny, *, b=128, s_q=2, h_q=128, topk=2048, fmt="fp8", pool_tokens=65536):
@@ -85,7 +79,7 @@ def mla_sparse_setup(device, tiny, *, b=128, s_q=2, h_q=128, topk=2048, fmt="fp8
         b, s_q, h_q, topk, pool_tokens = 2, 2, 16, 40, 256
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     page = PAGE if not tiny else 16
-    row_bytes = D_QK * 2 if fmt == "bf16" else ROW_BYTES[fmt]
+    row_bytes = KV_FORMATS[fmt].row_bytes
     reads = b * s_q * topk
     nbytes = reads * row_bytes + b * s_q * h_q * (D_QK + D_V) * 2
     flops = 2.0 * h_q * reads * (D_QK + D_V)
@@ -116,7 +110,7 @@ def mla_sparse_setup(device, tiny, *, b=128, s_q=2, h_q=128, topk=2048, fmt="fp8
         return 1 - cosine(out[:4], reference["ref"])
 
     return Setup(flops=flops, bytes=nbytes, impls={"warpforge": ours}, score=score, reset=rot.reset,
-                 err_kind="1-cos")
+                 err_kind="1-cos", tol=1e-5, ran=f"b{b} h{h_q} s_q{s_q} topk {topk} of {pool_tokens} {fmt}")
 
 
 def _register():

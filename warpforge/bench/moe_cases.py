@@ -7,10 +7,10 @@ ours is timed both as a replayed CUDA graph (how serving runs decode; align is g
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..ops.moe import experts_reference, fused_moe, quantize_weights, route_reference
 from ..testing import rel_l2
+from . import baselines
 from .cases import Rotation, Setup, graphed, register
 
 MODELS = {  # E, topk, H, I, router extras
@@ -27,33 +27,6 @@ def _logits(t, e, skew, device, gen):
     # Zipf(1.2) popularity: expert r gets a prior ∝ r^-1.2, added in log space
     prior = torch.arange(1, e + 1, dtype=torch.float32).pow(-1.2).log()
     return (torch.randn(t, e, generator=gen) + 3 * prior).to(device)
-
-
-def _grouped_mm_path(hidden, w13, w2, weights, ids):
-    t, k = ids.shape
-    inter = w2.shape[2]
-    flat = ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True).indices
-    rows = hidden[order // k]
-    # counts by scatter_add (bincount syncs with the host), so that this path can be graph-captured too
-    counts = torch.zeros(w13.shape[0], dtype=torch.long, device=flat.device).scatter_add_(0, flat,
-                                                                                          torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)
-    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs) * weights.reshape(-1)[order, None].to(act.dtype)
-    return torch.zeros_like(hidden).index_add_(0, order // k, down)
-
-
-def _loop_path(hidden, w13, w2, weights, ids):
-    inter = w2.shape[2]
-    out = torch.zeros_like(hidden)
-    for e in torch.unique(ids).tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        gate_up = hidden[tok] @ w13[e].T
-        out.index_add_(0, tok, (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e].T
-                       * weights[tok, slot, None].to(hidden.dtype))
-    return out
 
 
 _WEIGHTS = {}
@@ -96,7 +69,7 @@ def moe_setup(device, tiny, *, model, t, skew, fp8=False):
                          **route_kw)
 
     def grouped(x):
-        return _grouped_mm_path(x, w13, w2, *route_reference(logits, k, **route_kw))
+        return baselines.grouped_mm_experts(x, w13, w2, *route_reference(logits, k, **route_kw))
 
     impls = {"warpforge": graphed(ours, rot, device) if t <= 512 else (lambda: ours(rot()))}
     if device.type == "cuda":
@@ -105,7 +78,7 @@ def moe_setup(device, tiny, *, model, t, skew, fp8=False):
         if hasattr(torch, "_grouped_mm"):
             # eager: captured in a graph this path returned wrong outputs on the H200 (rel L2 ~1, torch 2.11)
             impls["torch._grouped_mm"] = lambda: grouped(rot())
-        impls["per-expert loop"] = lambda: _loop_path(rot(), w13, w2, weights, ids)
+        impls["per-expert loop"] = lambda: baselines.per_expert_loop(rot(), w13, w2, weights, ids)
     cache = {}
 
     def score(out):
@@ -113,7 +86,8 @@ def moe_setup(device, tiny, *, model, t, skew, fp8=False):
             cache["ref"] = experts_reference(rot.sets[0].float(), w13.float(), w2.float(), weights, ids)
         return rel_l2(out, cache["ref"])
 
-    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, tokens=t)
+    return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, tokens=t,
+                 ran=f"E{e} top{k} H{h} I{i} T{t}{' fp8' if fp8 else ''}")
 
 
 def moe_train_setup(device, tiny, *, model, t):
@@ -142,7 +116,7 @@ def moe_train_setup(device, tiny, *, model, t):
 
     def grouped(x):
         weights, ids = route_reference(logits, k, **route_kw)
-        return _grouped_mm_path(x, w13, w2, weights, ids)
+        return baselines.grouped_mm_experts(x, w13, w2, weights, ids)
 
     impls = {"warpforge": step(ours)}
     if device.type == "cuda" and hasattr(torch, "_grouped_mm"):
@@ -159,7 +133,8 @@ def moe_train_setup(device, tiny, *, model, t):
             cache["ref"] = torch.autograd.grad(out, (x, *ref_in), grad.float())
         return max(rel_l2(a, b) for a, b in zip(grads, cache["ref"]))
 
-    return Setup(flops=flops, bytes=0, impls=impls, score=score, reset=rot.reset, tokens=t)
+    return Setup(flops=flops, bytes=0, impls=impls, score=score, reset=rot.reset, tokens=t,
+                 ran=f"E{e} top{k} H{h} I{i} T{t} fwd+bwd")
 
 
 def _register_fp8():

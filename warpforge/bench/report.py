@@ -14,29 +14,40 @@ def _fmt(x, spec):
 
 def table(result: dict) -> str:
     m = result["machine"]
-    head = (f"{m['gpu']} | torch {m['torch']} | triton {m['triton']} | commit {m['git_commit'][:10]} | "
-            f"copy {_fmt(m['copy_tbps'], '.2f')} TB/s | bf16 GEMM {_fmt(m['gemm_tflops'], '.0f')} TFLOP/s")
+    interpreted = bool(m.get("interpreter"))
+    head = (f"{m['gpu']} | torch {m['torch']} | triton {m['triton']} | commit {m['git_commit'][:10]}")
+    if not interpreted:
+        head += f" | copy {_fmt(m['copy_tbps'], '.2f')} TB/s | bf16 GEMM {_fmt(m['gemm_tflops'], '.0f')} TFLOP/s"
     lines = [head]
-    if m.get("interpreter"):
-        lines.append("NOTE: no GPU here. Kernels ran through the Triton interpreter at tiny sizes to check them "
-                     "against the reference; the times below are interpreter times, not GPU times.")
-    cols = ["family", "case", "impl", "ms", "TFLOP/s", "GB/s", "%limit", "speedup", "err"]
-    body = []
-    for r in result["rows"]:
-        if r.get("ms") is None:
-            body.append([r["family"], r["case"], r["impl"], "FAILED", "", "", "", "", r.get("error", "")[:60]])
-            continue
-        sp = r.get("speedup")
-        body.append([r["family"], r["case"], r["impl"], _fmt(r["ms"], ".3f"), _fmt(r.get("tflops"), ".1f"),
-                     _fmt(r.get("gbps"), ".0f"),
-                     _fmt(100 * r["frac_limit"], ".0f") + "%" if r.get("frac_limit") else "-",
-                     f"{sp:.2f}x vs {r['best_baseline']}" if sp else "",
-                     _fmt(r.get("err"), ".1e")])
+    if interpreted:
+        lines.append("No GPU: the kernels ran through the Triton interpreter at the small shapes in 'ran' (not the "
+                     "case's own), to check them against their references. Times are interpreter times, not GPU "
+                     "times, so no rates are shown.")
+        cols = ["family", "case", "ran", "impl", "ms", "error", "verdict"]
+    else:
+        cols = ["family", "case", "impl", "ms", "TFLOP/s", "GB/s", "%limit", "speedup", "error", "verdict"]
+    body = [_row(r, interpreted) for r in result["rows"]]
     widths = [max(len(str(x)) for x in col) for col in zip(cols, *body)]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in body]
+    wrong = [r for r in result["rows"] if r.get("ok") is False]
+    lines.append(f"{len(wrong)} output(s) outside tolerance" if wrong else "every output within tolerance")
     return "\n".join(lines)
+
+
+def _row(r: dict, interpreted: bool) -> list:
+    lead = [r["family"], r["case"]] + ([r.get("ran") or "-"] if interpreted else []) + [r["impl"]]
+    if r.get("ms") is None:
+        return lead + ["FAILED"] + [""] * (1 if interpreted else 5) + [r.get("error", "")[:60]]
+    err = f"{_fmt(r.get('err'), '.1e')} ({r.get('err_kind', 'err')})" if r.get("err") is not None else "-"
+    verdict = "-" if r.get("err") is None else ("ok" if r.get("ok") else f"WRONG (tol {r.get('tol'):.0e})")
+    if interpreted:
+        return lead + [_fmt(r["ms"], ".1f"), err, verdict]
+    sp = r.get("speedup")
+    return lead + [_fmt(r["ms"], ".3f"), _fmt(r.get("tflops"), ".1f"), _fmt(r.get("gbps"), ".0f"),
+                   _fmt(100 * r["frac_limit"], ".0f") + "%" if r.get("frac_limit") else "-",
+                   f"{sp:.2f}x vs {r['best_baseline']}" if sp else "", err, verdict]
 
 
 def write_json(result: dict, path: str) -> None:

@@ -10,6 +10,7 @@ import traceback
 
 import torch
 
+from ..runtime import measured_gemm_flops
 from .cases import Case
 
 
@@ -44,7 +45,7 @@ def _time_ms(fn, device) -> float:
 
 
 def measure_ceilings(device) -> tuple[float, float]:
-    """(copy TB/s counting read + write, bf16 GEMM TFLOP/s on random data)."""
+    """(copy TB/s counting read + write, bf16 GEMM TFLOP/s as the fastest cuBLAS layout runs 8192³ random data)."""
     if device.type != "cuda":
         return float("nan"), float("nan")
     n = 2 * 2**30
@@ -53,12 +54,7 @@ def measure_ceilings(device) -> tuple[float, float]:
     ms = _time_ms(lambda: dst.copy_(src), device)
     copy_tbps = 2 * n / (ms * 1e-3) / 1e12
     src = dst = None  # free the 4 GB before the GEMM
-    m = 8192
-    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    ms = _time_ms(lambda: a @ b, device)
-    gemm_tflops = 2 * m**3 / (ms * 1e-3) / 1e12
-    return copy_tbps, gemm_tflops
+    return copy_tbps, measured_gemm_flops(device) / 1e12
 
 
 def machine_info(device) -> dict:
@@ -86,14 +82,15 @@ def run_case(case: Case, device, machine: dict, log=print) -> list[dict]:
         return [dict(family=case.family, case=case.name, impl="warpforge", ms=None, error=repr(exc))]
     rows = []
     for impl, fn in setup.impls.items():
-        row = dict(family=case.family, case=case.name, impl=impl)
+        row = dict(family=case.family, case=case.name, impl=impl, ran=setup.ran, err_kind=setup.err_kind,
+                   tol=setup.tol)
         try:
             err = None
             if setup.score is not None:
                 setup.reset()
                 err = setup.score(fn())
             ms = _time_ms(fn, device)
-            row.update(ms=ms, err=err, tflops=setup.flops / (ms * 1e-3) / 1e12 if setup.flops else None,
+            row.update(ms=ms, err=err, ok=err is None or err <= setup.tol, tflops=setup.flops / (ms * 1e-3) / 1e12 if setup.flops else None,
                        gbps=setup.bytes / (ms * 1e-3) / 1e9 if setup.bytes else None)
             if setup.tokens:
                 row["tokens_per_s"] = setup.tokens / (ms * 1e-3)
