@@ -7,7 +7,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "warpforge"
 OPS = ROOT / "ops"
-FAMILIES = sorted(p.name for p in OPS.iterdir() if p.is_dir() and not p.name.startswith("_"))
+FAMILIES = sorted(p.name for p in OPS.iterdir() if p.is_dir() and not p.name.startswith("_") and any(p.glob("*.py")))
 
 
 def _imports(path: pathlib.Path) -> list[str]:

@@ -86,7 +86,10 @@ def moe_setup(device, tiny, *, model, t, skew, fp8=False):
             cache["ref"] = experts_reference(rot.sets[0].float(), w13.float(), w2.float(), weights, ids)
         return rel_l2(out, cache["ref"])
 
+    # FP8: against the bf16 weights, so the error includes e4m3's own rounding of them (~5e-2 at the output; the
+    # kernel against its dequantised weights is checked tightly by the tests)
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, tokens=t,
+                 tol=6e-2 if fp8 else 1e-2,
                  ran=f"E{e} top{k} H{h} I{i} T{t}{' fp8' if fp8 else ''}")
 
 

@@ -10,3 +10,13 @@ def swiglu_grads(d_out, gate, up):
     epilogue."""
     sig = tl.sigmoid(gate)
     return d_out * up * sig * (1.0 + gate * (1.0 - sig)), d_out * gate * sig
+
+
+@triton.jit
+def dot(a, b, acc=None):
+    """tl.dot, in full fp32 precision when the operands are fp32 (tl.dot's default for them is TF32, ~1e-3 off)."""
+    if a.dtype == tl.float32:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator
+from ..shared_kernels import dot
 
 LOG2E = 1.4426950408889634
 
@@ -148,7 +149,7 @@ def _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_kn, strid
         cols = start_n + offs_n
         k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn,
                                       s_k, D, BLOCK_N, MASK, EVEN_D, USE_TMA)
-        qk = tl.dot(q, tl.trans(k))
+        qk = dot(q, tl.trans(k))
         if DQ:
             acc = _dq_step(acc, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, qk_scale, MASK)
         else:
@@ -199,7 +200,7 @@ def _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, qk_scale, MASK: t
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
     return acc, l_i, m_new
 
 
@@ -210,9 +211,9 @@ def _dq_step(dq, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, qk_scale, MAS
     if MASK:
         visible = _visible(rows, cols, s_k, A, B)
         p = tl.where(visible, p, 0.0)
-    dp = tl.dot(do, tl.trans(v))
+    dp = dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k)
+    return dq + dot(ds.to(k.dtype), k)
 
 
 # ----------------------------------------------------------------------------------------- forward
@@ -319,18 +320,18 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
             lse = tl.load(lse_base + cols)
             delta = tl.load(delta_base + cols)
         lse2 = _lse_log2(lse)
-        qkT = tl.dot(k, tl.trans(q))
+        qkT = dot(k, tl.trans(q))
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASK:
             visible = _visible(key_rows, cols, s_q, A, B)
             pT = tl.where(visible, pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do)
-        dpT = tl.dot(v, tl.trans(do))
+        dv += dot(pT.to(do.dtype), do)
+        dpT = dot(v, tl.trans(do))
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
-        dk += tl.dot(dsT, q)
+        dk += dot(dsT, q)
         if ATOMIC_DQ:
             # dq = scale * ds @ k, summed over key blocks by fp32 atomics: five matmuls instead of seven
-            dq_part = tl.dot(tl.trans(dsT), k) * sm_scale
+            dq_part = dot(tl.trans(dsT), k) * sm_scale
             dq_ptrs = dq_blk + offs_m[:, None] * stride_dqs + offs_d[None, :]
             if MASK:
                 ld_mask = (cols < s_q)[:, None] & (offs_d < D)[None, :]
@@ -477,11 +478,6 @@ def _pow2(d):
     return triton.next_power_of_2(d)
 
 
-def _precision(t):
-    """fp32 inputs multiply in full fp32 (not TF32): the kernels then give fp32 answers."""
-    return {"default_dot_input_precision": "ieee"} if t.dtype == torch.float32 else {}
-
-
 def _tma_ok(*tensors):
     """Tensor descriptors need 16-byte aligned bases and strides (2-byte elements: multiples of 8). Which
     head dims use TMA at all is the config table's decision."""
@@ -515,7 +511,7 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
         stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E,
         H_Q=h_q, GROUP=h_q // h_kv, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(d), VARLEN=varlen,
-        USE_TMA=use_tma, num_warps=warps, num_stages=stages, **_precision(q),
+        USE_TMA=use_tma, num_warps=warps, num_stages=stages,
     )
     return out, lse
 
@@ -554,7 +550,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh,
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
         H_KV=h_kv, GROUP=group, D=d, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
-        VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, num_warps=cfg_dkdv.warps, **_precision(q),
+        VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, num_warps=cfg_dkdv.warps,
         num_stages=cfg_dkdv.stages,
     )
     if atomic_dq:
@@ -565,6 +561,6 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         *_layout(q, varlen), *_layout(do, varlen), *_layout(dq, varlen), *_layout(k, varlen), *_layout(v, varlen),
         max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
         H_Q=h_q, GROUP=group, D=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, BLOCK_D=bd, VARLEN=varlen,
-        USE_TMA=dq_tma, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages, **_precision(q),
+        USE_TMA=dq_tma, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages,
     )
     return dq, dk, dv

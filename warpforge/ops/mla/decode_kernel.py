@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..shared_kernels import dot
+
 LOG2E = 1.4426950408889634
 
 
@@ -102,8 +104,8 @@ def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, ROPE_OF
 def _chunk_scores(s, q_c, lat_c, scale_c, ROW_SCALE: tl.constexpr):
     """s += q_c · lat_cᵀ, each token's column times its chunk scale when ROW_SCALE (FP8)."""
     if ROW_SCALE:
-        return s + tl.dot(q_c, tl.trans(lat_c)) * scale_c[None, :]
-    return tl.dot(q_c, tl.trans(lat_c), s)
+        return s + dot(q_c, tl.trans(lat_c)) * scale_c[None, :]
+    return dot(q_c, tl.trans(lat_c), s)
 
 
 @triton.jit
@@ -111,7 +113,7 @@ def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ROW_SCALE: tl.constexpr):
     """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8)."""
     if ROW_SCALE:
         p = p * scale_c[None, :]
-    return tl.dot(p.to(lat_c.dtype), lat_c, acc_c * alpha[:, None])
+    return dot(p.to(lat_c.dtype), lat_c, acc_c * alpha[:, None])
 
 
 @triton.jit
@@ -234,7 +236,7 @@ def mla_decode_split_kernel(
         s = _chunk_scores(s, q1, lat1, sc1, ROW_SCALE)
         s = _chunk_scores(s, q2, lat2, sc2, ROW_SCALE)
         s = _chunk_scores(s, q3, lat3, sc3, ROW_SCALE)
-        s = (s * latent_scale + tl.dot(q_rope, tl.trans(rope))) * qk_scale
+        s = (s * latent_scale + dot(q_rope, tl.trans(rope))) * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -361,7 +363,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None,
         BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
         PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
-        num_stages=stages, **({"default_dot_input_precision": "ieee"} if q.dtype == torch.float32 else {}),
+        num_stages=stages,
     )
     if final:
         return out, lse

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import swiglu_grads
+from ..shared_kernels import dot, swiglu_grads
 
 
 @triton.jit
@@ -93,10 +93,10 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
         b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
         bmask = k_ok[:, None] & n_ok[None, :]
-        acc = tl.dot(a, _load_b(b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
+        acc = dot(a, _load_b(b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
                                 a.dtype), acc)
         if SWIGLU:
-            acc_up = tl.dot(a, _load_b(b_ptrs + N * stride_bn, bmask, n_ok, B_SCALE, e, k0, offs_n + N, stride_se,
+            acc_up = dot(a, _load_b(b_ptrs + N * stride_bn, bmask, n_ok, B_SCALE, e, k0, offs_n + N, stride_se,
                                        stride_sk, stride_sn, FP8_B, a.dtype), acc_up)
     omask = ok[:, None] & n_ok[None, :]
     if SCATTER:
@@ -153,17 +153,12 @@ def moe_weight_grad_kernel(G, A, DW, SORTED_IDS, BLOCK_START, BLOCK_COUNT,
                     mask=ok[:, None] & n_ok[None, :], other=0.0)
         a = tl.load(A + (tokens if A_BY_TOKEN else slots64)[:, None] * stride_a + offs_k[None, :],
                     mask=ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(tl.trans(g), a, acc)
+        acc = dot(tl.trans(g), a, acc)
     tl.store(DW + e.to(tl.int64) * stride_de + offs_n[:, None].to(tl.int64) * stride_dn + offs_k[None, :],
              acc.to(DW.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 # ------------------------------------------------------------------------------------------ launch
-def _precision(t):
-    """fp32 activations multiply in full fp32 (not TF32)."""
-    return {"default_dot_input_precision": "ieee"} if t.dtype == torch.float32 else {}
-
-
 def _scale_args(b, scale, b_strides):
     """(scale tensor, its expert / k-block / n-block strides) for an FP8 B, matching B's (k, n) orientation."""
     if scale is None:
@@ -205,7 +200,7 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
         SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages, **_precision(a))
+        num_stages=stages)
 
 
 def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
@@ -253,7 +248,7 @@ def _weight_grad(g, a, dw, sorted_ids, blocks, topk, cfg, *, g_by_token):
         g, a, dw, sorted_ids, first, count, g.stride(0), a.stride(0),
         dw.stride(0), dw.stride(1), (a if g_by_token else g).shape[0], n, k,
         TOPK=topk, G_BY_TOKEN=g_by_token, A_BY_TOKEN=not g_by_token, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **_precision(a))
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return dw
 
 
