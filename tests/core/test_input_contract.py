@@ -189,3 +189,23 @@ def test_bf16_refused_by_the_interpreter():
     cache = torch.randn(1, 16, 1, 576, dtype=torch.bfloat16)
     _raises("q", lambda: wf.mla_decode(mq, cache, torch.zeros(1, 1, dtype=torch.int32),
                                        torch.ones(1, dtype=torch.int32), backend="triton"))
+
+
+def test_varlen_offsets_read_once_while_unchanged(monkeypatch):
+    """The layers of a step pass the same offsets: they are read back once; changed in place, read again."""
+    from warpforge import errors
+    reads = []
+    real = errors.check_cu_seqlens
+
+    def counting(name, cu, ref, read_values=True):
+        reads.append(read_values)
+        return real(name, cu, ref, read_values)
+    monkeypatch.setattr("warpforge.ops.attention.api.check_cu_seqlens", counting)
+    q, k, v, cu = _packed([5, 7])
+    for _ in range(3):
+        wf.flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7,
+                           backend="reference")
+    assert sum(reads) == 2  # cu_seqlens_q and cu_seqlens_k, read once
+    cu[1] = 9  # in place: sequences of 9 and 3 now, longer than max_seqlen_q
+    _raises("max_seqlen_q", lambda: wf.flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7,
+                                                       max_seqlen_k=7, backend="reference"))

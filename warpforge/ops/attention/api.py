@@ -9,7 +9,7 @@ import torch
 
 from ...errors import (check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
-                       host_reads_allowed)
+                       host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
@@ -121,30 +121,40 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
 
 
 def _plan_varlen(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
-    """(cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k) of packed sequences. The offsets and the given max_seqlen are checked against the
-    tensors on the host (one sync) except while a CUDA graph is captured or torch.compile traces: then both
-    max_seqlen must be given and are trusted, and the kernels clamp every offset to the tensors, so wrong values
-    can give wrong rows but never a read or write outside them."""
+    """(cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k) of packed sequences. The offsets and the given max_seqlen
+    are checked against the tensors on the host (one sync, once per offsets tensor while its values stay the same),
+    except while a CUDA graph is captured or torch.compile traces: then both max_seqlen must be given and are
+    trusted, and the offsets are clamped into the tensors on the device, so wrong values can give wrong rows but
+    never a read or write outside them."""
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None:
             check_int(name, given, lo=0)
-    readable = host_reads_allowed(q)
-    if not readable and (max_seqlen_q is None or max_seqlen_k is None):
-        fail("max_seqlen_q/max_seqlen_k", "both given while capturing a CUDA graph or compiling (the offsets "
-             "cannot be read then)", (max_seqlen_q, max_seqlen_k))
-    host_q = check_cu_seqlens("cu_seqlens_q", cu_q, q, read_values=readable)
-    host_k = check_cu_seqlens("cu_seqlens_k", cu_k, k, read_values=readable)
+    check_cu_seqlens("cu_seqlens_q", cu_q, q, read_values=False)
+    check_cu_seqlens("cu_seqlens_k", cu_k, k, read_values=False)
+    batch = cu_q.numel() - 1
+    if not host_reads_allowed(q):
+        _check_same_count(cu_q, cu_k)
+        if max_seqlen_q is None or max_seqlen_k is None:
+            fail("max_seqlen_q/max_seqlen_k", "both given while capturing a CUDA graph or compiling (the offsets "
+                 "cannot be read then)", (max_seqlen_q, max_seqlen_k))
+        return _clamped(cu_q, q.shape[0]), _clamped(cu_k, k.shape[0]), batch, max_seqlen_q, max_seqlen_k
+
+    def read():
+        longest = []
+        for name, cu, t, given in (("q", cu_q, q, max_seqlen_q), ("k", cu_k, k, max_seqlen_k)):
+            host = check_cu_seqlens(f"cu_seqlens_{name}", cu, t)
+            longest.append(int((host[1:] - host[:-1]).max()))
+            if given is not None and given < longest[-1]:
+                fail(f"max_seqlen_{name}", f">= the longest sequence ({longest[-1]})", given)
+        return tuple(longest)
+    max_q, max_k = read_once((cu_q, cu_k), (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k), read)
+    _check_same_count(cu_q, cu_k)
+    return cu_q, cu_k, batch, max_q, max_k
+
+
+def _check_same_count(cu_q, cu_k):
     if cu_q.numel() != cu_k.numel():
         fail("cu_seqlens_k", f"{cu_q.numel()} entries (like cu_seqlens_q)", cu_k.numel())
-    if not readable:  # offsets clamped into the tensors and made non-decreasing, on the device
-        return (_clamped(cu_q, q.shape[0]), _clamped(cu_k, k.shape[0]), cu_q.numel() - 1, max_seqlen_q,
-                max_seqlen_k)
-    longest_q = int((host_q[1:] - host_q[:-1]).max())
-    longest_k = int((host_k[1:] - host_k[:-1]).max())
-    for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
-        if given is not None and given < longest:
-            fail(name, f">= the longest sequence ({longest})", given)
-    return cu_q, cu_k, cu_q.numel() - 1, longest_q, longest_k
 
 
 def _clamped(cu: torch.Tensor, total: int) -> torch.Tensor:
@@ -160,8 +170,9 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     causal aligns bottom-right; window = (left, right), -1 unbounded. A query that sees no key gets out 0 and lse
     -inf. Returns out (like q), and lse fp32 ([b, h_q, s_q], varlen [h_q, total_q]) if return_lse.
 
-    Varlen: the offsets (and max_seqlen_q/k, when given) are checked on the host, one sync. Under CUDA-graph
-    capture or torch.compile nothing is read back: both max_seqlen must then be given and bound every sequence.
+    Varlen: the offsets (and max_seqlen_q/k, when given) are checked on the host: one sync, once per cu_seqlens
+    tensor as long as its values do not change (the layers of a step share it). Under CUDA-graph capture or
+    torch.compile nothing is read back: both max_seqlen must then be given and bound every sequence.
     """
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
