@@ -84,6 +84,19 @@ def attention():
         out = api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0)[0]
         api._flash_bwd_impl(torch.randn_like(out), q, k, v, out, torch.zeros(2, 4, 256), None, None, 2, 256, 256,
                             0.1, 1 << 30, 0)
+    attention_ws()
+
+
+def attention_ws():
+    from warpforge.ops.attention import api, configs
+    table = configs.FWD
+    try:  # the warp-specialized forward, whatever the table says today
+        for d, bn in ((64, 128), (128, 128), (128, 64)):
+            configs.FWD = table.map(lambda c: c._replace(block_m=128, block_n=bn, warps=4, stages=2, ws=True))
+            q, k, v = (torch.randn(2, 256, 4, d, dtype=torch.bfloat16) for _ in range(3))
+            api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0)
+    finally:
+        configs.FWD = table
 
 
 def mla():
@@ -119,7 +132,7 @@ def norm():
     api._norm_bwd_impl(torch.randn_like(y), x, w, mean, rstd, False)
 
 
-FAMILIES = {"attention": attention, "mla": mla, "moe": moe, "norm": norm}
+FAMILIES = {"attention": attention, "attention_ws": attention_ws, "mla": mla, "moe": moe, "norm": norm}
 
 
 def main():
@@ -141,7 +154,8 @@ def main():
             ptx = k.asm.get("ptx", "")
             feats = [f for f, tag in (("wgmma", "wgmma.mma_async"), ("tma", "cp.async.bulk.tensor"),
                                       ("setmaxnreg", "setmaxnreg"), ("cp.async", "cp.async.cg")) if tag in ptx]
-            print(f"{name}: {kname} warps {k.metadata.num_warps} smem {k.metadata.shared} B, {_ptxas(ptx)}, "
+            ws = "warp-specialized, " if "ttg.warp_specialize" in k.asm.get("ttgir", "") else ""
+            print(f"{name}: {kname} warps {k.metadata.num_warps} smem {k.metadata.shared} B, {ws}{_ptxas(ptx)}, "
                   f"ptx has {feats}")
             if args.ptx_dir:
                 os.makedirs(args.ptx_dir, exist_ok=True)

@@ -15,6 +15,7 @@ import triton.testing
 from warpforge.bench.report import write_json
 from warpforge.ops.attention.configs import KernelCfg as C
 from warpforge.ops.attention.flash_kernel import flash_bwd, flash_fwd
+from warpforge.ops.attention.flash_ws_kernel import flash_fwd_ws
 
 
 def timed(fn):
@@ -41,13 +42,16 @@ def sweep(b, s, h, d, causal, parts):
                  (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (64, 128, 4, 3), (128, 64, 4, 3)]
     fwd_space = [C(*t, tma=tma) for t in tiles_fwd for tma in (False, True)] if "fwd" in parts else \
         [C(128, 128, 8, 3, tma=True)]
+    if "fwd" in parts and d in (64, 128):  # the warp-specialized forward: 4 warps become a producer + 2 consumers
+        fwd_space += [C(128, bn, 4, st, tma=True, ws=True) for bn in (64, 128) for st in (2, 3)]
     res = {"shape": dict(b=b, s=s, h=h, d=d, causal=causal), "fwd": [], "dkdv": [], "dq": []}
     for cfg in fwd_space:
-        ms = timed(lambda: flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, cfg))
+        ms = timed(lambda: flash_fwd_ws(q, k, v, b, s, s, scale, 1 << 30, right, cfg) if cfg.ws else
+                   flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, cfg))
         res["fwd"].append((cfg, ms, flops / ms / 1e9))
     res["fwd"].sort(key=lambda r: r[1])
     best_fwd = res["fwd"][0][0]
-    out, lse = flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, best_fwd)
+    out, lse = flash_fwd(q, k, v, None, None, b, s, s, scale, 1 << 30, right, best_fwd._replace(ws=False))
     bwd_flops = 2.5 * flops
     dq_default = C(128, 64, 8, 3)
     tiles_dkdv = [(32, 64, 4, 2), (32, 64, 4, 3), (64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3),

@@ -213,6 +213,18 @@ def test_gpu_varlen_uneven():
     _check(q, k, v, causal=True, cu=(cu, cu))
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[4], CASES[5], CASES[6], CASES[8],
+                                  (2, 64, 64, 4, 4, 64, False, (-1, -1)), (1, 70, 70, 2, 1, 128, False, (20, 5))],
+                         ids=lambda c: "b{}_q{}_k{}_h{}-{}_d{}_c{}_w{}".format(*c))
+def test_warp_specialized_forward(case, monkeypatch):
+    """The Hopper forward (one warp-specialized loop over K/V descriptors, flash_ws_kernel.py) computes the
+    portable kernel's function: out, lse and (through the shared backward) gradients; other head dims fall back."""
+    from warpforge.ops.attention import configs
+    monkeypatch.setattr(configs, "FWD", configs.FWD.map(lambda c: c._replace(ws=True, warps=4)))
+    b, s_q, s_k, h_q, h_kv, d, causal, window = case
+    _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
+
+
 @pytest.mark.parametrize("variant", ["tma", "atomic_dq", "tma_bwd"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[4], CASES[5], CASES[7], CASES[8],
                                   (1, 70, 70, 2, 1, 64, False, (20, 5))],

@@ -29,9 +29,12 @@ def _cfgs(q: torch.Tensor):
 def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
                     cu_k: Optional[torch.Tensor], batch: int, max_q: int, max_k: int, scale: float, left: int,
                     right: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import flash_ws_kernel
     from .flash_kernel import flash_fwd
 
     cfg, _, _ = _cfgs(q)
+    if cfg.ws and cu_q is None and flash_ws_kernel.fits(q, k, v):  # the Hopper pipeline's forward
+        return flash_ws_kernel.flash_fwd_ws(q, k, v, batch, max_q, max_k, scale, left, right, cfg)
     return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg)
 
 

@@ -16,6 +16,7 @@ class KernelCfg(NamedTuple):
     stages: int
     tma: bool = False        # load the walked operand (K/V, or Q/dO in the dk/dv pass) through TMA descriptors
     atomic_dq: bool = False  # backward: dq by fp32 atomics inside the dk/dv pass (no second pass)
+    ws: bool = False         # forward, batched, d 64/128: the warp-specialized kernel (flash_ws_kernel.py; 4 warps)
 
 
 C = KernelCfg
