@@ -81,22 +81,30 @@ def attention():
     from warpforge.ops.attention import api
     for d in (64, 128):
         q, k, v = (torch.randn(2, 256, 4, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        out = api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0)[0]
+        out = api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0, 0.0, None, False)[0]
         api._flash_bwd_impl(torch.randn_like(out), q, k, v, out, torch.zeros(2, 4, 256), None, None, 2, 256, 256,
-                            0.1, 1 << 30, 0)
+                            0.1, 1 << 30, 0, 0.0, None, False)
+    # the score modifiers and a V head dim of its own (DeepSeek's 192 / 128)
+    q, k = (torch.randn(2, 256, 4, 192, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 256, 4, 128, dtype=torch.bfloat16)
+    slopes = torch.rand(4)
+    out = api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0, 30.0, slopes, False)[0]
+    api._flash_bwd_impl(torch.randn_like(out), q, k, v, out, torch.zeros(2, 4, 256), None, None, 2, 256, 256, 0.1,
+                        1 << 30, 0, 30.0, slopes, False)
     attention_ws()
 
 
 def attention_ws():
     from warpforge.ops.attention import api, configs
-    table = configs.FWD
+    table = configs.TILES
     try:  # the warp-specialized forward, whatever the table says today
         for d, bn in ((64, 128), (128, 128), (128, 64)):
-            configs.FWD = table.map(lambda c: c._replace(block_m=128, block_n=bn, warps=4, stages=2, ws=True))
+            configs.TILES = table.map(lambda t: t._replace(fwd=t.fwd._replace(block_m=128, block_n=bn, warps=4,
+                                                                                 stages=2, ws=True)))
             q, k, v = (torch.randn(2, 256, 4, d, dtype=torch.bfloat16) for _ in range(3))
-            api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0)
+            api._flash_fwd_impl(q, k, v, None, None, 2, 256, 256, 0.1, 1 << 30, 0, 0.0, None, False)
     finally:
-        configs.FWD = table
+        configs.TILES = table
 
 
 def mla():

@@ -16,31 +16,33 @@ DEV = device_under_test()
 DTYPES = dtypes_under_test()
 
 
-def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype, varlen_lengths=None):
+def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype, varlen_lengths=None, d_v=None):
+    d_v = d_v or d
     if varlen_lengths is not None:
         lq, lk = varlen_lengths
         q = torch.randn(sum(lq), h_q, d, device=DEV, dtype=dtype)
         k = torch.randn(sum(lk), h_kv, d, device=DEV, dtype=dtype)
-        v = torch.randn(sum(lk), h_kv, d, device=DEV, dtype=dtype)
+        v = torch.randn(sum(lk), h_kv, d_v, device=DEV, dtype=dtype)
     else:
         q = torch.randn(b, s_q, h_q, d, device=DEV, dtype=dtype)
         k = torch.randn(b, s_k, h_kv, d, device=DEV, dtype=dtype)
-        v = torch.randn(b, s_k, h_kv, d, device=DEV, dtype=dtype)
+        v = torch.randn(b, s_k, h_kv, d_v, device=DEV, dtype=dtype)
     return [t.requires_grad_() for t in (q, k, v)]
 
 
-def _check(q, k, v, *, causal=False, window=(-1, -1), cu=None, grads=True):
+def _check(q, k, v, *, causal=False, window=(-1, -1), cu=None, grads=True, **mods):
+    """mods: softcap / alibi_slopes, passed to the op and the reference alike."""
     dtype = q.dtype
-    kw = dict(causal=causal, window=window)
+    kw = dict(causal=causal, window=window, **mods)
     if cu is not None:
         kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
     with poisoned_outputs():
         out, lse = wf.flash_attention(q, k, v, return_lse=True, backend="triton", **kw)
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
     if cu is None:
-        ref_out, ref_lse = attention_reference(*ref_in, causal=causal, window=window)
+        ref_out, ref_lse = attention_reference(*ref_in, causal=causal, window=window, **mods)
     else:
-        ref_out, ref_lse = attention_varlen_reference(*ref_in, cu[0], cu[1], causal=causal, window=window)
+        ref_out, ref_lse = attention_varlen_reference(*ref_in, cu[0], cu[1], causal=causal, window=window, **mods)
     tol = REL_L2[dtype]
     assert rel_l2(out, ref_out) <= tol
     finite = torch.isfinite(ref_lse)
@@ -146,7 +148,7 @@ def _bad(**over):
           v=torch.randn(1, 8, 3, 32, dtype=torch.float16)), "k"),                       # 4 % 3 heads
     (dict(q=torch.randn(1, 8, 4, 32, dtype=torch.float64)), "q"),                       # dtype
     (dict(v=torch.randn(1, 8, 2, 32, dtype=torch.bfloat16)), "v"),                      # dtype mismatch
-    (dict(q=torch.randn(1, 8, 4, 48, dtype=torch.float16)), "q"),                       # head dim 48
+    (dict(q=torch.randn(1, 8, 4, 50, dtype=torch.float16)), "q"),                       # head dim 50
     (dict(q=torch.randn(1, 8, 32, 4, dtype=torch.float16).transpose(-1, -2)), "q"),     # last dim stride
     (dict(k=torch.randn(1, 8, 2, 64, dtype=torch.float16),
           v=torch.randn(1, 8, 2, 64, dtype=torch.float16)), "k"),                       # head dim mismatch
@@ -220,7 +222,8 @@ def test_warp_specialized_forward(case, monkeypatch):
     """The Hopper forward (one warp-specialized loop over K/V descriptors, flash_ws_kernel.py) computes the
     portable kernel's function: out, lse and (through the shared backward) gradients; other head dims fall back."""
     from warpforge.ops.attention import configs
-    monkeypatch.setattr(configs, "FWD", configs.FWD.map(lambda c: c._replace(ws=True, warps=4)))
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(fwd=t.fwd._replace(ws=True,
+                                                                                                    warps=4))))
     b, s_q, s_k, h_q, h_kv, d, causal, window = case
     _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
 
@@ -232,17 +235,18 @@ def test_warp_specialized_forward(case, monkeypatch):
 def test_kernel_variants(case, variant, monkeypatch):
     """The config switches (TMA descriptor loads, atomic dq) compute the same function."""
     from warpforge.ops.attention import configs
-    tables = {"tma": [("FWD", "tma")], "atomic_dq": [("BWD_DKDV", "atomic_dq")],
-              "tma_bwd": [("BWD_DKDV", "tma"), ("BWD_DQ", "tma")]}[variant]
-    for table, flag in tables:
-        monkeypatch.setattr(configs, table, getattr(configs, table).map(lambda c, f=flag: c._replace(**{f: True})))
+    passes = {"tma": [("fwd", "tma")], "atomic_dq": [("dkdv", "atomic_dq")],
+              "tma_bwd": [("dkdv", "tma"), ("dq", "tma")]}[variant]
+    for name, flag in passes:
+        monkeypatch.setattr(configs, "TILES", configs.TILES.map(
+            lambda t, n=name, f=flag: t._replace(**{n: getattr(t, n)._replace(**{f: True})})))
     b, s_q, s_k, h_q, h_kv, d, causal, window = case
     _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
 
 
 def test_varlen_atomic_dq(monkeypatch):
     from warpforge.ops.attention import configs
-    monkeypatch.setattr(configs, "BWD_DKDV", configs.BWD_DKDV.map(lambda c: c._replace(atomic_dq=True)))
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(atomic_dq=True))))
     lq = [13, 0, 1, 33]
     q, k, v = _inputs(None, None, None, 4, 2, 32, DTYPES[-1], varlen_lengths=(lq, lq))
     cu = ragged_cu_seqlens(lq, DEV)
@@ -262,3 +266,71 @@ def test_varlen_with_max_seqlen_is_sync_free_and_checks_types():
                            backend="triton")
     with pytest.raises(WarpforgeInputError, match="^max_seqlen_k"):
         wf.flash_attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_k=2, backend="triton")
+
+
+# ------------------------------------------------------------------- softcap, ALiBi, head dims, d_v, determinism
+@pytest.mark.parametrize("case", [
+    dict(d=8), dict(d=40), dict(d=80), dict(d=104, causal=False), dict(d=192, d_v=128), dict(d=64, d_v=40),
+    dict(d=32, softcap=5.0), dict(d=64, softcap=2.0, causal=False, window=(7, 3)),
+    dict(d=32, alibi=True), dict(d=40, alibi="per batch", causal=False),
+    dict(d=48, d_v=32, softcap=3.0, alibi=True, window=(9, -1)),
+], ids=str)
+def test_features(case):
+    """Any head dim that is a multiple of 8, a V head dim of its own, tanh softcapping and ALiBi, alone and
+    together, forward and gradients against the reference (odd lengths, GQA, s_q != s_k)."""
+    case = dict(case)
+    d, d_v = case.pop("d"), case.pop("d_v", None)
+    causal, window = case.pop("causal", True), case.pop("window", (-1, -1))
+    alibi = case.pop("alibi", None)
+    b, h_q, h_kv = 2, 4, 2
+    q, k, v = _inputs(b, 21, 37, h_q, h_kv, d, DTYPES[-1], d_v=d_v)
+    if alibi:
+        shape = (b, h_q) if alibi == "per batch" else (h_q,)
+        case["alibi_slopes"] = torch.rand(shape, device=DEV) * 0.5
+    _check(q, k, v, causal=causal, window=window, **case)
+
+
+def test_features_varlen():
+    lq = [13, 1, 30]
+    q, k, v = _inputs(None, None, None, 4, 1, 40, DTYPES[-1], varlen_lengths=(lq, lq), d_v=24)
+    cu = ragged_cu_seqlens(lq, DEV)
+    _check(q, k, v, causal=True, cu=(cu, cu), softcap=4.0, alibi_slopes=torch.rand(3, 4, device=DEV))
+
+
+def test_deterministic_backward_is_bitwise_reproducible(monkeypatch):
+    """deterministic=True rules out the atomic-dq backward even where the tile table asks for it."""
+    from warpforge.ops.attention import configs
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(atomic_dq=True))))
+    q, k, v = _inputs(1, 40, 40, 4, 2, 32, DTYPES[-1])
+    g = torch.randn(1, 40, 4, 32, device=DEV, dtype=DTYPES[-1])
+    runs = [torch.autograd.grad(wf.flash_attention(q, k, v, causal=True, deterministic=True, backend="triton"),
+                                (q, k, v), g) for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("over,name", [
+    (dict(softcap=0.0), "softcap"), (dict(softcap=-1.0), "softcap"), (dict(softcap=float("inf")), "softcap"),
+    (dict(alibi_slopes=torch.ones(3)), "alibi_slopes"), (dict(alibi_slopes=torch.ones(4, dtype=torch.float16)),
+                                                         "alibi_slopes"),
+    (dict(v=torch.randn(1, 8, 2, 20, dtype=torch.float16)), "v"),        # d_v not a multiple of 8
+    (dict(v=torch.randn(1, 9, 2, 32, dtype=torch.float16)), "v"),        # v's length differs from k's
+    (dict(deterministic=1), "deterministic"),
+])
+def test_feature_arguments_refused(over, name):
+    args = _bad(**over)
+    if DEV.type == "cuda":
+        args = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in args.items()}
+    with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
+        wf.flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), backend="triton", **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,d_v,softcap,alibi", [(80, 80, None, False), (192, 128, None, False),
+                                                  (128, 128, 30.0, False), (128, 128, None, True),
+                                                  (256, 256, 20.0, True)])
+def test_gpu_features(d, d_v, softcap, alibi):
+    q, k, v = _inputs(2, 700, 900, 8, 2, d, torch.bfloat16, d_v=d_v)
+    mods = dict(softcap=softcap) if softcap else {}
+    if alibi:
+        mods["alibi_slopes"] = torch.rand(8, device=DEV) * 0.1
+    _check(q, k, v, causal=True, **mods)

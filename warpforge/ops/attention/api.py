@@ -15,51 +15,59 @@ from .._op import kernel_op
 from . import configs
 from .reference import attention_reference, attention_varlen_reference
 
-HEAD_DIMS = (32, 64, 96, 128, 256)
+MAX_HEAD_DIM = 256  # head dims (of q/k and of v) are multiples of 8 up to this
 _UNBOUNDED = 1 << 30  # a window side of -1 becomes "further than any sequence"
 
 
-def _cfgs(q: torch.Tensor):
-    dp = 1 << (q.shape[-1] - 1).bit_length()  # the padded head dim the kernels tile with
+def _cfgs(q: torch.Tensor, v: torch.Tensor, deterministic: bool = False):
+    """The (forward, dk/dv, dq) tiles, keyed by the padded width of the wider head dim."""
+    dp = max(16, 1 << (max(q.shape[-1], v.shape[-1]) - 1).bit_length())
     kind = ("fp32", dp) if q.dtype == torch.float32 else dp  # fp32 tiles: twice the bytes per element
-    return tuple(table.lookup(q.device, kind) for table in (configs.FWD, configs.BWD_DKDV, configs.BWD_DQ))
+    fwd, dkdv, dq = configs.TILES.lookup(q.device, kind)
+    return fwd, dkdv._replace(atomic_dq=dkdv.atomic_dq and not deterministic), dq
 
 
 # ------------------------------------------------------------------------------------------- ops
 def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Optional[torch.Tensor],
                     cu_k: Optional[torch.Tensor], batch: int, max_q: int, max_k: int, scale: float, left: int,
-                    right: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    right: int, softcap: float, slopes: Optional[torch.Tensor],
+                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); deterministic is the backward's, carried here for autograd."""
     from . import flash_ws_kernel
-    from .flash_kernel import flash_fwd
+    from .flash_kernel import ScoreMod, flash_fwd
 
-    cfg, _, _ = _cfgs(q)
-    if cfg.ws and cu_q is None and flash_ws_kernel.fits(q, k, v):  # the Hopper pipeline's forward
+    cfg, _, _ = _cfgs(q, v)
+    plain = softcap == 0.0 and slopes is None and v.shape[-1] == q.shape[-1]
+    if cfg.ws and cu_q is None and plain and flash_ws_kernel.fits(q, k, v):  # the Hopper pipeline's forward
         return flash_ws_kernel.flash_fwd_ws(q, k, v, batch, max_q, max_k, scale, left, right, cfg)
-    return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg)
+    return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg,
+                     ScoreMod(scale, softcap, slopes))
 
 
-def _flash_fwd_fake(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right):
+def _flash_fwd_fake(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, softcap, slopes, deterministic):
     if cu_q is not None:
         lse = q.new_empty((q.shape[-2], q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty((batch, q.shape[-2], max_q), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), lse
 
 
 def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor], batch: int,
-                    max_q: int, max_k: int, scale: float, left: int,
-                    right: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .flash_kernel import flash_bwd
+                    max_q: int, max_k: int, scale: float, left: int, right: int, softcap: float,
+                    slopes: Optional[torch.Tensor],
+                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .flash_kernel import ScoreMod, flash_bwd
 
-    _, cfg_dkdv, cfg_dq = _cfgs(q)
+    _, cfg_dkdv, cfg_dq = _cfgs(q, v, deterministic)
     if do.stride(-1) != 1:
         do = do.contiguous()
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
-                     cfg_dq)
+                     cfg_dq, ScoreMod(scale, softcap, slopes))
 
 
-def _flash_bwd_fake(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right):
+def _flash_bwd_fake(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, softcap, slopes,
+                    deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -67,17 +75,18 @@ _flash_bwd = kernel_op("flash_attn_bwd", _flash_bwd_impl, _flash_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right = inputs
+    q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, softcap, slopes, deterministic = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (batch, max_q, max_k, scale, left, right)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes)
+    ctx.args = (batch, max_q, max_k, scale, left, right, softcap)
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, d_out, d_lse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    q, k, v, out, lse, cu_q, cu_k, slopes = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(d_out, q, k, v, out, lse, cu_q, cu_k, *ctx.args, slopes, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 _flash_fwd = kernel_op("flash_attn_fwd", _flash_fwd_impl, _flash_fwd_fake, setup_context=_setup_context,
@@ -88,7 +97,8 @@ _flash_fwd = kernel_op("flash_attn_fwd", _flash_fwd_impl, _flash_fwd_fake, setup
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, backend):
+def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, softcap, alibi_slopes,
+              deterministic, backend):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -105,12 +115,13 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_last_dim_contiguous(name, t)
     d = q.shape[-1]
-    if d not in HEAD_DIMS:
-        fail("q", f"head dim in {HEAD_DIMS}", d)
-    if k.shape != v.shape:
-        fail("v", f"the shape of k {tuple(k.shape)}", tuple(v.shape))
+    for name, width in (("q", d), ("v", v.shape[-1])):
+        if width % 8 or not 8 <= width <= MAX_HEAD_DIM:
+            fail(name, f"a head dim that is a multiple of 8 from 8 to {MAX_HEAD_DIM}", width)
     if k.shape[-1] != d:
         fail("k", f"head dim {d} (like q)", k.shape[-1])
+    if k.shape[:-1] != v.shape[:-1]:
+        fail("v", f"the shape of k but its head dim, {tuple(k.shape[:-1])} + (d_v,)", tuple(v.shape))
     h_q, h_kv = q.shape[-2], k.shape[-2]
     if h_kv == 0 or h_q % h_kv != 0:
         fail("k", f"a number of heads dividing q's {h_q}", h_kv)
@@ -121,6 +132,15 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
             not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window):
         fail("window", "(left, right) ints, each >= 0 or -1 for unbounded", window)
     check_positive_float("softmax_scale", softmax_scale)
+    check_positive_float("softcap", softcap)
+    check_bool("deterministic", deterministic)
+    if alibi_slopes is not None:
+        check_tensor("alibi_slopes", alibi_slopes)
+        check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
+        check_same_device("alibi_slopes", alibi_slopes, "q", q)
+        batch = (cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
+        if tuple(alibi_slopes.shape) not in ((h_q,), (batch, h_q)):
+            fail("alibi_slopes", f"fp32 [{h_q}] or [{batch}, {h_q}] (per query head)", tuple(alibi_slopes.shape))
 
 
 def _plan_varlen(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
@@ -165,13 +185,21 @@ def _clamped(cu: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), cu_seqlens_q=None,
-                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, return_lse=False, backend=None):
-    """Softmax(q kᵀ · scale + mask) v, FlashAttention-style.
+                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softcap=None, alibi_slopes=None,
+                    deterministic=False, return_lse=False, backend=None):
+    """Softmax(scores) v, FlashAttention-style, scores = q kᵀ · scale (+ modifiers) under the mask.
 
-    q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d] (h_q % h_kv == 0), or the packed varlen form q [total_q, h_q, d]
-    with int32 cu_seqlens_q / cu_seqlens_k [batch + 1]. fp16, bf16 or fp32 (fp32 matmuls in full fp32 precision).
-    causal aligns bottom-right; window = (left, right), -1 unbounded. A query that sees no key gets out 0 and lse
-    -inf. Returns out (like q), and lse fp32 ([b, h_q, s_q], varlen [h_q, total_q]) if return_lse.
+    q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (h_q % h_kv == 0; d and d_v multiples of 8 up
+    to 256, d_v may differ from d), or the packed varlen form q [total_q, h_q, d] with int32 cu_seqlens_q /
+    cu_seqlens_k [batch + 1]. fp16, bf16 or fp32 (fp32 matmuls in full fp32 precision). causal aligns
+    bottom-right; window = (left, right), -1 unbounded. softcap c > 0: scores become c · tanh(scores / c)
+    (Gemma-2). alibi_slopes fp32 [h_q] or [b, h_q]: scores get − slope · |i + s_k − s_q − j| (flash-attn's
+    ALiBi).
+    A query that sees no key gets out 0 and lse -inf. Returns out [.., h_q, d_v] in q's dtype, and lse fp32
+    ([b, h_q, s_q], varlen [h_q, total_q]) if return_lse.
+
+    deterministic: the backward is bitwise reproducible. It already is with the default tiles (dq in its own pass,
+    no atomics); True also rules out the atomic-dq variant a tile table may pick.
 
     Varlen: the offsets (and max_seqlen_q/k, when given) are checked on the host: one sync, once per cu_seqlens
     tensor as long as its values do not change (the layers of a step share it). Under CUDA-graph capture or
@@ -179,7 +207,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     """
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
-    _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, backend)
+    _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, softcap, alibi_slopes,
+              deterministic, backend)
     d = q.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     left, right = window
@@ -193,14 +222,14 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
 
     if backend == "reference":
-        win = (left, right)
+        kw = dict(softmax_scale=scale, window=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
         if varlen:
-            out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=scale,
-                                                  window=win)
+            out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
         else:
-            out, lse = attention_reference(q, k, v, softmax_scale=scale, window=win)
+            out, lse = attention_reference(q, k, v, **kw)
         return (out, lse) if return_lse else out
 
     out, lse = _flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale,
-                          _UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right)
+                          _UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right,
+                          float(softcap or 0.0), alibi_slopes, deterministic)
     return (out, lse) if return_lse else out

@@ -1,4 +1,5 @@
-"""Tiles for the attention kernels: arch -> padded head dim -> KernelCfg (see ops/_tiles.py).
+"""Tiles for the attention kernels: arch -> padded head dim (of the wider of q/k and v, at least 16) ->
+AttentionTiles, one KernelCfg per pass (see ops/_tiles.py).
 
 "cpu" is the Triton interpreter: small tiles so that CI's small shapes still cross block boundaries. sm90
 entries come from scripts/tune_attention.py on an H200 (benchmarks/NOTES.md); "default" serves any other
@@ -19,33 +20,29 @@ class KernelCfg(NamedTuple):
     ws: bool = False         # forward, batched, d 64/128: the warp-specialized kernel (flash_ws_kernel.py; 4 warps)
 
 
-C = KernelCfg
-_CPU = {"any": C(16, 16, 1, 1)}
+class AttentionTiles(NamedTuple):
+    fwd: KernelCfg
+    dkdv: KernelCfg  # a program owns block_n keys and walks block_m queries per step
+    dq: KernelCfg    # a program owns block_m queries and walks block_n keys per step
+
+
+C, T = KernelCfg, AttentionTiles
 # fp32 inputs (matmuls in full fp32 precision): tiles sized for 4-byte elements, correct rather than fast
-_FP32_FWD = {("fp32", 32): C(64, 32, 4, 2), ("fp32", 64): C(64, 32, 4, 2), ("fp32", 128): C(32, 32, 4, 2),
-             ("fp32", 256): C(32, 16, 4, 1)}
-_FP32_BWD = {("fp32", 32): C(32, 32, 4, 1), ("fp32", 64): C(32, 32, 4, 1), ("fp32", 128): C(32, 32, 4, 1),
-             ("fp32", 256): C(16, 16, 4, 1)}
+_FP32 = {("fp32", d): T(C(64 if d <= 64 else 32, 32 if d <= 128 else 16, 4, 2 if d <= 128 else 1),
+                          C(32 if d <= 128 else 16, 32 if d <= 128 else 16, 4, 1),
+                          C(32 if d <= 128 else 16, 32 if d <= 128 else 16, 4, 1)) for d in (16, 32, 64, 128, 256)}
+_PLAIN = T(C(64, 64, 4, 2), C(32, 64, 4, 2), C(64, 32, 4, 2))
 
-FWD = TileTable({
-    "cpu": _CPU,
-    "default": {32: C(64, 64, 4, 2), 64: C(64, 64, 4, 2), 128: C(64, 64, 4, 2), 256: C(32, 32, 4, 1), **_FP32_FWD},
-    "sm90": {32: C(64, 64, 4, 3), 64: C(128, 64, 4, 3, tma=True), 128: C(128, 128, 8, 3, tma=True),
-             256: C(64, 64, 4, 2), **_FP32_FWD},
-})
-
-# dk/dv pass: a program owns block_n keys and walks block_m queries per step.
-BWD_DKDV = TileTable({
-    "cpu": _CPU,
-    "default": {32: C(32, 64, 4, 2), 64: C(32, 64, 4, 2), 128: C(32, 64, 4, 2), 256: C(16, 32, 4, 1), **_FP32_BWD},
-    "sm90": {32: C(32, 64, 4, 2), 64: C(32, 64, 4, 3, tma=True), 128: C(64, 64, 4, 2, tma=True),
-             256: C(32, 64, 4, 2), **_FP32_BWD},
-})
-
-# dq pass: a program owns block_m queries and walks block_n keys per step.
-BWD_DQ = TileTable({
-    "cpu": _CPU,
-    "default": {32: C(64, 32, 4, 2), 64: C(64, 32, 4, 2), 128: C(64, 32, 4, 2), 256: C(32, 16, 4, 1), **_FP32_BWD},
-    "sm90": {32: C(128, 64, 8, 3), 64: C(64, 64, 4, 3, tma=True), 128: C(128, 64, 8, 3, tma=True),
-             256: C(64, 32, 4, 2), **_FP32_BWD},
+TILES = TileTable({
+    "cpu": {"any": T(C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1))},
+    "default": {**{d: _PLAIN for d in (16, 32, 64, 128)}, 256: T(C(32, 32, 4, 1), C(16, 32, 4, 1), C(32, 16, 4, 1)),
+                **_FP32},
+    "sm90": {
+        16: T(C(64, 64, 4, 3), C(32, 64, 4, 2), C(128, 64, 8, 3)),
+        32: T(C(64, 64, 4, 3), C(32, 64, 4, 2), C(128, 64, 8, 3)),
+        64: T(C(128, 64, 4, 3, tma=True), C(32, 64, 4, 3, tma=True), C(64, 64, 4, 3, tma=True)),
+        128: T(C(128, 128, 8, 3, tma=True), C(64, 64, 4, 2, tma=True), C(128, 64, 8, 3, tma=True)),
+        256: T(C(64, 64, 4, 2), C(32, 64, 4, 2), C(64, 32, 4, 2)),
+        **_FP32,
+    },
 })

@@ -6,6 +6,10 @@ may see column x iff  r + A <= x <= r + B  (forward: A = (s_k - s_q) - left, B =
 the dk/dv pass flips it). `_span` cuts a walk into a masked head, an unmasked middle and a masked tail,
 so most blocks of a causal or windowed problem pay for no mask at all.
 
+Scores: s = q·kᵀ · scale, optionally tanh-capped (SOFTCAP: c · tanh(s / c), Gemma-2) and ALiBi-biased (ALIBI:
+− slope_h · |i + s_k − s_q − j|); V (and so the output) may be narrower or wider than Q/K (DV, DeepSeek's
+192 / 128). Without either score modifier the code is exactly the plain kernel's.
+
 Layouts: every tensor is addressed through strides, so the batched [b, s, h, d] and the packed varlen
 [total, h, d] forms share the kernels (varlen: stride_b = 0 and per-sequence offsets from cu_seqlens).
 Offsets that can pass 2^31 (batch, sequence start, block start) are taken in int64.
@@ -99,12 +103,12 @@ def _head_bases(X, b64, start, h64, stride_b, stride_s, stride_h):
 
 
 @triton.jit
-def _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn, s_k,
-             D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-             USE_TMA: tl.constexpr):
+def _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_vn, s_k,
+             D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+             EVEN_DV: tl.constexpr, USE_TMA: tl.constexpr):
     """The K and V tiles at start_n, and the pointers moved on to the next tile."""
     k = _load_tile(k_src, k_blk, start_n, offs_n, offs_d, stride_kn, s_k, D, MASK, EVEN_D, USE_TMA)
-    v = _load_tile(v_src, v_blk, start_n, offs_n, offs_d, stride_vn, s_k, D, MASK, EVEN_D, USE_TMA)
+    v = _load_tile(v_src, v_blk, start_n, offs_n, offs_dv, stride_vn, s_k, DV, MASK, EVEN_DV, USE_TMA)
     if not USE_TMA:
         k_blk += BLOCK_N * stride_kn
         v_blk += BLOCK_N * stride_vn
@@ -135,11 +139,49 @@ def _visible(rows, cols, limit, A, B):
     return (cols[None, :] < limit) & (cols[None, :] >= rows[:, None] + A) & (cols[None, :] <= rows[:, None] + B)
 
 
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 (portable: no libdevice), saturating to ±1."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _modded(qk, qs, ks, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            KEYS_FIRST: tl.constexpr = False):
+    """Scores in log2 units from q·kᵀ [len(qs), len(ks)] (k·qᵀ [len(ks), len(qs)] when KEYS_FIRST; query
+    positions qs, key positions ks): scaled, or tanh-capped (cap_in = scale / c, cap_out = c · log2 e); minus
+    slope2 · |q + diag − k| with ALIBI (slope2 = the head's slope · log2 e). Also returns tanh's value, which
+    the backward's chain rule needs."""
+    if SOFTCAP:
+        t = _tanh(qk * cap_in)
+        s = cap_out * t
+    else:
+        t = qk
+        s = qk * qk_scale
+    if ALIBI:
+        if KEYS_FIRST:
+            s -= slope2 * tl.abs(qs[None, :] + diag - ks[:, None]).to(tl.float32)
+        else:
+            s -= slope2 * tl.abs(qs[:, None] + diag - ks[None, :]).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _head_slope(SLOPES, b64, h64, stride_sb, stride_sh, ALIBI: tl.constexpr):
+    """The ALiBi slope of head h64 (batch b64) times log2 e, or 0."""
+    if ALIBI:
+        slope2 = tl.load(SLOPES + b64 * stride_sb + h64 * stride_sh) * 1.4426950408889634
+    else:
+        slope2 = 0.0
+    return slope2
+
+
 # ------------------------------------------------------------------------------- a query tile's walk
 @triton.jit
 def _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_kn, stride_vn, lo, hi, rows, offs_n,
-               offs_d, s_k, A, B, qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, DQ: tl.constexpr):
+               offs_d, offs_dv, s_k, A, B, diag, qk_scale, cap_in, cap_out, slope2, D: tl.constexpr, DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+               USE_TMA: tl.constexpr, DQ: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """A query tile's walk over the key tiles [lo, hi): the forward's online softmax into (acc, l_i, m_i), or
     (DQ) the backward's dq into acc, l_i and m_i passing through. k_src/v_src are tensor descriptors (USE_TMA)
     or base pointers; do, lse2 and delta are read by DQ only."""
@@ -147,51 +189,68 @@ def _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_kn, strid
     v_blk = _tile_start(v_src, lo, stride_vn, USE_TMA)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, stride_kn, stride_vn,
-                                      s_k, D, BLOCK_N, MASK, EVEN_D, USE_TMA)
+        k, v, k_blk, v_blk = _next_kv(k_src, v_src, k_blk, v_blk, start_n, offs_n, offs_d, offs_dv, stride_kn,
+                                      stride_vn, s_k, D, DV, BLOCK_N, MASK, EVEN_D, EVEN_DV, USE_TMA)
         qk = dot(q, tl.trans(k))
         if DQ:
-            acc = _dq_step(acc, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, qk_scale, MASK)
+            acc = _dq_step(acc, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, diag, qk_scale, cap_in, cap_out,
+                           slope2, MASK, SOFTCAP, ALIBI)
         else:
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, qk_scale, MASK)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, diag, qk_scale, cap_in,
+                                          cap_out, slope2, MASK, SOFTCAP, ALIBI)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attend_keys(acc, l_i, m_i, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, m_lo, s_q, s_k, left, right,
-                 rows, offs_n, offs_d, qk_scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr, DQ: tl.constexpr):
+                 rows, offs_n, offs_d, offs_dv, qk_scale, cap_in, cap_out, slope2, D: tl.constexpr,
+                 DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr, DQ: tl.constexpr, SOFTCAP: tl.constexpr,
+                 ALIBI: tl.constexpr):
     """A query tile against its band of keys (forward, or DQ): the masked head, the unmasked middle and the
     masked tail of the walk, K and V read through TMA descriptors made here (they are passed into helpers,
     never returned) or through pointers from k_base / v_base."""
     EVEN_D: tl.constexpr = D == BLOCK_D
+    EVEN_DV: tl.constexpr = DV == BLOCK_DV
     A, B, start, full_lo, full_hi, end = _key_span(m_lo, s_q, s_k, left, right, BLOCK_M, BLOCK_N)
     if USE_TMA:
         k_src = tl.make_tensor_descriptor(k_base, shape=[s_k, D], strides=[stride_ks, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
-        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, D], strides=[stride_vs, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[s_k, DV], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
     else:
         k_src = k_base
         v_src = v_base
+    diag = s_k - s_q
     acc, l_i, m_i = _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, start, full_lo,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA, DQ)
+                               rows, offs_n, offs_d, offs_dv, s_k, A, B, diag, qk_scale, cap_in, cap_out, slope2, D,
+                               DV, BLOCK_N, True, EVEN_D, EVEN_DV, USE_TMA, DQ, SOFTCAP, ALIBI)
     acc, l_i, m_i = _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_lo,
-                               full_hi, rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, False, EVEN_D, USE_TMA,
-                               DQ)
+                               full_hi, rows, offs_n, offs_d, offs_dv, s_k, A, B, diag, qk_scale, cap_in, cap_out,
+                               slope2, D, DV, BLOCK_N, False, EVEN_D, EVEN_DV, USE_TMA, DQ, SOFTCAP, ALIBI)
     acc, l_i, m_i = _walk_keys(acc, l_i, m_i, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, full_hi, end,
-                               rows, offs_n, offs_d, s_k, A, B, qk_scale, D, BLOCK_N, True, EVEN_D, USE_TMA, DQ)
+                               rows, offs_n, offs_d, offs_dv, s_k, A, B, diag, qk_scale, cap_in, cap_out, slope2, D,
+                               DV, BLOCK_N, True, EVEN_D, EVEN_DV, USE_TMA, DQ, SOFTCAP, ALIBI)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, qk_scale, MASK: tl.constexpr):
+def _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, diag, qk_scale, cap_in, cap_out, slope2,
+                  MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     """The forward's online-softmax update with one key tile's scores."""
+    MODDED: tl.constexpr = SOFTCAP or ALIBI
+    if MODDED:
+        qk, _ = _modded(qk, rows, cols, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
     if MASK:
-        visible = _visible(rows, cols, s_k, A, B)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        if not MODDED:
+            qk = qk * qk_scale
+        qk = tl.where(_visible(rows, cols, s_k, A, B), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        p = tl.math.exp2(qk - m_use[:, None])
+    elif MODDED:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
         p = tl.math.exp2(qk - m_use[:, None])
     else:
         # scale and shift in one FMA per score: on Hopper the non-matmul work is what limits
@@ -205,61 +264,19 @@ def _softmax_step(acc, l_i, m_i, qk, v, rows, cols, s_k, A, B, qk_scale, MASK: t
 
 
 @triton.jit
-def _dq_step(dq, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, qk_scale, MASK: tl.constexpr):
-    """dq += ds · k for one key tile, ds = p · (do · vᵀ − delta)."""
-    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+def _dq_step(dq, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, diag, qk_scale, cap_in, cap_out, slope2,
+             MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """dq += ds · k for one key tile, ds = p · (do · vᵀ − delta) (times tanh's derivative with SOFTCAP)."""
+    s, t = _modded(qk, rows, cols, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+    p = tl.math.exp2(s - lse2[:, None])
     if MASK:
         visible = _visible(rows, cols, s_k, A, B)
         p = tl.where(visible, p, 0.0)
     dp = dot(do, tl.trans(v))
     ds = p * (dp - delta[:, None])
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
     return dq + dot(ds.to(k.dtype), k)
-
-
-# ----------------------------------------------------------------------------------------- forward
-@triton.jit
-def flash_fwd_kernel(
-    Q, K, V, O, LSE, cu_q, cu_k,
-    stride_qb, stride_qs, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
-    seqlen_q, seqlen_k, left, right, qk_scale,
-    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-):
-    b64, h64, kvh, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, GROUP,
-                                                                   BLOCK_M, VARLEN)
-    if m_lo >= s_q:
-        return
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = m_lo + offs_m
-    q_base = _head_bases(Q, b64, q_start + m_lo, h64, stride_qb, stride_qs, stride_qh)
-    k_base = _head_bases(K, b64, k_start, kvh, stride_kb, stride_ks, stride_kh)
-    v_base = _head_bases(V, b64, k_start, kvh, stride_vb, stride_vs, stride_vh)
-    q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # q and l_i stand in for dq's do, lse2 and delta
-    acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q, l_i, l_i, k_base, v_base, stride_ks, stride_vs, m_lo, s_q, s_k,
-                                 left, right, rows, offs_n, offs_d, qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D, USE_TMA,
-                                 False)
-
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-
-    o_base = _head_bases(O, b64, q_start + m_lo, h64, stride_ob, stride_os, stride_oh)
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_mask)
-    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + q_start + rows, lse, mask=rows < s_q)
 
 
 # ---------------------------------------------------------------------------------------- backward
@@ -270,7 +287,7 @@ def flash_bwd_preprocess_kernel(
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,
     seqlen_q,
-    H_Q: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    H_Q: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """delta = rowsum(o * do), the softmax-gradient correction term, [b, h, s_q] fp32."""
     pid_m = tl.program_id(0)
@@ -283,13 +300,13 @@ def flash_bwd_preprocess_kernel(
         return
     b64 = b.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = ((m_lo + offs_m) < s_q)[:, None] & (offs_d < D)[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = ((m_lo + offs_m) < s_q)[:, None] & (offs_dv < DV)[None, :]
     row0 = (q_start + m_lo).to(tl.int64)
     o = tl.load(O + b64 * stride_ob + row0 * stride_os + h * stride_oh
-                + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
+                + offs_m[:, None] * stride_os + offs_dv[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b64 * stride_dob + row0 * stride_dos + h * stride_doh
-                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+                 + offs_m[:, None] * stride_dos + offs_dv[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m_lo + offs_m, delta,
              mask=(m_lo + offs_m) < s_q)
@@ -297,9 +314,10 @@ def flash_bwd_preprocess_kernel(
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs, stride_dos,
-                stride_dqs, lo, hi, key_rows, offs_m, offs_d, s_q, A, B, qk_scale, sm_scale,
-                D: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr):
+                stride_dqs, lo, hi, key_rows, offs_m, offs_d, offs_dv, s_q, A, B, diag, qk_scale, sm_scale, cap_in,
+                cap_out, slope2, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
     # Transposed view: this program owns keys (rows), and walks queries (columns).
     # q_src/do_src are tensor descriptors (USE_TMA) or base pointers.
     q_blk = _tile_start(q_src, lo, stride_qs, USE_TMA)
@@ -309,7 +327,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
     for start_m in range(lo, hi, BLOCK_M):
         cols = start_m + offs_m
         q = _load_tile(q_src, q_blk, start_m, offs_m, offs_d, stride_qs, s_q, D, MASK, EVEN_D, USE_TMA)
-        do = _load_tile(do_src, do_blk, start_m, offs_m, offs_d, stride_dos, s_q, D, MASK, EVEN_D, USE_TMA)
+        do = _load_tile(do_src, do_blk, start_m, offs_m, offs_dv, stride_dos, s_q, DV, MASK, EVEN_DV, USE_TMA)
         if not USE_TMA:
             q_blk += BLOCK_M * stride_qs
             do_blk += BLOCK_M * stride_dos
@@ -321,13 +339,17 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
             delta = tl.load(delta_base + cols)
         lse2 = _lse_log2(lse)
         qkT = dot(k, tl.trans(q))
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        sT, tT = _modded(qkT, cols, key_rows, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI, True)
+        pT = tl.math.exp2(sT - lse2[None, :])
         if MASK:
             visible = _visible(key_rows, cols, s_q, A, B)
             pT = tl.where(visible, pT, 0.0)
         dv += dot(pT.to(do.dtype), do)
         dpT = dot(v, tl.trans(do))
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)
+        dsT = dsT.to(q.dtype)
         dk += dot(dsT, q)
         if ATOMIC_DQ:
             # dq = scale * ds @ k, summed over key blocks by fp32 atomics: five matmuls instead of seven
@@ -346,7 +368,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stri
 
 @triton.jit
 def flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, cu_q, cu_k,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DQ_ACC, cu_q, cu_k, SLOPES,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -354,11 +376,12 @@ def flash_bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh,
     stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh,
-    stride_lb, stride_lh,
-    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
-    H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr,
+    stride_lb, stride_lh, stride_sb, stride_sh,
+    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale, cap_in, cap_out,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
 ):
     """One program per (key block, kv head): dk/dv sum over the whole GQA group in-program (no atomics)."""
     pid_n = tl.program_id(0)
@@ -371,18 +394,21 @@ def flash_bwd_dkdv_kernel(
     if n_lo >= s_k:
         return
     EVEN_D: tl.constexpr = D == BLOCK_D
+    EVEN_DV: tl.constexpr = DV == BLOCK_DV
     b64 = b.to(tl.int64)
     kvh64 = kvh.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     key_rows = n_lo + offs_n
-    kv_mask = (key_rows < s_k)[:, None] & (offs_d < D)[None, :]
+    k_mask = (key_rows < s_k)[:, None] & (offs_d < D)[None, :]
+    v_mask = (key_rows < s_k)[:, None] & (offs_dv < DV)[None, :]
     row0 = (k_start + n_lo).to(tl.int64)
     k = tl.load(K + b64 * stride_kb + row0 * stride_ks + kvh64 * stride_kh
-                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=k_mask, other=0.0)
     v = tl.load(V + b64 * stride_vb + row0 * stride_vs + kvh64 * stride_vh
-                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+                + offs_n[:, None] * stride_vs + offs_dv[None, :], mask=v_mask, other=0.0)
 
     # Query i sees key j iff j - diag - right <= i <= j - diag + left.
     diag = s_k - s_q
@@ -392,7 +418,7 @@ def flash_bwd_dkdv_kernel(
     start, full_lo, full_hi, end = _span(n_lo, hi_last, A, B, s_q, BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     q_seq = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs
     do_seq = DO + b64 * stride_dob + q_start.to(tl.int64) * stride_dos
     dq_seq = DQ_ACC + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs
@@ -404,66 +430,97 @@ def flash_bwd_dkdv_kernel(
         if USE_TMA:
             q_src = tl.make_tensor_descriptor(q_src, shape=[s_q, D], strides=[stride_qs, 1],
                                               block_shape=[BLOCK_M, BLOCK_D])
-            do_src = tl.make_tensor_descriptor(do_src, shape=[s_q, D], strides=[stride_dos, 1],
-                                               block_shape=[BLOCK_M, BLOCK_D])
+            do_src = tl.make_tensor_descriptor(do_src, shape=[s_q, DV], strides=[stride_dos, 1],
+                                               block_shape=[BLOCK_M, BLOCK_DV])
         lse_base = LSE + b64 * stride_lb + h * stride_lh + q_start
         delta_base = DELTA + b64 * stride_lb + h * stride_lh + q_start
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs,
-                             stride_dos, stride_dqs, start, full_lo, key_rows, offs_m, offs_d, s_q, A, B,
-                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ, USE_TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs,
-                             stride_dos, stride_dqs, full_lo, full_hi, key_rows, offs_m, offs_d, s_q, A, B,
-                             qk_scale, sm_scale, D, BLOCK_M, False, EVEN_D, ATOMIC_DQ, USE_TMA)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs,
-                             stride_dos, stride_dqs, full_hi, end, key_rows, offs_m, offs_d, s_q, A, B,
-                             qk_scale, sm_scale, D, BLOCK_M, True, EVEN_D, ATOMIC_DQ, USE_TMA)
+        slope2 = _head_slope(SLOPES, b64, h, stride_sb, stride_sh, ALIBI)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs, stride_dos,
+                             stride_dqs, start, full_lo, key_rows, offs_m, offs_d, offs_dv, s_q, A, B, diag, qk_scale,
+                             sm_scale, cap_in, cap_out, slope2, D, DV, BLOCK_M, True, EVEN_D, EVEN_DV, ATOMIC_DQ,
+                             USE_TMA, SOFTCAP, ALIBI)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs, stride_dos,
+                             stride_dqs, full_lo, full_hi, key_rows, offs_m, offs_d, offs_dv, s_q, A, B, diag,
+                             qk_scale, sm_scale, cap_in, cap_out, slope2, D, DV, BLOCK_M, False, EVEN_D, EVEN_DV,
+                             ATOMIC_DQ, USE_TMA, SOFTCAP, ALIBI)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs, stride_dos,
+                             stride_dqs, full_hi, end, key_rows, offs_m, offs_d, offs_dv, s_q, A, B, diag, qk_scale,
+                             sm_scale, cap_in, cap_out, slope2, D, DV, BLOCK_M, True, EVEN_D, EVEN_DV, ATOMIC_DQ,
+                             USE_TMA, SOFTCAP, ALIBI)
 
     dk = dk * sm_scale
     tl.store(DK + b64 * stride_dkb + row0 * stride_dks + kvh64 * stride_dkh
-             + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + row0 * stride_dvs + kvh64 * stride_dvh
-             + offs_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+             + offs_n[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV_OUT + b64 * stride_dvb + row0 * stride_dvs + kvh64 * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty), mask=v_mask)
 
 
+# --------------------------------------------------------------------- forward, and the backward's dq
 @triton.jit
-def flash_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, cu_q, cu_k, stride_lb, stride_lh,
-    stride_qb, stride_qs, stride_qh,  # the query side this program owns
+def flash_query_kernel(
+    Q, K, V, OUT, LSE, DO, DELTA, cu_q, cu_k, SLOPES,
+    stride_qb, stride_qs, stride_qh,  # the query side this program owns: q, out (o or dq), do
+    stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
-    stride_dqb, stride_dqs, stride_dqh,
     stride_kb, stride_ks, stride_kh,  # the key side it walks
     stride_vb, stride_vs, stride_vh,
-    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale,
-    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    stride_lb, stride_lh, stride_sb, stride_sh,
+    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale, cap_in, cap_out,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DQ: tl.constexpr,
 ):
+    """A program owns BLOCK_M query rows of one head and walks their keys: the forward (OUT = o, LSE written),
+    or with DQ the backward's dq (OUT = dq; reads do, the forward's lse and delta)."""
     b64, h64, kvh, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, GROUP,
                                                                    BLOCK_M, VARLEN)
     if m_lo >= s_q:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    rows = m_lo + offs_m
     offs_d = tl.arange(0, BLOCK_D)
-    q_mask = (rows < s_q)[:, None] & (offs_d < D)[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows = m_lo + offs_m
     q = tl.load(_head_bases(Q, b64, q_start + m_lo, h64, stride_qb, stride_qs, stride_qh)
-                + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(_head_bases(DO, b64, q_start + m_lo, h64, stride_dob, stride_dos, stride_doh)
-                 + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
-    stat = b64 * stride_lb + h64 * stride_lh + q_start + rows
-    lse2 = _lse_log2(tl.load(LSE + stat, mask=rows < s_q, other=float("inf")))
-    delta = tl.load(DELTA + stat, mask=rows < s_q, other=0.0)
-
+                + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=(rows < s_q)[:, None] & (offs_d < D)[None, :], other=0.0)
     k_base = _head_bases(K, b64, k_start, kvh, stride_kb, stride_ks, stride_kh)
     v_base = _head_bases(V, b64, k_start, kvh, stride_vb, stride_vs, stride_vh)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # lse2 stands in for the forward's l_i and m_i
-    dq, _, _ = _attend_keys(dq, lse2, lse2, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, m_lo, s_q, s_k,
-                            left, right, rows, tl.arange(0, BLOCK_N), offs_d, qk_scale, D, BLOCK_M, BLOCK_N, BLOCK_D,
-                            USE_TMA, True)
-    dq = dq * sm_scale
-    tl.store(_head_bases(DQ, b64, q_start + m_lo, h64, stride_dqb, stride_dqs, stride_dqh)
-             + offs_m[:, None] * stride_dqs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=q_mask)
+    slope2 = _head_slope(SLOPES, b64, h64, stride_sb, stride_sh, ALIBI)
+    stat = b64 * stride_lb + h64 * stride_lh + q_start + rows  # lse / delta of these rows
+    if DQ:
+        do = tl.load(_head_bases(DO, b64, q_start + m_lo, h64, stride_dob, stride_dos, stride_doh)
+                     + offs_m[:, None] * stride_dos + offs_dv[None, :],
+                     mask=(rows < s_q)[:, None] & (offs_dv < DV)[None, :], other=0.0)
+        lse2 = _lse_log2(tl.load(LSE + stat, mask=rows < s_q, other=float("inf")))
+        delta = tl.load(DELTA + stat, mask=rows < s_q, other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # lse2 stands in for the forward's l_i and m_i
+        acc, _, _ = _attend_keys(acc, lse2, lse2, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, m_lo,
+                                 s_q, s_k, left, right, rows, tl.arange(0, BLOCK_N), offs_d, offs_dv, qk_scale,
+                                 cap_in, cap_out, slope2, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA, True,
+                                 SOFTCAP, ALIBI)
+        out = acc * sm_scale
+        offs_out = offs_d
+        OUT_W: tl.constexpr = D
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        # q and l_i stand in for dq's do, lse2 and delta
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, q, l_i, l_i, k_base, v_base, stride_ks, stride_vs, m_lo, s_q,
+                                     s_k, left, right, rows, tl.arange(0, BLOCK_N), offs_d, offs_dv, qk_scale,
+                                     cap_in, cap_out, slope2, D, DV, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, USE_TMA,
+                                     False, SOFTCAP, ALIBI)
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(LSE + stat, lse, mask=rows < s_q)
+        offs_out = offs_dv
+        OUT_W: tl.constexpr = DV
+    tl.store(_head_bases(OUT, b64, q_start + m_lo, h64, stride_ob, stride_os, stride_oh)
+             + offs_m[:, None] * stride_os + offs_out[None, :], out.to(OUT.dtype.element_ty),
+             mask=(rows < s_q)[:, None] & (offs_out < OUT_W)[None, :])
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -474,8 +531,9 @@ def _layout(t, varlen):
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _pow2(d):
-    return triton.next_power_of_2(d)
+def _block(d):
+    """The padded width a head dim is tiled with: a power of two, at least 16 (the smallest MMA K)."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def _tma_ok(*tensors):
@@ -484,42 +542,66 @@ def _tma_ok(*tensors):
     return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
-def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg):
-    """Returns (out like q, lse fp32: [b, h_q, s_q] or [h_q, total_q] when varlen)."""
-    varlen = cu_q is not None
-    h_q, d = q.shape[-2], q.shape[-1]
-    h_kv = k.shape[-2]
-    out = torch.empty_like(q)
-    if varlen:
+class ScoreMod:
+    """The scores' optional modifiers as the kernels take them: softcap c (0 = none) and per-head ALiBi slopes
+    (an fp32 tensor [h_q] or [b, h_q], or None)."""
+
+    def __init__(self, sm_scale, softcap=0.0, slopes=None):
+        self.softcap, self.alibi = softcap > 0, slopes is not None
+        self.cap_in = sm_scale / softcap if self.softcap else 0.0
+        self.cap_out = softcap * LOG2E if self.softcap else 0.0
+        self.slopes = slopes
+        self.strides = (0, 0) if slopes is None else ((0, slopes.stride(0)) if slopes.dim() == 1 else
+                                                       (slopes.stride(0), slopes.stride(1)))
+
+    def pointer(self, fallback):
+        return self.slopes if self.alibi else fallback
+
+
+def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg, mod=None):
+    """Returns (out [.., h_q, d_v] in q's dtype, lse fp32: [b, h_q, s_q] or [h_q, total_q] when varlen)."""
+    mod = mod or ScoreMod(sm_scale)
+    h_q = q.shape[-2]
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    if cu_q is not None:
         lse = torch.empty((h_q, q.shape[0]), device=q.device, dtype=torch.float32)
-        stride_lb, stride_lh = 0, lse.stride(0)
     else:
         lse = torch.empty((batch, h_q, max_q), device=q.device, dtype=torch.float32)
-        stride_lb, stride_lh = lse.stride(0), lse.stride(1)
     if out.numel() == 0 or max_q == 0:
         lse.fill_(float("-inf"))
         out.zero_()
         return out, lse
-    bm, bn, warps, stages = cfg.block_m, cfg.block_n, cfg.warps, cfg.stages
     use_tma = cfg.tma and _tma_ok(k, v)
     if use_tma:
         ensure_tma_allocator(q.device)
-    grid = (triton.cdiv(max_q, bm), batch * h_q)
-    flash_fwd_kernel[grid](
-        q, k, v, out, lse, cu_q if varlen else q, cu_k if varlen else q,
-        *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(out, varlen),
-        stride_lb, stride_lh,
-        max_q, max_k, left, right, sm_scale * LOG2E,
-        H_Q=h_q, GROUP=h_q // h_kv, D=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=_pow2(d), VARLEN=varlen,
-        USE_TMA=use_tma, num_warps=warps, num_stages=stages,
-    )
+    # q and lse stand in for the dq pass's do and delta
+    _query_pass(q, k, v, out, lse, q, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg, use_tma, mod,
+                dq_pass=False)
     return out, lse
 
 
-def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg_dkdv,
-              cfg_dq):
+def _query_pass(q, k, v, out, lse, do, delta, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg, use_tma,
+                mod, dq_pass):
+    """One launch of flash_query_kernel: the forward (out = o, lse written) or the dq pass (out = dq)."""
     varlen = cu_q is not None
-    h_q, d = q.shape[-2], q.shape[-1]
+    h_q, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
+    stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    flash_query_kernel[(triton.cdiv(max_q, cfg.block_m), batch * h_q)](
+        q, k, v, out, lse, do, delta, cu_q if varlen else q, cu_k if varlen else q, mod.pointer(lse),
+        *_layout(q, varlen), *_layout(out, varlen), *_layout(do, varlen), *_layout(k, varlen), *_layout(v, varlen),
+        stride_lb, stride_lh, *mod.strides,
+        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale, mod.cap_in, mod.cap_out,
+        H_Q=h_q, GROUP=h_q // k.shape[-2], D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(d),
+        BLOCK_DV=_block(dv), VARLEN=varlen, USE_TMA=use_tma, SOFTCAP=mod.softcap, ALIBI=mod.alibi, DQ=dq_pass,
+        num_warps=cfg.warps, num_stages=cfg.stages,
+    )
+
+
+def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg_dkdv,
+              cfg_dq, mod=None):
+    mod = mod or ScoreMod(sm_scale)
+    varlen = cu_q is not None
+    h_q, d, dv_dim = q.shape[-2], q.shape[-1], v.shape[-1]
     h_kv = k.shape[-2]
     group = h_q // h_kv
     dq = torch.empty_like(q)
@@ -531,11 +613,11 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
     delta = torch.empty_like(lse)
     cu_q_arg = cu_q if varlen else q
     cu_k_arg = cu_k if varlen else q
-    bd = _pow2(d)
+    bd, bdv = _block(d), _block(dv_dim)
     pre_bm = 64
     flash_bwd_preprocess_kernel[(triton.cdiv(max_q, pre_bm), batch * h_q)](
         out, do, delta, cu_q_arg, *_layout(out, varlen), *_layout(do, varlen), stride_lb, stride_lh, max_q,
-        H_Q=h_q, D=d, BLOCK_M=pre_bm, BLOCK_D=bd, VARLEN=varlen,
+        H_Q=h_q, DV=dv_dim, BLOCK_M=pre_bm, BLOCK_DV=bdv, VARLEN=varlen,
     )
     atomic_dq = cfg_dkdv.atomic_dq
     dkdv_tma = cfg_dkdv.tma and _tma_ok(q, do)
@@ -544,23 +626,19 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         ensure_tma_allocator(q.device)
     # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
+    slopes = mod.pointer(delta)
     flash_bwd_dkdv_kernel[(triton.cdiv(max_k, cfg_dkdv.block_n), batch * h_kv)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, cu_q_arg, cu_k_arg,
+        q, k, v, do, lse, delta, dk, dv, dq_acc, cu_q_arg, cu_k_arg, slopes,
         *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
-        *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh,
-        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
-        H_KV=h_kv, GROUP=group, D=d, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
-        VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, num_warps=cfg_dkdv.warps,
-        num_stages=cfg_dkdv.stages,
+        *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh, *mod.strides,
+        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale, mod.cap_in, mod.cap_out,
+        H_KV=h_kv, GROUP=group, D=d, DV=dv_dim, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
+        BLOCK_DV=bdv, VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, SOFTCAP=mod.softcap, ALIBI=mod.alibi,
+        num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages,
     )
     if atomic_dq:
         dq.copy_(dq_acc)
         return dq, dk, dv
-    flash_bwd_dq_kernel[(triton.cdiv(max_q, cfg_dq.block_m), batch * h_q)](
-        q, k, v, do, lse, delta, dq, cu_q_arg, cu_k_arg, stride_lb, stride_lh,
-        *_layout(q, varlen), *_layout(do, varlen), *_layout(dq, varlen), *_layout(k, varlen), *_layout(v, varlen),
-        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale,
-        H_Q=h_q, GROUP=group, D=d, BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, BLOCK_D=bd, VARLEN=varlen,
-        USE_TMA=dq_tma, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages,
-    )
+    _query_pass(q, k, v, dq, lse, do, delta, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, cfg_dq, dq_tma,
+                mod, dq_pass=True)
     return dq, dk, dv

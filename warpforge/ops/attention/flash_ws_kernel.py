@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator
-from .flash_kernel import LOG2E, _key_span, _visible
+from ..shared_kernels import dot
+from .flash_kernel import LOG2E, _key_span, _softmax_step
 
 
 @triton.jit
@@ -53,24 +54,12 @@ def flash_fwd_ws_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
     for start_n in tl.range(start, end, BLOCK_N, warp_specialize=True):
-        k = k_desc.load([start_n, 0])  # rows past s_k arrive as zeros (and are masked below)
+        k = k_desc.load([start_n, 0])  # rows past s_k arrive as zeros (and are masked)
         v = v_desc.load([start_n, 0])
-        qk = tl.dot(q, tl.trans(k))
-        if MASKED:
-            cols = start_n + tl.arange(0, BLOCK_N)
-            qk = tl.where(_visible(rows, cols, s_k, A, B), qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-            p = tl.math.exp2(qk - m_use[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_use = m_new
-            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, dot(q, tl.trans(k)), v, rows, start_n + offs_n, s_k, A, B,
+                                      s_k - s_q, qk_scale, 0.0, 0.0, 0.0, MASKED, False, False)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
