@@ -1,8 +1,8 @@
 """`MLAttention`: DeepSeek-V3's Multi-head Latent Attention.
 
 Training and prefill use the non-absorbed form: per-head keys [nope 128 | shared rope 64] and values
-128, attended by `flash_attention`. Its head dims are equal, so q/k (192) and v (128) are zero-padded to
-256. That leaves the scores unchanged, and the softmax scale is passed explicitly.
+128, attended by `flash_attention` (its V head dim may differ from Q/K's); the softmax scale is passed
+explicitly.
 Decode uses the absorbed form: the cache keeps one 576-wide latent per token ([normalised c_kv 512 | roped
 k 64]), and the queries are moved into the latent space (q_nope · W_UK) so that `mla_decode` reads the paged
 cache once for all heads; its 512-wide output is mapped back by W_UV.
@@ -124,17 +124,9 @@ class MLAttention(nn.Module):
         kv = self.wkv_b(latents[..., :self.kv_rank]).view(b, s, self.n_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k_rope = latents[..., None, self.kv_rank:].expand(b, s, self.n_heads, self.rope_dim)
-        out = self._attend(torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v)
+        out = F.attention(torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v,
+                          causal=True, softmax_scale=self.softmax_scale, backend=self.backend)
         return self.wo(out.reshape(b, s, -1))
-
-    def _attend(self, q, k, v):
-        """Causal attention with q, k wider than v: flash_attention takes one head dim, so all three are
-        zero-padded to 256 (the scores do not change); SDPA takes them as they are."""
-        if F.pick(self.backend, "attention") == F.TORCH:
-            return F.sdpa(q, k, v, causal=True, softmax_scale=self.softmax_scale)
-        pad = 256
-        return F.attention(_pad(q, pad), _pad(k, pad), _pad(v, pad), causal=True, softmax_scale=self.softmax_scale,
-                           backend=self.backend)[..., :self.v_dim]
 
     def _decode(self, x, cache, start):
         b, s, _ = x.shape
@@ -154,7 +146,3 @@ class MLAttention(nn.Module):
         t = torch.arange(start, start + s, device=latents.device)
         pages = cache.block_table[:, t // page].long()  # [b, s]
         cache.kv_cache[pages, (t % page)[None, :].expand(b, s), 0] = latents.to(cache.kv_cache.dtype)
-
-
-def _pad(t, width):
-    return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
