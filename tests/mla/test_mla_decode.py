@@ -45,6 +45,8 @@ def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("b,s_q,h_q,page,lens,causal,splits", [
     (2, 1, 16, 16, [37, 5], False, None),
+    (2, 1, 1, 16, [37, 5], False, None),         # one query head
+    (2, 2, 24, 32, [50, 9], True, 2),            # h_q not a power of two
     (3, 2, 16, 16, [40, 0, 17], True, 3),        # empty request, MTP causal, 3 splits
     (2, 4, 16, 32, [1, 70], True, 2),            # s_q 4, a request shorter than s_q
     (1, 1, 32, 64, [65], False, 4),              # more splits than blocks of tokens
@@ -103,7 +105,7 @@ def _bad_args():
     (lambda a: a.update(cache_seqlens=a["cache_seqlens"] * 100), "cache_seqlens"),
     (lambda a: a.update(cache_seqlens=-a["cache_seqlens"]), "cache_seqlens"),
     (lambda a: a.update(kv_cache=a["kv_cache"][..., :512].contiguous()), "kv_cache"),
-    (lambda a: a.update(q=a["q"][:, :, :8].contiguous()), "q"),               # h_q 8
+    (lambda a: a.update(q=torch.randn(2, 1, 130, 576, dtype=a["q"].dtype, device=DEV)), "q"),  # h_q 130
     (lambda a: a.update(q=a["q"].expand(2, 5, 16, 576).contiguous()), "q"),    # s_q 5
     (lambda a: a.update(q=a["q"][..., :512].contiguous()), "q"),               # head dim
     (lambda a: a.update(block_table=a["block_table"].long()), "block_table"),
@@ -290,3 +292,22 @@ def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
                                         kv_scale=kv_scale)
     assert 1 - cosine(out, ref) <= 1e-5
     assert torch.allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_mla_compatible_heads_and_conventions():
+    """FlashMLA's dense decode takes h_kv >= 1 latent heads (each group of query heads reads its own head of the
+    cache, here a strided view) and any h_q; a query with no token gets out 0 and lse +inf, as FlashMLA's."""
+    from warpforge.compat.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+    b, s_q, h_q, h_kv, page = 2, 1, 6, 2, 16
+    q = torch.randn(b, s_q, h_q, 576, device=DEV, dtype=DTYPE)
+    cache = torch.randn(5, page, h_kv, 576, device=DEV, dtype=DTYPE)
+    table = torch.tensor([[3, 1, 0], [4, 2, 0]], dtype=torch.int32, device=DEV)
+    seqlens = torch.tensor([40, 0], dtype=torch.int32, device=DEV)
+    meta, _ = get_mla_metadata()
+    out, lse = flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, causal=False)
+    for g in range(h_kv):
+        heads = slice(g * h_q // h_kv, (g + 1) * h_q // h_kv)
+        ref, ref_lse = mla_decode_reference(q[:, :, heads].float(), cache[:, :, g:g + 1].float(), table, seqlens)
+        assert 1 - cosine(out[:1, :, heads], ref[:1]) <= 1e-5
+        assert torch.allclose(lse[:1, heads], ref_lse[:1], rtol=1e-4, atol=1e-4)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("inf"))

@@ -4,13 +4,19 @@ Both FlashMLA interfaces are accepted: the current one (get_mla_metadata() retur
 first decode call fills; num_splits is None) and the older one (get_mla_metadata(cache_seqlens,
 s_q * h_q // h_kv, h_kv) returning tensors that were passed back in). warpforge plans from shapes alone, so
 the schedule object holds the `warpforge.mla.MLAPlan` made on the first call and runs it on every later one.
+
+What FlashMLA's dense decode takes is taken: any h_q from 1 to 128, h_kv >= 1 latent heads with h_q divisible by
+h_kv (each group of h_q / h_kv query heads reads its own head of the cache, a strided view: no copy), s_q 1-4.
+FlashMLA's conventions hold here, not warpforge.mla_decode's: a query that sees no token gets out 0 and lse +inf.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import check_tensor, fail
+import torch
+
+from ..errors import check_rank, check_tensor, fail
 from ..ops import mla
 
 
@@ -38,10 +44,17 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
             fail(name, "None (not supported by warpforge yet)", "a tensor")
     check_tensor("q", q)
     check_tensor("k_cache", k_cache)
+    check_rank("q", q, 4)
+    check_rank("k_cache", k_cache, 4)
+    h_q, h_kv = q.shape[2], k_cache.shape[2]
+    if h_kv < 1 or h_q % h_kv:
+        fail("k_cache", f"h_kv heads dividing q's {h_q} (dim 2)", h_kv)
+    group = h_q // h_kv
     sched = tile_scheduler_metadata if isinstance(tile_scheduler_metadata, MLASchedule) else None
     kv_format = "fp8" if is_fp8_kvcache else "bf16"
-    p = mla.plan(q, k_cache, block_table, indices=indices, kv_format=kv_format, softmax_scale=softmax_scale,
-                 causal=causal, head_dim_v=head_dim_v)
+    heads = [(q[:, :, g * group:(g + 1) * group], k_cache[:, :, g:g + 1]) for g in range(h_kv)]
+    p = mla.plan(heads[0][0], heads[0][1], block_table, indices=indices, kv_format=kv_format,
+                 softmax_scale=softmax_scale, causal=causal, head_dim_v=head_dim_v)
     if sched is not None:
         if sched.plan is None:
             sched.plan = p
@@ -50,7 +63,11 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                  f"a call with shapes {p.shapes} (get a new one from get_mla_metadata)")
         else:
             p = sched.plan
-    return p.run(q, k_cache, block_table, cache_seqlens, indices=indices, topk_length=topk_length)
+    results = [p.run(q_g.contiguous() if h_kv > 1 else q_g, k_g, block_table, cache_seqlens, indices=indices,
+                     topk_length=topk_length) for q_g, k_g in heads]
+    out = results[0][0] if h_kv == 1 else torch.cat([r[0] for r in results], dim=2)
+    lse = results[0][1] if h_kv == 1 else torch.cat([r[1] for r in results], dim=1)
+    return out, lse.masked_fill(lse == float("-inf"), float("inf"))  # FlashMLA: a lonely query's lse is +inf
 
 
 __all__ = ["MLASchedule", "get_mla_metadata", "flash_mla_with_kvcache"]

@@ -22,7 +22,7 @@ from . import configs
 from .kv_format import D_QK, D_V, KV_FORMATS
 from .reference import mla_decode_reference, quantize_kv_reference
 
-H_Q = (16, 32, 64, 128)
+MAX_H_Q = 128
 PAGE_SIZES = (16, 32, 64)
 QUANTIZE_ROWS = 1 << 16
 
@@ -115,7 +115,7 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
     """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
     fp32, natural log). `plan(...).run(...)` in one call; a serving loop makes the plan once instead.
 
-    q [b, s_q, h_q, 576] (h_q 16/32/64/128, s_q 1-4); kv_cache [num_pages, page_size, 1, width]: bf16 in q's dtype
+    q [b, s_q, h_q, 576] (h_q 1-128, s_q 1-4); kv_cache [num_pages, page_size, 1, width]: bf16 in q's dtype
     (width 576), or uint8 rows of "fp8" (656), "nvfp4" (416; kv_scale: its one-element fp32 tensor scale) or
     "mxfp4" (400), made by `quantize_kv`; block_table int32 [b, max_pages]; cache_seqlens int32 [b]. causal (MTP,
     s_q > 1): query i sees the first cache_seqlens - s_q + 1 + i tokens. A request that sees no token gets out 0
@@ -171,8 +171,8 @@ def _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim
         fail("q", f"head dim {D_QK} (512 latent + 64 rope)", d)
     if head_dim_v != D_V:
         fail("head_dim_v", f"{D_V}", head_dim_v)
-    if h_q not in H_Q:
-        fail("q", f"h_q in {H_Q}", h_q)
+    if not 1 <= h_q <= MAX_H_Q:
+        fail("q", f"h_q from 1 to {MAX_H_Q}", h_q)
     if not 1 <= s_q <= 4:
         fail("q", "s_q from 1 to 4", s_q)
     check_last_dim_contiguous("q", q)
@@ -187,8 +187,9 @@ def _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim
     if kv_cache.shape[3] != fmt.width:
         fail("kv_cache", f"{fmt.width} {'bytes' if fmt.quantized else 'values'} per token for {kv_format}",
              kv_cache.shape[3])
-    if not kv_cache.is_contiguous():
-        fail("kv_cache", "a contiguous tensor", f"strides {kv_cache.stride()}")
+    if not _rows_evenly_spaced(kv_cache):
+        fail("kv_cache", "token rows evenly spaced (stride(0) = page_size · stride(1), last dim contiguous), e.g. "
+             "contiguous, or one head of a [pages, page_size, h_kv, width] cache", f"strides {kv_cache.stride()}")
     if not isinstance(causal, bool):
         fail("causal", "a bool", type(causal).__name__)
     if indices is not None:
@@ -211,8 +212,8 @@ def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, i
     check_tensor("kv_cache", kv_cache)
     check_same_device("kv_cache", kv_cache, "q", q)
     if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (p.page_size, 1, fmt.width) or \
-            kv_cache.dtype != (torch.uint8 if fmt.quantized else q.dtype) or not kv_cache.is_contiguous():
-        fail("kv_cache", f"a contiguous [num_pages, {p.page_size}, 1, {fmt.width}] {p.kv_format} cache (the plan's)",
+            kv_cache.dtype != (torch.uint8 if fmt.quantized else q.dtype) or not _rows_evenly_spaced(kv_cache):
+        fail("kv_cache", f"a [num_pages, {p.page_size}, 1, {fmt.width}] {p.kv_format} cache (the plan's)",
              f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     if fmt.tensor_scale:
         if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
@@ -234,6 +235,11 @@ def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, i
         _check_int32("cache_seqlens", cache_seqlens, q, 1, (p.batch,))
         if host_reads_allowed(q):
             _check_table_values(kv_cache, block_table, cache_seqlens)
+
+
+def _rows_evenly_spaced(kv_cache) -> bool:
+    """The kernel addresses token row page · page_size + offset as one stride: pages must follow each other."""
+    return kv_cache.stride(-1) == 1 and kv_cache.stride(0) == kv_cache.shape[1] * kv_cache.stride(1)
 
 
 def _check_int32(name, t, q, rank, lead):
