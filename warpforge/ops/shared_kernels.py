@@ -1,5 +1,5 @@
 """Triton helpers that more than one family's kernels use (kernel files import them from here, never from another
-family)."""
+family): the fp32-exact dot, the SwiGLU gradient, the e2m1 decode of FP4 caches, and split-KV decode's combine."""
 import triton
 import triton.language as tl
 
@@ -20,3 +20,63 @@ def dot(a, b, acc=None):
     else:
         out = tl.dot(a, b, acc)
     return out
+
+
+@triton.jit
+def e2m1_to_float(code):
+    """e2m1 code (sign in bit 3) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6. The three magnitude bits placed at fp16's
+    exponent/mantissa boundary (<< 9) read as 2^(e-15)(1 + m/2), or m·2^-15 for e = 0; times 2^14 that is e2m1."""
+    c = code.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def combine_splits_kernel(
+    O_PART, LSE_PART, OUT, LSE,
+    stride_ps, stride_pb, stride_ls, stride_lb,
+    stride_ob, stride_lse_b,
+    rows_total, n_splits,
+    H_Q: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """Split-KV decode's combine: out = Σ_i w_i o_i / Σ_i w_i with w_i = 2^(lse_i - max), lse = ln(Σ_i 2^lse_i)
+    (partials' lse in log2 units). Rows r = j · H_Q + h of a request; out [b, s_q, h_q, DV], lse [b, h_q, s_q]."""
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < rows_total
+    offs_v = tl.arange(0, BLOCK_DV)
+    v_ok = offs_v < DV
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for i in range(n_splits):
+        lse_i = tl.load(LSE_PART + i * stride_ls + b64 * stride_lb + r, mask=r_ok, other=float("-inf"))
+        m = tl.maximum(m, lse_i)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
+    for i in range(n_splits):
+        lse_i = tl.load(LSE_PART + i * stride_ls + b64 * stride_lb + r, mask=r_ok, other=float("-inf"))
+        w = tl.math.exp2(lse_i - m_use)
+        o_i = tl.load(O_PART + i * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * DV + offs_v[None, :],
+                      mask=(r_ok & (w > 0))[:, None] & v_ok[None, :], other=0.0)
+        acc += w[:, None] * o_i
+        total += w
+    empty = total == 0.0
+    out = acc / tl.where(empty, 1.0, total)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
+    tl.store(OUT + b64 * stride_ob + r[:, None].to(tl.int64) * DV + offs_v[None, :], out.to(OUT.dtype.element_ty),
+             mask=r_ok[:, None] & v_ok[None, :])
+    tl.store(LSE + b64 * stride_lse_b + (r % H_Q) * S_Q + r // H_Q, lse, mask=r_ok)
+
+
+def combine_splits(o_part, lse_part, out, lse, h_q, s_q):
+    """o_part fp32 [splits, b, s_q · h_q, d_v], lse_part [splits, b, s_q · h_q] (log2) -> out [b, s_q, h_q, d_v]
+    (contiguous), lse [b, h_q, s_q] (natural log)."""
+    b, rows, dv = o_part.shape[1], o_part.shape[2], o_part.shape[3]
+    block_r = 16
+    combine_splits_kernel[(b, triton.cdiv(rows, block_r))](
+        o_part, lse_part, out, lse, o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), lse.stride(0), rows, o_part.shape[0],
+        H_Q=h_q, S_Q=s_q, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_R=block_r, num_warps=4,
+    )

@@ -25,18 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import dot
+from ..shared_kernels import combine_splits, dot, e2m1_to_float
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _e2m1_to_float(code):
-    """e2m1 code (sign in bit 3) -> fp32: 0, 0.5, 1, 1.5, 2, 3, 4, 6. The three magnitude bits placed at fp16's
-    exponent/mantissa boundary (<< 9) read as 2^(e-15)(1 + m/2), or m·2^-15 for e = 0; times 2^14 that is e2m1."""
-    c = code.to(tl.uint16)
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit
@@ -76,7 +67,7 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
-        vals = tl.reshape(tl.reshape(_e2m1_to_float(codes), [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
+        vals = tl.reshape(tl.reshape(e2m1_to_float(codes), [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
                           [BLOCK_N, 128]).to(OUT_DTYPE)
     return vals, scale
 
@@ -267,46 +258,6 @@ def mla_decode_split_kernel(
         tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + r, lse2, mask=r_ok)
 
 
-@triton.jit
-def mla_combine_kernel(
-    O_PART, LSE_PART, OUT, LSE,
-    stride_ps, stride_pb, stride_ls, stride_lb,
-    stride_ob, stride_lse_b,
-    rows_total, n_splits,
-    H_Q: tl.constexpr, S_Q: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """out = Σ_i w_i o_i / Σ_i w_i with w_i = 2^(lse_i - max); lse = ln(Σ_i 2^lse_i)."""
-    D_V: tl.constexpr = 512
-    b = tl.program_id(0)
-    tile = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < rows_total
-    offs_v = tl.arange(0, D_V)
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in range(n_splits):
-        lse_i = tl.load(LSE_PART + i * stride_ls + b64 * stride_lb + r, mask=r_ok, other=float("-inf"))
-        m = tl.maximum(m, lse_i)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, D_V], tl.float32)
-    for i in range(n_splits):
-        lse_i = tl.load(LSE_PART + i * stride_ls + b64 * stride_lb + r, mask=r_ok, other=float("-inf"))
-        w = tl.math.exp2(lse_i - m_use)
-        o_i = tl.load(O_PART + i * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + offs_v[None, :],
-                      mask=r_ok[:, None] & (w > 0)[:, None], other=0.0)
-        acc += w[:, None] * o_i
-        total += w
-    empty = total == 0.0
-    out = acc / tl.where(empty, 1.0, total)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(tl.where(empty, 1.0, total))) * 0.6931471805599453)
-    tl.store(OUT + b64 * stride_ob + r[:, None].to(tl.int64) * D_V + offs_v[None, :], out.to(OUT.dtype.element_ty),
-             mask=r_ok[:, None])
-    j = r // H_Q
-    h = r % H_Q
-    tl.store(LSE + b64 * stride_lse_b + h * S_Q + j, lse, mask=r_ok)
-
-
 # ------------------------------------------------------------------------------------------ launch
 def plan_block_h(block_h, rows):
     """A program's query rows: the table's block_h, but no more than the rows (rounded up to a power of two, at
@@ -367,11 +318,5 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     )
     if final:
         return out, lse
-    block_r = 16
-    mla_combine_kernel[(b, triton.cdiv(rows, block_r))](
-        o_part, lse_part, out, lse,
-        o_part.stride(0), o_part.stride(1), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), lse.stride(0), rows, num_splits,
-        H_Q=h_q, S_Q=s_q, BLOCK_R=block_r, num_warps=4,
-    )
+    combine_splits(o_part, lse_part, out, lse, h_q, s_q)
     return out, lse

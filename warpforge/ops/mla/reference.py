@@ -14,27 +14,14 @@ import math
 
 import torch
 
+from ... import quant
 from .kv_format import D_V, KV_FORMATS
 
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def nvfp4_tensor_scale(latent: torch.Tensor) -> torch.Tensor:
-    """A cache-wide fp32 scale for NVFP4 that maps amax to the largest e2m1 (6) times the largest e4m3 (448)."""
-    return (latent[..., :D_V].float().abs().amax() / (6.0 * 448.0)).clamp(min=1e-30).reshape(())
-
-
-def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 code (sign in bit 3) of each value of x (already scaled into [-6, 6])."""
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)
-    mag = (x.abs()[..., None] > mids).sum(-1)
-    return (mag | ((x < 0).long() << 3)).to(torch.uint8)
-
-
-def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1, device=codes.device)
-    vals = table[(codes & 7).long()]
-    return torch.where((codes & 8) > 0, -vals, vals)
+    """A cache-wide fp32 scale for NVFP4 over the latents' 512 quantized columns (see quant.nvfp4_tensor_scale)."""
+    return quant.nvfp4_tensor_scale(latent[..., :D_V])
 
 
 def _pack_rope(latent):
@@ -48,30 +35,12 @@ def quantize_kv_reference(latent: torch.Tensor, kv_format: str, kv_scale=None) -
     if not fmt.quantized:
         return latent
     lead = latent.shape[:-1]
-    blocks = latent[..., :D_V].float().unflatten(-1, (D_V // fmt.group, fmt.group))
-    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-30)
     if kv_format == "fp8":
-        # power-of-two scales: dequantising is an exact exponent shift
-        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-        data = (blocks / scale).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)
-        scale_bytes = scale.squeeze(-1).float().contiguous().view(torch.uint8).reshape(*lead, -1)
+        codes, scale = quant.quantize_fp8_pow2(latent[..., :D_V], fmt.group)
+        data = codes.view(torch.uint8)
+        scale_bytes = scale.contiguous().view(torch.uint8).reshape(*lead, -1)
     else:
-        if kv_format == "nvfp4":
-            ts = torch.as_tensor(kv_scale, dtype=torch.float32, device=latent.device)
-            scale = (amax / 6.0 / ts).clamp(max=448.0).to(torch.float8_e4m3fn)
-            eff = scale.float() * ts
-            scale_bytes = scale.squeeze(-1).view(torch.uint8)
-        else:  # mxfp4: of the two powers of two around amax / 6, the one with the smaller block error
-            hi = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
-            errs = []
-            for exp in (hi, hi - 1):
-                deq = _e2m1_values(_e2m1_codes((blocks / torch.exp2(exp)).clamp(-6, 6))) * torch.exp2(exp)
-                errs.append((deq - blocks).square().sum(-1, keepdim=True))
-            exp = torch.where(errs[1] < errs[0], hi - 1, hi)
-            eff = torch.exp2(exp)
-            scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)
-        codes = _e2m1_codes((blocks / eff.clamp(min=1e-30)).clamp(-6, 6)).flatten(-2)
-        data = codes[..., 0::2] | (codes[..., 1::2] << 4)
+        data, scale_bytes = quant.quantize_fp4(latent[..., :D_V], kv_format, kv_scale)
     return torch.cat([data, scale_bytes, _pack_rope(latent)], -1)
 
 
@@ -80,20 +49,13 @@ def dequantize_kv_reference(cache: torch.Tensor, kv_format: str, kv_scale=None) 
     fmt = KV_FORMATS[kv_format]
     if not fmt.quantized:
         return cache.float()
-    n_scales = D_V // fmt.group
     scale_bytes = cache[..., fmt.scale_offset:fmt.rope_offset].contiguous()
     if kv_format == "fp8":
         vals = cache[..., :D_V].contiguous().view(torch.float8_e4m3fn).float()
-        scale = scale_bytes.view(torch.float32)
+        nope = (vals.unflatten(-1, (D_V // fmt.group, fmt.group)) * scale_bytes.view(torch.float32)[..., None])
+        nope = nope.flatten(-2)
     else:
-        packed = cache[..., :fmt.scale_offset]
-        vals = _e2m1_values(torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2))
-        if kv_format == "nvfp4":
-            scale = scale_bytes.view(torch.float8_e4m3fn).float() * torch.as_tensor(
-                kv_scale, dtype=torch.float32, device=cache.device)
-        else:
-            scale = torch.exp2(scale_bytes.float() - 127)
-    nope = (vals.unflatten(-1, (n_scales, fmt.group)) * scale[..., None]).flatten(-2)
+        nope = quant.dequantize_fp4(cache[..., :fmt.scale_offset], scale_bytes, kv_format, kv_scale)
     rope = cache[..., fmt.rope_offset:].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope, rope], -1)
 
