@@ -117,21 +117,25 @@ def check_int(name: str, value: object, lo: int | None = None, hi: int | None = 
         fail(name, what or f"an int{bounds}", repr(value))
 
 
+FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38  # the normal fp32 range
+
+
 def check_positive_float(name: str, value: object, allow_none: bool = True, allow_zero: bool = False) -> None:
-    """A finite float (or int) > 0 (>= 0 with allow_zero), or None where allowed."""
+    """A float (or int) > 0 (>= 0 with allow_zero) within fp32's normal range, since the kernels compute in fp32
+    (1e-300 would be 0 there, 1e300 inf), or None where allowed."""
     if value is None and allow_none:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
-        (value >= 0 if allow_zero else value > 0)
+        ((allow_zero and value == 0) or FP32_TINY <= value <= FP32_MAX)
     if not ok:
-        fail(name, f"a finite float {'>= 0' if allow_zero else '> 0'}" + (" or None" if allow_none else ""),
-             repr(value))
+        fail(name, f"a float {'>= 0' if allow_zero else '> 0'} within fp32's range (1.2e-38 to 3.4e38)" +
+             (" or None" if allow_none else ""), repr(value))
 
 
 def host_reads_allowed(t: torch.Tensor) -> bool:
     """Whether a check may read t's values on the host: not while torch.compile traces or a CUDA graph is being
     captured (a read would sync or break the capture; shapes and dtypes are still checked then)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or t.device.type == "meta":
         return False
     return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 

@@ -11,12 +11,13 @@ FlashMLA's conventions hold here, not warpforge.mla_decode's: a query that sees 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..errors import check_rank, check_tensor, fail
+from ..errors import check_bool, check_rank, check_tensor, fail
 from ..ops import mla
 
 
@@ -42,6 +43,7 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
                         ("extra_topk_length", extra_topk_length)):
         if value is not None:
             fail(name, "None (not supported by warpforge yet)", "a tensor")
+    check_bool("is_fp8_kvcache", is_fp8_kvcache)
     check_tensor("q", q)
     check_tensor("k_cache", k_cache)
     check_rank("q", q, 4)
@@ -61,8 +63,8 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         elif sched.plan.shapes != p.shapes:
             fail("tile_scheduler_metadata", f"a schedule planned for shapes {sched.plan.shapes}",
                  f"a call with shapes {p.shapes} (get a new one from get_mla_metadata)")
-        else:
-            p = sched.plan
+        else:  # the planned split and tiles, with this call's causal and softmax_scale
+            p = dataclasses.replace(sched.plan, causal=p.causal, softmax_scale=p.softmax_scale)
     results = [p.run(q_g.contiguous() if h_kv > 1 else q_g, k_g, block_table, cache_seqlens, indices=indices,
                      topk_length=topk_length) for q_g, k_g in heads]
     out = results[0][0] if h_kv == 1 else torch.cat([r[0] for r in results], dim=2)

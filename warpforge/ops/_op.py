@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+from torch._C import _functions as autograd_functions  # DelayedError: what once_differentiable uses
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 NAMESPACE = "warpforge"
@@ -55,4 +56,22 @@ def _autograd_function(name, impl, setup_context, backward):
         return out
 
     return type(f"{name}_eager", (torch.autograd.Function,),
-                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+                {"forward": staticmethod(forward), "backward": staticmethod(_first_order(name, backward))})
+
+
+def _first_order(name, backward):
+    """The kernels' backwards are not themselves differentiable. Under create_graph (a double backward) their
+    gradients come back marked so that differentiating them raises a clear error naming the op, where they
+    would otherwise be constants and the second derivative silently wrong or 'does not require grad'."""
+    def first_order_backward(ctx, *grads):
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not create_graph:
+            return outputs
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        message = (f"warpforge::{name}: its Triton backward is first-order only; use backend='reference' for "
+                   "higher-order gradients").encode()
+        marked = [None if g is None else g.detach().requires_grad_() for g in outputs]
+        return autograd_functions.DelayedError(message, len(marked))(*marked)
+    return first_order_backward

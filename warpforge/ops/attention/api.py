@@ -97,8 +97,8 @@ _flash_fwd = kernel_op("flash_attn_fwd", _flash_fwd_impl, _flash_fwd_fake, setup
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, softcap, alibi_slopes,
-              deterministic, backend):
+def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softcap, alibi_slopes, deterministic, return_lse, backend):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -127,7 +127,12 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
         fail("k", f"a number of heads dividing q's {h_q}", h_kv)
     if not varlen and k.shape[0] != q.shape[0]:
         fail("k", f"batch {q.shape[0]} (like q)", k.shape[0])
+    if not varlen:
+        for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if given is not None:
+                fail(name, "None unless cu_seqlens_q/cu_seqlens_k are given (varlen)", repr(given))
     check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     if not isinstance(window, (tuple, list)) or len(window) != 2 or \
             not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window):
         fail("window", "(left, right) ints, each >= 0 or -1 for unbounded", window)
@@ -141,26 +146,34 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
         batch = (cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
         if tuple(alibi_slopes.shape) not in ((h_q,), (batch, h_q)):
             fail("alibi_slopes", f"fp32 [{h_q}] or [{batch}, {h_q}] (per query head)", tuple(alibi_slopes.shape))
+        if alibi_slopes.requires_grad:
+            fail("alibi_slopes", "a tensor that does not require grad (the slopes are constants; no backend "
+                 "differentiates them)", "requires_grad=True")
+        if host_reads_allowed(alibi_slopes) and \
+                not read_once((alibi_slopes,), ("finite",), lambda: bool(torch.isfinite(alibi_slopes).all())):
+            fail("alibi_slopes", "finite slopes", "NaN or inf")
 
 
 def _plan_varlen(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
     """(cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k) of packed sequences. The offsets and the given max_seqlen
     are checked against the tensors on the host (one sync, once per offsets tensor while its values stay the same),
     except while a CUDA graph is captured or torch.compile traces: then both max_seqlen must be given and are
-    trusted, and the offsets are clamped into the tensors on the device, so wrong values can give wrong rows but
-    never a read or write outside them."""
+    trusted. Either way the kernels clamp the offsets into the tensors, so offsets that change unseen (written
+    through numpy) or lie under capture can give wrong rows but never a read or write outside the tensors."""
     for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if given is not None:
             check_int(name, given, lo=0)
     check_cu_seqlens("cu_seqlens_q", cu_q, q, read_values=False)
     check_cu_seqlens("cu_seqlens_k", cu_k, k, read_values=False)
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()  # the kernels index them with stride 1
     batch = cu_q.numel() - 1
     if not host_reads_allowed(q):
         _check_same_count(cu_q, cu_k)
         if max_seqlen_q is None or max_seqlen_k is None:
             fail("max_seqlen_q/max_seqlen_k", "both given while capturing a CUDA graph or compiling (the offsets "
                  "cannot be read then)", (max_seqlen_q, max_seqlen_k))
-        return _clamped(cu_q, q.shape[0]), _clamped(cu_k, k.shape[0]), batch, max_seqlen_q, max_seqlen_k
+        # more rows than the tensors hold would only grow the grid
+        return cu_q, cu_k, batch, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
 
     def read():
         longest = []
@@ -178,10 +191,6 @@ def _plan_varlen(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
 def _check_same_count(cu_q, cu_k):
     if cu_q.numel() != cu_k.numel():
         fail("cu_seqlens_k", f"{cu_q.numel()} entries (like cu_seqlens_q)", cu_k.numel())
-
-
-def _clamped(cu: torch.Tensor, total: int) -> torch.Tensor:
-    return torch.cummax(cu.clamp(0, total), 0).values.to(torch.int32)
 
 
 def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), cu_seqlens_q=None,
@@ -207,11 +216,11 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     """
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
-    _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, softcap, alibi_slopes,
-              deterministic, backend)
+    _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softcap, alibi_slopes, deterministic, return_lse, backend)
     d = q.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    left, right = window
+    left, right = (min(side, _UNBOUNDED) for side in window)  # sides past any sequence are unbounded
     if causal:
         right = 0
     varlen = cu_seqlens_q is not None

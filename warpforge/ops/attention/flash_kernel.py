@@ -50,10 +50,14 @@ def _key_span(m_lo, s_q, s_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
 
 
 @triton.jit
-def _seq_bounds(cu_ptr, b, seqlen, VARLEN: tl.constexpr):
+def _seq_bounds(cu_ptr, b, seqlen, total, VARLEN: tl.constexpr):
+    """(start, length) of sequence b. Varlen offsets are clamped into [0, total] and lengths to seqlen (the
+    max_seqlen the grid covers): offsets the host could not check (under graph capture, or changed behind
+    torch's back) can give wrong rows, never a read or write outside the tensors."""
     if VARLEN:
-        start = tl.load(cu_ptr + b)
-        length = tl.load(cu_ptr + b + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), total)
+        length = tl.minimum(end - start, seqlen)
     else:
         start = seqlen * 0  # a tensor, not a Python 0, so .to() works in both compiler and interpreter
         length = seqlen
@@ -83,15 +87,15 @@ def _load_tile(src, blk, start, offs_rows, offs_d, stride, limit, D: tl.constexp
 
 
 @triton.jit
-def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                VARLEN: tl.constexpr):
+def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, H_Q: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
     """This program's (batch, head, kv head) in int64, (q start, s_q, k start, s_k) and first query row. Causal
     row blocks get heavier with their index, so the grid hands out the heaviest first."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H_Q
     h = tl.program_id(1) % H_Q
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
-    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
+    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
     return (b.to(tl.int64), h.to(tl.int64), (h // GROUP).to(tl.int64), q_start, s_q, k_start, s_k,
             pid_m * BLOCK_M)
 
@@ -141,8 +145,12 @@ def _visible(rows, cols, limit, A, B):
 
 @triton.jit
 def _tanh(x):
-    """tanh from exp2 (portable: no libdevice), saturating to ±1."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+    """tanh from exp2 (portable: no libdevice), saturating to ±1. Near 0 the exp2 form keeps only absolute
+    precision (~1e-7), which a large softcap multiplies back up, so small |x| takes tanh's odd series (relative
+    error < 1e-9 below 0.05)."""
+    x2 = x * x
+    series = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
+    return tl.where(tl.abs(x) < 0.05, series, 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0))
 
 
 @triton.jit
@@ -286,7 +294,7 @@ def flash_bwd_preprocess_kernel(
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,
-    seqlen_q,
+    seqlen_q, total_q,
     H_Q: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """delta = rowsum(o * do), the softmax-gradient correction term, [b, h, s_q] fp32."""
@@ -294,7 +302,7 @@ def flash_bwd_preprocess_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H_Q
     h = pid_bh % H_Q
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
     m_lo = pid_m * BLOCK_M
     if m_lo >= s_q:
         return
@@ -377,7 +385,7 @@ def flash_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh, stride_sb, stride_sh,
-    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale, cap_in, cap_out,
+    seqlen_q, seqlen_k, total_q, total_k, left, right, qk_scale, sm_scale, cap_in, cap_out,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -388,8 +396,8 @@ def flash_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, VARLEN)
-    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, VARLEN)
+    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
+    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
     n_lo = pid_n * BLOCK_N
     if n_lo >= s_k:
         return
@@ -465,15 +473,15 @@ def flash_query_kernel(
     stride_kb, stride_ks, stride_kh,  # the key side it walks
     stride_vb, stride_vs, stride_vh,
     stride_lb, stride_lh, stride_sb, stride_sh,
-    seqlen_q, seqlen_k, left, right, qk_scale, sm_scale, cap_in, cap_out,
+    seqlen_q, seqlen_k, total_q, total_k, left, right, qk_scale, sm_scale, cap_in, cap_out,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     VARLEN: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DQ: tl.constexpr,
 ):
     """A program owns BLOCK_M query rows of one head and walks their keys: the forward (OUT = o, LSE written),
     or with DQ the backward's dq (OUT = dq; reads do, the forward's lse and delta)."""
-    b64, h64, kvh, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, H_Q, GROUP,
-                                                                   BLOCK_M, VARLEN)
+    b64, h64, kvh, q_start, s_q, k_start, s_k, m_lo = _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k,
+                                                                   H_Q, GROUP, BLOCK_M, VARLEN)
     if m_lo >= s_q:
         return
     offs_m = tl.arange(0, BLOCK_M)
@@ -590,7 +598,7 @@ def _query_pass(q, k, v, out, lse, do, delta, cu_q, cu_k, batch, max_q, max_k, s
         q, k, v, out, lse, do, delta, cu_q if varlen else q, cu_k if varlen else q, mod.pointer(lse),
         *_layout(q, varlen), *_layout(out, varlen), *_layout(do, varlen), *_layout(k, varlen), *_layout(v, varlen),
         stride_lb, stride_lh, *mod.strides,
-        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale, mod.cap_in, mod.cap_out,
+        max_q, max_k, q.shape[0], k.shape[0], left, right, sm_scale * LOG2E, sm_scale, mod.cap_in, mod.cap_out,
         H_Q=h_q, GROUP=h_q // k.shape[-2], D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(d),
         BLOCK_DV=_block(dv), VARLEN=varlen, USE_TMA=use_tma, SOFTCAP=mod.softcap, ALIBI=mod.alibi, DQ=dq_pass,
         num_warps=cfg.warps, num_stages=cfg.stages,
@@ -617,7 +625,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
     pre_bm = 64
     flash_bwd_preprocess_kernel[(triton.cdiv(max_q, pre_bm), batch * h_q)](
         out, do, delta, cu_q_arg, *_layout(out, varlen), *_layout(do, varlen), stride_lb, stride_lh, max_q,
-        H_Q=h_q, DV=dv_dim, BLOCK_M=pre_bm, BLOCK_DV=bdv, VARLEN=varlen,
+        q.shape[0], H_Q=h_q, DV=dv_dim, BLOCK_M=pre_bm, BLOCK_DV=bdv, VARLEN=varlen,
     )
     atomic_dq = cfg_dkdv.atomic_dq
     dkdv_tma = cfg_dkdv.tma and _tma_ok(q, do)
@@ -631,7 +639,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         q, k, v, do, lse, delta, dk, dv, dq_acc, cu_q_arg, cu_k_arg, slopes,
         *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
         *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh, *mod.strides,
-        max_q, max_k, left, right, sm_scale * LOG2E, sm_scale, mod.cap_in, mod.cap_out,
+        max_q, max_k, q.shape[0], k.shape[0], left, right, sm_scale * LOG2E, sm_scale, mod.cap_in, mod.cap_out,
         H_KV=h_kv, GROUP=group, D=d, DV=dv_dim, BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, BLOCK_D=bd,
         BLOCK_DV=bdv, VARLEN=varlen, ATOMIC_DQ=atomic_dq, USE_TMA=dkdv_tma, SOFTCAP=mod.softcap, ALIBI=mod.alibi,
         num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages,

@@ -34,6 +34,19 @@ def _add_product_fp32(acc, a, b):
     acc += (a @ b).float()
 
 
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h @ weightᵀ, the chunk's logits (the kernel turns them into their gradient in place). fp16 logits are
+    formed in fp32: fp16 tops out at 65504, and a logit past it would make the loss NaN."""
+    if h.dtype != torch.float16:
+        return h @ weight.T
+    if h.is_cuda:
+        try:
+            return torch.mm(h, weight.T, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # a torch without the fp32-output GEMM
+            pass
+    return h.float() @ weight.float().T
+
+
 def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward and both gradients at once, a chunk of rows at a time: the full [rows, vocab] logits never
@@ -50,10 +63,11 @@ def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
     for start in range(0, rows, chunk):
         h = hidden[start:start + chunk]
-        logits = h @ weight.T  # becomes its own gradient in place
+        logits = _chunk_logits(h, weight)  # becomes its own gradient in place
         loss_sum += ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, inv_n, cfg).sum()
-        d_hidden[start:start + chunk] = logits @ weight
-        _add_product_fp32(d_weight, logits.T, h)
+        grad = logits.to(h.dtype)
+        d_hidden[start:start + chunk] = grad @ weight
+        _add_product_fp32(d_weight, grad.T, h)
     return loss_sum / n_valid, d_hidden, d_weight.to(weight.dtype)
 
 
@@ -92,12 +106,13 @@ def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, back
     check_dim("targets", targets, 0, hidden.shape[0], "hidden's rows")
     for name, t in (("weight", weight), ("targets", targets)):
         check_same_device(name, t, "hidden", hidden)
-    check_int("ignore_index", ignore_index)
+    check_int("ignore_index", ignore_index, lo=-2**63, hi=2**63 - 1)
+    targets = targets.long()  # int32 targets would compare against ignore_index wrapped to 32 bits
     if host_reads_allowed(targets) and targets.numel():
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= weight.shape[0]))
         if bool(bad.any()):
             fail("targets", f"values in [0, {weight.shape[0]}) or ignore_index ({ignore_index})",
                  f"{int(targets[bad][0])} at row {int(bad.nonzero()[0])}")
     if backend == "reference":
-        return linear_cross_entropy_reference(hidden, weight, targets.long(), ignore_index)
+        return linear_cross_entropy_reference(hidden, weight, targets, ignore_index)
     return _linear_ce(hidden.contiguous(), weight.contiguous(), targets.contiguous(), int(ignore_index))[0]

@@ -39,6 +39,8 @@ def ce_grad_kernel(LOGITS, TARGETS, LOSS, GRAD_SCALE, stride_l, n_cols, ignore_i
 def ce_loss_and_grad_(logits, targets, ignore_index, grad_scale, cfg):
     """In place: logits [rows, vocab] become grad_scale (a one-element fp32 tensor) · d(summed loss)/d logits;
     returns per-row losses (fp32)."""
+    if logits.shape[1] == 0:  # no vocabulary: every target was ignored (checked at the door)
+        return torch.zeros(logits.shape[0], device=logits.device, dtype=torch.float32)
     losses = torch.empty(logits.shape[0], device=logits.device, dtype=torch.float32)
     if logits.shape[0]:
         ce_grad_kernel[(logits.shape[0],)](logits, targets, losses, grad_scale, logits.stride(0), logits.shape[1],

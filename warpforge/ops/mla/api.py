@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_choice, check_dtype, check_last_dim_contiguous, check_rank, check_same_device,
-                       check_tensor, fail, host_reads_allowed)
+from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_positive_float,
+                       check_rank, check_same_device, check_tensor, fail, host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from . import configs
@@ -75,7 +75,6 @@ class MLAPlan:
         backend = resolve_backend(backend, q.device) if isinstance(q, torch.Tensor) else backend
         _check_step(self, q, kv_cache, block_table, cache_seqlens, kv_scale, indices, topk_length)
         check_interpreted_matmul_dtype(backend, "q", q)
-        kv_scale = kv_scale if KV_FORMATS[self.kv_format].tensor_scale else None
         if backend == "reference":
             return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale=self.softmax_scale,
                                         causal=self.causal, kv_format=self.kv_format, kv_scale=kv_scale,
@@ -91,18 +90,16 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
     int32 [b, max_pages], or, sparse, indices int32 [b, s_q, topk]. num_splits: None plans it, an int forces it."""
     from .decode_kernel import plan_block_h, plan_num_splits
     _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim_v)
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0
-                                          and math.isfinite(softmax_scale)):
-        fail("softmax_scale", "a positive finite float or None", softmax_scale)
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
-        fail("num_splits", "None (planned) or a positive int", num_splits)
+    check_positive_float("softmax_scale", softmax_scale)
     b, s_q, h_q, _ = q.shape
     sparse = indices is not None
     rows = h_q if sparse else s_q * h_q  # the query rows one program's tiles are cut from
     cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else kv_format, rows)
     cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
     max_tokens = indices.shape[2] if sparse else block_table.shape[1] * kv_cache.shape[1]
+    if num_splits is not None:  # more splits than tokens would only be empty partials
+        check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
+                  what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
     if num_splits is None:
         num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device))
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
@@ -134,17 +131,15 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
 def quantize_kv(latent: torch.Tensor, kv_format: str, kv_scale=None) -> torch.Tensor:
     """latent [..., 576] -> cache rows in `kv_format`: "bf16" unchanged; "fp8" / "nvfp4" / "mxfp4" uint8
     [..., 656 / 416 / 400] (layouts in kv_format.py). "nvfp4" takes the cache-wide fp32 kv_scale, fixed for
-    the cache's life (e.g. nvfp4_tensor_scale of calibration data); pass the same to mla_decode."""
+    the cache's life (e.g. nvfp4_tensor_scale of calibration data); pass the same to mla_decode. Latents larger
+    than that scale covers (6 · 448 · kv_scale) saturate, as in any fixed-scale format."""
     check_tensor("latent", latent)
     check_choice("kv_format", kv_format, KV_FORMATS)
     fmt = KV_FORMATS[kv_format]
     check_dtype("latent", latent, (torch.bfloat16, torch.float16, torch.float32))
     if latent.dim() == 0 or latent.shape[-1] != D_QK:
         fail("latent", f"a tensor [..., {D_QK}]", f"shape {tuple(latent.shape)}")
-    if fmt.tensor_scale:
-        if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
-            fail("kv_scale", f"the cache-wide one-element fp32 scale for {kv_format} (see nvfp4_tensor_scale)",
-                 kv_scale)
+    _check_kv_scale(kv_format, kv_scale, "latent", latent)
     if fmt.quantized and host_reads_allowed(latent) and not bool(torch.isfinite(latent).all()):
         fail("latent", "finite values (a NaN or inf has no place in a quantized cache)", "NaN or inf")
     if not fmt.quantized:
@@ -215,10 +210,11 @@ def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, i
             kv_cache.dtype != (torch.uint8 if fmt.quantized else q.dtype) or not _rows_evenly_spaced(kv_cache):
         fail("kv_cache", f"a [num_pages, {p.page_size}, 1, {fmt.width}] {p.kv_format} cache (the plan's)",
              f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
-    if fmt.tensor_scale:
-        if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
-            fail("kv_scale", f"a one-element fp32 tensor ({p.kv_format}'s cache-wide scale)", kv_scale)
-        check_same_device("kv_scale", kv_scale, "q", q)
+    _check_kv_scale(p.kv_format, kv_scale, "q", q)
+    if not p.sparse:
+        for name, t in (("indices", indices), ("topk_length", topk_length)):
+            if t is not None:
+                fail(name, "None for a dense plan (plan with indices for the sparse decode)", "a tensor")
     if p.sparse:
         _check_int32("indices", indices, q, 3, (p.batch, p.s_q))
         if indices.shape[2] != p.max_tokens:
@@ -235,6 +231,24 @@ def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, i
         _check_int32("cache_seqlens", cache_seqlens, q, 1, (p.batch,))
         if host_reads_allowed(q):
             _check_table_values(kv_cache, block_table, cache_seqlens)
+
+
+def _check_kv_scale(kv_format, kv_scale, ref_name, ref):
+    """The one-element fp32 cache-wide scale a tensor-scaled format (nvfp4) needs, finite and > 0 (read on the
+    host once per tensor value, not while capturing); None for every other format."""
+    if not KV_FORMATS[kv_format].tensor_scale:
+        if kv_scale is not None:
+            fail("kv_scale", f"None for kv_format {kv_format!r} (only a tensor-scaled format takes one)",
+                 type(kv_scale).__name__)
+        return
+    if not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1 or kv_scale.dtype != torch.float32:
+        fail("kv_scale", f"the cache-wide one-element fp32 scale for {kv_format} (see nvfp4_tensor_scale)",
+             kv_scale)
+    check_same_device("kv_scale", kv_scale, ref_name, ref)
+    if host_reads_allowed(kv_scale):
+        value = read_once((kv_scale,), ("kv_scale",), lambda: float(kv_scale))
+        if not (math.isfinite(value) and value > 0):
+            fail("kv_scale", "a finite scale > 0", value)
 
 
 def _rows_evenly_spaced(kv_cache) -> bool:

@@ -15,12 +15,20 @@ import math
 import torch
 
 from ... import quant
-from .kv_format import D_V, KV_FORMATS
+from ...errors import check_dtype, check_tensor, fail, host_reads_allowed
+from .kv_format import D_QK, D_V, KV_FORMATS
 
 
 
 def nvfp4_tensor_scale(latent: torch.Tensor) -> torch.Tensor:
-    """A cache-wide fp32 scale for NVFP4 over the latents' 512 quantized columns (see quant.nvfp4_tensor_scale)."""
+    """A cache-wide fp32 scale for NVFP4 over the latents' 512 quantized columns (see quant.nvfp4_tensor_scale),
+    from calibration latents [..., 576]: at least one row, finite."""
+    check_tensor("latent", latent)
+    check_dtype("latent", latent, (torch.bfloat16, torch.float16, torch.float32))
+    if latent.dim() == 0 or latent.shape[-1] != D_QK or latent.numel() == 0:
+        fail("latent", f"calibration latents [..., {D_QK}] with at least one row", f"shape {tuple(latent.shape)}")
+    if host_reads_allowed(latent) and not bool(torch.isfinite(latent).all()):
+        fail("latent", "finite values", "NaN or inf")
     return quant.nvfp4_tensor_scale(latent[..., :D_V])
 
 

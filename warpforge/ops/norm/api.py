@@ -142,7 +142,8 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, backend=None, *, out_dt
     if resolve_backend(backend, x.device) == "reference":
         y, total = add_rms_norm_reference(x, residual, weight, eps)
         return (y if out_dtype is None else y.to(out_dtype)), total
-    y, total, _ = _add_norm_fwd(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), out_dtype)
+    y_dtype = out_dtype or torch.promote_types(x.dtype, residual.dtype)  # rms_norm(total)'s dtype, as documented
+    y, total, _ = _add_norm_fwd(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), y_dtype)
     return y, total
 
 

@@ -54,6 +54,9 @@ def apply_rope(x, cos, sin, backend=None):
         if tuple(t.shape) != (x.shape[1], d // 2):
             fail(name, f"shape ({x.shape[1]}, {d // 2}) (seq, head_dim / 2)", tuple(t.shape))
         check_same_device(name, t, "x", x)
+        if t.requires_grad:
+            fail(name, "a table that does not require grad (no backend differentiates the angles)",
+                 "requires_grad=True")
     check_last_dim_contiguous("x", x)
     if backend == "reference":
         return rope_reference(x, cos, sin)

@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import check_int, check_positive_float, fail
+
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10000.0, device=None):
     """cos, sin [seq_len, head_dim / 2]: position t rotates pair (x_i, x_{i + head_dim/2}) by
     t · base^(-2i/head_dim)."""
+    check_int("seq_len", seq_len, lo=0)
+    check_int("head_dim", head_dim, lo=2)
+    if head_dim % 2:
+        fail("head_dim", "an even head dim (rotated in pairs)", head_dim)
+    check_positive_float("base", base, allow_none=False)
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()

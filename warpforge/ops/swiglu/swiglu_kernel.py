@@ -1,5 +1,7 @@
 """SwiGLU in Triton: out = SiLU(gate) · up from gate_up [..., 2I] (gate first), and its backward, one pass over
 memory each way (fp32 math)."""
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -32,7 +34,7 @@ def swiglu_bwd_kernel(GU, DOUT, DGU, stride_gu, stride_do, stride_dgu, n_cols, B
 
 # ------------------------------------------------------------------------------------------ launch
 def _rows(t):
-    return t.reshape(-1, t.shape[-1])
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: a last dim of 0 leaves -1 undefined
 
 
 def swiglu_fwd(gate_up, cfg):
@@ -40,7 +42,7 @@ def swiglu_fwd(gate_up, cfg):
     n = gu.shape[1] // 2
     out = torch.empty((gu.shape[0], n), device=gu.device, dtype=gu.dtype)
     block = min(cfg.block, triton.next_power_of_2(n))
-    if gu.shape[0]:
+    if gu.numel():
         swiglu_fwd_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, out, gu.stride(0), out.stride(0), n,
                                                                BLOCK=block)
     return out.view(*gate_up.shape[:-1], n)
@@ -51,7 +53,7 @@ def swiglu_bwd(dout, gate_up, cfg):
     n = gu.shape[1] // 2
     dgu = torch.empty_like(gu)
     block = min(cfg.block, triton.next_power_of_2(n))
-    if gu.shape[0]:
+    if gu.numel():
         swiglu_bwd_kernel[(gu.shape[0], triton.cdiv(n, block))](gu, do, dgu, gu.stride(0), do.stride(0),
                                                                dgu.stride(0), n, BLOCK=block)
     return dgu.view(gate_up.shape)
