@@ -22,6 +22,7 @@ def moe_align_kernel(TOPK_IDS, SORTED_IDS, EXPERT_IDS, NUM_POST, SCRATCH, n, cap
     slot = tl.arange(0, N_PAD)
     live = slot < n
     ids = tl.load(TOPK_IDS + slot, mask=live, other=E)  # padding lands in bin E, dropped below
+    ids = tl.where((ids >= 0) & (ids < E), ids, E)  # so do ids out of range (trusted ids, unchecked): never scheduled
     bins = tl.arange(0, E_PAD)
     counts = tl.where(bins < E, tl.histogram(ids, E_PAD), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -36,8 +37,9 @@ def moe_align_kernel(TOPK_IDS, SORTED_IDS, EXPERT_IDS, NUM_POST, SCRATCH, n, cap
     keys = tl.sort(tl.where(live, ids * N_PAD + slot, E * N_PAD + slot))
     expert = keys // N_PAD
     pos = tl.arange(0, N_PAD)
-    shift = tl.load(SCRATCH + expert, mask=pos < n, other=0)
-    tl.store(SORTED_IDS + pos + shift, (keys % N_PAD).to(tl.int32), mask=pos < n)
+    scheduled = expert < E  # the first (in-range) slots of the sorted keys
+    shift = tl.load(SCRATCH + expert, mask=scheduled, other=0)
+    tl.store(SORTED_IDS + pos + shift, (keys % N_PAD).to(tl.int32), mask=scheduled)
     for b0 in range(0, cap // BLOCK_M, FILL):
         blk = b0 + tl.arange(0, FILL)
         row = blk * BLOCK_M
@@ -47,7 +49,7 @@ def moe_align_kernel(TOPK_IDS, SORTED_IDS, EXPERT_IDS, NUM_POST, SCRATCH, n, cap
 
 
 def align_triton(topk_ids, num_experts, block_m, cap):
-    flat = topk_ids.reshape(-1).to(torch.int32)
+    flat = topk_ids.reshape(-1).to(torch.int32).contiguous()  # the kernel reads the ids as one dense row
     n = flat.numel()
     device = flat.device
     e_pad = triton.next_power_of_2(num_experts + 1)

@@ -10,19 +10,32 @@ from __future__ import annotations
 import torch
 
 from ...errors import (check_bool, check_choice, check_dtype, check_int, check_positive_float, check_rank,
-                       check_same_device, check_same_dtype, check_tensor, check_tensors, fail, host_reads_allowed)
+                       check_same_device, check_same_dtype, check_tensor, check_tensors, fail, host_reads_allowed,
+                       read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
-from .align import align, capacity
+from .align import align_unchecked, capacity, checked_ids
 from .reference import dequantize_weights_reference, experts_reference, quantize_weights_reference, route_reference
+
+FP32_MAX = torch.finfo(torch.float32).max
+
 
 def quantize_weights(w: torch.Tensor):
     """Expert weights [E, rows, cols] -> (FP8 e4m3 weights, fp32 scales [E, ceil(rows/128), ceil(cols/128)]), for
-    fused_moe(..., w_format="fp8", w_scales=(scales13, scales2))."""
+    fused_moe(..., w_format="fp8", w_scales=(scales13, scales2)). w: fp16 / bf16 / fp32, finite (a NaN or inf
+    would poison its whole block's scale; checked on the host except under CUDA-graph capture or torch.compile)."""
     check_tensor("w", w)
     check_rank("w", w, 3)
+    check_dtype("w", w, (torch.float16, torch.bfloat16, torch.float32))
+    if _host_readable(w) and w.numel() and not bool(torch.isfinite(w).all()):
+        fail("w", "finite weights (a NaN or inf poisons its 128 x 128 block's scale)", "NaN or inf")
     return quantize_weights_reference(w)
+
+
+def _host_readable(t: torch.Tensor) -> bool:
+    """Whether a check may read t's values (errors.host_reads_allowed; a meta tensor has none)."""
+    return t.device.type != "meta" and host_reads_allowed(t)
 
 
 def _experts_fp8_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor,
@@ -30,7 +43,7 @@ def _experts_fp8_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Inference with FP8 expert weights (dequantised tile by tile inside the GEMMs); no backward."""
     from .moe_kernel import fused_experts
     cfg = _config(hidden.device, hidden.shape[0], w13)
-    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m, backend="triton")
+    sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], cfg.block_m, backend="triton")
     return fused_experts(hidden, w13.view(torch.uint8), w2.view(torch.uint8), weights, sorted_ids, expert_ids,
                          num_post, ids.shape[1], cfg, scales=(s13, s2))[0]
 
@@ -50,7 +63,7 @@ def _experts_fwd_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     when not training)."""
     from .moe_kernel import fused_experts
     cfg = _config(hidden.device, hidden.shape[0], w13)
-    sorted_ids, expert_ids, num_post = align(ids, w13.shape[0], cfg.block_m, backend="triton")
+    sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], cfg.block_m, backend="triton")
     out, act, pre = fused_experts(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post, ids.shape[1], cfg,
                                   save_pre=train)
     if pre is None:
@@ -115,7 +128,12 @@ def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_exper
           routed_scaling_factor=1.0, backend=None):
     """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]); see reference.py. The
     weights are differentiable in router_logits; without autograd the Triton backend routes in one launch
-    (where configs.ROUTING says so)."""
+    (where configs.ROUTING says so).
+
+    Both backends choose alike (reference.py): equal scores go to the lower expert id, a NaN score ranks below
+    every number, so a row's ids are k distinct experts in [0, E) whatever the logits; a softmax row with a NaN
+    or +inf logit (or every logit -inf) gets experts 0..k-1 with NaN weights. routed_scaling_factor is at most
+    fp32's largest finite value (the weights are fp32, at most 1 before the scaling)."""
     _check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
     return _route(router_logits, topk, resolve_backend(backend, router_logits.device), renormalize=renormalize,
                   scoring=scoring, num_expert_group=num_expert_group, topk_group=topk_group,
@@ -159,6 +177,8 @@ def _check_routing(router_logits, topk, scoring, num_expert_group, topk_group, r
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
     check_bool("renormalize", renormalize)
     check_positive_float("routed_scaling_factor", routed_scaling_factor, allow_none=False)
+    if routed_scaling_factor > FP32_MAX:
+        fail("routed_scaling_factor", f"at most {FP32_MAX:.6g} (the weights are fp32)", repr(routed_scaling_factor))
     if (num_expert_group is None) != (topk_group is None):
         fail("topk_group", "given together with num_expert_group (or neither)",
              f"topk_group={topk_group}, num_expert_group={num_expert_group}")
@@ -182,6 +202,14 @@ def _check_scales(w_scales, w13, w2, hidden):
         want = (w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128))
         if tuple(sc.shape) != want:
             fail(name, f"shape {want} (one scale per 128 x 128 block)", tuple(sc.shape))
+    if _host_readable(w_scales[0]):  # model weights: read once for as long as the same tensors come back unchanged
+        read_once(tuple(w_scales), ("moe.w_scales",), lambda: _check_scale_values(w_scales))
+
+
+def _check_scale_values(w_scales):
+    for name, sc in (("w_scales[0]", w_scales[0]), ("w_scales[1]", w_scales[1])):
+        if sc.numel() and not bool((torch.isfinite(sc) & (sc >= 0)).all()):
+            fail(name, "finite scales >= 0", "NaN, inf or a negative scale")
 
 
 def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None,
@@ -205,13 +233,17 @@ def experts(hidden, w13, w2, topk_weights, topk_ids, *, w_format="bf16", w_scale
             backend=None):
     """The expert half of `fused_moe` for a routing already made (e.g. by `route`, whose weights carry the router's
     gradient): out [T, H] = Σ_k topk_weights[t, k] · expert topk_ids[t, k] (hidden[t]). topk_weights [T, k]
-    float, topk_ids [T, k] int32/int64 in [0, E).
+    float (fp16 / bf16 / fp32 / fp64), topk_ids [T, k] int32/int64 in [0, E).
 
     check_ids: the ids' values are checked on the host (one sync); under CUDA-graph capture or torch.compile
-    they are clamped into [0, E) on the device instead. Pass False for ids that `route` made (always in range).
+    they are clamped into [0, E) on the device instead. Pass False for ids that `route` made (always in range):
+    they are trusted then, unchecked. An id out of range still never makes a kernel read or write outside its
+    tensors: it adds nothing (as on the reference backend) where align runs as one launch (decode sizes), and
+    the torch align (larger T·k) raises torch's index error.
     """
     backend = _check_experts(hidden, w13, w2, w_format, w_scales, backend)
     check_tensors(topk_weights=(topk_weights, 2), topk_ids=(topk_ids, 2))
+    check_dtype("topk_weights", topk_weights, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
     check_dtype("topk_ids", topk_ids, (torch.int32, torch.int64))
     for name, t in (("topk_weights", topk_weights), ("topk_ids", topk_ids)):
         check_same_device(name, t, "hidden", hidden)
@@ -221,16 +253,8 @@ def experts(hidden, w13, w2, topk_weights, topk_ids, *, w_format="bf16", w_scale
         fail("topk_weights", f"the shape of topk_ids {tuple(topk_ids.shape)}", tuple(topk_weights.shape))
     check_bool("check_ids", check_ids)
     if check_ids:
-        topk_ids = _checked_ids(topk_ids, w13.shape[0])
+        topk_ids = checked_ids(topk_ids, w13.shape[0])
     return _run_experts(hidden, w13, w2, topk_weights.float(), topk_ids.to(torch.int32), w_format, w_scales, backend)
-
-
-def _checked_ids(ids, num_experts):
-    if host_reads_allowed(ids):
-        if ids.numel() and bool(((ids < 0) | (ids >= num_experts)).any()):
-            fail("topk_ids", f"expert ids in [0, {num_experts})", f"min {int(ids.min())}, max {int(ids.max())}")
-        return ids
-    return ids.clamp(0, num_experts - 1)
 
 
 def _check_experts(hidden, w13, w2, w_format, w_scales, backend) -> str:
@@ -266,11 +290,12 @@ def _check_experts(hidden, w13, w2, w_format, w_scales, backend) -> str:
 
 def _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend):
     if w_format == "fp8":
+        # inference only, on both backends (the Triton kernels have no backward through FP8 weights)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, weights)):
+            fail("w_format", "'bf16' for training (FP8 expert weights are for inference)", "'fp8' with autograd")
         if backend == "reference":
             return experts_reference(hidden, *(dequantize_weights_reference(w, sc).to(hidden.dtype)
                                                for w, sc in ((w13, w_scales[0]), (w2, w_scales[1]))), weights, ids)
-        if torch.is_grad_enabled() and hidden.requires_grad:
-            fail("w_format", "'bf16' for training (FP8 expert weights are for inference)", "'fp8' with autograd")
         return _experts_fp8(hidden.contiguous(), w13.contiguous(), w2.contiguous(), w_scales[0].contiguous(),
                             w_scales[1].contiguous(), weights, ids)
     if backend == "reference":

@@ -264,9 +264,11 @@ def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorte
     d_out = d_out.contiguous()
     # d act[slot] = d_out[token] · w2[e] (B[e][k=h, n=i] = w2[e, h, i]), consumed in the epilogue: router-weight
     # gradient partials per column tile, then d_pre = [d gate | d up] of the routed weight times it
-    # every slot is in one used block, whose programs write all its column tiles: no zero fills needed
+    # every scheduled slot is in one used block, whose programs write all its column tiles: d_pre needs no zero
+    # fill; dw_part does (a small one), for slots that trusted ids out of range left out of the schedule
+    # (experts(check_ids=False)): their routing-weight gradient is 0, as the reference's
     d_pre = torch.empty((n_slots, two_i), device=hidden.device, dtype=hidden.dtype)
-    dw_part = torch.empty((n_slots, triton.cdiv(inter_dim, cfg.up[0])), device=hidden.device, dtype=torch.float32)
+    dw_part = torch.zeros((n_slots, triton.cdiv(inter_dim, cfg.up[0])), device=hidden.device, dtype=torch.float32)
     act_w = torch.empty_like(act)
     _moe_gemm(d_out, w2, d_pre, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg, a_by_token=True,
               row_w=weights, swiglu_bwd=(act, act_w, pre, dw_part))

@@ -7,11 +7,25 @@ Routing (`route_reference`): "softmax" scores = softmax(logits); "sigmoid" score
 DeepSeek-V3's router (group top-k: experts in num_expert_group groups, a group scored by the sum of its
 two best experts, only the topk_group best groups eligible). The top-k weights are renormalised to sum to
 one when asked, then multiplied by routed_scaling_factor.
+
+Choosing, both backends alike: equal scores go to the lower expert id (groups likewise), a NaN score ranks
+below every number (and an expert of a group left out below that), so the ids of a row are always k distinct
+experts in [0, E). Non-finite logits follow from the scores: a softmax row with a NaN or +inf logit, or with
+every logit -inf, is NaN throughout, so its token gets experts 0..k-1 with NaN weights (a NaN output row);
+under sigmoid only the NaN logit's own score is NaN.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+NAN_RANK = -1.0       # a NaN score when choosing: below every score (scores lie in [0, 1])
+LEFT_OUT_RANK = -2.0  # an expert of a group not kept: below that
+
+
+def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of each row, equal entries in index order (lowest first)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def route_reference(router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None,
@@ -19,14 +33,15 @@ def route_reference(router_logits, topk, *, renormalize=True, scoring="softmax",
     """router_logits [T, E] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
     logits = router_logits.float()
     scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
-    choose = scores
+    choose = scores.detach().nan_to_num(nan=NAN_RANK)
     if num_expert_group:
         t, e = scores.shape
-        grouped = scores.view(t, num_expert_group, e // num_expert_group)
+        grouped = choose.view(t, num_expert_group, e // num_expert_group)
         group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_group, dim=-1).indices, 1.0)
-        choose = (grouped * keep[..., None]).masked_fill(keep[..., None] == 0, float("-inf")).view(t, e)
-    ids = choose.topk(topk, dim=-1).indices
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, top_indices(group_score, topk_group),
+                                                                        True)
+        choose = grouped.masked_fill(~keep[..., None], LEFT_OUT_RANK).view(t, e)
+    ids = top_indices(choose, topk)
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True).clamp(min=1e-20)

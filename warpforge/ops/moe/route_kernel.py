@@ -3,8 +3,11 @@
 The torch version (reference.py) is 5–15 small kernels (softmax or sigmoid, topk, gather, sum, divide, and for
 the grouped router two more topk, a scatter and a mask); at decode they cost more than a small model's expert
 GEMMs. Here a program takes BLOCK_T tokens with all E scores in registers and picks the top-k by k passes of
-argmax (ties go to the lower expert id). Training keeps the torch version: its weights are differentiable in
-the router logits.
+argmax, choosing as reference.py says: ties go to the lower expert id (argmax's tie_break_left), a NaN score
+ranks as NAN_RANK and an expert of a group left out as LEFT_OUT_RANK, below every score, and a taken expert
+(or a padding column) as -inf, below those: the k ids of a row are distinct and in [0, E) whatever the
+logits, and no NaN reaches an argmax (whose NaN handling differs between GPUs and the interpreter). Training
+keeps the torch version: its weights are differentiable in the router logits.
 
 The launcher gives each token one program of one warp: every reduction is then a few lane shuffles and no
 barrier, and instruction counts grow linearly with BLOCK_T, so batching tokens in a program saves nothing
@@ -13,6 +16,9 @@ barrier, and instruction counts grow linearly with BLOCK_T, so batching tokens i
 import torch
 import triton
 import triton.language as tl
+
+NAN_RANK = tl.constexpr(-1.0)       # reference.NAN_RANK: a NaN score, below every score (scores lie in [0, 1])
+LEFT_OUT_RANK = tl.constexpr(-2.0)  # reference.LEFT_OUT_RANK: an expert of a group not kept, below that
 
 ROUTE_KERNEL_MAX_EXPERTS = 1024
 TOKENS_PER_PROGRAM = 1  # one warp a token (see above); the kernel takes any BLOCK_T
@@ -40,9 +46,11 @@ def moe_route_kernel(LOGITS, WEIGHTS, IDS, n_tokens, stride_l, scaling,
         scores = tl.where(col_ok[None, :], tl.sigmoid(x), 0.0)
     else:
         x = tl.where(col_ok[None, :], x, float("-inf"))
-        p = tl.where(col_ok[None, :], tl.exp(x - tl.max(x, 1)[:, None]), 0.0)
+        # the max of the numbers (NaN-free, as the GPU's max): a NaN logit still makes the row's scores NaN
+        row_max = tl.max(tl.where(x == x, x, float("-inf")), 1)
+        p = tl.where(col_ok[None, :], tl.exp(x - row_max[:, None]), 0.0)
         scores = p / tl.sum(p, 1)[:, None]
-    choose = tl.where(col_ok[None, :], scores, float("-inf"))
+    choose = tl.where(col_ok[None, :], tl.where(scores == scores, scores, NAN_RANK), float("-inf"))
     if GROUPS > 1:  # (launcher: E is a power of two here) a group scores the sum of its two best experts
         PER: tl.constexpr = E // GROUPS
         grouped = tl.reshape(choose, [BLOCK_T, GROUPS, PER])
@@ -56,7 +64,7 @@ def moe_route_kernel(LOGITS, WEIGHTS, IDS, n_tokens, stride_l, scaling,
             _, hit = _take_max(group_score, gcols)
             keep = keep | hit
             group_score = tl.where(hit, float("-inf"), group_score)
-        choose = tl.reshape(tl.where(keep[:, :, None], grouped, float("-inf")), [BLOCK_T, E_PAD])
+        choose = tl.reshape(tl.where(keep[:, :, None], grouped, LEFT_OUT_RANK), [BLOCK_T, E_PAD])
     kcols = tl.arange(0, K_PAD)
     weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
     ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
@@ -67,7 +75,8 @@ def moe_route_kernel(LOGITS, WEIGHTS, IDS, n_tokens, stride_l, scaling,
         ids = tl.where(put, j[:, None].to(tl.int32), ids)
         choose = tl.where(hit, float("-inf"), choose)
     if RENORM:
-        weights = weights / tl.maximum(tl.sum(weights, 1), 1e-20)[:, None]
+        total = tl.sum(weights, 1)
+        weights = weights / tl.where(total < 1e-20, 1e-20, total)[:, None]  # a NaN total stays NaN (torch's clamp)
     out = rows[:, None].to(tl.int64) * TOPK + kcols[None, :]
     mask = row_ok[:, None] & (kcols[None, :] < TOPK)
     tl.store(WEIGHTS + out, weights * scaling, mask=mask)
