@@ -107,6 +107,14 @@ def attention_ws():
         configs.TILES = table
 
 
+def attention_fp8():
+    from warpforge.ops.attention import fp8_api
+    for d, fmt in ((64, "fp8"), (128, "fp8"), (128, "int8"), (256, "fp8")):
+        q, k, v = (torch.randn(2, 256, 4, d, dtype=torch.bfloat16) for _ in range(3))
+        x = fp8_api.quantize_qkv_reference(q, k, v, fmt)
+        fp8_api._fp8_impl(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, fmt, torch.bfloat16, 0.1, 1 << 30, 0)
+
+
 def mla():
     from warpforge.ops import mla as mla_ops
     for h_q, fmt in ((16, "bf16"), (128, "bf16"), (16, "fp8"), (16, "nvfp4")):
@@ -140,7 +148,8 @@ def norm():
     api._norm_bwd_impl(torch.randn_like(y), x, w, mean, rstd, False)
 
 
-FAMILIES = {"attention": attention, "attention_ws": attention_ws, "mla": mla, "moe": moe, "norm": norm}
+FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
+            "norm": norm}
 
 
 def main():
@@ -161,7 +170,8 @@ def main():
         for i, (kname, k) in enumerate(COMPILED):
             ptx = k.asm.get("ptx", "")
             feats = [f for f, tag in (("wgmma", "wgmma.mma_async"), ("tma", "cp.async.bulk.tensor"),
-                                      ("setmaxnreg", "setmaxnreg"), ("cp.async", "cp.async.cg")) if tag in ptx]
+                                      ("setmaxnreg", "setmaxnreg"), ("cp.async", "cp.async.cg"),
+                                      ("e4m3 mma", ".e4m3.e4m3"), ("s8 mma", ".s8.s8")) if tag in ptx]
             ws = "warp-specialized, " if "ttg.warp_specialize" in k.asm.get("ttgir", "") else ""
             print(f"{name}: {kname} warps {k.metadata.num_warps} smem {k.metadata.shared} B, {ws}{_ptxas(ptx)}, "
                   f"ptx has {feats}")

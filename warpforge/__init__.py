@@ -6,7 +6,7 @@
 from . import nn
 from .errors import WarpforgeInputError
 from .ops import mla, moe
-from .ops.attention import flash_attention
+from .ops.attention import flash_attention, flash_attention_fp8
 from .ops.linear_ce import linear_cross_entropy
 from .ops.mla import mla_decode
 from .ops.moe import fused_moe

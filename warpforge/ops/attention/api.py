@@ -133,9 +133,7 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
                 fail(name, "None unless cu_seqlens_q/cu_seqlens_k are given (varlen)", repr(given))
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
-    if not isinstance(window, (tuple, list)) or len(window) != 2 or \
-            not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window):
-        fail("window", "(left, right) ints, each >= 0 or -1 for unbounded", window)
+    check_window(window)
     check_positive_float("softmax_scale", softmax_scale)
     check_positive_float("softcap", softcap)
     check_bool("deterministic", deterministic)
@@ -152,6 +150,21 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
         if host_reads_allowed(alibi_slopes) and \
                 not read_once((alibi_slopes,), ("finite",), lambda: bool(torch.isfinite(alibi_slopes).all())):
             fail("alibi_slopes", "finite slopes", "NaN or inf")
+
+
+def check_window(window) -> None:
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or \
+            not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window):
+        fail("window", "(left, right) ints, each >= 0 or -1 for unbounded", window)
+
+
+def band(causal: bool, window) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((left, right) for the reference, -1 unbounded; (left, right) for the kernels, unbounded as a distance past
+    any sequence) of a validated causal flag and window."""
+    left, right = (min(side, _UNBOUNDED) for side in window)  # sides past any sequence are unbounded
+    if causal:
+        right = 0
+    return (left, right), (_UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right)
 
 
 def _plan_varlen(q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k):
@@ -220,9 +233,7 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
               softcap, alibi_slopes, deterministic, return_lse, backend)
     d = q.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    left, right = (min(side, _UNBOUNDED) for side in window)  # sides past any sequence are unbounded
-    if causal:
-        right = 0
+    ref_window, kernel_window = band(causal, window)
     varlen = cu_seqlens_q is not None
     if varlen:
         cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k = _plan_varlen(q, k, cu_seqlens_q, cu_seqlens_k,
@@ -231,14 +242,13 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
         batch, max_q, max_k = q.shape[0], q.shape[1], k.shape[1]
 
     if backend == "reference":
-        kw = dict(softmax_scale=scale, window=(left, right), softcap=softcap, alibi_slopes=alibi_slopes)
+        kw = dict(softmax_scale=scale, window=ref_window, softcap=softcap, alibi_slopes=alibi_slopes)
         if varlen:
             out, lse = attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw)
         else:
             out, lse = attention_reference(q, k, v, **kw)
         return (out, lse) if return_lse else out
 
-    out, lse = _flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale,
-                          _UNBOUNDED if left < 0 else left, _UNBOUNDED if right < 0 else right,
+    out, lse = _flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale, *kernel_window,
                           float(softcap or 0.0), alibi_slopes, deterministic)
     return (out, lse) if return_lse else out

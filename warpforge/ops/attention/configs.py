@@ -46,3 +46,12 @@ TILES = TileTable({
         **_FP32,
     },
 })
+
+# FP8 attention forward (fp8_kernel.py), by padded head dim (of the wider of q/k and v, at least 32). sm90: the
+# largest tiles that compile without spills on sm_90 (Triton 3.6, scripts/compile_sm90.py; 128 x 128 spills at d128),
+# not yet timed on the H200.
+FP8_TILES = TileTable({
+    "cpu": {"any": C(16, 16, 1, 1)},
+    "default": {"any": C(64, 64, 4, 2), 256: C(64, 32, 4, 1)},
+    "sm90": {32: C(128, 64, 8, 3), 64: C(128, 64, 8, 3), 128: C(128, 64, 8, 3), 256: C(64, 64, 8, 2)},
+})

@@ -1,0 +1,103 @@
+"""FP8 attention (`flash_attention_fp8`, `quantize_qkv`, `flash_attention_quantized`): the Triton kernel against the
+reference on the same quantised inputs (they differ only by P's rounding to e4m3 inside the kernel, so by cosine,
+and lse exactly), both against fp32 attention on the unquantised inputs, the edges, and bad input. On CPU the
+interpreter runs the kernel (its fp8 and int8 dots are exact); the GPU tests run bf16 at real sizes."""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.ops.attention import QuantizedQKV, flash_attention_quantized, quantize_qkv
+from warpforge.testing import cosine, device_under_test
+
+DEV = device_under_test()
+ON_CPU = DEV.type == "cpu"
+DTYPE = torch.float32 if ON_CPU else torch.bfloat16
+
+
+def _inputs(b, s_q, s_k, h_q, h_kv, d, d_v=None, dtype=DTYPE, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, s_q, h_q, d, generator=g)
+    k = torch.randn(b, s_k, h_kv, d, generator=g) + 0.3  # a shared offset, as real keys have (int8 smooths it)
+    v = torch.randn(b, s_k, h_kv, d_v or d, generator=g)
+    return (t.to(DEV, dtype) for t in (q, k, v))
+
+
+CASES = [  # b, s_q, s_k, h_q, h_kv, d, d_v, causal, window
+    (2, 40, 40, 4, 2, 64, 64, True, (-1, -1)),
+    (1, 33, 70, 2, 1, 32, 48, False, (-1, -1)),
+    (1, 50, 50, 2, 2, 80, 80, False, (8, 3)),
+    (1, 5, 37, 3, 1, 16, 16, True, (-1, -1)),
+]
+
+
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference_on_the_quantised_inputs(case, qk_format):
+    b, s_q, s_k, h_q, h_kv, d, d_v, causal, window = case
+    q, k, v = _inputs(b, s_q, s_k, h_q, h_kv, d, d_v)
+    qkv = quantize_qkv(q, k, v, qk_format=qk_format)
+    out, lse = flash_attention_quantized(qkv, causal=causal, window=window, return_lse=True, backend="triton")
+    ref, ref_lse = flash_attention_quantized(qkv, causal=causal, window=window, return_lse=True,
+                                             backend="reference")
+    assert out.shape == (b, s_q, h_q, d_v) and out.dtype == q.dtype
+    assert cosine(out, ref) >= 0.998
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    exact, exact_lse = wf.flash_attention(q.float(), k.float(), v.float(), causal=causal, window=window,
+                                          return_lse=True, backend="reference")
+    assert cosine(out, exact) >= (0.997 if qk_format == "fp8" else 0.998)
+    torch.testing.assert_close(lse, exact_lse, atol=0.2, rtol=0.05)
+
+
+def test_a_query_that_sees_nothing_gets_zero_and_minus_inf():
+    q, k, v = _inputs(1, 8, 4, 2, 2, 32)
+    out, lse = wf.flash_attention_fp8(q, k, v, window=(0, 0), causal=True, return_lse=True, backend="triton")
+    # bottom-right aligned: queries 0-3 have no key at their diagonal
+    assert torch.all(out[:, :4] == 0) and torch.all(lse[:, :, :4] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 4:]).all()
+
+
+def test_quantised_format():
+    q, k, v = _inputs(2, 9, 21, 4, 2, 32, 48)
+    qkv = quantize_qkv(q, k, v, qk_format="int8")
+    assert isinstance(qkv, QuantizedQKV) and qkv.q.dtype == torch.int8 and qkv.k.dtype == torch.int8
+    assert qkv.v_t.shape == (2, 2, 48, 32) and qkv.v_t.dtype == torch.float8_e4m3fn  # s_k padded to 16s
+    assert torch.all(qkv.v_t[..., 21:].float() == 0)
+    assert qkv.q_scale.shape == (2, 9, 4) and qkv.k_scale.shape == (2, 21, 2) and qkv.v_scale.shape == (2, 2, 48)
+    assert qkv.lse_shift.shape == (2, 4, 9)
+    assert quantize_qkv(q, k, v).lse_shift is None
+
+
+@pytest.mark.parametrize("call,name", [
+    (lambda q, k, v: wf.flash_attention_fp8(q[..., :8], k[..., :8], v[..., :8]), "q"),
+    (lambda q, k, v: wf.flash_attention_fp8(q.int(), k.int(), v.int()), "q"),
+    (lambda q, k, v: wf.flash_attention_fp8(q, k, v, qk_format="int4"), "qk_format"),
+    (lambda q, k, v: wf.flash_attention_fp8(q, k, v, window=(True, 0)), "window"),
+    (lambda q, k, v: wf.flash_attention_fp8(q, k, v, softmax_scale=0.0), "softmax_scale"),
+    (lambda q, k, v: wf.flash_attention_fp8(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)),
+     "k"),
+    (lambda q, k, v: wf.flash_attention_fp8(q * float("nan"), k, v), "q"),
+    (lambda q, k, v: flash_attention_quantized(q), "qkv"),
+])
+def test_bad_input(call, name):
+    q, k, v = _inputs(1, 8, 8, 4, 2, 32)
+    with pytest.raises(WarpforgeInputError, match=f"^{name}"):
+        call(q, k, v)
+
+
+# ------------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+@pytest.mark.parametrize("case", [
+    (2, 1000, 1000, 16, 16, 128, 128, True, (-1, -1)),
+    (1, 777, 1500, 16, 2, 64, 64, True, (-1, -1)),
+    (1, 2049, 2049, 8, 1, 128, 128, False, (256, 0)),
+    (1, 300, 300, 4, 4, 256, 256, True, (-1, -1)),
+    (1, 513, 513, 4, 4, 192, 128, True, (-1, -1)),
+])
+def test_gpu_large(case, qk_format):
+    b, s_q, s_k, h_q, h_kv, d, d_v, causal, window = case
+    q, k, v = _inputs(b, s_q, s_k, h_q, h_kv, d, d_v, dtype=torch.bfloat16)
+    out = wf.flash_attention_fp8(q, k, v, causal=causal, window=window, qk_format=qk_format)
+    exact = wf.flash_attention(q.float(), k.float(), v.float(), causal=causal, window=window, backend="reference")
+    assert cosine(out, exact) >= 0.998

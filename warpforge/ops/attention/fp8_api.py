@@ -1,0 +1,112 @@
+"""`flash_attention_fp8`: FP8 (or INT8-QK) attention forward. validate -> quantise (fp8_quantize.py) -> dispatch
+(the reference on the dequantised inputs, or the Triton FP8 kernel as an op)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ...errors import (check_bool, check_choice, check_positive_float, check_rank, check_same_device, check_tensor,
+                       fail)
+from ...runtime import resolve_backend
+from .._op import kernel_op
+from . import configs
+from .api import FLOATS, MAX_HEAD_DIM, band, check_window
+from .fp8_quantize import QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, quantize_qkv_reference
+from .reference import attention_reference
+
+
+def _fp8_impl(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
+              v_scale: torch.Tensor, qk_format: str, out_dtype: torch.dtype, sm_scale: float, left: int,
+              right: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from .fp8_kernel import _block, flash_fp8_fwd
+    b, s_q, h_q, d = q.shape
+    out = torch.empty((b, s_q, h_q, v_t.shape[2]), device=q.device, dtype=out_dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if out.numel():
+        cfg = configs.FP8_TILES.lookup(q.device, max(_block(d), _block(v_t.shape[2])))
+        qkv = QuantizedQKV(qk_format, q, q_scale, k, k_scale, v_t, v_scale, None, out_dtype)
+        flash_fp8_fwd(qkv, sm_scale, left, right, cfg, out, lse)
+    return out, lse
+
+
+def _fp8_fake(q, q_scale, k, k_scale, v_t, v_scale, qk_format, out_dtype, sm_scale, left, right):
+    b, s_q, h_q, _ = q.shape
+    return q.new_empty((b, s_q, h_q, v_t.shape[2]), dtype=out_dtype), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+_flash_fp8 = kernel_op("flash_attention_fp8", _fp8_impl, _fp8_fake)
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        check_rank(name, t, 4)
+        check_same_device(name, t, "q", q)
+        if t.dtype not in FLOATS:
+            fail(name, f"dtype in {FLOATS} (quantised here)", str(t.dtype))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        fail("k/v", f"dtype {q.dtype} (like q)", f"{k.dtype}/{v.dtype}")
+    for name, width in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if width % 16 or not 16 <= width <= MAX_HEAD_DIM:
+            fail(name, f"a head dim that is a multiple of 16 from 16 to {MAX_HEAD_DIM}", width)
+    if k.shape[-1] != q.shape[-1]:
+        fail("k", f"head dim {q.shape[-1]} (like q)", k.shape[-1])
+    if k.shape[:-1] != v.shape[:-1]:
+        fail("v", f"the shape of k but its head dim, {tuple(k.shape[:-1])} + (d_v,)", tuple(v.shape))
+    if k.shape[0] != q.shape[0]:
+        fail("k", f"batch {q.shape[0]} (like q)", k.shape[0])
+    h_q, h_kv = q.shape[2], k.shape[2]
+    if h_kv == 0 or h_q % h_kv:
+        fail("k", f"a number of heads dividing q's {h_q}", h_kv)
+
+
+def quantize_qkv(q, k, v, *, qk_format: str = "fp8") -> QuantizedQKV:
+    """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (fp16 / bf16 / fp32; d, d_v multiples of 16
+    up to 256) -> a QuantizedQKV for flash_attention_quantized: e4m3 (or int8 q/k, qk_format="int8") with
+    per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised."""
+    _check_qkv(q, k, v)
+    check_choice("qk_format", qk_format, QK_FORMATS)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not torch.compiler.is_compiling() and t.numel() and not bool(torch.isfinite(t).all()):
+            fail(name, "finite values (a NaN or inf has no place in a quantised tensor)", "NaN or inf")
+    return quantize_qkv_reference(q, k, v, qk_format)
+
+
+def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                              window=(-1, -1), return_lse: bool = False, backend=None):
+    """Attention forward over quantize_qkv's output; out [b, s_q, h_q, d_v] in the inputs' dtype, lse fp32
+    [b, h_q, s_q] if return_lse. Masks and conventions as flash_attention's (causal bottom-right; a query that
+    sees no key gets 0 and lse -inf)."""
+    if not isinstance(qkv, QuantizedQKV):
+        fail("qkv", "a QuantizedQKV (from quantize_qkv)", type(qkv).__name__)
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_positive_float("softmax_scale", softmax_scale)
+    check_window(window)
+    backend = resolve_backend(backend, qkv.q.device)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(qkv.q.shape[-1])
+    ref_window, kernel_window = band(causal, window)
+    if backend == "reference":
+        q, k, v = dequantize_qkv_reference(qkv)
+        out, lse = attention_reference(q, k, v, softmax_scale=scale, window=ref_window)
+        out = out.to(qkv.dtype)
+    else:
+        out, lse = _flash_fp8(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v_t, qkv.v_scale, qkv.qk_format,
+                              qkv.dtype, scale, *kernel_window)
+    if not return_lse:
+        return out
+    if qkv.lse_shift is not None:  # the smoothing's per-row shift, back in the natural-log lse
+        lse = lse + qkv.lse_shift * scale
+    return out, lse
+
+
+def flash_attention_fp8(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, window=(-1, -1),
+                        qk_format: str = "fp8", return_lse: bool = False, backend=None):
+    """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
+    quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
+    smoothed K); P·V is e4m3 either way. Forward only (inference)."""
+    qkv = quantize_qkv(q, k, v, qk_format=qk_format)
+    return flash_attention_quantized(qkv, causal=causal, softmax_scale=softmax_scale, window=window,
+                                     return_lse=return_lse, backend=backend)

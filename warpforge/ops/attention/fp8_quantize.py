@@ -1,0 +1,72 @@
+"""Q, K and V quantised for FP8 attention (fp8_kernel.py), in plain PyTorch: the format, written to be read.
+
+- q, k: e4m3 (or int8, qk_format="int8", SageAttention's INT8 Q·Kᵀ) with one fp32 scale per token and head,
+  amax over the head dim mapped to the format's largest value (448 / 127).
+- int8 K is smoothed first (SageAttention): the per-head mean over tokens is subtracted, which shifts every score
+  of a query row by the same q · mean and leaves the softmax unchanged; the shift comes back into lse.
+- v: e4m3 with one fp32 scale per channel (amax over tokens), stored transposed as v_t [b, h_kv, d_v, s_k_pad]
+  (s_k padded to 16 with zeros): the P·V product's B operand must be K-major for FP8 MMAs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FORMAT_MAX = {"fp8": 448.0, "int8": 127.0}
+QK_FORMATS = tuple(FORMAT_MAX)
+_TINY = 1e-20  # an all-zero row quantises to zeros with this scale, never to 0 / 0
+
+
+@dataclass(frozen=True)
+class QuantizedQKV:
+    qk_format: str                  # "fp8" or "int8" (q and k); v is always e4m3
+    q: torch.Tensor                 # [b, s_q, h_q, d] e4m3 / int8
+    q_scale: torch.Tensor           # [b, s_q, h_q] fp32
+    k: torch.Tensor                 # [b, s_k, h_kv, d] e4m3 / int8
+    k_scale: torch.Tensor           # [b, s_k, h_kv] fp32
+    v_t: torch.Tensor               # [b, h_kv, d_v, s_k_pad] e4m3, channel-major
+    v_scale: torch.Tensor           # [b, h_kv, d_v] fp32
+    lse_shift: Optional[torch.Tensor]  # [b, h_q, s_q] fp32: q · mean(k), what smoothing took out of the scores
+    dtype: torch.dtype              # the unquantised inputs' (the output's)
+
+    @property
+    def s_k(self) -> int:
+        return self.k.shape[1]
+
+
+def _per_row(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., d] -> (codes, fp32 scale [...]) with amax over the last dim at the format's largest value."""
+    scale = x.abs().amax(-1).float().clamp(min=_TINY) / FORMAT_MAX[fmt]
+    scaled = x.float() / scale[..., None]
+    codes = scaled.round().clamp(-127, 127).to(torch.int8) if fmt == "int8" else scaled.to(FP8)
+    return codes, scale
+
+
+def quantize_qkv_reference(q, k, v, qk_format: str = "fp8") -> QuantizedQKV:
+    """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (validated) -> QuantizedQKV."""
+    b, s_q, h_q, _ = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    lse_shift = None
+    if qk_format == "int8":
+        mean = k.float().mean(1, keepdim=True)  # [b, 1, h_kv, d]
+        k = k.float() - mean
+        kv_mean = mean[:, 0].repeat_interleave(h_q // h_kv, dim=1)  # [b, h_q, d]
+        lse_shift = torch.einsum("bqhd,bhd->bhq", q.float(), kv_mean)
+    q8, q_scale = _per_row(q, qk_format)
+    k8, k_scale = _per_row(k, qk_format)
+    v_scale = v.abs().amax(1).float().clamp(min=_TINY) / FORMAT_MAX["fp8"]  # [b, h_kv, d_v]
+    pad = -s_k % 16
+    v_t = torch.zeros(b, h_kv, v.shape[-1], s_k + pad, dtype=FP8, device=v.device)
+    v_t[..., :s_k] = (v.float() / v_scale[:, None]).permute(0, 2, 3, 1).to(FP8)
+    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype)
+
+
+def dequantize_qkv_reference(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) fp32 as the kernel sees them (k without the smoothing mean: the softmax does not see it)."""
+    q = qkv.q.float() * qkv.q_scale[..., None]
+    k = qkv.k.float() * qkv.k_scale[..., None]
+    v = (qkv.v_t[..., :qkv.s_k].float() * qkv.v_scale[..., None]).permute(0, 3, 1, 2)
+    return q, k, v
