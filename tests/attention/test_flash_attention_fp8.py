@@ -57,6 +57,26 @@ def test_a_query_that_sees_nothing_gets_zero_and_minus_inf():
     assert torch.isfinite(lse[:, :, 4:]).all()
 
 
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+def test_triton_quantiser_matches_the_reference(qk_format):
+    q, k, v = _inputs(2, 9, 21, 4, 2, 32, 48)
+    got, want = (quantize_qkv(q, k, v, qk_format=qk_format, backend=b) for b in ("triton", "reference"))
+    for name in ("q", "q_scale", "k", "k_scale", "v_t", "v_scale", "lse_shift"):
+        a, b = getattr(got, name), getattr(want, name)
+        if a is None:
+            assert b is None
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        a, b = a.float(), b.float()
+        if ON_CPU and a.dtype == b.dtype and name in ("q", "k", "v_t"):
+            # The interpreter's fp32 -> e4m3 conversion drops the carry when rounding up crosses a power of two
+            # (124.2 -> 64, not 128): those codes come out at half the value. The GPU converts exactly.
+            carried = (a != b) & (a * 2 == b)
+            assert carried.float().mean() < 0.05, name
+            a = torch.where(carried, b, a)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_quantised_format():
     q, k, v = _inputs(2, 9, 21, 4, 2, 32, 48)
     qkv = quantize_qkv(q, k, v, qk_format="int8")
@@ -76,7 +96,6 @@ def test_quantised_format():
     (lambda q, k, v: wf.flash_attention_fp8(q, k, v, softmax_scale=0.0), "softmax_scale"),
     (lambda q, k, v: wf.flash_attention_fp8(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)),
      "k"),
-    (lambda q, k, v: wf.flash_attention_fp8(q * float("nan"), k, v), "q"),
     (lambda q, k, v: flash_attention_quantized(q), "qkv"),
 ])
 def test_bad_input(call, name):

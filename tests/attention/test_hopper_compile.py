@@ -30,6 +30,7 @@ def test_fp8_forward_compiles_to_fp8_mmas_for_sm90():
                          capture_output=True, text=True, env=env, timeout=600)
     lines = [line for line in run.stdout.splitlines() if "flash_fp8_fwd_kernel" in line]
     assert run.returncode == 0 and len(lines) == 4, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "quantize_rows_kernel" in run.stdout and "quantize_v_kernel" in run.stdout
     for line in lines:
         assert "'e4m3 mma'" in line, line
     for line in lines[:3]:

@@ -13,7 +13,8 @@ from ...runtime import resolve_backend
 from .._op import kernel_op
 from . import configs
 from .api import FLOATS, MAX_HEAD_DIM, band, check_window
-from .fp8_quantize import QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, quantize_qkv_reference
+from .fp8_quantize import (QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, padded_tokens, quantize_qkv_reference,
+                           smoothing, v_channel_scale)
 from .reference import attention_reference
 
 
@@ -62,16 +63,22 @@ def _check_qkv(q, k, v):
         fail("k", f"a number of heads dividing q's {h_q}", h_kv)
 
 
-def quantize_qkv(q, k, v, *, qk_format: str = "fp8") -> QuantizedQKV:
+def quantize_qkv(q, k, v, *, qk_format: str = "fp8", backend=None) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (fp16 / bf16 / fp32; d, d_v multiples of 16
     up to 256) -> a QuantizedQKV for flash_attention_quantized: e4m3 (or int8 q/k, qk_format="int8") with
-    per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised."""
+    per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised. As in
+    flash_attention, values are not checked: a NaN or inf input gives NaN outputs for the rows it reaches."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not torch.compiler.is_compiling() and t.numel() and not bool(torch.isfinite(t).all()):
-            fail(name, "finite values (a NaN or inf has no place in a quantised tensor)", "NaN or inf")
-    return quantize_qkv_reference(q, k, v, qk_format)
+    if resolve_backend(backend, q.device) == "reference":
+        return quantize_qkv_reference(q, k, v, qk_format)
+    from .fp8_quantize_kernel import quantize_rows, quantize_v
+    mean, lse_shift = smoothing(q, k) if qk_format == "int8" else (None, None)
+    q8, q_scale = quantize_rows(q.contiguous(), None, qk_format)
+    k8, k_scale = quantize_rows(k.contiguous(), mean, qk_format)
+    v_scale = v_channel_scale(v)
+    v_t = quantize_v(v, v_scale, padded_tokens(k.shape[1]))
+    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype)
 
 
 def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softmax_scale: Optional[float] = None,
@@ -107,6 +114,6 @@ def flash_attention_fp8(q, k, v, *, causal: bool = False, softmax_scale: Optiona
     """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
     quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
     smoothed K); P·V is e4m3 either way. Forward only (inference)."""
-    qkv = quantize_qkv(q, k, v, qk_format=qk_format)
+    qkv = quantize_qkv(q, k, v, qk_format=qk_format, backend=backend)
     return flash_attention_quantized(qkv, causal=causal, softmax_scale=softmax_scale, window=window,
                                      return_lse=return_lse, backend=backend)

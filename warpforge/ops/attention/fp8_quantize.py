@@ -1,7 +1,7 @@
 """Q, K and V quantised for FP8 attention (fp8_kernel.py), in plain PyTorch: the format, written to be read.
 
 - q, k: e4m3 (or int8, qk_format="int8", SageAttention's INT8 Q·Kᵀ) with one fp32 scale per token and head,
-  amax over the head dim mapped to the format's largest value (448 / 127).
+  amax over the head dim mapped to the format's largest value (448 / 127); int8 rounds half up.
 - int8 K is smoothed first (SageAttention): the per-head mean over tokens is subtracted, which shifts every score
   of a query row by the same q · mean and leaves the softmax unchanged; the shift comes back into lse.
 - v: e4m3 with one fp32 scale per channel (amax over tokens), stored transposed as v_t [b, h_kv, d_v, s_k_pad]
@@ -37,29 +37,43 @@ class QuantizedQKV:
         return self.k.shape[1]
 
 
+def smoothing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean of k over tokens [b, h_kv, d] fp32, lse_shift = q · that mean [b, h_q, s_q]) for int8's smoothed K."""
+    mean = k.mean(1, dtype=torch.float32)
+    per_q_head = mean.repeat_interleave(q.shape[2] // k.shape[2], dim=1)
+    return mean, torch.einsum("bqhd,bhd->bhq", q.float(), per_q_head)
+
+
+def v_channel_scale(v: torch.Tensor) -> torch.Tensor:
+    """[b, h_kv, d_v] fp32: each channel's amax over tokens at e4m3's largest value (one pass over v)."""
+    amax = torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32)
+    return amax.clamp(min=_TINY) / FORMAT_MAX["fp8"]
+
+
+def padded_tokens(s_k: int) -> int:
+    return s_k + (-s_k % 16)
+
+
 def _per_row(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., d] -> (codes, fp32 scale [...]) with amax over the last dim at the format's largest value."""
-    scale = x.abs().amax(-1).float().clamp(min=_TINY) / FORMAT_MAX[fmt]
-    scaled = x.float() / scale[..., None]
-    codes = scaled.round().clamp(-127, 127).to(torch.int8) if fmt == "int8" else scaled.to(FP8)
+    x = x.float()
+    scale = x.abs().amax(-1).clamp(min=_TINY) / FORMAT_MAX[fmt]
+    scaled = x / scale[..., None]
+    codes = torch.floor(scaled + 0.5).clamp(-127, 127).to(torch.int8) if fmt == "int8" else scaled.to(FP8)
     return codes, scale
 
 
 def quantize_qkv_reference(q, k, v, qk_format: str = "fp8") -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (validated) -> QuantizedQKV."""
-    b, s_q, h_q, _ = q.shape
-    s_k, h_kv = k.shape[1], k.shape[2]
+    b, s_k, h_kv = k.shape[:3]
     lse_shift = None
     if qk_format == "int8":
-        mean = k.float().mean(1, keepdim=True)  # [b, 1, h_kv, d]
-        k = k.float() - mean
-        kv_mean = mean[:, 0].repeat_interleave(h_q // h_kv, dim=1)  # [b, h_q, d]
-        lse_shift = torch.einsum("bqhd,bhd->bhq", q.float(), kv_mean)
+        mean, lse_shift = smoothing(q, k)
+        k = k.float() - mean[:, None]
     q8, q_scale = _per_row(q, qk_format)
     k8, k_scale = _per_row(k, qk_format)
-    v_scale = v.abs().amax(1).float().clamp(min=_TINY) / FORMAT_MAX["fp8"]  # [b, h_kv, d_v]
-    pad = -s_k % 16
-    v_t = torch.zeros(b, h_kv, v.shape[-1], s_k + pad, dtype=FP8, device=v.device)
+    v_scale = v_channel_scale(v)
+    v_t = torch.zeros(b, h_kv, v.shape[-1], padded_tokens(s_k), dtype=FP8, device=v.device)
     v_t[..., :s_k] = (v.float() / v_scale[:, None]).permute(0, 2, 3, 1).to(FP8)
     return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype)
 

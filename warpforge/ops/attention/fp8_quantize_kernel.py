@@ -1,0 +1,72 @@
+"""quantize_qkv in Triton: one pass over q and over k (per-token scales), and one over v after its channel amax
+(per-channel scales, stored channel-major), producing exactly fp8_quantize.py's format."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, H: tl.constexpr, D: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr, SMOOTH: tl.constexpr):
+    """Rows of a contiguous [b, s, h, d] tensor: scale = amax / (127 or 448), codes = x / scale (SMOOTH: x minus
+    its (batch, head)'s mean first)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    x = tl.load(X + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if SMOOTH:
+        head_row = (rows // seq_heads) * H + rows % H
+        x = tl.where(ok, x - tl.load(MEAN + head_row[:, None] * D + cols[None, :], mask=ok, other=0.0), 0.0)
+    if INT8:
+        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-20) / 127.0
+        y = tl.floor(x / scale[:, None] + 0.5)
+        codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-20) / 448.0
+        codes = (x / scale[:, None]).to(tl.float8e4nv)
+    tl.store(OUT + rows[:, None] * D + cols[None, :], codes, mask=ok)
+    tl.store(SCALE + rows, scale, mask=rows < n_rows)
+
+
+@triton.jit
+def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, stride_tb, stride_th, stride_td,
+                      H: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [BLOCK_S tokens, d_v] tile of one head divided by its channel scales, written channel-major (zeros for the
+    padding tokens past s_k)."""
+    b = (tl.program_id(1) // H).to(tl.int64)
+    h = (tl.program_id(1) % H).to(tl.int64)
+    toks = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    ch = tl.arange(0, BLOCK_D)
+    ch_ok = ch < DV
+    v = tl.load(V + b * stride_vb + h * stride_vh + toks[:, None].to(tl.int64) * stride_vs + ch[None, :],
+                mask=(toks < s_k)[:, None] & ch_ok[None, :], other=0.0).to(tl.float32)
+    scale = tl.load(VS + (b * H + h) * DV + ch, mask=ch_ok, other=1.0)
+    codes = tl.trans((v / scale[None, :]).to(tl.float8e4nv))
+    tl.store(VT + b * stride_tb + h * stride_th + ch[:, None] * stride_td + toks[None, :], codes,
+             mask=ch_ok[:, None] & (toks < s_pad)[None, :])
+
+
+def quantize_rows(x, mean, fmt):
+    """(codes like x, scale [b, s, h] fp32) of a contiguous [b, s, h, d] tensor; mean [b, h, d] smooths (int8 k)."""
+    b, s, h, d = x.shape
+    codes = torch.empty(x.shape, device=x.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+    scale = torch.empty((b, s, h), device=x.device, dtype=torch.float32)
+    n_rows = b * s * h
+    block_r = 16
+    if n_rows:
+        quantize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
+            x, mean if mean is not None else scale, codes, scale, n_rows, s * h, H=h, D=d, BLOCK_R=block_r,
+            BLOCK_D=triton.next_power_of_2(d), INT8=fmt == "int8", SMOOTH=mean is not None, num_warps=4)
+    return codes, scale
+
+
+def quantize_v(v, v_scale, s_pad):
+    """v [b, s_k, h, d_v] -> v_t [b, h, d_v, s_pad] e4m3 by the channel scales v_scale [b, h, d_v]."""
+    b, s_k, h, dv = v.shape
+    v_t = torch.empty((b, h, dv, s_pad), device=v.device, dtype=torch.float8_e4m3fn)
+    block_s = 64
+    if v_t.numel():
+        quantize_v_kernel[(triton.cdiv(s_pad, block_s), b * h)](
+            v, v_scale, v_t, s_k, s_pad, v.stride(0), v.stride(1), v.stride(2), *v_t.stride()[:3], H=h, DV=dv,
+            BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dv), num_warps=4)
+    return v_t
