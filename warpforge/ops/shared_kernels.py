@@ -1,5 +1,6 @@
 """Triton helpers that more than one family's kernels use (kernel files import them from here, never from another
-family): the fp32-exact dot, the SwiGLU gradient, the e2m1 decode of FP4 caches, and split-KV decode's combine."""
+family): the fp32-exact dot, a precise tanh (softcap), the SwiGLU gradient, the e2m1 decode of FP4 caches, and
+split-KV decode's combine."""
 import triton
 import triton.language as tl
 
@@ -20,6 +21,16 @@ def dot(a, b, acc=None):
     else:
         out = tl.dot(a, b, acc)
     return out
+
+
+@triton.jit
+def tanh(x):
+    """tanh from exp2 (portable: no libdevice), saturating to ±1. Near 0 the exp2 form keeps only absolute
+    precision (~1e-7), which a large softcap multiplies back up, so small |x| takes tanh's odd series (relative
+    error < 1e-9 below 0.05)."""
+    x2 = x * x
+    series = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
+    return tl.where(tl.abs(x) < 0.05, series, 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0))
 
 
 @triton.jit

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator
-from ..shared_kernels import dot
+from ..shared_kernels import dot, tanh
 
 LOG2E = 1.4426950408889634
 
@@ -144,16 +144,6 @@ def _visible(rows, cols, limit, A, B):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh from exp2 (portable: no libdevice), saturating to ±1. Near 0 the exp2 form keeps only absolute
-    precision (~1e-7), which a large softcap multiplies back up, so small |x| takes tanh's odd series (relative
-    error < 1e-9 below 0.05)."""
-    x2 = x * x
-    series = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
-    return tl.where(tl.abs(x) < 0.05, series, 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0))
-
-
-@triton.jit
 def _modded(qk, qs, ks, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
             KEYS_FIRST: tl.constexpr = False):
     """Scores in log2 units from q·kᵀ [len(qs), len(ks)] (k·qᵀ [len(ks), len(qs)] when KEYS_FIRST; query
@@ -161,7 +151,7 @@ def _modded(qk, qs, ks, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.con
     slope2 · |q + diag − k| with ALIBI (slope2 = the head's slope · log2 e). Also returns tanh's value, which
     the backward's chain rule needs."""
     if SOFTCAP:
-        t = _tanh(qk * cap_in)
+        t = tanh(qk * cap_in)
         s = cap_out * t
     else:
         t = qk

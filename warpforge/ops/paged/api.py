@@ -1,0 +1,343 @@
+"""Paged GQA decode: `plan` -> `PagedPlan.run` (FlashInfer's plan/run), `paged_decode` (both in one call), and the
+cache helpers `quantize_kv` / `append_kv`.
+
+plan() validates shapes, dtypes and the format and fixes what a decode step needs from them alone: the tiles and
+the KV split count. run() checks the step's tensors against the plan (their values too, except while a CUDA graph
+is captured or torch.compile traces) and dispatches: the reference, or the Triton split-KV kernel and combine as an
+op. run() reads nothing back to the host when capturing, so one plan serves every replay of a captured step.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_positive_float,
+                       check_rank, check_same_device, check_tensor, fail, host_reads_allowed, read_once)
+from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
+from .._op import kernel_op
+from . import configs
+from .kv_format import BY_DTYPE, KV_FORMATS
+from .reference import fp8_scales, paged_decode_reference, quantize_kv_reference
+
+PAGE_SIZES = (1, 8, 16, 32, 64, 128)
+MAX_S_Q = 8
+HEAD_DIMS = (64, 128, 256)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ------------------------------------------------------------------------------------------- op
+def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 cache_seqlens: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                 kv_format: str, softmax_scale: float, softcap: float, window: int, num_splits: int,
+                 cfg: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    from .decode_kernel import paged_decode_fwd
+    return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, KV_FORMATS[kv_format],
+                            softmax_scale, softcap, window if window >= 0 else None, num_splits, configs.PagedCfg(*cfg))
+
+
+def _decode_fake(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, kv_format, softmax_scale, softcap,
+                 window, num_splits, cfg):
+    b, s_q, h_q, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+_paged_decode = kernel_op("paged_decode", _decode_impl, _decode_fake)
+
+
+# ---------------------------------------------------------------------------------------- plan / run
+@dataclass(frozen=True)
+class PagedPlan:
+    """What a decode step's shapes decide, fixed once: run() it on every step (CUDA-graph safe)."""
+    batch: int
+    s_q: int
+    h_q: int
+    h_kv: int
+    head_dim: int
+    page_size: int
+    max_pages: int       # block_table's width
+    kv_format: str
+    softmax_scale: float
+    softcap: Optional[float]
+    window: Optional[int]
+    dtype: torch.dtype   # q's
+    config: configs.PagedCfg
+    num_splits: int
+
+    def run(self, q, k_cache, v_cache, block_table, cache_seqlens, *, k_scale=None, v_scale=None, return_lse=False,
+            backend=None):
+        """out [b, s_q, h_q, d] in q's dtype (and lse [b, h_q, s_q] fp32, natural log, if return_lse) for this step's
+        tensors, which must have the shapes the plan was made for."""
+        backend = resolve_backend(backend, q.device) if isinstance(q, torch.Tensor) else backend
+        k_scale, v_scale = _check_step(self, q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale)
+        check_interpreted_matmul_dtype(backend, "q", q)
+        if not isinstance(return_lse, bool):
+            fail("return_lse", "a bool", repr(return_lse))
+        if backend == "reference":
+            out, lse = paged_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens,
+                                              softmax_scale=self.softmax_scale, kv_format=self.kv_format,
+                                              k_scale=k_scale, v_scale=v_scale, softcap=self.softcap,
+                                              window=self.window)
+        else:
+            out, lse = _paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
+                                     self.kv_format, self.softmax_scale, float(self.softcap or 0.0),
+                                     -1 if self.window is None else self.window, self.num_splits, list(self.config))
+        return (out, lse) if return_lse else out
+
+
+def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap=None, window=None,
+         num_splits=None) -> PagedPlan:
+    """A PagedPlan for decode steps shaped like these tensors (only shapes, dtypes and device are read): q [b, s_q,
+    h_q, d]; k_cache [num_pages, page_size, h_kv, width] in kv_format (see paged_decode); block_table int32 [b,
+    max_pages]. num_splits: None plans it from the shapes, an int forces it."""
+    from .decode_kernel import plan_block_h, plan_num_splits
+    kv_format = _check_shapes(q, k_cache, block_table, kv_format)
+    check_positive_float("softmax_scale", softmax_scale)
+    check_positive_float("softcap", softcap)
+    if window is not None:
+        check_int("window", window, lo=0, what="None or an int >= 0 (tokens before the query's own that it sees)")
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    max_tokens = block_table.shape[1] * k_cache.shape[1]
+    if window is not None:
+        max_tokens = min(max_tokens, window + s_q)
+    if num_splits is not None:
+        check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
+                  what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
+    block_d = max(16, 1 << (d - 1).bit_length())
+    cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else kv_format, block_d)
+    rows = (h_q // h_kv) * s_q
+    cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
+    if num_splits is None:
+        num_splits = plan_num_splits(b, h_kv, -(-rows // cfg.block_h), max_tokens, sm_count(q.device))
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return PagedPlan(b, s_q, h_q, h_kv, d, k_cache.shape[1], block_table.shape[1], kv_format, scale,
+                     float(softcap) if softcap is not None else None, window, q.dtype, cfg, num_splits)
+
+
+def paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, *, softmax_scale=None, kv_format=None,
+                 k_scale=None, v_scale=None, softcap=None, window=None, return_lse=False, num_splits=None,
+                 backend=None):
+    """Decode attention over paged K/V caches, GQA: `plan(...).run(...)` in one call (a serving loop makes the plan
+    once instead). Returns out [b, s_q, h_q, d] like q (and lse [b, h_q, s_q] fp32 if return_lse).
+
+    q [b, s_q, h_q, d] (s_q 1-8: the newest tokens, causal among themselves; d 64, 128 or 256; h_q a multiple of
+    h_kv); k_cache / v_cache [num_pages, page_size, h_kv, width] (page size 1, 8, 16, 32, 64 or 128); block_table
+    int32 [b, max_pages]; cache_seqlens int32 [b], the tokens in the cache including the s_q new ones (see
+    reference.py for the exact rule). kv_format (None: from the cache's dtype): "bf16" / "fp16" / "fp32" (q's
+    dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a one-element fp32 tensor, or fp32 [num_pages, h_kv]),
+    "nvfp4" (uint8 rows, width d/2 + d/16; k_scale / v_scale the one-element fp32 tensor scales) or "mxfp4" (uint8,
+    d/2 + d/32); `quantize_kv` and `append_kv` write them. softcap: c · tanh(s / c); window: a query at position p
+    sees tokens p - window .. p.
+    """
+    p = plan(q, k_cache, block_table, kv_format=kv_format, softmax_scale=softmax_scale, softcap=softcap,
+             window=window, num_splits=num_splits)
+    return p.run(q, k_cache, v_cache, block_table, cache_seqlens, k_scale=k_scale, v_scale=v_scale,
+                 return_lse=return_lse, backend=backend)
+
+
+# ------------------------------------------------------------------------------------ cache helpers
+def quantize_kv(x, kv_format, *, scale=None, per_page=False):
+    """Values x [..., h_kv, d] (e.g. whole pages [num_pages, page_size, h_kv, d]) -> (cache entries, scale) in
+    kv_format. fp8: scale None computes one (per tensor, or with per_page=True per page and head from x's pages);
+    nvfp4: scale None computes the tensor scale (amax over x); mxfp4 and the values formats take no scale (None
+    comes back). Pass the returned scale to paged_decode as k_scale / v_scale."""
+    check_tensor("x", x)
+    check_dtype("x", x, FLOATS)
+    check_choice("kv_format", kv_format, KV_FORMATS)
+    fmt = KV_FORMATS[kv_format]
+    if x.dim() < 2 or x.shape[-1] not in HEAD_DIMS:
+        fail("x", f"a tensor [..., h_kv, d] with d in {HEAD_DIMS}", f"shape {tuple(x.shape)}")
+    if not isinstance(per_page, bool) or (per_page and (kv_format != "fp8" or x.dim() != 4)):
+        fail("per_page", "a bool, True only for fp8 pages [num_pages, page_size, h_kv, d]", repr(per_page))
+    if kv_format in ("fp8", "nvfp4"):
+        if scale is None:
+            scale = fp8_scales(x, per_page) if kv_format == "fp8" else \
+                (x.float().abs().amax() / (6.0 * 448.0)).clamp(min=1e-12).reshape(1)
+        scale = _scale_tensor("scale", scale, x, x.shape[0] if x.dim() == 4 else None, x.shape[-2],
+                              per_page_ok=kv_format == "fp8")
+    elif scale is not None:
+        fail("scale", f"None for kv_format {kv_format!r}", type(scale).__name__)
+    if fmt.quantized and host_reads_allowed(x) and not bool(torch.isfinite(x).all()):
+        fail("x", "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")
+    return quantize_kv_reference(x, kv_format, scale), scale
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_format=None, k_scale=None,
+              v_scale=None):
+    """Writes k_new / v_new [b, s_new, h_kv, d] into the pages in place, token i of request b at position
+    cache_seqlens[b] + i (cache_seqlens: the tokens already there; add s_new after). Quantised formats quantise
+    the new tokens with the cache's scales: fp8 needs per-tensor scales (a per-page scale cannot follow tokens
+    into a page), nvfp4 its tensor scales."""
+    _check_tokens("k_new", k_new, 1 << 30)
+    kv_format = _check_cache("k_cache", k_cache, kv_format, k_new.dtype, k_new.shape[3], k_new)
+    if k_cache.shape[2] != k_new.shape[2]:
+        fail("k_new", f"{k_cache.shape[2]} kv heads (the cache's)", k_new.shape[2])
+    _check_int32("block_table", block_table, k_new, 2, (k_new.shape[0],))
+    for name, t in (("v_cache", v_cache), ("v_new", v_new)):
+        check_tensor(name, t)
+        check_same_device(name, t, "k_cache", k_cache)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
+             f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if v_new.shape != k_new.shape:
+        fail("v_new", f"k_new's shape {tuple(k_new.shape)}", tuple(v_new.shape))
+    b, s_new = k_new.shape[:2]
+    _check_int32("cache_seqlens", cache_seqlens, k_cache, 1, (b,))
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if kv_format in ("fp8", "nvfp4"):
+            scales.append(_scale_tensor(name, scale if scale is not None else (1.0 if kv_format == "fp8" else None),
+                                        k_cache, None, k_cache.shape[2], per_page_ok=False))
+        elif scale is not None:
+            fail(name, f"None for kv_format {kv_format!r}", type(scale).__name__)
+        else:
+            scales.append(None)
+    page = k_cache.shape[1]
+    capacity = block_table.shape[1] * page
+    if host_reads_allowed(k_cache):
+        lens = cache_seqlens.long()
+        if bool(((lens < 0) | (lens + s_new > capacity)).any()):
+            fail("cache_seqlens", f"values from 0 to {capacity - s_new} (room for {s_new} new tokens in the "
+                 f"{block_table.shape[1]} pages given)", cache_seqlens.tolist()[:8])
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # [b, s_new]
+    pos = pos.clamp(0, capacity - 1)  # under capture the values went unchecked: stay inside the table
+    pages = torch.gather(block_table.long(), 1, pos // page).clamp(0, k_cache.shape[0] - 1)
+    slots = pos % page
+    for cache, new, scale in ((k_cache, k_new, scales[0]), (v_cache, v_new, scales[1])):
+        cache[pages, slots] = quantize_kv_reference(new, kv_format, scale).to(cache.dtype)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _check_cache(name, cache, kv_format, dtype, d, ref):
+    """A [num_pages, page_size, h_kv, width] cache for values of `dtype` and head dim d; returns its format's name
+    (kv_format, or the one the cache's dtype implies)."""
+    check_tensor(name, cache)
+    check_same_device(name, cache, "q", ref)
+    check_rank(name, cache, 4)
+    if kv_format is None:
+        kv_format = BY_DTYPE.get(cache.dtype)
+        if kv_format is None:
+            fail("kv_format", "given for a uint8 cache (\"nvfp4\" or \"mxfp4\")", None)
+    check_choice("kv_format", kv_format, KV_FORMATS)
+    fmt = KV_FORMATS[kv_format]
+    if not fmt.quantized and fmt.storage != dtype:
+        fail(name, f"{dtype} (q's) for kv_format {kv_format!r}", str(cache.dtype))
+    check_dtype(name, cache, (fmt.storage,))
+    if cache.shape[1] not in PAGE_SIZES:
+        fail(name, f"page size in {PAGE_SIZES}", cache.shape[1])
+    if cache.shape[3] != fmt.width(d):
+        fail(name, f"{fmt.width(d)} entries per token and head for {kv_format} at head dim {d}", cache.shape[3])
+    check_last_dim_contiguous(name, cache)
+    return kv_format
+
+
+def _check_tokens(name, x, max_tokens):
+    """q or new K/V tokens: [b, s, heads, d], float, d in HEAD_DIMS, s from 1 to max_tokens."""
+    check_tensor(name, x)
+    check_rank(name, x, 4)
+    check_dtype(name, x, FLOATS)
+    if x.shape[3] not in HEAD_DIMS:
+        fail(name, f"head dim in {HEAD_DIMS}", x.shape[3])
+    if not 1 <= x.shape[1] <= max_tokens:
+        fail(name, f"from 1 to {max_tokens} tokens per request", x.shape[1])
+    check_last_dim_contiguous(name, x)
+
+
+def _check_shapes(q, k_cache, block_table, kv_format):
+    """What plan() reads: shapes, dtypes, the format. Returns the format's name."""
+    _check_tokens("q", q, MAX_S_Q)
+    kv_format = _check_cache("k_cache", k_cache, kv_format, q.dtype, q.shape[3], q)
+    h_q, h_kv = q.shape[2], k_cache.shape[2]
+    if h_kv < 1 or h_q % h_kv:
+        fail("k_cache", f"a number of kv heads dividing q's {h_q}", h_kv)
+    _check_int32("block_table", block_table, q, 2, (q.shape[0],))
+    return kv_format
+
+
+def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale):
+    """What run() is given: the plan's shapes, and (unless capturing) values in range. Returns the scales as the
+    kernel takes them (fp32 tensors, or None)."""
+    check_tensor("q", q)
+    if tuple(q.shape) != (p.batch, p.s_q, p.h_q, p.head_dim) or q.dtype != p.dtype:
+        fail("q", f"[{p.batch}, {p.s_q}, {p.h_q}, {p.head_dim}] {p.dtype} (the plan's)", f"{tuple(q.shape)} {q.dtype}")
+    check_last_dim_contiguous("q", q)
+    fmt = KV_FORMATS[p.kv_format]
+    width = fmt.width(p.head_dim)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, cache)
+        check_same_device(name, cache, "q", q)
+        if cache.dim() != 4 or tuple(cache.shape[1:]) != (p.page_size, p.h_kv, width) or \
+                cache.dtype != (fmt.storage if fmt.quantized else q.dtype) or cache.stride(-1) != 1:
+            fail(name, f"a [num_pages, {p.page_size}, {p.h_kv}, {width}] {p.kv_format} cache (the plan's)",
+                 f"{tuple(cache.shape)} {cache.dtype}")
+    if v_cache.shape[0] != k_cache.shape[0]:
+        fail("v_cache", f"{k_cache.shape[0]} pages (like k_cache)", v_cache.shape[0])
+    _check_int32("block_table", block_table, q, 2, (p.batch,))
+    if block_table.shape[1] != p.max_pages:
+        fail("block_table", f"{p.max_pages} pages per request (the plan's)", block_table.shape[1])
+    _check_int32("cache_seqlens", cache_seqlens, q, 1, (p.batch,))
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if p.kv_format == "fp8":
+            scales.append(_scale_tensor(name, 1.0 if scale is None else scale, q, k_cache.shape[0], p.h_kv, True))
+        elif p.kv_format == "nvfp4":
+            if scale is None:
+                fail(name, "nvfp4's one-element fp32 tensor scale (from quantize_kv)", None)
+            scales.append(_scale_tensor(name, scale, q, None, p.h_kv, False))
+        elif scale is not None:
+            fail(name, f"None for kv_format {p.kv_format!r}", type(scale).__name__)
+        else:
+            scales.append(None)
+    if host_reads_allowed(q):
+        _check_table_values(k_cache.shape[0], p.page_size, block_table, cache_seqlens, p.s_q)
+    return scales[0], scales[1]
+
+
+def _scale_tensor(name, scale, ref, num_pages, h_kv, per_page_ok):
+    """A scale as the kernel takes it: an fp32 tensor of one element, or [num_pages, h_kv] when per_page_ok;
+    floats become one-element tensors. Finite and > 0 (read on the host once per tensor value, not under capture)."""
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        check_positive_float(name, float(scale), allow_none=False)
+        return torch.full((1,), float(scale), dtype=torch.float32, device=ref.device)
+    check_tensor(name, scale)
+    check_same_device(name, scale, "q", ref)
+    check_dtype(name, scale, (torch.float32,))
+    if scale.numel() != 1 and not (per_page_ok and scale.dim() == 2 and scale.shape[1] == h_kv and
+                                   (num_pages is None or scale.shape[0] == num_pages)):
+        fail(name, "a float, a one-element fp32 tensor" + (f", or fp32 [num_pages, {h_kv}] (per page and head)"
+                                                          if per_page_ok else ""), tuple(scale.shape))
+    if host_reads_allowed(scale) and not read_once(
+            (scale,), ("scale",), lambda: bool((torch.isfinite(scale) & (scale > 0)).all())):
+        fail(name, "finite scales > 0", "a NaN, inf, zero or negative scale")
+    return scale
+
+
+def _check_int32(name, t, ref, rank, lead):
+    check_tensor(name, t)
+    check_same_device(name, t, "q", ref)
+    check_rank(name, t, rank)
+    check_dtype(name, t, (torch.int32,))
+    if tuple(t.shape[:len(lead)]) != tuple(lead):
+        fail(name, f"leading dims {tuple(lead)} (q's batch)", tuple(t.shape))
+    check_last_dim_contiguous(name, t)
+
+
+def _check_table_values(num_pages, page, block_table, cache_seqlens, s_q):
+    """Every request's length within its pages and at least s_q; every page it uses in [0, num_pages): one device
+    reduction and one read-back, the details only on failure."""
+    capacity = block_table.shape[1] * page
+    lens = cache_seqlens.long()
+    used = torch.arange(block_table.shape[1], device=lens.device)[None, :] < ((lens + page - 1) // page)[:, None]
+    bad_pages = used & ((block_table < 0) | (block_table >= num_pages))
+    if not bool(((lens < s_q) | (lens > capacity)).any() | bad_pages.any()):
+        return
+    lens = lens.cpu()
+    if bool((lens < s_q).any()):
+        fail("cache_seqlens", f"values >= s_q ({s_q}: the new tokens are in the cache)", lens.tolist()[:8])
+    if bool((lens > capacity).any()):
+        fail("cache_seqlens", f"values <= {capacity} (block_table pages x page_size)", int(lens.max()))
+    i, j = (int(x) for x in bad_pages.nonzero()[0])
+    fail("block_table", f"page indices in [0, {num_pages})", f"{int(block_table[i, j])} at [{i}, {j}]")

@@ -1,0 +1,27 @@
+"""Tiles for paged GQA decode: arch -> cache format -> padded head dim -> PagedCfg (see ops/_tiles.py).
+
+"cpu" is the Triton interpreter. sm90 entries are first guesses from MLA decode's tuned tiles (the same shape of
+problem: a GQA group's query rows against one kv head's tokens), not yet timed on the H200; "default" serves any
+other arch, safe rather than fast.
+"""
+from typing import NamedTuple
+
+from .._tiles import TileTable
+
+
+class PagedCfg(NamedTuple):
+    block_h: int   # query rows (GQA group · s_q, padded to at least 16) per program: an upper bound
+    block_n: int   # cache tokens per step
+    warps: int
+    stages: int
+
+
+C = PagedCfg
+DECODE = TileTable({
+    "cpu": {"any": C(16, 16, 1, 1)},
+    "default": {"any": {0: C(16, 32, 4, 2), 256: C(16, 16, 4, 1)}, "fp32": C(16, 16, 4, 1)},
+    "sm90": {"any": {0: C(16, 64, 4, 3), 256: C(16, 32, 4, 2)}, "fp32": C(16, 16, 4, 1),
+             "fp8": {0: C(16, 64, 4, 3), 256: C(16, 32, 4, 2)},
+             "nvfp4": {0: C(16, 64, 4, 2), 256: C(16, 32, 4, 2)},
+             "mxfp4": {0: C(16, 64, 4, 2), 256: C(16, 32, 4, 2)}},
+})

@@ -1,0 +1,196 @@
+"""Paged GQA decode in Triton: split-KV partial attention over the block table, then shared_kernels' combine.
+
+A program owns one kv head of one request and BLOCK_H of the query rows that read it (GQA group · s_q rows,
+r = j · GROUP + g, padded to an MMA tile), so every K/V byte is read once per split, and walks BLOCK_N cache
+tokens at a time: token t is row t % PAGE of page block_table[b, t // PAGE], gathered per token, so any page size
+works. The cache rows are dequantised in registers (FP8: e4m3 -> q's dtype; FP4: e2m1 times the block scales);
+a per-token scale (FP8's per-tensor or per-page-head scale, NVFP4's tensor scale) is applied to the [rows,
+tokens] scores and probabilities, not the [tokens, d] tile.
+
+The schedule is static: each request's visible tokens are cut into `num_splits` equal BLOCK_N-aligned ranges,
+num_splits planned from shapes only, so a step needs no host sync and can be captured in a CUDA graph.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..shared_kernels import combine_splits, dot, e2m1_to_float, tanh
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _cache_tile(CACHE, row_off, kvh64, tok_ok, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] values of the token rows at element offsets row_off (int64) of one kv head, in OUT_DTYPE. KV_FMT: 0 values, 1 e4m3,
+    2 NVFP4 (e2m1 · e4m3 per 16), 3 MXFP4 (e2m1 · e8m0 per 32); FP4 rows hold D/2 packed bytes, then the block
+    scales (kv_format.py). Per-token scales are the caller's."""
+    base = CACHE + row_off[:, None] + kvh64 * stride_h
+    BLOCK_N: tl.constexpr = row_off.shape[0]
+    if KV_FMT < 2:
+        offs = tl.arange(0, BLOCK_D)
+        vals = tl.load(base + offs[None, :], mask=tok_ok[:, None] & (offs < D)[None, :], other=0.0).to(OUT_DTYPE)
+    else:
+        N_SCALES: tl.constexpr = BLOCK_D // GROUP
+        half = tl.arange(0, BLOCK_D // 2)
+        packed = tl.load(base + half[None, :], mask=tok_ok[:, None] & (half < D // 2)[None, :], other=0)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, BLOCK_D])  # low nibble = even element
+        offs_s = tl.arange(0, N_SCALES)
+        sbytes = tl.load(base + D // 2 + offs_s[None, :], mask=tok_ok[:, None] & (offs_s < D // GROUP)[None, :],
+                         other=0)
+        if KV_FMT == 2:
+            scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
+        vals = tl.reshape(tl.reshape(e2m1_to_float(codes), [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
+                          [BLOCK_N, BLOCK_D]).to(OUT_DTYPE)
+    return vals
+
+
+@triton.jit
+def paged_decode_split_kernel(
+    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
+    stride_qb, stride_qs, stride_qh,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
+    stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
+    stride_ls, stride_lb,
+    qk_scale, cap_in, cap_out, window,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
+):
+    """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
+    (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h."""
+    split = tl.program_id(0)
+    b64 = tl.program_id(1).to(tl.int64)
+    TILES: tl.constexpr = (GROUP * S_Q + BLOCK_H - 1) // BLOCK_H
+    kvh = tl.program_id(2) // TILES
+    kvh64 = kvh.to(tl.int64)
+    r_loc = (tl.program_id(2) % TILES) * BLOCK_H + tl.arange(0, BLOCK_H)  # r = j · GROUP + g
+    r_ok = r_loc < GROUP * S_Q
+    j = r_loc // GROUP
+    h = kvh * GROUP + r_loc % GROUP
+    length = tl.load(SEQLENS + b64)
+    pos = length - S_Q + j  # each query row's own position: it sees tokens <= pos
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(length - S_Q - window, 0)  # no row sees a token before this
+    per_split = tl.cdiv(tl.cdiv(length - lo, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b64 * stride_qb + j[:, None].to(tl.int64) * stride_qs + h[:, None].to(tl.int64) * stride_qh
+                + offs_d[None, :], mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = BLOCK_TABLE + b64 * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        tok_ok = tok < end
+        page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        slot = (tok % PAGE).to(tl.int64)
+        k = _cache_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D, BLOCK_D, KV_FMT,
+                        FP4_GROUP, q.dtype)
+        v = _cache_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, tok_ok, stride_vh, D, BLOCK_D, KV_FMT,
+                        FP4_GROUP, q.dtype)
+        s = dot(q, tl.trans(k))
+        if SCALED:  # per-token dequantisation scales, on the scores and probabilities
+            ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
+            vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
+            s = s * ks[None, :]
+        if SOFTCAP:
+            s = cap_out * tanh(s * cap_in)
+        else:
+            s = s * qk_scale
+        seen = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
+        if WINDOW:
+            seen = seen & (tok[None, :] >= pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if SCALED:
+            p = p * vs[None, :]
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    out = acc / l_safe[:, None]
+    if FINAL:
+        o_ptrs = O_PART + b64 * stride_ob + j[:, None].to(tl.int64) * stride_os + h[:, None].to(tl.int64) * stride_oh
+        tl.store(LSE_PART + b64 * stride_lb + h * S_Q + j, lse2 * 0.6931471805599453, mask=r_ok)
+    else:
+        row = (j * H_Q + h).to(tl.int64)
+        o_ptrs = O_PART + split.to(tl.int64) * stride_os + b64 * stride_ob + row[:, None] * stride_oh
+        tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + row, lse2, mask=r_ok)
+    tl.store(o_ptrs + offs_d[None, :], out.to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_d < D)[None, :])
+
+
+# ------------------------------------------------------------------------------------------ launch
+def plan_block_h(block_h, rows):
+    """A program's query rows: at most the table's block_h, no more than the rows need (a power of two >= 16)."""
+    return min(block_h, max(16, triton.next_power_of_2(rows)))
+
+
+def plan_num_splits(batch, h_kv, row_tiles, max_tokens, sm_count, min_tokens_per_split=256, waves=2):
+    """About `waves` programs per SM, from shapes only: a request's tokens split until (b · h_kv · row tiles ·
+    splits) fills the GPU, but no split shorter than min_tokens_per_split."""
+    programs = batch * h_kv * row_tiles
+    want = max(1, round(waves * sm_count / max(programs, 1)))
+    return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
+
+
+def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt, softmax_scale,
+                     softcap, window, num_splits, cfg):
+    """(out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] natural-log). k_scale / v_scale: fp32 tensors with
+    (page, head) strides taken from their shape ([num_pages, h_kv], or one element: strides 0), or None."""
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if b == 0:
+        return out, lse
+    rows = group * s_q
+    block_h = plan_block_h(cfg.block_h, rows)
+    tiles = triton.cdiv(rows, block_h)
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = out, lse
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (0, lse.stride(0))
+    else:
+        o_part = torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32)
+        o_strides = (o_part.stride(1), o_part.stride(0), o_part.stride(2))
+        l_strides = (lse_part.stride(0), lse_part.stride(1))
+    scaled = k_scale is not None
+
+    def scale_strides(t):
+        return (0, 0) if t is None or t.numel() == 1 else (t.stride(0), t.stride(1))
+    grid = (num_splits, b, h_kv * tiles)
+    paged_decode_split_kernel[grid](
+        q, k_cache, v_cache, block_table, cache_seqlens, k_scale if scaled else lse, v_scale if scaled else lse,
+        o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_table.stride(0), *scale_strides(k_scale), *scale_strides(v_scale),
+        *o_strides, *l_strides,
+        softmax_scale * LOG2E, softmax_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
+        window if window is not None else 0,
+        H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=k_cache.shape[1],
+        KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
+        WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, num_warps=cfg.warps,
+        num_stages=cfg.stages,
+    )
+    if not final:
+        combine_splits(o_part, lse_part, out, lse, h_q, s_q)
+    return out, lse
