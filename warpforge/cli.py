@@ -31,19 +31,22 @@ def cmd_bench(args) -> int:
     from .bench import cases as registry
     from .bench import report, runner
 
-    if args.list:
-        for c in registry.select(args.family, args.quick):
-            print(f"{c.family:10s} {c.name}{'  (quick)' if c.quick else ''}")
-        return 0
     known = registry.families()
     if args.family not in (None, "all") and args.family not in known:
         return _fail("bench", f"unknown family {args.family!r}; known: {', '.join(known)}")
     selected = registry.select(args.family, args.quick)
+    if args.match:
+        selected = [c for c in selected if args.match.search(c.name)]
+    if args.list:
+        for c in selected:
+            print(f"{c.family:10s} {c.name}{'  (quick)' if c.quick else ''}")
+        return 0
+    problem = _bench_output_problem(args)  # before the benchmarks run, not after
+    if problem:
+        return _fail("bench", problem)
     if device.type == "cpu":
         print("No GPU found: running every kernel through the Triton interpreter at tiny sizes, "
               "checked against its reference. Times are not GPU times.", flush=True)
-    if args.match:
-        selected = [c for c in selected if args.match.search(c.name)]
     checkpoint = (lambda res: report.write_json(res, args.json)) if args.json else None
     result = runner.run(selected, device, log=lambda s: print(s, flush=True), checkpoint=checkpoint)
     print(report.table(result))
@@ -59,6 +62,23 @@ def cmd_bench(args) -> int:
     return 1 if failed else 0
 
 
+def _bench_output_problem(args) -> str | None:
+    """Why --json or --plot could not be written (None if they can): matplotlib missing, a path that cannot take
+    a file."""
+    import importlib.util
+
+    from .models.gpt.checkpoint import check_writable
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install matplotlib, or warpforge[plot])"
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            try:
+                check_writable(path)
+            except OSError as exc:
+                return f"{flag} {path}: cannot write there ({exc})"
+    return None
+
+
 def cmd_report(args) -> int:
     import json
 
@@ -67,6 +87,7 @@ def cmd_report(args) -> int:
         try:
             with open(path) as f:
                 results = json.load(f)
+            report.check_result(results)
         except (OSError, ValueError) as exc:
             return _fail("report", f"{path}: {exc}")
         print(f"### {os.path.basename(path)}\n\n```\n{report.table(results)}\n```\n")
@@ -162,7 +183,6 @@ def _number(kind, ok, expected):
 
 
 positive_int = _number(int, lambda v: v >= 1, "a positive integer")
-int_value = _number(int, lambda v: True, "an integer")
 positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 temperature = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 probability = _number(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
@@ -216,6 +236,8 @@ def _train_parser(gsub) -> None:
 
 
 def _sample_parser(gsub) -> None:
+    from .models.gpt.sample import SEEDS
+    seed = _number(int, lambda v: SEEDS[0] <= v <= SEEDS[1], f"an integer from {SEEDS[0]} to {SEEDS[1]}")
     gs = gsub.add_parser("sample", help="generate text from a trained checkpoint")
     gs.add_argument("--preset", default="tiny", help="whose default run to read when --ckpt is not given")
     gs.add_argument("--ckpt", default=None, help="checkpoint file (default: $WARPFORGE_CACHE/runs/<preset>/ckpt.pt)")
@@ -228,7 +250,7 @@ def _sample_parser(gsub) -> None:
     gs.add_argument("--top-p", type=probability, default=None,
                     help="sample among the most likely bytes holding this much probability (default: no limit)")
     gs.add_argument("--num", type=positive_int, default=1, help="number of samples (default 1)")
-    gs.add_argument("--seed", type=int_value, default=0, help="random seed (default 0)")
+    gs.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
     gs.set_defaults(fn=cmd_gpt_sample)
 
 

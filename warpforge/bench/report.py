@@ -12,6 +12,32 @@ def _fmt(x, spec):
     return format(x, spec)
 
 
+_MACHINE_KEYS = ("gpu", "torch", "triton", "git_commit")
+_GPU_MACHINE_KEYS = ("copy_tbps", "gemm_tflops")  # the measured ceilings, absent from interpreter runs
+_ROW_KEYS = ("family", "case", "impl")
+
+
+def check_result(result) -> None:
+    """A ValueError (one line) unless result has the shape write_json writes, which table reads: {"machine":
+    {gpu, torch, triton, git_commit, (on a GPU) copy_tbps, gemm_tflops, ...}, "rows": [{family, case, impl, ...},
+    ...]}."""
+    def wrong(what):
+        raise ValueError(f"not a `warpforge bench --json` result: {what}")
+    if not isinstance(result, dict):
+        wrong(f"a JSON {type(result).__name__}, not an object")
+    for key, kind in (("machine", dict), ("rows", list)):
+        if not isinstance(result.get(key), kind):
+            wrong(f"no {key!r} {'object' if kind is dict else 'list'}")
+    machine = result["machine"]
+    missing = [k for k in _MACHINE_KEYS + (() if machine.get("interpreter") else _GPU_MACHINE_KEYS)
+               if k not in machine]
+    if missing:
+        wrong(f"'machine' lacks {', '.join(missing)}")
+    for i, row in enumerate(result["rows"]):
+        if not isinstance(row, dict) or any(k not in row for k in _ROW_KEYS):
+            wrong(f"row {i} is not an object with {', '.join(_ROW_KEYS)}")
+
+
 def table(result: dict) -> str:
     m = result["machine"]
     interpreted = bool(m.get("interpreter"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import fail
+from ..errors import check_bool, check_cu_seqlens, check_int, check_positive_float, fail, host_reads_allowed, read_once
 from ..ops.rope import rope_tables
 from . import functional as F
 
@@ -15,8 +15,9 @@ from . import functional as F
 @dataclass
 class KVCache:
     """One layer's keys and values so far: k, v [batch, max_tokens, kv_heads, head_dim], of which the first
-    `length` tokens are written. The rows of a batch advance together, and `length` lives on the host, so a
-    decode step never reads the device back."""
+    `length` tokens are written. Every step writes all `batch` rows (they advance together: one step with fewer
+    rows would leave the others behind), and `length` lives on the host, so a decode step never reads the device
+    back."""
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
@@ -24,19 +25,25 @@ class KVCache:
     @classmethod
     def allocate(cls, batch: int, max_tokens: int, n_kv_heads: int, head_dim: int, device=None,
                  dtype=torch.bfloat16) -> "KVCache":
+        check_int("batch", batch, lo=1)
+        check_int("max_tokens", max_tokens, lo=1)
         shape = (batch, max_tokens, n_kv_heads, head_dim)
         return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [b, s, kv_heads, head_dim] after the cached tokens; return every key and value so far."""
-        b = k.shape[0]
+        """Write k, v [batch, s, kv_heads, head_dim] after the cached tokens; return every key and value so far."""
+        if k.shape[0] != self.k.shape[0]:
+            fail("cache", f"a cache of x's batch, {k.shape[0]} (its rows advance together)",
+                 f"a cache of batch {self.k.shape[0]}")
+        if k.shape[2:] != self.k.shape[2:]:
+            fail("cache", f"(kv_heads, head_dim) {tuple(k.shape[2:])} (this layer's)", tuple(self.k.shape[2:]))
         start, end = self.length, self.length + k.shape[1]
         if end > self.k.shape[1]:
             fail("cache", f"room for {end} tokens", f"a cache of {self.k.shape[1]}")
-        self.k[:b, start:end] = k
-        self.v[:b, start:end] = v
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
         self.length = end
-        return self.k[:b, :end], self.v[:b, :end]
+        return self.k[:, :end], self.v[:, :end]
 
 
 class Attention(nn.Module):
@@ -54,11 +61,19 @@ class Attention(nn.Module):
                  rotary: bool = False, max_seq_len: int = 4096, rope_base: float = 10000.0,
                  backend: F.Backend = None):
         super().__init__()
-        n_kv_heads = n_kv_heads or n_heads
+        check_int("dim", dim, lo=1)
+        check_int("n_heads", n_heads, lo=1)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_int("n_kv_heads", n_kv_heads, lo=1)
         if dim % n_heads:
             fail("dim", f"a multiple of n_heads ({n_heads})", dim)
         if n_heads % n_kv_heads:
             fail("n_kv_heads", f"a divisor of n_heads ({n_heads})", n_kv_heads)
+        if not isinstance(window, (tuple, list)) or len(window) != 2:  # its values: flash_attention checks them
+            fail("window", "(left, right)", repr(window))
+        check_bool("rotary", rotary)
+        check_int("max_seq_len", max_seq_len, lo=1)
+        check_positive_float("rope_base", rope_base, allow_none=False)  # 0 would make every angle NaN
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.causal, self.window, self.softmax_scale, self.backend = causal, tuple(window), softmax_scale, \
             F.check_backend(backend)
@@ -70,33 +85,51 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        qkv = self.qkv(x).unflatten(-1, (self.n_heads + 2 * self.n_kv_heads, self.head_dim))
-        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
         if cache is not None and not isinstance(cache, KVCache):  # e.g. cu_seqlens passed by position
             fail("cache", "a KVCache or None (pass cu_seqlens by keyword)", type(cache).__name__)
         if cache is not None and cu_seqlens is not None:
             fail("cache", "None with a packed batch (cu_seqlens)", type(cache).__name__)
+        F.check_input(x, self.qkv.in_features, self.qkv.weight, ranks=3 if cu_seqlens is None else 2)
+        lead = x.shape[:-1]
+        qkv = self.qkv(x).unflatten(-1, (self.n_heads + 2 * self.n_kv_heads, self.head_dim))
+        q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
         if self.cos is not None:
-            q, k = self._rotate(q, k, cache.length if cache is not None else 0, cu_seqlens)
+            q, k = self._rotate(q, k, cache.length if cache is not None else 0, cu_seqlens, max_seqlen)
         if cache is not None:  # decoding: the new queries see the whole cache
             k, v = cache.append(k, v)
         out = F.attention(q, k, v, causal=self.causal, window=self.window, softmax_scale=self.softmax_scale,
                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend)
-        return self.proj(out.reshape(*lead, -1))
+        return self.proj(out.reshape(*lead, self.n_heads * self.head_dim))  # (no -1: x may have no tokens)
 
-    def _rotate(self, q, k, pos: int, cu_seqlens):
+    def _rotate(self, q, k, pos: int, cu_seqlens, max_seqlen):
         if cu_seqlens is None:  # [b, s, h, d] at positions pos, pos + 1, ...
             s = q.shape[1]
             if pos + s > self.cos.shape[0]:
                 fail("x", f"at most max_seq_len ({self.cos.shape[0]}) positions", pos + s)
             cos, sin = self.cos[pos:pos + s], self.sin[pos:pos + s]
             return F.rope(q, cos, sin, backend=self.backend), F.rope(k, cos, sin, backend=self.backend)
+        self._check_packed_lengths(q, cu_seqlens, max_seqlen)
         # packed [total, h, d]: each token's position inside its own sequence, found on the device
         t = torch.arange(q.shape[0], device=q.device, dtype=cu_seqlens.dtype)
         pos = (t - cu_seqlens[torch.searchsorted(cu_seqlens[1:], t, right=True)]).long()
         cos, sin = self.cos[pos], self.sin[pos]
         return F.rope(q[None], cos, sin, backend=self.backend)[0], F.rope(k[None], cos, sin, backend=self.backend)[0]
+
+    def _check_packed_lengths(self, q, cu_seqlens, max_seqlen) -> None:
+        """Every packed sequence fits the rotary tables (a position past them would index out of range). The
+        offsets are read on the host once for as long as they do not change (the layers of a step share them), as
+        flash_attention reads them; while compiling or capturing, max_seqlen (which flash_attention then
+        requires) bounds them instead."""
+        limit = self.cos.shape[0]
+        check_cu_seqlens("cu_seqlens", cu_seqlens, q, read_values=False)
+        if host_reads_allowed(q):
+            host = read_once((cu_seqlens,), ("nn.Attention rotary", q.shape[0]),
+                             lambda: check_cu_seqlens("cu_seqlens", cu_seqlens, q))
+            longest = int((host[1:] - host[:-1]).max())
+        else:
+            longest = max_seqlen or 0
+        if longest > limit:
+            fail("x", f"packed sequences of at most max_seq_len ({limit}) tokens", f"one of {longest}")
 
     def new_cache(self, batch: int, max_tokens: int, device=None, dtype=torch.bfloat16) -> KVCache:
         """An empty KVCache for this layer: dtype is the one k and v arrive in (autocast's, if on)."""

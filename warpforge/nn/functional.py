@@ -7,12 +7,12 @@ benchmarks compare against, and a path for any device PyTorch runs on. A module'
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import fail
+from ..errors import check_dtype, check_rank, check_same_dtype, check_tensor, fail
 from ..ops import attention as attention_op
 from ..ops import linear_ce, mla, moe, norm
 from ..ops import rope as rope_op
@@ -23,6 +23,25 @@ Backend = Union[None, str, Mapping[str, Optional[str]]]
 TORCH = "torch"
 # the op names a dict backend may key (each is a function below; "moe" covers route and moe_experts)
 OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla")
+
+
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # what the ops behind the modules take
+
+
+def check_input(x: object, width: int, weight: torch.Tensor | None = None, ranks: int | Sequence[int] | None = None,
+                name: str = "x") -> None:
+    """x, a module's input: a float tensor (of one of `ranks`, where given) whose last dim is `width`, the module's
+    dim. With `weight` (its first Linear's), x must also be in that dtype unless autocast casts it: else the
+    Linear's own dtype error would name no argument."""
+    check_tensor(name, x)
+    if ranks is not None:
+        check_rank(name, x, ranks)
+    check_dtype(name, x, FLOATS)
+    if x.dim() == 0 or x.shape[-1] != width:
+        fail(name, f"a tensor [..., {width}] (the module's dim)", f"shape {tuple(x.shape)}")
+    if weight is not None and not torch.is_autocast_enabled(x.device.type):
+        check_same_dtype(name, x, "the module's weights", weight)
 
 
 def pick(backend: Backend, op: str) -> Optional[str]:

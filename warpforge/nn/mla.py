@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import fail
+from ..errors import check_int, check_positive_float, fail
+from ..ops.attention import MAX_HEAD_DIM
 from ..ops.rope import rope_tables
 from . import functional as F
 
@@ -23,8 +24,9 @@ from . import functional as F
 @dataclass
 class MLACache:
     """A paged latent cache: kv_cache [num_pages, page_size, 1, 576], block_table int32 [b, pages per request],
-    cache_seqlens int32 [b] (tokens written so far, what mla_decode reads). The requests of a batch advance
-    together, and `length` is their common count on the host, so a decode step never reads the device back."""
+    cache_seqlens int32 [b] (tokens written so far, what mla_decode reads). Every step writes all b requests (they
+    advance together), and `length` is their common count on the host, so a decode step never reads the device
+    back."""
     kv_cache: torch.Tensor
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
@@ -32,10 +34,22 @@ class MLACache:
 
     @classmethod
     def allocate(cls, batch: int, max_tokens: int, page_size: int = 64, device=None, dtype=torch.bfloat16):
+        check_int("batch", batch, lo=1)
+        check_int("max_tokens", max_tokens, lo=1)
+        check_int("page_size", page_size, lo=1)
         pages = -(-max_tokens // page_size)
         kv = torch.zeros(batch * pages, page_size, 1, 576, device=device, dtype=dtype)
         table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
         return cls(kv, table, torch.zeros(batch, device=device, dtype=torch.int32))
+
+    def check_step(self, batch: int, tokens: int) -> None:
+        """A step of `tokens` new tokens for each of `batch` requests fits: the cache's batch, within its pages."""
+        if batch != self.block_table.shape[0]:
+            fail("cache", f"a cache of x's batch, {batch} (its requests advance together)",
+                 f"a cache of batch {self.block_table.shape[0]}")
+        end, room = self.length + tokens, self.block_table.shape[1] * self.kv_cache.shape[1]
+        if end > room:
+            fail("cache", f"room for {end} tokens", f"a cache of {room}")
 
 
 class MLAttention(nn.Module):
@@ -47,9 +61,24 @@ class MLAttention(nn.Module):
                  max_seq_len: int = 4096, rope_base: float = 10000.0, mscale: float = 1.0,
                  backend: F.Backend = None):
         super().__init__()
+        check_int("dim", dim, lo=1)
+        check_int("n_heads", n_heads, lo=1)
+        if q_lora_rank is not None:
+            check_int("q_lora_rank", q_lora_rank, lo=1, what="a positive int, or None for no query compression")
         if kv_lora_rank != 512 or qk_rope_head_dim != 64:
             fail("kv_lora_rank", "512 with qk_rope_head_dim 64 (the 576-wide latent mla_decode reads)",
                  (kv_lora_rank, qk_rope_head_dim))
+        # the prefill's flash_attention takes head dims that are multiples of 8 up to MAX_HEAD_DIM: v's, and q/k's
+        # of qk_nope_head_dim + qk_rope_head_dim
+        for name, width, widest in (("qk_nope_head_dim", qk_nope_head_dim, MAX_HEAD_DIM - qk_rope_head_dim),
+                                    ("v_head_dim", v_head_dim, MAX_HEAD_DIM)):
+            what = f"a multiple of 8 from 8 to {widest} (flash_attention's head dims)"
+            check_int(name, width, lo=8, hi=widest, what=what)
+            if width % 8:
+                fail(name, what, width)
+        check_int("max_seq_len", max_seq_len, lo=1)
+        check_positive_float("rope_base", rope_base, allow_none=False)
+        check_positive_float("mscale", mscale, allow_none=False)
         self.n_heads, self.nope, self.rope_dim, self.v_dim = n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_rank, self.backend = kv_lora_rank, F.check_backend(backend)
         qk_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -98,9 +127,13 @@ class MLAttention(nn.Module):
         """x [b, s, dim]. Without a cache: causal self-attention over x (training). With a cache: x's tokens
         are appended; a first call (empty cache) is a prefill, later calls decode (s ≤ 4) in absorbed form.
         The requests of a batch advance together, from the cache's host-side `length`."""
-        s = x.shape[1]
+        if cache is not None and not isinstance(cache, MLACache):
+            fail("cache", "an MLACache or None", type(cache).__name__)
+        F.check_input(x, self.wkv_a.in_features, self.wkv_a.weight, ranks=3)
+        b, s, _ = x.shape
         if cache is None:
             return self._prefill(x, 0)
+        cache.check_step(b, s)
         start = cache.length
         latents = self._latents(x, start)
         self._write(cache, latents, start)
@@ -126,7 +159,7 @@ class MLAttention(nn.Module):
         k_rope = latents[..., None, self.kv_rank:].expand(b, s, self.n_heads, self.rope_dim)
         out = F.attention(torch.cat([q_nope, q_rope], -1), torch.cat([k_nope, k_rope], -1), v,
                           causal=True, softmax_scale=self.softmax_scale, backend=self.backend)
-        return self.wo(out.reshape(b, s, -1))
+        return self.wo(out.reshape(b, s, self.n_heads * self.v_dim))  # (no -1: x may have no tokens)
 
     def _decode(self, x, cache, start):
         b, s, _ = x.shape
@@ -137,7 +170,7 @@ class MLAttention(nn.Module):
         out_latent = F.mla_decode(q, cache.kv_cache, cache.block_table, cache.cache_seqlens + s,
                                   softmax_scale=self.softmax_scale, causal=s > 1, backend=self.backend)
         out = torch.einsum("bshc,hdc->bshd", out_latent.to(x.dtype), w_uv.to(x.dtype))
-        return self.wo(out.reshape(b, s, -1))
+        return self.wo(out.reshape(b, s, self.n_heads * self.v_dim))
 
     @staticmethod
     def _write(cache, latents, start):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import check_int
 from . import functional as F
 
 
@@ -12,9 +13,12 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False, backend: F.Backend = None):
         super().__init__()
+        check_int("dim", dim, lo=1)
+        check_int("hidden_dim", hidden_dim, lo=1)
         self.backend = F.check_backend(backend)
         self.gate_up = nn.Linear(dim, 2 * hidden_dim, bias=bias)
         self.down = nn.Linear(hidden_dim, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F.check_input(x, self.gate_up.in_features, self.gate_up.weight)
         return self.down(F.swiglu(self.gate_up(x), backend=self.backend))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import fail
+from ..errors import check_int, check_positive_float
+from ..ops.moe import check_routing  # moe.route's check of its settings: the one place they are checked
 from . import functional as F
 
 
@@ -19,11 +20,18 @@ class MoE(nn.Module):
                  routed_scaling_factor: float = 1.0, renormalize: bool = True, aux_loss_coef: float = 0.01,
                  backend: F.Backend = None):
         super().__init__()
-        if not 1 <= topk <= num_experts:
-            fail("topk", f"from 1 to num_experts ({num_experts})", topk)
+        check_int("dim", dim, lo=1)
+        check_int("ffn_dim", ffn_dim, lo=1)
+        check_int("num_experts", num_experts, lo=1)
+        check_int("num_shared_experts", num_shared_experts, lo=0)
+        check_positive_float("aux_loss_coef", aux_loss_coef, allow_none=False, allow_zero=True)
         self.topk, self.backend, self.aux_loss_coef = topk, F.check_backend(backend), aux_loss_coef
         self.route_kw = dict(renormalize=renormalize, scoring=scoring, num_expert_group=num_expert_group,
                              topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+        # the routing settings are checked now rather than at the first forward (the torch backend's routing
+        # does not check them at all), on router logits of no tokens
+        check_routing(torch.empty(0, num_experts), topk, scoring, num_expert_group, topk_group, renormalize,
+                       routed_scaling_factor)
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.w13 = nn.Parameter(torch.randn(num_experts, 2 * ffn_dim, dim) * dim ** -0.5)
         self.w2 = nn.Parameter(torch.randn(num_experts, dim, ffn_dim) * ffn_dim ** -0.5)
@@ -34,7 +42,7 @@ class MoE(nn.Module):
         self.aux_loss = torch.zeros(())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
+        F.check_input(x, self.router.in_features, self.router.weight)
         h = x.reshape(-1, x.shape[-1])
         logits = self.router(h)
         # routed once: the weights carry the router's gradient, the ids also feed the balance loss
@@ -43,7 +51,7 @@ class MoE(nn.Module):
         if self.shared_gate_up is not None:
             out = out + self.shared_down(F.swiglu(self.shared_gate_up(h), backend=self.backend))
         self.aux_loss = self.aux_loss_coef * self._balance_loss(logits, ids)
-        return out.reshape(*lead, -1)
+        return out.reshape(x.shape)
 
     def _balance_loss(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         e = logits.shape[-1]
@@ -51,4 +59,5 @@ class MoE(nn.Module):
         flat = ids.reshape(-1).long()
         frac = torch.zeros(e, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         frac = frac / max(ids.numel(), 1)  # scatter_add, not bincount: no host sync in the training step
-        return e * (frac * probs.mean(0)).sum()
+        mean_probs = probs.sum(0) / max(probs.shape[0], 1)  # not mean(0): no tokens give 0, not NaN
+        return e * (frac * mean_probs).sum()

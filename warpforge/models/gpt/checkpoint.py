@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +29,18 @@ def save_atomic(obj, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)  # a crash mid-write never leaves a torn checkpoint
+
+
+def check_writable(path: Path) -> None:
+    """That a file can be written at path: its directory is made (as a save would make it) and takes a new file,
+    and path is not a directory. An OSError now, rather than when the first file is written after minutes of
+    work."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory")
+    with tempfile.TemporaryFile(dir=path.parent):
+        pass
 
 
 def read_checkpoint(path: Path, keys=KEYS) -> dict:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ...errors import check_bool, check_choice, check_int, check_positive_float, fail
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -23,6 +25,22 @@ class GPTConfig:
     moe_ffn_dim: int = 256           # per expert
     moe_shared_experts: int = 1
     moe_first_dense: int = 1         # the first layers keep a dense feed-forward
+
+    def __post_init__(self):
+        """Shapes GPT can build, each checked under its own name (the modules' checks would name theirs). The MoE
+        and MLA widths are checked by MoE and MLAttention."""
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_kv_head", "d_model"):
+            check_int(name, getattr(self, name), lo=1)
+        if self.d_model % self.n_head:
+            fail("d_model", f"a multiple of n_head ({self.n_head})", self.d_model)
+        if self.n_head % self.n_kv_head:
+            fail("n_kv_head", f"a divisor of n_head ({self.n_head})", self.n_kv_head)
+        check_positive_float("ffn_mult", self.ffn_mult, allow_none=False)
+        check_positive_float("rope_base", self.rope_base, allow_none=False)
+        check_bool("tie_embeddings", self.tie_embeddings)
+        check_choice("attention", self.attention, ("mha", "mla"))
+        check_int("moe_experts", self.moe_experts, lo=0, what="an int >= 0 (0: no MoE)")
+        check_int("moe_first_dense", self.moe_first_dense, lo=0)
 
     @property
     def head_dim(self) -> int:

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import nn
 
+from ...errors import check_dtype, check_int, check_positive_float, check_rank, check_tensor, fail, \
+    host_reads_allowed
 from ...nn import Attention, MLAttention, MoE, RMSNorm, SwiGLU
 from ...nn import functional as F
 from .config import GPTConfig
@@ -55,8 +57,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, backend: F.Backend = None):
         super().__init__()
-        if cfg.d_model % cfg.n_head or cfg.n_head % cfg.n_kv_head:
-            raise ValueError("d_model must divide by n_head, and n_head by n_kv_head")
+        if not isinstance(cfg, GPTConfig):  # a GPTConfig checks its fields as it is made
+            fail("cfg", "a GPTConfig", type(cfg).__name__)
         self.cfg, self.backend = cfg, F.check_backend(backend)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, backend) for i in range(cfg.n_layer))
@@ -77,9 +79,29 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """idx [b, s] token ids. With targets: mean cross-entropy (nats per token). Else: logits [b, s, vocab].
         cache (from new_cache): idx continues the tokens cached so far (decoding)."""
-        end = idx.shape[1] + (cache[0].length if cache is not None else 0)
-        if end > self.cfg.seq_len:
-            raise ValueError(f"sequence of {end} tokens is longer than seq_len {self.cfg.seq_len}")
+        self._check_idx(idx, cache[0].length if cache is not None else 0)
+        return self._run(idx, targets, cache)
+
+    def _check_idx(self, idx, cached: int | None = 0) -> None:
+        """idx: int token ids [b, s], s >= 1, in the vocabulary, within seq_len with the `cached` tokens before
+        them (cached None: of any length, as generate keeps its own window). The ids are read on the host (a sync,
+        as linear_cross_entropy's check of the targets), except while compiling or capturing a CUDA graph."""
+        check_tensor("idx", idx)
+        check_rank("idx", idx, 2)
+        check_dtype("idx", idx, (torch.int64, torch.int32))
+        if idx.numel() == 0:  # nothing to predict from: the loss would be NaN, generate has no last token
+            fail("idx", "at least one row of at least one token", f"shape {tuple(idx.shape)}")
+        end = None if cached is None else cached + idx.shape[1]
+        if end is not None and end > self.cfg.seq_len:
+            fail("idx", f"at most seq_len ({self.cfg.seq_len}) tokens, the cached ones included", end)
+        if host_reads_allowed(idx):
+            lo, hi = torch.aminmax(idx)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= self.cfg.vocab_size:
+                fail("idx", f"token ids in [0, {self.cfg.vocab_size})", f"ids from {lo} to {hi}")
+
+    def _run(self, idx, targets, cache):
+        """forward's work on checked idx (generate checks its prompt once, not every token it feeds back)."""
         x = self.embed(idx)
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache[i])
@@ -120,12 +142,15 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None = None):
         """Continue idx [b, s] by max_new_tokens with a KV cache: the prompt in one pass, then a token a step.
-        When the context is full, the cache restarts from the last half of it (a sliding window)."""
+        When the context is full, the cache restarts from the last half of it (a sliding window). The settings
+        are those of `sample_next`."""
         c = self.cfg
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        self._check_idx(idx, cached=None)  # once: the tokens fed back are sampled from the vocabulary
         b = idx.shape[0]
         dtype = F.compute_dtype(idx.device, self.embed.weight.dtype)  # the cache holds k/v as attention sees them
         cache = self.new_cache(b, idx.device, dtype)
-        logits = self(idx[:, -c.seq_len:], cache=cache)[:, -1]
+        logits = self._run(idx[:, -c.seq_len:], None, cache)[:, -1]
         out = idx
         for i in range(max_new_tokens):
             nxt = sample_next(logits.float(), temperature, top_k, top_p, generator)
@@ -134,17 +159,31 @@ class GPT(nn.Module):
                 break
             if cache[0].length == c.seq_len:  # full: re-read the last half of the context into a fresh cache
                 cache = self.new_cache(b, idx.device, dtype)
-                logits = self(out[:, -(c.seq_len // 2):], cache=cache)[:, -1]
+                logits = self._run(out[:, -(c.seq_len // 2):], None, cache)[:, -1]
             else:
-                logits = self(nxt, cache=cache)[:, -1]
+                logits = self._run(nxt, None, cache)[:, -1]
         return out
+
+
+def check_sampling(max_new_tokens, temperature, top_k, top_p) -> None:
+    """The settings of `GPT.generate` (and `sample`): WarpforgeInputErrors naming the one that cannot sample."""
+    check_int("max_new_tokens", max_new_tokens, lo=1)
+    check_positive_float("temperature", temperature, allow_none=False, allow_zero=True)
+    if top_k is not None:
+        check_int("top_k", top_k, lo=1, what="a positive int or None")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and not isinstance(top_p, bool) and
+                                  0 < top_p <= 1):
+        fail("top_p", "a probability in (0, 1] or None", repr(top_p))
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token per row of logits [b, vocab]: greedy at temperature 0, else top-k / top-p sampling."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits / temperature
+    # in float64, where any temperature > 0 is nonzero, and shifted so that the largest logit is 0: a tiny
+    # temperature sends the others to -inf (sampling tends to greedy) instead of overflowing to inf (NaN softmax)
+    logits = logits.double()
+    logits = (logits - logits.max(-1, keepdim=True).values) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -23,9 +23,10 @@ from typing import Optional
 
 import torch
 
+from ...errors import WarpforgeInputError
 from ...profiling import StepProfiler
-from ...runtime import device_spec
-from .checkpoint import Checkpointer, CheckpointError, TrainError, load_weights, read_checkpoint
+from ...runtime import device_spec, resolve_backend
+from .checkpoint import Checkpointer, CheckpointError, TrainError, check_writable, load_weights, read_checkpoint
 from .config import GPTConfig, TrainConfig, from_dict, preset
 from .data import Batches, cache_dir, load_split
 from .model import GPT
@@ -87,6 +88,9 @@ def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = Fal
             raise TrainError(f"{run.ckpt_path} was trained with another model config than preset {preset_name!r}")
         run = replace(run, train_cfg=tcfg, ckpt=ckpt)
     _check(run.train_cfg)
+    if run.ckpt and run.train_cfg.max_steps < run.ckpt["step"]:  # it would rewrite step N as done "of" fewer
+        raise TrainError(f"max_steps: expected at least the step of {run.ckpt_path} ({run.ckpt['step']}), got "
+                         f"{run.train_cfg.max_steps}")
     return run
 
 
@@ -225,16 +229,37 @@ class _StopRequest:
             signal.signal(signal.SIGINT, self.previous)
 
 
+def _check_backend(env: Env) -> None:
+    """The backend the environment picks (WARPFORGE_BACKEND) runs here: refused now, not at the first step."""
+    try:
+        resolve_backend(None, env.device)
+    except WarpforgeInputError as exc:
+        raise TrainError(f"WARPFORGE_BACKEND={os.environ.get('WARPFORGE_BACKEND', '')!r}: {exc}") from None
+
+
+def _check_out(run: Run, env: Env) -> None:
+    """The run's directory takes the checkpoint (rank 0 writes it): refused now, not at the first save. It is
+    made here, so this comes after the other checks that write nothing."""
+    if env.rank != 0:
+        return
+    try:
+        check_writable(run.ckpt_path)
+    except OSError as exc:
+        raise TrainError(f"cannot write the run's checkpoint to {run.out}: {exc}") from None
+
+
 class Trainer:
     """One process's part of a run: model, optimizer, data and checkpoints, and the loop. fit() trains until
     max_steps, the time limit, Ctrl-C or stop_at_step, saves, and returns the result."""
 
     def __init__(self, run: Run, env: Env, stop_at_step: int | None = None, progress_bar: bool = False):
+        _check_backend(env)
         self.run, self.env, self.cfg = run, env, run.train_cfg
         self.stop_at_step, self.progress_bar = stop_at_step, progress_bar
         random_data = self.cfg.data == "random"
         train_data = None if random_data else load_split("train")
         self.val_data = None if random_data else load_split("val")
+        _check_out(run, env)
         self.model, self.optim = _build(run, env)
         mcfg = run.model_cfg
         self.batches = Batches(train_data, mcfg.seq_len, self.cfg.batch_size // env.world,

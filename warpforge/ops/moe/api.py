@@ -134,7 +134,7 @@ def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_exper
     every number, so a row's ids are k distinct experts in [0, E) whatever the logits; a softmax row with a NaN
     or +inf logit (or every logit -inf) gets experts 0..k-1 with NaN weights. routed_scaling_factor is at most
     fp32's largest finite value (the weights are fp32, at most 1 before the scaling)."""
-    _check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
+    check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
     return _route(router_logits, topk, resolve_backend(backend, router_logits.device), renormalize=renormalize,
                   scoring=scoring, num_expert_group=num_expert_group, topk_group=topk_group,
                   routed_scaling_factor=routed_scaling_factor)
@@ -168,7 +168,7 @@ def _route(router_logits, topk, backend, **kw):
     return route_reference(router_logits, topk, **kw)
 
 
-def _check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor):
+def check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor):
     check_tensor("router_logits", router_logits)
     check_rank("router_logits", router_logits, 2)
     check_dtype("router_logits", router_logits, (torch.float16, torch.bfloat16, torch.float32))
@@ -219,7 +219,7 @@ def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].
     """
     backend = _check_experts(hidden, w13, w2, w_format, w_scales, backend)
-    _check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
+    check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)
     check_same_device("router_logits", router_logits, "hidden", hidden)
     if tuple(router_logits.shape) != (hidden.shape[0], w13.shape[0]):
         fail("router_logits", f"[{hidden.shape[0]}, {w13.shape[0]}] ([T, E])", tuple(router_logits.shape))
