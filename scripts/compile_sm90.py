@@ -129,6 +129,21 @@ def mla():
                          False, fmt, plan.num_splits, list(plan.config))
 
 
+def paged():
+    from warpforge.ops import paged as paged_ops
+    from warpforge.ops.paged.api import _decode_impl
+    b, h_q, h_kv, page, pages = 4, 32, 8, 16, 64
+    for d, fmt, s_q in ((128, "bf16", 1), (128, "fp8", 1), (128, "nvfp4", 1), (128, "mxfp4", 1), (64, "bf16", 4),
+                        (256, "bf16", 1)):
+        q = torch.randn(b, s_q, h_q, d, dtype=torch.bfloat16)
+        values = torch.randn(pages, page, h_kv, d, dtype=torch.bfloat16)
+        cache, scale = paged_ops.quantize_kv(values, fmt) if fmt != "bf16" else (values, None)
+        table = torch.arange(pages, dtype=torch.int32).view(b, -1)
+        plan = paged_ops.plan(q, cache, table, kv_format=fmt)
+        _decode_impl(q, cache, cache, table, torch.full((b,), 100, dtype=torch.int32), scale, scale, fmt,
+                     plan.softmax_scale, 0.0, -1, plan.num_splits, list(plan.config))
+
+
 def moe():
     from warpforge.ops.moe import api
     e, h, i = 8, 1024, 512
@@ -149,7 +164,7 @@ def norm():
 
 
 FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
-            "norm": norm}
+            "norm": norm, "paged": paged}
 
 
 def main():

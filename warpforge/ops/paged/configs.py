@@ -1,7 +1,8 @@
 """Tiles for paged GQA decode: arch -> cache format -> padded head dim -> PagedCfg (see ops/_tiles.py).
 
 "cpu" is the Triton interpreter. sm90 entries are first guesses from MLA decode's tuned tiles (the same shape of
-problem: a GQA group's query rows against one kv head's tokens), not yet timed on the H200; "default" serves any
+problem: a GQA group's query rows against one kv head's tokens), checked to compile without spills on sm_90
+(scripts/compile_sm90.py) but not yet timed on the H200; FP4 takes 32-token steps (64 spills); "default" serves any
 other arch, safe rather than fast.
 """
 from typing import NamedTuple
@@ -17,11 +18,12 @@ class PagedCfg(NamedTuple):
 
 
 C = PagedCfg
+# block_h 64: up to a GQA group of 8 times s_q 8 in one program (each K/V byte read once per split)
 DECODE = TileTable({
     "cpu": {"any": C(16, 16, 1, 1)},
-    "default": {"any": {0: C(16, 32, 4, 2), 256: C(16, 16, 4, 1)}, "fp32": C(16, 16, 4, 1)},
-    "sm90": {"any": {0: C(16, 64, 4, 3), 256: C(16, 32, 4, 2)}, "fp32": C(16, 16, 4, 1),
-             "fp8": {0: C(16, 64, 4, 3), 256: C(16, 32, 4, 2)},
-             "nvfp4": {0: C(16, 64, 4, 2), 256: C(16, 32, 4, 2)},
-             "mxfp4": {0: C(16, 64, 4, 2), 256: C(16, 32, 4, 2)}},
+    "default": {"any": {0: C(64, 32, 4, 2), 256: C(32, 16, 4, 1)}, "fp32": C(16, 16, 4, 1)},
+    "sm90": {"any": {0: C(64, 64, 4, 3), 256: C(64, 32, 4, 2)}, "fp32": C(16, 16, 4, 1),
+             "fp8": {0: C(64, 64, 4, 3), 256: C(64, 32, 4, 2)},
+             "nvfp4": {0: C(64, 32, 4, 2), 256: C(64, 16, 4, 2)},
+             "mxfp4": {0: C(64, 32, 4, 2), 256: C(64, 16, 4, 2)}},
 })
