@@ -1,6 +1,6 @@
 """Triton helpers that more than one family's kernels use (kernel files import them from here, never from another
-family): the fp32-exact dot, a precise tanh (softcap), the SwiGLU gradient, the e2m1 decode of FP4 caches, and
-split-KV decode's combine."""
+family): the fp32-exact dot, a precise tanh (softcap), the online-softmax step, the SwiGLU gradient, the e2m1 decode
+of FP4 caches, and split-KV decode's combine."""
 import triton
 import triton.language as tl
 
@@ -31,6 +31,18 @@ def tanh(x):
     x2 = x * x
     series = x * (1.0 - x2 * (0.3333333333333333 - x2 * 0.13333333333333333))
     return tl.where(tl.abs(x) < 0.05, series, 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0))
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One step of the online softmax over a tile of log2-unit scores s [rows, cols] (masked entries -inf):
+    (p = 2^(s - new max), alpha = the rescale of what came before, new row sums, new row maxima). A row that has
+    seen nothing yet keeps max -inf and gets p 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit

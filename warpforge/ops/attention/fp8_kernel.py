@@ -10,6 +10,7 @@ sum and applies V's channel scales.
 import triton
 import triton.language as tl
 
+from ..shared_kernels import online_softmax
 from .flash_kernel import _head_bases, _key_span, _visible
 
 @triton.jit
@@ -39,16 +40,8 @@ def _fp8_walk(acc, l_i, m_i, q, qs2, k_base, ks_base, vt_base, stride_ks, stride
         s = qk * qs2[:, None] * ks[None, :]  # log2 units: qs2 carries the softmax scale and log2 e
         if MASK:
             s = tl.where(_visible(rows, cols, s_k, A, B), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
         acc = tl.dot((p * 448.0).to(vt.dtype), tl.trans(vt), acc * alpha[:, None])
-        m_i = m_new
     return acc, l_i, m_i
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import combine_splits, dot, e2m1_to_float
+from ..shared_kernels import combine_splits, dot, e2m1_to_float, online_softmax
 
 LOG2E = 1.4426950408889634
 
@@ -229,12 +229,7 @@ def mla_decode_split_kernel(
         s = _chunk_scores(s, q3, lat3, sc3, ROW_SCALE)
         s = (s * latent_scale + dot(q_rope, tl.trans(rope))) * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = online_softmax(tl.where(ok, s, float("-inf")), m_i, l_i)
         acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ROW_SCALE)
         acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ROW_SCALE)
         acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ROW_SCALE)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import combine_splits, dot, e2m1_to_float, tanh
+from ..shared_kernels import combine_splits, dot, e2m1_to_float, online_softmax, tanh
 
 LOG2E = 1.4426950408889634
 
@@ -109,16 +109,10 @@ def paged_decode_split_kernel(
         seen = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
         if WINDOW:
             seen = seen & (tok[None, :] >= pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_i = online_softmax(tl.where(seen, s, float("-inf")), m_i, l_i)
         if SCALED:
             p = p * vs[None, :]
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
