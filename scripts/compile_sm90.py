@@ -129,6 +129,19 @@ def mla():
                          False, fmt, plan.num_splits, list(plan.config))
 
 
+def evoformer():
+    from warpforge.ops.evoformer import api
+    for s, d in ((8, 32), (8, 16), (4, 64)):
+        q, k, v = (torch.randn(1, s, 384, 8, d, dtype=torch.bfloat16) for _ in range(3))
+        pair = torch.randn(1, 1, 8, 384, 384, dtype=torch.bfloat16)
+        mask = torch.zeros(1, s, 1, 1, 384, dtype=torch.bfloat16)
+        out, lse = api._fwd_impl(q, k, v, mask, pair, 0.1)
+        from warpforge.ops.evoformer.evoformer_kernel import evoformer_bwd
+        full = (1, s, 8, 384, 384)
+        evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(1, s, 8, 384), (api._full(mask, full),
+                      api._full(pair, full)), 0.1, True, api._tiles(q))
+
+
 def paged():
     from warpforge.ops import paged as paged_ops
     from warpforge.ops.paged.api import _decode_impl
@@ -164,7 +177,7 @@ def norm():
 
 
 FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
-            "norm": norm, "paged": paged}
+            "norm": norm, "paged": paged, "evoformer": evoformer}
 
 
 def main():

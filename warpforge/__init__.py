@@ -7,6 +7,7 @@ from . import nn
 from .errors import WarpforgeInputError
 from .ops import mla, moe, paged
 from .ops.attention import flash_attention, flash_attention_fp8
+from .ops.evoformer import evoformer_attention
 from .ops.linear_ce import linear_cross_entropy
 from .ops.mla import mla_decode
 from .ops.moe import fused_moe
@@ -16,6 +17,6 @@ from .ops.rope import apply_rope
 from .ops.swiglu import swiglu
 
 __version__ = "0.1.0"
-__all__ = ["WarpforgeInputError", "flash_attention", "flash_attention_fp8", "mla", "mla_decode", "moe", "fused_moe",
+__all__ = ["WarpforgeInputError", "flash_attention", "flash_attention_fp8", "evoformer_attention", "mla", "mla_decode", "moe", "fused_moe",
            "paged", "paged_decode", "rms_norm", "add_rms_norm", "layer_norm", "apply_rope", "swiglu",
            "linear_cross_entropy", "nn", "__version__"]

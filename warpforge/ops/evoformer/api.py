@@ -1,0 +1,128 @@
+"""`evoformer_attention`: DS4Sci_EvoformerAttention's call on warpforge kernels. validate -> dispatch (the
+reference, or the Triton kernels as an op with autograd)."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ...errors import check_dtype, check_last_dim_contiguous, check_positive_float, check_rank, check_same_device, \
+    check_tensor, fail
+from ...runtime import check_interpreted_matmul_dtype, resolve_backend
+from .._op import kernel_op
+from . import configs
+from .reference import evoformer_attention_reference
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 64
+
+
+def _full(bias: Optional[torch.Tensor], shape) -> Optional[torch.Tensor]:
+    """bias as a [B, S, H, R, R] view, stride 0 where it broadcasts (never copied)."""
+    if bias is None:
+        return None
+    return bias.reshape((1,) * (5 - bias.dim()) + tuple(bias.shape)).expand(shape)
+
+
+def _tiles(q):
+    from .evoformer_kernel import _block
+    return configs.TILES.lookup(q.device, _block(q.shape[-1]))
+
+
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: Optional[torch.Tensor],
+              bias2: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .evoformer_kernel import evoformer_fwd
+    B, S, R, H, _ = q.shape
+    full = (B, S, H, R, R)
+    return evoformer_fwd(q, k, v, (_full(bias1, full), _full(bias2, full)), scale, _tiles(q).fwd)
+
+
+def _fwd_fake(q, k, v, bias1, bias2, scale):
+    B, S, R, H, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, S, H, R), dtype=torch.float32)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, bias1, bias2, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], bias1, bias2)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The [B, H, R, R] score gradient (already summed over N_seq) summed down to bias's own shape."""
+    grad = dbias[:, None]  # [B, 1, H, R, R]
+    shape = (1,) * (5 - bias.dim()) + tuple(bias.shape)
+    dims = tuple(i for i in range(5) if shape[i] == 1 and grad.shape[i] != 1)
+    return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype)
+
+
+def _backward(ctx, d_out, _d_lse):
+    from .evoformer_kernel import evoformer_bwd
+    q, k, v, out, lse, bias1, bias2 = ctx.saved_tensors
+    B, S, R, H, _ = q.shape
+    full = (B, S, H, R, R)
+    want = [ctx.needs_input_grad[3] and bias1 is not None, ctx.needs_input_grad[4] and bias2 is not None]
+    dq, dk, dv, dbias = evoformer_bwd(d_out.contiguous(), q, k, v, out, lse, (_full(bias1, full), _full(bias2, full)),
+                                      ctx.scale, any(want), _tiles(q))
+    return (dq, dk, dv, _summed_to(dbias, bias1) if want[0] else None, _summed_to(dbias, bias2) if want[1] else None,
+            None)
+
+
+_evoformer = kernel_op("evoformer_attention", _fwd_impl, _fwd_fake, setup_context=_setup, backward=_backward)
+
+
+def _check(q, k, v, biases, gate, softmax_scale, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+        check_rank(name, t, 5)
+        check_same_device(name, t, "q", q)
+        if t.shape != q.shape or t.dtype != q.dtype:
+            fail(name, f"q's shape and dtype {tuple(q.shape)} {q.dtype}", f"{tuple(t.shape)} {t.dtype}")
+    check_dtype("q", q, FLOATS)
+    check_interpreted_matmul_dtype(backend, "q", q)
+    B, S, R, H, D = q.shape
+    if not 1 <= D <= MAX_HEAD_DIM:
+        fail("q", f"a head dim from 1 to {MAX_HEAD_DIM}", D)
+    if not isinstance(biases, (list, tuple)) or len(biases) > 2:
+        fail("biases", "a list of at most two tensors", type(biases).__name__ if not isinstance(biases, (list, tuple))
+             else f"{len(biases)} tensors")
+    full = (B, S, H, R, R)
+    for i, bias in enumerate(biases):
+        name = f"biases[{i}]"
+        check_tensor(name, bias)
+        check_same_device(name, bias, "q", q)
+        check_dtype(name, bias, FLOATS)
+        if bias.dim() > 5 or any(n not in (1, m) for n, m in zip(reversed(bias.shape), reversed(full))):
+            fail(name, f"a shape broadcastable to [B, N_seq, H, N_res, N_res] = {list(full)}", tuple(bias.shape))
+        if bias.requires_grad and bias.dim() >= 4 and bias.shape[-4] != 1 and S != 1:
+            fail(name, "no gradient unless it is shared by the MSA rows (N_seq dim 1, as the pair bias "
+                 "[B, 1, H, N_res, N_res]): a per-row bias's gradient is as large as the scores", "requires_grad=True")
+    if gate is not None:
+        check_tensor("gate", gate)
+        check_same_device("gate", gate, "q", q)
+        if gate.shape != q.shape:
+            fail("gate", f"q's shape {tuple(q.shape)}", tuple(gate.shape))
+    check_positive_float("softmax_scale", softmax_scale)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_last_dim_contiguous(name, t)
+
+
+def evoformer_attention(q, k, v, biases=(), *, gate=None, softmax_scale=None, backend=None):
+    """Attention over the residues of each (batch, MSA row, head), AlphaFold's MSA row / column and triangle
+    attention: q, k, v [B, N_seq, N_res, H, D] (D up to 64; fp16, bf16, fp32), `biases` up to two tensors
+    broadcastable to [B, N_seq, H, N_res, N_res] added to the scaled scores (the residue mask bias [B, N_seq, 1, 1,
+    N_res] and the pair bias [B, 1, H, N_res, N_res]), `gate` [B, N_seq, N_res, H, D] multiplying the output by
+    sigmoid(gate). Gradients for q, k, v, the gate and any bias shared by the MSA rows (the pair bias's is a sum
+    over N_seq, computed deterministically without materialising the scores). A query whose keys are all masked
+    (-inf) gets output 0. Returns [B, N_seq, N_res, H, D] in q's dtype."""
+    if isinstance(q, torch.Tensor):
+        backend = resolve_backend(backend, q.device)
+    _check(q, k, v, biases, gate, softmax_scale, backend)
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if backend == "reference":
+        return evoformer_attention_reference(q, k, v, biases, gate=gate, softmax_scale=scale)
+    padded = list(biases) + [None] * (2 - len(biases))
+    out, _ = _evoformer(q.contiguous(), k.contiguous(), v.contiguous(), padded[0], padded[1], scale)
+    return out if gate is None else out * torch.sigmoid(gate)
