@@ -2,9 +2,11 @@
 (None, "triton", "reference"), plain PyTorch ("torch"), or a dict choosing per op."""
 from . import functional
 from .attention import Attention, KVCache
+from .evoformer import MSAColumnAttention, MSARowAttentionWithPairBias, TriangleAttention
 from .mla import MLACache, MLAttention
 from .mlp import SwiGLU
 from .moe import MoE
 from .norm import RMSNorm
 
-__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "RMSNorm", "SwiGLU", "functional"]
+__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "RMSNorm", "SwiGLU", "MSARowAttentionWithPairBias",
+           "MSAColumnAttention", "TriangleAttention", "functional"]

@@ -22,7 +22,7 @@ from ..ops.attention.reference import visible_mask
 Backend = Union[None, str, Mapping[str, Optional[str]]]
 TORCH = "torch"
 # the op names a dict backend may key (each is a function below; "moe" covers route and moe_experts)
-OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla")
+OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla", "evoformer")
 
 
 
