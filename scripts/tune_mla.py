@@ -33,22 +33,27 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--only", default=None, help="e.g. 16:fp8 (h_q:format) to sweep one entry of the plan")
+    ap.add_argument("--only", default=None, help="e.g. 16:fp8,128:bf16 (h_q:format) to sweep only those entries of the plan")
     args = ap.parse_args()
     sms = sm_count(torch.device("cuda"))
     plans = {
-        (16, "bf16"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3)],
+        # a 7th field True: index_ahead (page ids a step early, so the tile copies run stages - 1 steps ahead)
+        (16, "bf16"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 4), (16, 64, 8, 3),
+                       (16, 64, 4, 2, False, False, True), (16, 64, 4, 3, False, False, True),
+                       (16, 32, 4, 4, False, False, True), (16, 32, 4, 3, False, False, True)],
         (16, "fp8"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2, True), (16, 64, 4, 2, True),
                       (16, 64, 4, 3, True), (16, 32, 8, 2, True), (16, 16, 4, 2, True),  # True: fp16 math
                       (16, 32, 4, 2, True, True), (16, 32, 4, 3, True, True), (16, 32, 8, 2, True, True)],  # prefetch
         (16, "nvfp4"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2, True), (16, 16, 4, 2)],
         (16, "mxfp4"): [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 4, 2, True), (16, 16, 4, 2)],
-        (128, "bf16"): [(64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 1)],
+        (128, "bf16"): [(64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 8, 1),
+                        (64, 64, 8, 2, False, False, True), (64, 32, 8, 3, False, False, True),
+                        (64, 32, 8, 4, False, False, True), (64, 16, 8, 4, False, False, True)],
         (128, "fp8"): [(64, 64, 8, 2), (64, 64, 8, 2, True), (64, 32, 8, 2, True)],
     }
     results = []
     for (h_q, fmt), cfgs in plans.items():
-        if args.only and args.only != f"{h_q}:{fmt}":
+        if args.only and f"{h_q}:{fmt}" not in args.only.split(","):
             continue
         q, cache, table, lens, tokens, kv_scale = problem(128, args.L, h_q, fmt)
         row_bytes = KV_FORMATS[fmt].row_bytes

@@ -294,6 +294,27 @@ def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
     assert torch.allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_index_ahead_variant(fmt, sparse, monkeypatch):
+    """MLACfg.index_ahead (each step's page ids or slots loaded a step early, the last step's look-ahead past
+    the end masked off) gives the same results as loading them in step."""
+    from warpforge.ops.mla import configs
+    monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda c: c._replace(index_ahead=True)))
+    if sparse:
+        q, cache, indices, topk_length, kv_scale = _sparse(2, 2, 16, 16, 37, fmt, True)
+        kw = dict(block_table=None, cache_seqlens=None, indices=indices, topk_length=topk_length)
+    else:
+        q, _, cache, table, seqlens, kv_scale = _problem(2, 1, 16, 16, [300, 77], fmt)
+        kw = dict(block_table=table, cache_seqlens=seqlens)
+    out, lse = wf.mla_decode(q, cache, kv_format=fmt, kv_scale=kv_scale, num_splits=2, backend="triton", **kw)
+    ref, ref_lse = mla_decode_reference(q.float(), cache.float() if fmt == "bf16" else cache, kv_format=fmt,
+                                        kv_scale=kv_scale, **kw)
+    assert 1 - cosine(out, ref) <= 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=1e-4, atol=1e-4)
+
+
 def test_flash_mla_compatible_heads_and_conventions():
     """FlashMLA's dense decode takes h_kv >= 1 latent heads (each group of query heads reads its own head of the
     cache, here a strided view) and any h_q; a query with no token gets out 0 and lse +inf, as FlashMLA's."""

@@ -17,6 +17,7 @@ class MLACfg(NamedTuple):
     stages: int
     fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
     prefetch: bool = False   # FP8, dense: load the next step's bytes into registers while this step computes
+    index_ahead: bool = False  # load the next step's page ids / slots a step early (deeper tile pipelining)
 
 
 C = MLACfg

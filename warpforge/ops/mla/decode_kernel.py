@@ -19,7 +19,9 @@ kv_format.py) are dequantised per chunk in registers. All formats then run the s
 FP16_MATH runs a quantized cache's latent dots in fp16 (e4m3 -> fp16 is one hardware conversion per pair,
 -> bf16 goes through fp32), and PREFETCH loads the next step's FP8 bytes while the current step computes
 (Triton leaves a load with a register consumer unpipelined; benchmarks/NOTES.md has the measurements, and
-those of a TMA-descriptor variant that lost to it).
+those of a TMA-descriptor variant that lost to it). INDEX_AHEAD loads each step's page ids (or slots) one
+step early: the tile copies then depend only on loop-carried values, so the pipeliner can issue them
+`stages - 1` steps ahead instead of spending a stage on the index load.
 """
 import torch
 import triton
@@ -92,6 +94,17 @@ def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, ROPE_OF
 
 
 @triton.jit
+def _step_index(bt_row, idx_row, n0, offs_n, end, PAGE: tl.constexpr, SPARSE: tl.constexpr):
+    """Where the step at token n0 reads: each token's page id (dense) or cache slot (sparse, -1 skipped)."""
+    tok = n0 + offs_n
+    if SPARSE:
+        index = tl.load(idx_row + tok, mask=tok < end, other=-1)
+    else:
+        index = tl.load(bt_row + tok // PAGE, mask=tok < end, other=0)
+    return index
+
+
+@triton.jit
 def _chunk_scores(s, q_c, lat_c, scale_c, ROW_SCALE: tl.constexpr):
     """s += q_c · lat_cᵀ, each token's column times its chunk scale when ROW_SCALE (FP8)."""
     if ROW_SCALE:
@@ -117,7 +130,7 @@ def mla_decode_split_kernel(
     rows_total, topk, qk_scale,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr,
+    FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr, INDEX_AHEAD: tl.constexpr,
 ):
     """Dense: program (split, b, row tile) over the query rows r = j * H_Q + h, walking the block table.
     SPARSE: program (split, b * S_Q + j, head tile) walks indices[b, j, :] (slots; -1 skipped).
@@ -182,11 +195,12 @@ def mla_decode_split_kernel(
     acc2 = tl.zeros([BLOCK_H, 128], tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    if SPARSE:
-        idx_row = INDICES + b64 * stride_ib + j0.to(tl.int64) * stride_is
-    else:
-        bt_row = BLOCK_TABLE + b64 * stride_bt
+    idx_row = INDICES + b64 * stride_ib + j0.to(tl.int64) * stride_is if SPARSE else INDICES
+    bt_row = BLOCK_TABLE + b64 * stride_bt
     raw0, raw1, raw2, raw3 = 0, 0, 0, 0
+    index_next = 0
+    if INDEX_AHEAD:  # the first step's page ids (slots, when sparse); each step then loads the next step's
+        index_next = _step_index(bt_row, idx_row, start, offs_n, end, PAGE, SPARSE)
     if PREFETCH:  # FP8, dense (launcher): the first step's bytes before the loop, each step loads the next's
         ptok = start + offs_n
         pok = ptok < end
@@ -195,13 +209,16 @@ def mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
-        if SPARSE:
-            slot = tl.load(idx_row + tok, mask=tok_ok, other=-1)
-            tok_ok = tok_ok & (slot >= 0)
-            rows64 = tl.maximum(slot, 0).to(tl.int64)
+        if INDEX_AHEAD:
+            index = index_next
+            index_next = _step_index(bt_row, idx_row, n0 + BLOCK_N, offs_n, end, PAGE, SPARSE)
         else:
-            page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
-            rows64 = page.to(tl.int64) * PAGE + (tok % PAGE)
+            index = _step_index(bt_row, idx_row, n0, offs_n, end, PAGE, SPARSE)
+        if SPARSE:
+            tok_ok = tok_ok & (index >= 0)
+            rows64 = tl.maximum(index, 0).to(tl.int64)
+        else:
+            rows64 = index.to(tl.int64) * PAGE + (tok % PAGE)
         if PREFETCH:
             cur0, cur1, cur2, cur3 = raw0, raw1, raw2, raw3
             ntok = tok + BLOCK_N
@@ -274,7 +291,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     num_splits from plan_num_splits."""
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp16_math, prefetch = cfg
+    block_h, block_n, warps, stages, fp16_math, prefetch, index_ahead = cfg
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     if b == 0:
@@ -309,7 +326,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None,
         BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
         PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
-        num_stages=stages,
+        INDEX_AHEAD=index_ahead, num_stages=stages,
     )
     if final:
         return out, lse

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call's steps, each bounded by a timeout so the call always returns what it has:
+#   bash scripts/gpu_session.sh OUT STEP...   (steps: see the case list below)
+# Everything lands in OUT/work and comes back as OUT/all.tgz (the device returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$(mkdir -p "$1" && cd "$1" && pwd); shift
+w=$out/work; mkdir -p "$w"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$w/gpu.txt"
+par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+    tests) timeout 240 python3 -m pytest -q $par tests > "$w/tests.log" 2>&1 ;;
+    tests-*) timeout 200 python3 -m pytest -q $par $(echo "${step#tests-}" | tr ',' '\n' | sed 's|^|tests/|') > "$w/$step.log" 2>&1 ;;
+    tune-mla) timeout 240 python3 scripts/tune_mla.py --only 16:bf16,128:bf16 --out "$w/tune_mla_8k.json" > "$w/tune_mla_8k.log" 2>&1
+              timeout 90 python3 scripts/tune_mla.py --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
+    tune-attention) timeout 240 python3 scripts/tune_attention.py --parts fwd --out "$w/tune_attention.json" > "$w/tune_attention.log" 2>&1 ;;
+    compare-attention-varlen) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH=varlen timeout 200 bash scripts/gpu_check.sh "$w/cmp" attention > "$w/cmp-attention.log" 2>&1 ;;
+    compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
+    bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout 240 bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
+    *) echo "unknown step $step" ;;
+  esac
+  echo "$step: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$w/steps.txt"
+done
+tar czf "$out/all.tgz" -C "$w" .
