@@ -21,15 +21,28 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.float().abs().amax() / (E2M1_MAX * E4M3_MAX)).clamp(min=1e-30).reshape(())
 
 
+_E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # the rounding boundaries between E2M1's magnitudes
+_TABLES: dict[tuple[tuple, torch.device], torch.Tensor] = {}
+
+
+def _table(values: tuple, device: torch.device) -> torch.Tensor:
+    """values as an fp32 tensor on device, made once per device: torch.tensor(list, device=cuda) is a host-to-device
+    copy, which a CUDA-graph capture (an FP4 append_kv in a captured step) refuses; the first call comes outside it."""
+    key = (values, device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return table
+
+
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code (sign in bit 3) of each value of x (already scaled into [-6, 6])."""
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)
-    mag = (x.abs()[..., None] > mids).sum(-1)
+    mag = (x.abs()[..., None] > _table(_E2M1_MIDS, x.device)).sum(-1)
     return (mag | ((x < 0).long() << 3)).to(torch.uint8)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(E2M1, device=codes.device)
+    table = _table(E2M1, codes.device)
     vals = table[(codes & 7).long()]
     return torch.where((codes & 8) > 0, -vals, vals)
 

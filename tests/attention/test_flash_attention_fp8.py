@@ -2,12 +2,15 @@
 reference on the same quantised inputs (they differ only by P's rounding to e4m3 inside the kernel, so by cosine,
 and lse exactly), both against fp32 attention on the unquantised inputs, the edges, and bad input. On CPU the
 interpreter runs the kernel (its fp8 and int8 dots are exact); the GPU tests run bf16 at real sizes."""
+import dataclasses
+
 import pytest
 import torch
 
 import warpforge as wf
 from warpforge import WarpforgeInputError
 from warpforge.ops.attention import QuantizedQKV, flash_attention_quantized, quantize_qkv
+from warpforge.ops.attention.fp8_quantize import FP8
 from warpforge.testing import cosine, device_under_test
 
 DEV = device_under_test()
@@ -102,6 +105,122 @@ def test_bad_input(call, name):
     q, k, v = _inputs(1, 8, 8, 4, 2, 32)
     with pytest.raises(WarpforgeInputError, match=f"^{name}"):
         call(q, k, v)
+
+
+@pytest.mark.parametrize("layout", ["channel_stride_2", "heads_outside_batch"])
+def test_strided_v_quantises_as_its_contiguous_copy(layout):
+    q, k, v = _inputs(2, 9, 21, 4, 2, 32, 96)
+    if layout == "channel_stride_2":  # the quantize-V kernel reads channels at stride 1: this v must be copied
+        v = v[..., ::2]
+    else:  # stride 1 along channels, but [h, s, b, d] in memory
+        v = v[..., :32].permute(2, 1, 0, 3).contiguous().permute(2, 1, 0, 3)
+    got = quantize_qkv(q, k, v, backend="triton")
+    want = quantize_qkv(q, k, v.contiguous(), backend="triton")
+    for name in ("v_t", "v_scale"):
+        torch.testing.assert_close(getattr(got, name).float(), getattr(want, name).float(), rtol=0, atol=0)
+    out = wf.flash_attention_fp8(q, k, v, backend="triton")
+    torch.testing.assert_close(out, wf.flash_attention_fp8(q, k, v.contiguous(), backend="triton"), rtol=0, atol=0)
+
+
+def _bad(qkv, **fields):
+    return dataclasses.replace(qkv, **fields)
+
+
+@pytest.mark.parametrize("edit,name", [
+    (lambda a: _bad(a, qk_format="int4"), "qkv.qk_format"),
+    (lambda a: _bad(a, dtype=torch.int32), "qkv.dtype"),
+    (lambda a: _bad(a, q=a.q.float()), "qkv.q"),
+    (lambda a: _bad(a, q=a.q[0]), "qkv.q"),
+    (lambda a: _bad(a, q=a.q[..., :8]), "qkv.q"),
+    (lambda a: _bad(a, q=a.q.float().repeat_interleave(2, -1).to(FP8)[..., ::2]), "qkv.q"),  # channel stride 2
+    (lambda a: _bad(a, q_scale=a.q_scale[:, :3]), "qkv.q_scale"),
+    (lambda a: _bad(a, q_scale=a.q_scale.half()), "qkv.q_scale"),
+    (lambda a: _bad(a, q_scale=a.q_scale.to("meta")), "qkv.q_scale"),
+    (lambda a: _bad(a, q_scale=None), "qkv.q_scale"),
+    (lambda a: _bad(a, k=a.k.float().to(torch.int8)), "qkv.k"),  # int8 codes under qk_format "fp8"
+    (lambda a: _bad(a, k=a.k[:, :, :1].expand(-1, -1, 3, -1)), "qkv.k"),  # 3 kv heads for 4 q heads
+    (lambda a: _bad(a, k=a.k[:1]), "qkv.k"),
+    (lambda a: _bad(a, k_scale=a.k_scale[:, :, :1]), "qkv.k_scale"),
+    (lambda a: _bad(a, v_t=a.v_t[..., :20]), "qkv.v_t"),  # fewer tokens than k's 21
+    (lambda a: _bad(a, v_t=a.v_t[:, :1]), "qkv.v_t"),
+    (lambda a: _bad(a, v_t=a.v_t.float()), "qkv.v_t"),
+    (lambda a: _bad(a, v_scale=a.v_scale[..., :16]), "qkv.v_scale"),
+    (lambda a: _bad(a, lse_shift=torch.zeros(2, 4, 8)), "qkv.lse_shift"),
+])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_bad_quantised_fields(edit, name, backend):
+    qkv = quantize_qkv(*_inputs(2, 9, 21, 4, 2, 32, 48))
+    with pytest.raises(WarpforgeInputError, match=f"^{name}:"):
+        flash_attention_quantized(edit(qkv), backend=backend)
+
+
+def test_a_cache_longer_than_k_is_accepted():
+    q, k, v = _inputs(1, 6, 21, 2, 1, 32)
+    qkv = quantize_qkv(q, k, v)
+    room = torch.zeros(*qkv.v_t.shape[:3], 64, dtype=FP8)
+    room[..., :qkv.v_t.shape[3]] = qkv.v_t
+    longer = dataclasses.replace(qkv, v_t=room)
+    for backend in ("triton", "reference"):
+        torch.testing.assert_close(flash_attention_quantized(longer, backend=backend),
+                                   flash_attention_quantized(qkv, backend=backend), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy max over an all-NaN row
+@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_nan_propagates(where, qk_format, backend):
+    q, k, v = _inputs(1, 8, 20, 2, 2, 32)
+    if where == "q":
+        q[0, 3, 1, 5] = float("nan")
+    else:
+        k[0, 11, 1, 5] = float("nan")
+    qkv = quantize_qkv(q, k, v, qk_format=qk_format, backend=backend)
+    out = flash_attention_quantized(qkv, backend=backend)
+    nan_rows = out.isnan().all(-1)
+    if where == "q":  # that query's row only: its scale is NaN
+        assert torch.isnan(qkv.q_scale[0, 3, 1])
+        assert nan_rows[0, 3, 1] and nan_rows.sum() == 1
+    else:  # every query of that kv head sees the key (int8's smoothing mean spreads it over the head anyway)
+        assert torch.isnan(qkv.k_scale[0, 11 if qk_format == "fp8" else 0, 1])
+        assert nan_rows[0, :, 1].all() and not out[0, :, 0].isnan().any()
+
+
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_keys_gives_zeros_and_minus_inf(qk_format, backend):
+    q, k, v = _inputs(2, 7, 0, 4, 2, 32, 48)
+    out, lse = wf.flash_attention_fp8(q, k, v, qk_format=qk_format, return_lse=True, backend=backend)
+    want, want_lse = wf.flash_attention(q, k, v, return_lse=True, backend="reference")
+    assert out.shape == want.shape == (2, 7, 4, 48) and out.dtype == want.dtype
+    assert torch.all(out == 0) and torch.all(lse == float("-inf")) and torch.equal(lse, want_lse)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_forward_only_refuses_inputs_that_require_grad(name, backend):
+    inputs = dict(zip("qkv", _inputs(1, 8, 8, 2, 2, 32)))
+    inputs[name].requires_grad_()
+    with pytest.raises(WarpforgeInputError, match=f"^{name}: .*forward-only.*torch.no_grad"):
+        wf.flash_attention_fp8(*inputs.values(), backend=backend)
+    with pytest.raises(WarpforgeInputError, match=f"^{name}: .*forward-only"):
+        quantize_qkv(*inputs.values(), backend=backend)
+    with torch.no_grad():
+        out = wf.flash_attention_fp8(*inputs.values(), backend=backend)
+    assert not out.requires_grad
+    detached = wf.flash_attention_fp8(*(t.detach() for t in inputs.values()), backend=backend)
+    torch.testing.assert_close(out, detached, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_forward_only_refuses_quantised_fields_that_require_grad(backend):
+    qkv = quantize_qkv(*_inputs(1, 8, 8, 2, 2, 32))
+    bad = dataclasses.replace(qkv, k_scale=qkv.k_scale.clone().requires_grad_())
+    with pytest.raises(WarpforgeInputError, match="^qkv.k_scale: .*forward-only"):
+        flash_attention_quantized(bad, backend=backend)
+    with torch.no_grad():
+        flash_attention_quantized(bad, backend=backend)
 
 
 # ------------------------------------------------------------------------------- GPU, real sizes

@@ -215,9 +215,6 @@ def test_torch_compile_forward_no_graph_break():
     assert rel_l2(_compiled(step)(q, k, v, g, pair), step(q, k, v, g, pair)) <= 1e-3
 
 
-@pytest.mark.xfail(strict=True, reason="ops/evoformer: the backward launches the Triton kernels straight from the "
-                   "autograd formula (no kernel_op with a fake), so AOT autograd's trace of it on fake tensors fails "
-                   "('Attempted to access the data pointer on an invalid python storage')")
 def test_torch_compile_backward():
     q, k, v, g = _qkv(1, 2, 17, 2, 16, torch.float16)
     pair = _pair((1, 1, 2, 17, 17), torch.float16)
@@ -232,12 +229,46 @@ def test_torch_compile_backward():
     assert pair.grad is not None and torch.isfinite(pair.grad).all()
 
 
-@pytest.mark.xfail(strict=True, reason="ops/evoformer: the Triton path multiplies by sigmoid(gate) after the op, "
-                   "so a gate in another dtype promotes the output (fp16 q, fp32 gate -> fp32), where the "
-                   "reference and the docstring return q's dtype; gate's dtype is not checked")
-def test_gate_in_another_dtype_returns_q_dtype():
+def test_torch_compile_backward_matches_eager_with_broadcast_biases():
+    """The backward op's fake gives each bias's gradient in the bias's own (broadcast) shape and dtype: a [H, R, R]
+    fp32 triangle bias and a [B, 1, 1, R, R] bias beside fp16 q, k, v, with a mask that takes no gradient."""
+    B, S, R, H, D = 2, 2, 17, 2, 16
+    q, k, v, g = _qkv(B, S, R, H, D, torch.float16)
+    tri, headless = _pair((H, R, R), torch.float32), _pair((B, 1, 1, R, R), torch.float16)
+    mask = _mask(B, S, R).half()
+    inputs = (q, k, v, g, tri, headless)
+
+    def step(q, k, v, g, tri, headless):
+        return wf.evoformer_attention(q, k, v, [mask, tri], gate=g, backend="triton") + \
+            wf.evoformer_attention(q, k, v, [headless], gate=g, backend="triton")
+
+    d_out = torch.randn(B, S, R, H, D, device=DEV, dtype=torch.float16)
+    got = torch.autograd.grad(_compiled(step)(*inputs), inputs, d_out)
+    want = torch.autograd.grad(step(*inputs), inputs, d_out)
+    for t, a, b in zip(inputs, got, want):
+        assert a.shape == t.shape and a.dtype == t.dtype
+        assert rel_l2(a, b) <= 1e-3
+
+
+def test_triton_backward_is_first_order_only():
+    q, k, v, g = _qkv(1, 2, 9, 1, 8, torch.float32)
+    pair = _pair((1, 1, 1, 9, 9), torch.float32)
+    out = wf.evoformer_attention(q, k, v, [pair], gate=g, backend="triton")
+    dq, dpair = torch.autograd.grad(out.square().sum(), (q, pair), create_graph=True)
+    assert dpair.shape == pair.shape
+    with pytest.raises(RuntimeError, match="first-order only"):
+        (dq.square().sum() + dpair.sum()).backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_gate_dtype_must_be_q_dtype_and_output_is_q_dtype(backend):
+    """A gate in another dtype would promote the gated output past q's dtype: it is refused at the door, naming
+    gate, on both backends; a gate in q's dtype gives q's dtype."""
     q, k, v, _ = _qkv(1, 2, 5, 1, 8, torch.float16, gate=False)
-    out = wf.evoformer_attention(q, k, v, [], gate=torch.randn(1, 2, 5, 1, 8, device=DEV), backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^gate"):
+        wf.evoformer_attention(q, k, v, [], gate=torch.randn(1, 2, 5, 1, 8, device=DEV), backend=backend)
+    out = wf.evoformer_attention(q, k, v, [], gate=torch.randn(1, 2, 5, 1, 8, device=DEV, dtype=torch.float16),
+                                 backend=backend)
     assert out.dtype == torch.float16
 
 
@@ -275,7 +306,10 @@ def _t(*shape, dtype=torch.float16, grad=False):
           v=_t(1, 2, 8, 2, 16, dtype=torch.float64)), "q"),
     (dict(q=_t(2, 8, 2, 16), k=_t(2, 8, 2, 16), v=_t(2, 8, 2, 16)), "q"),   # rank 4
     (dict(q=_t(1, 2, 8, 16, 2).transpose(-1, -2)), "q"),              # last dim strided
-    (dict(gate=_t(1, 2, 8, 2, 8)), "gate"),
+    (dict(gate=_t(1, 2, 8, 2, 8)), "gate"),                            # head dim 8 vs 16
+    (dict(gate=_t(1, 2, 8, 2, 16, dtype=torch.float32)), "gate"),     # fp32 beside fp16 q
+    (dict(gate=torch.zeros(1, 2, 8, 2, 16, dtype=torch.float16, device="meta")), "gate"),  # another device
+    (dict(gate=[0.0]), "gate"),                                       # not a tensor
     (dict(softmax_scale=-1.0), "softmax_scale"),
     (dict(backend="cuda"), "backend"),
 ])

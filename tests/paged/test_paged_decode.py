@@ -8,8 +8,8 @@ Every kernel output is written inside poisoned_outputs() (NaN-filled allocations
 request's end, the spare pages and the unused block-table entries hold NaN bytes or out-of-range page numbers,
 which must not reach the output.
 
-Two tests are strict xfails, known bugs of the API (they pass once it is fixed, then the marker goes):
-append_kv writes through unallocated block-table entries, and quantize_kv names `scale` for NaN values.
+Values the host checks skip (under a CUDA-graph capture or torch.compile) are simulated by patching the API's
+host_reads_allowed: the kernel and append_kv clamp them so nothing is read or written outside the tensors.
 """
 import math
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import warpforge as wf
+import warpforge.ops.paged.api as paged_api
 from warpforge import WarpforgeInputError
 from warpforge.ops.paged import dequantize_kv_reference, paged_decode_reference
 from warpforge.testing import COSINE, REL_L2, cosine, device_under_test, poisoned_outputs, rel_l2
@@ -291,6 +292,65 @@ def test_empty_batch():
     assert out.shape == (0, 1, 4, 64) and lse.shape == (0, 4, 1)
 
 
+def _no_host_reads(monkeypatch):
+    """What a CUDA-graph capture or torch.compile does to the API's value checks: skips them."""
+    monkeypatch.setattr(paged_api, "host_reads_allowed", lambda t: False)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_unchecked_values_stay_inside_the_tensors(splits, monkeypatch):
+    """With the host checks skipped, a length past the block table's tokens (or < 0) and page numbers outside the
+    cache are clamped in the kernel (to the table's tokens, into [0, num_pages)), so nothing is read outside the
+    tensors. The caches are the middle of buffers whose outer pages hold NaN, and the table the left part of a wider
+    one whose other entries are -1: a read outside them would show as NaN."""
+    b, s_q, page = 3, 2, 16
+    table, num_pages = _table(b, page, [20, 30, 9], pad=False)
+    max_pages = table.shape[1]
+    capacity = max_pages * page
+    bufs = [torch.randn(num_pages + 2, page, 2, 64, device=DEV) for _ in range(2)]
+    for buf in bufs:
+        buf[0] = buf[-1] = float("nan")
+    k_cache, v_cache = (buf[1:-1] for buf in bufs)
+    wide = torch.full((b, 2 * max_pages), -1, dtype=torch.int32, device=DEV)
+    wide[:, :max_pages] = table
+    table = wide[:, :max_pages]
+    table[1, 0], table[1, 1] = -1, num_pages  # request 1's pages: one before the cache, one past it
+    seqlens = torch.tensor([capacity + 20, 30, -5], dtype=torch.int32, device=DEV)
+    q = torch.randn(b, s_q, 8, 64, device=DEV)
+    with pytest.raises(WarpforgeInputError):  # checked where the host may read them
+        wf.paged_decode(q, k_cache, v_cache, table, seqlens, backend="triton")
+    _no_host_reads(monkeypatch)
+    with poisoned_outputs():
+        out, lse = wf.paged_decode(q, k_cache, v_cache, table, seqlens, num_splits=splits, return_lse=True,
+                                   backend="triton")
+    assert torch.isfinite(out).all()
+    want, want_lse = paged_decode_reference(q, k_cache, v_cache, table.clamp(0, num_pages - 1),
+                                            seqlens.clamp(0, capacity), kv_format="fp32")
+    assert rel_l2(out, want) <= 1e-5 and torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # a length < 0 is 0: no token seen
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_huge_window_is_no_window(backend):
+    """A window wider than the table (even 2**70, past any int) hides nothing: the same as no window."""
+    p = _problem(2, 2, 8, 2, 64, 16, [37, 5], "fp32")
+    out, lse = _decode(p, backend=backend, window=2**70)
+    want, want_lse = _decode(p, backend=backend)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+def test_reference_masks_unseen_tokens():
+    """Tokens in the cache that no query sees (before the window) may hold garbage: the reference masks them with
+    torch.where (0 · NaN would be NaN), and agrees with the kernel, which never reads them."""
+    p = _problem(2, 2, 8, 2, 64, 16, [37, 20], "fp32")
+    for i in range(2):
+        for cache in (p["k_cache"], p["v_cache"]):
+            cache[p["block_table"][i, 0].long(), :5] = float("nan")  # tokens 0-4, all before window 3's reach
+    ref, ref_lse = _reference(p, window=3)
+    assert torch.isfinite(ref).all() and torch.isfinite(ref_lse).all()
+    _check(p, window=3, num_splits=2)
+
+
 # ------------------------------------------------------------------------------------------- plan / run
 @pytest.mark.parametrize("fmt,q_dtype", [("fp16", torch.float16), ("fp8", torch.float32), ("nvfp4", torch.float16)])
 def test_plan_once_run_every_step(fmt, q_dtype):
@@ -363,6 +423,27 @@ def test_compile_no_graph_break():
     assert torch.allclose(compiled(p["q"]), step(p["q"]), rtol=1e-4)
 
 
+def test_reference_backend_without_host_reads():
+    """plan / run with backend="reference" where lengths cannot be read on the host: on meta tensors (shapes only)
+    and under torch.compile(fullgraph=True) the reference spans the table's tokens, masked, and reads nothing."""
+    q = torch.empty(2, 2, 8, 64, device="meta")
+    cache = torch.empty(9, 16, 2, 64, device="meta")
+    table = torch.empty(2, 3, dtype=torch.int32, device="meta")
+    seqlens = torch.empty(2, dtype=torch.int32, device="meta")
+    out, lse = wf.paged.plan(q, cache, table).run(q, cache, cache, table, seqlens, return_lse=True,
+                                                  backend="reference")
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == (2, 8, 2)
+
+    p = _problem(2, 2, 8, 2, 64, 16, [20, 9], "fp32", spread=False)
+
+    def step(q):
+        return wf.paged_decode(q, p["k_cache"], p["v_cache"], p["block_table"], p["cache_seqlens"], window=5,
+                               backend="reference")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(p["q"]), step(p["q"]), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------------- append_kv
 def _pages_from_tokens(tokens, lens, table, page, num_pages):
     """The first lens[i] tokens of each request's values [b, n, h_kv, d] laid into zeroed pages [num_pages, page,
@@ -411,7 +492,7 @@ def test_append_equals_quantising_at_once(fmt, page):
 
 def test_append_refuses_overflow_and_bad_scales():
     b, page = 2, 16
-    table, num_pages = _table(b, page, [16, 16], extra_pages=1)  # 2 pages each: capacity 32
+    table, num_pages = _table(b, page, [16, 16], extra_pages=1, pad=False)  # 2 pages each: capacity 32
     k = torch.zeros(num_pages, page, 2, 64, device=DEV)
     new = torch.randn(b, 3, 2, 64, device=DEV)
     for lens in ([30, 0], [0, 32], [-1, 0]):
@@ -437,11 +518,10 @@ def test_append_refuses_overflow_and_bad_scales():
         wf.paged.append_kv(k, k.clone(), new, new, table, ok, k_scale=1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="append_kv checks cache_seqlens against the table's width but not the page "
-                   "numbers it writes through: an unallocated entry (-1, or >= num_pages) is clamped into range and "
-                   "the tokens land in page 0 (or the last page), another request's")
 @pytest.mark.parametrize("entry", [-1, 4])
 def test_append_refuses_unallocated_pages(entry):
+    """An unallocated entry (-1, or >= num_pages) where the new tokens go is refused before anything is written
+    (clamped into range, the tokens would land in another request's page)."""
     k = torch.zeros(4, 16, 1, 64, device=DEV)
     k[0] = 5.0  # request 1's first page, full
     table = torch.tensor([[1, entry], [0, 3]], dtype=torch.int32, device=DEV)  # request 0's next page not allocated
@@ -452,6 +532,92 @@ def test_append_refuses_unallocated_pages(entry):
             wf.paged.append_kv(k, k.clone(), new, new, table, seqlens)
     finally:
         assert torch.all(k[0] == 5.0), "request 1's page was overwritten"
+
+
+def test_append_unchecked_values_stay_inside(monkeypatch):
+    """With the host checks skipped (a capture), bad lengths and entries are clamped into the table and the cache:
+    the write lands in some page, never outside the cache."""
+    _no_host_reads(monkeypatch)
+    k = torch.zeros(4, 16, 1, 64, device=DEV)
+    v = k.clone()
+    table = torch.tensor([[1, -1], [0, 9]], dtype=torch.int32, device=DEV)
+    seqlens = torch.tensor([15, 1000], dtype=torch.int32, device=DEV)
+    wf.paged.append_kv(k, v, *(torch.ones(2, 2, 1, 64, device=DEV) for _ in range(2)), table, seqlens)
+    assert k.shape == (4, 16, 1, 64) and k[1, 15].eq(1).all() and k[0, 0].eq(1).all() and k[3, 15].eq(1).all()
+
+
+def _fp4_or_fp8_cache(fmt, num_pages, page=16, h_kv=2, d=64):
+    """Zeroed caches in format fmt and the scales append_kv takes for them."""
+    kv = wf.paged.KV_FORMATS[fmt]
+    cache = torch.zeros(num_pages, page, h_kv, kv.width(d), device=DEV).to(kv.storage)
+    scale = torch.full((1,), 0.01, device=DEV) if fmt == "nvfp4" else None
+    return cache, cache.clone(), scale
+
+
+@pytest.mark.parametrize("name", ["k_new", "v_new"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_append_refuses_non_finite_tokens(fmt, name):
+    """A NaN or inf token has no place in a quantised cache (it would poison its block's scale): refused, and
+    nothing is written. A values cache stores it as it is."""
+    table, num_pages = _table(2, 16, [5, 9], pad=False)
+    k, v, scale = _fp4_or_fp8_cache(fmt, num_pages)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    new = {n: torch.randn(2, 3, 2, 64, device=DEV) for n in ("k_new", "v_new")}
+    new[name][1, 2, 0, 7] = float("inf") if name == "k_new" else float("nan")
+    with pytest.raises(WarpforgeInputError, match=f"^{name}"):
+        wf.paged.append_kv(k, v, new["k_new"], new["v_new"], table, seqlens, kv_format=fmt, k_scale=scale,
+                           v_scale=scale)
+    assert not k.view(torch.uint8).any() and not v.view(torch.uint8).any()
+    values = torch.zeros(num_pages, 16, 2, 64, device=DEV)
+    wf.paged.append_kv(values, values.clone(), new["k_new"], new["v_new"], table, seqlens)
+
+
+def test_append_checks_v_new_dtype():
+    table, num_pages = _table(2, 16, [5, 9], pad=False)
+    k = torch.zeros(num_pages, 16, 2, 64, device=DEV)
+    new = torch.randn(2, 3, 2, 64, device=DEV)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    with pytest.raises(WarpforgeInputError, match="^v_new.*float32"):
+        wf.paged.append_kv(k, k.clone(), new, new.half(), table, seqlens)
+
+
+def test_append_errors_name_its_arguments():
+    """append_kv has no q: its messages name k_new (the batch, device and dtype it is checked against)."""
+    table, num_pages = _table(2, 16, [5, 9], pad=False)
+    k = torch.zeros(num_pages, 16, 2, 64, device=DEV)
+    new = torch.randn(2, 3, 2, 64, device=DEV)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    cases = [
+        (dict(block_table=table[:1]), "block_table", "k_new's batch"),
+        (dict(cache_seqlens=seqlens[:1]), "cache_seqlens", "k_new's batch"),
+        (dict(block_table=table.to("meta")), "block_table", "like k_new"),
+        (dict(k_cache=k.half(), v_cache=k.half()), "k_cache", "k_new's"),
+    ]
+    for change, name, says in cases:
+        args = dict(k_cache=k, v_cache=k.clone(), k_new=new, v_new=new, block_table=table, cache_seqlens=seqlens)
+        with pytest.raises(WarpforgeInputError, match=f"^{name}") as err:
+            wf.paged.append_kv(**{**args, **change})
+        assert says in str(err.value) and "q's" not in str(err.value) and "like q)" not in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_append_makes_no_table_copies(fmt, monkeypatch):
+    """An FP4 append in a CUDA-graph capture: after a first call (outside it) the quantiser's e2m1 tables come from
+    a per-device cache, never torch.tensor(list, device=...) again (a host-to-device copy a capture refuses)."""
+    table, num_pages = _table(2, 16, [5, 9], pad=False)
+    k, v, scale = _fp4_or_fp8_cache(fmt, num_pages)
+    seqlens = torch.tensor([5, 9], dtype=torch.int32, device=DEV)
+    new = torch.randn(2, 3, 2, 64, device=DEV)
+    wf.paged.append_kv(k, v, new, new, table, seqlens, kv_format=fmt, k_scale=scale, v_scale=scale)
+    first = k.clone()
+
+    def no_tensor(*args, **kwargs):
+        raise AssertionError("torch.tensor(...) called")
+
+    monkeypatch.setattr(torch, "tensor", no_tensor)
+    wf.paged.append_kv(k, v, new, new, table, seqlens, kv_format=fmt, k_scale=scale, v_scale=scale)
+    monkeypatch.undo()
+    assert torch.equal(k, first)  # the same tokens at the same places: the same bytes
 
 
 # ----------------------------------------------------------------------------------------- quantize_kv
@@ -489,10 +655,9 @@ def test_quantize_kv_takes_a_given_scale():
     assert wf.paged.quantize_kv(x, "nvfp4", scale=s)[1] is s
 
 
-@pytest.mark.xfail(strict=True, reason="quantize_kv computes fp8 / nvfp4 scales from x (NaN) before it checks x, "
-                   "so the error names 'scale', an argument the caller did not pass")
 @pytest.mark.parametrize("fmt,bad", [("fp8", float("nan")), ("nvfp4", float("nan")), ("fp8", float("inf"))])
 def test_quantize_kv_names_x_for_nan_values_when_it_computes_the_scale(fmt, bad):
+    """x is checked before a scale is computed from it (a NaN scale would be the error, naming `scale`)."""
     x = torch.randn(3, 16, 2, 64, device=DEV)
     x[1, 2, 0, 5] = bad
     with pytest.raises(WarpforgeInputError, match="^x"):
@@ -529,6 +694,29 @@ def test_quantize_kv_refuses_bad_values():
         wf.paged.quantize_kv(torch.randn(3, 16, 2, 96, device=DEV), "fp8")  # head dim 96
     with pytest.raises(WarpforgeInputError, match="^x"):
         wf.paged.quantize_kv(torch.ones(3, 16, 2, 64, device=DEV, dtype=torch.int32), "fp8")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "nvfp4", "mxfp4", "fp16"])
+def test_quantize_kv_no_pages(fmt):
+    """Zero pages quantise to an empty cache (and the scale of zeros), not an error from amax."""
+    kv_format, how = FORMATS[fmt]
+    cache, scale = wf.paged.quantize_kv(torch.randn(0, 16, 2, 64, device=DEV), kv_format, per_page=how == "page")
+    assert cache.shape == (0, 16, 2, wf.paged.KV_FORMATS[kv_format].width(64))
+    assert cache.dtype == wf.paged.KV_FORMATS[kv_format].storage
+    if how == "page":
+        assert scale.shape == (0, 2)
+    elif kv_format in ("fp8", "nvfp4"):
+        assert scale.shape == (1,) and bool((scale > 0).all())
+    else:
+        assert scale is None
+
+
+@pytest.mark.parametrize("shape", [(16, 2, 64), (2, 3, 16, 2, 64), (2, 64)])
+def test_quantize_kv_per_page_scale_needs_pages(shape):
+    """A per-page scale [num_pages, h_kv] indexes pages: x must be pages [num_pages, page_size, h_kv, d]."""
+    x = torch.randn(shape, device=DEV)
+    with pytest.raises(WarpforgeInputError, match="^x.*4-d"):
+        wf.paged.quantize_kv(x, "fp8", scale=torch.ones(5 if len(shape) == 2 else shape[0], 2, device=DEV))
 
 
 # ------------------------------------------------------------------------------------------- bad input
@@ -576,6 +764,7 @@ BAD = [  # (format of the cache, mutation, argument named)
     ("fp16", _set("k_cache", lambda a: a["k_cache"][:, :, :1].expand(-1, -1, 3, -1).contiguous()), "k_cache"),  # 8 % 3
     ("fp16", _set("k_cache", lambda a: a["k_cache"][..., :32].contiguous()), "k_cache"),      # width
     ("fp16", _set("k_cache", lambda a: a["k_cache"].view(torch.uint8)[..., :40].contiguous()), "kv_format"),
+    ("fp16", _set("k_cache", lambda a: a["k_cache"].double()), "k_cache"),                  # no format has float64
     ("fp16", _set("v_cache", lambda a: a["v_cache"][:, :, :1].contiguous()), "v_cache"),
     ("fp16", _set("q", lambda a: torch.randn(2, 2, 8, 96, dtype=torch.float16, device=DEV)), "q"),  # head dim 96
     ("fp16", _set("q", lambda a: torch.randn(2, 9, 8, 64, dtype=torch.float16, device=DEV)), "q"),   # s_q 9
@@ -614,6 +803,7 @@ def test_bad_input_names_the_argument(fmt, mutate, name):
     (dict(num_splits=0), "num_splits"), (dict(num_splits=2 * 16 * 3 + 1), "num_splits"),  # above the tokens
     (dict(num_splits=1.5), "num_splits"), (dict(window=-1), "window"), (dict(window=2.0), "window"),
     (dict(softcap=0.0), "softcap"), (dict(softcap=-5.0), "softcap"),
+    (dict(softcap=3e38), "softcap"),  # finite, but softcap · log2(e) is inf in fp32
     (dict(softmax_scale=float("nan")), "softmax_scale"),
     (dict(window=3, num_splits=6), "num_splits"),  # above what a window of 3 and s_q 2 lets a query see
     (dict(kv_format="fp4"), "kv_format"), (dict(kv_format="bf16"), "k_cache"), (dict(kv_format="fp8"), "k_cache"),
@@ -631,6 +821,18 @@ def test_uint8_cache_needs_kv_format():
     wf.paged_decode(**args, kv_format="nvfp4", backend="triton")  # named, it runs
     with pytest.raises(WarpforgeInputError, match="^k_cache"):  # an nvfp4 cache is not mxfp4 (row width)
         wf.paged_decode(**{**args, "k_scale": None, "v_scale": None}, kv_format="mxfp4", backend="triton")
+
+
+def test_cache_of_no_format_names_k_cache():
+    """A float64 cache has no format: the error names k_cache (not kv_format) and the dtypes there are."""
+    q = torch.randn(2, 1, 4, 64, device=DEV)
+    cache = torch.zeros(4, 16, 2, 64, device=DEV, dtype=torch.float64)
+    table = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
+    seqlens = torch.ones(2, dtype=torch.int32, device=DEV)
+    for call in (lambda: wf.paged_decode(q, cache, cache, table, seqlens, backend="reference"),
+                 lambda: wf.paged.append_kv(cache, cache, q, q, table, seqlens)):
+        with pytest.raises(WarpforgeInputError, match="^k_cache.*float32.*uint8.*got float64"):
+            call()
 
 
 # ------------------------------------------------------------------------------------- GPU shapes

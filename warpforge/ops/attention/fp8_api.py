@@ -7,14 +7,14 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_bool, check_choice, check_positive_float, check_rank, check_same_device, check_tensor,
-                       fail)
+from ...errors import (check_bool, check_choice, check_last_dim_contiguous, check_positive_float, check_rank,
+                       check_same_device, check_tensor, fail)
 from ...runtime import resolve_backend
 from .._op import kernel_op
 from . import configs
 from .api import FLOATS, MAX_HEAD_DIM, band, check_window
-from .fp8_quantize import (QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, padded_tokens, quantize_qkv_reference,
-                           smoothing, v_channel_scale)
+from .fp8_quantize import (FP8, QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, padded_tokens,
+                           quantize_qkv_reference, smoothing, v_channel_scale)
 from .reference import attention_reference
 
 
@@ -40,6 +40,19 @@ def _fp8_fake(q, q_scale, k, k_scale, v_t, v_scale, qk_format, out_dtype, sm_sca
 _flash_fp8 = kernel_op("flash_attention_fp8", _fp8_impl, _fp8_fake)
 
 
+def _check_no_grad(name, t):
+    """Forward only, on both backends: the Triton op has no backward and the reference's would differentiate through
+    the rounding, so a tensor that would build a graph is refused rather than silently detached."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        fail(name, "a tensor that does not require grad (flash_attention_fp8 is forward-only; call it under "
+             "torch.no_grad() or detach)", "requires_grad=True")
+
+
+def _check_head_dim(name, width):
+    if width % 16 or not 16 <= width <= MAX_HEAD_DIM:
+        fail(name, f"a head dim that is a multiple of 16 from 16 to {MAX_HEAD_DIM}", width)
+
+
 def _check_qkv(q, k, v):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
@@ -47,11 +60,11 @@ def _check_qkv(q, k, v):
         check_same_device(name, t, "q", q)
         if t.dtype not in FLOATS:
             fail(name, f"dtype in {FLOATS} (quantised here)", str(t.dtype))
+        _check_no_grad(name, t)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         fail("k/v", f"dtype {q.dtype} (like q)", f"{k.dtype}/{v.dtype}")
     for name, width in (("q", q.shape[-1]), ("v", v.shape[-1])):
-        if width % 16 or not 16 <= width <= MAX_HEAD_DIM:
-            fail(name, f"a head dim that is a multiple of 16 from 16 to {MAX_HEAD_DIM}", width)
+        _check_head_dim(name, width)
     if k.shape[-1] != q.shape[-1]:
         fail("k", f"head dim {q.shape[-1]} (like q)", k.shape[-1])
     if k.shape[:-1] != v.shape[:-1]:
@@ -63,11 +76,57 @@ def _check_qkv(q, k, v):
         fail("k", f"a number of heads dividing q's {h_q}", h_kv)
 
 
+def _check_quantized(qkv):
+    """Every field of a QuantizedQKV, as the kernel reads it (it may come from a cache rather than quantize_qkv):
+    the codes' and scales' dtypes and shapes against q's and k's, the formats, the heads, v_t covering k's tokens,
+    and stride 1 where the kernel indexes without a stride (the codes' last dims, v_scale's channels)."""
+    if not isinstance(qkv, QuantizedQKV):
+        fail("qkv", "a QuantizedQKV (from quantize_qkv)", type(qkv).__name__)
+    check_choice("qkv.qk_format", qkv.qk_format, QK_FORMATS)
+    if qkv.dtype not in FLOATS:
+        fail("qkv.dtype", f"one of {FLOATS} (the output's)", repr(qkv.dtype))
+    codes = torch.int8 if qkv.qk_format == "int8" else FP8
+    fields = ("q", "q_scale", "k", "k_scale", "v_t", "v_scale") + (("lse_shift",) if qkv.lse_shift is not None else ())
+    for field in fields:
+        name, t = f"qkv.{field}", getattr(qkv, field)
+        check_tensor(name, t)
+        check_rank(name, t, 4 if field in ("q", "k", "v_t") else 3)
+        check_same_device(name, t, "qkv.q", qkv.q)
+        want = codes if field in ("q", "k") else FP8 if field == "v_t" else torch.float32
+        if t.dtype != want:
+            fail(name, f"dtype {want}" + (f" (qk_format {qkv.qk_format!r})" if field in ("q", "k") else ""),
+                 str(t.dtype))
+        _check_no_grad(name, t)
+    for field in ("q", "k", "v_t", "v_scale"):
+        check_last_dim_contiguous(f"qkv.{field}", getattr(qkv, field))
+    b, s_q, h_q, d = qkv.q.shape
+    _, s_k, h_kv, _ = qkv.k.shape
+    _check_head_dim("qkv.q", d)
+    if qkv.k.shape[0] != b or qkv.k.shape[3] != d:
+        fail("qkv.k", f"[{b}, s_k, h_kv, {d}] (q's batch and head dim)", tuple(qkv.k.shape))
+    if h_kv == 0 or h_q % h_kv:
+        fail("qkv.k", f"a number of heads dividing q's {h_q}", h_kv)
+    d_v = qkv.v_t.shape[2]
+    if qkv.v_t.shape[:2] != (b, h_kv) or qkv.v_t.shape[3] < s_k:
+        fail("qkv.v_t", f"[{b}, {h_kv}, d_v, >= {s_k}] (k's batch and heads, at least its {s_k} tokens)",
+             tuple(qkv.v_t.shape))
+    _check_head_dim("qkv.v_t", d_v)
+    for field, shape in (("q_scale", (b, s_q, h_q)), ("k_scale", (b, s_k, h_kv)), ("v_scale", (b, h_kv, d_v)),
+                         ("lse_shift", (b, h_q, s_q))):
+        t = getattr(qkv, field)
+        if t is not None and tuple(t.shape) != shape:
+            fail(f"qkv.{field}", f"shape {shape}", tuple(t.shape))
+
+
 def quantize_qkv(q, k, v, *, qk_format: str = "fp8", backend=None) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (fp16 / bf16 / fp32; d, d_v multiples of 16
     up to 256) -> a QuantizedQKV for flash_attention_quantized: e4m3 (or int8 q/k, qk_format="int8") with
-    per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised. As in
-    flash_attention, values are not checked: a NaN or inf input gives NaN outputs for the rows it reaches."""
+    per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised.
+
+    Values are not read on the host (no sync): a NaN propagates instead. A row's amax keeps it, so its scale is NaN
+    and so is every output it reaches (int8 smooths K by its per-head mean, so there a NaN key reaches all of its
+    head's rows); an inf gives an inf scale, which dequantises to NaN too. Forward only: inputs that require grad are
+    refused while grad mode is on."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
     if resolve_backend(backend, q.device) == "reference":
@@ -85,9 +144,9 @@ def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softma
                               window=(-1, -1), return_lse: bool = False, backend=None):
     """Attention forward over quantize_qkv's output; out [b, s_q, h_q, d_v] in the inputs' dtype, lse fp32
     [b, h_q, s_q] if return_lse. Masks and conventions as flash_attention's (causal bottom-right; a query that
-    sees no key gets 0 and lse -inf)."""
-    if not isinstance(qkv, QuantizedQKV):
-        fail("qkv", "a QuantizedQKV (from quantize_qkv)", type(qkv).__name__)
+    sees no key gets 0 and lse -inf, so s_k = 0 gives zeros). Every field of qkv is checked (shapes, dtypes, the
+    format, the heads); its tensors must not require grad while grad mode is on (forward only)."""
+    _check_quantized(qkv)
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_positive_float("softmax_scale", softmax_scale)
@@ -113,7 +172,9 @@ def flash_attention_fp8(q, k, v, *, causal: bool = False, softmax_scale: Optiona
                         qk_format: str = "fp8", return_lse: bool = False, backend=None):
     """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
     quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
-    smoothed K); P·V is e4m3 either way. Forward only (inference)."""
+    smoothed K); P·V is e4m3 either way. Forward only (inference), on both backends: inputs that require grad are
+    refused while grad mode is on (call it under torch.no_grad(), or detach them). NaN and inf propagate to the
+    outputs they reach without a host read (quantize_qkv); s_k = 0 gives zeros and lse -inf, as flash_attention."""
     qkv = quantize_qkv(q, k, v, qk_format=qk_format, backend=backend)
     return flash_attention_quantized(qkv, causal=causal, softmax_scale=softmax_scale, window=window,
                                      return_lse=return_lse, backend=backend)

@@ -1,7 +1,8 @@
 """Q, K and V quantised for FP8 attention (fp8_kernel.py), in plain PyTorch: the format, written to be read.
 
 - q, k: e4m3 (or int8, qk_format="int8", SageAttention's INT8 Q·Kᵀ) with one fp32 scale per token and head,
-  amax over the head dim mapped to the format's largest value (448 / 127); int8 rounds half up.
+  amax over the head dim mapped to the format's largest value (448 / 127); int8 rounds half up. A NaN in a row
+  makes its scale NaN (the amax propagates it), so the NaN reaches the scores instead of vanishing in the codes.
 - int8 K is smoothed first (SageAttention): the per-head mean over tokens is subtracted, which shifts every score
   of a query row by the same q · mean and leaves the softmax unchanged; the shift comes back into lse.
 - v: e4m3 with one fp32 scale per channel (amax over tokens), stored transposed as v_t [b, h_kv, d_v, s_k_pad]
@@ -39,15 +40,23 @@ class QuantizedQKV:
 
 def smoothing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean of k over tokens [b, h_kv, d] fp32, lse_shift = q · that mean [b, h_q, s_q]) for int8's smoothed K."""
-    mean = k.mean(1, dtype=torch.float32)
+    if k.shape[1] == 0:  # no keys: nothing to smooth (a mean over no tokens would be NaN and poison lse's -inf)
+        mean = k.new_zeros((k.shape[0], k.shape[2], k.shape[3]), dtype=torch.float32)
+    else:
+        mean = k.mean(1, dtype=torch.float32)
     per_q_head = mean.repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     return mean, torch.einsum("bqhd,bhd->bhq", q.float(), per_q_head)
 
 
 def v_channel_scale(v: torch.Tensor) -> torch.Tensor:
-    """[b, h_kv, d_v] fp32: each channel's amax over tokens at e4m3's largest value (one pass over v)."""
-    amax = torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32)
-    return amax.clamp(min=_TINY) / FORMAT_MAX["fp8"]
+    """[b, h_kv, d_v] fp32, contiguous (quantize_v_kernel indexes it flat): each channel's amax over tokens at
+    e4m3's largest value (one pass over v). A NaN in a channel makes its scale NaN (the norm propagates it)."""
+    b, s_k, h_kv, d_v = v.shape
+    if s_k == 0:  # no keys: the amax of nothing is 0 (the inf norm refuses an empty dim)
+        amax = v.new_zeros((b, h_kv, d_v), dtype=torch.float32)
+    else:
+        amax = torch.linalg.vector_norm(v, float("inf"), dim=1, dtype=torch.float32)
+    return (amax.clamp(min=_TINY) / FORMAT_MAX["fp8"]).contiguous()
 
 
 def padded_tokens(s_k: int) -> int:

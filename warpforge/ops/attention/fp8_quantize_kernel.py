@@ -6,6 +6,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _row_scale(x, fmt_max: tl.constexpr):
+    """amax over the last dim / fmt_max, floored at 1e-20 (an all-zero row). NaN is kept: tl.max and a plain
+    tl.maximum drop it (maxnum), which would quantise a NaN row as finite codes with a finite scale; a NaN scale
+    instead carries the NaN into the scores, as fp8_quantize.py's torch amax does."""
+    amax = tl.reduce(tl.abs(x), 1, _max_keep_nan)
+    return tl.maximum(amax, 1e-20, propagate_nan=tl.PropagateNan.ALL) / fmt_max
+
+
+@triton.jit
 def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, H: tl.constexpr, D: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr, SMOOTH: tl.constexpr):
     """Rows of a contiguous [b, s, h, d] tensor: scale = amax / (127 or 448), codes = x / scale (SMOOTH: x minus
@@ -18,11 +32,11 @@ def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, H: tl.constexpr
         head_row = (rows // seq_heads) * H + rows % H
         x = tl.where(ok, x - tl.load(MEAN + head_row[:, None] * D + cols[None, :], mask=ok, other=0.0), 0.0)
     if INT8:
-        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-20) / 127.0
+        scale = _row_scale(x, 127.0)
         y = tl.floor(x / scale[:, None] + 0.5)
         codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-20) / 448.0
+        scale = _row_scale(x, 448.0)
         codes = (x / scale[:, None]).to(tl.float8e4nv)
     tl.store(OUT + rows[:, None] * D + cols[None, :], codes, mask=ok)
     tl.store(SCALE + rows, scale, mask=rows < n_rows)
@@ -32,7 +46,7 @@ def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, H: tl.constexpr
 def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, stride_tb, stride_th, stride_td,
                       H: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """A [BLOCK_S tokens, d_v] tile of one head divided by its channel scales, written channel-major (zeros for the
-    padding tokens past s_k)."""
+    padding tokens past s_k). V's channel stride is 1 (quantize_v sees to it); VS is contiguous [b, h, d_v]."""
     b = (tl.program_id(1) // H).to(tl.int64)
     h = (tl.program_id(1) % H).to(tl.int64)
     toks = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -61,8 +75,11 @@ def quantize_rows(x, mean, fmt):
 
 
 def quantize_v(v, v_scale, s_pad):
-    """v [b, s_k, h, d_v] -> v_t [b, h, d_v, s_pad] e4m3 by the channel scales v_scale [b, h, d_v]."""
+    """v [b, s_k, h, d_v] (any strides) -> v_t [b, h, d_v, s_pad] e4m3 by the channel scales v_scale [b, h, d_v]."""
     b, s_k, h, dv = v.shape
+    if v.stride(-1) != 1:  # the kernel reads a token's channels at stride 1; other strides it takes as given
+        v = v.contiguous()
+    v_scale = v_scale.contiguous()  # indexed flat; a no-op for v_channel_scale's
     v_t = torch.empty((b, h, dv, s_pad), device=v.device, dtype=torch.float8_e4m3fn)
     block_s = 64
     if v_t.numel():

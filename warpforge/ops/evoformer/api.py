@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ...errors import check_dtype, check_last_dim_contiguous, check_positive_float, check_rank, check_same_device, \
-    check_tensor, fail
+    check_same_dtype, check_tensor, fail
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
@@ -43,6 +43,34 @@ def _fwd_fake(q, k, v, bias1, bias2, scale):
     return torch.empty_like(q), q.new_empty((B, S, H, R), dtype=torch.float32)
 
 
+def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The [B, H, R, R] score gradient (already summed over N_seq) summed down to bias's own shape."""
+    grad = dbias[:, None]  # [B, 1, H, R, R]
+    shape = (1,) * (5 - bias.dim()) + tuple(bias.shape)
+    dims = tuple(i for i in range(5) if shape[i] == 1 and grad.shape[i] != 1)
+    return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype).contiguous()
+
+
+def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor], scale: float,
+              want1: bool, want2: bool) -> list[torch.Tensor]:
+    """[dq, dk, dv, then the gradient of each bias whose want flag is set, in that bias's shape and dtype]."""
+    from .evoformer_kernel import evoformer_bwd
+    B, S, R, H, _ = q.shape
+    full = (B, S, H, R, R)
+    dq, dk, dv, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, (_full(bias1, full), _full(bias2, full)),
+                                      scale, want1 or want2, _tiles(q))
+    return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want]
+
+
+def _bwd_fake(do, q, k, v, out, lse, bias1, bias2, scale, want1, want2):
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + \
+        [bias.new_empty(bias.shape) for bias, want in ((bias1, want1), (bias2, want2)) if want]
+
+
+_evoformer_bwd = kernel_op("evoformer_attention_bwd", _bwd_impl, _bwd_fake)
+
+
 def _setup(ctx, inputs, output):
     q, k, v, bias1, bias2, scale = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], bias1, bias2)
@@ -50,24 +78,13 @@ def _setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The [B, H, R, R] score gradient (already summed over N_seq) summed down to bias's own shape."""
-    grad = dbias[:, None]  # [B, 1, H, R, R]
-    shape = (1,) * (5 - bias.dim()) + tuple(bias.shape)
-    dims = tuple(i for i in range(5) if shape[i] == 1 and grad.shape[i] != 1)
-    return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype)
-
-
 def _backward(ctx, d_out, _d_lse):
-    from .evoformer_kernel import evoformer_bwd
     q, k, v, out, lse, bias1, bias2 = ctx.saved_tensors
-    B, S, R, H, _ = q.shape
-    full = (B, S, H, R, R)
-    want = [ctx.needs_input_grad[3] and bias1 is not None, ctx.needs_input_grad[4] and bias2 is not None]
-    dq, dk, dv, dbias = evoformer_bwd(d_out.contiguous(), q, k, v, out, lse, (_full(bias1, full), _full(bias2, full)),
-                                      ctx.scale, any(want), _tiles(q))
-    return (dq, dk, dv, _summed_to(dbias, bias1) if want[0] else None, _summed_to(dbias, bias2) if want[1] else None,
-            None)
+    want = [bool(ctx.needs_input_grad[3]) and bias1 is not None, bool(ctx.needs_input_grad[4]) and bias2 is not None]
+    dq, dk, dv, *dbiases = _evoformer_bwd(d_out, q, k, v, out, lse, bias1, bias2, ctx.scale, *want)
+    dbias1 = dbiases.pop(0) if want[0] else None
+    dbias2 = dbiases.pop(0) if want[1] else None
+    return dq, dk, dv, dbias1, dbias2, None
 
 
 _evoformer = kernel_op("evoformer_attention", _fwd_impl, _fwd_fake, setup_context=_setup, backward=_backward)
@@ -102,6 +119,7 @@ def _check(q, k, v, biases, gate, softmax_scale, backend):
     if gate is not None:
         check_tensor("gate", gate)
         check_same_device("gate", gate, "q", q)
+        check_same_dtype("gate", gate, "q", q)
         if gate.shape != q.shape:
             fail("gate", f"q's shape {tuple(q.shape)}", tuple(gate.shape))
     check_positive_float("softmax_scale", softmax_scale)

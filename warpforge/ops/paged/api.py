@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_positive_float,
-                       check_rank, check_same_device, check_tensor, fail, host_reads_allowed, read_once)
+                       check_rank, check_same_device, check_same_dtype, check_tensor, fail, host_reads_allowed,
+                       read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from . import configs
@@ -26,6 +27,7 @@ PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 MAX_S_Q = 8
 HEAD_DIMS = (64, 128, 256)
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SOFTCAP = 1e30  # the kernel takes softcap · log2(e) in fp32: 3e38 would be inf there
 
 
 # ------------------------------------------------------------------------------------------- op
@@ -96,12 +98,15 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     kv_format = _check_shapes(q, k_cache, block_table, kv_format)
     check_positive_float("softmax_scale", softmax_scale)
     check_positive_float("softcap", softcap)
+    if softcap is not None and softcap > MAX_SOFTCAP:
+        fail("softcap", f"at most {MAX_SOFTCAP:g} (softcap · log2(e) must be finite in fp32) or None", repr(softcap))
     if window is not None:
         check_int("window", window, lo=0, what="None or an int >= 0 (tokens before the query's own that it sees)")
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     max_tokens = block_table.shape[1] * k_cache.shape[1]
     if window is not None:
+        window = min(window, max_tokens)  # a wider window hides nothing; 2**70 would not fit the kernel's ints
         max_tokens = min(max_tokens, window + s_q)
     if num_splits is not None:
         check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
@@ -152,16 +157,21 @@ def quantize_kv(x, kv_format, *, scale=None, per_page=False):
         fail("x", f"a tensor [..., h_kv, d] with d in {HEAD_DIMS}", f"shape {tuple(x.shape)}")
     if not isinstance(per_page, bool) or (per_page and (kv_format != "fp8" or x.dim() != 4)):
         fail("per_page", "a bool, True only for fp8 pages [num_pages, page_size, h_kv, d]", repr(per_page))
+    # before a scale is computed from x: a NaN would make it NaN and the error would name `scale`
+    if fmt.quantized and host_reads_allowed(x) and not bool(torch.isfinite(x).all()):
+        fail("x", "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")
     if kv_format in ("fp8", "nvfp4"):
-        if scale is None:
-            scale = fp8_scales(x, per_page) if kv_format == "fp8" else \
-                (x.float().abs().amax() / (6.0 * 448.0)).clamp(min=1e-12).reshape(1)
-        scale = _scale_tensor("scale", scale, x, x.shape[0] if x.dim() == 4 else None, x.shape[-2],
+        if scale is None and kv_format == "fp8":
+            scale = fp8_scales(x, per_page)
+        elif scale is None:  # nvfp4's tensor scale, from amax (0 for no pages: amax() refuses an empty x)
+            amax = x.float().abs().amax() if x.numel() else x.new_zeros((), dtype=torch.float32)
+            scale = (amax / (6.0 * 448.0)).clamp(min=1e-12).reshape(1)
+        elif kv_format == "fp8" and isinstance(scale, torch.Tensor) and scale.numel() != 1 and x.dim() != 4:
+            fail("x", "pages [num_pages, page_size, h_kv, d] (4-d) for a per-page scale", f"shape {tuple(x.shape)}")
+        scale = _scale_tensor("scale", scale, "x", x, x.shape[0] if x.dim() == 4 else None, x.shape[-2],
                               per_page_ok=kv_format == "fp8")
     elif scale is not None:
         fail("scale", f"None for kv_format {kv_format!r}", type(scale).__name__)
-    if fmt.quantized and host_reads_allowed(x) and not bool(torch.isfinite(x).all()):
-        fail("x", "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")
     return quantize_kv_reference(x, kv_format, scale), scale
 
 
@@ -172,10 +182,10 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     the new tokens with the cache's scales: fp8 needs per-tensor scales (a per-page scale cannot follow tokens
     into a page), nvfp4 its tensor scales."""
     _check_tokens("k_new", k_new, 1 << 30)
-    kv_format = _check_cache("k_cache", k_cache, kv_format, k_new.dtype, k_new.shape[3], k_new)
+    kv_format = _check_cache("k_cache", k_cache, kv_format, k_new.dtype, k_new.shape[3], "k_new", k_new)
     if k_cache.shape[2] != k_new.shape[2]:
         fail("k_new", f"{k_cache.shape[2]} kv heads (the cache's)", k_new.shape[2])
-    _check_int32("block_table", block_table, k_new, 2, (k_new.shape[0],))
+    _check_int32("block_table", block_table, "k_new", k_new, 2)
     for name, t in (("v_cache", v_cache), ("v_new", v_new)):
         check_tensor(name, t)
         check_same_device(name, t, "k_cache", k_cache)
@@ -184,47 +194,57 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
              f"{tuple(v_cache.shape)} {v_cache.dtype}")
     if v_new.shape != k_new.shape:
         fail("v_new", f"k_new's shape {tuple(k_new.shape)}", tuple(v_new.shape))
+    check_same_dtype("v_new", v_new, "k_new", k_new)
     b, s_new = k_new.shape[:2]
-    _check_int32("cache_seqlens", cache_seqlens, k_cache, 1, (b,))
+    _check_int32("cache_seqlens", cache_seqlens, "k_new", k_new, 1)
     scales = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if kv_format in ("fp8", "nvfp4"):
             scales.append(_scale_tensor(name, scale if scale is not None else (1.0 if kv_format == "fp8" else None),
-                                        k_cache, None, k_cache.shape[2], per_page_ok=False))
+                                        "k_cache", k_cache, None, k_cache.shape[2], per_page_ok=False))
         elif scale is not None:
             fail(name, f"None for kv_format {kv_format!r}", type(scale).__name__)
         else:
             scales.append(None)
-    page = k_cache.shape[1]
+    num_pages, page = k_cache.shape[:2]
     capacity = block_table.shape[1] * page
-    if host_reads_allowed(k_cache):
-        lens = cache_seqlens.long()
-        if bool(((lens < 0) | (lens + s_new > capacity)).any()):
-            fail("cache_seqlens", f"values from 0 to {capacity - s_new} (room for {s_new} new tokens in the "
-                 f"{block_table.shape[1]} pages given)", cache_seqlens.tolist()[:8])
+    if b and num_pages == 0:
+        fail("k_cache", "at least one page to append to", "0 pages")
+    if b and capacity < s_new:
+        fail("block_table", f"room for {s_new} new tokens per request ({page}-token pages)",
+             f"{block_table.shape[1]} pages per request")
     pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # [b, s_new]
-    pos = pos.clamp(0, capacity - 1)  # under capture the values went unchecked: stay inside the table
-    pages = torch.gather(block_table.long(), 1, pos // page).clamp(0, k_cache.shape[0] - 1)
+    # The values go unchecked under capture: positions are clamped into the table and page numbers into the cache,
+    # so no write lands outside them (the tokens of a bad entry overwrite some page instead).
+    pos = pos.clamp(0, capacity - 1)
+    entries = torch.gather(block_table, 1, pos // page)
+    if host_reads_allowed(k_cache):
+        _check_append_values(cache_seqlens, entries, num_pages, capacity, s_new,
+                             (k_new, v_new) if KV_FORMATS[kv_format].quantized else ())
+    pages = entries.long().clamp(0, num_pages - 1)
     slots = pos % page
     for cache, new, scale in ((k_cache, k_new, scales[0]), (v_cache, v_new, scales[1])):
         cache[pages, slots] = quantize_kv_reference(new, kv_format, scale).to(cache.dtype)
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _check_cache(name, cache, kv_format, dtype, d, ref):
-    """A [num_pages, page_size, h_kv, width] cache for values of `dtype` and head dim d; returns its format's name
-    (kv_format, or the one the cache's dtype implies)."""
+def _check_cache(name, cache, kv_format, dtype, d, ref_name, ref):
+    """A [num_pages, page_size, h_kv, width] cache for values of `dtype` (ref's) and head dim d; returns its format's
+    name (kv_format, or the one the cache's dtype implies)."""
     check_tensor(name, cache)
-    check_same_device(name, cache, "q", ref)
+    check_same_device(name, cache, ref_name, ref)
     check_rank(name, cache, 4)
     if kv_format is None:
         kv_format = BY_DTYPE.get(cache.dtype)
-        if kv_format is None:
+        if kv_format is None and cache.dtype == torch.uint8:
             fail("kv_format", "given for a uint8 cache (\"nvfp4\" or \"mxfp4\")", None)
+        if kv_format is None:
+            fail(name, "dtype in (bfloat16, float16, float32, float8_e4m3fn), or uint8 with kv_format \"nvfp4\" or "
+                 "\"mxfp4\"", str(cache.dtype).replace("torch.", ""))
     check_choice("kv_format", kv_format, KV_FORMATS)
     fmt = KV_FORMATS[kv_format]
     if not fmt.quantized and fmt.storage != dtype:
-        fail(name, f"{dtype} (q's) for kv_format {kv_format!r}", str(cache.dtype))
+        fail(name, f"{dtype} ({ref_name}'s) for kv_format {kv_format!r}", str(cache.dtype))
     check_dtype(name, cache, (fmt.storage,))
     if cache.shape[1] not in PAGE_SIZES:
         fail(name, f"page size in {PAGE_SIZES}", cache.shape[1])
@@ -249,11 +269,11 @@ def _check_tokens(name, x, max_tokens):
 def _check_shapes(q, k_cache, block_table, kv_format):
     """What plan() reads: shapes, dtypes, the format. Returns the format's name."""
     _check_tokens("q", q, MAX_S_Q)
-    kv_format = _check_cache("k_cache", k_cache, kv_format, q.dtype, q.shape[3], q)
+    kv_format = _check_cache("k_cache", k_cache, kv_format, q.dtype, q.shape[3], "q", q)
     h_q, h_kv = q.shape[2], k_cache.shape[2]
     if h_kv < 1 or h_q % h_kv:
         fail("k_cache", f"a number of kv heads dividing q's {h_q}", h_kv)
-    _check_int32("block_table", block_table, q, 2, (q.shape[0],))
+    _check_int32("block_table", block_table, "q", q, 2)
     return kv_format
 
 
@@ -275,18 +295,19 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
                  f"{tuple(cache.shape)} {cache.dtype}")
     if v_cache.shape[0] != k_cache.shape[0]:
         fail("v_cache", f"{k_cache.shape[0]} pages (like k_cache)", v_cache.shape[0])
-    _check_int32("block_table", block_table, q, 2, (p.batch,))
+    _check_int32("block_table", block_table, "q", q, 2)
     if block_table.shape[1] != p.max_pages:
         fail("block_table", f"{p.max_pages} pages per request (the plan's)", block_table.shape[1])
-    _check_int32("cache_seqlens", cache_seqlens, q, 1, (p.batch,))
+    _check_int32("cache_seqlens", cache_seqlens, "q", q, 1)
     scales = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if p.kv_format == "fp8":
-            scales.append(_scale_tensor(name, 1.0 if scale is None else scale, q, k_cache.shape[0], p.h_kv, True))
+            scales.append(_scale_tensor(name, 1.0 if scale is None else scale, "q", q, k_cache.shape[0], p.h_kv,
+                                        True))
         elif p.kv_format == "nvfp4":
             if scale is None:
                 fail(name, "nvfp4's one-element fp32 tensor scale (from quantize_kv)", None)
-            scales.append(_scale_tensor(name, scale, q, None, p.h_kv, False))
+            scales.append(_scale_tensor(name, scale, "q", q, None, p.h_kv, False))
         elif scale is not None:
             fail(name, f"None for kv_format {p.kv_format!r}", type(scale).__name__)
         else:
@@ -296,14 +317,14 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
     return scales[0], scales[1]
 
 
-def _scale_tensor(name, scale, ref, num_pages, h_kv, per_page_ok):
+def _scale_tensor(name, scale, ref_name, ref, num_pages, h_kv, per_page_ok):
     """A scale as the kernel takes it: an fp32 tensor of one element, or [num_pages, h_kv] when per_page_ok;
     floats become one-element tensors. Finite and > 0 (read on the host once per tensor value, not under capture)."""
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         check_positive_float(name, float(scale), allow_none=False)
         return torch.full((1,), float(scale), dtype=torch.float32, device=ref.device)
     check_tensor(name, scale)
-    check_same_device(name, scale, "q", ref)
+    check_same_device(name, scale, ref_name, ref)
     check_dtype(name, scale, (torch.float32,))
     if scale.numel() != 1 and not (per_page_ok and scale.dim() == 2 and scale.shape[1] == h_kv and
                                    (num_pages is None or scale.shape[0] == num_pages)):
@@ -315,13 +336,14 @@ def _scale_tensor(name, scale, ref, num_pages, h_kv, per_page_ok):
     return scale
 
 
-def _check_int32(name, t, ref, rank, lead):
+def _check_int32(name, t, ref_name, ref, rank):
+    """An int32 tensor of this rank on ref's device, one row per request of ref (q or k_new: [b, ...])."""
     check_tensor(name, t)
-    check_same_device(name, t, "q", ref)
+    check_same_device(name, t, ref_name, ref)
     check_rank(name, t, rank)
     check_dtype(name, t, (torch.int32,))
-    if tuple(t.shape[:len(lead)]) != tuple(lead):
-        fail(name, f"leading dims {tuple(lead)} (q's batch)", tuple(t.shape))
+    if t.shape[0] != ref.shape[0]:
+        fail(name, f"leading dim {ref.shape[0]} ({ref_name}'s batch)", tuple(t.shape))
     check_last_dim_contiguous(name, t)
 
 
@@ -341,3 +363,24 @@ def _check_table_values(num_pages, page, block_table, cache_seqlens, s_q):
         fail("cache_seqlens", f"values <= {capacity} (block_table pages x page_size)", int(lens.max()))
     i, j = (int(x) for x in bad_pages.nonzero()[0])
     fail("block_table", f"page indices in [0, {num_pages})", f"{int(block_table[i, j])} at [{i}, {j}]")
+
+
+def _check_append_values(cache_seqlens, entries, num_pages, capacity, s_new, tokens):
+    """append_kv's values: room for the s_new tokens in every request's pages, the block-table entries they go
+    through (entries [b, s_new]) in [0, num_pages), and the tokens (k_new, v_new of a quantised cache: a NaN would
+    poison its block scales) finite. One device reduction and one read-back, the details only on failure."""
+    lens = cache_seqlens.long()
+    bad_lens = (lens < 0) | (lens + s_new > capacity)
+    bad_pages = (entries < 0) | (entries >= num_pages)
+    flags = [bad_lens.any(), bad_pages.any()] + [~torch.isfinite(t).all() for t in tokens]
+    bad = torch.stack(flags).tolist()
+    if bad[0]:
+        fail("cache_seqlens", f"values from 0 to {capacity - s_new} (room for {s_new} new tokens in the "
+             f"{capacity} slots of the table's pages)", cache_seqlens.tolist()[:8])
+    if bad[1]:
+        i, j = (int(x) for x in bad_pages.nonzero()[0])
+        fail("block_table", f"page indices in [0, {num_pages}) where the new tokens go",
+             f"{int(entries[i, j])} for request {i}'s token {int(lens[i]) + j}")
+    for name, is_bad in zip(("k_new", "v_new"), bad[2:]):
+        if is_bad:
+            fail(name, "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")

@@ -55,13 +55,15 @@ def paged_decode_split_kernel(
     stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
     stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
     stride_ls, stride_lb,
-    qk_scale, cap_in, cap_out, window,
+    qk_scale, cap_in, cap_out, window, capacity, last_page,
     H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
 ):
     """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
-    (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h."""
+    (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h. Lengths are
+    clamped to [0, capacity] (the table's tokens) and page numbers to [0, last_page]: the host checks them except
+    under a CUDA-graph capture or torch.compile, and an unchecked value must not read outside the tensors."""
     split = tl.program_id(0)
     b64 = tl.program_id(1).to(tl.int64)
     TILES: tl.constexpr = (GROUP * S_Q + BLOCK_H - 1) // BLOCK_H
@@ -71,7 +73,7 @@ def paged_decode_split_kernel(
     r_ok = r_loc < GROUP * S_Q
     j = r_loc // GROUP
     h = kvh * GROUP + r_loc % GROUP
-    length = tl.load(SEQLENS + b64)
+    length = tl.minimum(tl.maximum(tl.load(SEQLENS + b64), 0), capacity)
     pos = length - S_Q + j  # each query row's own position: it sees tokens <= pos
     lo = 0
     if WINDOW:
@@ -91,7 +93,8 @@ def paged_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
-        page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0).to(tl.int64)
+        page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
+        page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
         slot = (tok % PAGE).to(tl.int64)
         k = _cache_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D, BLOCK_D, KV_FMT,
                         FP4_GROUP, q.dtype)
@@ -180,6 +183,7 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         *o_strides, *l_strides,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
         window if window is not None else 0,
+        block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0, max(k_cache.shape[0] - 1, 0),
         H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
         WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, num_warps=cfg.warps,

@@ -17,13 +17,17 @@ import math
 import torch
 
 from ... import quant
+from ...errors import host_reads_allowed
 from .kv_format import KV_FORMATS
 
 
 def fp8_scales(x: torch.Tensor, per_page: bool) -> torch.Tensor:
     """e4m3 scales of values x [num_pages, page_size, h_kv, d]: amax / 448 per page and head ([num_pages, h_kv])
     or over the whole tensor (one element)."""
-    amax = x.float().abs().amax(dim=(1, 3)) if per_page else x.float().abs().amax().reshape(1)
+    if x.numel() == 0:  # no pages (nothing to reduce): the scale of zeros
+        amax = x.new_zeros((x.shape[0], x.shape[2]) if per_page else (1,), dtype=torch.float32)
+    else:
+        amax = x.float().abs().amax(dim=(1, 3)) if per_page else x.float().abs().amax().reshape(1)
     return (amax / quant.E4M3_MAX).clamp(min=1e-12)
 
 
@@ -62,31 +66,41 @@ def dequantize_kv_reference(cache: torch.Tensor, kv_format: str, scale=None) -> 
 
 def paged_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, *, softmax_scale=None, kv_format=None,
                            k_scale=None, v_scale=None, softcap=None, window=None):
-    """(out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] fp32): one request at a time, in fp32."""
+    """(out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] fp32): one request at a time, in fp32.
+
+    Lengths are clamped to the block table's tokens and page numbers into the cache, as the kernel does (the values
+    go unchecked under capture). Tokens a query does not see are masked with torch.where, never multiplied by 0, so
+    garbage (NaN) in them cannot reach its output. The lengths are read on the host only where that is allowed: on
+    meta tensors, under torch.compile or a CUDA-graph capture every request spans the table's tokens, masked."""
     b, s_q, h_q, d = q.shape
     kv_format = kv_format or "bf16"
-    page_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    num_pages, page_size, h_kv = k_cache.shape[:3]
+    capacity = block_table.shape[1] * page_size if num_pages else 0
+    if window is not None:
+        window = min(window, capacity)  # a wider window hides nothing (and 2**70 overflows int64)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     keys = dequantize_kv_reference(k_cache, kv_format, k_scale)
     values = dequantize_kv_reference(v_cache, kv_format, v_scale)
+    lengths = cache_seqlens.long().clamp(0, capacity)
+    spans = lengths.tolist() if host_reads_allowed(cache_seqlens) else [capacity] * b  # tokens to gather per request
     out = torch.zeros(b, s_q, h_q, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h_q, s_q), float("-inf"), dtype=torch.float32, device=q.device)
     for i in range(b):
-        length = int(cache_seqlens[i])
-        t = torch.arange(length, device=q.device)
-        pages = block_table[i, t // page_size].long()
-        k = keys[pages, t % page_size].repeat_interleave(h_q // h_kv, dim=1)  # [length, h_q, d]
+        t = torch.arange(spans[i], device=q.device)
+        pages = block_table[i, t // page_size].long().clamp(0, max(num_pages - 1, 0))
+        k = keys[pages, t % page_size].repeat_interleave(h_q // h_kv, dim=1)  # [span, h_q, d]
         v = values[pages, t % page_size].repeat_interleave(h_q // h_kv, dim=1)
         scores = torch.einsum("jhd,thd->hjt", q[i].float(), k) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        pos = length - s_q + torch.arange(s_q, device=q.device)
-        seen = t[None, :] <= pos[:, None]
+        pos = lengths[i] - s_q + torch.arange(s_q, device=q.device)
+        seen = t[None, :] <= pos[:, None]  # [s_q, span]; pos < length, so only tokens in the cache
         if window is not None:
             seen &= t[None, :] >= pos[:, None] - window
-        scores = scores.masked_fill(~seen[None], float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)  # [h_q, s_q]
-        probs = torch.exp(scores - row_lse.masked_fill(torch.isinf(row_lse), 0.0)[..., None]).masked_fill(~seen[None], 0)
-        out[i] = torch.einsum("hjt,thd->jhd", probs, v)
+        scores = torch.where(seen[None], scores, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [h_q, s_q]; -inf where a query sees nothing
+        probs = torch.where(seen[None], torch.exp(scores - row_lse[..., None]), 0.0)
+        seen_v = torch.where(seen[:, :, None, None], v[None], 0.0)  # [s_q, span, h_q, d]: each query's tokens only
+        out[i] = torch.einsum("hjt,jthd->jhd", probs, seen_v)
         lse[i] = row_lse
     return out.to(q.dtype), lse
