@@ -60,7 +60,7 @@ def main():
         for cfg in cfgs:
             cfg = MLACfg(*cfg)
             cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, h_q))
-            auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg.block_h, sms)
+            auto = plan_num_splits(128, h_q, table.shape[1] * 64, cfg.block_h, sms, waves=cfg.waves)
             for splits in sorted({auto, 2 * auto, max(1, auto // 2)}):
                 def run():
                     return mla_decode_fwd(q, cache, table, lens, 1 / math.sqrt(576), False, KV_FORMATS[fmt], kv_scale,

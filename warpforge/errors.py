@@ -118,17 +118,20 @@ def check_int(name: str, value: object, lo: int | None = None, hi: int | None = 
 
 
 FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38  # the normal fp32 range
+# the largest scale-like argument taken: kernels multiply it by small constants (log2(e), a score) in fp32, where
+# 3e38 · log2(e) is already inf; no real softmax scale, softcap or eps comes near
+SCALE_MAX = 1e30
 
 
 def check_positive_float(name: str, value: object, allow_none: bool = True, allow_zero: bool = False) -> None:
-    """A float (or int) > 0 (>= 0 with allow_zero) within fp32's normal range, since the kernels compute in fp32
-    (1e-300 would be 0 there, 1e300 inf), or None where allowed."""
+    """A float (or int) > 0 (>= 0 with allow_zero) from fp32's smallest normal to SCALE_MAX, since the kernels
+    compute in fp32 (1e-300 would be 0 there, 1e300 inf), or None where allowed."""
     if value is None and allow_none:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and \
-        ((allow_zero and value == 0) or FP32_TINY <= value <= FP32_MAX)
+        ((allow_zero and value == 0) or FP32_TINY <= value <= SCALE_MAX)
     if not ok:
-        fail(name, f"a float {'>= 0' if allow_zero else '> 0'} within fp32's range (1.2e-38 to 3.4e38)" +
+        fail(name, f"a float {'>= 0' if allow_zero else '> 0'} from 1.2e-38 to {SCALE_MAX:g}" +
              (" or None" if allow_none else ""), repr(value))
 
 

@@ -101,7 +101,8 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
         check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
                   what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
     if num_splits is None:
-        num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device))
+        num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device),
+                                     waves=cfg.waves)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
     return MLAPlan(b, s_q, h_q, kv_cache.shape[1], max_tokens, kv_format, sparse, causal, scale, q.dtype, cfg,
                    num_splits)

@@ -2,7 +2,8 @@
 MLACfg (see ops/_tiles.py: a format without entries of its own takes "any"'s).
 
 "cpu" is the Triton interpreter. sm90 entries come from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md):
-FP8 runs fastest at h_q 16 with fp16 math, 32-token steps and the next step's bytes prefetched into
+bf16 runs fastest with the page ids loaded a step ahead (three tile buffers at h_q 16, whose 168 KB fill an SM:
+one wave of programs); FP8 at h_q 16 with fp16 math, 32-token steps and the next step's bytes prefetched into
 registers; FP4 with 32-token steps. "default" serves any other arch, safe rather than fast.
 """
 from typing import NamedTuple
@@ -18,6 +19,7 @@ class MLACfg(NamedTuple):
     fp16_math: bool = False  # quantized caches: dequantise to fp16 (not q's bf16) and run the latent dots in fp16
     prefetch: bool = False   # FP8, dense: load the next step's bytes into registers while this step computes
     index_ahead: bool = False  # load the next step's page ids / slots a step early (deeper tile pipelining)
+    waves: int = 2  # programs per SM that the split count aims at (1 where one program's tiles fill the SM)
 
 
 C = MLACfg
@@ -26,7 +28,8 @@ _FP32 = {0: C(16, 16, 4, 1), MANY_ROWS: C(32, 16, 4, 1)}  # fp32 q (full-precisi
 DECODE = TileTable({
     "cpu": {"any": C(16, 16, 1, 1)},
     "default": {"any": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 32, 8, 2)}, "fp32": _FP32},
-    "sm90": {"any": {0: C(16, 64, 4, 2), MANY_ROWS: C(64, 64, 8, 2)}, "fp32": _FP32,
+    "sm90": {"any": {0: C(16, 64, 4, 3, index_ahead=True, waves=1), MANY_ROWS: C(64, 64, 8, 2, index_ahead=True)},
+             "fp32": _FP32,
              "fp8": {0: C(16, 32, 4, 3, fp16_math=True, prefetch=True), MANY_ROWS: C(64, 64, 8, 2)},
              "nvfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)},
              "mxfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)}},

@@ -291,7 +291,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     num_splits from plan_num_splits."""
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    block_h, block_n, warps, stages, fp16_math, prefetch, index_ahead = cfg
+    block_h, block_n, warps, stages, fp16_math, prefetch, index_ahead = cfg[:7]
     out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     if b == 0:
