@@ -12,7 +12,9 @@ par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
-    tests) timeout 240 python3 -m pytest -q $par tests > "$w/tests.log" 2>&1 ;;
+    tests) timeout 300 python3 -m pytest -v -rf $par tests > "$w/tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$w/tests.log" | tail -25 ;;
+    tune-paged) timeout 200 python3 scripts/tune_paged.py --formats bf16,fp8 --out "$w/tune_paged_4k.json" > "$w/tune_paged_4k.log" 2>&1
+                timeout 60 python3 scripts/tune_paged.py --L 1024 --formats bf16 --out "$w/tune_paged_1k.json" > "$w/tune_paged_1k.log" 2>&1 ;;
     tests-*) timeout 200 python3 -m pytest -q $par $(echo "${step#tests-}" | tr ',' '\n' | sed 's|^|tests/|') > "$w/$step.log" 2>&1 ;;
     tune-mla) timeout 240 python3 scripts/tune_mla.py --only 16:bf16,128:bf16 --out "$w/tune_mla_8k.json" > "$w/tune_mla_8k.log" 2>&1
               timeout 90 python3 scripts/tune_mla.py --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;

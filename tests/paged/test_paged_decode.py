@@ -166,6 +166,17 @@ def test_matches_reference(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, q_dtyp
     _check(p, num_splits=_splits(splits, p))
 
 
+@pytest.mark.parametrize("fmt", ["fp16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("b,s_q,h_q,h_kv,d,page,lens,splits", SHAPES[:3])
+def test_index_ahead_variant(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, monkeypatch):
+    """PagedCfg.index_ahead (each step's page ids loaded a step early, the look-ahead past the end masked off)
+    gives the reference's answer too."""
+    from warpforge.ops.paged import configs
+    monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda c: c._replace(index_ahead=True)))
+    p = _problem(b, s_q, h_q, h_kv, d, page, lens, fmt, torch.float16)
+    _check(p, num_splits=_splits(splits, p))
+
+
 @pytest.mark.parametrize("fmt,q_dtype", [("fp32", torch.float32), ("fp16", torch.float16), ("fp8", torch.float16),
                                          ("nvfp4", torch.float32)])
 @pytest.mark.parametrize("softcap,window,splits,scale", [

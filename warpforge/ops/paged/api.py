@@ -113,7 +113,7 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     rows = (h_q // h_kv) * s_q
     cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
     if num_splits is None:
-        num_splits = plan_num_splits(b, h_kv, -(-rows // cfg.block_h), max_tokens, sm_count(q.device))
+        num_splits = plan_num_splits(b, h_kv, -(-rows // cfg.block_h), max_tokens, sm_count(q.device), waves=cfg.waves)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return PagedPlan(b, s_q, h_q, h_kv, d, k_cache.shape[1], block_table.shape[1], kv_format, scale,
                      float(softcap) if softcap is not None else None, window, q.dtype, cfg, num_splits)

@@ -15,6 +15,9 @@ class PagedCfg(NamedTuple):
     block_n: int   # cache tokens per step
     warps: int
     stages: int
+    index_ahead: bool = False  # load the next step's page ids a step early, so the pipeliner can run the K/V copies
+    #                            stages - 1 steps ahead (MLA decode's measurement: benchmarks/NOTES.md)
+    waves: int = 2  # programs per SM that the split count aims at
 
 
 C = PagedCfg

@@ -9,6 +9,8 @@ tokens] scores and probabilities, not the [tokens, d] tile.
 
 The schedule is static: each request's visible tokens are cut into `num_splits` equal BLOCK_N-aligned ranges,
 num_splits planned from shapes only, so a step needs no host sync and can be captured in a CUDA graph.
+INDEX_AHEAD loads each step's page ids one step early: the K/V copies then depend only on loop-carried values and
+the pipeliner can issue them stages - 1 steps ahead instead of spending a stage on the page-id load.
 """
 import torch
 import triton
@@ -59,6 +61,7 @@ def paged_decode_split_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr,
 ):
     """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
     (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h. Lengths are
@@ -90,10 +93,17 @@ def paged_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BLOCK_TABLE + b64 * stride_bt
+    page_next = 0
+    if INDEX_AHEAD:  # the first step's page ids; each step then loads the next step's (see the module docstring)
+        page_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
-        page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
+        if INDEX_AHEAD:
+            page = page_next
+            page_next = tl.load(bt_row + (tok + BLOCK_N) // PAGE, mask=tok + BLOCK_N < end, other=0)
+        else:
+            page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
         page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
         slot = (tok % PAGE).to(tl.int64)
         k = _cache_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D, BLOCK_D, KV_FMT,
@@ -186,7 +196,8 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0, max(k_cache.shape[0] - 1, 0),
         H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
-        WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, num_warps=cfg.warps,
+        WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, INDEX_AHEAD=cfg.index_ahead,
+        num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
     if not final:

@@ -1,0 +1,71 @@
+"""Sweep paged GQA decode tiles and split counts on this GPU (issue 18's shape: b 64, h_q 32, h_kv 8, d 128,
+page 16, pages shuffled) at one cache length, each from a CUDA graph.
+
+    PYTHONPATH=. python scripts/tune_paged.py [--L 4096] [--formats bf16,fp8] [--out tune_paged.json]
+
+Prints each result as it lands; winners go into warpforge/ops/paged/configs.py's DECODE table with the numbers
+in benchmarks/NOTES.md.
+"""
+import argparse
+import dataclasses
+
+import torch
+import triton.testing
+
+from warpforge.bench.report import write_json
+from warpforge.ops.paged import KV_FORMATS, plan, quantize_kv
+from warpforge.ops.paged.configs import PagedCfg
+
+# (block_h, block_n, warps, stages, index_ahead)
+TILES = [(16, 64, 4, 3, False), (16, 64, 4, 2, False), (16, 32, 4, 3, False), (16, 128, 4, 2, False),
+         (16, 64, 4, 3, True), (16, 64, 4, 4, True), (16, 128, 4, 3, True), (16, 32, 4, 4, True),
+         (16, 128, 8, 3, True), (16, 64, 8, 4, True)]
+FP4_TILES = [(16, 32, 4, 2, False), (16, 32, 4, 3, True), (16, 64, 4, 2, True), (16, 16, 4, 3, True)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--formats", default="bf16,fp8")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
+    results = []
+    for fmt in args.formats.split(","):
+        pages = b * (-(-L // page))
+        values = torch.randn(pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16)
+        scale = None
+        if fmt == "bf16":
+            k_cache = v_cache = values
+        else:
+            k_cache, scale = quantize_kv(values, fmt)
+            v_cache = k_cache
+        del values
+        q = torch.randn(b, 1, h_q, d, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
+        seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
+        base = plan(q, k_cache, table, kv_format=fmt)
+        kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
+        for t in (FP4_TILES if fmt in ("nvfp4", "mxfp4") else TILES):
+            cfg = PagedCfg(*t)
+            for splits in (1, 2, 4, 8):
+                p = dataclasses.replace(base, config=cfg, num_splits=splits)
+
+                def run():
+                    return p.run(q, k_cache, v_cache, table, seqlens, k_scale=scale, v_scale=scale)
+                try:
+                    run()
+                    ms = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
+                except Exception as exc:  # out of shared memory: not a candidate
+                    print(f"{fmt} {t} splits {splits}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
+                    continue
+                results.append(dict(fmt=fmt, cfg=t, splits=splits, ms=ms, tbps=kv_bytes / ms / 1e9))
+                print(f"{fmt} {t} splits {splits}: {ms:.4f} ms {kv_bytes / ms / 1e9:.2f} TB/s", flush=True)
+        k_cache = v_cache = None
+        torch.cuda.empty_cache()
+    if args.out:
+        write_json(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
