@@ -33,14 +33,14 @@ def main():
     results = []
     for fmt in args.formats.split(","):
         pages = b * (-(-L // page))
-        values = torch.randn(pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16)
+        # K and V separate tensors: one tensor for both would read V from L2 after K
+        k_vals, v_vals = (torch.randn(pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         scale = None
         if fmt == "bf16":
-            k_cache = v_cache = values
+            k_cache, v_cache = k_vals, v_vals
         else:
-            k_cache, scale = quantize_kv(values, fmt)
-            v_cache = k_cache
-        del values
+            (k_cache, scale), (v_cache, _) = quantize_kv(k_vals, fmt), quantize_kv(v_vals, fmt, scale=None)
+        del k_vals, v_vals
         q = torch.randn(b, 1, h_q, d, device="cuda", dtype=torch.bfloat16)
         table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
         seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)

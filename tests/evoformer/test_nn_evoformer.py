@@ -203,12 +203,12 @@ def test_no_mask_and_fully_masked_rows():
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_empty_inputs_give_empty_outputs(backend):
-    row = wf.nn.MSARowAttentionWithPairBias(8, 4, 8, 2, backend=backend)
-    col = wf.nn.MSAColumnAttention(8, 8, 2, backend=backend)
-    tri = wf.nn.TriangleAttention(4, 8, 2, starting=False, backend=backend)
+    row = wf.nn.MSARowAttentionWithPairBias(8, 4, 8, 2, backend=backend).to(DEV)
+    col = wf.nn.MSAColumnAttention(8, 8, 2, backend=backend).to(DEV)
+    tri = wf.nn.TriangleAttention(4, 8, 2, starting=False, backend=backend).to(DEV)
     for b, s, r in ((0, 2, 5), (1, 0, 5), (1, 2, 0)):
-        m, z = torch.randn(b, s, r, 8), torch.randn(b, r, r, 4)
-        assert row(m, z, torch.ones(b, s, r, dtype=torch.bool)).shape == m.shape
+        m, z = torch.randn(b, s, r, 8, device=DEV), torch.randn(b, r, r, 4, device=DEV)
+        assert row(m, z, torch.ones(b, s, r, dtype=torch.bool, device=DEV)).shape == m.shape
         assert col(m).shape == m.shape and tri(z).shape == z.shape
 
 

@@ -18,7 +18,6 @@ from . import configs
 from .align import align_unchecked, capacity, checked_ids
 from .reference import dequantize_weights_reference, experts_reference, quantize_weights_reference, route_reference
 
-FP32_MAX = torch.finfo(torch.float32).max
 
 
 def quantize_weights(w: torch.Tensor):
@@ -177,8 +176,6 @@ def check_routing(router_logits, topk, scoring, num_expert_group, topk_group, re
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
     check_bool("renormalize", renormalize)
     check_positive_float("routed_scaling_factor", routed_scaling_factor, allow_none=False)
-    if routed_scaling_factor > FP32_MAX:
-        fail("routed_scaling_factor", f"at most {FP32_MAX:.6g} (the weights are fp32)", repr(routed_scaling_factor))
     if (num_expert_group is None) != (topk_group is None):
         fail("topk_group", "given together with num_expert_group (or neither)",
              f"topk_group={topk_group}, num_expert_group={num_expert_group}")

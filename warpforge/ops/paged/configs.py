@@ -1,9 +1,9 @@
 """Tiles for paged GQA decode: arch -> cache format -> padded head dim -> PagedCfg (see ops/_tiles.py).
 
-"cpu" is the Triton interpreter. sm90 entries are first guesses from MLA decode's tuned tiles (the same shape of
-problem: a GQA group's query rows against one kv head's tokens), checked to compile without spills on sm_90
-(scripts/compile_sm90.py) but not yet timed on the H200; FP4 takes 32-token steps (64 spills); "default" serves any
-other arch, safe rather than fast.
+"cpu" is the Triton interpreter. sm90 d <= 128 bf16 / fp8 entries come from scripts/tune_paged.py on the H200
+(benchmarks/NOTES.md: two stages beat three, the page ids loaded ahead did not pay here); the d 256 and FP4 entries
+are first guesses checked to compile on sm_90 (FP4 takes 32-token steps, 64 spills); "default" serves any other
+arch, safe rather than fast.
 """
 from typing import NamedTuple
 
@@ -25,8 +25,8 @@ C = PagedCfg
 DECODE = TileTable({
     "cpu": {"any": C(16, 16, 1, 1)},
     "default": {"any": {0: C(64, 32, 4, 2), 256: C(32, 16, 4, 1)}, "fp32": C(16, 16, 4, 1)},
-    "sm90": {"any": {0: C(64, 64, 4, 3), 256: C(64, 32, 4, 2)}, "fp32": C(16, 16, 4, 1),
-             "fp8": {0: C(64, 64, 4, 3), 256: C(64, 32, 4, 2)},
+    "sm90": {"any": {0: C(64, 64, 4, 2), 256: C(64, 32, 4, 2)}, "fp32": C(16, 16, 4, 1),
+             "fp8": {0: C(64, 128, 4, 2), 256: C(64, 32, 4, 2)},
              "nvfp4": {0: C(64, 32, 4, 2), 256: C(64, 16, 4, 2)},
              "mxfp4": {0: C(64, 32, 4, 2), 256: C(64, 16, 4, 2)}},
 })
