@@ -78,7 +78,12 @@ def fits(q, k, v) -> bool:
 
 
 def flash_fwd_ws(q, k, v, batch, s_q, s_k, sm_scale, left, right, cfg):
-    """Returns (out like q, lse fp32 [b, h_q, s_q]); the caller checked fits(q, k, v)."""
+    """Returns (out like q, lse fp32 [b, h_q, s_q]); the caller checked fits(q, k, v). A sliding window goes to
+    the portable kernel: on the H200 (Triton 3.6) this kernel gave NaN rows with window (20, 5), where the
+    interpreter and the portable kernel are right (benchmarks/NOTES.md); full and causal masks are verified."""
+    if left < s_k or 0 < right < s_k:
+        from .flash_kernel import flash_fwd
+        return flash_fwd(q, k, v, None, None, batch, s_q, s_k, sm_scale, left, right, cfg._replace(ws=False))
     h_q, d = q.shape[-2], q.shape[-1]
     out = torch.empty_like(q)
     lse = torch.empty((batch, h_q, s_q), device=q.device, dtype=torch.float32)
