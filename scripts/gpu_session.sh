@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device call's steps, each bounded by a timeout so the call always returns what it has:
 #   bash scripts/gpu_session.sh OUT STEP...   (steps: see the case list below)
-# Everything lands in OUT/work and comes back as OUT/all.tgz (the device returns at most 8 files).
+# Everything lands in OUT/work and comes back as OUT/all.tgz (the device returns at most 8 files). To run a commit
+# while the working tree changes: git archive HEAD | tar -x -C .head && git rev-parse HEAD > .head/COMMIT, carry .head.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(mkdir -p "$1" && cd "$1" && pwd); shift
 w=$out/work; mkdir -p "$w"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+# a checkout exported without .git (git archive) names its commit in COMMIT, for the results' git_commit
+[ -f COMMIT ] && export WARPFORGE_GIT_COMMIT=$(cat COMMIT)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$w/gpu.txt"
 par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 for step in "$@"; do
