@@ -110,61 +110,50 @@ def _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, 
 
 
 @triton.jit
-def evo_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, B1, B2,
+def evo_bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS1: tl.constexpr, HAS2: tl.constexpr,
+    HAS1: tl.constexpr, HAS2: tl.constexpr, DQ_PASS: tl.constexpr,
 ):
+    """Program (block, b · s · h). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
+    query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics."""
     bsh = tl.program_id(1).to(tl.int64)
     b, s, h = _program_bsh(bsh, S, H)
     base = b * stride_b + s * stride_s + h * stride_h
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
-    v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for m0 in range(0, R, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
+    if DQ_PASS:
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i, b1_j,
-                         B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
-        dv = dot(tl.trans(p.to(do.dtype)), do, dv)
-        dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
-    ok = (cols < R)[:, None] & (offs_d < D)[None, :]
-    ptrs = base + cols[:, None].to(tl.int64) * stride_r + offs_d[None, :]
-    tl.store(DK + ptrs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
-    tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def evo_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, B1, B2,
-    stride_b, stride_s, stride_r, stride_h,
-    b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
-    S, R, scale,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS1: tl.constexpr, HAS2: tl.constexpr,
-):
-    bsh = tl.program_id(1).to(tl.int64)
-    b, s, h = _program_bsh(bsh, S, H)
-    base = b * stride_b + s * stride_s + h * stride_h
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, R, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(0, R, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
+            v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
+            p, ds = _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i,
+                             b1_j, B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
+            dq = dot(ds.to(k.dtype), k, dq)
+        tl.store(DQ + base + rows[:, None].to(tl.int64) * stride_r + offs_d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(rows < R)[:, None] & (offs_d < D)[None, :])
+    else:
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
         v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i, b1_j,
-                         B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
-        dq = dot(ds.to(k.dtype), k, dq)
-    tl.store(DQ + base + rows[:, None].to(tl.int64) * stride_r + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=(rows < R)[:, None] & (offs_d < D)[None, :])
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for m0 in range(0, R, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D)
+            p, ds = _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i,
+                             b1_j, B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
+            dv = dot(tl.trans(p.to(do.dtype)), do, dv)
+            dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+        ok = (cols < R)[:, None] & (offs_d < D)[None, :]
+        ptrs = base + cols[:, None].to(tl.int64) * stride_r + offs_d[None, :]
+        tl.store(DK + ptrs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
+        tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -244,13 +233,11 @@ def evoformer_bwd(do, q, k, v, out, lse, biases, scale, want_dbias, tiles):
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (has1, has2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
-    for kernel, cfg, grid_axis, extra in ((evo_bwd_dkdv_kernel, tiles.dkdv, "n", (dk, dv)),
-                                          (evo_bwd_dq_kernel, tiles.dq, "m", (dq,))):
-        block = cfg.block_n if grid_axis == "n" else cfg.block_m
-        kernel[(triton.cdiv(R, block), B * S * H)](
-            q, k, v, do, lse, delta, *extra, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
+    for cfg, dq_pass in ((tiles.dkdv, False), (tiles.dq, True)):
+        evo_bwd_kernel[(triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n), B * S * H)](
+            q, k, v, do, lse, delta, dq, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), HAS1=has1, HAS2=has2,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            DQ_PASS=dq_pass, num_warps=cfg.warps, num_stages=cfg.stages)
     cfg = tiles.dbias
     if want_dbias:
         db = dbias
