@@ -108,6 +108,14 @@ def check_bool(name: str, value: object) -> None:
         fail(name, "a bool", repr(value))
 
 
+def check_no_grad(name: str, t: torch.Tensor, op: str) -> None:
+    """t does not require grad while grad mode is on: for forward-only ops, whose Triton path has no backward while
+    the reference's would differentiate, so one contract holds on both backends instead of a dropped gradient."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        fail(name, f"a tensor that does not require grad ({op} is forward-only; call it under torch.no_grad() or "
+             "detach)", "requires_grad=True")
+
+
 def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None, what: str = "") -> None:
     """An int (not a bool) within [lo, hi] where given."""
     ok = isinstance(value, int) and not isinstance(value, bool)

@@ -8,6 +8,7 @@ import torch
 
 import warpforge as wf
 from warpforge import WarpforgeInputError
+from warpforge.errors import SCALE_MAX
 from warpforge.ops.attention import attention_reference, attention_varlen_reference
 from warpforge.testing import (REL_L2, poisoned_outputs, ragged_cu_seqlens, rel_l2, device_under_test,
                                dtypes_under_test)
@@ -323,6 +324,23 @@ def test_feature_arguments_refused(over, name):
         args = {key: val.to(DEV) if isinstance(val, torch.Tensor) else val for key, val in args.items()}
     with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
         wf.flash_attention(args.pop("q"), args.pop("k"), args.pop("v"), backend="triton", **args)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_alibi_slopes_bounded_like_scales(backend):
+    """A finite but huge slope (3e38: inf once the kernel scales it in fp32, NaN on triton while the reference
+    stayed finite) is refused on both backends, naming alibi_slopes, in either sign; |slope| up to SCALE_MAX runs
+    and matches the reference."""
+    q, k, v = (t.detach() for t in _inputs(2, 5, 7, 4, 2, 16, DTYPES[-1]))
+    for slope in (3e38, -3e38, 1e31, float("inf"), float("nan")):
+        slopes = torch.full((4,), slope, device=DEV)
+        slopes[0] = 0.5  # one bad slope among good ones is enough
+        with pytest.raises(WarpforgeInputError, match=r"^alibi_slopes.*1e\+30"):
+            wf.flash_attention(q, k, v, alibi_slopes=slopes, backend=backend)
+    slopes = torch.tensor([SCALE_MAX, -SCALE_MAX, 1.0, 0.0], device=DEV)
+    out = wf.flash_attention(q, k, v, causal=True, alibi_slopes=slopes, backend=backend)
+    ref = attention_reference(q, k, v, window=(-1, 0), alibi_slopes=slopes)[0]
+    assert torch.isfinite(out).all() and rel_l2(out, ref) <= REL_L2[q.dtype]
 
 
 @pytest.mark.gpu

@@ -123,6 +123,25 @@ def test_strided_v_quantises_as_its_contiguous_copy(layout):
     torch.testing.assert_close(out, wf.flash_attention_fp8(q, k, v.contiguous(), backend="triton"), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+def test_strided_q_and_k_accepted_by_both_backends(qk_format):
+    """q and k whose last dim is not stride 1 run on both backends (the reference quantiser used to keep their
+    strides, and its codes were refused as "qkv.q", a field the caller never passed) and give what their
+    contiguous copies give; either backend's quantize_qkv gives codes that either backend's
+    flash_attention_quantized takes."""
+    q, k, v = _inputs(2, 9, 21, 4, 2, 32)
+    q_t, k_t = (t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in (q, k))  # channel stride = heads
+    assert q_t.stride(-1) != 1 and k_t.stride(-1) != 1
+    for backend in ("triton", "reference"):
+        out = wf.flash_attention_fp8(q_t, k_t, v, qk_format=qk_format, backend=backend)
+        want = wf.flash_attention_fp8(q, k, v, qk_format=qk_format, backend=backend)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        qkv = quantize_qkv(q_t, k_t, v, qk_format=qk_format, backend=backend)
+        assert all(getattr(qkv, f).is_contiguous() for f in ("q", "q_scale", "k", "k_scale"))
+        for run_on in ("triton", "reference"):
+            assert cosine(flash_attention_quantized(qkv, backend=run_on), want) >= 0.998  # P rounded or not
+
+
 def _bad(qkv, **fields):
     return dataclasses.replace(qkv, **fields)
 

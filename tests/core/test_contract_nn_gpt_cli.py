@@ -62,6 +62,18 @@ CONSTRUCTION = [
     ("dim", lambda: wf.nn.RMSNorm(-1)),
     ("hidden_dim", lambda: wf.nn.SwiGLU(16, -2)),
     ("hidden_dim", lambda: wf.nn.SwiGLU(16, 0)),  # the Triton kernel used to fail on it
+    # absurd sizes: a TypeError (overflow) or an allocator error from torch before
+    ("dim", lambda: wf.nn.RMSNorm(2**70)),
+    ("dim", lambda: wf.nn.Attention(2**70, 2)),
+    ("n_heads", lambda: wf.nn.Attention(64, 2**40)),
+    ("max_seq_len", lambda: wf.nn.Attention(64, 2, rotary=True, max_seq_len=2**40)),
+    ("dim", lambda: wf.nn.MLAttention(2**70, 16, q_lora_rank=None)),
+    ("q_lora_rank", lambda: wf.nn.MLAttention(128, 16, q_lora_rank=2**40)),
+    ("hidden_dim", lambda: wf.nn.SwiGLU(16, 2**40)),
+    ("num_experts", lambda: wf.nn.MoE(16, 8, 2**40, 2)),
+    ("max_tokens", lambda: wf.nn.KVCache.allocate(1, 2**40, 2, 32)),
+    ("head_dim", lambda: wf.nn.KVCache.allocate(1, 8, 2, 2**70)),
+    ("page_size", lambda: wf.nn.MLACache.allocate(1, 16, page_size=2**40)),
 ]
 
 
@@ -95,6 +107,26 @@ INPUTS = [
 @pytest.mark.parametrize("name, call", INPUTS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(INPUTS)])
 def test_module_inputs_are_checked(name, call):
     _raises(name, call)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("make, shape", [
+    (lambda b: wf.nn.RMSNorm(16, backend=b), (3, 16)),
+    (lambda b: wf.nn.SwiGLU(16, 8, backend=b), (3, 16)),
+    (lambda b: wf.nn.MoE(16, 8, 4, 2, backend=b), (3, 16)),
+    (lambda b: wf.nn.Attention(64, 2, backend=b), (1, 4, 64)),
+    (lambda b: wf.nn.MLAttention(128, 16, q_lora_rank=None, qk_nope_head_dim=32, v_head_dim=32, max_seq_len=64,
+                                 backend=b), (1, 3, 128)),
+], ids=["rms_norm", "swiglu", "moe", "attention", "mla"])
+def test_module_input_on_meta(make, shape, backend):
+    """A meta input used to raise "unknown device type for autocast" (check_input asked autocast about meta): on
+    another device than the module's weights it is refused naming x; a module moved to meta runs on it (shapes
+    only), where its ops can (MoE's routing reads values)."""
+    mod = make(backend)
+    x = torch.randn(*shape, device="meta")
+    _raises("x", lambda: mod(x))
+    if not isinstance(mod, wf.nn.MoE):
+        assert mod.to("meta")(x).shape == shape
 
 
 def test_module_input_in_another_dtype_runs_under_autocast():

@@ -244,9 +244,50 @@ def test_bad_input_names_the_argument():
                        (lambda: wf.nn.MSARowAttentionWithPairBias(8, None, 8, 2), "c_z"),
                        (lambda: wf.nn.MSAColumnAttention(8, 8, 0), "no_heads"),
                        (lambda: wf.nn.TriangleAttention(4, 8, 2, starting="yes"), "starting"),
-                       (lambda: wf.nn.TriangleAttention(4, 8, 2, backend="cuda"), "backend")]:
+                       (lambda: wf.nn.TriangleAttention(4, 8, 2, backend="cuda"), "backend"),
+                       # absurd sizes: a TypeError (overflow in nn.LayerNorm) or an allocator error before
+                       (lambda: wf.nn.MSAColumnAttention(2**70, 4, 2), "c_m"),
+                       (lambda: wf.nn.MSAColumnAttention(8, 4, 2**40), "no_heads"),
+                       (lambda: wf.nn.MSARowAttentionWithPairBias(8, 2**40, 8, 2), "c_z"),
+                       (lambda: wf.nn.TriangleAttention(2**70, 8, 2), "c_in")]:
         with pytest.raises(WarpforgeInputError, match=f"^{name}"):
             ctor()
+    # a meta input asked autocast about meta ("unknown device type for autocast"): refused as another device than
+    # the module's; a module on meta runs on it
+    with pytest.raises(WarpforgeInputError, match="^m: .*on cpu"):
+        row(m.to("meta"), z.to("meta"))
+    assert row.to("meta")(m.to("meta"), z.to("meta")).shape == m.shape
+
+
+@pytest.mark.parametrize("which", ["row", "column", "triangle"])
+def test_fp16_fully_masked_row_torch_backend_matches(which):
+    """In fp16 the mask bias -1e9 · (1 - mask) was cast to q's dtype by the torch backend, -inf there: a fully
+    masked row got zeros where the reference and triton (scores in fp32) average it near-uniformly. The torch
+    backend keeps the bias in fp32 and matches."""
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(2, 3, 5, 8, generator=gen).to(DEV, torch.float16)
+    z = torch.randn(2, 5, 5, 8, generator=gen).to(DEV, torch.float16)
+    outs = {}
+    for backend in BACKENDS:
+        torch.manual_seed(0)  # the same initial weights for every backend
+        if which == "row":
+            mod, args = wf.nn.MSARowAttentionWithPairBias(8, 8, 4, 2, backend=backend), (m, z)
+            mask = torch.ones(2, 3, 5)
+            mask[0, 1] = 0  # MSA row 1 of batch 0: every residue dropped
+        elif which == "column":
+            mod, args, mask = wf.nn.MSAColumnAttention(8, 4, 2, backend=backend), (m,), torch.ones(2, 3, 5)
+            mask[0, :, 0] = 0  # column 0 of batch 0: every row dropped
+        else:
+            mod, args, mask = wf.nn.TriangleAttention(8, 4, 2, backend=backend), (z,), torch.ones(2, 5, 5)
+            mask[1, 2] = 0
+        weights = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in mod.parameters():  # the initial output projection is zero
+                p.add_(torch.randn(p.shape, generator=weights) * 0.3)
+            outs[backend] = mod.to(DEV, torch.float16)(*args, mask.to(DEV)).float()
+    assert torch.isfinite(outs["reference"]).all()
+    for backend in ("triton", "torch"):
+        torch.testing.assert_close(outs[backend], outs["reference"], atol=4e-3, rtol=4e-3)
 
 
 # ------------------------------------------------------------------------------------------ GPU

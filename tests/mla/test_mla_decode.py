@@ -118,6 +118,28 @@ def test_bad_input_names_the_argument(mutate, name):
         wf.mla_decode(**args, backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("name", ["q", "kv_cache", "kv_scale"])
+def test_decode_is_forward_only_on_both_backends(name, backend):
+    """mla_decode has no backward on triton (the gradient was dropped silently while the reference's output was
+    differentiable): a tensor that requires grad is refused while grad mode is on, on both backends, through
+    mla_decode and plan().run(); under no_grad it runs."""
+    fmt = "nvfp4" if name == "kv_scale" else "bf16"
+    q, _, cache, table, seqlens, kv_scale = _problem(2, 1, 16, 16, [20, 30], fmt)
+    args = dict(q=q, kv_cache=cache, kv_scale=kv_scale)
+    args[name] = args[name].clone().requires_grad_()
+    plan = wf.mla.plan(args["q"], args["kv_cache"], table, kv_format=fmt)
+    for call in (lambda: wf.mla_decode(args["q"], args["kv_cache"], table, seqlens, kv_format=fmt,
+                                       kv_scale=args["kv_scale"], backend=backend),
+                 lambda: plan.run(args["q"], args["kv_cache"], table, seqlens, kv_scale=args["kv_scale"],
+                                  backend=backend)):
+        with pytest.raises(WarpforgeInputError, match=f"^{name}: .*mla_decode is forward-only.*torch.no_grad"):
+            call()
+        with torch.no_grad():
+            out, lse = call()
+        assert not out.requires_grad
+
+
 def test_wrong_byte_width_for_fp8():
     args = _bad_args()
     with pytest.raises(WarpforgeInputError, match="^kv_cache"):
@@ -256,6 +278,10 @@ def test_flash_mla_compatible_call():
         flash_mla_with_kvcache(q[:1], cache, table[:1], seqlens[:1], 512, meta, causal=True)
     with pytest.raises(WarpforgeInputError, match="^attn_sink"):
         flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, attn_sink=torch.zeros(16))
+    # a value that only prints like 512 is shown as what it is (it read "expected 512, got 512")
+    for head_dim_v, shown in (("512", "'512'"), (512.0, "512.0"), (256, "256")):
+        with pytest.raises(WarpforgeInputError, match=f"^head_dim_v: expected the int 512 .*got {shown}$"):
+            flash_mla_with_kvcache(q, cache, table, seqlens, head_dim_v, causal=True)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])

@@ -631,6 +631,105 @@ def test_fp4_append_makes_no_table_copies(fmt, monkeypatch):
     assert torch.equal(k, first)  # the same tokens at the same places: the same bytes
 
 
+def _append_args(b=2, page=16, lens=(5, 9), h_kv=2, d=64):
+    table, num_pages = _table(b, page, [n + 3 for n in lens], pad=False)  # room for the 3 new tokens
+    return dict(k_cache=torch.zeros(num_pages, page, h_kv, d, device=DEV),
+                v_cache=torch.zeros(num_pages, page, h_kv, d, device=DEV),
+                k_new=torch.randn(b, 3, h_kv, d, device=DEV), v_new=torch.randn(b, 3, h_kv, d, device=DEV),
+                block_table=table, cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=DEV))
+
+
+def test_append_refuses_caches_that_share_memory():
+    """k_cache and v_cache overlapping in memory (one tensor twice, or views that meet) would let the V write
+    overwrite the K tokens: refused naming v_cache, nothing written. Views of one buffer that interleave without
+    overlapping (kv[:, 0] and kv[:, 1], or the two halves of the last dim) are separate caches and are accepted."""
+    a = _append_args()
+    cache = a["k_cache"]
+    buf = torch.zeros(cache.shape[0] + 1, *cache.shape[1:], device=DEV)
+    for k_cache, v_cache in ((cache, cache), (cache, cache.view(cache.shape)), (buf[:-1], buf[1:]),
+                             (buf[1:], buf[:-1])):
+        with pytest.raises(WarpforgeInputError, match="^v_cache.*k_cache"):
+            wf.paged.append_kv(**{**a, "k_cache": k_cache, "v_cache": v_cache})
+        assert not k_cache.any()
+    pairs = torch.zeros(cache.shape[0], 2, *cache.shape[1:], device=DEV)  # [pages, 2, page, h_kv, d]
+    halves = torch.zeros(*cache.shape[:3], 2 * cache.shape[3], device=DEV)  # [pages, page, h_kv, 2d]
+    for k_cache, v_cache in ((pairs[:, 0], pairs[:, 1]), (halves[..., :64], halves[..., 64:])):
+        wf.paged.append_kv(**{**a, "k_cache": k_cache, "v_cache": v_cache})
+        wf.paged.append_kv(**{**a, "k_cache": a["k_cache"], "v_cache": a["v_cache"]})
+        assert torch.equal(k_cache, a["k_cache"]) and torch.equal(v_cache, a["v_cache"])
+
+
+@pytest.mark.parametrize("name", ["k_cache", "v_cache"])
+def test_append_refuses_a_cache_that_requires_grad(name):
+    """append_kv writes the caches in place, which autograd refuses on a leaf that requires grad (a raw
+    RuntimeError before): refused naming the cache while grad mode is on; under no_grad the write goes through."""
+    a = _append_args()
+    a[name].requires_grad_()
+    with pytest.raises(WarpforgeInputError, match=f"^{name}: .*does not require grad.*torch.no_grad"):
+        wf.paged.append_kv(**a)
+    with torch.no_grad():
+        wf.paged.append_kv(**a)
+    assert a[name].abs().sum() > 0
+    wf.paged.append_kv(**{**a, name: a[name].detach()})
+
+
+def test_append_refuses_two_tokens_for_one_slot():
+    """Two requests whose tables send new tokens to the same page slots would overwrite each other: refused naming
+    block_table (what it names: the requests, tokens and page), nothing written. Sharing the pages they only read
+    (a common prefix) is fine, as is a table naming one page twice where no new token lands twice."""
+    a = _append_args(lens=(5, 5))
+    shared = a["block_table"].clone()
+    shared[1] = shared[0]  # both requests' new tokens 5..7 go to the same page's slots 5..7
+    with pytest.raises(WarpforgeInputError, match=r"^block_table.*request 0's token 5 and request 1's token 5"):
+        wf.paged.append_kv(**{**a, "block_table": shared})
+    assert not a["k_cache"].any() and not a["v_cache"].any()
+    ones = _append_args(page=1, lens=(5, 6))
+    ones["block_table"][0, 6] = ones["block_table"][0, 5]  # one request's tokens 5 and 6 to one 1-token page
+    with pytest.raises(WarpforgeInputError, match=r"^block_table.*request 0's token 5 and request 0's token 6"):
+        wf.paged.append_kv(**ones)
+    within = a["block_table"].clone()
+    within[0, 1] = within[0, 0]  # tokens 14, 15 at slots 14, 15 and token 16 at slot 0 of the same page
+    wf.paged.append_kv(**{**a, "block_table": within, "cache_seqlens": torch.tensor([14, 5], dtype=torch.int32,
+                                                                                   device=DEV)})
+    prefix = a["block_table"].clone()
+    prefix[1, 0] = prefix[0, 0]  # a shared first page, read by both; request 1 writes into its second page
+    wf.paged.append_kv(**{**a, "block_table": prefix, "cache_seqlens": torch.tensor([5, 16], dtype=torch.int32,
+                                                                                      device=DEV)})
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("name", ["q", "k_cache", "v_cache", "k_scale"])
+def test_decode_is_forward_only_on_both_backends(name, backend):
+    """paged_decode has no backward on triton (the gradient was dropped silently while the reference's output was
+    differentiable): a tensor that requires grad is refused while grad mode is on, on both backends, through
+    paged_decode and plan().run(); under no_grad it runs."""
+    p = _problem(2, 1, 4, 2, 64, 16, [5, 20], "fp8" if name == "k_scale" else "fp32", spread=False)
+    if name == "k_scale":
+        p["k_scale"] = p["k_scale"].clone()
+    p[name] = p[name].detach().requires_grad_() if p[name].is_floating_point() else p[name]
+    args = (p["q"], p["k_cache"], p["v_cache"], p["block_table"], p["cache_seqlens"])
+    kw = dict(kv_format=p["kv_format"], k_scale=p["k_scale"], v_scale=p["v_scale"])
+    plan = wf.paged.plan(p["q"], p["k_cache"], p["block_table"], kv_format=p["kv_format"])
+    for call in (lambda: wf.paged_decode(*args, backend=backend, **kw),
+                 lambda: plan.run(*args, k_scale=p["k_scale"], v_scale=p["v_scale"], backend=backend)):
+        with pytest.raises(WarpforgeInputError, match=f"^{name}: .*paged_decode is forward-only.*torch.no_grad"):
+            call()
+        with torch.no_grad():
+            assert not call().requires_grad
+
+
+def test_kv_format_mismatch_says_what_is_wrong():
+    """A cache of one dtype under a kv_format of another names both (it said "expected torch.float32 (q's) ...,
+    got torch.float32"); a values cache in another dtype than q says it must hold q's."""
+    a = _bad_args("fp16")
+    q32, cache32 = a["q"].float(), a["k_cache"].float()
+    with pytest.raises(WarpforgeInputError, match=r"^k_cache: expected dtype float16 for kv_format 'fp16', "
+                                                  r"got float32$"):
+        wf.paged_decode(q32, cache32, cache32, a["block_table"], a["cache_seqlens"], kv_format="fp16")
+    with pytest.raises(WarpforgeInputError, match=r"^k_cache: expected dtype float32 \(q's.*got float16$"):
+        wf.paged_decode(q32, a["k_cache"], a["v_cache"], a["block_table"], a["cache_seqlens"])
+
+
 # ----------------------------------------------------------------------------------------- quantize_kv
 @pytest.mark.parametrize("fmt,cos", [("fp8", 0.9995), ("fp8-page", 0.9995), ("nvfp4", 0.99), ("mxfp4", 0.99),
                                      ("fp16", None), ("fp32", None)])

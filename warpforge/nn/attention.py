@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import check_bool, check_cu_seqlens, check_int, check_positive_float, fail, host_reads_allowed, read_once
+from ..errors import check_bool, check_cu_seqlens, check_positive_float, fail, host_reads_allowed, read_once
 from ..ops.rope import rope_tables
 from . import functional as F
 
@@ -25,8 +25,9 @@ class KVCache:
     @classmethod
     def allocate(cls, batch: int, max_tokens: int, n_kv_heads: int, head_dim: int, device=None,
                  dtype=torch.bfloat16) -> "KVCache":
-        check_int("batch", batch, lo=1)
-        check_int("max_tokens", max_tokens, lo=1)
+        for name, size in (("batch", batch), ("max_tokens", max_tokens), ("n_kv_heads", n_kv_heads),
+                           ("head_dim", head_dim)):
+            F.check_size(name, size)
         shape = (batch, max_tokens, n_kv_heads, head_dim)
         return cls(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
 
@@ -61,10 +62,10 @@ class Attention(nn.Module):
                  rotary: bool = False, max_seq_len: int = 4096, rope_base: float = 10000.0,
                  backend: F.Backend = None):
         super().__init__()
-        check_int("dim", dim, lo=1)
-        check_int("n_heads", n_heads, lo=1)
+        F.check_size("dim", dim)
+        F.check_size("n_heads", n_heads)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        check_int("n_kv_heads", n_kv_heads, lo=1)
+        F.check_size("n_kv_heads", n_kv_heads)
         if dim % n_heads:
             fail("dim", f"a multiple of n_heads ({n_heads})", dim)
         if n_heads % n_kv_heads:
@@ -72,7 +73,7 @@ class Attention(nn.Module):
         if not isinstance(window, (tuple, list)) or len(window) != 2:  # its values: flash_attention checks them
             fail("window", "(left, right)", repr(window))
         check_bool("rotary", rotary)
-        check_int("max_seq_len", max_seq_len, lo=1)
+        F.check_size("max_seq_len", max_seq_len)
         check_positive_float("rope_base", rope_base, allow_none=False)  # 0 would make every angle NaN
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
         self.causal, self.window, self.softmax_scale, self.backend = causal, tuple(window), softmax_scale, \

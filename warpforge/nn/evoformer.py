@@ -39,9 +39,14 @@ def _gated_attention(q, k, v, biases, gate, backend: F.Backend):
     heads = [t.permute(0, 1, 3, 2, 4).reshape(B * S, H, R, D) for t in (q, k, v)]
     mask = None
     if biases:
-        total = biases[0] if len(biases) == 1 else biases[0] + biases[1]
-        mask = total.expand(B, S, H, R, R).reshape(B * S, H, R, R).to(q.dtype)
-    out = TF.scaled_dot_product_attention(*heads, attn_mask=mask)
+        total = biases[0] if len(biases) == 1 else biases[0] + biases[1]  # fp32 with the mask's bias
+        if q.dtype == torch.float16 and total.dtype == torch.float32:
+            # the mask bias inf · (mask - 1) (-1e9 by default) overflows fp16 to -inf: a fully masked row would
+            # get zeros where the reference (scores in fp32, the bias swamping them) averages v evenly. The bias
+            # stays fp32, and so do the scores SDPA adds it to (bf16 holds -1e9: there q's dtype is kept)
+            heads = [t.float() for t in heads]
+        mask = total.expand(B, S, H, R, R).reshape(B * S, H, R, R).to(heads[0].dtype)
+    out = TF.scaled_dot_product_attention(*heads, attn_mask=mask).to(q.dtype)
     return out.view(B, S, H, R, D).permute(0, 1, 3, 2, 4) * torch.sigmoid(gate)
 
 
@@ -104,10 +109,10 @@ def _check_input(name: str, x, width: int, weight: torch.Tensor) -> None:
 
 
 def _check_args(c_in: int, c_hidden: int, no_heads: int, inf: float, c_name: str = "c_in") -> None:
-    check_int(c_name, c_in, lo=1)
+    F.check_size(c_name, c_in)
     check_int("c_hidden", c_hidden, lo=1, hi=MAX_HEAD_DIM, what=f"a per-head width from 1 to {MAX_HEAD_DIM} "
               "(evoformer_attention's head dims)")
-    check_int("no_heads", no_heads, lo=1)
+    F.check_size("no_heads", no_heads)
     check_positive_float("inf", inf, allow_none=False)
 
 
@@ -119,7 +124,7 @@ class _MSAAttention(nn.Module):
         super().__init__()
         _check_args(c_in, c_hidden, no_heads, inf, c_name)
         if pair_bias:
-            check_int("c_z", c_z, lo=1)
+            F.check_size("c_z", c_z)
         self.c_in, self.c_hidden, self.no_heads, self.pair_bias, self.c_z, self.inf = \
             c_in, c_hidden, no_heads, pair_bias, c_z, float(inf)
         self.backend = F.check_backend(backend)

@@ -12,7 +12,7 @@ from typing import Mapping, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from ..errors import check_dtype, check_rank, check_same_dtype, check_tensor, fail
+from ..errors import check_dtype, check_int, check_rank, check_same_device, check_same_dtype, check_tensor, fail
 from ..ops import attention as attention_op
 from ..ops import linear_ce, mla, moe, norm
 from ..ops import rope as rope_op
@@ -24,24 +24,38 @@ TORCH = "torch"
 # the op names a dict backend may key (each is a function below; "moe" covers route and moe_experts)
 OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla", "evoformer")
 
-
-
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # what the ops behind the modules take
+# the largest size a module's constructor takes (a width, a head count, a sequence length): far past any real model,
+# and small enough that 2**70 is refused here rather than overflowing inside torch (nn.Linear, the allocator)
+MAX_SIZE = 1 << 24
+
+
+def check_size(name: str, value: object, lo: int = 1) -> None:
+    """A module's size argument: an int from lo to MAX_SIZE."""
+    check_int(name, value, lo=lo, hi=MAX_SIZE)
+
+
+def autocast_on(device: torch.device) -> bool:
+    """Whether autocast is on for device's type (False for types autocast does not know, e.g. meta: asking about
+    those raises)."""
+    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
 
 
 def check_input(x: object, width: int, weight: torch.Tensor | None = None, ranks: int | Sequence[int] | None = None,
                 name: str = "x") -> None:
     """x, a module's input: a float tensor (of one of `ranks`, where given) whose last dim is `width`, the module's
-    dim. With `weight` (its first Linear's), x must also be in that dtype unless autocast casts it: else the
-    Linear's own dtype error would name no argument."""
+    dim. With `weight` (its first Linear's), x must also be on that device, and in that dtype unless autocast casts
+    it: else the Linear's own device or dtype error would name no argument."""
     check_tensor(name, x)
     if ranks is not None:
         check_rank(name, x, ranks)
     check_dtype(name, x, FLOATS)
     if x.dim() == 0 or x.shape[-1] != width:
         fail(name, f"a tensor [..., {width}] (the module's dim)", f"shape {tuple(x.shape)}")
-    if weight is not None and not torch.is_autocast_enabled(x.device.type):
-        check_same_dtype(name, x, "the module's weights", weight)
+    if weight is not None:
+        check_same_device(name, x, "the module's weights", weight)
+        if not autocast_on(x.device):
+            check_same_dtype(name, x, "the module's weights", weight)
 
 
 def pick(backend: Backend, op: str) -> Optional[str]:
@@ -65,7 +79,7 @@ def check_backend(backend: Backend) -> Backend:
 
 def compute_dtype(device: torch.device, default: torch.dtype) -> torch.dtype:
     """The dtype matmuls run in here: autocast's when it is on (custom ops and caches do not see autocast)."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else default
+    return torch.get_autocast_dtype(device.type) if autocast_on(device) else default
 
 
 # ------------------------------------------------------------------------------------ attention

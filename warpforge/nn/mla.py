@@ -34,9 +34,8 @@ class MLACache:
 
     @classmethod
     def allocate(cls, batch: int, max_tokens: int, page_size: int = 64, device=None, dtype=torch.bfloat16):
-        check_int("batch", batch, lo=1)
-        check_int("max_tokens", max_tokens, lo=1)
-        check_int("page_size", page_size, lo=1)
+        for name, size in (("batch", batch), ("max_tokens", max_tokens), ("page_size", page_size)):
+            F.check_size(name, size)
         pages = -(-max_tokens // page_size)
         kv = torch.zeros(batch * pages, page_size, 1, 576, device=device, dtype=dtype)
         table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
@@ -61,10 +60,11 @@ class MLAttention(nn.Module):
                  max_seq_len: int = 4096, rope_base: float = 10000.0, mscale: float = 1.0,
                  backend: F.Backend = None):
         super().__init__()
-        check_int("dim", dim, lo=1)
-        check_int("n_heads", n_heads, lo=1)
+        F.check_size("dim", dim)
+        F.check_size("n_heads", n_heads)
         if q_lora_rank is not None:
-            check_int("q_lora_rank", q_lora_rank, lo=1, what="a positive int, or None for no query compression")
+            check_int("q_lora_rank", q_lora_rank, lo=1, hi=F.MAX_SIZE,
+                      what=f"an int from 1 to {F.MAX_SIZE}, or None for no query compression")
         if kv_lora_rank != 512 or qk_rope_head_dim != 64:
             fail("kv_lora_rank", "512 with qk_rope_head_dim 64 (the 576-wide latent mla_decode reads)",
                  (kv_lora_rank, qk_rope_head_dim))
@@ -76,7 +76,7 @@ class MLAttention(nn.Module):
             check_int(name, width, lo=8, hi=widest, what=what)
             if width % 8:
                 fail(name, what, width)
-        check_int("max_seq_len", max_seq_len, lo=1)
+        F.check_size("max_seq_len", max_seq_len)
         check_positive_float("rope_base", rope_base, allow_none=False)
         check_positive_float("mscale", mscale, allow_none=False)
         self.n_heads, self.nope, self.rope_dim, self.v_dim = n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim

@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import check_int
 from . import functional as F
 
 
@@ -13,8 +12,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, *, bias: bool = False, backend: F.Backend = None):
         super().__init__()
-        check_int("dim", dim, lo=1)
-        check_int("hidden_dim", hidden_dim, lo=1)
+        F.check_size("dim", dim)
+        F.check_size("hidden_dim", hidden_dim)
         self.backend = F.check_backend(backend)
         self.gate_up = nn.Linear(dim, 2 * hidden_dim, bias=bias)
         self.down = nn.Linear(hidden_dim, dim, bias=bias)

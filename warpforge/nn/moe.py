@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import check_int, check_positive_float
+from ..errors import check_positive_float
 from ..ops.moe import check_routing  # moe.route's check of its settings: the one place they are checked
 from . import functional as F
 
@@ -20,10 +20,10 @@ class MoE(nn.Module):
                  routed_scaling_factor: float = 1.0, renormalize: bool = True, aux_loss_coef: float = 0.01,
                  backend: F.Backend = None):
         super().__init__()
-        check_int("dim", dim, lo=1)
-        check_int("ffn_dim", ffn_dim, lo=1)
-        check_int("num_experts", num_experts, lo=1)
-        check_int("num_shared_experts", num_shared_experts, lo=0)
+        F.check_size("dim", dim)
+        F.check_size("ffn_dim", ffn_dim)
+        F.check_size("num_experts", num_experts)
+        F.check_size("num_shared_experts", num_shared_experts, lo=0)
         check_positive_float("aux_loss_coef", aux_loss_coef, allow_none=False, allow_zero=True)
         self.topk, self.backend, self.aux_loss_coef = topk, F.check_backend(backend), aux_loss_coef
         self.route_kw = dict(renormalize=renormalize, scoring=scoring, num_expert_group=num_expert_group,

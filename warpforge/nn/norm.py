@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import check_int, check_positive_float
+from ..errors import check_positive_float, check_same_device
 from . import functional as F
 
 
@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float = 1e-6, *, backend: F.Backend = None):
         super().__init__()
-        check_int("dim", dim, lo=1)
+        F.check_size("dim", dim)
         check_positive_float("eps", eps, allow_none=False)
         self.eps, self.backend = eps, F.check_backend(backend)
         self.weight = nn.Parameter(torch.ones(dim))
@@ -23,6 +23,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with a residual, (norm(x + residual), x + residual)."""
         F.check_input(x, self.weight.shape[0])  # the op would name its weight; x is what does not fit
+        check_same_device("x", x, "the module's weights", self.weight)  # (any float dtype goes: no dtype check)
         dtype = F.compute_dtype(x.device, x.dtype)
         if residual is None:
             return F.rms_norm(x, self.weight, self.eps, dtype, backend=self.backend)

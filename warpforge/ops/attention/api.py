@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
+from ...errors import (SCALE_MAX, check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
                        host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend
@@ -147,9 +147,11 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
         if alibi_slopes.requires_grad:
             fail("alibi_slopes", "a tensor that does not require grad (the slopes are constants; no backend "
                  "differentiates them)", "requires_grad=True")
-        if host_reads_allowed(alibi_slopes) and \
-                not read_once((alibi_slopes,), ("finite",), lambda: bool(torch.isfinite(alibi_slopes).all())):
-            fail("alibi_slopes", "finite slopes", "NaN or inf")
+        # bounded like every scale-like float: the kernel multiplies a slope by distances and log2(e) in fp32,
+        # where a finite 3e38 is already inf (and inf - inf NaN); a NaN fails the comparison too
+        if host_reads_allowed(alibi_slopes) and not read_once(
+                (alibi_slopes,), ("bounded",), lambda: bool((alibi_slopes.abs() <= SCALE_MAX).all())):
+            fail("alibi_slopes", f"finite slopes with |slope| <= {SCALE_MAX:g}", "NaN, inf or a larger slope")
 
 
 def check_window(window) -> None:
@@ -215,8 +217,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
     to 256, d_v may differ from d), or the packed varlen form q [total_q, h_q, d] with int32 cu_seqlens_q /
     cu_seqlens_k [batch + 1]. fp16, bf16 or fp32 (fp32 matmuls in full fp32 precision). causal aligns
     bottom-right; window = (left, right), -1 unbounded. softcap c > 0: scores become c · tanh(scores / c)
-    (Gemma-2). alibi_slopes fp32 [h_q] or [b, h_q]: scores get − slope · |i + s_k − s_q − j| (flash-attn's
-    ALiBi).
+    (Gemma-2). alibi_slopes fp32 [h_q] or [b, h_q], each |slope| <= errors.SCALE_MAX: scores get
+    − slope · |i + s_k − s_q − j| (flash-attn's ALiBi).
     A query that sees no key gets out 0 and lse -inf. Returns out [.., h_q, d_v] in q's dtype, and lse fp32
     ([b, h_q, s_q], varlen [h_q, total_q]) if return_lse.
 

@@ -7,8 +7,8 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_bool, check_choice, check_last_dim_contiguous, check_positive_float, check_rank,
-                       check_same_device, check_tensor, fail)
+from ...errors import (check_bool, check_choice, check_last_dim_contiguous, check_no_grad, check_positive_float,
+                       check_rank, check_same_device, check_tensor, fail)
 from ...runtime import resolve_backend
 from .._op import kernel_op
 from . import configs
@@ -43,9 +43,7 @@ _flash_fp8 = kernel_op("flash_attention_fp8", _fp8_impl, _fp8_fake)
 def _check_no_grad(name, t):
     """Forward only, on both backends: the Triton op has no backward and the reference's would differentiate through
     the rounding, so a tensor that would build a graph is refused rather than silently detached."""
-    if torch.is_grad_enabled() and t.requires_grad:
-        fail(name, "a tensor that does not require grad (flash_attention_fp8 is forward-only; call it under "
-             "torch.no_grad() or detach)", "requires_grad=True")
+    check_no_grad(name, t, "flash_attention_fp8")
 
 
 def _check_head_dim(name, width):

@@ -64,8 +64,10 @@ def padded_tokens(s_k: int) -> int:
 
 
 def _per_row(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> (codes, fp32 scale [...]) with amax over the last dim at the format's largest value."""
-    x = x.float()
+    """x [..., d] -> (codes, fp32 scale [...]) with amax over the last dim at the format's largest value, both
+    contiguous: the kernel indexes the codes' last dim with stride 1, and any q / k quantize_qkv takes (a strided
+    last dim included) must give codes flash_attention_quantized takes, as the Triton quantiser's do."""
+    x = x.float().contiguous()
     scale = x.abs().amax(-1).clamp(min=_TINY) / FORMAT_MAX[fmt]
     scaled = x / scale[..., None]
     codes = torch.floor(scaled + 0.5).clamp(-127, 127).to(torch.int8) if fmt == "int8" else scaled.to(FP8)

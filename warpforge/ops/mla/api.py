@@ -14,8 +14,9 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_positive_float,
-                       check_rank, check_same_device, check_tensor, fail, host_reads_allowed, read_once)
+from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_no_grad,
+                       check_positive_float, check_rank, check_same_device, check_tensor, fail, host_reads_allowed,
+                       read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from . import configs
@@ -71,7 +72,8 @@ class MLAPlan:
     def run(self, q, kv_cache, block_table=None, cache_seqlens=None, *, kv_scale=None, indices=None,
             topk_length=None, backend=None):
         """(out [b, s_q, h_q, 512] in q's dtype, lse [b, h_q, s_q] fp32, natural log) for this step's tensors,
-        which must have the shapes the plan was made for."""
+        which must have the shapes the plan was made for. Forward only (decode), on both backends: tensors that
+        require grad are refused while grad mode is on."""
         backend = resolve_backend(backend, q.device) if isinstance(q, torch.Tensor) else backend
         _check_step(self, q, kv_cache, block_table, cache_seqlens, kv_scale, indices, topk_length)
         check_interpreted_matmul_dtype(backend, "q", q)
@@ -122,6 +124,9 @@ def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softm
     Sparse (top-k) variant: indices int32 [b, s_q, topk] of absolute cache slots (page * page_size + offset,
     -1 skipped) replace the block table walk (block_table / cache_seqlens may then be None); topk_length
     int32 [b] optionally limits each request's list.
+
+    Forward only: q, kv_cache and kv_scale must not require grad while grad mode is on (the Triton op has no
+    backward; call it under torch.no_grad() or detach).
     """
     p = plan(q, kv_cache, block_table, indices=indices, kv_format=kv_format, softmax_scale=softmax_scale,
              causal=causal, num_splits=num_splits, head_dim_v=head_dim_v)
@@ -165,8 +170,7 @@ def _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim
     b, s_q, h_q, d = q.shape
     if d != D_QK:
         fail("q", f"head dim {D_QK} (512 latent + 64 rope)", d)
-    if head_dim_v != D_V:
-        fail("head_dim_v", f"{D_V}", head_dim_v)
+    check_int("head_dim_v", head_dim_v, lo=D_V, hi=D_V, what=f"the int {D_V} (the latent's width, out's head dim)")
     if not 1 <= h_q <= MAX_H_Q:
         fail("q", f"h_q from 1 to {MAX_H_Q}", h_q)
     if not 1 <= s_q <= 4:
@@ -201,17 +205,21 @@ def _check_shapes(q, kv_cache, block_table, indices, kv_format, causal, head_dim
 def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, indices, topk_length):
     """What run() is given: the plan's shapes, and (unless capturing) values in range."""
     check_tensor("q", q)
+    check_no_grad("q", q, "mla_decode")
     if tuple(q.shape) != (p.batch, p.s_q, p.h_q, D_QK) or q.dtype != p.dtype:
         fail("q", f"[{p.batch}, {p.s_q}, {p.h_q}, {D_QK}] {p.dtype} (the plan's)", f"{tuple(q.shape)} {q.dtype}")
     check_last_dim_contiguous("q", q)
     fmt = KV_FORMATS[p.kv_format]
     check_tensor("kv_cache", kv_cache)
     check_same_device("kv_cache", kv_cache, "q", q)
+    check_no_grad("kv_cache", kv_cache, "mla_decode")
     if kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (p.page_size, 1, fmt.width) or \
             kv_cache.dtype != (torch.uint8 if fmt.quantized else q.dtype) or not _rows_evenly_spaced(kv_cache):
         fail("kv_cache", f"a [num_pages, {p.page_size}, 1, {fmt.width}] {p.kv_format} cache (the plan's)",
              f"{tuple(kv_cache.shape)} {kv_cache.dtype}")
     _check_kv_scale(p.kv_format, kv_scale, "q", q)
+    if kv_scale is not None:
+        check_no_grad("kv_scale", kv_scale, "mla_decode")
     if not p.sparse:
         for name, t in (("indices", indices), ("topk_length", topk_length)):
             if t is not None:
@@ -247,7 +255,7 @@ def _check_kv_scale(kv_format, kv_scale, ref_name, ref):
              kv_scale)
     check_same_device("kv_scale", kv_scale, ref_name, ref)
     if host_reads_allowed(kv_scale):
-        value = read_once((kv_scale,), ("kv_scale",), lambda: float(kv_scale))
+        value = read_once((kv_scale,), ("kv_scale",), lambda: float(kv_scale.detach()))
         if not (math.isfinite(value) and value > 0):
             fail("kv_scale", "a finite scale > 0", value)
 

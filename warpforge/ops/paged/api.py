@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_positive_float,
-                       check_rank, check_same_device, check_same_dtype, check_tensor, fail, host_reads_allowed,
-                       read_once)
+from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_no_grad,
+                       check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
+                       host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from . import configs
@@ -70,7 +70,8 @@ class PagedPlan:
     def run(self, q, k_cache, v_cache, block_table, cache_seqlens, *, k_scale=None, v_scale=None, return_lse=False,
             backend=None):
         """out [b, s_q, h_q, d] in q's dtype (and lse [b, h_q, s_q] fp32, natural log, if return_lse) for this step's
-        tensors, which must have the shapes the plan was made for."""
+        tensors, which must have the shapes the plan was made for. Forward only (decode), on both backends: tensors
+        that require grad are refused while grad mode is on."""
         backend = resolve_backend(backend, q.device) if isinstance(q, torch.Tensor) else backend
         k_scale, v_scale = _check_step(self, q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale)
         check_interpreted_matmul_dtype(backend, "q", q)
@@ -132,7 +133,8 @@ def paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, *, softmax_sca
     dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a one-element fp32 tensor, or fp32 [num_pages, h_kv]),
     "nvfp4" (uint8 rows, width d/2 + d/16; k_scale / v_scale the one-element fp32 tensor scales) or "mxfp4" (uint8,
     d/2 + d/32); `quantize_kv` and `append_kv` write them. softcap: c · tanh(s / c); window: a query at position p
-    sees tokens p - window .. p.
+    sees tokens p - window .. p. Forward only: tensors that require grad are refused while grad mode is on (the
+    Triton op has no backward; call it under torch.no_grad() or detach).
     """
     p = plan(q, k_cache, block_table, kv_format=kv_format, softmax_scale=softmax_scale, softcap=softcap,
              window=window, num_splits=num_splits)
@@ -177,7 +179,13 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     """Writes k_new / v_new [b, s_new, h_kv, d] into the pages in place, token i of request b at position
     cache_seqlens[b] + i (cache_seqlens: the tokens already there; add s_new after). Quantised formats quantise
     the new tokens with the cache's scales: fp8 needs per-tensor scales (a per-page scale cannot follow tokens
-    into a page), nvfp4 its tensor scales."""
+    into a page), nvfp4 its tensor scales.
+
+    k_cache and v_cache must not share memory, nor require grad while grad mode is on (they are written in place).
+    Every new token must go to a slot of its own: requests may share pages they read (a common prefix), but
+    block_table entries that send two new tokens to one page slot are refused when the values are checked; while a
+    CUDA graph is captured or torch.compile traces nothing is read back, and that stays the caller's contract (one
+    of the writes would win)."""
     _check_tokens("k_new", k_new, 1 << 30)
     kv_format = _check_cache("k_cache", k_cache, kv_format, k_new.dtype, k_new.shape[3], "k_new", k_new)
     if k_cache.shape[2] != k_new.shape[2]:
@@ -189,6 +197,15 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
              f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if _overlaps(k_cache, v_cache):
+        fail("v_cache", "a tensor apart from k_cache (the V write would overwrite the K tokens)",
+             "memory shared with k_cache")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # autograd refuses the in-place write on a leaf (a raw RuntimeError), and a cache in a graph is of no use
+        # to the forward-only decode
+        if torch.is_grad_enabled() and cache.requires_grad:
+            fail(name, "a cache that does not require grad (append_kv writes it in place; call it under "
+                 "torch.no_grad() or pass cache.detach(), which shares its memory)", "requires_grad=True")
     if v_new.shape != k_new.shape:
         fail("v_new", f"k_new's shape {tuple(k_new.shape)}", tuple(v_new.shape))
     check_same_dtype("v_new", v_new, "k_new", k_new)
@@ -215,11 +232,11 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     # so no write lands outside them (the tokens of a bad entry overwrite some page instead).
     pos = pos.clamp(0, capacity - 1)
     entries = torch.gather(block_table, 1, pos // page)
+    slots = pos % page
     if host_reads_allowed(k_cache):
-        _check_append_values(cache_seqlens, entries, num_pages, capacity, s_new,
+        _check_append_values(cache_seqlens, entries, entries.long() * page + slots, num_pages, capacity, s_new,
                              (k_new, v_new) if KV_FORMATS[kv_format].quantized else ())
     pages = entries.long().clamp(0, num_pages - 1)
-    slots = pos % page
     for cache, new, scale in ((k_cache, k_new, scales[0]), (v_cache, v_new, scales[1])):
         cache[pages, slots] = quantize_kv_reference(new, kv_format, scale).to(cache.dtype)
 
@@ -240,15 +257,23 @@ def _check_cache(name, cache, kv_format, dtype, d, ref_name, ref):
                  "\"mxfp4\"", str(cache.dtype).replace("torch.", ""))
     check_choice("kv_format", kv_format, KV_FORMATS)
     fmt = KV_FORMATS[kv_format]
+    # the cache against its format first, then an unquantised format against the values' dtype: either mismatch
+    # names what is wrong (an fp32 cache under kv_format 'fp16' is not "q's dtype")
+    if cache.dtype != fmt.storage:
+        fail(name, f"dtype {_short(fmt.storage)} for kv_format {kv_format!r}", _short(cache.dtype))
     if not fmt.quantized and fmt.storage != dtype:
-        fail(name, f"{dtype} ({ref_name}'s) for kv_format {kv_format!r}", str(cache.dtype))
-    check_dtype(name, cache, (fmt.storage,))
+        fail(name, f"dtype {_short(dtype)} ({ref_name}'s: an unquantised cache holds {ref_name}'s dtype; kv_format "
+             f"{kv_format!r} is {_short(fmt.storage)})", _short(cache.dtype))
     if cache.shape[1] not in PAGE_SIZES:
         fail(name, f"page size in {PAGE_SIZES}", cache.shape[1])
     if cache.shape[3] != fmt.width(d):
         fail(name, f"{fmt.width(d)} entries per token and head for {kv_format} at head dim {d}", cache.shape[3])
     check_last_dim_contiguous(name, cache)
     return kv_format
+
+
+def _short(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _check_tokens(name, x, max_tokens):
@@ -278,6 +303,7 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
     """What run() is given: the plan's shapes, and (unless capturing) values in range. Returns the scales as the
     kernel takes them (fp32 tensors, or None)."""
     check_tensor("q", q)
+    check_no_grad("q", q, "paged_decode")
     if tuple(q.shape) != (p.batch, p.s_q, p.h_q, p.head_dim) or q.dtype != p.dtype:
         fail("q", f"[{p.batch}, {p.s_q}, {p.h_q}, {p.head_dim}] {p.dtype} (the plan's)", f"{tuple(q.shape)} {q.dtype}")
     check_last_dim_contiguous("q", q)
@@ -286,6 +312,7 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, cache)
         check_same_device(name, cache, "q", q)
+        check_no_grad(name, cache, "paged_decode")
         if cache.dim() != 4 or tuple(cache.shape[1:]) != (p.page_size, p.h_kv, width) or \
                 cache.dtype != (fmt.storage if fmt.quantized else q.dtype) or cache.stride(-1) != 1:
             fail(name, f"a [num_pages, {p.page_size}, {p.h_kv}, {width}] {p.kv_format} cache (the plan's)",
@@ -309,6 +336,8 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
             fail(name, f"None for kv_format {p.kv_format!r}", type(scale).__name__)
         else:
             scales.append(None)
+        if scales[-1] is not None:
+            check_no_grad(name, scales[-1], "paged_decode")
     if host_reads_allowed(q):
         _check_table_values(k_cache.shape[0], p.page_size, block_table, cache_seqlens, p.s_q)
     return scales[0], scales[1]
@@ -331,6 +360,40 @@ def _scale_tensor(name, scale, ref_name, ref, num_pages, h_kv, per_page_ok):
             (scale,), ("scale",), lambda: bool((torch.isfinite(scale) & (scale > 0)).all())):
         fail(name, "finite scales > 0", "a NaN, inf, zero or negative scale")
     return scale
+
+
+def _overlaps(a, b) -> bool:
+    """Whether a and b (one shape and dtype) have an element at the same address. Views of one buffer that
+    interleave without overlapping (k = kv[:, 0], v = kv[:, 1] of a [pages, 2, page, h_kv, width] buffer) do not:
+    with equal strides, a bounded search for index differences whose strides add up to the offset between them;
+    with different strides over shared bytes, True. Metadata only (no device read); meta tensors and a
+    torch.compile trace (no addresses) are not checked."""
+    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    dims = sorted(((st, n) for st, n in zip(a.stride(), a.shape) if n > 1 and st > 0), reverse=True)
+    reach = [0] * (len(dims) + 1)  # reach[i]: the largest offset dims i.. can span
+    for i in range(len(dims) - 1, -1, -1):
+        reach[i] = reach[i + 1] + (dims[i][1] - 1) * dims[i][0]
+    delta = b.storage_offset() - a.storage_offset()
+    span_a, span_b = (sum((n - 1) * st for st, n in zip(t.stride(), t.shape)) for t in (a, b))
+    if not -span_b <= delta <= span_a:  # apart in memory
+        return False
+    if a.stride() != b.stride():
+        return True
+    budget = [4096]  # nested strides leave at most 3 candidates a dim; stranger ones give up as overlapping
+
+    def hits(rest, i):
+        if i == len(dims):
+            return rest == 0
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        st, n = dims[i]
+        lo, hi = max(1 - n, -((reach[i + 1] - rest) // st)), min(n - 1, (rest + reach[i + 1]) // st)
+        return any(hits(rest - d * st, i + 1) for d in range(lo, hi + 1))
+    return hits(delta, 0)
 
 
 def _check_int32(name, t, ref_name, ref, rank):
@@ -362,14 +425,17 @@ def _check_table_values(num_pages, page, block_table, cache_seqlens, s_q):
     fail("block_table", f"page indices in [0, {num_pages})", f"{int(block_table[i, j])} at [{i}, {j}]")
 
 
-def _check_append_values(cache_seqlens, entries, num_pages, capacity, s_new, tokens):
+def _check_append_values(cache_seqlens, entries, targets, num_pages, capacity, s_new, tokens):
     """append_kv's values: room for the s_new tokens in every request's pages, the block-table entries they go
-    through (entries [b, s_new]) in [0, num_pages), and the tokens (k_new, v_new of a quantised cache: a NaN would
-    poison its block scales) finite. One device reduction and one read-back, the details only on failure."""
+    through (entries [b, s_new]) in [0, num_pages), a slot of its own for every new token (targets [b, s_new]:
+    page · page_size + slot; a sort of b · s_new ids), and the tokens (k_new, v_new of a quantised cache: a NaN
+    would poison its block scales) finite. One device reduction and one read-back, the details only on failure."""
     lens = cache_seqlens.long()
     bad_lens = (lens < 0) | (lens + s_new > capacity)
     bad_pages = (entries < 0) | (entries >= num_pages)
-    flags = [bad_lens.any(), bad_pages.any()] + [~torch.isfinite(t).all() for t in tokens]
+    ordered = targets.reshape(-1).sort().values
+    flags = [bad_lens.any(), bad_pages.any(), (ordered[1:] == ordered[:-1]).any()] + \
+        [~torch.isfinite(t).all() for t in tokens]
     bad = torch.stack(flags).tolist()
     if bad[0]:
         fail("cache_seqlens", f"values from 0 to {capacity - s_new} (room for {s_new} new tokens in the "
@@ -378,6 +444,14 @@ def _check_append_values(cache_seqlens, entries, num_pages, capacity, s_new, tok
         i, j = (int(x) for x in bad_pages.nonzero()[0])
         fail("block_table", f"page indices in [0, {num_pages}) where the new tokens go",
              f"{int(entries[i, j])} for request {i}'s token {int(lens[i]) + j}")
-    for name, is_bad in zip(("k_new", "v_new"), bad[2:]):
+    if bad[2]:
+        flat = targets.reshape(-1)
+        ordered, order = flat.sort(stable=True)
+        first = int((ordered[1:] == ordered[:-1]).nonzero()[0])
+        (r0, t0), (r1, t1) = (divmod(int(order[n]), s_new) for n in (first, first + 1))
+        fail("block_table", "a page slot of its own for every new token (two requests may share pages they read, "
+             "not the slots they write)", f"request {r0}'s token {int(lens[r0]) + t0} and request {r1}'s token "
+             f"{int(lens[r1]) + t1} both written to page {int(entries[r0, t0])}")
+    for name, is_bad in zip(("k_new", "v_new"), bad[3:]):
         if is_bad:
             fail(name, "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")
