@@ -176,8 +176,18 @@ def norm():
     api._norm_bwd_impl(torch.randn_like(y), x, w, mean, rstd, False)
 
 
+def monarch():
+    from warpforge.ops.monarch import api
+    d, t = 4096, 256  # tiles depend on the config, not the token count (above one tile)
+    for nb, dtype in ((4, torch.bfloat16), (16, torch.bfloat16), (4, torch.float32)):
+        x = torch.randn(t, d, dtype=dtype)
+        w_right, w_left = (torch.randn(nb, d // nb, d // nb, dtype=dtype) for _ in range(2))
+        y, g = api._fwd_impl(x, w_left, w_right, torch.zeros(d, dtype=dtype))
+        api._bwd_impl(torch.randn_like(y), x, w_left, w_right, g, True)
+
+
 FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
-            "norm": norm, "paged": paged, "evoformer": evoformer}
+            "norm": norm, "paged": paged, "evoformer": evoformer, "monarch": monarch}
 
 
 def main():

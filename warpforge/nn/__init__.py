@@ -5,8 +5,9 @@ from .attention import Attention, KVCache
 from .evoformer import MSAColumnAttention, MSARowAttentionWithPairBias, TriangleAttention
 from .mla import MLACache, MLAttention
 from .mlp import SwiGLU
+from .monarch import MonarchLinear
 from .moe import MoE
 from .norm import RMSNorm
 
-__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "RMSNorm", "SwiGLU", "MSARowAttentionWithPairBias",
+__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "MonarchLinear", "RMSNorm", "SwiGLU", "MSARowAttentionWithPairBias",
            "MSAColumnAttention", "TriangleAttention", "functional"]

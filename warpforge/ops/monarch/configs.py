@@ -1,0 +1,44 @@
+"""Tiles for the Monarch kernels: arch -> kind ("fp32" for fp32 operands, else "any") -> MonarchCfg (see
+ops/_tiles.py).
+
+`gemm` serves the four block-diagonal GEMMs (two forward, dx chain); `wgrad` the per-block weight gradients over
+tokens. Tile edges are shrunk to the block's dimensions at launch (a power of two, at least 16). "cpu" is the
+Triton interpreter: tiles of 16 so that CI's small blocks (12, 24, 40 columns) cross tile edges. The sm90 row is
+a first guess in the shape of the other families' tuned GEMMs, not yet swept (a scripts/tune_monarch.py is to
+come); fp32 operands take smaller tiles (their shared-memory stages are twice the size).
+"""
+from typing import NamedTuple
+
+from .._tiles import TileTable
+
+
+class GemmCfg(NamedTuple):
+    block_m: int  # tokens per tile
+    block_n: int  # output columns of one block per tile
+    block_k: int
+    warps: int
+    stages: int
+
+
+class WgradCfg(NamedTuple):
+    block_n: int  # rows of the weight-gradient tile (the output side of the factor)
+    block_k: int  # its columns (the input side)
+    block_t: int  # tokens per step of the walk over tokens
+    warps: int
+    stages: int
+    splits: int = 0  # token ranges summed in fp32 afterwards; 0: enough to fill the SMs twice
+
+
+class MonarchCfg(NamedTuple):
+    gemm: GemmCfg
+    wgrad: WgradCfg
+    shuffle_elements: int = 4096  # elements per program of the backward's reordering of dy
+
+
+C, G, W = MonarchCfg, GemmCfg, WgradCfg
+_FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
+MONARCH = TileTable({
+    "cpu": {"any": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
+    "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
+    "sm90": {"any": C(G(128, 128, 64, 8, 3), W(128, 128, 64, 8, 3)), "fp32": _FP32},
+})

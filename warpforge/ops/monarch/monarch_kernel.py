@@ -1,0 +1,272 @@
+"""Monarch linear layers in Triton: y = x Mᵀ with M = P_out · L · P_mid · R (reference.py has the convention),
+as two launches of one block-diagonal GEMM whose permutations live in its load/store addressing, and the
+backward as two more of it plus a per-block weight-gradient GEMM over tokens.
+
+Each operand's columns are named per block b and position i within the block, in one of three ways (MODE):
+  0  contiguous:  b·BLK + i                    (x, dx; the intermediate in R's order)
+  1  shuffled:    i·NB + b                     (y: P_out; dh, the intermediate's gradient in R's order)
+  2  shuffling:   n = b·BLK + i stored at (n mod NB)·BLK + n div NB   (R's output written in L's order)
+so no permuted copy of x, the intermediate or y exists (mode 2's stores are regrouped in registers into runs,
+one per l, when nb is a power of two dividing the block). The intermediate [T, d_mid] is written once, by the
+first GEMM, already in the order the second reads (block-major for L), and kept for the backward. Shuffled
+addressing stays on the store side: a GEMM's A tile is loaded once per output tile, and strided A loads cannot
+stream through shared memory asynchronously and fetch nb times the bytes they use. So the backward first turns
+dy into L's block order (one pass, a transpose in registers: contiguous loads, runs of stores), which both
+GEMMs that read dy then stream:
+
+    forward   g   = R-GEMM(x)            A mode 0 (x),    out mode 2 (g in L's block order)
+              y   = L-GEMM(g) (+ bias)   A mode 0 (g),    out mode 1 (P_out)
+    backward  dyb = dy in L's block order (P_outᵀ)
+              dh  = Lᵀ-GEMM(dyb)         A mode 0,        out mode 1 (dh in R's order)
+              dx  = Rᵀ-GEMM(dh)          A mode 0,        out mode 0
+              dL[l] = Σ_t dyb_lᵀ g_l,  dR[k] = Σ_t dh_kᵀ x_k   (and dbias = Σ_t dy, in dL's programs)
+Weight gradients walk their tokens in order in fp32 (no atomics); when (blocks × tiles) would leave SMs idle
+the tokens are cut into a few ranges whose fp32 partials are summed in a fixed order: deterministic.
+Row offsets are int64 (T · d passes 2^31 at 16k tokens · 128k columns).
+
+Floors on an H200 (cuBLAS bf16 GEMM ~790 TFLOP/s, HBM copy ~4.25 TB/s), d_in = d_mid = d_out = 4096, 16k tokens,
+bf16; forward FLOPs 2·T·(d_mid·d_in + d_out·d_mid)/nb, fwd+bwd 3x that; forward bytes x + intermediate written
+and read + y + weights; the backward adds dy read twice, the intermediate read, dh written and read twice, x
+read, dx written, weights read and their gradients written (plus dy's reordering, 2 · T · d_out · 2 bytes,
+0.063 ms, not in the floors below):
+  nblocks 4:  fwd 2.75e11 FLOP -> 0.348 ms, 554 MB -> 0.130 ms (compute bound: 0.35 ms);
+              fwd+bwd 8.25e11 FLOP -> 1.044 ms, 1.66 GB -> 0.391 ms (floor 1.04 ms)
+  nblocks 16: fwd 6.87e10 FLOP -> 0.087 ms, 541 MB -> 0.127 ms (memory bound: 0.13 ms);
+              fwd+bwd 2.06e11 FLOP -> 0.261 ms, 1.62 GB -> 0.382 ms (floor 0.38 ms)
+The bar (dense nn.Linear d 4096 at 16k tokens: fwd 0.70 ms, fwd+bwd 2.39 ms): fwd+bwd <= 1.33 ms at nblocks 4
+(1.8x dense; 78% of the compute floor's rate) and <= 0.60 ms at nblocks 16 (4x dense; 64% of copy rate).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ...runtime import sm_count
+from ..shared_kernels import dot
+
+CONTIGUOUS, SHUFFLED, SHUFFLING = 0, 1, 2
+
+
+@triton.jit
+def _cols(b, idx, NB, BLK, MODE: tl.constexpr):
+    """The columns (int64) of positions idx of block b, addressed as MODE says (module docstring)."""
+    if MODE == 0:
+        col = b * BLK + idx
+    elif MODE == 1:
+        col = idx * NB + b
+    else:
+        n = b * BLK + idx
+        col = (n % NB) * BLK + n // NB
+    return col.to(tl.int64)
+
+
+@triton.jit
+def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
+                          T, K, N, NB, A_BLK, O_BLK, O_RUN,
+                          A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[o(b, n)]) for every block b: one program per
+    (token tile, output tile, block), blocks varying fastest so that the programs sharing a token tile (its A
+    rows, and the output sectors that shuffled stores of neighbouring blocks fill) run together.
+
+    RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
+    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
+    pid = tl.program_id(0)
+    per_m = tl.cdiv(N, BLOCK_N) * NB
+    pid_m = pid // per_m
+    pid_n = (pid % per_m) // NB
+    b = pid % NB
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rows < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    a_rows = A + rows[:, None] * stride_a
+    w_cols = W + b.to(tl.int64) * stride_wb + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(a_rows + _cols(b, offs_k, NB, A_BLK, A_MODE)[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_cols + offs_k[:, None].to(tl.int64) * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
+                    other=0.0)
+        acc = dot(a, w, acc)
+    if RUNS:
+        # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
+        lb = tl.arange(0, RUNS)
+        ii = tl.arange(0, BLOCK_N // RUNS)
+        first = b * O_RUN + pid_n * (BLOCK_N // RUNS)
+        cols = (lb[:, None] * O_BLK + first + ii[None, :]).to(tl.int64)
+        ok = m_ok[:, None, None] & (pid_n * (BLOCK_N // RUNS) + ii < O_RUN)[None, None, :]  # N = O_BLK
+        out = tl.permute(tl.reshape(acc.to(OUT.dtype.element_ty), (BLOCK_M, BLOCK_N // RUNS, RUNS)), (0, 2, 1))
+        tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
+    else:
+        o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
+        if HAS_BIAS:
+            acc += tl.load(BIAS + o_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def unshuffle_kernel(SRC, DST, stride_s, stride_d, T, S, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_S: tl.constexpr, NB_P2: tl.constexpr):
+    """DST[t, l·S + si] = SRC[t, si·NB + l] (P_outᵀ: y's columns in L's block order). A [BLOCK_M, BLOCK_S · NB]
+    run of SRC is loaded contiguously and transposed in registers, so the stores are runs of BLOCK_S."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    si = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    lb = tl.arange(0, NB_P2)
+    ok = (rows < T)[:, None, None] & (si < S)[None, :, None] & (lb < NB)[None, None, :]
+    if NB == NB_P2:  # a power of two: one 2-d contiguous load, split into (si, l) by a reshape
+        cols = tl.program_id(1) * (BLOCK_S * NB) + tl.arange(0, BLOCK_S * NB)
+        v = tl.load(SRC + rows[:, None] * stride_s + cols[None, :].to(tl.int64),
+                    mask=(rows < T)[:, None] & (cols < S * NB)[None, :], other=0.0)
+        v = tl.reshape(v, (BLOCK_M, BLOCK_S, NB_P2))
+    else:
+        src = SRC + rows[:, None, None] * stride_s + (si[None, :, None] * NB + lb[None, None, :]).to(tl.int64)
+        v = tl.load(src, mask=ok, other=0.0)
+    dst = DST + rows[:, None, None] * stride_d + (lb[None, :, None] * S + si[None, None, :]).to(tl.int64)
+    tl.store(dst, tl.permute(v, (0, 2, 1)), mask=tl.permute(ok, (0, 2, 1)))
+
+
+@triton.jit
+def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stride_dwb, stride_dwn, stride_dbs,
+                           T, N, K, NB, G_BLK, A_BLK, tokens_per_split,
+                           G_MODE: tl.constexpr, A_MODE: tl.constexpr, HAS_DBIAS: tl.constexpr, DB_MODE: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """DW[split, b][n, kk] = Σ over the split's tokens t of G[t, g(b, n)] · A[t, a(b, kk)], in order, fp32: one
+    program per (tile, block, token range). With HAS_DBIAS the programs of the first kk tile also sum G's
+    columns into DBIAS[split, column], the column addressed as DB_MODE says."""
+    pid_n = tl.program_id(0) // tl.cdiv(K, BLOCK_K)
+    pid_k = tl.program_id(0) % tl.cdiv(K, BLOCK_K)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_ok = offs_k < K
+    g_cols = _cols(b, offs_n, NB, G_BLK, G_MODE)
+    a_cols = _cols(b, offs_k, NB, A_BLK, A_MODE)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    col_sum = tl.zeros([BLOCK_N], tl.float32)
+    t_lo = split.to(tl.int64) * tokens_per_split
+    t_hi = tl.minimum(t_lo + tokens_per_split, T)
+    for t0 in range(t_lo, t_hi, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        t_ok = rows < t_hi
+        g = tl.load(G + rows[:, None] * stride_g + g_cols[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+        a = tl.load(A + rows[:, None] * stride_a + a_cols[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = dot(tl.trans(g), a, acc)
+        if HAS_DBIAS:
+            col_sum += tl.sum(g.to(tl.float32), 0)
+    dw = DW + split.to(tl.int64) * stride_dws + b.to(tl.int64) * stride_dwb
+    tl.store(dw + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :], acc.to(DW.dtype.element_ty),
+             mask=n_ok[:, None] & k_ok[None, :])
+    if HAS_DBIAS:
+        if pid_k == 0:
+            tl.store(DBIAS + split.to(tl.int64) * stride_dbs + _cols(b, offs_n, NB, G_BLK, DB_MODE), col_sum,
+                     mask=n_ok)
+
+
+# ------------------------------------------------------------------------------------------ launch
+def _tile(want, size):
+    """A tile edge: the config's, shrunk (to a power of two, at least 16) where the dimension is smaller."""
+    return max(16, min(want, triton.next_power_of_2(max(size, 1))))
+
+
+def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None):
+    """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] for every block b; w[b][kk, n] at w_strides (kk, n)."""
+    t = a.shape[0]
+    bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n, n), _tile(cfg.block_k, k)
+    grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb,)
+    pow2 = nb & (nb - 1) == 0
+    runs = nb if o_mode == SHUFFLING and bias is None and pow2 and 1 < nb < bn and o_blk % nb == 0 else 0
+    blockdiag_gemm_kernel[grid](
+        a, w, out, bias if bias is not None else out, a.stride(0), out.stride(0), w.stride(0), *w_strides,
+        t, k, n, nb, a_blk, o_blk, o_blk // nb, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None, RUNS=runs,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.warps, num_stages=cfg.stages)
+
+
+def _splits(t, tiles, cfg, device):
+    """Token ranges for the weight gradients: enough programs to fill the SMs twice, each range at least four
+    token tiles long (cfg.splits > 0 forces a count)."""
+    if cfg.splits:
+        return max(1, min(cfg.splits, triton.cdiv(t, cfg.block_t)))
+    want = triton.cdiv(2 * sm_count(device), max(tiles, 1))
+    return max(1, min(want, t // (4 * cfg.block_t)))
+
+
+def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db_mode=CONTIGUOUS):
+    """dw [nb, n, k] (weight dtype) = per block Σ_t g[t, g(b, ·)]ᵀ a[t, a(b, ·)]; dbias (fp32 [d]) = Σ_t g, its
+    columns addressed by db_mode."""
+    t = g.shape[0]
+    bn, bk, bt = _tile(cfg.block_n, n), _tile(cfg.block_k, k), _tile(cfg.block_t, t)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(k, bk)
+    splits = _splits(t, tiles * nb, cfg, g.device)
+    per_split = triton.cdiv(t, splits)
+    splits = triton.cdiv(t, per_split) if t else 1
+    part = dw.unsqueeze(0) if splits == 1 else torch.empty((splits, *dw.shape), device=dw.device,
+                                                           dtype=torch.float32)
+    bias_part = None
+    if dbias is not None:
+        bias_part = torch.empty((splits, dbias.shape[0]), device=dw.device, dtype=torch.float32)
+    blockdiag_wgrad_kernel[(tiles, nb, splits)](
+        g, a, part, bias_part if bias_part is not None else part, g.stride(0), a.stride(0), part.stride(0),
+        part.stride(1), part.stride(2), bias_part.stride(0) if bias_part is not None else 0,
+        t, n, k, nb, g_blk, a_blk, per_split, G_MODE=g_mode, A_MODE=a_mode, HAS_DBIAS=dbias is not None, DB_MODE=db_mode,
+        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.warps, num_stages=cfg.stages)
+    if splits > 1:
+        dw.copy_(part.sum(0))  # a fixed-order sum: deterministic
+    if dbias is not None:
+        dbias.copy_(bias_part.sum(0))
+
+
+def unshuffle(src, nb, cfg):
+    """src [T, nb · S] -> [T, nb · S] with column si·nb + l moved to l·S + si."""
+    t, d = src.shape
+    s = d // nb
+    dst = torch.empty_like(src)
+    nb_p2 = triton.next_power_of_2(nb)
+    bs = max(1, min(triton.next_power_of_2(s), cfg.shuffle_elements // nb_p2))
+    bm = max(1, min(triton.next_power_of_2(t), cfg.shuffle_elements // (bs * nb_p2)))
+    if t:
+        unshuffle_kernel[(triton.cdiv(t, bm), triton.cdiv(s, bs))](src, dst, src.stride(0), dst.stride(0), t, s, nb,
+                                                                    BLOCK_M=bm, BLOCK_S=bs, NB_P2=nb_p2)
+    return dst
+
+
+def monarch_fwd(x, w_left, w_right, bias, cfg):
+    """x [T, d_in] -> (y [T, d_out], g [T, d_mid]: the intermediate in L's block order, for the backward)."""
+    t = x.shape[0]
+    nb, q, p = w_right.shape
+    s = w_left.shape[1]
+    g = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
+    y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)
+    if t == 0:
+        return y, g
+    # R: B[k][kk = pp, n = j] = w_right[k, j, pp]
+    _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q, cfg.gemm)
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri]
+    _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, SHUFFLED, s, cfg.gemm,
+          bias=bias)
+    return y, g
+
+
+def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
+    """Gradients of monarch_fwd: (dx, d w_left, d w_right, dbias [d_out] fp32, or empty without a bias)."""
+    t = x.shape[0]
+    nb, q, p = w_right.shape
+    s = w_left.shape[1]
+    dx = torch.empty_like(x)
+    dwl, dwr = torch.empty_like(w_left), torch.empty_like(w_right)
+    dbias = torch.empty((nb * s if has_bias else 0,), device=x.device, dtype=torch.float32)
+    if t == 0:
+        return dx, dwl.zero_(), dwr.zero_(), dbias.zero_()
+    dyb = unshuffle(dy, nb, cfg)  # dyb[t, l·s + si] = dy[t, si·nb + l]
+    dh = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)  # R's order
+    # dh[t, ri·nb + l] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]
+    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, SHUFFLED, q, cfg.gemm)
+    # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp]
+    _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.gemm)
+    _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
+    _wgrad(dh, x, dwr, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.wgrad)
+    return dx, dwl, dwr, dbias
