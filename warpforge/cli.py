@@ -108,16 +108,29 @@ def cmd_gpt_prepare(args) -> int:
 def cmd_gpt_train(args) -> int:
     from .models.gpt.data import DataMissing
     from .models.gpt.train import TrainError, train
+    settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
+                    data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
+                    ddp_bf16_grads=args.ddp_bf16_grads or None)
+    if args.controller is None and (args.procs is not None or args.max_restarts is not None):
+        return _fail("gpt train", "--procs and --max-restarts need --controller monarch")
     try:
-        result = train(args.preset, args.out, resume=args.resume, progress_bar=sys.stderr.isatty(),
-                       max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
-                       data=args.data, compile=args.compile, parallel=args.parallel,
-                       ddp_bucket_mb=args.ddp_bucket_mb, ddp_bf16_grads=args.ddp_bf16_grads or None)
+        if args.controller == "monarch":
+            from .models.gpt.controller import monarch_missing, train_with_controller
+            problem = monarch_missing()  # before anything else is checked or read
+            if problem:
+                return _fail("gpt train", problem)
+            result = train_with_controller(args.preset, args.out, resume=args.resume, procs=args.procs or 2,
+                                           max_restarts=3 if args.max_restarts is None else args.max_restarts,
+                                           fail_at=args.fail_at, progress_bar=sys.stderr.isatty(), **settings)
+        else:
+            result = train(args.preset, args.out, resume=args.resume, progress_bar=sys.stderr.isatty(), **settings)
     except (TrainError, DataMissing) as exc:
         return _fail("gpt train", exc)
     except KeyboardInterrupt:
         print("interrupted: stopped without saving; the last checkpoint stays", file=sys.stderr)
         return 130
+    if result.get("restarts"):
+        print(f"the trainer mesh was restarted {result['restarts']} time(s) from its last checkpoint")
     vals = [h["val_loss"] for h in result["history"] if "val_loss" in h]
     where = f"step {result['step']} of {result['max_steps']}" + (f", val {vals[-1]:.3f} nats/byte" if vals else "")
     stopped = result["stopped"]
@@ -183,9 +196,21 @@ def _number(kind, ok, expected):
 
 
 positive_int = _number(int, lambda v: v >= 1, "a positive integer")
+nonnegative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number")
 temperature = _number(float, lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 probability = _number(float, lambda v: 0 < v <= 1, "a probability in (0, 1]")
+
+
+def rank_step(text):
+    """RANK:STEP, two integers >= 0."""
+    try:
+        rank, step = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP, got {text!r}") from None
+    if rank < 0 or step < 0:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP, got {text!r}")
+    return rank, step
 
 
 def regex(text):
@@ -229,6 +254,14 @@ def _train_parser(gsub) -> None:
                     help="DDP gradient bucket size in MB (default 25): one all-reduce and one compiled-graph split "
                          "each")
     gt.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16 (half the bytes)")
+    gt.add_argument("--controller", choices=("monarch",), default=None,
+                    help="one controller process drives a torchmonarch mesh of --procs trainer processes (DDP) and "
+                         "restarts it from the last checkpoint when one dies (needs: pip install -e '.[monarch]')")
+    gt.add_argument("--procs", type=positive_int, default=None,
+                    help="--controller monarch: trainer processes (default 2; on GPUs one per GPU)")
+    gt.add_argument("--max-restarts", type=nonnegative_int, default=None,
+                    help="--controller monarch: restarts after a trainer process dies before giving up (default 3)")
+    gt.add_argument("--fail-at", type=rank_step, default=None, help=argparse.SUPPRESS)  # tests: RANK:STEP exits once
     gt.add_argument("--compile", choices=("auto", "on", "off", "graphs"), default=None,
                     help="torch.compile the training step; graphs: also replay it from CUDA graphs (auto: graphs "
                          "on CUDA, off on CPU)")

@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -252,10 +252,11 @@ class Trainer:
     """One process's part of a run: model, optimizer, data and checkpoints, and the loop. fit() trains until
     max_steps, the time limit, Ctrl-C or stop_at_step, saves, and returns the result."""
 
-    def __init__(self, run: Run, env: Env, stop_at_step: int | None = None, progress_bar: bool = False):
+    def __init__(self, run: Run, env: Env, stop_at_step: int | None = None, progress_bar: bool = False,
+                 on_step: Optional[Callable[[int, torch.Tensor], None]] = None):
         _check_backend(env)
         self.run, self.env, self.cfg = run, env, run.train_cfg
-        self.stop_at_step, self.progress_bar = stop_at_step, progress_bar
+        self.stop_at_step, self.progress_bar, self.on_step = stop_at_step, progress_bar, on_step
         random_data = self.cfg.data == "random"
         train_data = None if random_data else load_split("train")
         self.val_data = None if random_data else load_split("val")
@@ -321,6 +322,8 @@ class Trainer:
                 self._evaluate()
             if self.step % cfg.ckpt_every == 0:
                 self.ckpt.save(self.step, self.history, "periodic")
+            if self.on_step is not None:  # after the step's checkpoint (the controller's loss stream)
+                self.on_step(self.step, loss)
         return None
 
     def _stop_reason(self, stop: _StopRequest) -> str | None:
@@ -382,14 +385,16 @@ class Trainer:
 
 
 def train(preset_name: str, out_dir: str | None = None, resume: bool = False, *, stop_at_step: int | None = None,
-          progress_bar: bool = False, **overrides) -> dict:
+          progress_bar: bool = False, on_step: Optional[Callable[[int, torch.Tensor], None]] = None,
+          **overrides) -> dict:
     """Train a preset; overrides replace TrainConfig fields (None: keep). Returns {"step", "history", "out",
     "params", "stopped", "max_steps", "max_minutes"}: stopped is None when max_steps was reached, else "time
     limit", "interrupted" (Ctrl-C: saved after the step under way) or "stop_at_step" (ends the run there as a
     kill would, after its checkpoint: tests, time-boxed jobs). progress_bar: a tqdm bar, where installed, instead
-    of a log line every tenth of the run."""
+    of a log line every tenth of the run. on_step(step, loss): called after every step (and its checkpoint) with
+    this rank's loss tensor (reading it waits for the device)."""
     run = resolve_run(preset_name, out_dir, resume, **overrides)
-    return Trainer(run, _distributed(run.train_cfg), stop_at_step, progress_bar).fit()
+    return Trainer(run, _distributed(run.train_cfg), stop_at_step, progress_bar, on_step).fit()
 
 
 class _Progress:
