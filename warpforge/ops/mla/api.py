@@ -19,6 +19,7 @@ from ...errors import (check_choice, check_dtype, check_int, check_last_dim_cont
                        read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
+from .._plan import DecodePlan
 from . import configs
 from .kv_format import D_QK, D_V, KV_FORMATS
 from .reference import mla_decode_reference, quantize_kv_reference
@@ -50,20 +51,12 @@ _mla_decode = kernel_op("mla_decode", _mla_decode_impl, _mla_decode_fake)
 
 # ---------------------------------------------------------------------------------------- plan / run
 @dataclass(frozen=True)
-class MLAPlan:
-    """What a decode step's shapes decide, fixed once: run() it on every step (CUDA-graph safe)."""
-    batch: int
-    s_q: int
-    h_q: int
-    page_size: int
+class MLAPlan(DecodePlan):
+    """What an MLA decode step's shapes decide, fixed once: run() it on every step (CUDA-graph safe)."""
     max_tokens: int        # per request: block_table pages × page size, or topk when sparse
-    kv_format: str
     sparse: bool
     causal: bool
-    softmax_scale: float
-    dtype: torch.dtype     # q's
     config: configs.MLACfg
-    num_splits: int
 
     @property
     def shapes(self) -> tuple:
@@ -106,8 +99,9 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
         num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device),
                                      waves=cfg.waves)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
-    return MLAPlan(b, s_q, h_q, kv_cache.shape[1], max_tokens, kv_format, sparse, causal, scale, q.dtype, cfg,
-                   num_splits)
+    return MLAPlan(batch=b, s_q=s_q, h_q=h_q, page_size=kv_cache.shape[1], kv_format=kv_format, softmax_scale=scale,
+                   dtype=q.dtype, num_splits=num_splits, max_tokens=max_tokens, sparse=sparse, causal=causal,
+                   config=cfg)
 
 
 def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,

@@ -19,6 +19,7 @@ from ...errors import (check_choice, check_dtype, check_int, check_last_dim_cont
                        host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
+from .._plan import DecodePlan
 from . import configs
 from .kv_format import BY_DTYPE, KV_FORMATS
 from .reference import fp8_scales, paged_decode_reference, quantize_kv_reference
@@ -50,22 +51,14 @@ _paged_decode = kernel_op("paged_decode", _decode_impl, _decode_fake)
 
 # ---------------------------------------------------------------------------------------- plan / run
 @dataclass(frozen=True)
-class PagedPlan:
-    """What a decode step's shapes decide, fixed once: run() it on every step (CUDA-graph safe)."""
-    batch: int
-    s_q: int
-    h_q: int
-    h_kv: int
-    head_dim: int
-    page_size: int
-    max_pages: int       # block_table's width
-    kv_format: str
-    softmax_scale: float
+class PagedPlan(DecodePlan):
+    """What a paged GQA decode step's shapes decide, fixed once: run() it on every step (CUDA-graph safe)."""
     softcap: Optional[float]
     window: Optional[int]
-    dtype: torch.dtype   # q's
+    h_kv: int
+    head_dim: int
+    max_pages: int       # block_table's width
     config: configs.PagedCfg
-    num_splits: int
 
     def run(self, q, k_cache, v_cache, block_table, cache_seqlens, *, k_scale=None, v_scale=None, return_lse=False,
             backend=None):
@@ -116,8 +109,9 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     if num_splits is None:
         num_splits = plan_num_splits(b, h_kv, -(-rows // cfg.block_h), max_tokens, sm_count(q.device), waves=cfg.waves)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
-    return PagedPlan(b, s_q, h_q, h_kv, d, k_cache.shape[1], block_table.shape[1], kv_format, scale,
-                     float(softcap) if softcap is not None else None, window, q.dtype, cfg, num_splits)
+    return PagedPlan(batch=b, s_q=s_q, h_q=h_q, page_size=k_cache.shape[1], kv_format=kv_format, softmax_scale=scale,
+                     dtype=q.dtype, num_splits=num_splits, softcap=float(softcap) if softcap is not None else None,
+                     window=window, h_kv=h_kv, head_dim=d, max_pages=block_table.shape[1], config=cfg)
 
 
 def paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, *, softmax_scale=None, kv_format=None,
