@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from ...errors import (check_dtype, check_int, check_rank, check_same_device, check_same_dtype, check_tensor,
-                       check_tensors, fail)
+                       check_tensors, fail, host_reads_allowed)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
@@ -124,10 +124,19 @@ def monarch_project(weight, nblocks, d_mid=None):
     check_rank("weight", weight, 2)
     check_dtype("weight", weight, FLOATS + (torch.float64,))
     d_out, d_in = weight.shape
+    if d_out == 0 or d_in == 0:
+        fail("weight", "a [d_out, d_in] weight with no empty dim", tuple(weight.shape))
     check_int("nblocks", nblocks, lo=1)
     d_mid = min(d_in, d_out) if d_mid is None else d_mid
     check_int("d_mid", d_mid, lo=1)
     for name, d in (("weight", d_out), ("weight", d_in), ("d_mid", d_mid)):
         if d % nblocks or d == 0:
             fail(name, f"dims divisible by nblocks ({nblocks})", tuple(weight.shape) if name == "weight" else d)
+    # past nblocks · min(d_in, d_out) every pair of blocks is already at full rank: more columns are zeros (and an
+    # absurd d_mid would be an allocator error)
+    most = nblocks * min(d_in, d_out)
+    if d_mid > most:
+        fail("d_mid", f"at most nblocks · min(d_in, d_out) = {most} (every block pair at full rank)", d_mid)
+    if host_reads_allowed(weight) and not bool(torch.isfinite(weight).all()):
+        fail("weight", "finite values (the projection's SVDs do not converge on NaN or inf)", "NaN or inf")
     return monarch_project_reference(weight, nblocks, d_mid)

@@ -18,6 +18,8 @@ class GemmCfg(NamedTuple):
     block_k: int
     warps: int
     stages: int
+    tma: bool = False          # A and W through tensor descriptors (where the block's K is whole tiles)
+    programs_per_sm: int = 1   # the persistent grid: this many programs per SM, each walking tiles
 
 
 class WgradCfg(NamedTuple):
@@ -27,6 +29,7 @@ class WgradCfg(NamedTuple):
     warps: int
     stages: int
     splits: int = 0  # token ranges summed in fp32 afterwards; 0: enough to fill the SMs twice
+    tma: bool = False  # G and A through tensor descriptors
 
 
 class MonarchCfg(NamedTuple):
@@ -38,7 +41,8 @@ class MonarchCfg(NamedTuple):
 C, G, W = MonarchCfg, GemmCfg, WgradCfg
 _FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
 MONARCH = TileTable({
-    "cpu": {"any": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
+    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True), W(16, 16, 16, 1, 1, tma=True), 256),
+            "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
     "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
-    "sm90": {"any": C(G(128, 128, 64, 8, 3), W(128, 128, 64, 8, 3)), "fp32": _FP32},
+    "sm90": {"any": C(G(128, 128, 64, 8, 3, tma=True), W(128, 128, 64, 8, 3, tma=True)), "fp32": _FP32},
 })

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import sm_count
+from ...runtime import ensure_tma_allocator, sm_count
 from ..shared_kernels import dot
 
 CONTIGUOUS, SHUFFLED, SHUFFLING = 0, 1, 2
@@ -60,51 +60,76 @@ def _cols(b, idx, NB, BLK, MODE: tl.constexpr):
 
 
 @triton.jit
-def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
-                          T, K, N, NB, A_BLK, O_BLK, O_RUN,
-                          A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[o(b, n)]) for every block b: one program per
-    (token tile, output tile, block), blocks varying fastest so that the programs sharing a token tile (its A
-    rows, and the output sectors that shuffled stores of neighbouring blocks fill) run together.
+def _gemm_tile(tile, num_n, NB):
+    """Tile id -> (token tile, output tile, block), blocks varying fastest so that the programs sharing a token
+    tile (its A rows, and the output sectors that shuffled stores of neighbouring blocks fill) run together."""
+    per_m = num_n * NB
+    return tile // per_m, (tile % per_m) // NB, tile % NB
 
+
+@triton.jit
+def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
+                          T, K, N, NB, A_BLK, O_BLK, O_RUN, num_tiles,
+                          A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr):
+    """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[o(b, n)]) for every block b. Persistent: each
+    of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
+    loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
+
+    USE_TMA (A_MODE 0, K a multiple of BLOCK_K, so no tile crosses a block's edge along K): A and W through
+    tensor descriptors (W_KMAJOR: W[b][kk, n] at w[b, n, kk], else at w[b, kk, n]); a W tile past its block's N
+    reads the next block's rows, whose output columns the store masks.
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
     n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
-    pid = tl.program_id(0)
-    per_m = tl.cdiv(N, BLOCK_N) * NB
-    pid_m = pid // per_m
-    pid_n = (pid % per_m) // NB
-    b = pid % NB
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = rows < T
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    a_rows = A + rows[:, None] * stride_a
-    w_cols = W + b.to(tl.int64) * stride_wb + offs_n[None, :].to(tl.int64) * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_rows + _cols(b, offs_k, NB, A_BLK, A_MODE)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_cols + offs_k[:, None].to(tl.int64) * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
-                    other=0.0)
-        acc = dot(a, w, acc)
-    if RUNS:
-        # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
-        lb = tl.arange(0, RUNS)
-        ii = tl.arange(0, BLOCK_N // RUNS)
-        first = b * O_RUN + pid_n * (BLOCK_N // RUNS)
-        cols = (lb[:, None] * O_BLK + first + ii[None, :]).to(tl.int64)
-        ok = m_ok[:, None, None] & (pid_n * (BLOCK_N // RUNS) + ii < O_RUN)[None, None, :]  # N = O_BLK
-        out = tl.permute(tl.reshape(acc.to(OUT.dtype.element_ty), (BLOCK_M, BLOCK_N // RUNS, RUNS)), (0, 2, 1))
-        tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
-    else:
-        o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
-        if HAS_BIAS:
-            acc += tl.load(BIAS + o_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+    num_n = tl.cdiv(N, BLOCK_N)
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(A, shape=[T, NB * A_BLK], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        if W_KMAJOR:
+            w_desc = tl.make_tensor_descriptor(W, shape=[NB * N, K], strides=[stride_wn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(W, shape=[NB * K, N], strides=[stride_wk, 1],
+                                               block_shape=[BLOCK_K, BLOCK_N])
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
+        pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rows < T
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if USE_TMA:
+                a = a_desc.load([pid_m * BLOCK_M, b * A_BLK + k0])
+                if W_KMAJOR:
+                    w = tl.trans(w_desc.load([b * N + pid_n * BLOCK_N, k0]))
+                else:
+                    w = w_desc.load([b * K + k0, pid_n * BLOCK_N])
+            else:
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < K
+                a = tl.load(A + rows[:, None] * stride_a + _cols(b, offs_k, NB, A_BLK, A_MODE)[None, :],
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(W + b.to(tl.int64) * stride_wb + offs_n[None, :].to(tl.int64) * stride_wn
+                            + offs_k[:, None].to(tl.int64) * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
+                            other=0.0)
+            acc = dot(a, w, acc)
+        if RUNS:
+            # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
+            lb = tl.arange(0, RUNS)
+            ii = tl.arange(0, BLOCK_N // RUNS)
+            first = b * O_RUN + pid_n * (BLOCK_N // RUNS)
+            cols = (lb[:, None] * O_BLK + first + ii[None, :]).to(tl.int64)
+            ok = m_ok[:, None, None] & (pid_n * (BLOCK_N // RUNS) + ii < O_RUN)[None, None, :]  # N = O_BLK
+            out = tl.permute(tl.reshape(acc.to(OUT.dtype.element_ty), (BLOCK_M, BLOCK_N // RUNS, RUNS)), (0, 2, 1))
+            tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
+        else:
+            o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
+            if HAS_BIAS:
+                acc += tl.load(BIAS + o_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -132,10 +157,15 @@ def unshuffle_kernel(SRC, DST, stride_s, stride_d, T, S, NB: tl.constexpr, BLOCK
 def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stride_dwb, stride_dwn, stride_dbs,
                            T, N, K, NB, G_BLK, A_BLK, tokens_per_split,
                            G_MODE: tl.constexpr, A_MODE: tl.constexpr, HAS_DBIAS: tl.constexpr, DB_MODE: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           USE_TMA: tl.constexpr):
     """DW[split, b][n, kk] = Σ over the split's tokens t of G[t, g(b, n)] · A[t, a(b, kk)], in order, fp32: one
     program per (tile, block, token range). With HAS_DBIAS the programs of the first kk tile also sum G's
-    columns into DBIAS[split, column], the column addressed as DB_MODE says."""
+    columns into DBIAS[split, column], the column addressed as DB_MODE says.
+
+    USE_TMA (both modes 0, tokens_per_split a multiple of BLOCK_T, so no tile crosses into another split's tokens):
+    G and A through tensor descriptors; a tile past its block's N or K reads the next block's columns, whose
+    rows / columns of DW the store masks (and whose column sums go nowhere)."""
     pid_n = tl.program_id(0) // tl.cdiv(K, BLOCK_K)
     pid_k = tl.program_id(0) % tl.cdiv(K, BLOCK_K)
     b = tl.program_id(1)
@@ -146,15 +176,26 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
     k_ok = offs_k < K
     g_cols = _cols(b, offs_n, NB, G_BLK, G_MODE)
     a_cols = _cols(b, offs_k, NB, A_BLK, A_MODE)
+    if USE_TMA:
+        g_desc = tl.make_tensor_descriptor(G, shape=[T, NB * G_BLK], strides=[stride_g, 1],
+                                           block_shape=[BLOCK_T, BLOCK_N])
+        a_desc = tl.make_tensor_descriptor(A, shape=[T, NB * A_BLK], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_T, BLOCK_K])
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     col_sum = tl.zeros([BLOCK_N], tl.float32)
-    t_lo = split.to(tl.int64) * tokens_per_split
+    t_lo = split * tokens_per_split  # token indices fit int32; row offsets below are int64
     t_hi = tl.minimum(t_lo + tokens_per_split, T)
     for t0 in range(t_lo, t_hi, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
-        t_ok = rows < t_hi
-        g = tl.load(G + rows[:, None] * stride_g + g_cols[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-        a = tl.load(A + rows[:, None] * stride_a + a_cols[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_TMA:
+            g = g_desc.load([t0, b * G_BLK + pid_n * BLOCK_N])
+            a = a_desc.load([t0, b * A_BLK + pid_k * BLOCK_K])
+        else:
+            rows = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+            t_ok = rows < t_hi
+            g = tl.load(G + rows[:, None] * stride_g + g_cols[None, :], mask=t_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            a = tl.load(A + rows[:, None] * stride_a + a_cols[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                        other=0.0)
         acc = dot(tl.trans(g), a, acc)
         if HAS_DBIAS:
             col_sum += tl.sum(g.to(tl.float32), 0)
@@ -173,17 +214,33 @@ def _tile(want, size):
     return max(16, min(want, triton.next_power_of_2(max(size, 1))))
 
 
+def _tma_ok(*tensors):
+    """Tensor descriptors need 16-byte aligned bases and row strides, and unit inner strides."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
+               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
 def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None):
     """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] for every block b; w[b][kk, n] at w_strides (kk, n)."""
     t = a.shape[0]
     bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n, n), _tile(cfg.block_k, k)
-    grid = (triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb,)
+    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb
     pow2 = nb & (nb - 1) == 0
     runs = nb if o_mode == SHUFFLING and bias is None and pow2 and 1 < nb < bn and o_blk % nb == 0 else 0
-    blockdiag_gemm_kernel[grid](
+    w_kmajor = w_strides[0] == 1
+    # a W tile is one 2-d descriptor box over the blocks stacked: [nb · n, k] (k-major) or [nb · k, n]
+    stacked = w.stride(0) == (n * w_strides[1] if w_kmajor else k * w_strides[0])
+    # a box's innermost coordinate (b · a_blk + k0) must fall on 16 bytes
+    use_tma = cfg.tma and a_mode == CONTIGUOUS and k % bk == 0 and stacked and _tma_ok(a, w) and \
+        a_blk * a.element_size() % 16 == 0
+    if use_tma:
+        ensure_tma_allocator(a.device)
+    programs = min(tiles, cfg.programs_per_sm * sm_count(a.device))
+    blockdiag_gemm_kernel[(programs,)](
         a, w, out, bias if bias is not None else out, a.stride(0), out.stride(0), w.stride(0), *w_strides,
-        t, k, n, nb, a_blk, o_blk, o_blk // nb, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None, RUNS=runs,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.warps, num_stages=cfg.stages)
+        t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
+        RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, PROGRAMS=programs,
+        num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def _splits(t, tiles, cfg, device):
@@ -202,8 +259,12 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
     bn, bk, bt = _tile(cfg.block_n, n), _tile(cfg.block_k, k), _tile(cfg.block_t, t)
     tiles = triton.cdiv(n, bn) * triton.cdiv(k, bk)
     splits = _splits(t, tiles * nb, cfg, g.device)
-    per_split = triton.cdiv(t, splits)
+    per_split = triton.cdiv(triton.cdiv(t, splits), bt) * bt  # whole token tiles: no tile spans two splits
     splits = triton.cdiv(t, per_split) if t else 1
+    use_tma = cfg.tma and g_mode == a_mode == CONTIGUOUS and _tma_ok(g, a) and \
+        all(blk * t.element_size() % 16 == 0 for blk, t in ((g_blk, g), (a_blk, a)))  # boxes start on 16 bytes
+    if use_tma:
+        ensure_tma_allocator(g.device)
     part = dw.unsqueeze(0) if splits == 1 else torch.empty((splits, *dw.shape), device=dw.device,
                                                            dtype=torch.float32)
     bias_part = None
@@ -213,7 +274,7 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         g, a, part, bias_part if bias_part is not None else part, g.stride(0), a.stride(0), part.stride(0),
         part.stride(1), part.stride(2), bias_part.stride(0) if bias_part is not None else 0,
         t, n, k, nb, g_blk, a_blk, per_split, G_MODE=g_mode, A_MODE=a_mode, HAS_DBIAS=dbias is not None, DB_MODE=db_mode,
-        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg.warps, num_stages=cfg.stages)
+        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, num_warps=cfg.warps, num_stages=cfg.stages)
     if splits > 1:
         dw.copy_(part.sum(0))  # a fixed-order sum: deterministic
     if dbias is not None:

@@ -21,13 +21,16 @@ import torch
 
 def monarch_linear_reference(x, w_left, w_right, bias=None):
     """y = x Mᵀ (+ bias), fp32 math, with the permutation written out: x [..., d_in] -> y [..., d_out] in x's
-    dtype. Two batched matmuls, one per factor."""
+    dtype. Two batched matmuls, one per factor; for fp16 / bf16 x the intermediate is rounded to x's dtype between
+    them, as the kernels store it (and its gradient with it, as the kernels' backward does)."""
     nb, q, p = w_right.shape
     s = w_left.shape[1]
     lead = x.shape[:-1]
     xb = x.float().reshape(-1, nb, p).transpose(0, 1)              # [nb, T, p]: input block k
     h = torch.bmm(xb, w_right.float().transpose(1, 2))             # [nb, T, q]: R's block k
     h = h.transpose(0, 1).reshape(-1, nb * q)                       # [T, d_mid], the intermediate in order
+    if x.dtype in (torch.float16, torch.bfloat16):
+        h = h.to(x.dtype).float()  # the kernels keep the intermediate in x's dtype (fp16 past 65504 is inf there)
     u = h.reshape(-1, q, nb).permute(2, 0, 1)                       # P_mid: [nb, T, q], u[l, t, ri] = h[t, ri·nb + l]
     out = torch.bmm(u, w_left.float().transpose(1, 2))              # [nb, T, s]: L's block l
     y = out.permute(1, 2, 0).reshape(-1, s * nb)                    # P_out: y[t, si·nb + l] = out[l, t, si]

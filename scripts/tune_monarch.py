@@ -1,0 +1,115 @@
+"""Sweep the Monarch kernels' tiles on this GPU at the bench's shape (d 4096 square, 16k tokens, bf16, nblocks 4
+and 16): the block-diagonal GEMM's tiles (timed as the forward's two launches), then the weight-gradient tiles
+(timed as the backward), then, with both winners, each launch of the step alone.
+
+    PYTHONPATH=. python scripts/tune_monarch.py [--nblocks 4,16] [--out tune_monarch.json]
+
+Winners go into warpforge/ops/monarch/configs.py's MONARCH table, the numbers into benchmarks/NOTES.md.
+"""
+import argparse
+
+import torch
+import triton.testing
+
+from warpforge.bench.report import write_json
+from warpforge.ops.monarch import configs, monarch_kernel as mk
+
+G, W = configs.GemmCfg, configs.WgradCfg
+# (block_m, block_n, block_k, warps, stages, tma, programs_per_sm)
+GEMMS = [G(128, 128, 64, 8, 3, True, 1), G(128, 128, 64, 8, 4, True, 1), G(128, 256, 64, 8, 3, True, 1),
+         G(256, 128, 64, 8, 3, True, 1), G(128, 128, 64, 4, 3, True, 1), G(64, 128, 64, 4, 4, True, 2),
+         G(128, 64, 64, 4, 4, True, 2), G(128, 128, 32, 8, 5, True, 1), G(128, 128, 64, 8, 3, False, 1),
+         G(128, 128, 64, 8, 3, False, 2), G(128, 128, 64, 4, 3, False, 2)]
+# (block_n, block_k, block_t, warps, stages, splits, tma)
+WGRADS = [W(128, 128, 64, 8, 3, 0, True), W(128, 128, 64, 8, 4, 0, True), W(128, 128, 128, 8, 2, 0, True),
+          W(128, 256, 64, 8, 3, 0, True), W(64, 128, 64, 4, 4, 0, True), W(128, 128, 64, 4, 3, 0, True),
+          W(128, 128, 64, 8, 3, 0, False)]
+
+
+def bench(fn):
+    try:
+        fn()
+        return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
+    except Exception as exc:  # out of shared memory or registers: not a candidate
+        print(f"    {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nblocks", default="4,16")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t, d = 16 * 1024, 4096
+    results = []
+    base = configs.MONARCH.lookup(torch.device("cuda"), "any")
+    for nb in (int(v) for v in args.nblocks.split(",")):
+        gen = torch.Generator(device="cuda").manual_seed(nb)
+        x = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dy = torch.randn(t, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        w_right, w_left = ((torch.randn(nb, d // nb, d // nb, device="cuda", generator=gen) * (nb / d) ** 0.5)
+                           .to(torch.bfloat16) for _ in range(2))
+        flops = 2.0 * t * 2 * d * d / nb
+        best_g, best_ms = base.gemm, None
+        for g in GEMMS:
+            cfg = base._replace(gemm=g)
+            ms = bench(lambda: mk.monarch_fwd(x, w_left, w_right, None, cfg))
+            if ms is None:
+                continue
+            results.append(dict(nb=nb, part="fwd", cfg=list(g), ms=ms, tflops=flops / ms / 1e9))
+            print(f"nb {nb} fwd {tuple(g)}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+            if best_ms is None or ms < best_ms:
+                best_g, best_ms = g, ms
+        y, inter = mk.monarch_fwd(x, w_left, w_right, None, base._replace(gemm=best_g))
+        best_w, best_ms = base.wgrad, None
+        for w in WGRADS:
+            cfg = base._replace(gemm=best_g, wgrad=w)
+            ms = bench(lambda: mk.monarch_bwd(dy, x, w_left, w_right, inter, False, cfg))
+            if ms is None:
+                continue
+            results.append(dict(nb=nb, part="bwd", cfg=list(w), gemm=list(best_g), ms=ms,
+                                tflops=2 * flops / ms / 1e9))
+            print(f"nb {nb} bwd {tuple(w)} (gemm {tuple(best_g)}): {ms:.4f} ms {2 * flops / ms / 1e9:.0f} TFLOP/s",
+                  flush=True)
+            if best_ms is None or ms < best_ms:
+                best_w, best_ms = w, ms
+        # each launch of the step alone, with the winners
+        g, w = best_g, best_w
+        q = p = s = d // nb
+        dyb = mk.unshuffle(dy, nb, base)
+        dh = torch.empty_like(x)
+        out = torch.empty_like(x)
+        dwl, dwr = torch.empty_like(w_left), torch.empty_like(w_right)
+        parts = {
+            "R (x -> g, shuffling stores)": lambda: mk._gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), out,
+                                                             p, q, nb, mk.CONTIGUOUS, p, mk.SHUFFLING, q, g),
+            "R, contiguous stores (wrong order: the store's cost)": lambda: mk._gemm(
+                x, w_right, (w_right.stride(2), w_right.stride(1)), out, p, q, nb, mk.CONTIGUOUS, p, mk.CONTIGUOUS,
+                q, g),
+            "L (g -> y, stride-nb stores)": lambda: mk._gemm(inter, w_left, (w_left.stride(2), w_left.stride(1)), out,
+                                                             q, s, nb, mk.CONTIGUOUS, q, mk.SHUFFLED, s, g),
+            "L, contiguous stores (wrong order: the store's cost)": lambda: mk._gemm(
+                inter, w_left, (w_left.stride(2), w_left.stride(1)), out, q, s, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS,
+                s, g),
+            "unshuffle dy": lambda: mk.unshuffle(dy, nb, base),
+            "Lt (dy -> dh)": lambda: mk._gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb,
+                                              mk.CONTIGUOUS, s, mk.SHUFFLED, q, g),
+            "Rt (dh -> dx)": lambda: mk._gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), out, q, p, nb,
+                                              mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, g),
+            "dL": lambda: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, w),
+            "dR": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, w),
+        }
+        for name, fn in parts.items():
+            ms = bench(fn)
+            if ms is not None:
+                results.append(dict(nb=nb, part=name, gemm=list(g), wgrad=list(w), ms=ms))
+                print(f"nb {nb} {name}: {ms:.4f} ms", flush=True)
+        print(f"nb {nb} winners: gemm {tuple(best_g)} wgrad {tuple(best_w)}", flush=True)
+        del x, dy, y, inter, dyb, dh, out
+        torch.cuda.empty_cache()
+    if args.out:
+        write_json(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
