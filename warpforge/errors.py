@@ -25,8 +25,12 @@ def fail(name: str, expected: str, got: object) -> None:
 
 
 def check_tensor(name: str, t: object) -> torch.Tensor:
+    """A dense (strided) torch.Tensor: sparse, nested and other layouts have no strides the kernels could follow
+    (and the references' ops fail on them with errors that name no argument)."""
     if not isinstance(t, torch.Tensor):
         fail(name, "a torch.Tensor", type(t).__name__)
+    if t.layout != torch.strided or t.is_nested:
+        fail(name, "a dense (strided) tensor", "a nested tensor" if t.is_nested else f"layout {t.layout}")
     return t
 
 
@@ -65,6 +69,16 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.size(-1) > 1 and t.stride(-1) != 1:
         fail(name, "a contiguous last dimension (stride 1)", f"stride {t.stride()}")
+
+
+def dense_like(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy of it where a tensor allocated like it (torch.empty_like, as kernels allocate
+    outputs and gradients) would not have a unit last stride: a view whose last dim overlaps another dim of
+    stride 1 (as_strided(..., (.., 1, 1))), for which empty_like orders the dims differently. The kernels write
+    such buffers as if their last stride were 1. Contiguous tensors, the common case, cost one flag read."""
+    if t.is_contiguous() or t.dim() < 2 or t.size(-1) <= 1:
+        return t
+    return t if torch.empty_like(t, device="meta").stride(-1) == 1 else t.contiguous()
 
 
 def check_dim(name: str, t: torch.Tensor, dim: int, size: int, what: str = "") -> None:

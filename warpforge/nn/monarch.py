@@ -7,8 +7,9 @@ import math
 import torch
 from torch import nn
 
-from ..errors import check_bool, check_choice, check_int, fail
+from ..errors import check_bool, check_choice, fail
 from ..ops.monarch import monarch_dense_reference, monarch_linear, monarch_project
+from . import functional as F
 
 BACKENDS = (None, "triton", "reference")
 
@@ -22,11 +23,20 @@ class MonarchLinear(nn.Module):
     def __init__(self, d_in: int, d_out: int, nblocks: int, bias: bool = True, backend: str | None = None, *,
                  device=None, dtype=None):
         super().__init__()
-        check_int("d_in", d_in, lo=1)
-        check_int("d_out", d_out, lo=1)
-        check_int("nblocks", nblocks, lo=1)
+        F.check_size("d_in", d_in)
+        F.check_size("d_out", d_out)
+        F.check_size("nblocks", nblocks)
         check_bool("bias", bias)
         check_choice("backend", backend, BACKENDS)
+        if dtype is not None and dtype not in F.FLOATS:  # what monarch_linear runs on
+            fail("dtype", "None or one of (float16, bfloat16, float32)", repr(dtype))
+        if dtype is None and torch.get_default_dtype() not in F.FLOATS:
+            fail("dtype", "None with a default dtype of float16, bfloat16 or float32 (or one of those)",
+                 f"None with the default {torch.get_default_dtype()}")
+        try:
+            device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError):
+            fail("device", "None, a torch.device or a device string", repr(device))
         for name, d in (("d_in", d_in), ("d_out", d_out)):
             if d % nblocks:
                 fail(name, f"a multiple of nblocks ({nblocks})", d)
@@ -52,7 +62,15 @@ class MonarchLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return monarch_linear(x, self.w_left, self.w_right, bias=self.bias, backend=self.backend)
+        """Under autocast, as nn.Linear: x and the parameters in autocast's dtype (monarch_linear, a custom op, is
+        not cast by autocast itself)."""
+        F.check_input(x, self.d_in, self.w_right)  # the op would name its weights; x is what does not fit
+        w_left, w_right, bias = self.w_left, self.w_right, self.bias
+        dtype = F.compute_dtype(x.device, w_right.dtype)
+        if dtype != w_right.dtype or x.dtype != dtype:
+            x, w_left, w_right = x.to(dtype), w_left.to(dtype), w_right.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        return monarch_linear(x, w_left, w_right, bias=bias, backend=self.backend)
 
     def dense_weight(self) -> torch.Tensor:
         """The dense weight [d_out, d_in] (fp32) this layer applies, as nn.Linear's."""
@@ -65,6 +83,10 @@ class MonarchLinear(nn.Module):
         if not isinstance(linear, nn.Linear):
             fail("linear", "a torch.nn.Linear", type(linear).__name__)
         w = linear.weight
+        if isinstance(w, nn.parameter.UninitializedParameter):
+            fail("linear", "an initialised nn.Linear", "a lazy module not yet run")
+        if w.dtype not in F.FLOATS:
+            fail("linear", "weights in float16, bfloat16 or float32 (what monarch_linear runs on)", str(w.dtype))
         out = cls(linear.in_features, linear.out_features, nblocks, bias=linear.bias is not None, backend=backend,
                   device=w.device, dtype=w.dtype)
         w_left, w_right = monarch_project(w.detach(), nblocks, out.d_mid)

@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from ...errors import (SCALE_MAX, check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
-                       check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
-                       host_reads_allowed, read_once)
+                       check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor,
+                       dense_like, fail, host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
@@ -251,6 +251,8 @@ def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1
             out, lse = attention_reference(q, k, v, **kw)
         return (out, lse) if return_lse else out
 
+    # the backward allocates dq, dk, dv like q, k, v and writes them with a unit last stride
+    q, k, v = dense_like(q), dense_like(k), dense_like(v)
     out, lse = _flash_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, batch, max_q, max_k, scale, *kernel_window,
                           float(softcap or 0.0), alibi_slopes, deterministic)
     return (out, lse) if return_lse else out

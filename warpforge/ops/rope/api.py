@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor, fail
+from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor,
+                       dense_like, fail)
 from ...runtime import resolve_backend
 from .._op import kernel_op
 from . import configs
@@ -60,4 +61,5 @@ def apply_rope(x, cos, sin, backend=None):
     check_last_dim_contiguous("x", x)
     if backend == "reference":
         return rope_reference(x, cos, sin)
-    return _rope(x, cos.contiguous(), sin.contiguous(), False)
+    # the output is allocated like x and written with a unit last stride
+    return _rope(dense_like(x), cos.contiguous(), sin.contiguous(), False)
