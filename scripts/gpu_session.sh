@@ -22,6 +22,9 @@ for step in "$@"; do
     tune-mla) timeout 240 python3 scripts/tune_mla.py --only 16:bf16,128:bf16 --out "$w/tune_mla_8k.json" > "$w/tune_mla_8k.log" 2>&1
               timeout 90 python3 scripts/tune_mla.py --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
     tune-monarch) timeout 300 python3 scripts/tune_monarch.py --out "$w/tune_monarch.json" > "$w/tune_monarch.log" 2>&1 ;;
+    gpt-monarch) for mlp in swiglu monarch; do
+                   SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache timeout 240 bash scripts/gpt_train_check.sh shakespeare 1.6 \
+                     "$w/gpt-shakespeare-$mlp.json" --mlp $mlp > "$w/gpt-$mlp.log" 2>&1; tail -3 "$w/gpt-$mlp.log"; done ;;
     tune-attention) timeout 240 python3 scripts/tune_attention.py --parts fwd --out "$w/tune_attention.json" > "$w/tune_attention.log" 2>&1 ;;
     compare-attention-varlen) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH=varlen timeout 200 bash scripts/gpu_check.sh "$w/cmp" attention > "$w/cmp-attention.log" 2>&1 ;;
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;

@@ -76,24 +76,22 @@ def main():
         # each launch of the step alone, with the winners
         g, w = best_g, best_w
         q = p = s = d // nb
-        dyb = mk.unshuffle(dy, nb, base)
+        dyb = mk.shuffle(dy, nb, base, to_blocks=True)
         dh = torch.empty_like(x)
         out = torch.empty_like(x)
         dwl, dwr = torch.empty_like(w_left), torch.empty_like(w_right)
         parts = {
             "R (x -> g, shuffling stores)": lambda: mk._gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), out,
                                                              p, q, nb, mk.CONTIGUOUS, p, mk.SHUFFLING, q, g),
-            "R, contiguous stores (wrong order: the store's cost)": lambda: mk._gemm(
-                x, w_right, (w_right.stride(2), w_right.stride(1)), out, p, q, nb, mk.CONTIGUOUS, p, mk.CONTIGUOUS,
-                q, g),
-            "L (g -> y, stride-nb stores)": lambda: mk._gemm(inter, w_left, (w_left.stride(2), w_left.stride(1)), out,
-                                                             q, s, nb, mk.CONTIGUOUS, q, mk.SHUFFLED, s, g),
-            "L, contiguous stores (wrong order: the store's cost)": lambda: mk._gemm(
-                inter, w_left, (w_left.stride(2), w_left.stride(1)), out, q, s, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS,
+            "L (g -> y in block order)": lambda: mk._gemm(inter, w_left, (w_left.stride(2), w_left.stride(1)), out,
+                                                          q, s, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, s, g),
+            "L, stride-nb stores (the old way)": lambda: mk._gemm(
+                inter, w_left, (w_left.stride(2), w_left.stride(1)), out, q, s, nb, mk.CONTIGUOUS, q, mk.SHUFFLED,
                 s, g),
-            "unshuffle dy": lambda: mk.unshuffle(dy, nb, base),
-            "Lt (dy -> dh)": lambda: mk._gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb,
-                                              mk.CONTIGUOUS, s, mk.SHUFFLED, q, g),
+            "P_out (y's shuffle)": lambda: mk.shuffle(out, nb, base, to_blocks=False),
+            "P_out^T (dy's shuffle)": lambda: mk.shuffle(dy, nb, base, to_blocks=True),
+            "Lt (dy -> dh in block order)": lambda: mk._gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh,
+                                                             s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, g),
             "Rt (dh -> dx)": lambda: mk._gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), out, q, p, nb,
                                               mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, g),
             "dL": lambda: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, w),

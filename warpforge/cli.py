@@ -35,8 +35,10 @@ def cmd_bench(args) -> int:
     if args.family not in (None, "all") and args.family not in known:
         return _fail("bench", f"unknown family {args.family!r}; known: {', '.join(known)}")
     selected = registry.select(args.family, args.quick)
-    if args.match:
-        selected = [c for c in selected if args.match.search(c.name)]
+    if args.match:  # against the case's name, or "family name": a family's name selects its cases too
+        selected = [c for c in selected if args.match.search(c.name) or args.match.search(f"{c.family} {c.name}")]
+        if not selected:
+            return _fail("bench", f"argument --match: no case matches {args.match.pattern!r} (see --list)")
     if args.list:
         for c in selected:
             print(f"{c.family:10s} {c.name}{'  (quick)' if c.quick else ''}")
@@ -110,7 +112,9 @@ def cmd_gpt_train(args) -> int:
     from .models.gpt.train import TrainError, train
     settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
-                    ddp_bf16_grads=args.ddp_bf16_grads or None)
+                    ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks)
+    if args.monarch_blocks is not None and args.mlp != "monarch":
+        return _fail("gpt train", "--monarch-blocks needs --mlp monarch")
     if args.controller is None and (args.procs is not None or args.max_restarts is not None):
         return _fail("gpt train", "--procs and --max-restarts need --controller monarch")
     try:
@@ -226,7 +230,8 @@ def _bench_parser(sub) -> None:
     b.add_argument("--quick", action="store_true", help="only the headline cases")
     b.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON (after each case)")
     b.add_argument("--plot", default=None, metavar="PATH", help="PNG of TFLOP/s per case (needs matplotlib)")
-    b.add_argument("--match", default=None, metavar="REGEX", type=regex, help="only cases whose name matches")
+    b.add_argument("--match", default=None, metavar="REGEX", type=regex,
+                   help="only cases whose name, or 'family name', matches (a search, not a full match)")
     b.add_argument("--list", action="store_true", help="list the cases and exit")
     b.set_defaults(fn=cmd_bench)
     r = sub.add_parser("report", help="render bench JSON files as text tables (markdown)")
@@ -248,6 +253,12 @@ def _train_parser(gsub) -> None:
                     help="save a checkpoint every this many steps (default: the preset's)")
     gt.add_argument("--data", choices=("shakespeare", "random"), default=None,
                     help="the prepared plays, or random tokens (throughput; default: the preset's)")
+    gt.add_argument("--mlp", choices=("swiglu", "monarch"), default=None,
+                    help="the feed-forward's projections: dense nn.Linear (swiglu, the presets' default) or "
+                         "MonarchLinear (monarch); a model setting, so --resume needs the same")
+    gt.add_argument("--monarch-blocks", type=positive_int, default=None,
+                    help="--mlp monarch: blocks per MonarchLinear (default 4; d_model and the feed-forward width must "
+                         "divide by it)")
     gt.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
                     help="under torchrun: DDP (default) or FSDP2 (sharded parameters and optimizer state)")
     gt.add_argument("--ddp-bucket-mb", type=positive_float, default=None,

@@ -112,3 +112,35 @@ def test_swiglu_module():
     ours = wf.nn.SwiGLU(32, 48)
     ours.load_state_dict(mlp.state_dict())
     torch.testing.assert_close(ours(x), mlp(x))
+
+
+MONARCH = GPTConfig(seq_len=32, n_layer=2, n_head=2, n_kv_head=2, d_model=64, mlp="monarch", monarch_blocks=4)
+
+
+def test_monarch_mlp_model_trains_and_decodes_on_every_backend(monkeypatch):
+    """mlp="monarch": both feed-forward projections are MonarchLinear layers; the backends compute one model."""
+    torch.manual_seed(0)
+    ours = GPT(MONARCH)
+    plain = GPT(MONARCH, backend="torch")
+    plain.load_state_dict(ours.state_dict())
+    assert isinstance(ours.blocks[0].mlp.gate_up, wf.nn.MonarchLinear)
+    assert isinstance(ours.blocks[0].mlp.down, wf.nn.MonarchLinear)
+    dense = GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, n_kv_head=2, d_model=64))
+    assert ours.num_params() < dense.num_params()
+    x = torch.randint(0, 256, (2, 32))
+    torch.testing.assert_close(ours(x, x), plain(x, x), rtol=1e-4, atol=1e-4)
+    calls = []
+    real = functional.monarch.monarch_linear
+    monkeypatch.setattr(functional.monarch, "monarch_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _train_step_and_decode(ours)
+    assert calls
+    calls.clear()
+    _train_step_and_decode(plain)
+    assert not calls
+
+
+def test_monarch_mlp_settings_are_checked():
+    with pytest.raises(WarpforgeInputError, match="^mlp"):
+        GPTConfig(mlp="butterfly")
+    with pytest.raises(WarpforgeInputError, match="^d_model"):
+        GPTConfig(d_model=66, n_head=6, n_kv_head=6, mlp="monarch", monarch_blocks=4)

@@ -110,3 +110,23 @@ def test_every_option_has_help_text():
     missing = [f"{prog} {action.option_strings or action.dest}" for prog, action in _all_actions(cli.build_parser())
                if not isinstance(action, argparse._SubParsersAction) and not action.help]
     assert not missing, missing
+
+
+def test_bench_match_that_selects_nothing_is_a_one_line_error(capsys):
+    _one_line_error(["bench", "--match", "zzz-no-such-case", "--list"], capsys, match="no case matches")
+
+
+def test_bench_match_takes_the_family_name(capsys):
+    rc, err = _exit_code(["bench", "--list", "--match", "^monarch fwd "], capsys)
+    assert rc == 0, err
+
+
+def test_monarch_blocks_needs_the_monarch_mlp(capsys, tmp_path):
+    _one_line_error(["gpt", "train", "--data", "random", "--out", str(tmp_path / "run"), "--monarch-blocks", "4"],
+                    capsys, match="--mlp monarch")
+
+
+def test_monarch_blocks_that_do_not_divide_the_model_are_one_line_errors(capsys, tmp_path):
+    _one_line_error(["gpt", "train", "--data", "random", "--out", str(tmp_path / "run"), "--mlp", "monarch",
+                     "--monarch-blocks", "3"], capsys, match="monarch_blocks")
+    assert not (tmp_path / "run").exists()

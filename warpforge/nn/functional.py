@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..errors import check_dtype, check_int, check_rank, check_same_device, check_same_dtype, check_tensor, fail
 from ..ops import attention as attention_op
-from ..ops import linear_ce, mla, moe, norm
+from ..ops import linear_ce, mla, moe, monarch, norm
 from ..ops import rope as rope_op
 from ..ops import swiglu as swiglu_op
 from ..ops.attention.reference import visible_mask
@@ -22,7 +22,8 @@ from ..ops.attention.reference import visible_mask
 Backend = Union[None, str, Mapping[str, Optional[str]]]
 TORCH = "torch"
 # the op names a dict backend may key (each is a function below; "moe" covers route and moe_experts)
-OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla", "evoformer")
+OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla", "evoformer",
+       "monarch")
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # what the ops behind the modules take
 # the largest size a module's constructor takes (a width, a head count, a sequence length): far past any real model,
@@ -146,6 +147,21 @@ def swiglu(gate_up, backend: Backend = None):
         return swiglu_op.swiglu(gate_up, b)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def monarch_linear(x, w_left, w_right, bias=None, backend: Backend = None):
+    """x Mᵀ (+ bias) for the Monarch matrix of the two factors (warpforge.monarch_linear's convention). The torch
+    path is the layer as PyTorch writes it without a kernel (HazyResearch fly's): a bmm per factor, the
+    shuffles as copies, in x's dtype."""
+    b = pick(backend, "monarch")
+    if b != TORCH:
+        return monarch.monarch_linear(x, w_left, w_right, bias=bias, backend=b)
+    nb, q, p = w_right.shape
+    lead, t = x.shape[:-1], x[..., 0].numel()
+    h = torch.bmm(x.reshape(t, nb, p).transpose(0, 1), w_right.transpose(1, 2))   # [nb, T, q]: R's blocks
+    u = h.transpose(0, 1).reshape(t, q, nb).permute(2, 0, 1)                     # P_mid: [nb, T, q]
+    y = torch.bmm(u, w_left.transpose(1, 2)).permute(1, 2, 0).reshape(*lead, -1)  # L's blocks, then P_out
+    return y if bias is None else y + bias
 
 
 def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, backend: Backend = None):

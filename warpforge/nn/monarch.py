@@ -7,27 +7,26 @@ import math
 import torch
 from torch import nn
 
-from ..errors import check_bool, check_choice, fail
-from ..ops.monarch import monarch_dense_reference, monarch_linear, monarch_project
+from ..errors import check_bool, fail
+from ..ops.monarch import monarch_dense_reference, monarch_project
 from . import functional as F
-
-BACKENDS = (None, "triton", "reference")
 
 
 class MonarchLinear(nn.Module):
     """x [..., d_in] -> [..., d_out] through d_mid = min(d_in, d_out) (fly's MonarchLinear): parameters
     w_right [nblocks, d_mid / nblocks, d_in / nblocks], w_left [nblocks, d_out / nblocks, d_mid / nblocks] and
     bias [d_out]. d_in and d_out must be divisible by nblocks. backend: None (Triton kernels on CUDA, the
-    reference on CPU), "triton" or "reference"."""
+    reference on CPU), "triton", "reference", "torch" (two bmms and the shuffles as copies), or a dict keyed by
+    "monarch" (warpforge.nn.functional)."""
 
-    def __init__(self, d_in: int, d_out: int, nblocks: int, bias: bool = True, backend: str | None = None, *,
+    def __init__(self, d_in: int, d_out: int, nblocks: int, bias: bool = True, backend: F.Backend = None, *,
                  device=None, dtype=None):
         super().__init__()
         F.check_size("d_in", d_in)
         F.check_size("d_out", d_out)
         F.check_size("nblocks", nblocks)
         check_bool("bias", bias)
-        check_choice("backend", backend, BACKENDS)
+        backend = F.check_backend(backend)
         if dtype is not None and dtype not in F.FLOATS:  # what monarch_linear runs on
             fail("dtype", "None or one of (float16, bfloat16, float32)", repr(dtype))
         if dtype is None and torch.get_default_dtype() not in F.FLOATS:
@@ -70,14 +69,14 @@ class MonarchLinear(nn.Module):
         if dtype != w_right.dtype or x.dtype != dtype:
             x, w_left, w_right = x.to(dtype), w_left.to(dtype), w_right.to(dtype)
             bias = None if bias is None else bias.to(dtype)
-        return monarch_linear(x, w_left, w_right, bias=bias, backend=self.backend)
+        return F.monarch_linear(x, w_left, w_right, bias, backend=self.backend)
 
     def dense_weight(self) -> torch.Tensor:
         """The dense weight [d_out, d_in] (fp32) this layer applies, as nn.Linear's."""
         return monarch_dense_reference(self.w_left.detach(), self.w_right.detach())
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, nblocks: int, backend: str | None = None) -> "MonarchLinear":
+    def from_dense(cls, linear: nn.Linear, nblocks: int, backend: F.Backend = None) -> "MonarchLinear":
         """The MonarchLinear nearest to `linear` (the Frobenius-nearest Monarch weight, by a truncated SVD per pair
         of blocks: monarch_project), with its bias copied; on linear's device and dtype."""
         if not isinstance(linear, nn.Linear):

@@ -25,6 +25,8 @@ class GPTConfig:
     moe_ffn_dim: int = 256           # per expert
     moe_shared_experts: int = 1
     moe_first_dense: int = 1         # the first layers keep a dense feed-forward
+    mlp: str = "swiglu"              # the dense feed-forward's projections: "swiglu" (nn.Linear) or "monarch"
+    monarch_blocks: int = 4          # blocks of each MonarchLinear with mlp="monarch"
 
     def __post_init__(self):
         """Shapes GPT can build, each checked under its own name (the modules' checks would name theirs). The MoE
@@ -41,6 +43,13 @@ class GPTConfig:
         check_choice("attention", self.attention, ("mha", "mla"))
         check_int("moe_experts", self.moe_experts, lo=0, what="an int >= 0 (0: no MoE)")
         check_int("moe_first_dense", self.moe_first_dense, lo=0)
+        check_choice("mlp", self.mlp, ("swiglu", "monarch"))
+        check_int("monarch_blocks", self.monarch_blocks, lo=1)
+        if self.mlp == "monarch":
+            for name, width in (("d_model", self.d_model), ("ffn_mult", self.ffn_dim)):
+                if width % self.monarch_blocks:
+                    fail(name, f"a feed-forward width divisible by monarch_blocks ({self.monarch_blocks})",
+                         f"{width}")
 
     @property
     def head_dim(self) -> int:

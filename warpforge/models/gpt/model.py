@@ -37,7 +37,8 @@ def _feed_forward(cfg: GPTConfig, layer: int, backend: F.Backend) -> nn.Module:
     if cfg.moe_experts and layer >= cfg.moe_first_dense:
         return MoE(cfg.d_model, cfg.moe_ffn_dim, cfg.moe_experts, cfg.moe_topk,
                    num_shared_experts=cfg.moe_shared_experts, backend=backend)
-    return SwiGLU(cfg.d_model, cfg.ffn_dim, backend=backend)
+    return SwiGLU(cfg.d_model, cfg.ffn_dim, backend=backend, monarch_blocks=cfg.monarch_blocks if cfg.mlp == "monarch"
+                  else 0)
 
 
 class Block(nn.Module):
@@ -70,6 +71,9 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # residual branches start small (GPT-2)
             if name.endswith(("proj.weight", "down.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            elif name.endswith("down.w_left"):  # a Monarch down projection: its last factor, scaled alike
+                with torch.no_grad():
+                    p.mul_(1 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
     def _init(m):

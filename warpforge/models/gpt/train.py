@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -60,19 +60,26 @@ class Run:
 
 
 def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = False, **overrides) -> Run:
-    """The preset with overrides (TrainConfig fields; None: not given). A resumed run keeps the train config it
-    was started with (so its schedule and data continue), except for overrides given again."""
+    """The preset with overrides (TrainConfig or GPTConfig fields; None: not given). A resumed run keeps the train
+    config it was started with (so its schedule and data continue), except for overrides given again; its model
+    config must be the one the overrides make."""
     try:
         p = preset(preset_name)
     except ValueError as exc:
         raise TrainError(str(exc)) from None
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    model_fields = {f.name for f in fields(GPTConfig)}
+    model_overrides = {k: overrides.pop(k) for k in list(overrides) if k in model_fields}
     try:
         tcfg = replace(p.train, **overrides)
     except TypeError as exc:
         raise TrainError(f"unknown training setting: {exc}") from None
+    try:
+        mcfg = replace(p.model, **model_overrides)
+    except ValueError as exc:  # a GPTConfig checks its fields (WarpforgeInputError is a ValueError)
+        raise TrainError(str(exc)) from None
     out = Path(out_dir) if out_dir else cache_dir().parent / "runs" / preset_name
-    run = Run(preset_name, p.model, tcfg, out)
+    run = Run(preset_name, mcfg, tcfg, out)
     if run.ckpt_path.exists() and not resume:
         raise TrainError(f"{run.ckpt_path} exists: pass --resume to continue it, or --out for a new run")
     if resume:
@@ -80,12 +87,13 @@ def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = Fal
             raise TrainError(f"nothing to resume: no checkpoint at {run.ckpt_path}")
         ckpt = read_checkpoint(run.ckpt_path)
         try:
-            same_model = from_dict(GPTConfig, ckpt["model_cfg"]) == p.model
+            same_model = from_dict(GPTConfig, ckpt["model_cfg"]) == mcfg
             tcfg = replace(from_dict(TrainConfig, ckpt["train_cfg"]), **overrides)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{run.ckpt_path}: its configs do not read here ({exc})") from None
         if not same_model:
-            raise TrainError(f"{run.ckpt_path} was trained with another model config than preset {preset_name!r}")
+            raise TrainError(f"{run.ckpt_path} was trained with another model config than preset {preset_name!r} "
+                             "with these settings")
         run = replace(run, train_cfg=tcfg, ckpt=ckpt)
     _check(run.train_cfg)
     if run.ckpt and run.train_cfg.max_steps < run.ckpt["step"]:  # it would rewrite step N as done "of" fewer

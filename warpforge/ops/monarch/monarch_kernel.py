@@ -1,24 +1,24 @@
 """Monarch linear layers in Triton: y = x Mᵀ with M = P_out · L · P_mid · R (reference.py has the convention),
-as two launches of one block-diagonal GEMM whose permutations live in its load/store addressing, and the
-backward as two more of it plus a per-block weight-gradient GEMM over tokens.
+as two launches of one block-diagonal GEMM and a shuffle pass, and the backward as two more of the GEMM, two
+shuffles and a per-block weight-gradient GEMM over tokens.
 
 Each operand's columns are named per block b and position i within the block, in one of three ways (MODE):
-  0  contiguous:  b·BLK + i                    (x, dx; the intermediate in R's order)
+  0  contiguous:  b·BLK + i                    (x, dx; the intermediate in R's order; L's outputs block by block)
   1  shuffled:    i·NB + b                     (y: P_out; dh, the intermediate's gradient in R's order)
   2  shuffling:   n = b·BLK + i stored at (n mod NB)·BLK + n div NB   (R's output written in L's order)
-so no permuted copy of x, the intermediate or y exists (mode 2's stores are regrouped in registers into runs,
-one per l, when nb is a power of two dividing the block). The intermediate [T, d_mid] is written once, by the
-first GEMM, already in the order the second reads (block-major for L), and kept for the backward. Shuffled
-addressing stays on the store side: a GEMM's A tile is loaded once per output tile, and strided A loads cannot
-stream through shared memory asynchronously and fetch nb times the bytes they use. So the backward first turns
-dy into L's block order (one pass, a transpose in registers: contiguous loads, runs of stores), which both
-GEMMs that read dy then stream:
+The intermediate [T, d_mid] is written once, by the first GEMM, already in the order the second reads (mode 2's
+stores are regrouped in registers into runs, one per l, when nb is a power of two dividing the block), and kept
+for the backward. A GEMM's loads are always contiguous (mode 0): a tile is loaded once per output tile, streams
+through shared memory (tensor descriptors where the block's K is whole tiles) and uses every byte it fetches.
+Mode 1 is never a GEMM's store either: one block's outputs are nb columns apart, so every 2-byte store lands in
+its own sector and the GEMM ran 5x slower on the H200 (benchmarks/NOTES.md). Those outputs are written block by
+block and moved by `shuffle` (one pass: contiguous runs on both sides, the transpose in registers):
 
-    forward   g   = R-GEMM(x)            A mode 0 (x),    out mode 2 (g in L's block order)
-              y   = L-GEMM(g) (+ bias)   A mode 0 (g),    out mode 1 (P_out)
-    backward  dyb = dy in L's block order (P_outᵀ)
-              dh  = Lᵀ-GEMM(dyb)         A mode 0,        out mode 1 (dh in R's order)
-              dx  = Rᵀ-GEMM(dh)          A mode 0,        out mode 0
+    forward   g   = R-GEMM(x)              A mode 0 (x),    out mode 2 (g in L's block order)
+              yb  = L-GEMM(g) (+ bias)     A mode 0 (g),    out mode 0;   y = P_out(yb)
+    backward  dyb = P_outᵀ(dy)             dy in L's block order
+              dhb = Lᵀ-GEMM(dyb)           A mode 0,        out mode 0;   dh = P_out(dhb) (R's order)
+              dx  = Rᵀ-GEMM(dh)            A mode 0,        out mode 0
               dL[l] = Σ_t dyb_lᵀ g_l,  dR[k] = Σ_t dh_kᵀ x_k   (and dbias = Σ_t dy, in dL's programs)
 Weight gradients walk their tokens in order in fp32 (no atomics); when (blocks × tiles) would leave SMs idle
 the tokens are cut into a few ranges whose fp32 partials are summed in a fixed order: deterministic.
@@ -27,8 +27,8 @@ Row offsets are int64 (T · d passes 2^31 at 16k tokens · 128k columns).
 Floors on an H200 (cuBLAS bf16 GEMM ~790 TFLOP/s, HBM copy ~4.25 TB/s), d_in = d_mid = d_out = 4096, 16k tokens,
 bf16; forward FLOPs 2·T·(d_mid·d_in + d_out·d_mid)/nb, fwd+bwd 3x that; forward bytes x + intermediate written
 and read + y + weights; the backward adds dy read twice, the intermediate read, dh written and read twice, x
-read, dx written, weights read and their gradients written (plus dy's reordering, 2 · T · d_out · 2 bytes,
-0.063 ms, not in the floors below):
+read, dx written, weights read and their gradients written (plus the shuffles, 2 · T · d · 2 bytes each,
+0.063 ms at copy speed: one forward, two backward, not in the floors below):
   nblocks 4:  fwd 2.75e11 FLOP -> 0.348 ms, 554 MB -> 0.130 ms (compute bound: 0.35 ms);
               fwd+bwd 8.25e11 FLOP -> 1.044 ms, 1.66 GB -> 0.391 ms (floor 1.04 ms)
   nblocks 16: fwd 6.87e10 FLOP -> 0.087 ms, 541 MB -> 0.127 ms (memory bound: 0.13 ms);
@@ -71,9 +71,9 @@ def _gemm_tile(tile, num_n, NB):
 def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
                           T, K, N, NB, A_BLK, O_BLK, O_RUN, num_tiles,
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr):
-    """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[o(b, n)]) for every block b. Persistent: each
+    """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[bias(b, n)]) for every block b. Persistent: each
     of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
     loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
 
@@ -126,31 +126,46 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
             tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
         else:
             o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
-            if HAS_BIAS:
-                acc += tl.load(BIAS + o_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_BIAS:  # the bias in the layer's output order (BIAS_MODE), wherever this tile is written
+                b_cols = _cols(b, offs_n, NB, O_BLK, BIAS_MODE)
+                acc += tl.load(BIAS + b_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def unshuffle_kernel(SRC, DST, stride_s, stride_d, T, S, NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_S: tl.constexpr, NB_P2: tl.constexpr):
-    """DST[t, l·S + si] = SRC[t, si·NB + l] (P_outᵀ: y's columns in L's block order). A [BLOCK_M, BLOCK_S · NB]
-    run of SRC is loaded contiguously and transposed in registers, so the stores are runs of BLOCK_S."""
+def shuffle_kernel(SRC, DST, stride_s, stride_d, T, S, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_S: tl.constexpr, NB_P2: tl.constexpr, TO_BLOCKS: tl.constexpr):
+    """TO_BLOCKS: DST[t, l·S + si] = SRC[t, si·NB + l] (P_outᵀ: dy's columns in L's block order); else the
+    inverse, DST[t, si·NB + l] = SRC[t, l·S + si] (P_out: L's block outputs into y's order). The interleaved side
+    is one contiguous [BLOCK_M, BLOCK_S · NB] run (NB a power of two) and is transposed in registers; the block
+    side moves in runs of BLOCK_S."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     si = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     lb = tl.arange(0, NB_P2)
-    ok = (rows < T)[:, None, None] & (si < S)[None, :, None] & (lb < NB)[None, None, :]
-    if NB == NB_P2:  # a power of two: one 2-d contiguous load, split into (si, l) by a reshape
-        cols = tl.program_id(1) * (BLOCK_S * NB) + tl.arange(0, BLOCK_S * NB)
-        v = tl.load(SRC + rows[:, None] * stride_s + cols[None, :].to(tl.int64),
-                    mask=(rows < T)[:, None] & (cols < S * NB)[None, :], other=0.0)
-        v = tl.reshape(v, (BLOCK_M, BLOCK_S, NB_P2))
+    ok = (rows < T)[:, None, None] & (si < S)[None, :, None] & (lb < NB)[None, None, :]  # [BLOCK_M, BLOCK_S, NB]
+    inter = rows[:, None, None] * stride_s + (si[None, :, None] * NB + lb[None, None, :]).to(tl.int64)
+    blocks = (lb[None, :, None] * S + si[None, None, :]).to(tl.int64)  # [1, NB, BLOCK_S]
+    if TO_BLOCKS:
+        if NB == NB_P2:  # one 2-d contiguous load, split into (si, l) by a reshape
+            cols = tl.program_id(1) * (BLOCK_S * NB) + tl.arange(0, BLOCK_S * NB)
+            run_ok = (rows < T)[:, None] & (cols < S * NB)[None, :]
+            v = tl.load(SRC + rows[:, None] * stride_s + cols[None, :].to(tl.int64), mask=run_ok, other=0.0)
+            v = tl.reshape(v, (BLOCK_M, BLOCK_S, NB_P2))
+        else:
+            v = tl.load(SRC + inter, mask=ok, other=0.0)
+        tl.store(DST + rows[:, None, None] * stride_d + blocks, tl.permute(v, (0, 2, 1)),
+                 mask=tl.permute(ok, (0, 2, 1)))
     else:
-        src = SRC + rows[:, None, None] * stride_s + (si[None, :, None] * NB + lb[None, None, :]).to(tl.int64)
-        v = tl.load(src, mask=ok, other=0.0)
-    dst = DST + rows[:, None, None] * stride_d + (lb[None, :, None] * S + si[None, None, :]).to(tl.int64)
-    tl.store(dst, tl.permute(v, (0, 2, 1)), mask=tl.permute(ok, (0, 2, 1)))
+        v = tl.permute(tl.load(SRC + rows[:, None, None] * stride_s + blocks, mask=tl.permute(ok, (0, 2, 1)),
+                               other=0.0), (0, 2, 1))
+        if NB == NB_P2:  # one 2-d contiguous store of the (si, l) pairs
+            cols = tl.program_id(1) * (BLOCK_S * NB) + tl.arange(0, BLOCK_S * NB)
+            run_ok = (rows < T)[:, None] & (cols < S * NB)[None, :]
+            tl.store(DST + rows[:, None] * stride_d + cols[None, :].to(tl.int64),
+                     tl.reshape(v, (BLOCK_M, BLOCK_S * NB_P2)), mask=run_ok)
+        else:
+            tl.store(DST + rows[:, None, None] * stride_d + (inter - rows[:, None, None] * stride_s), v, mask=ok)
 
 
 @triton.jit
@@ -220,8 +235,9 @@ def _tma_ok(*tensors):
                all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
-def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None):
-    """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] for every block b; w[b][kk, n] at w_strides (kk, n)."""
+def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None):
+    """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] (+ bias[bias_mode(b, ·)]) for every block b; w[b][kk, n] at w_strides
+    (kk, n)."""
     t = a.shape[0]
     bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n, n), _tile(cfg.block_k, k)
     tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb
@@ -239,6 +255,7 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
     blockdiag_gemm_kernel[(programs,)](
         a, w, out, bias if bias is not None else out, a.stride(0), out.stride(0), w.stride(0), *w_strides,
         t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
+        BIAS_MODE=o_mode if bias_mode is None else bias_mode,
         RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, PROGRAMS=programs,
         num_warps=cfg.warps, num_stages=cfg.stages)
 
@@ -281,8 +298,8 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         dbias.copy_(bias_part.sum(0))
 
 
-def unshuffle(src, nb, cfg):
-    """src [T, nb · S] -> [T, nb · S] with column si·nb + l moved to l·S + si."""
+def shuffle(src, nb, cfg, to_blocks):
+    """src [T, nb · S] -> [T, nb · S]: to_blocks, column si·nb + l moved to l·S + si (P_outᵀ); else back."""
     t, d = src.shape
     s = d // nb
     dst = torch.empty_like(src)
@@ -290,8 +307,9 @@ def unshuffle(src, nb, cfg):
     bs = max(1, min(triton.next_power_of_2(s), cfg.shuffle_elements // nb_p2))
     bm = max(1, min(triton.next_power_of_2(t), cfg.shuffle_elements // (bs * nb_p2)))
     if t:
-        unshuffle_kernel[(triton.cdiv(t, bm), triton.cdiv(s, bs))](src, dst, src.stride(0), dst.stride(0), t, s, nb,
-                                                                    BLOCK_M=bm, BLOCK_S=bs, NB_P2=nb_p2)
+        shuffle_kernel[(triton.cdiv(t, bm), triton.cdiv(s, bs))](src, dst, src.stride(0), dst.stride(0), t, s, nb,
+                                                                  BLOCK_M=bm, BLOCK_S=bs, NB_P2=nb_p2,
+                                                                  TO_BLOCKS=to_blocks)
     return dst
 
 
@@ -301,15 +319,15 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     nb, q, p = w_right.shape
     s = w_left.shape[1]
     g = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
-    y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)
+    y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)  # L's outputs in block order
     if t == 0:
         return y, g
     # R: B[k][kk = pp, n = j] = w_right[k, j, pp]
     _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q, cfg.gemm)
-    # L: B[l][kk = ri, n = si] = w_left[l, si, ri]
-    _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, SHUFFLED, s, cfg.gemm,
-          bias=bias)
-    return y, g
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then P_out
+    _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
+          bias=bias, bias_mode=SHUFFLED)
+    return shuffle(y, nb, cfg, to_blocks=False), g
 
 
 def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
@@ -322,10 +340,11 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
     dbias = torch.empty((nb * s if has_bias else 0,), device=x.device, dtype=torch.float32)
     if t == 0:
         return dx, dwl.zero_(), dwr.zero_(), dbias.zero_()
-    dyb = unshuffle(dy, nb, cfg)  # dyb[t, l·s + si] = dy[t, si·nb + l]
-    dh = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)  # R's order
+    dyb = shuffle(dy, nb, cfg, to_blocks=True)  # dyb[t, l·s + si] = dy[t, si·nb + l]
+    dh = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)  # in L's block order, then R's
     # dh[t, ri·nb + l] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]
-    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, SHUFFLED, q, cfg.gemm)
+    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
+    dh = shuffle(dh, nb, cfg, to_blocks=False)
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp]
     _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.gemm)
     _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
