@@ -20,6 +20,9 @@ from warpforge.ops.paged.configs import PagedCfg
 TILES = [(16, 64, 4, 3, False), (16, 64, 4, 2, False), (16, 32, 4, 3, False), (16, 128, 4, 2, False),
          (16, 64, 4, 3, True), (16, 64, 4, 4, True), (16, 128, 4, 3, True), (16, 32, 4, 4, True),
          (16, 128, 8, 3, True), (16, 64, 8, 4, True)]
+# fp8 with the dots in fp16 (PagedCfg.fp16_math): (block_h, block_n, warps, stages, index_ahead, waves, fp16_math)
+FP8_TILES = [(16, 128, 4, 2, False, 2, True), (16, 64, 4, 2, False, 2, True), (16, 128, 4, 3, False, 2, True),
+             (16, 128, 8, 2, False, 2, True), (16, 64, 4, 3, True, 2, True), (16, 128, 4, 2, False, 2, False)]
 FP4_TILES = [(16, 32, 4, 2, False), (16, 32, 4, 3, True), (16, 64, 4, 2, True), (16, 16, 4, 3, True)]
 
 
@@ -46,9 +49,10 @@ def main():
         seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
         base = plan(q, k_cache, table, kv_format=fmt)
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
-        for t in (FP4_TILES if fmt in ("nvfp4", "mxfp4") else TILES):
+        tiles = {"nvfp4": FP4_TILES, "mxfp4": FP4_TILES, "fp8": FP8_TILES}.get(fmt, TILES)
+        for t in tiles:
             cfg = PagedCfg(*t)
-            for splits in (1, 2, 4, 8):
+            for splits in ((1, 2, 4) if fmt == "fp8" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():

@@ -61,7 +61,7 @@ def paged_decode_split_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr,
 ):
     """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
     (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h. Lengths are
@@ -88,6 +88,8 @@ def paged_decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + b64 * stride_qb + j[:, None].to(tl.int64) * stride_qs + h[:, None].to(tl.int64) * stride_qh
                 + offs_d[None, :], mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if FP16_MATH:  # a quantised cache's tiles and q meet in fp16 (see PagedCfg.fp16_math)
+        q = q.to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -197,7 +199,7 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
         WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, INDEX_AHEAD=cfg.index_ahead,
-        num_warps=cfg.warps,
+        FP16_MATH=cfg.fp16_math and fmt.quantized and q.dtype == torch.bfloat16, num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
     if not final:
