@@ -18,10 +18,10 @@ for step in "$@"; do
     tests) timeout 300 python3 -m pytest -v -rf $par tests > "$w/tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$w/tests.log" | tail -25 ;;
     tune-paged) timeout 200 python3 scripts/tune_paged.py --formats bf16,fp8 --out "$w/tune_paged_4k.json" > "$w/tune_paged_4k.log" 2>&1
                 timeout 60 python3 scripts/tune_paged.py --L 1024 --formats bf16 --out "$w/tune_paged_1k.json" > "$w/tune_paged_1k.log" 2>&1 ;;
-    tests-*) timeout 200 python3 -m pytest -q $par $(echo "${step#tests-}" | tr ',' '\n' | sed 's|^|tests/|') > "$w/$step.log" 2>&1 ;;
+    tests-*) timeout 200 python3 -m pytest -q $par $(echo "${step#tests-}" | tr ',' '\n' | sed 's|^|tests/|') > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1 ;;
     tune-mla) timeout 240 python3 scripts/tune_mla.py --only 16:bf16,128:bf16 --out "$w/tune_mla_8k.json" > "$w/tune_mla_8k.log" 2>&1
               timeout 90 python3 scripts/tune_mla.py --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
-    tune-paged-fp8) timeout 150 python3 scripts/tune_paged.py --formats fp8 --L 16384 --out "$w/tune_paged_fp8.json" > "$w/tune_paged_fp8.log" 2>&1 ;;
+    tune-paged-q) timeout 240 python3 scripts/tune_paged.py --formats fp8,nvfp4,mxfp4 --L 16384 --out "$w/tune_paged_q.json" > "$w/tune_paged_q.log" 2>&1 ;;
     tune-monarch) timeout 300 python3 scripts/tune_monarch.py --out "$w/tune_monarch.json" > "$w/tune_monarch.log" 2>&1 ;;
     gpt-monarch) for mlp in swiglu monarch; do
                    SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache timeout 240 bash scripts/gpt_train_check.sh shakespeare 1.6 \

@@ -20,11 +20,13 @@ from warpforge.ops.paged.configs import PagedCfg
 TILES = [(16, 64, 4, 3, False), (16, 64, 4, 2, False), (16, 32, 4, 3, False), (16, 128, 4, 2, False),
          (16, 64, 4, 3, True), (16, 64, 4, 4, True), (16, 128, 4, 3, True), (16, 32, 4, 4, True),
          (16, 128, 8, 3, True), (16, 64, 8, 4, True)]
-# fp8 with the dots in fp16 (PagedCfg.fp16_math): (block_h, block_n, warps, stages, index_ahead, waves, fp16_math)
-FP8_TILES = [(16, 128, 4, 2, False, 2, True), (16, 64, 4, 2, False, 2, True), (16, 128, 4, 3, False, 2, True),
-             (16, 128, 8, 2, False, 2, True), (16, 64, 4, 3, True, 2, True), (16, 128, 4, 2, False, 2, False)]
-FP4_TILES = [(16, 32, 4, 2, False), (16, 32, 4, 3, True), (16, 64, 4, 2, True), (16, 16, 4, 3, True)]
-
+# (block_h, block_n, warps, stages, index_ahead, waves, fp16_math, prefetch): PagedCfg's fields
+FP8_TILES = [(16, 128, 4, 2, False, 2, True), (16, 64, 4, 2, False, 2, True), (16, 128, 8, 2, False, 2, True),
+             (16, 64, 4, 2, False, 2, True, True), (16, 64, 4, 1, False, 2, True, True),
+             (16, 32, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True)]
+FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 1, False, 2, True, True),
+             (16, 64, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True),
+             (16, 128, 8, 1, False, 2, True, True), (16, 32, 4, 2, False, 2, False, True)]
 
 def main():
     ap = argparse.ArgumentParser()
@@ -52,7 +54,7 @@ def main():
         tiles = {"nvfp4": FP4_TILES, "mxfp4": FP4_TILES, "fp8": FP8_TILES}.get(fmt, TILES)
         for t in tiles:
             cfg = PagedCfg(*t)
-            for splits in ((1, 2, 4) if fmt == "fp8" else (1, 2, 4, 8)):
+            for splits in ((1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():

@@ -166,13 +166,14 @@ def test_matches_reference(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, q_dtyp
     _check(p, num_splits=_splits(splits, p))
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("variant", ["index_ahead", "prefetch"])
+@pytest.mark.parametrize("fmt", ["fp16", "fp8", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("b,s_q,h_q,h_kv,d,page,lens,splits", SHAPES[:3])
-def test_index_ahead_variant(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, monkeypatch):
-    """PagedCfg.index_ahead (each step's page ids loaded a step early, the look-ahead past the end masked off)
-    gives the reference's answer too."""
+def test_look_ahead_variants(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, variant, monkeypatch):
+    """PagedCfg.index_ahead (each step's page ids loaded a step early) and PagedCfg.prefetch (each step's bytes
+    loaded a step early), the look-ahead past the end masked off, give the reference's answer too."""
     from warpforge.ops.paged import configs
-    monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda c: c._replace(index_ahead=True)))
+    monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda c: c._replace(**{variant: True})))
     p = _problem(b, s_q, h_q, h_kv, d, page, lens, fmt, torch.float16)
     _check(p, num_splits=_splits(splits, p))
 

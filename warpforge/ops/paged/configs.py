@@ -18,8 +18,10 @@ class PagedCfg(NamedTuple):
     index_ahead: bool = False  # load the next step's page ids a step early, so the pipeliner can run the K/V copies
     #                            stages - 1 steps ahead (MLA decode's measurement: benchmarks/NOTES.md)
     waves: int = 2  # programs per SM that the split count aims at
-    fp16_math: bool = False  # quantised caches: dots in fp16 (e4m3 -> fp16 is one conversion per pair; -> bf16
-    #                          adds one per element), q and the probabilities rounded to fp16 (finer than bf16)
+    fp16_math: bool = False  # fp8 / nvfp4 caches under bf16 q: dots in fp16 (e4m3 -> fp16 is one conversion per
+    #                          pair; -> bf16 adds one per element), q and the probabilities rounded to fp16 (finer
+    #                          than bf16; their values, ≤ 448 and ≤ 6 · 448, fit; mxfp4's power-of-two scales may not)
+    prefetch: bool = False  # load the next step's raw bytes into registers while this step computes
 
 
 C = PagedCfg

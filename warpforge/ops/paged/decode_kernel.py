@@ -10,7 +10,10 @@ tokens] scores and probabilities, not the [tokens, d] tile.
 The schedule is static: each request's visible tokens are cut into `num_splits` equal BLOCK_N-aligned ranges,
 num_splits planned from shapes only, so a step needs no host sync and can be captured in a CUDA graph.
 INDEX_AHEAD loads each step's page ids one step early: the K/V copies then depend only on loop-carried values and
-the pipeliner can issue them stages - 1 steps ahead instead of spending a stage on the page-id load.
+the pipeliner can issue them stages - 1 steps ahead instead of spending a stage on the page-id load. PREFETCH loads
+the next step's raw bytes into registers while this step computes: Triton's pipeliner leaves a load whose consumer
+is arithmetic (the dequantisation), not a dot, unpipelined, so quantised tiles would otherwise wait on memory every
+step (MLA decode's register prefetch, benchmarks/NOTES.md).
 """
 import torch
 import triton
@@ -22,31 +25,49 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _cache_tile(CACHE, row_off, kvh64, tok_ok, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] values of the token rows at element offsets row_off (int64) of one kv head, in OUT_DTYPE. KV_FMT: 0 values, 1 e4m3,
-    2 NVFP4 (e2m1 · e4m3 per 16), 3 MXFP4 (e2m1 · e8m0 per 32); FP4 rows hold D/2 packed bytes, then the block
-    scales (kv_format.py). Per-token scales are the caller's."""
+def _raw_tile(CACHE, row_off, kvh64, tok_ok, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
+              KV_FMT: tl.constexpr, GROUP: tl.constexpr):
+    """The stored bytes of the token rows at element offsets row_off (int64) of one kv head, undecoded: (values or
+    e4m3 codes [BLOCK_N, BLOCK_D], a dummy) for KV_FMT 0 / 1; (packed e2m1 [BLOCK_N, BLOCK_D / 2], block-scale
+    bytes [BLOCK_N, BLOCK_D / GROUP]) for FP4 (kv_format.py's rows)."""
     base = CACHE + row_off[:, None] + kvh64 * stride_h
-    BLOCK_N: tl.constexpr = row_off.shape[0]
     if KV_FMT < 2:
         offs = tl.arange(0, BLOCK_D)
-        vals = tl.load(base + offs[None, :], mask=tok_ok[:, None] & (offs < D)[None, :], other=0.0).to(OUT_DTYPE)
+        data = tl.load(base + offs[None, :], mask=tok_ok[:, None] & (offs < D)[None, :], other=0.0)
+        sbytes = tl.zeros([1, 1], tl.uint8)
     else:
-        N_SCALES: tl.constexpr = BLOCK_D // GROUP
-        half = tl.arange(0, BLOCK_D // 2)
-        packed = tl.load(base + half[None, :], mask=tok_ok[:, None] & (half < D // 2)[None, :], other=0)
-        codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, BLOCK_D])  # low nibble = even element
-        offs_s = tl.arange(0, N_SCALES)
+        cols = tl.arange(0, BLOCK_D // 2)
+        data = tl.load(base + cols[None, :], mask=tok_ok[:, None] & (cols < D // 2)[None, :], other=0)
+        offs_s = tl.arange(0, BLOCK_D // GROUP)
         sbytes = tl.load(base + D // 2 + offs_s[None, :], mask=tok_ok[:, None] & (offs_s < D // GROUP)[None, :],
                          other=0)
+    return data, sbytes
+
+
+@triton.jit
+def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """_raw_tile's bytes as values in OUT_DTYPE: (the tile, the same) for KV_FMT 0 / 1 (e4m3 -> OUT_DTYPE; per-token
+    scales are the caller's); for FP4 the even and the odd elements ([BLOCK_N, BLOCK_D / 2] each, block scales
+    applied). Packed byte i holds elements 2i (low nibble) and 2i + 1, so the halves come without interleaving the
+    nibbles (a join and reshape per tile, which the compiler routes through shared memory); the caller splits q
+    and the output the same way."""
+    if KV_FMT < 2:
+        lo = data.to(OUT_DTYPE)
+        hi = lo
+    else:
+        BLOCK_N: tl.constexpr = data.shape[0]
+        HALF: tl.constexpr = data.shape[1]
+        N_SCALES: tl.constexpr = sbytes.shape[1]
+        PER: tl.constexpr = GROUP // 2  # packed bytes per block scale
         if KV_FMT == 2:
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
-        vals = tl.reshape(tl.reshape(e2m1_to_float(codes), [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
-                          [BLOCK_N, BLOCK_D]).to(OUT_DTYPE)
-    return vals
+        lo = tl.reshape(tl.reshape(e2m1_to_float(data & 15), [BLOCK_N, N_SCALES, PER]) * scales[:, :, None],
+                        [BLOCK_N, HALF]).to(OUT_DTYPE)
+        hi = tl.reshape(tl.reshape(e2m1_to_float(data >> 4), [BLOCK_N, N_SCALES, PER]) * scales[:, :, None],
+                        [BLOCK_N, HALF]).to(OUT_DTYPE)
+    return lo, hi
 
 
 @triton.jit
@@ -61,7 +82,7 @@ def paged_decode_split_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
     (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h. Lengths are
@@ -85,19 +106,36 @@ def paged_decode_split_kernel(
     start = lo + split * per_split
     end = tl.minimum(start + per_split, length)
 
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b64 * stride_qb + j[:, None].to(tl.int64) * stride_qs + h[:, None].to(tl.int64) * stride_qh
-                + offs_d[None, :], mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    # FP4 caches work on the even and odd halves of the head dim (see _decode_tile): q's columns 2i and 2i + 1
+    FP4: tl.constexpr = KV_FMT >= 2
+    WIDTH: tl.constexpr = BLOCK_D // 2 if FP4 else BLOCK_D
+    STEP: tl.constexpr = 2 if FP4 else 1
+    offs_d = tl.arange(0, WIDTH) * STEP
+    q_rows = Q + b64 * stride_qb + j[:, None].to(tl.int64) * stride_qs + h[:, None].to(tl.int64) * stride_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    q_odd = q
+    if FP4:
+        q_odd = tl.load(q_rows + offs_d[None, :] + 1, mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if FP16_MATH:  # a quantised cache's tiles and q meet in fp16 (see PagedCfg.fp16_math)
-        q = q.to(tl.float16)
+        q, q_odd = q.to(tl.float16), q_odd.to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_H, WIDTH], tl.float32)
+    acc_odd = tl.zeros([BLOCK_H, WIDTH if FP4 else 16], tl.float32)  # FP4 only
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BLOCK_TABLE + b64 * stride_bt
     page_next = 0
     if INDEX_AHEAD:  # the first step's page ids; each step then loads the next step's (see the module docstring)
         page_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
+    if PREFETCH:  # the first step's bytes; each step then loads the next step's (see the module docstring)
+        first = start + offs_n
+        first_page = tl.load(bt_row + first // PAGE, mask=first < end, other=0)
+        first_page = tl.minimum(tl.maximum(first_page, 0), last_page).to(tl.int64)
+        first_slot = (first % PAGE).to(tl.int64)
+        k_next, ks_next = _raw_tile(K_CACHE, first_page * stride_kp + first_slot * stride_kt, kvh64, first < end,
+                                    stride_kh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+        v_next, vs_next = _raw_tile(V_CACHE, first_page * stride_vp + first_slot * stride_vt, kvh64, first < end,
+                                    stride_vh, D, BLOCK_D, KV_FMT, FP4_GROUP)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
@@ -107,12 +145,28 @@ def paged_decode_split_kernel(
         else:
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
         page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
-        slot = (tok % PAGE).to(tl.int64)
-        k = _cache_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D, BLOCK_D, KV_FMT,
-                        FP4_GROUP, q.dtype)
-        v = _cache_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, tok_ok, stride_vh, D, BLOCK_D, KV_FMT,
-                        FP4_GROUP, q.dtype)
-        s = dot(q, tl.trans(k))
+        if PREFETCH:
+            k_raw, k_sb, v_raw, v_sb = k_next, ks_next, v_next, vs_next
+            nxt = tok + BLOCK_N
+            page_n = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
+            page_n = tl.minimum(tl.maximum(page_n, 0), last_page).to(tl.int64)
+            slot_n = (nxt % PAGE).to(tl.int64)
+            k_next, ks_next = _raw_tile(K_CACHE, page_n * stride_kp + slot_n * stride_kt, kvh64, nxt < end,
+                                        stride_kh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+            v_next, vs_next = _raw_tile(V_CACHE, page_n * stride_vp + slot_n * stride_vt, kvh64, nxt < end,
+                                        stride_vh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+        else:
+            slot = (tok % PAGE).to(tl.int64)
+            k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D,
+                                    BLOCK_D, KV_FMT, FP4_GROUP)
+            v_raw, v_sb = _raw_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, tok_ok, stride_vh, D,
+                                    BLOCK_D, KV_FMT, FP4_GROUP)
+        k, k_odd = _decode_tile(k_raw, k_sb, KV_FMT, FP4_GROUP, q.dtype)
+        v, v_odd = _decode_tile(v_raw, v_sb, KV_FMT, FP4_GROUP, q.dtype)
+        if FP4:
+            s = dot(q_odd, tl.trans(k_odd), dot(q, tl.trans(k)))
+        else:
+            s = dot(q, tl.trans(k))
         if SCALED:  # per-token dequantisation scales, on the scores and probabilities
             ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
             vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
@@ -128,11 +182,14 @@ def paged_decode_split_kernel(
         if SCALED:
             p = p * vs[None, :]
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        if FP4:
+            acc_odd = dot(p.to(v.dtype), v_odd, acc_odd * alpha[:, None])
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     out = acc / l_safe[:, None]
+    out_odd = acc_odd / l_safe[:, None]
     if FINAL:
         o_ptrs = O_PART + b64 * stride_ob + j[:, None].to(tl.int64) * stride_os + h[:, None].to(tl.int64) * stride_oh
         tl.store(LSE_PART + b64 * stride_lb + h * S_Q + j, lse2 * 0.6931471805599453, mask=r_ok)
@@ -141,6 +198,9 @@ def paged_decode_split_kernel(
         o_ptrs = O_PART + split.to(tl.int64) * stride_os + b64 * stride_ob + row[:, None] * stride_oh
         tl.store(LSE_PART + split.to(tl.int64) * stride_ls + b64 * stride_lb + row, lse2, mask=r_ok)
     tl.store(o_ptrs + offs_d[None, :], out.to(O_PART.dtype.element_ty), mask=r_ok[:, None] & (offs_d < D)[None, :])
+    if FP4:
+        tl.store(o_ptrs + offs_d[None, :] + 1, out_odd.to(O_PART.dtype.element_ty),
+                 mask=r_ok[:, None] & (offs_d < D)[None, :])
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -199,7 +259,8 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
         WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, INDEX_AHEAD=cfg.index_ahead,
-        FP16_MATH=cfg.fp16_math and fmt.quantized and q.dtype == torch.bfloat16, num_warps=cfg.warps,
+        FP16_MATH=cfg.fp16_math and fmt.name in ("fp8", "nvfp4") and q.dtype == torch.bfloat16, PREFETCH=cfg.prefetch,
+        num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
     if not final:
