@@ -1,9 +1,9 @@
 """Tiles for paged GQA decode: arch -> cache format -> padded head dim -> PagedCfg (see ops/_tiles.py).
 
-"cpu" is the Triton interpreter. sm90 d <= 128 bf16 / fp8 entries come from scripts/tune_paged.py on the H200
-(benchmarks/NOTES.md: two stages beat three, the page ids loaded ahead did not pay here); the d 256 and FP4 entries
-are first guesses checked to compile on sm_90 (FP4 takes 32-token steps, 64 spills); "default" serves any other
-arch, safe rather than fast.
+"cpu" is the Triton interpreter. sm90 d <= 128 entries come from scripts/tune_paged.py on the H200
+(benchmarks/NOTES.md: two stages beat three, the page ids loaded ahead did not pay here, fp16 math pays for fp8,
+the register prefetch for FP4); the d 256 entries are first guesses checked to compile on sm_90; "default" serves
+any other arch, safe rather than fast.
 """
 from typing import NamedTuple
 
@@ -30,9 +30,11 @@ DECODE = TileTable({
     "cpu": {"any": C(16, 16, 1, 1)},
     "default": {"any": {0: C(64, 32, 4, 2), 256: C(32, 32, 4, 1)}, "fp32": C(16, 16, 4, 1)},
     "sm90": {"any": {0: C(64, 64, 4, 2), 256: C(64, 32, 4, 2)}, "fp32": C(16, 16, 4, 1),
-             "fp8": {0: C(64, 128, 4, 2), 256: C(64, 32, 4, 2)},
+             # fp8: fp16 dots; 2 splits beat the planner's 1 at b64 h_kv 8 (waves 8 plans them)
+             "fp8": {0: C(64, 128, 4, 2, waves=8, fp16_math=True), 256: C(64, 32, 4, 2)},
              # FP4 at d 256: 16-token steps gave wrong results on the H200 (Triton 3.6; right in the interpreter,
-             # benchmarks/NOTES.md), 32-token steps right; "default" takes 32 at d 256 too
-             "nvfp4": {0: C(64, 32, 4, 2), 256: C(64, 32, 4, 2)},
-             "mxfp4": {0: C(64, 32, 4, 2), 256: C(64, 32, 4, 2)}},
+             # benchmarks/NOTES.md), 32-token steps right; "default" takes 32 at d 256 too. d <= 128: the next
+             # step's bytes prefetched (6.43 -> 3.14 ms at L 16k)
+             "nvfp4": {0: C(64, 32, 4, 2, waves=8, prefetch=True), 256: C(64, 32, 4, 2)},
+             "mxfp4": {0: C(64, 32, 4, 2, waves=8, prefetch=True), 256: C(64, 32, 4, 2)}},
 })
