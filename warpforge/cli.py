@@ -284,7 +284,9 @@ def _sample_parser(gsub) -> None:
     seed = _number(int, lambda v: SEEDS[0] <= v <= SEEDS[1], f"an integer from {SEEDS[0]} to {SEEDS[1]}")
     gs = gsub.add_parser("sample", help="generate text from a trained checkpoint")
     gs.add_argument("--preset", default="tiny", help="whose default run to read when --ckpt is not given")
-    gs.add_argument("--ckpt", default=None, help="checkpoint file (default: $WARPFORGE_CACHE/runs/<preset>/ckpt.pt)")
+    gs.add_argument("--ckpt", default=None,
+                    help="a ckpt.pt, or a run folder / its model.safetensors (read with config.json beside it) "
+                         "(default: $WARPFORGE_CACHE/runs/<preset>/ckpt.pt)")
     gs.add_argument("--prompt", default="\n", help="the text to continue (default: a newline)")
     gs.add_argument("--tokens", type=positive_int, default=300, help="bytes to generate per sample (default 300)")
     gs.add_argument("--temperature", type=temperature, default=0.8,

@@ -130,3 +130,32 @@ def test_monarch_blocks_that_do_not_divide_the_model_are_one_line_errors(capsys,
     _one_line_error(["gpt", "train", "--data", "random", "--out", str(tmp_path / "run"), "--mlp", "monarch",
                      "--monarch-blocks", "3"], capsys, match="monarch_blocks")
     assert not (tmp_path / "run").exists()
+
+
+def test_checkpoints_in_standard_formats(tmp_path, capsys, small_tiny):
+    """Beside ckpt.pt (which torch.load reads with weights_only=True) a run writes model.safetensors and config.json;
+    the tied output head is stored once; `gpt sample` reads the folder or the safetensors file."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from warpforge.models.gpt.sample import load
+
+    run = tmp_path / "run"
+    train("tiny", str(run), max_steps=2)
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    weights = load_file(str(run / "model.safetensors"))
+    meta = json.loads((run / "config.json").read_text())
+    assert meta["step"] == 2 and meta["model_cfg"] == ckpt["model_cfg"]
+    assert meta["tied"] == {"head.weight": "embed.weight"}
+    assert set(weights) | set(meta["tied"]) == set(ckpt["model"])
+    for name, t in weights.items():
+        assert torch.equal(t, ckpt["model"][name]), name
+    from_pt, from_folder = load(ckpt=str(run / "ckpt.pt")), load(ckpt=str(run))
+    for a, b in zip(from_pt.state_dict().values(), from_folder.state_dict().values()):
+        assert torch.equal(a, b)
+    rc = cli.main(["gpt", "sample", "--ckpt", str(run / "model.safetensors"), "--prompt", "ab", "--tokens", "3"])
+    assert rc == 0 and "ab" in capsys.readouterr().out
+    (run / "config.json").write_text("{")
+    _one_line_error(["gpt", "sample", "--ckpt", str(run)], capsys, match="not a readable warpforge export")

@@ -1,6 +1,9 @@
 """Checkpoints of a GPT run: one file, ckpt.pt, written atomically, holding the full (unsharded) weights and
 optimizer state, the RNG state, every rank's data position, the configs and the history, all as of the end of
-one step. `read_checkpoint` turns a missing, truncated or foreign file into a one-line CheckpointError."""
+one step (tensors and plain values only: it loads with torch.load(..., weights_only=True)). Beside it, the weights
+in the standard form other tools read: model.safetensors (each tied tensor once) and config.json (the model config,
+the preset, the step and which names are tied). `read_checkpoint` and `read_exported` turn a missing, truncated or
+foreign file into a one-line CheckpointError."""
 from __future__ import annotations
 
 import json
@@ -15,6 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 KEYS = ("model", "optim", "step", "model_cfg", "train_cfg", "rng", "data_state", "history")
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 
 class TrainError(RuntimeError):
@@ -82,6 +86,7 @@ class Checkpointer:
         self.out.mkdir(parents=True, exist_ok=True)
         save_atomic({"model": model_state, "optim": optim_state, "step": step, **self.meta,
                      "rng": torch.get_rng_state(), "data_state": states, "history": history}, self.path)
+        export_weights(self.out, model_state, self.meta["model_cfg"], self.meta["preset"], step)
         with open(self.out / "history.json", "w") as f:
             json.dump(history, f)
         log.info(f"checkpoint ({reason}) at step {step} -> {self.path}")
@@ -97,6 +102,42 @@ class Checkpointer:
         torch.set_rng_state(ckpt["rng"])
         log.info(f"resumed {self.path} at step {ckpt['step']}")
         return ckpt["step"], ckpt["history"]
+
+
+def export_weights(out: Path, state: dict, model_cfg: dict, preset: str, step: int) -> None:
+    """out/model.safetensors and out/config.json, each written atomically. safetensors stores no aliases, so a tied
+    tensor (the output head sharing the embedding) is stored once and named in config.json's "tied"."""
+    from safetensors.torch import save_file
+    tensors, tied, first = {}, {}, {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        if key in first:
+            tied[name] = first[key]
+            continue
+        first[key] = name
+        tensors[name] = t.detach().to("cpu").contiguous()
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS)
+    tmp = out / (CONFIG + ".tmp")
+    tmp.write_text(json.dumps({"model_cfg": model_cfg, "preset": preset, "step": step, "tied": tied}, indent=1))
+    os.replace(tmp, out / CONFIG)
+
+
+def read_exported(folder: Path) -> tuple[dict, dict]:
+    """(model_cfg dict, weights with the tied names filled in) from a folder export_weights wrote."""
+    folder = Path(folder)
+    try:
+        meta = json.loads((folder / CONFIG).read_text())
+        from safetensors.torch import load_file
+        weights = load_file(str(folder / WEIGHTS))
+        for name, source in meta.get("tied", {}).items():
+            weights[name] = weights[source]
+        return meta["model_cfg"], weights
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{folder} holds no {Path(exc.filename).name}") from None
+    except Exception as exc:  # noqa: BLE001 (a torn or foreign file: json, safetensors and key errors)
+        raise CheckpointError(f"{folder}: not a readable warpforge export ({_first(exc)})") from None
 
 
 def load_weights(model, state: dict, path: Path) -> None:

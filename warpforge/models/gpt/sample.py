@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ...errors import check_int, fail
-from .checkpoint import CheckpointError, load_weights, read_checkpoint
+from .checkpoint import WEIGHTS, CheckpointError, load_weights, read_checkpoint, read_exported
 from .config import GPTConfig, from_dict
 from .data import cache_dir
 from .model import GPT, check_sampling
@@ -16,19 +16,24 @@ SEEDS = (-2 ** 63, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 
 
 def load(preset_name: str = "tiny", ckpt: str | None = None, device=None, backend=None) -> GPT:
-    """The model of a training checkpoint (`ckpt`, or the preset's default run), in eval mode. A missing file is
-    a FileNotFoundError, an unreadable one a CheckpointError (both one line)."""
+    """The model of a training checkpoint (`ckpt`: a ckpt.pt, or a run folder / its model.safetensors, read with
+    config.json beside it; default: the preset's run), in eval mode. A missing file is a FileNotFoundError, an
+    unreadable one a CheckpointError (both one line)."""
     path = Path(ckpt) if ckpt else cache_dir().parent / "runs" / preset_name / "ckpt.pt"
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: train one first (`warpforge gpt train --preset "
                                 f"{preset_name}`)")
-    state = read_checkpoint(path, keys=("model", "model_cfg"))
+    if path.is_dir() or path.name == WEIGHTS:
+        model_cfg, weights = read_exported(path if path.is_dir() else path.parent)
+    else:
+        state = read_checkpoint(path, keys=("model", "model_cfg"))
+        model_cfg, weights = state["model_cfg"], state["model"]
     try:
-        cfg = from_dict(GPTConfig, state["model_cfg"])
+        cfg = from_dict(GPTConfig, model_cfg)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: its model config does not read here ({exc})") from None
     model = GPT(cfg, backend=backend)
-    load_weights(model, state["model"], path)
+    load_weights(model, weights, path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval()
 
