@@ -113,6 +113,10 @@ def cmd_gpt_train(args) -> int:
     settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
                     ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks)
+    for name, value in getattr(args, "config_overrides", {}).items():
+        if settings.get(name) is not None:
+            return _fail("gpt train", f"--{name} is given twice (as a flag and as --{name}=...)")
+        settings[name] = value
     if args.monarch_blocks is not None and args.mlp != "monarch":
         return _fail("gpt train", "--monarch-blocks needs --mlp monarch")
     if args.controller is None and (args.procs is not None or args.max_restarts is not None):
@@ -242,7 +246,9 @@ def _bench_parser(sub) -> None:
 def _train_parser(gsub) -> None:
     from .models.gpt.config import PRESETS
     minutes = ", ".join(f"{name}: {p.train.max_minutes or 'none'}" for name, p in PRESETS.items())
-    gt = gsub.add_parser("train", help=f"train a preset ({', '.join(PRESETS)})")
+    gt = gsub.add_parser("train", help=f"train a preset ({', '.join(PRESETS)})",
+                         epilog="Any GPTConfig or TrainConfig field is also a setting, nanoGPT-style: --n_layer=8 "
+                                "--lr=3e-4 --max_minutes=none (models/gpt/config.py lists them).")
     gt.add_argument("--preset", default="tiny", help="the model and training settings (default: tiny)")
     gt.add_argument("--out", default=None, help="run directory (default: $WARPFORGE_CACHE/runs/<preset>)")
     gt.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
@@ -318,8 +324,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_overrides(extra: list[str]) -> dict:
+    """nanoGPT-style `--field=value` settings of any GPTConfig / TrainConfig field (dashes or underscores), typed
+    by the field's default (an int, float, bool, str; a field that defaults to None takes a float or 'none')."""
+    from dataclasses import MISSING, fields
+
+    from .models.gpt.config import GPTConfig, TrainConfig
+    known = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in fields(cls) if f.default is not MISSING}
+    out = {}
+    for arg in extra:
+        name, sep, text = arg.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        if not arg.startswith("--") or not sep or name not in known:
+            raise argparse.ArgumentTypeError(f"unrecognized argument {arg!r} (a setting is --field=value, with a "
+                                             f"field of GPTConfig or TrainConfig: {', '.join(sorted(known))})")
+        default = known[name]
+        try:
+            if isinstance(default, bool):
+                if text.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError
+                value = text.lower() in ("true", "1")
+            elif default is None:
+                value = None if text.lower() == "none" else float(text)
+            else:
+                value = type(default)(text)
+        except ValueError:
+            kind = "number or none" if default is None else type(default).__name__
+            raise argparse.ArgumentTypeError(f"--{name}: expected a {kind}, got {text!r}") from None
+        out[name] = value
+    return out
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not (args.cmd == "gpt" and args.gpt_cmd == "train"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        try:
+            args.config_overrides = config_overrides(extra)
+        except argparse.ArgumentTypeError as exc:
+            return _fail("gpt train", exc)
     handler = logging.StreamHandler(sys.stdout)  # the library's progress lines, as the user's output
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger = logging.getLogger("warpforge")

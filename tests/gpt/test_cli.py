@@ -159,3 +159,28 @@ def test_checkpoints_in_standard_formats(tmp_path, capsys, small_tiny):
     assert rc == 0 and "ab" in capsys.readouterr().out
     (run / "config.json").write_text("{")
     _one_line_error(["gpt", "sample", "--ckpt", str(run)], capsys, match="not a readable warpforge export")
+
+
+def test_any_config_field_as_a_setting(tmp_path, small_tiny):
+    """nanoGPT-style --field=value for any GPTConfig / TrainConfig field."""
+    import torch
+    run = tmp_path / "run"
+    assert cli.main(["gpt", "train", "--out", str(run), "--n_layer=1", "--batch-size=2", "--lr=0.002",
+                     "--max_minutes=none", "--max-steps", "1"]) == 0
+    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    assert ckpt["model_cfg"]["n_layer"] == 1
+    assert ckpt["train_cfg"]["batch_size"] == 2 and ckpt["train_cfg"]["lr"] == 0.002
+    assert ckpt["train_cfg"]["max_minutes"] is None
+
+
+@pytest.mark.parametrize("args,match", [(["--n_layer=abc"], "--n_layer"), (["--nope=1"], "unrecognized"),
+                                        (["--n_layer"], "unrecognized"), (["--tie_embeddings=maybe"], "bool"),
+                                        (["--max_steps=3", "--max-steps", "3"], "twice")])
+def test_bad_config_settings_are_one_line_errors(args, match, capsys, tmp_path):
+    _one_line_error(["gpt", "train", "--data", "random", "--out", str(tmp_path / "run"), *args], capsys, match=match)
+    assert not (tmp_path / "run").exists()
+
+
+def test_settings_only_for_train(capsys):
+    rc, err = _exit_code(["bench", "--list", "--n_layer=1"], capsys)
+    assert rc == 2 and "unrecognized" in err
