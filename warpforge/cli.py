@@ -257,8 +257,9 @@ def _train_parser(gsub) -> None:
                     help=f"stop (and save) after this many minutes of training (default: the preset's; {minutes})")
     gt.add_argument("--ckpt-every", type=positive_int, default=None,
                     help="save a checkpoint every this many steps (default: the preset's)")
-    gt.add_argument("--data", choices=("shakespeare", "random"), default=None,
-                    help="the prepared plays, or random tokens (throughput; default: the preset's)")
+    gt.add_argument("--data", default=None, metavar="shakespeare|random|DIR",
+                    help="the prepared plays, random tokens (throughput), or a folder of train.bin / val.bin of "
+                         "uint16 token ids (nanoGPT's format; set --vocab_size=N to fit) (default: the preset's)")
     gt.add_argument("--mlp", choices=("swiglu", "monarch"), default=None,
                     help="the feed-forward's projections: dense nn.Linear (swiglu, the presets' default) or "
                          "MonarchLinear (monarch); a model setting, so --resume needs the same")

@@ -184,3 +184,34 @@ def test_bad_config_settings_are_one_line_errors(args, match, capsys, tmp_path):
 def test_settings_only_for_train(capsys):
     rc, err = _exit_code(["bench", "--list", "--n_layer=1"], capsys)
     assert rc == 2 and "unrecognized" in err
+
+
+def _token_folder(folder, top):
+    import numpy as np
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, top + 1, 5000).astype(np.uint16).tofile(folder / f"{split}.bin")
+    return folder
+
+
+def test_a_users_token_files(tmp_path, small_tiny):
+    """--data DIR: nanoGPT's train.bin / val.bin of uint16 token ids, with the model's vocab_size set to fit."""
+    import torch
+    data = _token_folder(tmp_path / "tokens", 299)
+    run = tmp_path / "run"
+    assert cli.main(["gpt", "train", "--out", str(run), "--data", str(data), "--vocab_size=300", "--max-steps",
+                     "1"]) == 0
+    assert torch.load(run / "ckpt.pt", weights_only=True)["model_cfg"]["vocab_size"] == 300
+
+
+def test_bad_token_files_are_one_line_errors(tmp_path, capsys, small_tiny):
+    data = _token_folder(tmp_path / "tokens", 299)
+    _one_line_error(["gpt", "train", "--out", str(tmp_path / "run"), "--data", str(data)], capsys,
+                    match="vocab_size")
+    (data / "val.bin").write_bytes(b"123")
+    _one_line_error(["gpt", "train", "--out", str(tmp_path / "run"), "--data", str(data), "--vocab_size=300"], capsys,
+                    match="uint16")
+    _one_line_error(["gpt", "train", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "nope")], capsys,
+                    match="data")
+    assert not (tmp_path / "run").exists()

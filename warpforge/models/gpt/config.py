@@ -73,7 +73,8 @@ class TrainConfig:
     eval_every: int = 200
     eval_batches: int = 20
     ckpt_every: int = 500
-    data: str = "shakespeare"        # or "random" (throughput runs, no prepare needed)
+    data: str = "shakespeare"        # "random" (throughput runs, no prepare needed), or a folder of train.bin /
+                                     # val.bin holding uint16 token ids (nanoGPT's format; --vocab_size=N to fit)
     compile: str = "auto"            # torch.compile the step: "on", "off", "graphs" (compiled and replayed from
                                      # CUDA graphs), "auto" (graphs on CUDA, where launch overhead otherwise bounds
                                      # the step and DDP cannot scale; off on CPU)

@@ -84,10 +84,29 @@ def prepare(out: Path | None = None) -> Path:
 
 
 def load_split(split: str, root: Path | None = None) -> np.ndarray:
+    """The prepared Shakespeare bytes (uint8) of a split."""
     path = (Path(root) if root else cache_dir()) / f"{split}.bin"
     if not path.exists():
         raise DataMissing(f"no prepared data at {path.parent}: run `warpforge gpt prepare` first")
     return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def load_tokens(folder: Path, split: str, vocab_size: int) -> np.ndarray:
+    """A user's token file, nanoGPT's format: folder/{train,val}.bin, a flat array of uint16 token ids. Every id
+    is checked against the model's vocab_size once, here (a pass over the file in 16M-token chunks), so a
+    vocabulary mismatch is one line at start rather than an index error mid-run."""
+    path = Path(folder) / f"{split}.bin"
+    if not path.exists():
+        raise DataMissing(f"{path} does not exist (a --data folder holds train.bin and val.bin of uint16 tokens)")
+    if path.stat().st_size % 2:
+        raise DataMissing(f"{path} is not a uint16 token file (an odd number of bytes)")
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    chunk = 1 << 24
+    top = max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=-1)
+    if top >= vocab_size:
+        raise DataMissing(f"{path} holds token id {top}, outside the model's vocab_size {vocab_size} "
+                          f"(set --vocab_size=N)")
+    return data
 
 
 class Batches:

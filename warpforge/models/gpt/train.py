@@ -28,7 +28,7 @@ from ...profiling import StepProfiler
 from ...runtime import device_spec, resolve_backend
 from .checkpoint import Checkpointer, CheckpointError, TrainError, check_writable, load_weights, read_checkpoint
 from .config import GPTConfig, TrainConfig, from_dict, preset
-from .data import Batches, cache_dir, load_split
+from .data import Batches, cache_dir, load_split, load_tokens
 from .model import GPT
 
 __all__ = ["train", "TrainError", "CheckpointError", "resolve_run", "Trainer", "lr_at", "evaluate"]
@@ -102,6 +102,15 @@ def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = Fal
     return run
 
 
+def _data(source: str, vocab_size: int):
+    """(train, val) token arrays: None for random tokens, the prepared plays, or a folder of uint16 tokens."""
+    if source == "random":
+        return None, None
+    if source == "shakespeare":
+        return load_split("train"), load_split("val")
+    return load_tokens(Path(source), "train", vocab_size), load_tokens(Path(source), "val", vocab_size)
+
+
 def _check(tcfg: TrainConfig) -> None:
     if tcfg.parallel not in ("ddp", "fsdp"):
         raise TrainError(f"parallel: expected 'ddp' or 'fsdp', got {tcfg.parallel!r}")
@@ -114,8 +123,9 @@ def _check(tcfg: TrainConfig) -> None:
             raise TrainError(f"{name}: expected a positive integer, got {getattr(tcfg, name)!r}")
     if tcfg.max_minutes is not None and not (math.isfinite(tcfg.max_minutes) and tcfg.max_minutes > 0):
         raise TrainError(f"max_minutes: expected a positive number of minutes or None, got {tcfg.max_minutes!r}")
-    if tcfg.data not in ("shakespeare", "random"):
-        raise TrainError(f"data: expected 'shakespeare' or 'random', got {tcfg.data!r}")
+    if tcfg.data not in ("shakespeare", "random") and not Path(tcfg.data).is_dir():
+        raise TrainError(f"data: expected 'shakespeare', 'random' or a folder of train.bin / val.bin (uint16 "
+                         f"tokens, nanoGPT's format), got {tcfg.data!r}")
 
 
 @dataclass(frozen=True)
@@ -265,9 +275,7 @@ class Trainer:
         _check_backend(env)
         self.run, self.env, self.cfg = run, env, run.train_cfg
         self.stop_at_step, self.progress_bar, self.on_step = stop_at_step, progress_bar, on_step
-        random_data = self.cfg.data == "random"
-        train_data = None if random_data else load_split("train")
-        self.val_data = None if random_data else load_split("val")
+        train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size)
         _check_out(run, env)
         self.model, self.optim = _build(run, env)
         mcfg = run.model_cfg
