@@ -215,3 +215,10 @@ def test_bad_token_files_are_one_line_errors(tmp_path, capsys, small_tiny):
     _one_line_error(["gpt", "train", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "nope")], capsys,
                     match="data")
     assert not (tmp_path / "run").exists()
+
+
+def test_version_matches_the_package_metadata():
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == warpforge.__version__
