@@ -118,8 +118,18 @@ _experts_fwd = kernel_op("moe_experts_fwd", _experts_fwd_impl, _experts_fwd_fake
                          backward=_experts_backward)
 
 
+# Tiles from outside the table: None, or a function (device, tokens, w13) -> MoECfg or None asked first (compat.vllm
+# sets one that reads the tuned files in WARPFORGE_MOE_CONFIG_DIR). Forward, fake and backward all look up here, so
+# they agree on block_m, which sizes the schedule.
+config_source = None
+
+
 def _config(device: torch.device, tokens: int, w13: torch.Tensor) -> configs.MoECfg:
     """The tiles for this model shape and token count (fp32 activations: the fp32 tiles)."""
+    if config_source is not None:
+        cfg = config_source(device, tokens, w13)
+        if cfg is not None:
+            return cfg
     return configs.GEMMS.lookup(device, "fp32" if w13.dtype == torch.float32 else tuple(w13.shape), tokens)
 
 
