@@ -39,3 +39,59 @@ def test_bad_input():
     with pytest.raises(WarpforgeInputError, match="^targets"):
         wf.linear_cross_entropy(x, torch.randn(10, 8, device=DEV), torch.zeros(3, dtype=torch.long, device=DEV),
                                 backend="triton")
+
+
+OPTIONS = [dict(reduction="sum"), dict(label_smoothing=0.1), dict(lse_square_scale=1e-2), dict(softcap=3.0),
+           dict(bias=True), dict(reduction="none"),
+           dict(reduction="none", label_smoothing=0.2, lse_square_scale=1e-3, softcap=5.0, bias=True),
+           dict(reduction="sum", label_smoothing=0.05, softcap=2.0, bias=True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_liger_options(options, dtype, monkeypatch):
+    """reduction / label_smoothing / z-loss / softcap / bias, alone and together, over several chunks, against
+    the reference: loss and the gradients of hidden, weight and bias (reduction "none": a random upstream)."""
+    from warpforge.ops.linear_ce import configs
+    monkeypatch.setattr(configs, "LINEAR_CE", configs.LINEAR_CE.map(lambda c: c._replace(chunk_elements=4 * 300)))
+    rows, width, vocab = 37, 64, 300
+    hidden = torch.randn(rows, width, device=DEV, dtype=dtype, requires_grad=True)
+    weight = (0.2 * torch.randn(vocab, width, device=DEV, dtype=dtype)).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device=DEV)
+    targets[::4] = -100
+    opts = dict(options)
+    inputs = [hidden, weight]
+    if opts.pop("bias", False):
+        inputs.append(torch.randn(vocab, device=DEV, dtype=dtype, requires_grad=True))
+    upstream = torch.randn(rows, device=DEV) if opts.get("reduction") == "none" else None
+
+    def run(fn):
+        def call(h, w, b=None):
+            loss = fn(h, w, targets, bias=b, **opts)
+            return (loss * upstream).sum() if upstream is not None else loss
+        return call
+    assert_grads_match(run(lambda *a, **k: wf.linear_cross_entropy(*a, backend="triton", **k)),
+                       run(linear_cross_entropy_reference), inputs, dtype)
+
+
+def test_reduction_none_shape_and_ignored_rows():
+    x, w = torch.randn(6, 8, device=DEV), torch.randn(10, 8, device=DEV)
+    t = torch.tensor([1, -100, 3, 4, -100, 9], device=DEV)
+    for backend in ("triton", "reference"):
+        out = wf.linear_cross_entropy(x, w, t, backend=backend, reduction="none")
+        assert out.shape == (6,) and out.dtype == torch.float32
+        assert out[1] == 0 and out[4] == 0 and bool((out[[0, 2, 3, 5]] > 0).all())
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("kw,name", [(dict(reduction="avg"), "reduction"), (dict(label_smoothing=1.5), "label_smoothing"),
+                                     (dict(label_smoothing=float("nan")), "label_smoothing"),
+                                     (dict(lse_square_scale=-1.0), "lse_square_scale"), (dict(softcap=0.0), "softcap"),
+                                     (dict(softcap=-2.0), "softcap"), (dict(bias="b"), "bias"),
+                                     (dict(bias=torch.zeros(9)), "bias"), (dict(bias=torch.zeros(10, 1)), "bias")])
+def test_bad_options(kw, name, backend):
+    x, w = torch.randn(2, 8, device=DEV), torch.randn(10, 8, device=DEV)
+    if isinstance(kw.get("bias"), torch.Tensor):
+        kw = dict(bias=kw["bias"].to(DEV))
+    with pytest.raises(WarpforgeInputError, match=f"^{name}"):
+        wf.linear_cross_entropy(x, w, torch.zeros(2, dtype=torch.long, device=DEV), backend=backend, **kw)

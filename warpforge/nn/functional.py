@@ -164,15 +164,18 @@ def monarch_linear(x, w_left, w_right, bias=None, backend: Backend = None):
     return y if bias is None else y + bias
 
 
-def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, backend: Backend = None):
-    """Mean cross-entropy of hidden @ weightᵀ (the torch path materialises the logits)."""
+def linear_cross_entropy(hidden, weight, targets, ignore_index=-100, backend: Backend = None, **options):
+    """Cross-entropy of hidden @ weightᵀ (options: warpforge.linear_cross_entropy's bias, reduction,
+    label_smoothing, lse_square_scale, softcap). The torch path materialises the logits: F.cross_entropy, or the
+    fp32 reference where an option is given."""
     b = pick(backend, "linear_cross_entropy")
     if b != TORCH:
-        return linear_ce.linear_cross_entropy(hidden, weight, targets, ignore_index, b)
+        return linear_ce.linear_cross_entropy(hidden, weight, targets, ignore_index, b, **options)
+    if options:
+        return linear_ce.linear_cross_entropy_reference(hidden, weight, targets, ignore_index, **options)
     return F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=ignore_index)
 
 
-# ------------------------------------------------------------------------------------ MoE, MLA decode
 def route(router_logits, topk, backend: Backend = None, **route_kw):
     """(topk_weights fp32, topk_ids int32); the torch path is the reference's plain torch ops."""
     b = pick(backend, "moe")
