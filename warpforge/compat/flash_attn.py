@@ -159,13 +159,18 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 
 # ----------------------------------------------------------------------------------- paged helpers
+def _int32_rows(name, t, rank, batch, ref, what):
+    """An int32 tensor of this rank on q's device with one row per sequence (`what` says so in the error)."""
+    check_tensor(name, t)
+    check_same_device(name, t, "q", ref)
+    check_rank(name, t, rank)
+    check_dtype(name, t, (torch.int32,))
+    if t.shape[0] != batch:
+        fail(name, what, f"shape {tuple(t.shape)}")
+
+
 def _check_table(block_table, batch, ref):
-    check_tensor("block_table", block_table)
-    check_same_device("block_table", block_table, "q", ref)
-    check_rank("block_table", block_table, 2)
-    check_dtype("block_table", block_table, (torch.int32,))
-    if block_table.shape[0] != batch:
-        fail("block_table", f"{batch} rows (one per sequence)", f"shape {tuple(block_table.shape)}")
+    _int32_rows("block_table", block_table, 2, batch, ref, f"{batch} rows (one per sequence)")
 
 
 def _check_pages(lengths: torch.Tensor, block_table, num_pages, page, len_name="block_table") -> None:
@@ -243,12 +248,7 @@ def _cache_seqlens(cache_seqlens, batch, ref, have_new):
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         check_int("cache_seqlens", cache_seqlens, lo=0)
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=ref.device)
-    check_tensor("cache_seqlens", cache_seqlens)
-    check_same_device("cache_seqlens", cache_seqlens, "q", ref)
-    check_rank("cache_seqlens", cache_seqlens, 1)
-    check_dtype("cache_seqlens", cache_seqlens, (torch.int32,))
-    if cache_seqlens.shape[0] != batch:
-        fail("cache_seqlens", f"[{batch}] (q's batch)", f"shape {tuple(cache_seqlens.shape)}")
+    _int32_rows("cache_seqlens", cache_seqlens, 1, batch, ref, f"[{batch}] (q's batch)")
     return cache_seqlens
 
 

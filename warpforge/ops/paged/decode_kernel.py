@@ -45,6 +45,22 @@ def _raw_tile(CACHE, row_off, kvh64, tok_ok, stride_h, D: tl.constexpr, BLOCK_D:
 
 
 @triton.jit
+def _step_bytes(K_CACHE, V_CACHE, bt_row, tok, end, last_page, kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
+                stride_vt, stride_vh, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                KV_FMT: tl.constexpr, GROUP: tl.constexpr):
+    """The raw K and V bytes of tokens `tok` (those >= end masked off), page ids looked up and clamped here: the
+    prefetch's load of a step ahead."""
+    ok = tok < end
+    page = tl.minimum(tl.maximum(tl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page).to(tl.int64)
+    slot = (tok % PAGE).to(tl.int64)
+    k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, ok, stride_kh, D, BLOCK_D, KV_FMT,
+                            GROUP)
+    v_raw, v_sb = _raw_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, ok, stride_vh, D, BLOCK_D, KV_FMT,
+                            GROUP)
+    return k_raw, k_sb, v_raw, v_sb
+
+
+@triton.jit
 def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """_raw_tile's bytes as values in OUT_DTYPE: (the tile, the same) for KV_FMT 0 / 1 (e4m3 -> OUT_DTYPE; per-token
     scales are the caller's); for FP4 the even and the odd elements ([BLOCK_N, BLOCK_D / 2] each, block scales
@@ -128,14 +144,9 @@ def paged_decode_split_kernel(
     if INDEX_AHEAD:  # the first step's page ids; each step then loads the next step's (see the module docstring)
         page_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
     if PREFETCH:  # the first step's bytes; each step then loads the next step's (see the module docstring)
-        first = start + offs_n
-        first_page = tl.load(bt_row + first // PAGE, mask=first < end, other=0)
-        first_page = tl.minimum(tl.maximum(first_page, 0), last_page).to(tl.int64)
-        first_slot = (first % PAGE).to(tl.int64)
-        k_next, ks_next = _raw_tile(K_CACHE, first_page * stride_kp + first_slot * stride_kt, kvh64, first < end,
-                                    stride_kh, D, BLOCK_D, KV_FMT, FP4_GROUP)
-        v_next, vs_next = _raw_tile(V_CACHE, first_page * stride_vp + first_slot * stride_vt, kvh64, first < end,
-                                    stride_vh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+        k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, bt_row, start + offs_n, end, last_page,
+                                                       kvh64, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                                       stride_vh, PAGE, D, BLOCK_D, KV_FMT, FP4_GROUP)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
@@ -147,14 +158,9 @@ def paged_decode_split_kernel(
         page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
         if PREFETCH:
             k_raw, k_sb, v_raw, v_sb = k_next, ks_next, v_next, vs_next
-            nxt = tok + BLOCK_N
-            page_n = tl.load(bt_row + nxt // PAGE, mask=nxt < end, other=0)
-            page_n = tl.minimum(tl.maximum(page_n, 0), last_page).to(tl.int64)
-            slot_n = (nxt % PAGE).to(tl.int64)
-            k_next, ks_next = _raw_tile(K_CACHE, page_n * stride_kp + slot_n * stride_kt, kvh64, nxt < end,
-                                        stride_kh, D, BLOCK_D, KV_FMT, FP4_GROUP)
-            v_next, vs_next = _raw_tile(V_CACHE, page_n * stride_vp + slot_n * stride_vt, kvh64, nxt < end,
-                                        stride_vh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+            k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, bt_row, tok + BLOCK_N, end, last_page,
+                                                           kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
+                                                           stride_vt, stride_vh, PAGE, D, BLOCK_D, KV_FMT, FP4_GROUP)
         else:
             slot = (tok % PAGE).to(tl.int64)
             k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D,
