@@ -112,7 +112,8 @@ def cmd_gpt_train(args) -> int:
     from .models.gpt.train import TrainError, train
     settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
-                    ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks)
+                    ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks,
+                    tokenizer=args.tokenizer, wandb=args.wandb)
     for name, value in getattr(args, "config_overrides", {}).items():
         if settings.get(name) is not None:
             return _fail("gpt train", f"--{name} is given twice (as a flag and as --{name}=...)")
@@ -158,11 +159,12 @@ def cmd_gpt_train(args) -> int:
 def cmd_gpt_sample(args) -> int:
     from .models.gpt.checkpoint import CheckpointError
     from .models.gpt.sample import load, sample
+    from .models.gpt.tokenizer import TokenizerError
     try:
         model = load(args.preset, args.ckpt)
         texts = sample(model, args.prompt, args.tokens, args.temperature, args.top_k, args.top_p, args.num,
                        args.seed)
-    except (FileNotFoundError, CheckpointError, ValueError) as exc:
+    except (FileNotFoundError, CheckpointError, TokenizerError, ValueError) as exc:
         return _fail("gpt sample", exc)
     for text in texts:
         print(text)
@@ -260,6 +262,12 @@ def _train_parser(gsub) -> None:
     gt.add_argument("--data", default=None, metavar="shakespeare|random|DIR",
                     help="the prepared plays, random tokens (throughput), or a folder of train.bin / val.bin of "
                          "uint16 token ids (nanoGPT's format; set --vocab_size=N to fit) (default: the preset's)")
+    gt.add_argument("--wandb", default=None, metavar="PROJECT",
+                    help="log the loss, throughput and validation to this Weights & Biases project (rank 0; needs "
+                         "pip install wandb; WANDB_MODE=offline logs without network)")
+    gt.add_argument("--tokenizer", choices=("bytes", "gpt2"), default=None,
+                    help="the vocabulary: UTF-8 bytes (the presets' default) or GPT-2's BPE (needs tiktoken; sets "
+                         "vocab_size 50304 unless --vocab_size=N); a model setting, so --resume needs the same")
     gt.add_argument("--mlp", choices=("swiglu", "monarch"), default=None,
                     help="the feed-forward's projections: dense nn.Linear (swiglu, the presets' default) or "
                          "MonarchLinear (monarch); a model setting, so --resume needs the same")

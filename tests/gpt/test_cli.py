@@ -222,3 +222,92 @@ def test_version_matches_the_package_metadata():
     import re
     text = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == warpforge.__version__
+
+
+class _FakeWandb:
+    """What --wandb calls of the wandb package, recorded."""
+
+    def __init__(self):
+        self.logged, self.inits, self.finished = [], [], False
+
+    def init(self, **kw):
+        self.inits.append(kw)
+        return self
+
+    def log(self, data, step):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_logs_the_history(tmp_path, small_tiny, monkeypatch):
+    import sys
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    assert cli.main(["gpt", "train", "--out", str(tmp_path / "run"), "--wandb", "proj", "--max-steps", "3"]) == 0
+    assert fake.inits[0]["project"] == "proj" and fake.inits[0]["config"]["model"]["n_layer"] == 2
+    assert [s for s, d in fake.logged if "loss" in d] and fake.finished
+
+
+def test_wandb_missing_is_a_one_line_error(tmp_path, capsys, small_tiny, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    _one_line_error(["gpt", "train", "--out", str(tmp_path / "run"), "--wandb", "proj"], capsys,
+                    match="pip install wandb")
+
+
+class _FakeEncoding:
+    """A stand-in for tiktoken's gpt2 encoding (its merges file is not reachable here): bytes shifted by 1000."""
+
+    def encode_ordinary(self, text):
+        return [b + 1000 for b in text.encode("utf-8")]
+
+    def decode(self, ids):
+        return bytes(i - 1000 for i in ids if 1000 <= i < 1256).decode("utf-8", errors="replace")
+
+
+def test_gpt2_tokenizer_trains_and_samples(tmp_path, capsys, small_tiny, monkeypatch):
+    """--tokenizer gpt2: the plays tokenized once into the cache, vocab_size 50304, samples decoded."""
+    import numpy as np
+    import torch
+
+    from warpforge.models.gpt import tokenizer
+    cache = tmp_path / "cache"
+    (cache / "shakespeare").mkdir(parents=True)
+    text = np.frombuffer(("To be, or not to be: that is the question.\n" * 40).encode(), dtype=np.uint8)
+    for split in ("train", "val"):
+        text.tofile(cache / "shakespeare" / f"{split}.bin")
+    monkeypatch.setenv("WARPFORGE_CACHE", str(cache))
+    monkeypatch.setattr(tokenizer, "_tiktoken_encoding", lambda name: _FakeEncoding())
+    tokenizer.get.cache_clear()
+    run = tmp_path / "run"
+    try:
+        assert cli.main(["gpt", "train", "--out", str(run), "--data", "shakespeare", "--tokenizer", "gpt2",
+                         "--max-steps", "1"]) == 0
+        cfg = torch.load(run / "ckpt.pt", weights_only=True)["model_cfg"]
+        assert cfg["tokenizer"] == "gpt2" and cfg["vocab_size"] == 50304
+        ids = np.fromfile(cache / "shakespeare-gpt2" / "train.bin", dtype=np.uint16)
+        assert len(ids) == len(text) and ids.min() >= 1000
+        capsys.readouterr()
+        assert cli.main(["gpt", "sample", "--ckpt", str(run), "--prompt", "To be", "--tokens", "4"]) == 0
+        assert "To be" in capsys.readouterr().out
+    finally:
+        tokenizer.get.cache_clear()
+
+
+def test_gpt2_tokenizer_without_tiktoken_is_a_one_line_error(tmp_path, capsys, small_tiny, monkeypatch):
+    import sys
+
+    from warpforge.models.gpt import tokenizer
+    monkeypatch.setitem(sys.modules, "tiktoken", None)
+    monkeypatch.setenv("WARPFORGE_CACHE", str(tmp_path / "cache"))
+    tokenizer.get.cache_clear()
+    (tmp_path / "cache" / "shakespeare").mkdir(parents=True)
+    for split in ("train", "val"):
+        (tmp_path / "cache" / "shakespeare" / f"{split}.bin").write_bytes(b"hello world " * 50)
+    try:
+        _one_line_error(["gpt", "train", "--out", str(tmp_path / "run"), "--data", "shakespeare", "--tokenizer",
+                         "gpt2"], capsys, match="tiktoken")
+    finally:
+        tokenizer.get.cache_clear()

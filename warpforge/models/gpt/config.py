@@ -8,7 +8,8 @@ from ...errors import check_bool, check_choice, check_int, check_positive_float,
 
 @dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 256        # bytes
+    vocab_size: int = 256        # bytes (tokenizer "gpt2": 50304)
+    tokenizer: str = "bytes"     # "bytes" (UTF-8) or "gpt2" (GPT-2's BPE through tiktoken; models/gpt/tokenizer.py)
     seq_len: int = 256
     n_layer: int = 6
     n_head: int = 6
@@ -43,6 +44,9 @@ class GPTConfig:
         check_choice("attention", self.attention, ("mha", "mla"))
         check_int("moe_experts", self.moe_experts, lo=0, what="an int >= 0 (0: no MoE)")
         check_int("moe_first_dense", self.moe_first_dense, lo=0)
+        check_choice("tokenizer", self.tokenizer, ("bytes", "gpt2"))
+        if self.tokenizer == "gpt2" and self.vocab_size < 50257:
+            fail("vocab_size", "at least 50257 (GPT-2's ids) with tokenizer 'gpt2'", self.vocab_size)
         check_choice("mlp", self.mlp, ("swiglu", "monarch"))
         check_int("monarch_blocks", self.monarch_blocks, lo=1)
         if self.mlp == "monarch":
@@ -84,6 +88,7 @@ class TrainConfig:
                                      # torch.compile one graph split (DDPOptimizer), so fewer buckets fuse more
     ddp_bf16_grads: bool = False     # DDP: all-reduce gradients in bf16 (half the bytes; rounded once a step)
     seed: int = 1337
+    wandb: str = ""                  # a Weights & Biases project to log to (rank 0; needs `pip install wandb`); "": off
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,23 @@ def load_split(split: str, root: Path | None = None) -> np.ndarray:
     return np.memmap(path, dtype=np.uint8, mode="r")
 
 
+def tokenized_split(split: str, tokenizer: str) -> np.ndarray:
+    """The prepared plays of a split in another tokenizer's ids (uint16), made once from the byte files into
+    <cache>/shakespeare-<tokenizer>/ and read from there afterwards."""
+    from .tokenizer import get
+    folder = cache_dir().parent / f"shakespeare-{tokenizer}"
+    path = folder / f"{split}.bin"
+    if not path.exists():
+        tok = get(tokenizer)  # before reading: a missing tokenizer is the first thing said
+        text = bytes(load_split(split)).decode("utf-8", errors="replace")
+        ids = np.asarray(tok.encode(text), dtype=np.uint16)
+        folder.mkdir(parents=True, exist_ok=True)
+        ids.tofile(path.with_suffix(".bin.tmp"))
+        os.replace(path.with_suffix(".bin.tmp"), path)
+        log.info(f"{split}: {len(text):,} bytes -> {len(ids):,} {tokenizer} tokens ({path})")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
 def load_tokens(folder: Path, split: str, vocab_size: int) -> np.ndarray:
     """A user's token file, nanoGPT's format: folder/{train,val}.bin, a flat array of uint16 token ids. Every id
     is checked against the model's vocab_size once, here (a pass over the file in 16M-token chunks), so a

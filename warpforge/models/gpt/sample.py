@@ -11,6 +11,7 @@ from .checkpoint import WEIGHTS, CheckpointError, load_weights, read_checkpoint,
 from .config import GPTConfig, from_dict
 from .data import cache_dir
 from .model import GPT, check_sampling
+from .tokenizer import get as get_tokenizer
 
 SEEDS = (-2 ** 63, 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 
@@ -40,7 +41,8 @@ def load(preset_name: str = "tiny", ckpt: str | None = None, device=None, backen
 
 def sample(model: GPT, prompt: str = "\n", max_new_tokens: int = 300, temperature: float = 0.8,
            top_k: int | None = 50, top_p: float | None = None, num_samples: int = 1, seed: int = 0) -> list[str]:
-    """Byte-level text continuation of `prompt`: num_samples continuations of max_new_tokens bytes each.
+    """Text continuation of `prompt` in the model's tokenizer (bytes, or GPT-2's): num_samples continuations of
+    max_new_tokens tokens each.
     temperature 0 is greedy; top_k keeps the k most likely bytes, top_p the smallest set holding that much
     probability (None: no limit). WarpforgeInputErrors (one line) for settings that cannot sample."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
@@ -49,13 +51,14 @@ def sample(model: GPT, prompt: str = "\n", max_new_tokens: int = 300, temperatur
     if not isinstance(prompt, str):
         fail("prompt", "a str", type(prompt).__name__)
     device = model.embed.weight.device
-    ids = list(prompt.encode("utf-8")) or [10]
+    tok = get_tokenizer(model.cfg.tokenizer)
+    ids = tok.encode(prompt) or tok.encode("\n")
     if max(ids) >= model.cfg.vocab_size:
-        fail("prompt", f"bytes below this model's vocab_size ({model.cfg.vocab_size})", f"byte {max(ids)}")
+        fail("prompt", f"tokens below this model's vocab_size ({model.cfg.vocab_size})", f"token {max(ids)}")
     idx = torch.tensor([ids] * num_samples, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     # on GPU in bf16 as the model trained (the attention kernels take fp16/bf16); the model itself is untouched
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     with amp:
         out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
-    return [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out]
+    return [tok.decode(row.tolist()) for row in out]

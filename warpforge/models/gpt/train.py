@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -28,7 +28,8 @@ from ...profiling import StepProfiler
 from ...runtime import device_spec, resolve_backend
 from .checkpoint import Checkpointer, CheckpointError, TrainError, check_writable, load_weights, read_checkpoint
 from .config import GPTConfig, TrainConfig, from_dict, preset
-from .data import Batches, cache_dir, load_split, load_tokens
+from .data import Batches, cache_dir, load_split, load_tokens, tokenized_split
+from .tokenizer import GPT2_MODEL_VOCAB, TokenizerError
 from .model import GPT
 
 __all__ = ["train", "TrainError", "CheckpointError", "resolve_run", "Trainer", "lr_at", "evaluate"]
@@ -70,6 +71,9 @@ def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = Fal
     overrides = {k: v for k, v in overrides.items() if v is not None}
     model_fields = {f.name for f in fields(GPTConfig)}
     model_overrides = {k: overrides.pop(k) for k in list(overrides) if k in model_fields}
+    if model_overrides.get("tokenizer") == "gpt2" and "vocab_size" not in model_overrides and \
+            p.model.vocab_size < GPT2_MODEL_VOCAB:
+        model_overrides["vocab_size"] = GPT2_MODEL_VOCAB  # GPT-2's ids, rounded up to 64 rows
     try:
         tcfg = replace(p.train, **overrides)
     except TypeError as exc:
@@ -102,11 +106,30 @@ def resolve_run(preset_name: str, out_dir: str | None = None, resume: bool = Fal
     return run
 
 
-def _data(source: str, vocab_size: int):
-    """(train, val) token arrays: None for random tokens, the prepared plays, or a folder of uint16 tokens."""
+def _wandb_run(run: Run, rank: int):
+    """With TrainConfig.wandb set, rank 0's Weights & Biases run (its config: both configs and the preset); None
+    otherwise. WANDB_MODE=offline logs without network."""
+    if not run.train_cfg.wandb or rank != 0:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise TrainError("--wandb needs the wandb package: pip install wandb") from None
+    return wandb.init(project=run.train_cfg.wandb, dir=str(run.out), name=run.out.name,
+                      config={"preset": run.preset, "model": asdict(run.model_cfg), "train": asdict(run.train_cfg)})
+
+
+def _data(source: str, vocab_size: int, tokenizer: str = "bytes"):
+    """(train, val) token arrays: None for random tokens, the prepared plays (as bytes, or tokenized once into the
+    cache by another tokenizer), or a folder of uint16 tokens."""
     if source == "random":
         return None, None
     if source == "shakespeare":
+        if tokenizer != "bytes":
+            try:
+                return tokenized_split("train", tokenizer), tokenized_split("val", tokenizer)
+            except TokenizerError as exc:
+                raise TrainError(str(exc)) from None
         return load_split("train"), load_split("val")
     return load_tokens(Path(source), "train", vocab_size), load_tokens(Path(source), "val", vocab_size)
 
@@ -275,7 +298,8 @@ class Trainer:
         _check_backend(env)
         self.run, self.env, self.cfg = run, env, run.train_cfg
         self.stop_at_step, self.progress_bar, self.on_step = stop_at_step, progress_bar, on_step
-        train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size)
+        self.logger = None  # fit() starts the --wandb run
+        train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size, run.model_cfg.tokenizer)
         _check_out(run, env)
         self.model, self.optim = _build(run, env)
         mcfg = run.model_cfg
@@ -296,6 +320,7 @@ class Trainer:
 
     def fit(self) -> dict:
         self._announce()
+        self.logger = _wandb_run(self.run, self.env.rank)
         self.start = self.last_t = time.time()
         self.last_step = self.step
         bar = _Progress(self.cfg.max_steps, self.step, self.env.rank == 0, self.progress_bar)
@@ -310,6 +335,8 @@ class Trainer:
         if stopped != "interrupted":
             self._final_evaluation()
         self.ckpt.save(self.step, self.history, "interrupt" if stopped == "interrupted" else "end")
+        if self.logger is not None:
+            self.logger.finish()
         return {"step": self.step, "history": self.history, "out": str(self.run.out),
                 "params": self.model.num_params(), "stopped": stopped, "max_steps": self.cfg.max_steps,
                 "max_minutes": self.cfg.max_minutes}
@@ -381,15 +408,20 @@ class Trainer:
         tps = self.tokens_per_step * (self.step - self.last_step) / max(now - self.last_t, 1e-9)
         self.last_t, self.last_step = now, self.step
         util = mfu(self.flops_per_token, tps, self.env)
-        self.history.append({"step": self.step, "loss": lval, "tokens_per_s": tps, "mfu": util,
-                             "elapsed_s": now - self.start})
+        self._log({"step": self.step, "loss": lval, "tokens_per_s": tps, "mfu": util, "elapsed_s": now - self.start})
         bar.update(self.step, f"loss {lval:.3f} | {tps:,.0f} tok/s" + (f" | MFU {100 * util:.1f}%" if util else ""))
+
+    def _log(self, entry: dict) -> None:
+        """A history entry: kept (checkpoints carry the history) and, with --wandb, sent to the run's logger."""
+        self.history.append(entry)
+        if self.logger is not None:
+            self.logger.log({k: v for k, v in entry.items() if k != "step" and v is not None}, step=entry["step"])
 
     def _evaluate(self) -> None:
         if not (self.env.rank == 0 or self.env.fsdp):  # FSDP: every rank takes part in the forward's all-gathers
             return
         v = evaluate(self.model, self.val_data, self.cfg, self.env.device, self.autocast)
-        self.history.append({"step": self.step, "val_loss": v, "elapsed_s": time.time() - self.start})
+        self._log({"step": self.step, "val_loss": v, "elapsed_s": time.time() - self.start})
         if self.env.rank == 0:
             log.info(f"step {self.step}: val {v:.3f} nats/byte")
 
