@@ -44,6 +44,12 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
         if value is not None:
             fail(name, "None (not supported by warpforge yet)", "a tensor")
     check_bool("is_fp8_kvcache", is_fp8_kvcache)
+    # the older interface passes get_mla_metadata's tensors back in (ignored: the plan needs only shapes)
+    for name, value, kinds in (("tile_scheduler_metadata", tile_scheduler_metadata, (MLASchedule, torch.Tensor)),
+                               ("num_splits", num_splits, (torch.Tensor,))):
+        if value is not None and not isinstance(value, kinds):
+            fail(name, f"None or {' or '.join('a ' + k.__name__ for k in kinds)} (from get_mla_metadata)",
+                 type(value).__name__)
     check_tensor("q", q)
     check_tensor("k_cache", k_cache)
     check_rank("q", q, 4)
@@ -60,9 +66,9 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if sched is not None:
         if sched.plan is None:
             sched.plan = p
-        elif sched.plan.shapes != p.shapes:
-            fail("tile_scheduler_metadata", f"a schedule planned for shapes {sched.plan.shapes}",
-                 f"a call with shapes {p.shapes} (get a new one from get_mla_metadata)")
+        elif sched.plan.shapes != p.shapes or sched.plan.dtype != p.dtype:
+            fail("tile_scheduler_metadata", f"a schedule planned for shapes {sched.plan.shapes} {sched.plan.dtype}",
+                 f"a call with shapes {p.shapes} {p.dtype} (get a new one from get_mla_metadata)")
         else:  # the planned split and tiles, with this call's causal and softmax_scale
             p = dataclasses.replace(sched.plan, causal=p.causal, softmax_scale=p.softmax_scale)
     results = [p.run(q_g.contiguous() if h_kv > 1 else q_g, k_g, block_table, cache_seqlens, indices=indices,

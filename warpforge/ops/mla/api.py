@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_no_grad,
-                       check_positive_float, check_rank, check_same_device, check_tensor, fail, host_reads_allowed,
-                       read_once)
+from ...errors import (FP32_TINY, SCALE_MAX, check_choice, check_dtype, check_int, check_last_dim_contiguous,
+                       check_no_grad, check_positive_float, check_rank, check_same_device, check_tensor, fail,
+                       host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from .._plan import DecodePlan
@@ -219,6 +219,11 @@ def _check_step(p: MLAPlan, q, kv_cache, block_table, cache_seqlens, kv_scale, i
             if t is not None:
                 fail(name, "None for a dense plan (plan with indices for the sparse decode)", "a tensor")
     if p.sparse:
+        # the block table walk is replaced, but what is passed is still checked as what it claims to be (no values)
+        if block_table is not None:
+            _check_int32("block_table", block_table, q, 2, (p.batch,))
+        if cache_seqlens is not None:
+            _check_int32("cache_seqlens", cache_seqlens, q, 1, (p.batch,))
         _check_int32("indices", indices, q, 3, (p.batch, p.s_q))
         if indices.shape[2] != p.max_tokens:
             fail("indices", f"topk {p.max_tokens} (the plan's)", indices.shape[2])
@@ -250,8 +255,8 @@ def _check_kv_scale(kv_format, kv_scale, ref_name, ref):
     check_same_device("kv_scale", kv_scale, ref_name, ref)
     if host_reads_allowed(kv_scale):
         value = read_once((kv_scale,), ("kv_scale",), lambda: float(kv_scale.detach()))
-        if not (math.isfinite(value) and value > 0):
-            fail("kv_scale", "a finite scale > 0", value)
+        if not (math.isfinite(value) and FP32_TINY <= value <= SCALE_MAX):  # the kernels' fp32 range, as scalars
+            fail("kv_scale", f"a finite scale > 0 from {FP32_TINY:.2g} to {SCALE_MAX:g}", value)
 
 
 def _rows_evenly_spaced(kv_cache) -> bool:

@@ -94,13 +94,16 @@ def _rope_block(cache, rows64, tok_ok, row_stride, KV_FMT: tl.constexpr, ROPE_OF
 
 
 @triton.jit
-def _step_index(bt_row, idx_row, n0, offs_n, end, PAGE: tl.constexpr, SPARSE: tl.constexpr):
-    """Where the step at token n0 reads: each token's page id (dense) or cache slot (sparse, -1 skipped)."""
+def _step_index(bt_row, idx_row, n0, offs_n, end, last_page, PAGE: tl.constexpr, SPARSE: tl.constexpr):
+    """Where the step at token n0 reads: each token's page id (dense, clamped to [0, last_page]) or cache slot
+    (sparse, -1 skipped; the caller skips slots past the cache). The host checks both except under a CUDA-graph
+    capture or torch.compile, where an unchecked value must still not read outside the cache."""
     tok = n0 + offs_n
     if SPARSE:
         index = tl.load(idx_row + tok, mask=tok < end, other=-1)
     else:
         index = tl.load(bt_row + tok // PAGE, mask=tok < end, other=0)
+        index = tl.minimum(tl.maximum(index, 0), last_page)
     return index
 
 
@@ -127,7 +130,7 @@ def mla_decode_split_kernel(
     row_stride, stride_bt, stride_ib, stride_is,
     stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]
     stride_ls, stride_lb,
-    rows_total, topk, qk_scale,
+    rows_total, topk, qk_scale, capacity, last_page, slots,
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr, INDEX_AHEAD: tl.constexpr,
@@ -149,7 +152,7 @@ def mla_decode_split_kernel(
         j = tl.zeros([BLOCK_H], tl.int32) + j0
         r = j0 * H_Q + h
         if HAS_TOPK_LEN:
-            length = tl.minimum(tl.load(TOPK_LEN + b), topk)
+            length = tl.minimum(tl.maximum(tl.load(TOPK_LEN + b), 0), topk)
         else:
             length = topk
     else:
@@ -158,7 +161,7 @@ def mla_decode_split_kernel(
         r_ok = r < rows_total
         j = r // H_Q
         h = r % H_Q
-        length = tl.load(SEQLENS + b)
+        length = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), capacity)  # the table's tokens (see _step_index)
     b64 = b.to(tl.int64)
     per_split = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
@@ -200,22 +203,22 @@ def mla_decode_split_kernel(
     raw0, raw1, raw2, raw3 = 0, 0, 0, 0
     index_next = 0
     if INDEX_AHEAD:  # the first step's page ids (slots, when sparse); each step then loads the next step's
-        index_next = _step_index(bt_row, idx_row, start, offs_n, end, PAGE, SPARSE)
+        index_next = _step_index(bt_row, idx_row, start, offs_n, end, last_page, PAGE, SPARSE)
     if PREFETCH:  # FP8, dense (launcher): the first step's bytes before the loop, each step loads the next's
         ptok = start + offs_n
         pok = ptok < end
-        ppage = tl.load(bt_row + ptok // PAGE, mask=pok, other=0)
+        ppage = tl.minimum(tl.maximum(tl.load(bt_row + ptok // PAGE, mask=pok, other=0), 0), last_page)
         raw0, raw1, raw2, raw3 = _fp8_raw(CACHE, ppage.to(tl.int64) * PAGE + (ptok % PAGE), pok, row_stride)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
         if INDEX_AHEAD:
             index = index_next
-            index_next = _step_index(bt_row, idx_row, n0 + BLOCK_N, offs_n, end, PAGE, SPARSE)
+            index_next = _step_index(bt_row, idx_row, n0 + BLOCK_N, offs_n, end, last_page, PAGE, SPARSE)
         else:
-            index = _step_index(bt_row, idx_row, n0, offs_n, end, PAGE, SPARSE)
+            index = _step_index(bt_row, idx_row, n0, offs_n, end, last_page, PAGE, SPARSE)
         if SPARSE:
-            tok_ok = tok_ok & (index >= 0)
+            tok_ok = tok_ok & (index >= 0) & (index < slots)
             rows64 = tl.maximum(index, 0).to(tl.int64)
         else:
             rows64 = index.to(tl.int64) * PAGE + (tok % PAGE)
@@ -223,7 +226,7 @@ def mla_decode_split_kernel(
             cur0, cur1, cur2, cur3 = raw0, raw1, raw2, raw3
             ntok = tok + BLOCK_N
             nok = ntok < end
-            npage = tl.load(bt_row + ntok // PAGE, mask=nok, other=0)
+            npage = tl.minimum(tl.maximum(tl.load(bt_row + ntok // PAGE, mask=nok, other=0), 0), last_page)
             raw0, raw1, raw2, raw3 = _fp8_raw(CACHE, npage.to(tl.int64) * PAGE + (ntok % PAGE), nok, row_stride)
             lat0, sc0 = _fp8_chunk(cur0, CACHE, rows64, tok_ok, row_stride, 0, SCALE_OFF, dt)
             lat1, sc1 = _fp8_chunk(cur1, CACHE, rows64, tok_ok, row_stride, 1, SCALE_OFF, dt)
@@ -322,6 +325,8 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
         idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
         o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
         rows, topk, softmax_scale * LOG2E,
+        block_table.shape[1] * kv_cache.shape[1] if block_table is not None and kv_cache.shape[0] else 0,
+        max(kv_cache.shape[0] - 1, 0), kv_cache.shape[0] * kv_cache.shape[1],
         H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt.code, GROUP=max(fmt.group, 1),
         SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None,
         BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,

@@ -85,6 +85,9 @@ def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=
     """
     b, s_q, h_q, d = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if not host_reads_allowed(q):  # meta tensors, torch.compile, a CUDA-graph capture: no value read on the host
+        return _masked_reference(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format, kv_scale, indices,
+                                 topk_length, head_dim_v)
     out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h_q, s_q), float("-inf"), dtype=torch.float32, device=q.device)
     flat = kv_cache.reshape(-1, kv_cache.shape[-1])
@@ -108,3 +111,38 @@ def mla_decode_reference(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=
             out[i, j] = torch.softmax(scores, -1) @ kv[:, :head_dim_v]
             lse[i, :, j] = row_lse
     return out.to(q.dtype), lse
+
+
+def _masked_reference(q, kv_cache, block_table, cache_seqlens, scale, causal, kv_format, kv_scale, indices,
+                      topk_length, head_dim_v):
+    """mla_decode_reference without reading a value on the host: every request gathers all the tokens it could
+    see (the table's, or its topk slots) and masks the ones it does not with torch.where. Page ids, lengths and
+    slots are clamped into the cache (they go unchecked here): a bad one gives wrong rows, never an index error."""
+    b, s_q, h_q, _ = q.shape
+    num_pages, page = kv_cache.shape[:2]
+    flat = kv_cache.reshape(-1, kv_cache.shape[-1])
+    slots = flat.shape[0]
+    if indices is not None:
+        idx = indices.long()  # [b, s_q, topk]
+        seen = (idx >= 0) & (idx < slots)
+        if topk_length is not None:
+            seen &= torch.arange(idx.shape[2], device=q.device) < topk_length.long()[:, None, None]
+        rows = idx.clamp(0, max(slots - 1, 0))
+    else:
+        n = block_table.shape[1] * page if num_pages else 0
+        t = torch.arange(n, device=q.device)
+        pages = block_table.long()[:, t // page].clamp(0, max(num_pages - 1, 0))  # [b, n]
+        rows = (pages * page + t % page)[:, None, :].expand(b, s_q, n)
+        lens = cache_seqlens.long().clamp(0, n)[:, None]  # [b, 1]
+        visible = lens - s_q + 1 + torch.arange(s_q, device=q.device) if causal else lens.expand(b, s_q)
+        seen = t[None, None, :] < visible[:, :, None]  # [b, s_q, n]
+    if slots == 0:  # no cache rows to gather: nobody sees a token
+        rows, seen = rows[..., :0], seen[..., :0]
+    kv = dequantize_kv_reference(flat[rows], kv_format, kv_scale)  # [b, s_q, n, 576]
+    scores = torch.einsum("bjhd,bjnd->bjhn", q.float(), kv) * scale
+    scores = torch.where(seen[:, :, None, :], scores, float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # [b, s_q, h_q]; -inf where a query sees nothing
+    probs = torch.where(seen[:, :, None, :], torch.exp(scores - lse[..., None]), 0.0)
+    values = torch.where(seen[..., None], kv[..., :head_dim_v], 0.0)
+    out = torch.einsum("bjhn,bjnd->bjhd", probs, values)
+    return out.to(q.dtype), lse.permute(0, 2, 1).contiguous()

@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-from ...errors import (check_choice, check_dtype, check_int, check_last_dim_contiguous, check_no_grad,
-                       check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
-                       host_reads_allowed, read_once)
+from ...errors import (FP32_TINY, SCALE_MAX, check_choice, check_dtype, check_int, check_last_dim_contiguous,
+                       check_no_grad, check_positive_float, check_rank, check_same_device, check_same_dtype,
+                       check_tensor, fail, host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from .._plan import DecodePlan
@@ -191,6 +191,11 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
              f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # an expanded cache (stride 0) has one slot under many indices: a write to one page would show in all
+        if torch._debug_has_internal_overlap(cache) == 1:
+            fail(name, "a cache whose elements are each their own memory (append_kv writes it in place)",
+                 f"an expanded or self-overlapping view, strides {cache.stride()}")
     if _overlaps(k_cache, v_cache):
         fail("v_cache", "a tensor apart from k_cache (the V write would overwrite the K tokens)",
              "memory shared with k_cache")
@@ -350,9 +355,11 @@ def _scale_tensor(name, scale, ref_name, ref, num_pages, h_kv, per_page_ok):
                                    (num_pages is None or scale.shape[0] == num_pages)):
         fail(name, "a float, a one-element fp32 tensor" + (f", or fp32 [num_pages, {h_kv}] (per page and head)"
                                                           if per_page_ok else ""), tuple(scale.shape))
+    # the range a float scale is held to (check_positive_float): 3e38 would make every dequantised value inf
     if host_reads_allowed(scale) and not read_once(
-            (scale,), ("scale",), lambda: bool((torch.isfinite(scale) & (scale > 0)).all())):
-        fail(name, "finite scales > 0", "a NaN, inf, zero or negative scale")
+            (scale,), ("scale",), lambda: bool(((scale >= FP32_TINY) & (scale <= SCALE_MAX)).all())):
+        fail(name, f"finite scales > 0 from {FP32_TINY:.2g} to {SCALE_MAX:g}",
+             "a NaN, inf, zero, negative or out-of-range scale")
     return scale
 
 
