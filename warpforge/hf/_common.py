@@ -1,0 +1,25 @@
+"""What the Hugging Face patches share: the one-time fallback log and the autocast-aware compute dtype."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("warpforge.hf")
+_logged: set = set()
+
+
+def fall_back(op: str, reason: object) -> None:
+    """Log, once per (op, reason), that `op` runs transformers' own code instead of warpforge's."""
+    key = (op, str(reason))
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning("warpforge.hf: %s falls back to the transformers implementation: %s", op, reason)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on t runs in: autocast's when autocast is on for t's device, else t's own."""
+    kind = t.device.type
+    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
