@@ -15,7 +15,7 @@ par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
-    tests) timeout 300 python3 -m pytest -v -rf $par tests > "$w/tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$w/tests.log" | tail -25 ;;
+    tests) timeout 420 python3 -m pytest -v -rf $par tests > "$w/tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$w/tests.log" | tail -25 ;;
     tune-paged) timeout 200 python3 scripts/tune_paged.py --formats bf16,fp8 --out "$w/tune_paged_4k.json" > "$w/tune_paged_4k.log" 2>&1
                 timeout 60 python3 scripts/tune_paged.py --L 1024 --formats bf16 --out "$w/tune_paged_1k.json" > "$w/tune_paged_1k.log" 2>&1 ;;
     tests-*) timeout 200 python3 -m pytest -q $par $(echo "${step#tests-}" | tr ',' '\n' | sed 's|^|tests/|') > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1 ;;
@@ -29,6 +29,7 @@ for step in "$@"; do
     tune-attention) timeout 240 python3 scripts/tune_attention.py --parts fwd --out "$w/tune_attention.json" > "$w/tune_attention.log" 2>&1 ;;
     compare-attention-varlen) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH=varlen timeout 200 bash scripts/gpu_check.sh "$w/cmp" attention > "$w/cmp-attention.log" 2>&1 ;;
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
+    bench-mla-check) SKIP_TESTS=1 MATCH='L(1k|8k) (bf16|fp8)' timeout 200 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1 ;;
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
     gpt) timeout 200 python3 -m warpforge bench --family gpt --quick --json "$w/gpt.json" > "$w/gpt.log" 2>&1 ;;
     bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout 240 bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
