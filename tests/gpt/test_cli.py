@@ -144,7 +144,7 @@ def test_checkpoints_in_standard_formats(tmp_path, capsys, small_tiny):
 
     run = tmp_path / "run"
     train("tiny", str(run), max_steps=2)
-    ckpt = torch.load(run / "ckpt.pt", weights_only=True)
+    ckpt = torch.load(run / "ckpt.pt", map_location="cpu", weights_only=True)
     weights = load_file(str(run / "model.safetensors"))
     meta = json.loads((run / "config.json").read_text())
     assert meta["step"] == 2 and meta["model_cfg"] == ckpt["model_cfg"]
