@@ -20,7 +20,7 @@ status=0
 tune=${TUNE:-}
 [ "$tune" = 1 ] && tune=attention
 for t in ${tune//,/ }; do
-  python3 "scripts/tune_$t.py" --out "$out/tune_$t.json" 2>&1 | tee "$out/tune_$t.log" | grep -v "^  skipped" || status=1
+  python3 -m warpforge tune "${t//_/-}" --out "$out/tune_$t.json" 2>&1 | tee "$out/tune_$t.log" | grep -v "^  skipped" || status=1
 done
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # compile-bound: spread the test files' kernels over the CPU cores when pytest-xdist is there

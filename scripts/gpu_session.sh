@@ -16,17 +16,17 @@ for step in "$@"; do
   t0=$(date +%s)
   case $step in
     tests) timeout 420 python3 -m pytest -v -rf $par tests > "$w/tests.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$w/tests.log" | tail -25 ;;
-    tune-paged) timeout 200 python3 scripts/tune_paged.py --formats bf16,fp8 --out "$w/tune_paged_4k.json" > "$w/tune_paged_4k.log" 2>&1
-                timeout 60 python3 scripts/tune_paged.py --L 1024 --formats bf16 --out "$w/tune_paged_1k.json" > "$w/tune_paged_1k.log" 2>&1 ;;
+    tune-paged) timeout 200 python3 -m warpforge tune paged --formats bf16,fp8 --out "$w/tune_paged_4k.json" > "$w/tune_paged_4k.log" 2>&1
+                timeout 60 python3 -m warpforge tune paged --L 1024 --formats bf16 --out "$w/tune_paged_1k.json" > "$w/tune_paged_1k.log" 2>&1 ;;
     tests-*) timeout 200 python3 -m pytest -q $par $(echo "${step#tests-}" | tr ',' '\n' | sed 's|^|tests/|') > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1 ;;
-    tune-mla) timeout 240 python3 scripts/tune_mla.py --only 16:bf16,128:bf16 --out "$w/tune_mla_8k.json" > "$w/tune_mla_8k.log" 2>&1
-              timeout 90 python3 scripts/tune_mla.py --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
-    tune-paged-q) timeout 240 python3 scripts/tune_paged.py --formats fp8,nvfp4,mxfp4 --L 16384 --out "$w/tune_paged_q.json" > "$w/tune_paged_q.log" 2>&1 ;;
-    tune-monarch) timeout 300 python3 scripts/tune_monarch.py --out "$w/tune_monarch.json" > "$w/tune_monarch.log" 2>&1 ;;
+    tune-mla) timeout 240 python3 -m warpforge tune mla --only 16:bf16,128:bf16 --out "$w/tune_mla_8k.json" > "$w/tune_mla_8k.log" 2>&1
+              timeout 90 python3 -m warpforge tune mla --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
+    tune-paged-q) timeout 240 python3 -m warpforge tune paged --formats fp8,nvfp4,mxfp4 --L 16384 --out "$w/tune_paged_q.json" > "$w/tune_paged_q.log" 2>&1 ;;
+    tune-monarch) timeout 300 python3 -m warpforge tune monarch --out "$w/tune_monarch.json" > "$w/tune_monarch.log" 2>&1 ;;
     gpt-monarch) for mlp in swiglu monarch; do
                    SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache timeout 240 bash scripts/gpt_train_check.sh shakespeare 1.6 \
                      "$w/gpt-shakespeare-$mlp.json" --mlp $mlp > "$w/gpt-$mlp.log" 2>&1; tail -3 "$w/gpt-$mlp.log"; done ;;
-    tune-attention) timeout 240 python3 scripts/tune_attention.py --parts fwd --out "$w/tune_attention.json" > "$w/tune_attention.log" 2>&1 ;;
+    tune-attention) timeout 240 python3 -m warpforge tune attention --parts fwd --out "$w/tune_attention.json" > "$w/tune_attention.log" 2>&1 ;;
     compare-attention-varlen) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH=varlen timeout 200 bash scripts/gpu_check.sh "$w/cmp" attention > "$w/cmp-attention.log" 2>&1 ;;
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
     bench-mla-check) SKIP_TESTS=1 MATCH='L(1k|8k) (bf16|fp8)' timeout 200 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1 ;;

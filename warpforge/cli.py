@@ -172,6 +172,18 @@ def cmd_gpt_sample(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import importlib
+
+    import torch
+
+    from .tune import SWEEPS
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(args.args):
+        return _fail("tune", "the sweeps time kernels on a CUDA GPU; none is visible here")
+    module = importlib.import_module(f".tune.{SWEEPS[args.name]}", __package__)
+    return module.main(args.args) or 0
+
+
 def cmd_info(args) -> int:
     import torch
     import triton
@@ -328,6 +340,13 @@ def build_parser() -> argparse.ArgumentParser:
     gp.set_defaults(fn=cmd_gpt_prepare)
     _train_parser(gsub)
     _sample_parser(gsub)
+    from .tune import SWEEPS
+    t = sub.add_parser("tune", help="sweep a family's tiles on this GPU (the configs.py tables' source)",
+                       description="Each sweep times candidate configs at its family's benchmark shapes; "
+                                   "`warpforge tune NAME --help` lists its options.")
+    t.add_argument("name", choices=sorted(SWEEPS), help="the sweep")
+    t.add_argument("args", nargs=argparse.REMAINDER, help="the sweep's own options (e.g. --out FILE.json)")
+    t.set_defaults(fn=cmd_tune)
     i = sub.add_parser("info", help="versions and the device warpforge would use")
     i.set_defaults(fn=cmd_info)
     return parser

@@ -311,3 +311,18 @@ def test_gpt2_tokenizer_without_tiktoken_is_a_one_line_error(tmp_path, capsys, s
                          "gpt2"], capsys, match="tiktoken")
     finally:
         tokenizer.get.cache_clear()
+
+
+def test_tune_sweeps_are_in_the_package(capsys):
+    """`warpforge tune NAME`: every sweep module imports and takes its options as argv; without a GPU the command
+    says so in one line."""
+    import importlib
+
+    import torch
+
+    from warpforge.tune import SWEEPS
+    for module in SWEEPS.values():
+        assert callable(importlib.import_module(f"warpforge.tune.{module}").main)
+    if not torch.cuda.is_available():
+        _one_line_error(["tune", "mla", "--L", "1024"], capsys, match="CUDA GPU")
+    _one_line_error(["tune", "nope"], capsys, match="invalid choice")

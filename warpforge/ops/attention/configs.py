@@ -2,7 +2,7 @@
 AttentionTiles, one KernelCfg per pass (see ops/_tiles.py).
 
 "cpu" is the Triton interpreter: small tiles so that CI's small shapes still cross block boundaries. sm90
-entries come from scripts/tune_attention.py on an H200 (benchmarks/NOTES.md); "default" serves any other
+entries come from `warpforge tune attention` on an H200 (benchmarks/NOTES.md); "default" serves any other
 arch, safe rather than fast. sm90 loads through TMA only at d 64 / 128, the dims tuned and verified there.
 """
 from typing import NamedTuple

@@ -2,7 +2,7 @@
 
 chunk_elements is the number of logits materialised per chunk (rows × vocab): larger chunks make fewer, larger
 GEMMs and fewer fp32 d_weight accumulations, for more memory (1 << 26 is 128 MB of bf16 logits).
-scripts/tune_lce.py sweeps it; the sm90 entry's measurements are in benchmarks/NOTES.md.
+`warpforge tune lce` sweeps it; the sm90 entry's measurements are in benchmarks/NOTES.md.
 """
 from typing import NamedTuple
 

@@ -1,7 +1,7 @@
 """Tiles for MLA decode: arch -> cache format -> query rows per request (h_q · s_q, or h_q when sparse) ->
 MLACfg (see ops/_tiles.py: a format without entries of its own takes "any"'s).
 
-"cpu" is the Triton interpreter. sm90 entries come from scripts/tune_mla.py on an H200 (benchmarks/NOTES.md):
+"cpu" is the Triton interpreter. sm90 entries come from `warpforge tune mla` on an H200 (benchmarks/NOTES.md):
 bf16 runs fastest with the page ids loaded a step ahead (three tile buffers at h_q 16, whose 168 KB fill an SM:
 one wave of programs); FP8 at h_q 16 with fp16 math, 32-token steps and the next step's bytes prefetched into
 registers; FP4 with 32-token steps. "default" serves any other arch, safe rather than fast.

@@ -2,7 +2,7 @@
 ops/_tiles.py: "any" serves shapes without their own entries; the largest token threshold <= T is used).
 
 "cpu" is the Triton interpreter (small tiles so that CI's small shapes cross block boundaries). sm90 entries
-come from scripts/tune_moe.py and scripts/tune_moe_wgrad.py on an H200 (benchmarks/NOTES.md); "default"
+come from `warpforge tune moe` and `warpforge tune moe-wgrad` on an H200 (benchmarks/NOTES.md); "default"
 serves any other arch, safe rather than fast.
 """
 from typing import NamedTuple

@@ -3,9 +3,10 @@ ops/_tiles.py).
 
 `gemm` serves the four block-diagonal GEMMs (two forward, dx chain); `wgrad` the per-block weight gradients over
 tokens. Tile edges are shrunk to the block's dimensions at launch (a power of two, at least 16). "cpu" is the
-Triton interpreter: tiles of 16 so that CI's small blocks (12, 24, 40 columns) cross tile edges. The sm90 row is
-a first guess in the shape of the other families' tuned GEMMs, not yet swept (a scripts/tune_monarch.py is to
-come); fp32 operands take smaller tiles (their shared-memory stages are twice the size).
+Triton interpreter: tiles of 16 so that CI's small blocks (12, 24, 40 columns) cross tile edges, descriptor loads
+on for fp16 so the interpreter runs that path too. The sm90 row comes from `warpforge tune monarch` on the H200
+(benchmarks/NOTES.md: 128x256x64 tiles, 8 warps, 3 stages won the GEMM sweep; 128x128x64 the weight gradients);
+fp32 operands take smaller tiles (their shared-memory stages are twice the size).
 """
 from typing import NamedTuple
 

@@ -1,6 +1,6 @@
 """Tiles for paged GQA decode: arch -> cache format -> padded head dim -> PagedCfg (see ops/_tiles.py).
 
-"cpu" is the Triton interpreter. sm90 d <= 128 entries come from scripts/tune_paged.py on the H200
+"cpu" is the Triton interpreter. sm90 d <= 128 entries come from `warpforge tune paged` on the H200
 (benchmarks/NOTES.md: two stages beat three, the page ids loaded ahead did not pay here, fp16 math pays for fp8,
 the register prefetch for FP4); the d 256 entries are first guesses checked to compile on sm_90; "default" serves
 any other arch, safe rather than fast.

@@ -1,6 +1,6 @@
 """Sweep block sizes for the attention kernels on this GPU and print the best per head dim.
 
-    PYTHONPATH=. python scripts/tune_attention.py [--out tune.json] [--dims 128,64] [--shape b,s,h]
+    warpforge tune attention [--out tune.json] [--dims 128,64] [--shape b,s,h]
 
 The winners go into warpforge/ops/attention/configs.py by hand (with the numbers in benchmarks/NOTES.md):
 a small table keyed by arch and head dim, not an autotuner on the hot path.
@@ -79,14 +79,14 @@ def sweep(b, s, h, d, causal, parts):
     return res
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune attention")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dims", default="128,64")
     ap.add_argument("--parts", default="fwd,bwd", help="fwd: sweep the forward too (else the sm90 pick)")
     ap.add_argument("--shape", default=None, help="b,s,h instead of the per-dim default (e.g. 16,1024,12: the "
                                                   "gpt2-124m training step)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     results = []
     for d in map(int, args.dims.split(",")):
         b, s, h = (4, 8192, 16) if d == 128 else (8, 4096, 32) if d == 64 else (4, 4096, 16)
@@ -95,3 +95,7 @@ if __name__ == "__main__":
         results.append(sweep(b, s, h, d, True, args.parts.split(",")))
     if args.out:
         write_json(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """Sweep linear_cross_entropy's chunk size on this GPU, for ops/linear_ce/configs.py's LINEAR_CE table.
 
-    PYTHONPATH=. python scripts/tune_lce.py [--rows 16384] [--width 768] [--vocab 50304] [--out tune_lce.json]
+    warpforge tune lce [--rows 16384] [--width 768] [--vocab 50304] [--out tune_lce.json]
 
 Times forward + backward (the op computes both gradients in its forward, a chunk of rows at a time) with
 do_bench, and the peak memory of one call, for chunks of 2^25 ... 2^30 logits; gpt2-124m's shape by default.
@@ -15,13 +15,13 @@ from warpforge.bench.report import write_json
 from warpforge.ops.linear_ce import api, configs
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune lce")
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dev = torch.device("cuda")
     torch.manual_seed(0)
     hidden = torch.randn(args.rows, args.width, device=dev, dtype=torch.bfloat16, requires_grad=True)

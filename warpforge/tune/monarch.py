@@ -2,7 +2,7 @@
 and 16): the block-diagonal GEMM's tiles (timed as the forward's two launches), then the weight-gradient tiles
 (timed as the backward), then, with both winners, each launch of the step alone.
 
-    PYTHONPATH=. python scripts/tune_monarch.py [--nblocks 4,16] [--out tune_monarch.json]
+    warpforge tune monarch [--nblocks 4,16] [--out tune_monarch.json]
 
 Winners go into warpforge/ops/monarch/configs.py's MONARCH table, the numbers into benchmarks/NOTES.md.
 """
@@ -35,11 +35,11 @@ def bench(fn):
         return None
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune monarch")
     ap.add_argument("--nblocks", default="4,16")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t, d = 16 * 1024, 4096
     results = []
     base = configs.MONARCH.lookup(torch.device("cuda"), "any")

@@ -1,6 +1,6 @@
 """Sweep the MoE weight-gradient kernel's tiles on this GPU (training sizes), for MoECfg.wgrad.
 
-    PYTHONPATH=. python scripts/tune_moe_wgrad.py [--models mixtral,qwen3-30b-a3b] [--tokens 8192]
+    warpforge tune moe-wgrad [--models mixtral,qwen3-30b-a3b] [--tokens 8192]
 
 Times d_w13 = Σ d_preᵀ hidden and d_w2 = Σ d_outᵀ (w · act) per expert, as the backward runs them (each
 alone, then both), with the table's block_m for that token count; prints TFLOP/s per tile and the best, for
@@ -22,12 +22,12 @@ TILES = [(128, 64, 8, 4), (128, 128, 8, 3), (128, 256, 8, 3), (256, 128, 8, 3), 
          (64, 512, 8, 3), (256, 256, 8, 2)]
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune moe-wgrad")
     ap.add_argument("--models", default="mixtral,qwen3-30b-a3b")
     ap.add_argument("--tokens", default="8192")
     ap.add_argument("--out", default=None, help="also write the results as JSON (gpu_check.sh's TUNE passes it)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     results = []
     dev = torch.device("cuda")
     for model in args.models.split(","):

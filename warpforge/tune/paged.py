@@ -1,7 +1,7 @@
 """Sweep paged GQA decode tiles and split counts on this GPU (issue 18's shape: b 64, h_q 32, h_kv 8, d 128,
 page 16, pages shuffled) at one cache length, each from a CUDA graph.
 
-    PYTHONPATH=. python scripts/tune_paged.py [--L 4096] [--formats bf16,fp8] [--out tune_paged.json]
+    warpforge tune paged [--L 4096] [--formats bf16,fp8] [--out tune_paged.json]
 
 Prints each result as it lands; winners go into warpforge/ops/paged/configs.py's DECODE table with the numbers
 in benchmarks/NOTES.md.
@@ -28,12 +28,12 @@ FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 
              (16, 64, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True),
              (16, 128, 8, 1, False, 2, True, True), (16, 32, 4, 2, False, 2, False, True)]
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune paged")
     ap.add_argument("--L", type=int, default=4096)
     ap.add_argument("--formats", default="bf16,fp8")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
     results = []
     for fmt in args.formats.split(","):

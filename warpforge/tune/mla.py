@@ -1,6 +1,6 @@
 """Sweep MLA decode tiles and split counts on this GPU (FlashMLA's shapes at one cache length).
 
-    PYTHONPATH=. python scripts/tune_mla.py [--L 8192] [--out tune_mla.json]
+    warpforge tune mla [--L 8192] [--out tune_mla.json]
 
 Prints each result as it lands (a run cut short still says something); winners go into
 warpforge/ops/mla/configs.py's DECODE table with the numbers in benchmarks/NOTES.md.
@@ -29,12 +29,12 @@ def problem(b, L, h_q, fmt, page=64):
     return q, cache, table, torch.tensor(lens, dtype=torch.int32, device="cuda"), sum(lens), kv_scale
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune mla")
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="e.g. 16:fp8,128:bf16 (h_q:format) to sweep only those entries of the plan")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sms = sm_count(torch.device("cuda"))
     plans = {
         # a 7th field True: index_ahead (page ids a step early, so the tile copies run stages - 1 steps ahead)

@@ -1,6 +1,6 @@
 """Sweep the MoE grouped-GEMM tiles on this GPU, per model shape and token count, and print the table entries.
 
-    PYTHONPATH=. python scripts/tune_moe.py [--models mixtral,deepseek-v3,qwen3-30b-a3b] [--tokens 1,16,128,...]
+    warpforge tune moe [--models mixtral,deepseek-v3,qwen3-30b-a3b] [--tokens 1,16,128,...]
                                             [--out tune_moe.json] [--budget-s 300]
 
 The two GEMMs are tuned apart for each block_m (they share only align's block_m): the gate/up GEMM with its
@@ -47,14 +47,14 @@ def bench(fn):
         return float("inf")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune moe")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default="1,16,128,512,2048,8192")
     ap.add_argument("--out", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     ap.add_argument("--skew", action="store_true", help="Zipf(1.2) routing, as the bench's zipf cases")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t0 = time.time()
     results = []
     for model in args.models.split(","):
