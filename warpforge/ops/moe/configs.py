@@ -26,7 +26,7 @@ class MoECfg(NamedTuple):
 
 
 C, G = MoECfg, GemmTile
-WGRAD = G(128, 256, 8, 2)  # the weight-gradient kernel at training sizes (tune_moe_wgrad.py)
+WGRAD = G(128, 256, 8, 2)  # the weight-gradient kernel at training sizes (warpforge tune moe-wgrad)
 _FP32 = {0: C(16, G(32, 64, 4, 2), G(32, 64, 4, 2))}  # fp32 activations (full-precision matmuls): small tiles
 GEMMS = TileTable({
     "cpu": {"any": {0: C(16, G(32, 32, 1, 1), G(32, 32, 1, 1))}},
