@@ -79,7 +79,13 @@ def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> 
         return lambda: step(rot())
     graphs = []
     for s in rot.sets:
-        step(s)  # compile and validate once, outside the capture
+        # compile and validate once, outside the capture, on a side stream as PyTorch's graph docs warm up (so that
+        # libraries' per-stream state, cuBLAS's workspace, is made before the capture, not inside it)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(s)
+        torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(g):
