@@ -68,6 +68,28 @@ def _gemm_tile(tile, num_n, NB):
 
 
 @triton.jit
+def _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a, stride_wb, stride_wk,
+              stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block b's operand tiles at k0: A [BLOCK_M, BLOCK_K] (columns a(b, k0 ..)) and W[b] [BLOCK_K, BLOCK_N], through
+    the tensor descriptors (USE_TMA) or masked pointer loads."""
+    if USE_TMA:
+        a = a_desc.load([pid_m * BLOCK_M, b * A_BLK + k0])
+        if W_KMAJOR:
+            w = tl.trans(w_desc.load([b * N + pid_n * BLOCK_N, k0]))
+        else:
+            w = w_desc.load([b * K + k0, pid_n * BLOCK_N])
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(A + rows[:, None] * stride_a + _cols(b, offs_k, NB, A_BLK, A_MODE)[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W + b.to(tl.int64) * stride_wb + offs_n[None, :].to(tl.int64) * stride_wn
+                    + offs_k[:, None].to(tl.int64) * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return a, w
+
+
+@triton.jit
 def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
                           T, K, N, NB, A_BLK, O_BLK, O_RUN, num_tiles,
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -83,6 +105,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
     n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
     num_n = tl.cdiv(N, BLOCK_N)
+    a_desc, w_desc = A, W  # stand-ins where the loads take pointers
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[T, NB * A_BLK], strides=[stride_a, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
@@ -100,20 +123,9 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
         n_ok = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if USE_TMA:
-                a = a_desc.load([pid_m * BLOCK_M, b * A_BLK + k0])
-                if W_KMAJOR:
-                    w = tl.trans(w_desc.load([b * N + pid_n * BLOCK_N, k0]))
-                else:
-                    w = w_desc.load([b * K + k0, pid_n * BLOCK_N])
-            else:
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                a = tl.load(A + rows[:, None] * stride_a + _cols(b, offs_k, NB, A_BLK, A_MODE)[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(W + b.to(tl.int64) * stride_wb + offs_n[None, :].to(tl.int64) * stride_wn
-                            + offs_k[:, None].to(tl.int64) * stride_wk, mask=k_ok[:, None] & n_ok[None, :],
-                            other=0.0)
+            a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a,
+                             stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M,
+                             BLOCK_N, BLOCK_K)
             acc = dot(a, w, acc)
         if RUNS:
             # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
