@@ -281,13 +281,3 @@ def test_registered_ops_and_compile():
     want = x.clone().requires_grad_()
     monarch_linear_reference(want, w_left, w_right).square().sum().backward()
     torch.testing.assert_close(xg.grad, want.grad, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("shape", [(64, 64, 64, 4), (48, 24, 36, 2), (64, 128, 32, 4), (32, 64, 96, 2)])
-def test_shuffle_fused_into_the_gemm(shape, dtype, monkeypatch):
-    """GemmCfg.fuse_shuffle (nblocks 2 / 4): L's and Lᵀ's outputs interleaved in the GEMM, no shuffle pass; the
-    values and gradients of the reference (bias included), tiles crossing the blocks' edges."""
-    monkeypatch.setattr(configs, "MONARCH", configs.MONARCH.map(lambda c: c._replace(
-        gemm=c.gemm._replace(fuse_shuffle=True))))
-    _check((37,), *shape, dtype, bias=True)

@@ -19,8 +19,7 @@ G, W = configs.GemmCfg, configs.WgradCfg
 GEMMS = [G(128, 128, 64, 8, 3, True, 1), G(128, 128, 64, 8, 4, True, 1), G(128, 256, 64, 8, 3, True, 1),
          G(256, 128, 64, 8, 3, True, 1), G(128, 128, 64, 4, 3, True, 1), G(64, 128, 64, 4, 4, True, 2),
          G(128, 64, 64, 4, 4, True, 2), G(128, 128, 32, 8, 5, True, 1), G(128, 128, 64, 8, 3, False, 1),
-         G(128, 128, 64, 8, 3, False, 2), G(128, 128, 64, 4, 3, False, 2),
-         G(128, 256, 64, 8, 3, True, 1, True), G(128, 128, 64, 8, 3, True, 1, True)]  # fuse_shuffle (nb 2 / 4)
+         G(128, 128, 64, 8, 3, False, 2), G(128, 128, 64, 4, 3, False, 2)]
 # (block_n, block_k, block_t, warps, stages, splits, tma)
 WGRADS = [W(128, 128, 64, 8, 3, 0, True), W(128, 128, 64, 8, 4, 0, True), W(128, 128, 128, 8, 2, 0, True),
           W(128, 256, 64, 8, 3, 0, True), W(64, 128, 64, 4, 4, 0, True), W(128, 128, 64, 4, 3, 0, True),

@@ -21,7 +21,6 @@ class GemmCfg(NamedTuple):
     stages: int
     tma: bool = False          # A and W through tensor descriptors (where the block's K is whole tiles)
     programs_per_sm: int = 1   # the persistent grid: this many programs per SM, each walking tiles
-    fuse_shuffle: bool = False  # nblocks 2 / 4: L's (and Lᵀ's) outputs interleaved in the GEMM, no shuffle pass
 
 
 class WgradCfg(NamedTuple):

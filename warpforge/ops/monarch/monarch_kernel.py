@@ -12,9 +12,7 @@ for the backward. A GEMM's loads are always contiguous (mode 0): a tile is loade
 through shared memory (tensor descriptors where the block's K is whole tiles) and uses every byte it fetches.
 Mode 1 is never a GEMM's store either: one block's outputs are nb columns apart, so every 2-byte store lands in
 its own sector and the GEMM ran 5x slower on the H200 (benchmarks/NOTES.md). Those outputs are written block by
-block and moved by `shuffle` (one pass: contiguous runs on both sides, the transpose in registers), or, with
-GemmCfg.fuse_shuffle at nblocks 2 / 4, written in order by programs that own every block's share of a tile's
-columns (INTERLEAVE):
+block and moved by `shuffle` (one pass: contiguous runs on both sides, the transpose in registers):
 
     forward   g   = R-GEMM(x)              A mode 0 (x),    out mode 2 (g in L's block order)
               yb  = L-GEMM(g) (+ bias)     A mode 0 (g),    out mode 0;   y = P_out(yb)
@@ -96,8 +94,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
                           T, K, N, NB, A_BLK, O_BLK, O_RUN, num_tiles,
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr,
-                          INTERLEAVE: tl.constexpr = 0):
+                          USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr):
     """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[bias(b, n)]) for every block b. Persistent: each
     of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
     loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
@@ -106,10 +103,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
     tensor descriptors (W_KMAJOR: W[b][kk, n] at w[b, n, kk], else at w[b, kk, n]); a W tile past its block's N
     reads the next block's rows, whose output columns the store masks.
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
-    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run.
-    INTERLEAVE (= NB, 2 or 4; O_MODE 1, A_MODE 0): the shuffled output written as contiguous runs with no shuffle
-    pass after it. A program owns output columns [n0·NB, (n0 + BLOCK_N)·NB) of a token tile, every block's share
-    of them: NB accumulators, interleaved in registers (joins) before one store."""
+    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
     num_n = tl.cdiv(N, BLOCK_N)
     a_desc, w_desc = A, W  # stand-ins where the loads take pointers
     if USE_TMA:
@@ -122,50 +116,18 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
             w_desc = tl.make_tensor_descriptor(W, shape=[NB * K, N], strides=[stride_wk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
     for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
-        if INTERLEAVE:  # tiles are (token tile, column tile): every block's share of the columns
-            pid_m, pid_n = tile // num_n, tile % num_n
-            b = pid_m * 0
-        else:
-            pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
+        pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rows < T
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # blocks 1..3 with INTERLEAVE
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a,
                              stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M,
                              BLOCK_N, BLOCK_K)
             acc = dot(a, w, acc)
-            if INTERLEAVE:
-                a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b + 1, k0,
-                                 stride_a, stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA,
-                                 W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-                acc1 = dot(a, w, acc1)
-            if INTERLEAVE == 4:
-                a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b + 2, k0,
-                                 stride_a, stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA,
-                                 W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-                acc2 = dot(a, w, acc2)
-                a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b + 3, k0,
-                                 stride_a, stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA,
-                                 W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
-                acc3 = dot(a, w, acc3)
-        if INTERLEAVE:
-            if INTERLEAVE == 4:  # [.., n, i, j] holds block 2i + j: the flattened order n·4 + b
-                out = tl.reshape(tl.join(tl.join(acc, acc2), tl.join(acc1, acc3)), [BLOCK_M, BLOCK_N * INTERLEAVE])
-            else:
-                out = tl.reshape(tl.join(acc, acc1), [BLOCK_M, BLOCK_N * INTERLEAVE])
-            cols = pid_n * (BLOCK_N * INTERLEAVE) + tl.arange(0, BLOCK_N * INTERLEAVE)
-            c_ok = cols < N * INTERLEAVE
-            if HAS_BIAS:
-                out += tl.load(BIAS + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(OUT + rows[:, None] * stride_o + cols[None, :].to(tl.int64), out.to(OUT.dtype.element_ty),
-                     mask=m_ok[:, None] & c_ok[None, :])
-        elif RUNS:
+        if RUNS:
             # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
             lb = tl.arange(0, RUNS)
             ii = tl.arange(0, BLOCK_N // RUNS)
@@ -285,13 +247,12 @@ def _tma_ok(*tensors):
                all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
-def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None,
-          interleave=0):
+def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None):
     """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] (+ bias[bias_mode(b, ·)]) for every block b; w[b][kk, n] at w_strides
     (kk, n)."""
     t = a.shape[0]
     bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n, n), _tile(cfg.block_k, k)
-    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * (1 if interleave else nb)
+    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb
     pow2 = nb & (nb - 1) == 0
     runs = nb if o_mode == SHUFFLING and bias is None and pow2 and 1 < nb < bn and o_blk % nb == 0 else 0
     w_kmajor = w_strides[0] == 1
@@ -308,19 +269,7 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
         t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
         BIAS_MODE=o_mode if bias_mode is None else bias_mode,
         RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, PROGRAMS=programs,
-        INTERLEAVE=interleave, num_warps=cfg.warps, num_stages=cfg.stages)
-
-
-def _gemm_shuffled(a, w, w_strides, out, k, n, nb, cfg, bias=None):
-    """out[t, i·nb + b] = a[t, b·k + ·] @ w[b] (+ bias) for nb 2 or 4, in one launch (no shuffle pass)."""
-    # nb operand pairs per stage: k steps of block_k / (nb / 2) keep a stage's shared memory that of two blocks;
-    # the tile's nb · bn output columns are the config's block_n
-    narrow = cfg._replace(block_k=max(16, cfg.block_k * 2 // nb), block_n=max(16, cfg.block_n // nb))
-    _gemm(a, w, w_strides, out, k, n, nb, CONTIGUOUS, k, SHUFFLED, n, narrow, bias=bias, interleave=nb)
-
-
-def _fuse_shuffle(cfg, nb) -> bool:
-    return cfg.fuse_shuffle and nb in (2, 4)
+        num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def _splits(t, tiles, cfg, device):
@@ -387,10 +336,7 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
         return y, g
     # R: B[k][kk = pp, n = j] = w_right[k, j, pp]
     _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q, cfg.gemm)
-    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then P_out (or interleaved at once)
-    if _fuse_shuffle(cfg.gemm, nb):
-        _gemm_shuffled(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, cfg.gemm, bias)
-        return y, g
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then P_out
     _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
           bias=bias, bias_mode=SHUFFLED)
     return shuffle(y, nb, cfg, to_blocks=False), g
@@ -409,12 +355,8 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
     dyb = shuffle(dy, nb, cfg, to_blocks=True)  # dyb[t, l·s + si] = dy[t, si·nb + l]
     dh = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)  # in L's block order, then R's
     # dh[t, ri·nb + l] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]
-    if _fuse_shuffle(cfg.gemm, nb):
-        _gemm_shuffled(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, cfg.gemm)
-    else:
-        _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q,
-              cfg.gemm)
-        dh = shuffle(dh, nb, cfg, to_blocks=False)
+    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
+    dh = shuffle(dh, nb, cfg, to_blocks=False)
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp]
     _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.gemm)
     _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
