@@ -6,19 +6,11 @@ import pytest
 import torch
 
 import warpforge as wf
-from warpforge import WarpforgeInputError
 from warpforge.compat.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 from warpforge.ops.rope import rope_tables
-from warpforge.testing import device_under_test
 
-DEV = device_under_test()
-BACKENDS = ["triton", "reference"]
-ON_CPU = DEV.type == "cpu"
+from .contract import BACKENDS, DEV, ON_CPU, raises as _raises
 
-
-def _raises(name, fn):
-    with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
-        fn()
 
 
 def _rn(*shape, dtype=torch.float32):

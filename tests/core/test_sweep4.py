@@ -7,19 +7,12 @@ import pytest
 import torch
 
 import warpforge as wf
-from warpforge import WarpforgeInputError
 from warpforge.nn import MonarchLinear
 from warpforge.ops.monarch import monarch_project
-from warpforge.testing import device_under_test, rel_l2
+from warpforge.testing import rel_l2
 
-DEV = device_under_test()
-BACKENDS = ["triton", "reference"]
-ON_CPU = DEV.type == "cpu"
+from .contract import BACKENDS, DEV, ON_CPU, raises as _raises
 
-
-def _raises(name, fn):
-    with pytest.raises(WarpforgeInputError, match=rf"^{name}:"):
-        fn()
 
 
 def _rn(*shape, dtype=torch.float32):

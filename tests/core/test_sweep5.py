@@ -5,20 +5,13 @@ import pytest
 import torch
 
 import warpforge as wf
-from warpforge import WarpforgeInputError
 from warpforge.compat.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 from warpforge.ops.mla.reference import nvfp4_tensor_scale
-from warpforge.testing import device_under_test, rel_l2
+from warpforge.testing import rel_l2
 
-DEV = device_under_test()
-BACKENDS = ["triton", "reference"]
-ON_CPU = DEV.type == "cpu"
+from .contract import BACKENDS, DEV, ON_CPU, raises as _raises
 I32 = torch.int32
 
-
-def _raises(name, fn):
-    with pytest.raises(WarpforgeInputError, match=rf"^{name}"):
-        fn()
 
 
 def _t(values):

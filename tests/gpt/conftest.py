@@ -1,6 +1,7 @@
 import pytest
+import torch
 
-from warpforge.models.gpt import GPTConfig
+from warpforge.models.gpt import GPT, GPTConfig
 from warpforge.models.gpt import config
 
 SMALL = GPTConfig(seq_len=32, n_layer=2, n_head=4, n_kv_head=2, d_model=128)
@@ -13,3 +14,12 @@ def small_tiny(monkeypatch):
                                                     eval_every=10**9, ckpt_every=6, data="random"))
     monkeypatch.setitem(config.PRESETS, "tiny", small)
     return small
+
+
+def twins(cfg):
+    """The model on warpforge's ops and the same weights on plain PyTorch ops (backend "torch")."""
+    torch.manual_seed(0)
+    ours = GPT(cfg)
+    plain = GPT(cfg, backend="torch")
+    plain.load_state_dict(ours.state_dict())
+    return ours, plain

@@ -7,7 +7,7 @@ from warpforge import WarpforgeInputError
 from warpforge.models.gpt import GPT, GPTConfig
 from warpforge.nn import functional
 
-from .conftest import SMALL
+from .conftest import SMALL, twins
 
 MLA_MOE = GPTConfig(seq_len=32, n_layer=2, n_head=16, n_kv_head=16, d_model=64, attention="mla", mla_head_dim=16,
                     moe_experts=4, moe_topk=2, moe_ffn_dim=32)
@@ -65,10 +65,7 @@ def test_dict_backend_swaps_one_op(monkeypatch):
 
 
 def test_backends_agree_on_mla_and_moe():
-    torch.manual_seed(0)
-    ours = GPT(MLA_MOE)
-    plain = GPT(MLA_MOE, backend="torch")
-    plain.load_state_dict(ours.state_dict())
+    ours, plain = twins(MLA_MOE)
     x = torch.randint(0, 256, (2, 32))
     torch.testing.assert_close(ours(x, x), plain(x, x), rtol=1e-4, atol=1e-4)
     assert torch.equal(ours.eval().generate(x[:, :4], 8, temperature=0),
@@ -119,10 +116,7 @@ MONARCH = GPTConfig(seq_len=32, n_layer=2, n_head=2, n_kv_head=2, d_model=64, ml
 
 def test_monarch_mlp_model_trains_and_decodes_on_every_backend(monkeypatch):
     """mlp="monarch": both feed-forward projections are MonarchLinear layers; the backends compute one model."""
-    torch.manual_seed(0)
-    ours = GPT(MONARCH)
-    plain = GPT(MONARCH, backend="torch")
-    plain.load_state_dict(ours.state_dict())
+    ours, plain = twins(MONARCH)
     assert isinstance(ours.blocks[0].mlp.gate_up, wf.nn.MonarchLinear)
     assert isinstance(ours.blocks[0].mlp.down, wf.nn.MonarchLinear)
     dense = GPT(GPTConfig(seq_len=32, n_layer=2, n_head=2, n_kv_head=2, d_model=64))

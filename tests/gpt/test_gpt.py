@@ -8,7 +8,7 @@ from warpforge.models.gpt import data as gdata
 from warpforge.models.gpt.model import sample_next
 from warpforge.models.gpt.train import TrainError, train
 
-from .conftest import SMALL
+from .conftest import SMALL, twins
 
 
 def test_forward_loss_and_gradients():
@@ -144,10 +144,7 @@ def test_triton_path_matches_reference_path(monkeypatch):
 
 def test_pytorch_backend_baseline_matches():
     """backend="torch" (the benchmark baseline: SDPA, F.rms_norm, ...) computes the same model."""
-    torch.manual_seed(0)
-    ours = GPT(SMALL)
-    plain = GPT(SMALL, backend="torch")
-    plain.load_state_dict(ours.state_dict())
+    ours, plain = twins(SMALL)
     x = torch.randint(0, 256, (2, 32))
     assert torch.allclose(ours(x, x), plain(x, x), rtol=1e-4)
     assert torch.equal(ours.generate(x[:, :4], 12, temperature=0), plain.generate(x[:, :4], 12, temperature=0))
