@@ -3,7 +3,7 @@ reference, or the Triton kernels as ops with autograd)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -208,9 +208,13 @@ def _check_same_count(cu_q, cu_k):
         fail("cu_seqlens_k", f"{cu_q.numel()} entries (like cu_seqlens_q)", cu_k.numel())
 
 
-def flash_attention(q, k, v, *, causal=False, softmax_scale=None, window=(-1, -1), cu_seqlens_q=None,
-                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, softcap=None, alibi_slopes=None,
-                    deterministic=False, return_lse=False, backend=None):
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+                    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                    max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                    softcap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None,
+                    deterministic: bool = False, return_lse: bool = False,
+                    backend: Optional[str] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Softmax(scores) v, FlashAttention-style, scores = q kᵀ · scale (+ modifiers) under the mask.
 
     q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (h_q % h_kv == 0; d and d_v multiples of 8 up

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -166,8 +166,10 @@ def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softma
     return out, lse
 
 
-def flash_attention_fp8(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None, window=(-1, -1),
-                        qk_format: str = "fp8", return_lse: bool = False, backend=None):
+def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+                        qk_format: str = "fp8", return_lse: bool = False,
+                        backend: Optional[str] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
     quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
     smoothed K); P·V is e4m3 either way. Forward only (inference), on both backends: inputs that require grad are

@@ -3,7 +3,7 @@ reference, or the Triton kernels as an op with autograd)."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -127,7 +127,9 @@ def _check(q, k, v, biases, gate, softmax_scale, backend):
         check_last_dim_contiguous(name, t)
 
 
-def evoformer_attention(q, k, v, biases=(), *, gate=None, softmax_scale=None, backend=None):
+def evoformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biases: Sequence[torch.Tensor] = (), *,
+                        gate: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                        backend: Optional[str] = None) -> torch.Tensor:
     """Attention over the residues of each (batch, MSA row, head), AlphaFold's MSA row / column and triangle
     attention: q, k, v [B, N_seq, N_res, H, D] (D up to 64; fp16, bf16, fp32), `biases` up to two tensors
     broadcastable to [B, N_seq, H, N_res, N_res] added to the scaled scores (the residue mask bias [B, N_seq, 1, 1,

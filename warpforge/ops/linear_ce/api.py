@@ -170,9 +170,10 @@ _rows_loss = kernel_op("linear_cross_entropy_rows", _rows_loss_impl, _rows_loss_
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def linear_cross_entropy(hidden, weight, targets, ignore_index: int = -100, backend=None, *, bias=None,
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
+                         backend: Optional[str] = None, *, bias: Optional[torch.Tensor] = None,
                          reduction: str = "mean", label_smoothing: float = 0.0, lse_square_scale: float = 0.0,
-                         softcap: Optional[float] = None):
+                         softcap: Optional[float] = None) -> torch.Tensor:
     """Cross-entropy of the logits z = hidden [N, H] @ weight [V, H]ᵀ (+ bias [V]) against targets [N] (int64 /
     int32), skipping ignore_index, without materialising the [N, V] logits. Liger-Kernel's options: softcap c > 0
     caps the logits as c · tanh(z / c) (Gemma-2); label_smoothing ε in [0, 1] as F.cross_entropy's; lse_square_scale

@@ -104,8 +104,11 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
                    config=cfg)
 
 
-def mla_decode(q, kv_cache, block_table, cache_seqlens, *, head_dim_v=D_V, softmax_scale=None, causal=False,
-               kv_format="bf16", kv_scale=None, indices=None, topk_length=None, num_splits=None, backend=None):
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
+               cache_seqlens: Optional[torch.Tensor], *, head_dim_v: int = D_V, softmax_scale: Optional[float] = None,
+               causal: bool = False, kv_format: str = "bf16", kv_scale: Optional[torch.Tensor] = None,
+               indices: Optional[torch.Tensor] = None, topk_length: Optional[torch.Tensor] = None,
+               num_splits: Optional[int] = None, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed-MLA decode over a paged latent cache. Returns (out [b, s_q, h_q, 512] like q, lse [b, h_q, s_q]
     fp32, natural log). `plan(...).run(...)` in one call; a serving loop makes the plan once instead.
 

@@ -7,6 +7,8 @@ GEMMs plus a per-expert weight-gradient kernel.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...errors import (check_bool, check_choice, check_dtype, check_int, check_positive_float, check_rank,
@@ -219,8 +221,11 @@ def _check_scale_values(w_scales):
             fail(name, "finite scales >= 0", "NaN, inf or a negative scale")
 
 
-def fused_moe(hidden, w13, w2, router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None,
-              topk_group=None, routed_scaling_factor=1.0, w_format="bf16", w_scales=None, backend=None):
+def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, topk: int, *,
+              renormalize: bool = True, scoring: str = "softmax", num_expert_group: Optional[int] = None,
+              topk_group: Optional[int] = None, routed_scaling_factor: float = 1.0, w_format: str = "bf16",
+              w_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+              backend: Optional[str] = None) -> torch.Tensor:
     """out [T, H] = Σ_k weight_k · W2_e (SiLU(gate) ⊙ up) with [gate; up] = W13_e · hidden.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].

@@ -94,7 +94,8 @@ def _check(x, w_left, w_right, bias):
     return nb, nb * p, nb * q, d_out
 
 
-def monarch_linear(x, w_left, w_right, *, bias=None, backend=None):
+def monarch_linear(x: torch.Tensor, w_left: torch.Tensor, w_right: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                   backend: Optional[str] = None) -> torch.Tensor:
     """y = x Mᵀ (+ bias) for the Monarch matrix M = P_out · blockdiag(w_left) · P_mid · blockdiag(w_right)
     (reference.py spells the permutations out; HazyResearch fly's blockdiag_butterfly_multiply with
     w1_bfly = w_right, w2_bfly = w_left).
@@ -115,7 +116,8 @@ def monarch_linear(x, w_left, w_right, *, bias=None, backend=None):
     return y.view(*lead, d_out)
 
 
-def monarch_project(weight, nblocks, d_mid=None):
+def monarch_project(weight: torch.Tensor, nblocks: int,
+                    d_mid: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Monarch factors (w_left, w_right) nearest to a dense weight [d_out, d_in] in Frobenius norm (y = x Wᵀ
     as nn.Linear): per pair of blocks a truncated SVD (reference.py), the projection of Dao et al. Section 3.4
     (rank 1 per block pair at nblocks = √d; d_mid / nblocks² in general). d_mid defaults to min(d_in, d_out).

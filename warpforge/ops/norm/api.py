@@ -118,7 +118,8 @@ def _check_norm(x, weight, bias, eps, out_dtype):
     check_positive_float("eps", eps, allow_none=False)
 
 
-def rms_norm(x, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: Optional[str] = None, *,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """x / sqrt(mean(x², -1) + eps) · weight over the last dim; x [..., n], weight [n]. out_dtype: the output's
     dtype if not x's (e.g. bf16 from an fp32 residual stream under autocast: the cast the next matmul would
     make, without another pass over memory)."""
@@ -129,7 +130,9 @@ def rms_norm(x, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
     return _norm_fwd(x.contiguous(), weight.contiguous(), None, float(eps), False, out_dtype)[0]
 
 
-def add_rms_norm(x, residual, weight, eps: float = 1e-6, backend=None, *, out_dtype=None):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 backend: Optional[str] = None, *,
+                 out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass over memory: a pre-norm block's residual add fused with
     the next norm. The sum has x's and residual's promoted dtype (an fp32 stream plus a bf16 branch stays fp32);
     out_dtype is the normalised output's, as in rms_norm."""
@@ -147,7 +150,8 @@ def add_rms_norm(x, residual, weight, eps: float = 1e-6, backend=None, *, out_dt
     return y, total
 
 
-def layer_norm(x, weight, bias, eps: float = 1e-5, backend=None, *, out_dtype=None):
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5,
+               backend: Optional[str] = None, *, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """(x − mean) / sqrt(var + eps) · weight + bias over the last dim; x [..., n], weight and bias [n].
     out_dtype: as rms_norm's."""
     _check_norm(x, weight, bias, eps, out_dtype)

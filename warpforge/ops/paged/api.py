@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -114,9 +114,12 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
                      window=window, h_kv=h_kv, head_dim=d, max_pages=block_table.shape[1], config=cfg)
 
 
-def paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, *, softmax_scale=None, kv_format=None,
-                 k_scale=None, v_scale=None, softcap=None, window=None, return_lse=False, num_splits=None,
-                 backend=None):
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 cache_seqlens: torch.Tensor, *, softmax_scale: Optional[float] = None, kv_format: Optional[str] = None,
+                 k_scale: Union[None, float, torch.Tensor] = None, v_scale: Union[None, float, torch.Tensor] = None,
+                 softcap: Optional[float] = None, window: Optional[int] = None, return_lse: bool = False,
+                 num_splits: Optional[int] = None,
+                 backend: Optional[str] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Decode attention over paged K/V caches, GQA: `plan(...).run(...)` in one call (a serving loop makes the plan
     once instead). Returns out [b, s_q, h_q, d] like q (and lse [b, h_q, s_q] fp32 if return_lse).
 

@@ -1,6 +1,8 @@
 """`apply_rope`: validate -> dispatch (the reference, or the Triton kernel as an op with autograd)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...errors import (check_dtype, check_last_dim_contiguous, check_rank, check_same_device, check_tensor,
@@ -39,7 +41,7 @@ def _rope_backward(ctx, dy):
 _rope = kernel_op("rope", _rope_impl, _rope_fake, setup_context=_rope_setup, backward=_rope_backward)
 
 
-def apply_rope(x, cos, sin, backend=None):
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """Rotary embedding: pairs (x_i, x_{i + d/2}) of x [b, s, h, d] rotated by cos/sin [s, d/2]."""
     for name, t in (("x", x), ("cos", cos), ("sin", sin)):
         check_tensor(name, t)

@@ -1,6 +1,8 @@
 """`swiglu`: validate -> dispatch (the reference, or the Triton kernels as ops with autograd)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...errors import check_dtype, check_tensor, fail
@@ -46,7 +48,7 @@ _swiglu_fwd = kernel_op("swiglu_fwd", _swiglu_fwd_impl, _swiglu_fwd_fake, setup_
                         backward=_swiglu_backward)
 
 
-def swiglu(gate_up, backend=None):
+def swiglu(gate_up: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
     """gate_up [..., 2I] (gate first, then up) -> silu(gate) · up [..., I], without an intermediate."""
     check_tensor("gate_up", gate_up)
     backend = resolve_backend(backend, gate_up.device)
