@@ -144,7 +144,9 @@ def quantize_kv(x, kv_format, *, scale=None, per_page=False):
     """Values x [..., h_kv, d] (e.g. whole pages [num_pages, page_size, h_kv, d]) -> (cache entries, scale) in
     kv_format. fp8: scale None computes one (per tensor, or with per_page=True per page and head from x's pages);
     nvfp4: scale None computes the tensor scale (amax over x); mxfp4 and the values formats take no scale (None
-    comes back). Pass the returned scale to paged_decode as k_scale / v_scale."""
+    comes back). Pass the returned scale to paged_decode as k_scale / v_scale. The values formats ("bf16", "fp16",
+    "fp32") are a plain cast, as Tensor.to: a value past fp16's range becomes ±inf there (checking would need a host
+    read)."""
     check_tensor("x", x)
     check_dtype("x", x, FLOATS)
     check_choice("kv_format", kv_format, KV_FORMATS)
