@@ -5,6 +5,8 @@ import logging
 
 import torch
 
+from ..nn import functional as nn_functional
+
 logger = logging.getLogger("warpforge.hf")
 _logged: set = set()
 
@@ -19,7 +21,4 @@ def fall_back(op: str, reason: object) -> None:
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype a matmul on t runs in: autocast's when autocast is on for t's device, else t's own."""
-    kind = t.device.type
-    if torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return t.dtype
+    return nn_functional.compute_dtype(t.device, t.dtype)

@@ -151,16 +151,11 @@ def swiglu(gate_up, backend: Backend = None):
 
 def monarch_linear(x, w_left, w_right, bias=None, backend: Backend = None):
     """x Mᵀ (+ bias) for the Monarch matrix of the two factors (warpforge.monarch_linear's convention). The torch
-    path is the layer as PyTorch writes it without a kernel (HazyResearch fly's): a bmm per factor, the
-    shuffles as copies, in x's dtype."""
+    path is the layer as PyTorch writes it without a kernel (two bmms, the shuffles as copies), in x's dtype."""
     b = pick(backend, "monarch")
     if b != TORCH:
         return monarch.monarch_linear(x, w_left, w_right, bias=bias, backend=b)
-    nb, q, p = w_right.shape
-    lead, t = x.shape[:-1], x[..., 0].numel()
-    h = torch.bmm(x.reshape(t, nb, p).transpose(0, 1), w_right.transpose(1, 2))   # [nb, T, q]: R's blocks
-    u = h.transpose(0, 1).reshape(t, q, nb).permute(2, 0, 1)                     # P_mid: [nb, T, q]
-    y = torch.bmm(u, w_left.transpose(1, 2)).permute(1, 2, 0).reshape(*lead, -1)  # L's blocks, then P_out
+    y = monarch.monarch_bmm(x, w_left, w_right)
     return y if bias is None else y + bias
 
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import ensure_tma_allocator
+from ...runtime import ensure_tma_allocator, tma_compatible
 from ..shared_kernels import dot, tanh
 
 LOG2E = 1.4426950408889634
@@ -534,12 +534,6 @@ def _block(d):
     return max(16, triton.next_power_of_2(d))
 
 
-def _tma_ok(*tensors):
-    """Tensor descriptors need 16-byte aligned bases and strides (2-byte elements: multiples of 8). Which
-    head dims use TMA at all is the config table's decision."""
-    return all(t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) for t in tensors)
-
-
 class ScoreMod:
     """The scores' optional modifiers as the kernels take them: softcap c (0 = none) and per-head ALiBi slopes
     (an fp32 tensor [h_q] or [b, h_q], or None)."""
@@ -569,7 +563,7 @@ def flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, sm_scale, left, right, c
         lse.fill_(float("-inf"))
         out.zero_()
         return out, lse
-    use_tma = cfg.tma and _tma_ok(k, v)
+    use_tma = cfg.tma and tma_compatible(k, v)
     if use_tma:
         ensure_tma_allocator(q.device)
     # q and lse stand in for the dq pass's do and delta
@@ -618,8 +612,8 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
         q.shape[0], H_Q=h_q, DV=dv_dim, BLOCK_M=pre_bm, BLOCK_DV=bdv, VARLEN=varlen,
     )
     atomic_dq = cfg_dkdv.atomic_dq
-    dkdv_tma = cfg_dkdv.tma and _tma_ok(q, do)
-    dq_tma = cfg_dq.tma and _tma_ok(k, v)
+    dkdv_tma = cfg_dkdv.tma and tma_compatible(q, do)
+    dq_tma = cfg_dq.tma and tma_compatible(k, v)
     if dkdv_tma or dq_tma:
         ensure_tma_allocator(q.device)
     # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q

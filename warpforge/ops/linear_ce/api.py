@@ -2,12 +2,11 @@
 Triton softmax kernel, chunk by chunk, as an op with autograd)."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from ...errors import (SCALE_MAX, check_choice, check_dim, check_dtype, check_int, check_positive_float, check_rank,
+from ...errors import (check_choice, check_dim, check_dtype, check_int, check_positive_float, check_rank,
                        check_same_device, check_same_dtype, check_tensor, check_tensors, fail, host_reads_allowed)
 from ...runtime import resolve_backend
 from .._op import kernel_op
@@ -50,29 +49,33 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return h.float() @ weight.float().T
 
 
-def _chunks(hidden, weight, targets, bias, ignore_index, grad_scale, smoothing, z_scale, softcap, cfg):
-    """Walks the rows a chunk at a time (the full [rows, vocab] logits never exist): per-row losses, and the
-    gradients of Σ_row grad_scale[row] · loss[row] (grad_scale one element or one per row, on the device): d_hidden
-    in hidden's dtype, d_weight and d_bias in fp32."""
+def _chunks(hidden, weight, targets, bias, ignore_index, grad_scale, smoothing, z_scale, softcap, cfg,
+            with_grads=True):
+    """Walks the rows a chunk at a time (the full [rows, vocab] logits never exist): per-row losses, and, with_grads,
+    the gradients of Σ_row grad_scale[row] · loss[row] (grad_scale one element or one per row, on the device):
+    d_hidden in hidden's dtype, d_weight and d_bias in fp32."""
     from .linear_ce_kernel import ce_loss_and_grad_
     rows, vocab = hidden.shape[0], weight.shape[0]
     chunk = ce_chunk_rows(rows, vocab, cfg.chunk_elements)
     losses = torch.empty(rows, device=hidden.device, dtype=torch.float32)
-    d_hidden = torch.empty_like(hidden)
-    d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-    d_bias = torch.zeros((vocab if bias is not None else 0,), device=weight.device, dtype=torch.float32)
+    if with_grads:
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        d_bias = torch.zeros((vocab if bias is not None else 0,), device=weight.device, dtype=torch.float32)
     for start in range(0, rows, chunk):
         h = hidden[start:start + chunk]
         scale = grad_scale if grad_scale.numel() == 1 else grad_scale[start:start + chunk]
         logits = _chunk_logits(h, weight)  # becomes its own gradient in place
         losses[start:start + chunk] = ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, scale,
-                                                        cfg, bias, smoothing, z_scale, softcap)
+                                                        cfg, bias, smoothing, z_scale, softcap, write_grad=with_grads)
+        if not with_grads:
+            continue
         grad = logits.to(h.dtype)
         d_hidden[start:start + chunk] = grad @ weight
         _add_product_fp32(d_weight, grad.T, h)
         if bias is not None:
             d_bias += grad.sum(0, dtype=torch.float32)
-    return losses, d_hidden, d_weight, d_bias
+    return (losses, d_hidden, d_weight, d_bias) if with_grads else losses
 
 
 def _linear_ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: Optional[torch.Tensor],
@@ -116,17 +119,10 @@ def _rows_loss_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
                     ignore_index: int, smoothing: float, z_scale: float, softcap: float) -> torch.Tensor:
     """reduction="none": the per-row losses only (their gradients need each row's upstream gradient, which
     comes in the backward: _rows_grad recomputes the chunks' logits with it)."""
-    from .linear_ce_kernel import ce_loss_and_grad_
     cfg = configs.LINEAR_CE.lookup(hidden.device)
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    chunk = ce_chunk_rows(rows, vocab, cfg.chunk_elements)
-    losses = torch.empty(rows, device=hidden.device, dtype=torch.float32)
     one = torch.ones(1, device=hidden.device)
-    for start in range(0, rows, chunk):
-        logits = _chunk_logits(hidden[start:start + chunk], weight)
-        losses[start:start + chunk] = ce_loss_and_grad_(logits, targets[start:start + chunk], ignore_index, one, cfg,
-                                                        bias, smoothing, z_scale, softcap or None, write_grad=False)
-    return losses
+    return _chunks(hidden, weight, targets, bias, ignore_index, one, smoothing, z_scale, softcap or None, cfg,
+                   with_grads=False)
 
 
 def _rows_loss_fake(hidden, weight, targets, bias, ignore_index, smoothing, z_scale, softcap):
@@ -201,8 +197,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         check_dim("bias", bias, 0, weight.shape[0], "weight's rows (the vocabulary)")
     check_int("ignore_index", ignore_index, lo=-2**63, hi=2**63 - 1)
     check_choice("reduction", reduction, REDUCTIONS)
-    _check_unit_float("label_smoothing", label_smoothing, hi=1.0)
-    _check_unit_float("lse_square_scale", lse_square_scale, hi=SCALE_MAX)
+    check_positive_float("label_smoothing", label_smoothing, allow_none=False, allow_zero=True)
+    if label_smoothing > 1:
+        fail("label_smoothing", "a float in [0, 1]", repr(label_smoothing))
+    check_positive_float("lse_square_scale", lse_square_scale, allow_none=False, allow_zero=True)
     check_positive_float("softcap", softcap)
     targets = targets.long()  # int32 targets would compare against ignore_index wrapped to 32 bits
     if host_reads_allowed(targets) and targets.numel():
@@ -220,10 +218,3 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if reduction == "none":
         return _rows_loss(*args, *tail)
     return _linear_ce(*args, reduction == "mean", *tail)[0]
-
-
-def _check_unit_float(name, value, hi):
-    """A finite float (not a bool) in [0, hi]."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
-            not 0 <= value <= hi:
-        fail(name, f"a float in [0, {hi:g}]", repr(value))

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import ensure_tma_allocator, sm_count
+from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
 from ..shared_kernels import dot
 
 CONTIGUOUS, SHUFFLED, SHUFFLING = 0, 1, 2
@@ -241,12 +241,6 @@ def _tile(want, size):
     return max(16, min(want, triton.next_power_of_2(max(size, 1))))
 
 
-def _tma_ok(*tensors):
-    """Tensor descriptors need 16-byte aligned bases and row strides, and unit inner strides."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
-               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
-
-
 def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None):
     """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] (+ bias[bias_mode(b, ·)]) for every block b; w[b][kk, n] at w_strides
     (kk, n)."""
@@ -259,7 +253,7 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
     # a W tile is one 2-d descriptor box over the blocks stacked: [nb · n, k] (k-major) or [nb · k, n]
     stacked = w.stride(0) == (n * w_strides[1] if w_kmajor else k * w_strides[0])
     # a box's innermost coordinate (b · a_blk + k0) must fall on 16 bytes
-    use_tma = cfg.tma and a_mode == CONTIGUOUS and k % bk == 0 and stacked and _tma_ok(a, w) and \
+    use_tma = cfg.tma and a_mode == CONTIGUOUS and k % bk == 0 and stacked and tma_compatible(a, w) and \
         a_blk * a.element_size() % 16 == 0
     if use_tma:
         ensure_tma_allocator(a.device)
@@ -290,7 +284,7 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
     splits = _splits(t, tiles * nb, cfg, g.device)
     per_split = triton.cdiv(triton.cdiv(t, splits), bt) * bt  # whole token tiles: no tile spans two splits
     splits = triton.cdiv(t, per_split) if t else 1
-    use_tma = cfg.tma and g_mode == a_mode == CONTIGUOUS and _tma_ok(g, a) and \
+    use_tma = cfg.tma and g_mode == a_mode == CONTIGUOUS and tma_compatible(g, a) and \
         all(blk * t.element_size() % 16 == 0 for blk, t in ((g_blk, g), (a_blk, a)))  # boxes start on 16 bytes
     if use_tma:
         ensure_tma_allocator(g.device)

@@ -19,24 +19,32 @@ from __future__ import annotations
 import torch
 
 
-def monarch_linear_reference(x, w_left, w_right, bias=None):
-    """y = x Mᵀ (+ bias), fp32 math, with the permutation written out: x [..., d_in] -> y [..., d_out] in x's
-    dtype. Two batched matmuls, one per factor; for fp16 / bf16 x the intermediate is rounded to x's dtype between
-    them, as the kernels store it (and its gradient with it, as the kernels' backward does)."""
+def monarch_bmm(x, w_left, w_right, round_to=None):
+    """x Mᵀ as PyTorch writes it without a kernel (HazyResearch fly's): a batched matmul per factor, the permutations
+    as reshapes and copies, in the operands' dtype. round_to: a dtype the intermediate is rounded to between the two
+    (and, through autograd, its gradient with it). x [..., d_in] -> [..., d_out]."""
     nb, q, p = w_right.shape
     s = w_left.shape[1]
     lead = x.shape[:-1]
-    xb = x.float().reshape(-1, nb, p).transpose(0, 1)              # [nb, T, p]: input block k
-    h = torch.bmm(xb, w_right.float().transpose(1, 2))             # [nb, T, q]: R's block k
+    xb = x.reshape(-1, nb, p).transpose(0, 1)                       # [nb, T, p]: input block k
+    h = torch.bmm(xb, w_right.transpose(1, 2))                      # [nb, T, q]: R's block k
     h = h.transpose(0, 1).reshape(-1, nb * q)                       # [T, d_mid], the intermediate in order
-    if x.dtype in (torch.float16, torch.bfloat16):
-        h = h.to(x.dtype).float()  # the kernels keep the intermediate in x's dtype (fp16 past 65504 is inf there)
+    if round_to is not None:
+        h = h.to(round_to).to(x.dtype)
     u = h.reshape(-1, q, nb).permute(2, 0, 1)                       # P_mid: [nb, T, q], u[l, t, ri] = h[t, ri·nb + l]
-    out = torch.bmm(u, w_left.float().transpose(1, 2))              # [nb, T, s]: L's block l
-    y = out.permute(1, 2, 0).reshape(-1, s * nb)                    # P_out: y[t, si·nb + l] = out[l, t, si]
+    out = torch.bmm(u, w_left.transpose(1, 2))                      # [nb, T, s]: L's block l
+    return out.permute(1, 2, 0).reshape(*lead, s * nb)              # P_out: y[t, si·nb + l] = out[l, t, si]
+
+
+def monarch_linear_reference(x, w_left, w_right, bias=None):
+    """y = x Mᵀ (+ bias), fp32 math (monarch_bmm on fp32 operands): x [..., d_in] -> y [..., d_out] in x's dtype.
+    For fp16 / bf16 x the intermediate is rounded to x's dtype between the factors, as the kernels store it (fp16
+    past 65504 is inf there), and its gradient with it, as the kernels' backward does."""
+    half = x.dtype in (torch.float16, torch.bfloat16)
+    y = monarch_bmm(x.float(), w_left.float(), w_right.float(), round_to=x.dtype if half else None)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*lead, s * nb)
+    return y.to(x.dtype)
 
 
 def monarch_dense_reference(w_left, w_right):
