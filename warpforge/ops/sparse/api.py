@@ -1,0 +1,385 @@
+"""`sparse_attention`, `select_blocks`, `sparse_attention_index_loss`: trainable top-k block-sparse attention
+(MiniMax Sparse Attention style; the conventions are reference.py's). validate -> plan -> dispatch (the reference,
+or the Triton kernels as ops with autograd).
+
+A training step: the index branch picks each query block's top-k key blocks (no gradient: the choice is discrete),
+the main attention runs over the kept blocks only (forward and backward), and the index loss, the KL between the
+index branch's block distribution and the main attention's block mass, trains the index branch:
+
+    out, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, return_lse=True, return_indices=True)
+    loss = task_loss(out) + wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx)
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ...errors import (check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
+                       check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
+                       host_reads_allowed, read_once)
+from ...runtime import check_interpreted_matmul_dtype, resolve_backend
+from .._op import kernel_op
+from . import configs
+from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
+from .select import blocks_per_sequence, canonical, kept_by, top_blocks
+
+MAX_HEAD_DIM = 256
+MAX_BLOCK = 256  # the block scores' program holds a whole query block
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _tiles(q: torch.Tensor, d_v: int) -> configs.SparseTiles:
+    dp = max(16, 1 << (max(q.shape[-1], d_v) - 1).bit_length())
+    return configs.TILES.lookup(q.device, ("fp32", dp) if q.dtype == torch.float32 else dp)
+
+
+# ------------------------------------------------------------------------------------------- ops
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
+              cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .sparse_kernel import sparse_fwd
+    return sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, _tiles(q, v.shape[-1]).fwd)
+
+
+def _fwd_fake(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
+    lse = q.new_empty((q.shape[-2], q.shape[0]) if cu is not None else (batch, q.shape[-2], max_s),
+                      dtype=torch.float32)
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), lse
+
+
+def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor, cu: Optional[torch.Tensor], batch: int,
+              max_s: int, block_size: int, causal: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .sparse_kernel import sparse_bwd
+    tiles = _tiles(q, v.shape[-1])
+    offsets, qblocks = kept_by(sel)
+    return sparse_bwd(do.contiguous(), q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,
+                      causal, scale, tiles.dq, tiles.dkdv)
+
+
+def _bwd_fake(do, q, k, v, out, lse, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_sparse_bwd = kernel_op("sparse_attn_bwd", _bwd_impl, _bwd_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sel, n_sel, cu)
+    ctx.args = (batch, max_s, block_size, causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, d_out, d_lse):
+    q, k, v, out, lse, sel, n_sel, cu = ctx.saved_tensors
+    dq, dk, dv = _sparse_bwd(d_out, q, k, v, out, lse, sel, n_sel, cu, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_sparse_fwd = kernel_op("sparse_attn_fwd", _fwd_impl, _fwd_fake, setup_context=_setup_context, backward=_backward)
+
+
+def _scores_impl(index_q: torch.Tensor, index_k: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
+                 block_size: int, causal: bool, scale: float) -> torch.Tensor:
+    from .sparse_kernel import index_block_scores
+    return index_block_scores(index_q, index_k, cu, batch, max_s, block_size, causal, scale,
+                              _tiles(index_q, index_q.shape[-1]).index)
+
+
+def _scores_fake(index_q, index_k, cu, batch, max_s, block_size, causal, scale):
+    nb = n_blocks(max_s, block_size)
+    return index_q.new_empty((batch, index_q.shape[-2], nb, nb), dtype=torch.float32)
+
+
+_index_scores = kernel_op("sparse_index_scores", _scores_impl, _scores_fake)
+
+
+def _stats_impl(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
+                sel: torch.Tensor, n_sel: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
+                block_size: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from .sparse_kernel import index_stats
+    return index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
+                       _tiles(q, q.shape[-1]).index)
+
+
+def _stats_fake(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
+    rows = (1, k.shape[-2], q.shape[0]) if cu is not None else (batch, k.shape[-2], max_s)
+    c = sel.shape[-1] + 1
+    return q.new_empty(*rows, c, dtype=torch.float32), q.new_empty(*rows, c, dtype=torch.int64)
+
+
+_index_stats = kernel_op("sparse_index_stats", _stats_impl, _stats_fake)
+
+
+class _GatheredScores(torch.autograd.Function):
+    """z[..., c] = iq[...] · ik[arg[..., c]] · scale (arg -1: 0), with gradients to iq and ik: the index branch's
+    max-pooled score of each kept block, its argmax key found by the stats kernel. Chunked over rows so that the
+    gathered keys never exist all at once."""
+    CHUNK = 1 << 24  # gathered elements per chunk
+
+    @staticmethod
+    def forward(ctx, iq, ik, arg, scale):
+        ctx.save_for_backward(iq, ik, arg)
+        ctx.scale = scale
+        rows = iq.reshape(-1, iq.shape[-1])
+        flat = arg.reshape(rows.shape[0], -1)
+        z = torch.empty(flat.shape, device=iq.device, dtype=torch.float32)
+        step = max(1, _GatheredScores.CHUNK // max(flat.shape[1] * rows.shape[1], 1))
+        for r in range(0, rows.shape[0], step):
+            keys = ik[flat[r:r + step].clamp_min(0)].float()  # [rows, c, d_i]
+            z[r:r + step] = torch.einsum("rd,rcd->rc", rows[r:r + step].float(), keys) * scale
+        return z.view(arg.shape)
+
+    @staticmethod
+    def backward(ctx, dz):
+        iq, ik, arg = ctx.saved_tensors
+        rows = iq.reshape(-1, iq.shape[-1])
+        flat = arg.reshape(rows.shape[0], -1)
+        dz = torch.where(flat >= 0, dz.reshape(flat.shape), 0.0) * ctx.scale
+        d_iq = torch.empty(rows.shape, device=iq.device, dtype=torch.float32)
+        d_ik = torch.zeros(ik.shape, device=ik.device, dtype=torch.float32)
+        step = max(1, _GatheredScores.CHUNK // max(flat.shape[1] * rows.shape[1], 1))
+        for r in range(0, rows.shape[0], step):
+            idx = flat[r:r + step].clamp_min(0)
+            d_iq[r:r + step] = torch.einsum("rc,rcd->rd", dz[r:r + step], ik[idx].float())
+            contrib = dz[r:r + step, :, None] * rows[r:r + step, None, :].float()
+            d_ik.index_add_(0, idx.flatten(), contrib.reshape(-1, rows.shape[1]))
+        return d_iq.view(iq.shape).to(iq.dtype), d_ik.to(ik.dtype), None, None
+
+
+# ------------------------------------------------------------------------------------ public door
+def _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    varlen = cu_seqlens is not None
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_rank(name, t, 3 if varlen else 4)
+        check_same_device(name, t, "q", q)
+        check_last_dim_contiguous(name, t)
+    check_dtype("q", q, FLOATS)
+    check_interpreted_matmul_dtype(backend, "q", q)
+    check_same_dtype("k", k, "q", q)
+    check_same_dtype("v", v, "q", q)
+    for name, width in (("q", q.shape[-1]), ("v", v.shape[-1])):
+        if width % 8 or not 8 <= width <= MAX_HEAD_DIM:
+            fail(name, f"a head dim that is a multiple of 8 from 8 to {MAX_HEAD_DIM}", width)
+    if k.shape[-1] != q.shape[-1]:
+        fail("k", f"head dim {q.shape[-1]} (like q)", k.shape[-1])
+    if k.shape[:-1] != v.shape[:-1]:
+        fail("v", f"the shape of k but its head dim, {tuple(k.shape[:-1])} + (d_v,)", tuple(v.shape))
+    if q.shape[:-2] != k.shape[:-2]:
+        fail("k", f"the batch and sequence of q, {tuple(q.shape[:-2])} (self-attention)", tuple(k.shape[:-2]))
+    h_q, h_kv = q.shape[-2], k.shape[-2]
+    if h_kv == 0 or h_q % h_kv:
+        fail("k", f"a number of kv heads dividing q's {h_q} heads (GQA)", h_kv)
+    return _seq_plan(q, cu_seqlens, max_seqlen)
+
+
+def _seq_plan(q, cu_seqlens, max_seqlen):
+    """(batch, max_s) of the batched or the varlen form."""
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            fail("max_seqlen", "None unless cu_seqlens is given (varlen)", repr(max_seqlen))
+        return q.shape[0], q.shape[1]
+    read = host_reads_allowed(cu_seqlens)
+    host = read_once((cu_seqlens,), ("sparse", q.shape[0]), lambda: check_cu_seqlens("cu_seqlens", cu_seqlens, q,
+                                                                                       read_values=read))
+    if max_seqlen is None:
+        if host is None:
+            fail("max_seqlen", "an int when cu_seqlens cannot be read (CUDA-graph capture, torch.compile)", None)
+        max_seqlen = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
+    check_int("max_seqlen", max_seqlen, 0)
+    return cu_seqlens.numel() - 1, max_seqlen
+
+
+def _check_options(block_size, causal, softmax_scale, index_scale):
+    check_int("block_size", block_size, 16, MAX_BLOCK, what=f"a power of two from 16 to {MAX_BLOCK}")
+    if block_size & (block_size - 1):
+        fail("block_size", f"a power of two from 16 to {MAX_BLOCK}", block_size)
+    check_bool("causal", causal)
+    check_positive_float("softmax_scale", softmax_scale)
+    check_positive_float("index_scale", index_scale)
+
+
+def _check_index(index_q, index_k, lead, h_kv, ref_name, ref, varlen):
+    """index_q [*lead, h_kv, d_i], index_k [*lead, 1, d_i], on ref's device and of its dtype."""
+    check_tensor("index_q", index_q)
+    check_tensor("index_k", index_k)
+    rank = 3 if varlen else 4
+    for name, t in (("index_q", index_q), ("index_k", index_k)):
+        check_rank(name, t, rank)
+        check_same_device(name, t, ref_name, ref)
+        check_same_dtype(name, t, ref_name, ref)
+        check_last_dim_contiguous(name, t)
+    want_q = (*lead, h_kv)
+    if tuple(index_q.shape[:-1]) != want_q:
+        fail("index_q", f"shape {want_q} + (d_index,): one index query head per kv head", tuple(index_q.shape))
+    want_k = (*lead, 1, index_q.shape[-1])
+    if tuple(index_k.shape) != want_k:
+        fail("index_k", f"shape {want_k}: one shared index key head", tuple(index_k.shape))
+    d_i = index_q.shape[-1]
+    if d_i % 8 or not 8 <= d_i <= 128:
+        fail("index_q", "an index head dim that is a multiple of 8 from 8 to 128", d_i)
+
+
+def _check_block_indices(block_indices, k, batch, max_s, block_size):
+    check_tensor("block_indices", block_indices)
+    check_rank("block_indices", block_indices, 4)
+    check_dtype("block_indices", block_indices, (torch.int32, torch.int64))
+    check_same_device("block_indices", block_indices, "k", k)
+    nb = n_blocks(max_s, block_size)
+    want = (batch, k.shape[-2], nb)
+    if tuple(block_indices.shape[:3]) != want or block_indices.shape[3] < 1:
+        fail("block_indices", f"shape {want} + (topk >= 1,): [batch, kv heads, query blocks, topk]",
+             tuple(block_indices.shape))
+    if host_reads_allowed(block_indices) and block_indices.numel():
+        lo, hi = int(block_indices.min()), int(block_indices.max())
+        if lo < -1 or hi >= nb:
+            fail("block_indices", f"key blocks from 0 to {nb - 1}, or -1 for none", f"values from {lo} to {hi}")
+
+
+def _scale(x, given):
+    return given if given is not None else 1.0 / math.sqrt(x.shape[-1])
+
+
+def _per_sequence(cu, *tensors):
+    """[(slices of each tensor for sequence i, with a batch dim of 1)] for the references' varlen loops."""
+    bounds = cu.tolist()
+    return [[t[None, bounds[i]:bounds[i + 1]] for t in tensors] for i in range(len(bounds) - 1)]
+
+
+def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_scale, backend):
+    if backend == "reference":
+        if cu is None:
+            z = index_block_scores_reference(index_q, index_k, block_size=block_size, causal=causal,
+                                             index_scale=index_scale)
+        else:
+            nb = n_blocks(max_s, block_size)
+            z = index_q.new_full((batch, index_q.shape[-2], nb, nb), float("-inf"), dtype=torch.float32)
+            for i, (iq, ik) in enumerate(_per_sequence(cu, index_q, index_k)):
+                zi = index_block_scores_reference(iq, ik, block_size=block_size, causal=causal,
+                                                  index_scale=index_scale)
+                z[i, :, :zi.shape[2], :zi.shape[3]] = zi[0]
+    else:
+        z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale)
+    return top_blocks(z, topk, causal)
+
+
+def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: int = 128, topk: int = 16,
+                  causal: bool = True, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                  index_scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """The index branch's selection: block_indices int32 [batch, h_kv, n_blocks, topk], each query block's top-k
+    key blocks by max-pooled index score (its own block not among them: it is always kept), ascending, -1 padded.
+    index_q [b, s, h_kv, d_i] (one index query head per kv head), index_k [b, s, 1, d_i]; packed [total, ., d_i]
+    with cu_seqlens. No gradient (the choice is discrete); no host sync on the GPU."""
+    check_tensor("index_q", index_q)
+    backend = resolve_backend(backend, index_q.device)
+    _check_options(block_size, causal, None, index_scale)
+    check_int("topk", topk, 1)
+    check_dtype("index_q", index_q, FLOATS)
+    check_interpreted_matmul_dtype(backend, "index_q", index_q)
+    check_rank("index_q", index_q, 3 if cu_seqlens is not None else 4)
+    batch, max_s = _seq_plan(index_q, cu_seqlens, max_seqlen)
+    _check_index(index_q, index_k, index_q.shape[:-2], index_q.shape[-2], "index_q", index_q, cu_seqlens is not None)
+    with torch.no_grad():
+        return _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk, causal,
+                       _scale(index_q, index_scale), backend)
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = 128, topk: int = 16,
+                     causal: bool = True, index_q: Optional[torch.Tensor] = None,
+                     index_k: Optional[torch.Tensor] = None, block_indices: Optional[torch.Tensor] = None,
+                     cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
+                     softmax_scale: Optional[float] = None, index_scale: Optional[float] = None,
+                     return_lse: bool = False, return_indices: bool = False, backend: Optional[str] = None):
+    """Top-k block-sparse attention, forward and backward (gradients for q, k, v).
+
+    q [b, s, h_q, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] (any GQA group); packed [total, h, d] with cu_seqlens
+    (int32 [n + 1]) and max_seqlen. Each query block (block_size tokens) of each kv head's group attends its own
+    block (causal within it) and its top-`topk` key blocks: chosen by the index branch (index_q [b, s, h_kv, d_i],
+    index_k [b, s, 1, d_i]; see select_blocks) or given as block_indices [b, h_kv, n_blocks, topk'] (-1 for none;
+    out-of-reach, repeated and own entries are ignored). Returns out [b, s, h_q, d_v], then lse (fp32, [b, h_q, s] or
+    [h_q, total], natural log) if return_lse, then the block_indices used if return_indices."""
+    check_tensor("q", q)
+    backend = resolve_backend(backend, q.device)
+    batch, max_s = _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend)
+    _check_options(block_size, causal, softmax_scale, index_scale)
+    check_bool("return_lse", return_lse)
+    check_bool("return_indices", return_indices)
+    varlen = cu_seqlens is not None
+    if block_indices is None:
+        if index_q is None or index_k is None:
+            fail("index_q/index_k", "both given (the index branch selects the blocks) unless block_indices is",
+                 "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
+        check_int("topk", topk, 1)
+        _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen)
+        with torch.no_grad():
+            block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
+                                    causal, _scale(index_q, index_scale), backend)
+    else:
+        _check_block_indices(block_indices, k, batch, max_s, block_size)
+    scale = _scale(q, softmax_scale)
+    if backend == "reference":
+        kw = dict(block_size=block_size, causal=causal, softmax_scale=scale)
+        if not varlen:
+            out, lse = sparse_attention_reference(q, k, v, block_indices, **kw)
+        else:
+            parts = [sparse_attention_reference(qi, ki, vi, block_indices[i:i + 1, :, :n_blocks(qi.shape[1],
+                                                                                                 block_size)], **kw)
+                     for i, (qi, ki, vi) in enumerate(_per_sequence(cu_seqlens, q, k, v))]
+            out = torch.cat([o[0] for o, _ in parts], 0) if parts else q.new_empty(*q.shape[:-1], v.shape[-1])
+            lse = torch.cat([lse[0] for _, lse in parts], 1) if parts else q.new_empty(q.shape[-2], 0)
+    else:
+        nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s, block_size, q.device)
+        sel, n_sel = canonical(block_indices, nb_seq, causal)
+        out, lse = _sparse_fwd(q, k, v, sel, n_sel, cu_seqlens, batch, max_s, block_size, causal, scale)
+    results = (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_indices else ())
+    return results[0] if len(results) == 1 else results
+
+
+def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,
+                                index_k: torch.Tensor, block_indices: torch.Tensor, *, block_size: int = 128,
+                                causal: bool = True, cu_seqlens: Optional[torch.Tensor] = None,
+                                max_seqlen: Optional[int] = None, softmax_scale: Optional[float] = None,
+                                index_scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """The index branch's loss (fp32 scalar): the mean over tokens and kv heads of KL(main attention's block mass
+    ‖ softmax of the index branch's max-pooled block scores), over each token's kept blocks. q, k and lse are the
+    main attention's (lse from sparse_attention(..., return_lse=True)); the gradient goes to index_q and index_k
+    only."""
+    check_tensor("q", q)
+    backend = resolve_backend(backend, q.device)
+    batch, max_s = _check_qkv(q, k, k, cu_seqlens, max_seqlen, backend)
+    _check_options(block_size, causal, softmax_scale, index_scale)
+    varlen = cu_seqlens is not None
+    _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen)
+    _check_block_indices(block_indices, k, batch, max_s, block_size)
+    check_tensor("lse", lse)
+    check_dtype("lse", lse, (torch.float32,))
+    want = (q.shape[-2], q.shape[0]) if varlen else (batch, q.shape[-2], max_s)
+    if tuple(lse.shape) != want:
+        fail("lse", f"shape {want} (sparse_attention's lse)", tuple(lse.shape))
+    scale, i_scale = _scale(q, softmax_scale), _scale(index_q, index_scale)
+    q, k, lse = q.detach(), k.detach(), lse.detach()
+    kw = dict(block_size=block_size, causal=causal, softmax_scale=scale, index_scale=i_scale)
+    if backend == "reference":
+        if not varlen:
+            return index_loss_reference(q, k, index_q, index_k, block_indices, **kw)
+        parts = _per_sequence(cu_seqlens, q, k, index_q, index_k)
+        losses = [index_loss_reference(qi, ki, iq, ik, block_indices[i:i + 1, :, :n_blocks(qi.shape[1], block_size)],
+                                       **kw) * qi.shape[1] for i, (qi, ki, iq, ik) in enumerate(parts)]
+        return torch.stack(losses).sum() / max(q.shape[0], 1)
+    nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s, block_size, q.device)
+    sel, n_sel = canonical(block_indices, nb_seq, causal)
+    with torch.no_grad():
+        mass, arg = _index_stats(q, k, lse, index_q.detach(), index_k.detach(), sel, n_sel, cu_seqlens, batch, max_s,
+                                 block_size, causal, scale)
+    iq_rows = index_q.permute(1, 0, 2)[None] if varlen else index_q.permute(0, 2, 1, 3)  # [b, h_kv, s, d_i]
+    z = _GatheredScores.apply(iq_rows, index_k.reshape(-1, index_k.shape[-1]), arg, i_scale)
+    z = z.masked_fill(arg < 0, float("-inf"))
+    kl = torch.where(mass > 0, mass * (torch.log(mass.clamp_min(1e-30)) - torch.log_softmax(z, -1)), 0.0)
+    return kl.sum(-1).mean()

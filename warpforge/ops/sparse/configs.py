@@ -1,0 +1,36 @@
+"""Tiles for sparse attention: arch -> padded head dim (at least 16) -> SparseTiles (see ops/_tiles.py). Every tile
+is clipped to the block size (a tile never crosses a block).
+
+"cpu" is the Triton interpreter: small tiles so that CI's small blocks still hold several. sm90 entries start from
+dense attention's (ops/attention/configs.py) and are to be swept on an H200 (benchmarks/NOTES.md).
+"""
+from typing import NamedTuple
+
+from .._tiles import TileTable
+
+
+class KernelCfg(NamedTuple):
+    block_m: int  # query rows per tile
+    block_n: int  # key rows per tile
+    warps: int
+    stages: int
+
+
+class SparseTiles(NamedTuple):
+    fwd: KernelCfg
+    dq: KernelCfg
+    dkdv: KernelCfg   # a program owns block_n keys and walks block_m queries per step
+    index: KernelCfg  # block scores (a program owns a whole query block) and the index loss's statistics
+
+
+C, T = KernelCfg, SparseTiles
+_FP32 = {("fp32", d): T(C(32, 32, 4, 1), C(32, 32, 4, 1), C(32, 32, 4, 1), C(32, 32, 4, 1))
+         for d in (16, 32, 64, 128, 256)}
+_PLAIN = T(C(64, 64, 4, 2), C(64, 32, 4, 2), C(32, 64, 4, 2), C(64, 64, 4, 2))
+TILES = TileTable({
+    "cpu": {"any": T(C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1))},
+    "default": {"any": _PLAIN, 256: T(C(32, 32, 4, 1), C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
+    "sm90": {"any": T(C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 64, 4, 3), C(64, 64, 4, 2)),
+             128: T(C(128, 64, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 2), C(64, 64, 4, 2)),
+             256: T(C(64, 32, 4, 2), C(64, 32, 4, 2), C(32, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
+})

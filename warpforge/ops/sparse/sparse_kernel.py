@@ -1,0 +1,497 @@
+"""Block-sparse attention in Triton: the index branch's block scores, the sparse forward, its backward (dq, and
+dk/dv without atomics), and the per-token statistics the index loss needs.
+
+Selection is per (sequence, kv head g, query block i): `SEL[b, g, i, :NSEL[b, g, i]]` are the kept key blocks
+other than i itself, ascending, each < i when causal (the launcher canonicalises them); the own block i is always
+walked last, with the causal mask. Every pass walks whole key blocks in BLOCK_N sub-tiles (BLOCK_N divides the
+block size), so a selected block costs the same as a dense one and nothing else is read.
+
+The dk/dv pass owns a key sub-tile and walks, for each query head of its group, the query blocks that selected
+its block (a CSR list built on the GPU from SEL: OFFSETS / QBLOCKS) and then its own block: gradients are summed
+in registers over heads and query blocks, so the backward is deterministic.
+
+Layouts: tensors are addressed through strides; the batched [b, s, h, d] and the packed varlen [total, h, d]
+forms share the kernels (varlen: stride_b = 0 and per-sequence offsets from cu_seqlens, clamped as in
+ops/attention). Offsets that can pass 2^31 are taken in int64. Scores are kept in log2 units (exp2).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..shared_kernels import dot, online_softmax
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _seq_bounds(cu_ptr, b, seqlen, total, VARLEN: tl.constexpr):
+    """(start, length) of sequence b; offsets clamped into [0, total], lengths to seqlen (the grid's max)."""
+    if VARLEN:
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), total)
+        length = tl.minimum(end - start, seqlen)
+    else:
+        start = seqlen * 0
+        length = seqlen
+    return start, length
+
+
+@triton.jit
+def _rows(X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_d, limit, D: tl.constexpr):
+    """Rows lo + offs (< limit) of head h, columns offs_d (< D): a [len(offs), len(offs_d)] tile, zeros outside."""
+    ptrs = X + b64 * stride_b + (start + lo).to(tl.int64) * stride_s + h.to(tl.int64) * stride_h + \
+        offs[:, None].to(tl.int64) * stride_s + offs_d[None, :]
+    ok = ((lo + offs) < limit)[:, None] & (offs_d < D)[None, :]
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+# ----------------------------------------------------------------------------------------- index branch
+@triton.jit
+def index_scores_kernel(
+    IQ, IK, Z, CU,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+    stride_zb, stride_zh, stride_zi,
+    seqlen, total, scale,
+    H_KV: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Z[b, g, i, j] = max over visible (t in block i, u in block j) of iq[t, g] · ik[u] · scale, for the blocks j
+    a query block can see (j <= i when causal); the launcher fills the rest with -inf."""
+    nqb = tl.num_programs(0)
+    i = nqb - 1 - tl.program_id(0)  # causal rows get heavier with i: the heaviest first
+    b = tl.program_id(1) // H_KV
+    g = tl.program_id(1) % H_KV
+    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    q_lo = i * BS
+    if q_lo >= s:
+        return
+    b64 = b.to(tl.int64)
+    offs_m = tl.arange(0, BS)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_DI)
+    iq = _rows(IQ, b64, start, g, stride_qb, stride_qs, stride_qh, q_lo, offs_m, offs_d, s, DI)
+    t = q_lo + offs_m
+    t_ok = t < s
+    nkb = tl.cdiv(s, BS)
+    last = i + 1 if CAUSAL else nkb
+    z_row = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + i.to(tl.int64) * stride_zi
+    for j in range(0, last):
+        best = tl.full([BS], float("-inf"), tl.float32)
+        for n0 in range(j * BS, j * BS + BS, BLOCK_N):
+            ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, n0, offs_n, offs_d, s, DI)
+            sc = dot(iq, tl.trans(ik))
+            u = n0 + offs_n
+            ok = t_ok[:, None] & (u < s)[None, :]
+            if CAUSAL:
+                ok = ok & (u[None, :] <= t[:, None])
+            best = tl.maximum(best, tl.max(tl.where(ok, sc, float("-inf")), 1))
+        tl.store(z_row + j, tl.max(best, 0) * scale)
+
+
+@triton.jit
+def index_stats_kernel(
+    Q, K, LSE, IQ, IK, SEL, NSEL, CU, MASS, ARG,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_lb, stride_lh,
+    stride_iqb, stride_iqs, stride_iqh, stride_ikb, stride_iks,
+    stride_sb, stride_sh, stride_si,
+    stride_mb, stride_mh, stride_mt,
+    seqlen, total, qk_scale,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr,
+    BLOCK_DI: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """For query rows t of a BLOCK_M tile and group g, per kept-block slot c (0..TOPK-1 the selected blocks, TOPK
+    the own block): MASS[., g, t, c] = the group's mean attention probability on block c's keys (from the forward's
+    lse), ARG[., g, t, c] = the flat row (b · seqlen + u, or start + u when varlen) of the key u that maximises
+    iq[t, g] · ik[u] over block c's visible keys; -1 / 0 in unused slots."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1) // H_KV
+    g = tl.program_id(1) % H_KV
+    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s:
+        return
+    b64 = b.to(tl.int64)
+    i = m_lo // BS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_di = tl.arange(0, BLOCK_DI)
+    t = m_lo + offs_m
+    t_ok = t < s
+    iq = _rows(IQ, b64, start, g, stride_iqb, stride_iqs, stride_iqh, m_lo, offs_m, offs_di, s, DI)
+    if VARLEN:
+        flat0 = start.to(tl.int64)
+    else:
+        flat0 = b64 * seqlen
+    sel_row = SEL + b64 * stride_sb + g.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
+    n_sel = tl.load(NSEL + (b64 * H_KV + g) * tl.cdiv(seqlen, BS) + i)
+    out_rows = b64 * stride_mb + g.to(tl.int64) * stride_mh + (start + t).to(tl.int64) * stride_mt
+    for c in range(0, TOPK + 1):
+        if c < n_sel:
+            j = tl.load(sel_row + c)
+        else:
+            j = i
+        if (c < n_sel) | (c == TOPK):
+            mass = tl.zeros([BLOCK_M], tl.float32)
+            best = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            arg = tl.zeros([BLOCK_M], tl.int64)
+            for n0 in range(j * BS, j * BS + BS, BLOCK_N):
+                u = n0 + offs_n
+                ok = t_ok[:, None] & (u < s)[None, :]
+                if CAUSAL:
+                    ok = ok & (u[None, :] <= t[:, None])
+                k_ik = _rows(IK, b64, start, g * 0, stride_ikb, stride_iks, 0, n0, offs_n, offs_di, s, DI)
+                sc = tl.where(ok, dot(iq, tl.trans(k_ik)), float("-inf"))
+                tile_best = tl.max(sc, 1)
+                tile_arg = tl.argmax(sc, 1).to(tl.int64) + n0
+                take = tile_best > best
+                arg = tl.where(take, tile_arg, arg)
+                best = tl.where(take, tile_best, best)
+                k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
+                for hh in range(0, GROUP):
+                    h = g * GROUP + hh
+                    q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
+                    lse = tl.load(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64),
+                                  mask=t_ok, other=float("inf"))
+                    p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)
+                    mass += tl.sum(tl.where(ok, p, 0.0), 1)
+            tl.store(MASS + out_rows + c, mass / GROUP, mask=t_ok)
+            tl.store(ARG + out_rows + c, tl.where(best == float("-inf"), -1, arg + flat0), mask=t_ok)
+        else:
+            tl.store(MASS + out_rows + c, tl.zeros([BLOCK_M], tl.float32), mask=t_ok)
+            tl.store(ARG + out_rows + c, tl.full([BLOCK_M], -1, tl.int64), mask=t_ok)
+
+
+# ---------------------------------------------------------------------------------------- attention
+@triton.jit
+def _block_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+               stride_vh, kb_lo, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+               BS: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """The online softmax over the keys of one block [kb_lo, kb_lo + BS)."""
+    hi = kb_lo + BS
+    if MASK and CAUSAL:  # the own block: no key past the tile's last query
+        hi = tl.minimum(hi, tl.max(t, 0) + 1)
+    for n0 in range(kb_lo, hi, BLOCK_N):
+        k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
+        v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
+        sc = dot(q, tl.trans(k)) * qk_scale
+        if MASK:
+            u = n0 + offs_n
+            ok = (u < s)[None, :]
+            if CAUSAL:
+                ok = ok & (u[None, :] <= t[:, None])
+            sc = tl.where(ok, sc, float("-inf"))
+        p, alpha, l_i, m_new = online_softmax(sc, m_i, l_i)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def sparse_fwd_kernel(
+    Q, K, V, O, LSE, SEL, NSEL, CU,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_sb, stride_sh, stride_si,
+    seqlen, total, qk_scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Program (query tile, b · H_Q + h): out and lse (natural log) of its rows over the kept blocks."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1) // H_Q
+    h = tl.program_id(1) % H_Q
+    hk = h // GROUP
+    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s:
+        return
+    b64 = b.to(tl.int64)
+    i = m_lo // BS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    t = m_lo + offs_m
+    q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
+    n_sel = tl.load(NSEL + (b64 * (H_Q // GROUP) + hk) * tl.cdiv(seqlen, BS) + i)
+    for c in range(0, n_sel):
+        j = tl.load(sel_row + c)
+        # causal: a selected block lies before the query block, so it is whole and wholly visible
+        acc, l_i, m_i = _block_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
+                                   stride_vb, stride_vs, stride_vh, j * BS, t, s, offs_n, offs_d, offs_dv, qk_scale,
+                                   D, DV, BS, BLOCK_N, not CAUSAL, False)
+    acc, l_i, m_i = _block_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                               stride_vs, stride_vh, i * BS, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, BS,
+                               BLOCK_N, True, CAUSAL)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    t_ok = t < s
+    o_ptrs = O + b64 * stride_ob + (start + t).to(tl.int64)[:, None] * stride_os + h.to(tl.int64) * stride_oh + \
+        offs_dv[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=t_ok[:, None] & (offs_dv < DV)[None, :])
+    tl.store(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64), lse, mask=t_ok)
+
+
+@triton.jit
+def _block_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+              stride_vs, stride_vh, kb_lo, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr,
+              DV: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """dq += ds · k over the keys of one block, ds = p · (do · vᵀ − delta)."""
+    hi = kb_lo + BS
+    if MASK and CAUSAL:
+        hi = tl.minimum(hi, tl.max(t, 0) + 1)
+    for n0 in range(kb_lo, hi, BLOCK_N):
+        k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
+        v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
+        p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+        if MASK:
+            u = n0 + offs_n
+            ok = (u < s)[None, :]
+            if CAUSAL:
+                ok = ok & (u[None, :] <= t[:, None])
+            p = tl.where(ok, p, 0.0)
+        ds = p * (dot(do, tl.trans(v)) - delta[:, None])
+        dq = dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def sparse_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, SEL, NSEL, CU,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_sb, stride_sh, stride_si,
+    seqlen, total, qk_scale, sm_scale,
+    H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Program (query tile, b · H_Q + h): dq of its rows (dq and q share strides; do and out share O's)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1) // H_Q
+    h = tl.program_id(1) % H_Q
+    hk = h // GROUP
+    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s:
+        return
+    b64 = b.to(tl.int64)
+    i = m_lo // BS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    t = m_lo + offs_m
+    t_ok = t < s
+    q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
+    do = _rows(DO, b64, start, h, stride_ob, stride_os, stride_oh, m_lo, offs_m, offs_dv, s, DV)
+    row_l = b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64)
+    lse2 = tl.load(LSE + row_l, mask=t_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
+    n_sel = tl.load(NSEL + (b64 * (H_Q // GROUP) + hk) * tl.cdiv(seqlen, BS) + i)
+    for c in range(0, n_sel):
+        j = tl.load(sel_row + c)
+        dq = _block_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                       stride_vs, stride_vh, j * BS, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_N,
+                       not CAUSAL, False)
+    dq = _block_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                   stride_vs, stride_vh, i * BS, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_N, True,
+                   CAUSAL)
+    dq_ptrs = DQ + b64 * stride_qb + (start + t).to(tl.int64)[:, None] * stride_qs + h.to(tl.int64) * stride_qh + \
+        offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _block_dkdv(dk, dv, k, v, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh, stride_ob,
+                stride_os, stride_oh, stride_lb, stride_lh, qb_lo, u, s, offs_m, offs_d, offs_dv, qk_scale,
+                D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr):
+    """dk, dv of a key tile (rows u) from the queries of one block [qb_lo, qb_lo + BS) of head h. Queries past
+    the sequence get lse +inf, so p = 0 there without a mask; MASK is the causal mask of the own block."""
+    lo = qb_lo
+    if MASK:  # no query before the tile's first key sees it
+        lo = qb_lo + ((tl.min(u, 0) - qb_lo) // BLOCK_M) * BLOCK_M
+    for m0 in range(lo, qb_lo + BS, BLOCK_M):
+        t = m0 + offs_m
+        t_ok = t < s
+        q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D)
+        do = _rows(DO, b64, start, h, stride_ob, stride_os, stride_oh, m0, offs_m, offs_dv, s, DV)
+        row_l = b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64)
+        lse2 = tl.load(LSE + row_l, mask=t_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
+        p = tl.math.exp2(dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [keys, queries]
+        if MASK:
+            p = tl.where(u[:, None] <= t[None, :], p, 0.0)
+        dv = dot(p.to(do.dtype), do, dv)
+        ds = p * (dot(v, tl.trans(do)) - delta[None, :])
+        dk = dot(ds.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def sparse_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFSETS, QBLOCKS, CU,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    seqlen, total, qk_scale, sm_scale,
+    H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
+    that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
+    dk / dv share K's / V's strides."""
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1) // H_KV
+    g = tl.program_id(1) % H_KV
+    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    n_lo = pid_n * BLOCK_N
+    if n_lo >= s:
+        return
+    b64 = b.to(tl.int64)
+    j = n_lo // BS
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    u = n_lo + offs_n
+    k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n_lo, offs_n, offs_d, s, D)
+    v = _rows(V, b64, start, g, stride_vb, stride_vs, stride_vh, n_lo, offs_n, offs_dv, s, DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    key = (b64 * H_KV + g) * tl.cdiv(seqlen, BS) + j
+    lo = tl.load(OFFSETS + key)
+    hi = tl.load(OFFSETS + key + 1)
+    for hh in range(0, GROUP):
+        h = g * GROUP + hh
+        for c in range(lo, hi):
+            i = tl.load(QBLOCKS + c)
+            dk, dv = _block_dkdv(dk, dv, k, v, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, i * BS, u, s, offs_m,
+                                 offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_M, False)
+        dk, dv = _block_dkdv(dk, dv, k, v, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
+                             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, j * BS, u, s, offs_m, offs_d,
+                             offs_dv, qk_scale, D, DV, BS, BLOCK_M, CAUSAL)
+    u_ok = (u < s)[:, None]
+    rows = (start + u).to(tl.int64)[:, None]
+    tl.store(DK + b64 * stride_kb + rows * stride_ks + g.to(tl.int64) * stride_kh + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=u_ok & (offs_d < D)[None, :])
+    tl.store(DV_OUT + b64 * stride_vb + rows * stride_vs + g.to(tl.int64) * stride_vh + offs_dv[None, :],
+             dv.to(DV_OUT.dtype.element_ty), mask=u_ok & (offs_dv < DV)[None, :])
+
+
+# ------------------------------------------------------------------------------------------ launch
+def _bd(d):
+    return max(16, triton.next_power_of_2(d))
+
+
+def _seq_args(x, cu, batch, max_s):
+    """(stride_b, stride_s, stride_h) of a [b, s, h, d] or packed [total, h, d] tensor."""
+    if cu is not None:
+        return 0, x.stride(0), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _lse_strides(lse, cu):
+    return (0, lse.stride(0)) if cu is not None else (lse.stride(0), lse.stride(1))
+
+
+def index_block_scores(index_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg):
+    """Z [batch, h_kv, nb, nb] fp32 (-inf where a query block sees no key of that block)."""
+    h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
+    nb = triton.cdiv(max_s, block_size)
+    z = torch.full((batch, h_kv, nb, nb), float("-inf"), device=index_q.device, dtype=torch.float32)
+    if batch == 0 or nb == 0:
+        return z
+    sq = _seq_args(index_q, cu, batch, max_s)
+    sk = _seq_args(index_k, cu, batch, max_s)
+    index_scores_kernel[(nb, batch * h_kv)](
+        index_q, index_k, z, cu if cu is not None else z, *sq, sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2),
+        max_s, index_q.shape[0], scale, H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size,
+        BLOCK_N=min(cfg.block_n, block_size), CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps,
+        num_stages=cfg.stages)
+    return z
+
+
+def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, cfg):
+    """(out like q with v's head dim, lse fp32: [b, h_q, s] batched, [h_q, total] varlen)."""
+    h_q, d = q.shape[-2], q.shape[-1]
+    h_kv, d_v = k.shape[-2], v.shape[-1]
+    out = q.new_empty(*q.shape[:-1], d_v)
+    lse = torch.empty((h_q, q.shape[0]) if cu is not None else (batch, h_q, max_s), device=q.device,
+                      dtype=torch.float32)
+    if batch == 0 or max_s == 0:
+        return out, lse
+    block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
+    sparse_fwd_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
+        q, k, v, out, lse, sel, n_sel, cu if cu is not None else lse,
+        *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
+        *_seq_args(out, cu, batch, max_s), *_lse_strides(lse, cu), sel.stride(0), sel.stride(1), sel.stride(2),
+        max_s, q.shape[0], scale * LOG2E,
+        H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out, lse
+
+
+def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size, causal, scale,
+               cfg_dq, cfg_dkdv):
+    """(dq, dk, dv). offsets / qblocks: the CSR lists of the query blocks that kept each key block."""
+    h_q, d = q.shape[-2], q.shape[-1]
+    h_kv, d_v = k.shape[-2], v.shape[-1]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if batch == 0 or max_s == 0:
+        return dq, dk, dv
+    delta = (out.float() * do.float()).sum(-1)  # [b, s, h] or [total, h]
+    delta = delta.transpose(0, 1).contiguous() if cu is not None else delta.transpose(1, 2).contiguous()
+    common = dict(H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size,
+                  CAUSAL=causal, VARLEN=cu is not None)
+    cu_arg = cu if cu is not None else lse
+    strides = (*_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
+               *_seq_args(do, cu, batch, max_s), *_lse_strides(lse, cu))
+    block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
+    sparse_dq_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
+        q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, sel.stride(0), sel.stride(1), sel.stride(2),
+        max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
+    common["H_KV"] = common.pop("H_Q") // common["GROUP"]
+    block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
+    sparse_dkdv_kernel[(triton.cdiv(max_s, block_n), batch * h_kv)](
+        q, k, v, do, lse, delta, dk, dv, offsets, qblocks, cu_arg, *strides, max_s, q.shape[0], scale * LOG2E,
+        scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages)
+    return dq, dk, dv
+
+
+def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale, cfg):
+    """(mass fp32, arg int64), [b, h_kv, s, topk + 1] batched or [1, h_kv, total, topk + 1] varlen: see
+    index_stats_kernel."""
+    h_q, d = q.shape[-2], q.shape[-1]
+    h_kv, d_i = k.shape[-2], index_q.shape[-1]
+    topk = sel.shape[-1]
+    rows = (1, h_kv, q.shape[0]) if cu is not None else (batch, h_kv, max_s)
+    mass = torch.zeros(*rows, topk + 1, device=q.device, dtype=torch.float32)
+    arg = torch.full((*rows, topk + 1), -1, device=q.device, dtype=torch.int64)
+    if batch == 0 or max_s == 0:
+        return mass, arg
+    block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
+    sm = 0 if cu is not None else mass.stride(0)
+    index_stats_kernel[(triton.cdiv(max_s, block_m), batch * h_kv)](
+        q, k, lse, index_q, index_k, sel, n_sel, cu if cu is not None else lse, mass, arg,
+        *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_lse_strides(lse, cu),
+        *_seq_args(index_q, cu, batch, max_s), *_seq_args(index_k, cu, batch, max_s)[:2],
+        sel.stride(0), sel.stride(1), sel.stride(2), sm, mass.stride(1), mass.stride(2),
+        max_s, q.shape[0], scale * LOG2E,
+        H_KV=h_kv, GROUP=h_q // h_kv, D=d, BLOCK_D=_bd(d), DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, TOPK=topk,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps,
+        num_stages=cfg.stages)
+    return mass, arg
