@@ -1,0 +1,144 @@
+"""The paged KV cache: page storage per layer in the paged op's layout ([num_pages, page_size, h_kv, width] per
+layer, for K and for V) and the block allocator that hands pages to sequences.
+
+The allocator is host-side bookkeeping only: a free list of page ids, and per sequence its block table (the pages
+holding its tokens, in order) and its token count. Sequences grow a page at a time (`reserve`), give back the
+pages of tokens that were rolled back (`truncate`: rejected speculative tokens) and give back everything when
+they finish or are aborted (`release`). Pages hold no sequence id, so a leak is a page neither free nor in a
+table: `check_no_leaks` says whether every page is accounted for.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..errors import WarpforgeInputError, check_choice, check_int, fail
+from ..ops import paged
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free pages for a reservation (the engine preempts or waits; nothing was taken)."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int):
+        check_int("num_pages", num_pages, lo=1)
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first (pops from the end)
+        self.tables: dict = {}    # sequence id -> [page ids]
+        self.lengths: dict = {}   # sequence id -> tokens the sequence's pages hold (reserved room may be more)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def can_reserve(self, seq_id, tokens: int) -> bool:
+        have = len(self.tables.get(seq_id, ()))
+        return self.pages_for(tokens) - have <= len(self._free)
+
+    def reserve(self, seq_id, tokens: int) -> list:
+        """Grows seq_id's block table to hold `tokens` tokens (a new sequence starts empty); returns the table.
+        OutOfPages (taking nothing) if the free list is too short."""
+        table = self.tables.setdefault(seq_id, [])
+        self.lengths.setdefault(seq_id, 0)
+        need = self.pages_for(tokens) - len(table)
+        if need > len(self._free):
+            if not table:
+                del self.tables[seq_id], self.lengths[seq_id]
+            raise OutOfPages(f"{need} pages wanted, {len(self._free)} free")
+        for _ in range(max(need, 0)):
+            table.append(self._free.pop())
+        return table
+
+    def set_length(self, seq_id, tokens: int) -> None:
+        """Records that seq_id's pages now hold `tokens` tokens (they must have been reserved)."""
+        if self.pages_for(tokens) > len(self.tables[seq_id]):
+            raise RuntimeError(f"sequence {seq_id!r}: {tokens} tokens exceed its reserved pages")
+        self.lengths[seq_id] = tokens
+
+    def truncate(self, seq_id, tokens: int) -> None:
+        """Keeps the first `tokens` tokens of seq_id and frees the pages past them (a rollback)."""
+        table = self.tables[seq_id]
+        keep = self.pages_for(tokens)
+        while len(table) > keep:
+            self._free.append(table.pop())
+        self.lengths[seq_id] = min(self.lengths[seq_id], tokens)
+
+    def release(self, seq_id) -> None:
+        """Frees every page of seq_id (finished, aborted or preempted); a sequence without pages is a no-op."""
+        for page in reversed(self.tables.pop(seq_id, [])):
+            self._free.append(page)
+        self.lengths.pop(seq_id, None)
+
+    def check_no_leaks(self) -> bool:
+        """Every page is free or in exactly one table."""
+        held = [p for t in self.tables.values() for p in t]
+        return sorted(held + self._free) == list(range(self.num_pages))
+
+
+class PagedKVCache:
+    """K and V pages for every layer, one allocation each: k[layer] is [num_pages, page_size, h_kv, width] in
+    kv_format, the layout paged_decode reads. Quantised formats keep one fixed per-tensor scale per layer (fp8:
+    1.0, as vLLM's default; nvfp4: a tensor scale sized for |values| up to `amax`), since pages are filled a token
+    at a time and a scale computed from later tokens could not re-scale the earlier ones."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+                 kv_format: str, dtype: torch.dtype, device, amax: float = 64.0):
+        check_choice("kv_format", kv_format, tuple(paged.KV_FORMATS))
+        check_choice("page_size", page_size, paged.PAGE_SIZES)
+        fmt = paged.KV_FORMATS[kv_format]
+        if fmt.quantized and head_dim not in paged.HEAD_DIMS:
+            fail("kv_format", f"a values format (bf16/fp16/fp32) at head dim {head_dim} (the quantised paged "
+                 f"formats take head dims {paged.HEAD_DIMS})", repr(kv_format))
+        self.kv_format, self.fmt, self.page_size = kv_format, fmt, page_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        # the dtype attention runs in over this cache: a values format's own, or the model's for quantised ones
+        self.attn_dtype = fmt.storage if not fmt.quantized else dtype
+        storage = fmt.storage
+        shape = (num_layers, num_pages, page_size, num_kv_heads, fmt.width(head_dim))
+        self.k = torch.zeros(shape, dtype=storage, device=device)
+        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.allocator = PageAllocator(num_pages, page_size)
+        if kv_format == "fp8":
+            self.k_scale = self.v_scale = torch.ones(1, dtype=torch.float32, device=device)
+        elif kv_format == "nvfp4":
+            self.k_scale = self.v_scale = torch.full((1,), amax / (6.0 * 448.0), dtype=torch.float32, device=device)
+        else:
+            self.k_scale = self.v_scale = None
+
+    @staticmethod
+    def bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, kv_format) -> int:
+        fmt = paged.KV_FORMATS[kv_format]
+        elem = torch.empty((), dtype=fmt.storage).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * fmt.width(head_dim) * elem
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Stores new tokens k / v [T, h_kv, d] at flat slots [T] (page · page_size + offset) of this layer,
+        quantised by the paged op's helper for the quantised formats."""
+        for cache, new, scale in ((self.k[layer], k, self.k_scale), (self.v[layer], v, self.v_scale)):
+            if self.fmt.quantized:
+                new, _ = paged.quantize_kv(new, self.kv_format, scale=scale)
+            cache.view(-1, *cache.shape[2:])[slots] = new.to(cache.dtype)
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: Optional[torch.dtype] = None):
+        """K and V of the tokens at flat slots [n] of this layer, [n, h_kv, d] in dtype (dequantised)."""
+        out = []
+        for cache, scale in ((self.k[layer], self.k_scale), (self.v[layer], self.v_scale)):
+            rows = cache.view(-1, *cache.shape[2:])[slots]
+            if self.fmt.quantized:
+                rows = paged.dequantize_kv_reference(rows[:, None], self.kv_format, scale)[:, 0]
+            out.append(rows.to(dtype or self.attn_dtype))
+        return out[0], out[1]
+
+
+def check_kv_format(kv_format) -> None:
+    if kv_format is not None and kv_format not in paged.KV_FORMATS:
+        raise WarpforgeInputError(f"kv_format: expected None or one of {tuple(paged.KV_FORMATS)}, got {kv_format!r}")
