@@ -428,7 +428,7 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
     """(out like q with v's head dim, lse fp32: [b, h_q, s] batched, [h_q, total] varlen)."""
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv, d_v = k.shape[-2], v.shape[-1]
-    out = q.new_empty(*q.shape[:-1], d_v)
+    out = torch.empty((*q.shape[:-1], d_v), device=q.device, dtype=q.dtype)
     lse = torch.empty((h_q, q.shape[0]) if cu is not None else (batch, h_q, max_s), device=q.device,
                       dtype=torch.float32)
     if batch == 0 or max_s == 0:

@@ -1,0 +1,220 @@
+"""sparse_attention, select_blocks and sparse_attention_index_loss against the references: forward, lse, gradients,
+selection, varlen, blocks that are not full at sequence ends, top-k larger than the visible blocks, bad input.
+
+On a CPU machine the kernels run through the Triton interpreter at small shapes (fp16 / fp32); on a GPU the same
+tests run compiled, in bf16 too, plus the larger shapes marked gpu.
+"""
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge import WarpforgeInputError
+from warpforge.ops.sparse import (index_block_scores_reference, index_loss_reference, sparse_attention_reference,
+                                  sparse_attention_varlen_reference)
+from warpforge.ops.sparse.select import top_blocks
+from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, ragged_cu_seqlens, rel_l2
+
+DEV = device_under_test()
+DTYPES = dtypes_under_test()
+
+
+def _qkv(lead, h_q, h_kv, d, dtype, d_v=None):
+    q = torch.randn(*lead, h_q, d, device=DEV, dtype=dtype)
+    k = torch.randn(*lead, h_kv, d, device=DEV, dtype=dtype)
+    v = torch.randn(*lead, h_kv, d_v or d, device=DEV, dtype=dtype)
+    return q, k, v
+
+
+def _index(lead, h_kv, d_i, dtype):
+    return (torch.randn(*lead, h_kv, d_i, device=DEV, dtype=dtype), torch.randn(*lead, 1, d_i, device=DEV, dtype=dtype))
+
+
+def _random_indices(b, h_kv, nb, topk):
+    """Random entries from -1 to nb - 1: repeats, the own block and (causal) later blocks included, which the op
+    must ignore."""
+    return torch.randint(-1, nb, (b, h_kv, nb, topk), device=DEV, dtype=torch.int32)
+
+
+def _check_attention(q, k, v, idx, bs, causal, cu=None):
+    dtype = q.dtype
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kw = dict(block_indices=idx, block_size=bs, causal=causal, return_lse=True, backend="triton")
+    if cu is not None:
+        kw["cu_seqlens"] = cu
+    with poisoned_outputs():
+        out, lse = wf.sparse_attention(q, k, v, **kw)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    if cu is None:
+        ref_out, ref_lse = sparse_attention_reference(*ref_in, idx, block_size=bs, causal=causal)
+    else:
+        ref_out, ref_lse = sparse_attention_varlen_reference(*ref_in, idx, cu, block_size=bs, causal=causal)
+    assert rel_l2(out, ref_out) <= REL_L2[dtype]
+    assert rel_l2(lse, ref_lse) <= 1e-3
+    d_out = torch.randn_like(out)
+    with poisoned_outputs():
+        got = torch.autograd.grad(out, (q, k, v), d_out)
+    want = torch.autograd.grad(ref_out, ref_in, d_out.float())
+    for name, g, r in zip(("dq", "dk", "dv"), got, want):
+        assert rel_l2(g, r) <= (2e-2 if dtype != torch.float32 else 1e-4), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float32])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("s, h_q, h_kv, d, topk", [(80, 4, 2, 16, 2), (37, 3, 1, 24, 5), (16, 2, 2, 32, 1)])
+def test_given_blocks_match_reference(dtype, causal, s, h_q, h_kv, d, topk):
+    """Partial last blocks (80 and 37 are not multiples of 16), a top-k larger than the blocks a query block can
+    see, head dims that are not powers of two, GQA groups 2, 3 and 1."""
+    bs = 16
+    q, k, v = _qkv((2, s), h_q, h_kv, d, dtype)
+    idx = _random_indices(2, h_kv, -(-s // bs), topk)
+    _check_attention(q, k, v, idx, bs, causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_matches_reference(dtype):
+    lengths = [33, 0, 16, 50]
+    cu = ragged_cu_seqlens(lengths, DEV)
+    q, k, v = _qkv((sum(lengths),), 4, 2, 16, dtype)
+    idx = _random_indices(len(lengths), 2, -(-max(lengths) // 16), 3)
+    _check_attention(q, k, v, idx, 16, True, cu)
+
+
+def test_v_head_dim_different_from_qk():
+    q, k, v = _qkv((1, 48), 2, 1, 32, torch.float16, d_v=16)
+    _check_attention(q, k, v, _random_indices(1, 1, 3, 2), 16, True)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_selection_matches_reference(causal):
+    b, s, h_kv, bs = 2, 70, 2, 16
+    iq, ik = _index((b, s), h_kv, 16, torch.float32)
+    got = wf.select_blocks(iq, ik, block_size=bs, topk=3, causal=causal, index_scale=0.25, backend="triton")
+    z_ref = index_block_scores_reference(iq, ik, block_size=bs, causal=causal, index_scale=0.25)
+    assert torch.equal(got, top_blocks(z_ref, 3, causal))
+    nb = -(-s // bs)
+    i = torch.arange(nb, device=DEV)[:, None]
+    valid = got >= 0
+    assert bool(((got < i) | ~valid).all()) if causal else bool(((got != i) | ~valid).all())
+    # the first query blocks see fewer earlier blocks than topk: the rest is -1
+    if causal:
+        assert torch.equal((got[:, :, 0] >= 0).sum(-1), torch.zeros(b, h_kv, dtype=torch.int64, device=DEV))
+        assert torch.equal((got[:, :, 1] >= 0).sum(-1), torch.ones(b, h_kv, dtype=torch.int64, device=DEV))
+
+
+def test_selection_varlen_matches_per_sequence():
+    lengths = [40, 17, 64]
+    cu = ragged_cu_seqlens(lengths, DEV)
+    iq, ik = _index((sum(lengths),), 2, 8, torch.float32)
+    got = wf.select_blocks(iq, ik, block_size=16, topk=2, cu_seqlens=cu, backend="triton")
+    ref = wf.select_blocks(iq, ik, block_size=16, topk=2, cu_seqlens=cu, backend="reference")
+    assert torch.equal(got, ref)
+    starts = cu.tolist()
+    for n, (a, e) in enumerate(zip(starts[:-1], starts[1:])):
+        alone = wf.select_blocks(iq[None, a:e], ik[None, a:e], block_size=16, topk=2, backend="reference")
+        nb = -(-(e - a) // 16)
+        assert torch.equal(got[n, :, :nb], alone[0])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_end_to_end_with_index_branch(causal):
+    q, k, v = _qkv((1, 64), 4, 2, 16, torch.float32)
+    iq, ik = _index((1, 64), 2, 8, torch.float32)
+    out, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=2, causal=causal,
+                                   return_indices=True, backend="triton")
+    ref, _, ref_idx = wf.ops.sparse.sparse_attention_full_reference(q, k, v, iq, ik, None, block_size=16, topk=2,
+                                                                    causal=causal)
+    assert torch.equal(idx, ref_idx)
+    assert rel_l2(out, ref) <= 1e-5
+
+
+def test_every_block_kept_is_dense_attention():
+    """topk covering every earlier block: the sparse attention is causal dense attention."""
+    from warpforge.ops.attention import attention_reference
+    q, k, v = _qkv((1, 50), 2, 1, 16, torch.float32)
+    idx = torch.arange(4, device=DEV, dtype=torch.int32).expand(1, 1, 4, 4).contiguous()
+    out = wf.sparse_attention(q, k, v, block_indices=idx, block_size=16, backend="triton")
+    ref, _ = attention_reference(q, k, v, causal=True)
+    assert rel_l2(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_index_loss_matches_reference(varlen, causal):
+    lengths = [40, 23]
+    if varlen:
+        cu = ragged_cu_seqlens(lengths, DEV)
+        lead, b, nb = (sum(lengths),), len(lengths), 3
+    else:
+        cu, lead, b, nb = None, (2, 40), 2, 3
+    q, k, v = _qkv(lead, 4, 2, 16, torch.float32)
+    iq, ik = _index(lead, 2, 8, torch.float32)
+    idx = _random_indices(b, 2, nb, 2)
+    kw = dict(block_size=16, causal=causal, cu_seqlens=cu)
+    _, lse = wf.sparse_attention(q, k, v, block_indices=idx, return_lse=True, backend="triton", **kw)
+    grads = []
+    losses = []
+    for backend in ("triton", "reference"):
+        a, c = iq.clone().requires_grad_(), ik.clone().requires_grad_()
+        loss = wf.sparse_attention_index_loss(q, k, lse, a, c, idx, backend=backend, **kw)
+        losses.append(loss)
+        grads.append(torch.autograd.grad(loss, (a, c)))
+    assert abs(losses[0].item() - losses[1].item()) <= 1e-5 * max(1.0, abs(losses[1].item()))
+    for g, r in zip(*grads):
+        assert rel_l2(g, r) <= 1e-4
+
+
+def test_index_loss_gradient_reaches_index_branch_only():
+    q, k, v = _qkv((1, 32), 2, 1, 16, torch.float32)
+    q.requires_grad_()
+    iq, ik = (t.requires_grad_() for t in _index((1, 32), 1, 8, torch.float32))
+    out, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=1, return_lse=True,
+                                        return_indices=True, backend="triton")
+    loss = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
+    loss.backward()
+    assert q.grad is None and iq.grad is not None and ik.grad is not None
+    assert torch.isfinite(loss) and loss.item() >= 0
+
+
+def test_index_loss_reference_is_zero_when_branches_agree():
+    """KL is 0 when the index branch's distribution equals the attention's block mass: one kept block per token."""
+    q, k, _ = _qkv((1, 16), 2, 1, 16, torch.float32)
+    iq, ik = _index((1, 16), 1, 8, torch.float32)
+    idx = torch.full((1, 1, 1, 1), -1, dtype=torch.int32, device=DEV)
+    assert index_loss_reference(q, k, iq, ik, idx, block_size=16).abs().item() < 1e-6
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(block_size=24), "block_size"), (dict(block_size=8), "block_size"), (dict(topk=0), "topk"),
+    (dict(block_indices="oob"), "block_indices"), (dict(block_indices="shape"), "block_indices"),
+    (dict(gqa=True), "kv heads"), (dict(no_index=True), "index_q"), (dict(index_heads=2), "index_q"),
+])
+def test_bad_input(bad, match):
+    q, k, v = _qkv((1, 32), 4, 2, 16, torch.float16)
+    iq, ik = _index((1, 32), 2, 8, torch.float16)
+    kw = dict(index_q=iq, index_k=ik, block_size=16, topk=2, backend="triton")
+    if "block_size" in bad:
+        kw["block_size"] = bad["block_size"]
+    if "topk" in bad:
+        kw["topk"] = bad["topk"]
+    if bad.get("block_indices") == "oob":
+        kw["block_indices"] = torch.full((1, 2, 2, 2), 2, dtype=torch.int32, device=DEV)
+    if bad.get("block_indices") == "shape":
+        kw["block_indices"] = torch.zeros((1, 2, 3, 2), dtype=torch.int32, device=DEV)
+    if bad.get("gqa"):
+        k, v = k[:, :, :1].expand(1, 32, 3, 16).contiguous(), v[:, :, :1].expand(1, 32, 3, 16).contiguous()
+    if bad.get("no_index"):
+        kw.pop("index_q")
+    if "index_heads" in bad:
+        kw["index_q"] = torch.randn(1, 32, 1, 8, device=DEV, dtype=torch.float16)
+    with pytest.raises(WarpforgeInputError, match=match):
+        wf.sparse_attention(q, k, v, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_bf16_long(d):
+    s, bs = 2048 + 77, 128
+    q, k, v = _qkv((1, s), 16, 2, d, torch.bfloat16)
+    iq, ik = _index((1, s), 2, 32, torch.bfloat16)
+    idx = wf.select_blocks(iq, ik, block_size=bs, topk=4)
+    _check_attention(q, k, v, idx, bs, True)
