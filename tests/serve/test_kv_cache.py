@@ -1,0 +1,81 @@
+"""The paged KV block allocator, and the engine's use of it: pages freed on finish and abort, none leaked after a
+batch, preemption when pages run out (outputs unchanged)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from warpforge import WarpforgeInputError
+from warpforge.serve import LLM, PageAllocator, SamplingParams
+from warpforge.serve.kv_cache import OutOfPages
+
+from conftest import PROMPTS
+
+
+def test_allocator_reserve_truncate_release():
+    a = PageAllocator(num_pages=6, page_size=4)
+    assert a.reserve("x", 5) == [0, 1]
+    assert a.reserve("x", 8) == [0, 1]  # still fits
+    a.set_length("x", 8)
+    assert a.reserve("y", 9) == [2, 3, 4]
+    with pytest.raises(OutOfPages):
+        a.reserve("z", 8)  # 2 wanted, 1 free: nothing taken
+    assert a.free_pages == 1 and "z" not in a.tables
+    a.truncate("x", 3)  # a rollback to 3 tokens keeps one page
+    assert a.tables["x"] == [0] and a.lengths["x"] == 3 and a.free_pages == 2
+    a.release("y")
+    a.release("never-seen")
+    assert a.pages_in_use == 1 and a.check_no_leaks()
+    a.release("x")
+    assert a.free_pages == 6 and a.check_no_leaks()
+
+
+def test_pages_freed_on_finish_and_abort(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=64)
+    eng, alloc = llm.engine, llm.cache.allocator
+    short = eng.add_request(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0))
+    long = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    done = {}
+    for _ in range(3):
+        for out in eng.step():
+            done[out.request_id] = out
+    assert done[short].finished and short not in alloc.tables  # finished: its pages are back
+    assert long in alloc.tables and alloc.pages_in_use > 0
+    assert eng.abort(long) and not eng.abort(long)
+    assert alloc.pages_in_use == 0 and alloc.check_no_leaks() and not eng.has_unfinished()
+
+
+def test_closing_a_stream_aborts_and_frees(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=64)
+    it = llm.stream(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    first = [next(it) for _ in range(3)]
+    assert all(len(o.new_token_ids) == 1 for o in first) and llm.cache.allocator.pages_in_use > 0
+    it.close()
+    assert llm.cache.allocator.pages_in_use == 0 and not llm.engine.has_unfinished()
+
+
+def test_preemption_when_pages_run_out_keeps_greedy_outputs(llama_dir):
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    roomy = LLM(llama_dir, page_size=8, num_pages=64)
+    want = [o.token_ids for o in roomy.generate(PROMPTS, params)]
+    tight = LLM(llama_dir, page_size=8, num_pages=14, max_num_batched_tokens=32)  # too few pages for all four
+    got = [o.token_ids for o in tight.generate(PROMPTS, params)]
+    assert got == want
+    assert tight.metrics.preemptions > 0 and tight.metrics.peak_pages_in_use <= 14
+    assert tight.cache.allocator.pages_in_use == 0 and tight.cache.allocator.check_no_leaks()
+
+
+def test_prompt_longer_than_the_cache_is_refused(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=2)
+    with pytest.raises(WarpforgeInputError, match="prompt"):
+        llm.generate([list(range(3, 30))])
+    assert llm.cache.allocator.pages_in_use == 0
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_low_precision_caches_run(llama_dir, kv_format):
+    # fp32 model, bf16 / fp8 pages: attention reads the cache's precision; outputs stay close to the fp32 cache's
+    llm = LLM(llama_dir, page_size=8, num_pages=64, kv_format=kv_format)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
+    assert all(len(o.token_ids) >= 1 for o in outs) and llm.cache.allocator.pages_in_use == 0
+    assert llm.cache.k.dtype == {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}[kv_format]
