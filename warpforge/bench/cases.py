@@ -103,6 +103,26 @@ def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> 
     return replay
 
 
+def peak_memory(impls, rot, device) -> str:
+    """Each impl's peak allocation above the memory in use before its call (after one warm-up call)."""
+    parts = []
+    for name, fn in impls.items():
+        try:
+            fn()
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            result = fn()
+            torch.cuda.synchronize(device)
+            parts.append(f"{name} {(torch.cuda.max_memory_allocated(device) - base) / 2**20:.0f}")
+            del result
+        except Exception as exc:  # the timing run reports the error itself
+            parts.append(f"{name} failed ({type(exc).__name__})")
+        torch.cuda.empty_cache()
+    rot.reset()
+    return "; peak MiB " + ", ".join(parts)
+
+
 def families() -> list[str]:
     """Imports every *_cases module of this package once (each registers its cases); the families found."""
     for mod in pkgutil.iter_modules([os.path.dirname(__file__)]):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..ops.evoformer import evoformer_attention, evoformer_attention_reference
 from ..testing import rel_l2
 from . import baselines
-from .cases import Rotation, Setup, register
+from .cases import Rotation, Setup, peak_memory, register
 
 SCORED_ROWS = 64  # MSA rows whose output and q/k/v/gate gradients are scored (the pair gradient: all rows)
 REF_CHUNK = 256   # MSA rows per fp32 reference chunk
@@ -144,7 +144,7 @@ def evoformer_setup(device, tiny, *, S, R, H, D, backward, B=1):
             errs.append(rel_l2(got.reshape(want.shape), want))
         return max(errs)
 
-    peaks = _peak_memory(impls, rot, device) if on_gpu else ""
+    peaks = peak_memory(impls, rot, device) if on_gpu else ""
     ran = f"b{B} s{S} r{R} h{H} d{D} {str(dtype).replace('torch.', '')}" + peaks
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset,
                  tol=2e-2 if backward else 1e-2, ran=ran)
@@ -174,26 +174,6 @@ def _reference(st, backward, rows):
             first = tuple(t[:, :rows].detach() for t in (out, *grads[:4]))
         del out, grads
     return (*first, dpair)
-
-
-def _peak_memory(impls, rot, device) -> str:
-    """Each impl's peak allocation above the memory in use before its call (after one warm-up call)."""
-    parts = []
-    for name, fn in impls.items():
-        try:
-            fn()
-            torch.cuda.synchronize(device)
-            base = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            result = fn()
-            torch.cuda.synchronize(device)
-            parts.append(f"{name} {(torch.cuda.max_memory_allocated(device) - base) / 2**20:.0f}")
-            del result
-        except Exception as exc:  # the timing run reports the error itself
-            parts.append(f"{name} failed ({type(exc).__name__})")
-        torch.cuda.empty_cache()
-    rot.reset()
-    return "; peak MiB " + ", ".join(parts)
 
 
 def _register():
