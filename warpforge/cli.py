@@ -1,4 +1,4 @@
-"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge info`.
+"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge generate`, `warpforge info`.
 Errors a user can act on are one line on stderr and exit code 2; the library's progress lines (the "warpforge"
 logger) are shown on stdout."""
 from __future__ import annotations
@@ -172,6 +172,26 @@ def cmd_gpt_sample(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from .errors import WarpforgeInputError
+    from .serve import LLM, SamplingParams
+    try:
+        llm = LLM(args.model, dtype=args.dtype, kv_format=args.kv_format, speculative=args.speculative,
+                  num_speculative_tokens=args.num_speculative_tokens)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=args.stop or [])
+        for out in llm.stream(args.prompt, params):  # the text as it is generated
+            print(out.new_text, end="", flush=True)
+    except WarpforgeInputError as exc:
+        return _fail("generate", exc)
+    print()
+    m = llm.metrics
+    spec = f", {m.acceptance_rate:.0%} of drafts accepted" if m.drafted else ""
+    print(f"[{m.generated_tokens} tokens, {m.tokens_per_s:.1f} tokens/s, first token {m.mean_ttft * 1e3:.0f} ms"
+          f"{spec}]", file=sys.stderr)
+    return 0
+
+
 def cmd_tune(args) -> int:
     import importlib
 
@@ -327,6 +347,26 @@ def _sample_parser(gsub) -> None:
     gs.set_defaults(fn=cmd_gpt_sample)
 
 
+def _generate_parser(sub) -> None:
+    g = sub.add_parser("generate", help="generate text from a Hugging Face or warpforge GPT checkpoint (serve)")
+    g.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
+    g.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy (default 0)")
+    g.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (default 1: off)")
+    g.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed")
+    g.add_argument("--stop", action="append", help="a string that ends the output (repeatable)")
+    g.add_argument("--speculative", default=None, metavar="ngram|DIR",
+                   help="speculative decoding: prompt lookup (ngram) or a draft model's checkpoint directory")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="drafted tokens a step (default 4)")
+    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)")
+    g.add_argument("--kv-format", choices=("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4"), default=None,
+                   help="the paged KV cache's format (default: the dtype's)")
+    g.set_defaults(fn=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     parser = _Parser(prog="warpforge", description="Portable Triton kernels: benchmarks and the hackable GPT.")
@@ -347,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("name", choices=sorted(SWEEPS), help="the sweep")
     t.add_argument("args", nargs=argparse.REMAINDER, help="the sweep's own options (e.g. --out FILE.json)")
     t.set_defaults(fn=cmd_tune)
+    _generate_parser(sub)
     i = sub.add_parser("info", help="versions and the device warpforge would use")
     i.set_defaults(fn=cmd_info)
     return parser
