@@ -1,4 +1,5 @@
-"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge generate`, `warpforge info`.
+"""Command line: `warpforge bench`, `warpforge report`, `warpforge gpt ...`, `warpforge generate`, `warpforge serve`,
+`warpforge info`.
 Errors a user can act on are one line on stderr and exit code 2; the library's progress lines (the "warpforge"
 logger) are shown on stdout."""
 from __future__ import annotations
@@ -192,6 +193,20 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .errors import WarpforgeInputError
+    from .serve import server
+    missing = server.check_installed()
+    if missing:
+        return _fail("serve", missing)
+    try:
+        server.serve(args.model, host=args.host, port=args.port, dtype=args.dtype, kv_format=args.kv_format,
+                     speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    except WarpforgeInputError as exc:
+        return _fail("serve", exc)
+    return 0
+
+
 def cmd_tune(args) -> int:
     import importlib
 
@@ -347,6 +362,17 @@ def _sample_parser(gsub) -> None:
     gs.set_defaults(fn=cmd_gpt_sample)
 
 
+def _model_options(p) -> None:
+    """How generate and serve load a model."""
+    p.add_argument("--speculative", default=None, metavar="ngram|DIR",
+                   help="speculative decoding: prompt lookup (ngram) or a draft model's checkpoint directory")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="drafted tokens a step (default 4)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)")
+    p.add_argument("--kv-format", choices=("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4"), default=None,
+                   help="the paged KV cache's format (default: the dtype's)")
+
+
 def _generate_parser(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a Hugging Face or warpforge GPT checkpoint (serve)")
     g.add_argument("--model", required=True, help="checkpoint directory (config.json, *.safetensors, tokenizer)")
@@ -357,14 +383,15 @@ def _generate_parser(sub) -> None:
     g.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass (default 1: off)")
     g.add_argument("--seed", type=nonnegative_int, default=None, help="sampling seed")
     g.add_argument("--stop", action="append", help="a string that ends the output (repeatable)")
-    g.add_argument("--speculative", default=None, metavar="ngram|DIR",
-                   help="speculative decoding: prompt lookup (ngram) or a draft model's checkpoint directory")
-    g.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="drafted tokens a step (default 4)")
-    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="weights' dtype (default: bfloat16 on a GPU, float32 on a CPU)")
-    g.add_argument("--kv-format", choices=("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4"), default=None,
-                   help="the paged KV cache's format (default: the dtype's)")
+    _model_options(g)
     g.set_defaults(fn=cmd_generate)
+    sv = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions; the "
+                                      "[serve] extra)")
+    sv.add_argument("--model", required=True, help="checkpoint directory")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=positive_int, default=8000, help="port (default 8000)")
+    _model_options(sv)
+    sv.set_defaults(fn=cmd_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

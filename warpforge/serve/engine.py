@@ -91,6 +91,7 @@ class Engine:
         if r is None or r.finished:
             return False
         r.finish_reason = "abort"
+        self.metrics.aborted += 1
         self._finish(r)
         if r.on_output is not None:
             r.on_output(r.output([], ""))

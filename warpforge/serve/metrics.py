@@ -14,6 +14,7 @@ class EngineMetrics:
     drafted: int = 0                # speculative tokens proposed
     accepted: int = 0               # of them, accepted by the target
     preemptions: int = 0
+    aborted: int = 0                # requests aborted (a client gone, abort())
     pages_in_use: int = 0
     peak_pages_in_use: int = 0
     max_batch: int = 0              # most sequences in one step
@@ -50,4 +51,4 @@ class EngineMetrics:
         return {"tokens_per_s": round(self.tokens_per_s, 2), "generated_tokens": self.generated_tokens,
                 "prompt_tokens": self.prompt_tokens, "steps": self.steps, "mean_ttft_s": round(self.mean_ttft, 4),
                 "pages_in_use": self.pages_in_use, "peak_pages_in_use": self.peak_pages_in_use,
-                "speculative_acceptance_rate": round(self.acceptance_rate, 4), "preemptions": self.preemptions}
+                "speculative_acceptance_rate": round(self.acceptance_rate, 4), "preemptions": self.preemptions, "aborted": self.aborted}

@@ -1,0 +1,96 @@
+"""The OpenAI-compatible server against the `openai` client on localhost: completions and chat completions, plain
+and streamed (SSE), 4xx JSON errors for bad requests, and a client that disconnects mid-stream frees its pages."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server needs the [serve] extra: pip install -e '.[serve]'")
+uvicorn = pytest.importorskip("uvicorn", reason="the server needs the [serve] extra: pip install -e '.[serve]'")
+openai = pytest.importorskip("openai", reason="the server test's client: pip install openai")
+
+from warpforge.serve import LLM, SamplingParams  # noqa: E402
+from warpforge.serve.server import create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=64)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(create_app(llm, "tiny"), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    yield llm, client, port
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_completions_plain_and_streamed(server, llama_dir):
+    llm, client, _ = server
+    want = LLM(llama_dir, page_size=8, num_pages=32).generate("hello", SamplingParams(max_tokens=8, temperature=0))[0]
+    got = client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0)
+    assert got.choices[0].text == want.text and got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.completion_tokens == len(want.token_ids)
+    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+
+
+def test_chat_completions_plain_and_streamed(server):
+    llm, client, _ = server
+    msgs = [{"role": "user", "content": "the quick brown fox"}]
+    got = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    text = got.choices[0].message.content
+    assert got.choices[0].message.role == "assistant" and got.usage.completion_tokens >= 1
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+@pytest.mark.parametrize("kw", [dict(max_tokens=-1), dict(temperature=-2.0), dict(top_p=3.0), dict(n=2),
+                                dict(model="other")])
+def test_bad_requests_are_400_json(server, kw):
+    _, client, _ = server
+    args = dict(model="tiny", prompt="hello", max_tokens=4) | kw
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args)
+    assert info.value.status_code == 400
+
+
+def test_malformed_body_is_400(server):
+    import urllib.error
+    import urllib.request
+    _, _, port = server
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=b'{"max_tokens": 3}',
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req)
+    assert info.value.code == 400
+    assert b'"error"' in info.value.read()
+
+
+def test_disconnecting_client_frees_its_pages(server):
+    llm, client, port = server
+    aborted = llm.metrics.aborted
+    stream = client.completions.create(model="tiny", prompt="hello", max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    assert first.choices[0].text is not None
+    stream.close()  # the client goes away mid-generation
+    deadline = time.time() + 20
+    while (llm.engine.has_unfinished() or llm.cache.allocator.pages_in_use) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished() and llm.cache.allocator.pages_in_use == 0
+    assert llm.cache.allocator.check_no_leaks()
+    assert llm.metrics.aborted == aborted + 1  # stopped by the disconnect, not by running to its end
