@@ -94,3 +94,17 @@ def test_disconnecting_client_frees_its_pages(server):
     assert not llm.engine.has_unfinished() and llm.cache.allocator.pages_in_use == 0
     assert llm.cache.allocator.check_no_leaks()
     assert llm.metrics.aborted == aborted + 1  # stopped by the disconnect, not by running to its end
+
+
+def test_chat_template_from_tokenizer_config(llama_dir, tmp_path):
+    import json
+    import shutil
+
+    from warpforge.serve.server import _chat_prompt
+    from warpforge.serve.tokenizer import load_tokenizer
+    shutil.copy(llama_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(tmp_path)
+    assert _chat_prompt(tok, [{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"

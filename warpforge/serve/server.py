@@ -74,6 +74,10 @@ def _chat_prompt(tokenizer, messages) -> str:
     if template:
         import jinja2
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):  # transformers' templates call it on messages they cannot format
+            raise WarpforgeInputError(f"messages: {message}")
+        env.globals["raise_exception"] = raise_exception
         cfg = getattr(tokenizer, "config", {})
 
         def token(name):
