@@ -186,8 +186,26 @@ def monarch():
         api._bwd_impl(torch.randn_like(y), x, w_left, w_right, g, True)
 
 
+def sparse():
+    from warpforge.ops.sparse import api
+    from warpforge.ops.sparse.select import blocks_per_sequence, canonical
+    b, s, bs = 1, 1024, 128
+    for d, h_q, h_kv in ((128, 16, 2), (64, 8, 8)):
+        q = torch.randn(b, s, h_q, d, dtype=torch.bfloat16)
+        k, v = (torch.randn(b, s, h_kv, d, dtype=torch.bfloat16) for _ in range(2))
+        iq, ik = torch.randn(b, s, h_kv, 32, dtype=torch.bfloat16), torch.randn(b, s, 1, 32, dtype=torch.bfloat16)
+        api._scores_impl(iq, ik, None, b, s, bs, True, 0.1)
+        idx = torch.randint(-1, s // bs, (b, h_kv, s // bs, 16), dtype=torch.int32)
+        sel, n_sel = canonical(idx, blocks_per_sequence(None, b, s, bs, "cpu"), True)
+        out, lse = api._fwd_impl(q, k, v, sel, n_sel, None, b, s, bs, True, 0.1)
+        api._bwd_impl(torch.randn_like(out), q, k, v, out, torch.zeros(b, h_q, s), sel, n_sel, None, b, s, bs, True,
+                      0.1)
+        api._stats_impl(q, k, torch.zeros(b, h_q, s), iq, ik, sel, n_sel, None, b, s, bs, True, 0.1)
+
+
 FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
-            "norm": norm, "paged": paged, "evoformer": evoformer, "monarch": monarch}
+            "norm": norm, "paged": paged, "evoformer": evoformer, "monarch": monarch,
+            "sparse": sparse}
 
 
 def main():

@@ -218,3 +218,11 @@ def test_gpu_bf16_long(d):
     iq, ik = _index((1, s), 2, 32, torch.bfloat16)
     idx = wf.select_blocks(iq, ik, block_size=bs, topk=4)
     _check_attention(q, k, v, idx, bs, True)
+
+
+def test_dkdv_through_tensor_descriptors(monkeypatch):
+    """The dk/dv pass's TMA path (sm90's table takes it at d 64 / 128), forced on whatever runs the tests."""
+    from warpforge.ops.sparse import configs
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(tma=True))))
+    q, k, v = _qkv((2, 40), 4, 2, 32, torch.float16)
+    _check_attention(q, k, v, _random_indices(2, 2, 3, 2), 16, True)

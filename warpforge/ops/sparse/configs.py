@@ -14,6 +14,7 @@ class KernelCfg(NamedTuple):
     block_n: int  # key rows per tile
     warps: int
     stages: int
+    tma: bool = False  # dk/dv pass: the walked q and do through TMA descriptors
 
 
 class SparseTiles(NamedTuple):
@@ -30,7 +31,7 @@ _PLAIN = T(C(64, 64, 4, 2), C(64, 32, 4, 2), C(32, 64, 4, 2), C(64, 64, 4, 2))
 TILES = TileTable({
     "cpu": {"any": T(C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1))},
     "default": {"any": _PLAIN, 256: T(C(32, 32, 4, 1), C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
-    "sm90": {"any": T(C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 64, 4, 3), C(64, 64, 4, 2)),
-             128: T(C(128, 64, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 2), C(64, 64, 4, 2)),
+    "sm90": {"any": T(C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 64, 4, 3, tma=True), C(64, 64, 4, 2)),
+             128: T(C(128, 64, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 2, tma=True), C(64, 64, 4, 2)),
              256: T(C(64, 32, 4, 2), C(64, 32, 4, 2), C(32, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
 })

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...runtime import ensure_tma_allocator, tma_compatible
 from ..shared_kernels import dot, online_softmax
 
 LOG2E = 1.4426950408889634
@@ -39,10 +40,30 @@ def _seq_bounds(cu_ptr, b, seqlen, total, VARLEN: tl.constexpr):
 @triton.jit
 def _rows(X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_d, limit, D: tl.constexpr):
     """Rows lo + offs (< limit) of head h, columns offs_d (< D): a [len(offs), len(offs_d)] tile, zeros outside."""
-    ptrs = X + b64 * stride_b + (start + lo).to(tl.int64) * stride_s + h.to(tl.int64) * stride_h + \
-        offs[:, None].to(tl.int64) * stride_s + offs_d[None, :]
-    ok = ((lo + offs) < limit)[:, None] & (offs_d < D)[None, :]
+    base = X + b64 * stride_b + (start + lo).to(tl.int64) * stride_s + h.to(tl.int64) * stride_h
+    ptrs = base + offs[:, None] * stride_s + offs_d[None, :]  # within a tile int32 offsets suffice
+    ok = ((lo + offs) < limit)[:, None]
+    if D != offs_d.shape[0]:  # a padded head dim
+        ok = ok & (offs_d < D)[None, :]
     return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _head_desc(X, b64, start, h, s, stride_b, stride_s, stride_h, BLOCK: tl.constexpr, D: tl.constexpr):
+    """A TMA descriptor over the rows [0, s) of one head (rows past s arrive as zeros)."""
+    return tl.make_tensor_descriptor(X + b64 * stride_b + start.to(tl.int64) * stride_s + h.to(tl.int64) * stride_h,
+                                     shape=[s, D], strides=[stride_s, 1], block_shape=[BLOCK, D])
+
+
+@triton.jit
+def _walked(src, X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_d, limit, D: tl.constexpr,
+            USE_TMA: tl.constexpr):
+    """A walked operand's tile: through the descriptor src (USE_TMA), or pointers from X (_rows)."""
+    if USE_TMA:
+        tile = src.load([lo, 0])
+    else:
+        tile = _rows(X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_d, limit, D)
+    return tile
 
 
 # ----------------------------------------------------------------------------------------- index branch
@@ -314,25 +335,27 @@ def sparse_dq_kernel(
 
 
 @triton.jit
-def _block_dkdv(dk, dv, k, v, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh, stride_ob,
-                stride_os, stride_oh, stride_lb, stride_lh, qb_lo, u, s, offs_m, offs_d, offs_dv, qk_scale,
-                D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr):
-    """dk, dv of a key tile (rows u) from the queries of one block [qb_lo, qb_lo + BS) of head h. Queries past
-    the sequence get lse +inf, so p = 0 there without a mask; MASK is the causal mask of the own block."""
+def _block_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
+                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qb_lo, u, s, own, offs_m, offs_d, offs_dv,
+                qk_scale, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
+    """dk, dv of a key tile (rows u) from the queries of one block [qb_lo, qb_lo + BS) of head h; `own`: the key
+    tile's own block, causal-masked. Queries past the sequence get lse +inf, so p = 0 there without a mask."""
     lo = qb_lo
-    if MASK:  # no query before the tile's first key sees it
-        lo = qb_lo + ((tl.min(u, 0) - qb_lo) // BLOCK_M) * BLOCK_M
+    if CAUSAL:  # in the own block, no query before the tile's first key sees it
+        lo = tl.where(own, qb_lo + ((tl.min(u, 0) - qb_lo) // BLOCK_M) * BLOCK_M, qb_lo)
     for m0 in range(lo, qb_lo + BS, BLOCK_M):
         t = m0 + offs_m
         t_ok = t < s
-        q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D)
-        do = _rows(DO, b64, start, h, stride_ob, stride_os, stride_oh, m0, offs_m, offs_dv, s, DV)
+        q = _walked(q_src, Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D, USE_TMA)
+        do = _walked(do_src, DO, b64, start, h, stride_ob, stride_os, stride_oh, m0, offs_m, offs_dv, s, DV,
+                     USE_TMA)
         row_l = b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64)
         lse2 = tl.load(LSE + row_l, mask=t_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
         p = tl.math.exp2(dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [keys, queries]
-        if MASK:
-            p = tl.where(u[:, None] <= t[None, :], p, 0.0)
+        if CAUSAL:
+            p = tl.where((u[:, None] <= t[None, :]) | (not own), p, 0.0)
         dv = dot(p.to(do.dtype), do, dv)
         ds = p * (dot(v, tl.trans(do)) - delta[None, :])
         dk = dot(ds.to(q.dtype), q, dk)
@@ -347,7 +370,7 @@ def sparse_dkdv_kernel(
     seqlen, total, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
     that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
@@ -375,14 +398,19 @@ def sparse_dkdv_kernel(
     hi = tl.load(OFFSETS + key + 1)
     for hh in range(0, GROUP):
         h = g * GROUP + hh
-        for c in range(lo, hi):
-            i = tl.load(QBLOCKS + c)
-            dk, dv = _block_dkdv(dk, dv, k, v, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
-                                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, i * BS, u, s, offs_m,
-                                 offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_M, False)
-        dk, dv = _block_dkdv(dk, dv, k, v, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
-                             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, j * BS, u, s, offs_m, offs_d,
-                             offs_dv, qk_scale, D, DV, BS, BLOCK_M, CAUSAL)
+        if USE_TMA:  # the walked q and do through descriptors (sm_90: pointer tiles spill at d 128)
+            q_src = _head_desc(Q, b64, start, h, s, stride_qb, stride_qs, stride_qh, BLOCK_M, D)
+            do_src = _head_desc(DO, b64, start, h, s, stride_ob, stride_os, stride_oh, BLOCK_M, DV)
+        else:
+            q_src = Q
+            do_src = DO
+        for c in range(lo, hi + 1):  # the query blocks that kept this block, then its own (c == hi)
+            own = c == hi
+            i = tl.load(QBLOCKS + tl.minimum(c, hi - 1), mask=c < hi, other=0)
+            i = tl.where(own, j, i)
+            dk, dv = _block_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs,
+                                 stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, i * BS, u, s, own,
+                                 offs_m, offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_M, CAUSAL, USE_TMA)
     u_ok = (u < s)[:, None]
     rows = (start + u).to(tl.int64)[:, None]
     tl.store(DK + b64 * stride_kb + rows * stride_ks + g.to(tl.int64) * stride_kh + offs_d[None, :],
@@ -466,9 +494,13 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
         num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
     block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
+    tma = cfg_dkdv.tma and d == _bd(d) and d_v == _bd(d_v) and tma_compatible(q, do)
+    if tma:
+        ensure_tma_allocator(q.device)
     sparse_dkdv_kernel[(triton.cdiv(max_s, block_n), batch * h_kv)](
         q, k, v, do, lse, delta, dk, dv, offsets, qblocks, cu_arg, *strides, max_s, q.shape[0], scale * LOG2E,
-        scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages)
+        scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma, num_warps=cfg_dkdv.warps,
+        num_stages=cfg_dkdv.stages)
     return dq, dk, dv
 
 
