@@ -31,6 +31,8 @@ for step in "$@"; do
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
     bench-mla-check) SKIP_TESTS=1 MATCH='L(1k|8k) (bf16|fp8)' timeout 200 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1 ;;
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
+    compare-mla) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='L(1k|8k) (bf16|fp8)' timeout 300 bash scripts/gpu_check.sh "$w/cmp" mla > "$w/cmp-mla.log" 2>&1 ;;
+    bench-sparse) SKIP_TESTS=1 timeout 420 bash scripts/gpu_check.sh "$w/bench" sparse > "$w/$step.log" 2>&1 ;;
     gpt) timeout 200 python3 -m warpforge bench --family gpt --quick --json "$w/gpt.json" > "$w/gpt.log" 2>&1 ;;
     bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout 240 bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
