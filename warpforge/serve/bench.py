@@ -45,7 +45,9 @@ def random_model(shape: str, dtype, device, max_len: int):
                   f"{i}.qkv": rand(qkv, s.hidden_size), f"{i}.o": rand(s.hidden_size, s.num_heads * s.head_dim),
                   f"{i}.gate_up": rand(2 * s.intermediate_size, s.hidden_size),
                   f"{i}.down": rand(s.hidden_size, s.intermediate_size)})
-    return s, build(s, w, max_len, device), sum(t.numel() * t.element_size() for t in w.values())
+    # bytes a decode step reads: every weight but the embedding table, of which it gathers one row per token
+    read = sum(t.numel() * t.element_size() for name, t in w.items() if name != "embed")
+    return s, build(s, w, max_len, device), read
 
 
 def copy_bandwidth(device) -> float:
