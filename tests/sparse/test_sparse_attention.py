@@ -89,7 +89,7 @@ def test_selection_matches_reference(causal):
     b, s, h_kv, bs = 2, 70, 2, 16
     iq, ik = _index((b, s), h_kv, 16, torch.float32)
     got = wf.select_blocks(iq, ik, block_size=bs, topk=3, causal=causal, index_scale=0.25, backend="triton")
-    z_ref = index_block_scores_reference(iq, ik, block_size=bs, causal=causal, index_scale=0.25)
+    z_ref = index_block_scores_reference(iq, ik, block_size=bs, index_scale=0.25)
     assert torch.equal(got, top_blocks(z_ref, 3, causal))
     nb = -(-s // bs)
     i = torch.arange(nb, device=DEV)[:, None]

@@ -23,7 +23,7 @@ from ...runtime import check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
 from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
-from .select import blocks_per_sequence, canonical, kept_by, top_blocks
+from .select import blocks_per_sequence, canonical, kept_by, pooled_queries, top_blocks
 
 MAX_HEAD_DIM = 256
 MAX_BLOCK = 256  # the block scores' program holds a whole query block
@@ -87,7 +87,8 @@ _sparse_fwd = kernel_op("sparse_attn_fwd", _fwd_impl, _fwd_fake, setup_context=_
 def _scores_impl(index_q: torch.Tensor, index_k: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
                  block_size: int, causal: bool, scale: float) -> torch.Tensor:
     from .sparse_kernel import index_block_scores
-    return index_block_scores(index_q, index_k, cu, batch, max_s, block_size, causal, scale,
+    pooled = pooled_queries(index_q, cu, batch, max_s, block_size)
+    return index_block_scores(pooled, index_k, cu, batch, max_s, block_size, causal, scale,
                               _tiles(index_q, index_q.shape[-1]).index)
 
 
@@ -256,14 +257,12 @@ def _per_sequence(cu, *tensors):
 def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_scale, backend):
     if backend == "reference":
         if cu is None:
-            z = index_block_scores_reference(index_q, index_k, block_size=block_size, causal=causal,
-                                             index_scale=index_scale)
+            z = index_block_scores_reference(index_q, index_k, block_size=block_size, index_scale=index_scale)
         else:
             nb = n_blocks(max_s, block_size)
             z = index_q.new_full((batch, index_q.shape[-2], nb, nb), float("-inf"), dtype=torch.float32)
             for i, (iq, ik) in enumerate(_per_sequence(cu, index_q, index_k)):
-                zi = index_block_scores_reference(iq, ik, block_size=block_size, causal=causal,
-                                                  index_scale=index_scale)
+                zi = index_block_scores_reference(iq, ik, block_size=block_size, index_scale=index_scale)
                 z[i, :, :zi.shape[2], :zi.shape[3]] = zi[0]
     else:
         z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale)

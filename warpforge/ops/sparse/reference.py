@@ -8,9 +8,11 @@ block and per GQA group (kv head): block_indices [b, h_kv, n_blocks, topk] int, 
   with 0 <= j < n_blocks, j != i, and j < i when causal; duplicates count once.
 - Query t sees key u iff u's block is kept for t's block, u < s, and u <= t when causal.
 - The index branch: one small query head per group, index_q [b, s, h_kv, d_i], and one shared key head,
-  index_k [b, s, 1, d_i]. Block score Z[b, g, i, j] = the max over the visible (query t in block i, key u in block j)
-  pairs of index_q[t, g] · index_k[u] · index_scale (max-pooled over the block; no exp). The selection is the
-  top-`topk` of Z[b, g, i, :] over the candidate blocks (j != i, j < i when causal), ascending, -1 padded.
+  index_k [b, s, 1, d_i]. Block score Z[b, g, i, j] = the max over block j's keys u of (the mean of index_q[t, g]
+  over block i's tokens t) · index_k[u] · index_scale: the per-token scores averaged over the query block (a mean
+  of dot products is the dot product with the mean query, so the quadratic part costs one row per query block,
+  not per token) and max-pooled over the key block; no exp. The selection is the top-`topk` of Z[b, g, i, :] over
+  the candidate blocks (j != i, j < i when causal), ascending, -1 padded.
 - The index loss, per query token t and group g, over t's kept blocks c: the main attention's block mass
   m[t, c] = mean over g's query heads of the probability on block c's keys (it sums to 1: the attention sees
   only kept blocks), the index branch's distribution softmax_c(z[t, c]) with z[t, c] = the max over block c's
@@ -78,34 +80,25 @@ def sparse_attention_reference(q, k, v, block_indices, *, block_size=128, causal
     return out.to(q.dtype), lse.float()
 
 
-def _pair_mask(s: int, block_size: int, causal: bool, device) -> torch.Tensor:
-    """[nb, bs, nb, bs] bool over padded positions: both real, and u <= t when causal."""
-    nb = n_blocks(s, block_size)
-    pos = torch.arange(nb * block_size, device=device)
-    ok = (pos[:, None] < s) & (pos[None, :] < s)
-    if causal:
-        ok &= pos[None, :] <= pos[:, None]
-    return ok.view(nb, block_size, nb, block_size)
-
-
 def _padded(x: torch.Tensor, s: int, block_size: int, dim: int = 1) -> torch.Tensor:
     """x with its dim (of size s) zero-padded to whole blocks."""
     dim = dim % x.dim()
     return torch.nn.functional.pad(x, (0, 0) * (x.dim() - 1 - dim) + (0, n_blocks(s, block_size) * block_size - s))
 
 
-def index_block_scores_reference(index_q, index_k, *, block_size=128, causal=True, index_scale=None):
-    """Z [b, h_kv, nb, nb] fp32: the max-pooled index scores of (query block, key block); -inf where no pair is
-    visible."""
+def index_block_scores_reference(index_q, index_k, *, block_size=128, index_scale=None):
+    """Z [b, h_kv, nb, nb] fp32: query block i's mean index query against block j's keys, max-pooled over the keys
+    (the selection takes the top-k of each row over its candidate blocks)."""
     b, s, h_kv, d_i = index_q.shape
     scale = index_scale if index_scale is not None else 1.0 / math.sqrt(d_i)
     nb = n_blocks(s, block_size)
-    iq = _padded(index_q.float(), s, block_size)  # [b, nb*bs, h_kv, d_i]
-    ik = _padded(index_k.float(), s, block_size)[:, :, 0]  # [b, nb*bs, d_i]
-    scores = torch.einsum("bthd,bud->bhtu", iq, ik) * scale
-    ok = _pair_mask(s, block_size, causal, index_q.device).view(nb * block_size, nb * block_size)
-    scores = scores.masked_fill(~ok, float("-inf")).view(b, h_kv, nb, block_size, nb, block_size)
-    return scores.amax(dim=(3, 5))
+    iq = _padded(index_q.float(), s, block_size).view(b, nb, block_size, h_kv, d_i)
+    count = torch.full((nb,), float(block_size), device=index_q.device)
+    count[-1] = s - (nb - 1) * block_size
+    pooled = iq.sum(2) / count[None, :, None, None]  # [b, nb, h_kv, d_i]
+    scores = torch.einsum("bihd,bud->bhiu", pooled, index_k.float()[:, :, 0]) * scale  # [b, h_kv, nb, s]
+    scores = _padded(scores, s, block_size, dim=-1).view(b, h_kv, nb, nb, block_size)
+    return scores.masked_fill(_padded_key_mask(s, block_size, index_q.device), float("-inf")).amax(-1)
 
 
 def index_loss_reference(q, k, index_q, index_k, block_indices, *, block_size=128, causal=True, softmax_scale=None,
@@ -167,8 +160,7 @@ def sparse_attention_full_reference(q, k, v, index_q: Optional[torch.Tensor], in
                                     softmax_scale=None, index_scale=None):
     """Selection (when block_indices is None) then the sparse attention: (out, lse, block_indices)."""
     if block_indices is None:
-        z = index_block_scores_reference(index_q, index_k, block_size=block_size, causal=causal,
-                                         index_scale=index_scale)
+        z = index_block_scores_reference(index_q, index_k, block_size=block_size, index_scale=index_scale)
         block_indices = top_blocks(z, topk, causal)
     out, lse = sparse_attention_reference(q, k, v, block_indices, block_size=block_size, causal=causal,
                                           softmax_scale=softmax_scale)

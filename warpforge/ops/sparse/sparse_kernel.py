@@ -69,44 +69,43 @@ def _walked(src, X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_
 # ----------------------------------------------------------------------------------------- index branch
 @triton.jit
 def index_scores_kernel(
-    IQ, IK, Z, CU,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+    PQ, IK, Z, CU,
+    stride_pb, stride_ph, stride_pi, stride_kb, stride_ks,
     stride_zb, stride_zh, stride_zi,
     seqlen, total, scale,
-    H_KV: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+    H_KV: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Z[b, g, i, j] = max over visible (t in block i, u in block j) of iq[t, g] · ik[u] · scale, for the blocks j
-    a query block can see (j <= i when causal); the launcher fills the rest with -inf."""
-    nqb = tl.num_programs(0)
-    i = nqb - 1 - tl.program_id(0)  # causal rows get heavier with i: the heaviest first
+    """Z[b, g, i, j] = max over block j's keys u of pq[b, g, i] · ik[u] · scale for the BLOCK_Q query blocks i of
+    this program, over the key blocks a query block can select (j < i when causal; the rest stays -inf). One key
+    block's tile serves all BLOCK_Q pooled queries in one MMA."""
+    i0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q  # causal: the heaviest tiles first
     b = tl.program_id(1) // H_KV
     g = tl.program_id(1) % H_KV
     start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
-    q_lo = i * BS
-    if q_lo >= s:
+    nb = tl.cdiv(s, BS)
+    if i0 >= nb:
         return
     b64 = b.to(tl.int64)
-    offs_m = tl.arange(0, BS)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_n = tl.arange(0, BS)
     offs_d = tl.arange(0, BLOCK_DI)
-    iq = _rows(IQ, b64, start, g, stride_qb, stride_qs, stride_qh, q_lo, offs_m, offs_d, s, DI)
-    t = q_lo + offs_m
-    t_ok = t < s
-    nkb = tl.cdiv(s, BS)
-    last = i + 1 if CAUSAL else nkb
-    z_row = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + i.to(tl.int64) * stride_zi
+    rows = i0 + offs_q
+    pq_ptrs = PQ + b64 * stride_pb + g.to(tl.int64) * stride_ph + rows[:, None].to(tl.int64) * stride_pi + \
+        offs_d[None, :]
+    pq = tl.load(pq_ptrs, mask=(rows < nb)[:, None] & (offs_d < DI)[None, :], other=0.0)
+    if CAUSAL:
+        last = tl.minimum(i0 + BLOCK_Q - 1, nb - 1)  # blocks before the tile's last query block
+    else:
+        last = nb
+    z_rows = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + rows.to(tl.int64) * stride_zi
     for j in range(0, last):
-        best = tl.full([BS], float("-inf"), tl.float32)
-        for n0 in range(j * BS, j * BS + BS, BLOCK_N):
-            ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, n0, offs_n, offs_d, s, DI)
-            sc = dot(iq, tl.trans(ik))
-            u = n0 + offs_n
-            ok = t_ok[:, None] & (u < s)[None, :]
-            if CAUSAL:
-                ok = ok & (u[None, :] <= t[:, None])
-            best = tl.maximum(best, tl.max(tl.where(ok, sc, float("-inf")), 1))
-        tl.store(z_row + j, tl.max(best, 0) * scale)
+        ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s, DI)
+        sc = tl.where((j * BS + offs_n < s)[None, :], dot(pq, tl.trans(ik)), float("-inf"))
+        ok = rows < nb
+        if CAUSAL:
+            ok = ok & (j < rows)
+        tl.store(z_rows + j, tl.max(sc, 1) * scale, mask=ok)
 
 
 @triton.jit
@@ -186,28 +185,34 @@ def index_stats_kernel(
 
 
 # ---------------------------------------------------------------------------------------- attention
+# Each pass walks its kept blocks as one flat loop of BLOCK-row tiles (step -> block list entry step // SUB, tile
+# step % SUB), so the pipeliner overlaps loads across block boundaries; the own block, masked, is a second loop.
 @triton.jit
-def _block_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-               stride_vh, kb_lo, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
-               BS: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """The online softmax over the keys of one block [kb_lo, kb_lo + BS)."""
-    hi = kb_lo + BS
-    if MASK and CAUSAL:  # the own block: no key past the tile's last query
+def _tile_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+              stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """The online softmax over the keys [n0, n0 + BLOCK_N)."""
+    k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
+    v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
+    sc = dot(q, tl.trans(k)) * qk_scale
+    if MASK:
+        u = n0 + offs_n
+        ok = (u < s)[None, :]
+        if CAUSAL:
+            ok = ok & (u[None, :] <= t[:, None])
+        sc = tl.where(ok, sc, float("-inf"))
+    p, alpha, l_i, m_new = online_softmax(sc, m_i, l_i)
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _own_end(i, t, BS: tl.constexpr, CAUSAL: tl.constexpr):
+    """The end of the own block's keys a query tile (rows t) sees."""
+    hi = i * BS + BS
+    if CAUSAL:
         hi = tl.minimum(hi, tl.max(t, 0) + 1)
-    for n0 in range(kb_lo, hi, BLOCK_N):
-        k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
-        v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
-        sc = dot(q, tl.trans(k)) * qk_scale
-        if MASK:
-            u = n0 + offs_n
-            ok = (u < s)[None, :]
-            if CAUSAL:
-                ok = ok & (u[None, :] <= t[:, None])
-            sc = tl.where(ok, sc, float("-inf"))
-        p, alpha, l_i, m_new = online_softmax(sc, m_i, l_i)
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-    return acc, l_i, m_i
+    return hi
 
 
 @triton.jit
@@ -222,6 +227,7 @@ def sparse_fwd_kernel(
     VARLEN: tl.constexpr,
 ):
     """Program (query tile, b · H_Q + h): out and lse (natural log) of its rows over the kept blocks."""
+    SUB: tl.constexpr = BS // BLOCK_N
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H_Q
     h = tl.program_id(1) % H_Q
@@ -243,15 +249,16 @@ def sparse_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
     n_sel = tl.load(NSEL + (b64 * (H_Q // GROUP) + hk) * tl.cdiv(seqlen, BS) + i)
-    for c in range(0, n_sel):
-        j = tl.load(sel_row + c)
+    for step in range(0, n_sel * SUB):
+        n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
         # causal: a selected block lies before the query block, so it is whole and wholly visible
-        acc, l_i, m_i = _block_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
-                                   stride_vb, stride_vs, stride_vh, j * BS, t, s, offs_n, offs_d, offs_dv, qk_scale,
-                                   D, DV, BS, BLOCK_N, not CAUSAL, False)
-    acc, l_i, m_i = _block_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                               stride_vs, stride_vh, i * BS, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, BS,
-                               BLOCK_N, True, CAUSAL)
+        acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
+                                  stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale,
+                                  D, DV, not CAUSAL, False)
+    for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
+        acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
+                                  stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale,
+                                  D, DV, True, CAUSAL)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -263,26 +270,21 @@ def sparse_fwd_kernel(
 
 
 @triton.jit
-def _block_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
-              stride_vs, stride_vh, kb_lo, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr,
-              DV: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr):
-    """dq += ds · k over the keys of one block, ds = p · (do · vᵀ − delta)."""
-    hi = kb_lo + BS
-    if MASK and CAUSAL:
-        hi = tl.minimum(hi, tl.max(t, 0) + 1)
-    for n0 in range(kb_lo, hi, BLOCK_N):
-        k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
-        v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
-        p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
-        if MASK:
-            u = n0 + offs_n
-            ok = (u < s)[None, :]
-            if CAUSAL:
-                ok = ok & (u[None, :] <= t[:, None])
-            p = tl.where(ok, p, 0.0)
-        ds = p * (dot(do, tl.trans(v)) - delta[:, None])
-        dq = dot(ds.to(k.dtype), k, dq)
-    return dq
+def _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+             stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+             MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """dq += ds · k over the keys [n0, n0 + BLOCK_N), ds = p · (do · vᵀ − delta)."""
+    k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
+    v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
+    p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
+    if MASK:
+        u = n0 + offs_n
+        ok = (u < s)[None, :]
+        if CAUSAL:
+            ok = ok & (u[None, :] <= t[:, None])
+        p = tl.where(ok, p, 0.0)
+    ds = p * (dot(do, tl.trans(v)) - delta[:, None])
+    return dot(ds.to(k.dtype), k, dq)
 
 
 @triton.jit
@@ -297,6 +299,7 @@ def sparse_dq_kernel(
     VARLEN: tl.constexpr,
 ):
     """Program (query tile, b · H_Q + h): dq of its rows (dq and q share strides; do and out share O's)."""
+    SUB: tl.constexpr = BS // BLOCK_N
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H_Q
     h = tl.program_id(1) % H_Q
@@ -321,45 +324,37 @@ def sparse_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
     n_sel = tl.load(NSEL + (b64 * (H_Q // GROUP) + hk) * tl.cdiv(seqlen, BS) + i)
-    for c in range(0, n_sel):
-        j = tl.load(sel_row + c)
-        dq = _block_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                       stride_vs, stride_vh, j * BS, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_N,
-                       not CAUSAL, False)
-    dq = _block_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                   stride_vs, stride_vh, i * BS, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_N, True,
-                   CAUSAL)
+    for step in range(0, n_sel * SUB):
+        n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
+        dq = _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                      stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, not CAUSAL, False)
+    for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
+        dq = _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+                      stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, True, CAUSAL)
     dq_ptrs = DQ + b64 * stride_qb + (start + t).to(tl.int64)[:, None] * stride_qs + h.to(tl.int64) * stride_qh + \
         offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
-def _block_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
-                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qb_lo, u, s, own, offs_m, offs_d, offs_dv,
-                qk_scale, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
-    """dk, dv of a key tile (rows u) from the queries of one block [qb_lo, qb_lo + BS) of head h; `own`: the key
-    tile's own block, causal-masked. Queries past the sequence get lse +inf, so p = 0 there without a mask."""
-    lo = qb_lo
-    if CAUSAL:  # in the own block, no query before the tile's first key sees it
-        lo = tl.where(own, qb_lo + ((tl.min(u, 0) - qb_lo) // BLOCK_M) * BLOCK_M, qb_lo)
-    for m0 in range(lo, qb_lo + BS, BLOCK_M):
-        t = m0 + offs_m
-        t_ok = t < s
-        q = _walked(q_src, Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D, USE_TMA)
-        do = _walked(do_src, DO, b64, start, h, stride_ob, stride_os, stride_oh, m0, offs_m, offs_dv, s, DV,
-                     USE_TMA)
-        row_l = b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64)
-        lse2 = tl.load(LSE + row_l, mask=t_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
-        p = tl.math.exp2(dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [keys, queries]
-        if CAUSAL:
-            p = tl.where((u[:, None] <= t[None, :]) | (not own), p, 0.0)
-        dv = dot(p.to(do.dtype), do, dv)
-        ds = p * (dot(v, tl.trans(do)) - delta[None, :])
-        dk = dot(ds.to(q.dtype), q, dk)
-    return dk, dv
+def _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
+               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, m0, u, s, offs_m, offs_d, offs_dv, qk_scale,
+               D: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr):
+    """dk, dv of a key tile (rows u) from the queries [m0, m0 + BLOCK_M) of head h. Queries past the sequence get
+    lse +inf, so p = 0 there without a mask; MASK is the causal mask of the own block."""
+    t = m0 + offs_m
+    t_ok = t < s
+    q = _walked(q_src, Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D, USE_TMA)
+    do = _walked(do_src, DO, b64, start, h, stride_ob, stride_os, stride_oh, m0, offs_m, offs_dv, s, DV, USE_TMA)
+    row_l = b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64)
+    lse2 = tl.load(LSE + row_l, mask=t_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
+    p = tl.math.exp2(dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [keys, queries]
+    if MASK:
+        p = tl.where(u[:, None] <= t[None, :], p, 0.0)
+    dv = dot(p.to(do.dtype), do, dv)
+    ds = p * (dot(v, tl.trans(do)) - delta[None, :])
+    return dot(ds.to(q.dtype), q, dk), dv
 
 
 @triton.jit
@@ -375,6 +370,7 @@ def sparse_dkdv_kernel(
     """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
     that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
     dk / dv share K's / V's strides."""
+    SUB: tl.constexpr = BS // BLOCK_M
     pid_n = tl.program_id(0)
     b = tl.program_id(1) // H_KV
     g = tl.program_id(1) % H_KV
@@ -396,6 +392,10 @@ def sparse_dkdv_kernel(
     key = (b64 * H_KV + g) * tl.cdiv(seqlen, BS) + j
     lo = tl.load(OFFSETS + key)
     hi = tl.load(OFFSETS + key + 1)
+    if CAUSAL:  # in the own block, no query before the tile's first key sees it
+        own_lo = j * BS + ((n_lo - j * BS) // BLOCK_M) * BLOCK_M
+    else:
+        own_lo = j * BS
     for hh in range(0, GROUP):
         h = g * GROUP + hh
         if USE_TMA:  # the walked q and do through descriptors (sm_90: pointer tiles spill at d 128)
@@ -404,13 +404,15 @@ def sparse_dkdv_kernel(
         else:
             q_src = Q
             do_src = DO
-        for c in range(lo, hi + 1):  # the query blocks that kept this block, then its own (c == hi)
-            own = c == hi
-            i = tl.load(QBLOCKS + tl.minimum(c, hi - 1), mask=c < hi, other=0)
-            i = tl.where(own, j, i)
-            dk, dv = _block_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs,
-                                 stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, i * BS, u, s, own,
-                                 offs_m, offs_d, offs_dv, qk_scale, D, DV, BS, BLOCK_M, CAUSAL, USE_TMA)
+        for step in range(lo * SUB, hi * SUB):  # the query blocks that kept this block
+            m0 = tl.load(QBLOCKS + step // SUB) * BS + (step % SUB) * BLOCK_M
+            dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs,
+                                stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, m0, u, s, offs_m,
+                                offs_d, offs_dv, qk_scale, D, DV, False, USE_TMA)
+        for m0 in range(own_lo, j * BS + BS, BLOCK_M):  # its own block
+            dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs,
+                                stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, m0, u, s, offs_m,
+                                offs_d, offs_dv, qk_scale, D, DV, CAUSAL, USE_TMA)
     u_ok = (u < s)[:, None]
     rows = (start + u).to(tl.int64)[:, None]
     tl.store(DK + b64 * stride_kb + rows * stride_ks + g.to(tl.int64) * stride_kh + offs_d[None, :],
@@ -435,20 +437,20 @@ def _lse_strides(lse, cu):
     return (0, lse.stride(0)) if cu is not None else (lse.stride(0), lse.stride(1))
 
 
-def index_block_scores(index_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg):
-    """Z [batch, h_kv, nb, nb] fp32 (-inf where a query block sees no key of that block)."""
-    h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
-    nb = triton.cdiv(max_s, block_size)
-    z = torch.full((batch, h_kv, nb, nb), float("-inf"), device=index_q.device, dtype=torch.float32)
+def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg):
+    """Z [batch, h_kv, nb, nb] fp32 from the pooled index queries [batch, h_kv, nb, d_i] (-inf where a block is
+    not a candidate)."""
+    h_kv, nb, d_i = pooled_q.shape[1], pooled_q.shape[2], pooled_q.shape[3]
+    z = torch.full((batch, h_kv, nb, nb), float("-inf"), device=pooled_q.device, dtype=torch.float32)
     if batch == 0 or nb == 0:
         return z
-    sq = _seq_args(index_q, cu, batch, max_s)
     sk = _seq_args(index_k, cu, batch, max_s)
-    index_scores_kernel[(nb, batch * h_kv)](
-        index_q, index_k, z, cu if cu is not None else z, *sq, sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2),
-        max_s, index_q.shape[0], scale, H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size,
-        BLOCK_N=min(cfg.block_n, block_size), CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps,
-        num_stages=cfg.stages)
+    block_q = min(cfg.block_m, max(16, triton.next_power_of_2(nb)))
+    index_scores_kernel[(triton.cdiv(nb, block_q), batch * h_kv)](
+        pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
+        sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, index_k.shape[0], scale,
+        H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, CAUSAL=causal, VARLEN=cu is not None,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return z
 
 
@@ -472,6 +474,21 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
     return out, lse
 
 
+def _row_dots(out, do, cu, chunk_elems=1 << 27):
+    """delta = rowsum(out · do) in fp32, laid out like lse; in chunks of tokens, so that the fp32 copies stay
+    small at a million tokens."""
+    rows = out.shape[0] if cu is not None else out.shape[1]
+    step = max(1, chunk_elems // max(out[0].numel() if cu is not None else out[:, 0].numel(), 1))
+    delta = torch.empty((out.shape[-2], rows) if cu is not None else (out.shape[0], out.shape[-2], rows),
+                        device=out.device, dtype=torch.float32)
+    for r in range(0, rows, step):
+        if cu is not None:
+            delta[:, r:r + step] = (out[r:r + step].float() * do[r:r + step].float()).sum(-1).t()
+        else:
+            delta[:, :, r:r + step] = (out[:, r:r + step].float() * do[:, r:r + step].float()).sum(-1).transpose(1, 2)
+    return delta
+
+
 def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size, causal, scale,
                cfg_dq, cfg_dkdv):
     """(dq, dk, dv). offsets / qblocks: the CSR lists of the query blocks that kept each key block."""
@@ -480,8 +497,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if batch == 0 or max_s == 0:
         return dq, dk, dv
-    delta = (out.float() * do.float()).sum(-1)  # [b, s, h] or [total, h]
-    delta = delta.transpose(0, 1).contiguous() if cu is not None else delta.transpose(1, 2).contiguous()
+    delta = _row_dots(out, do, cu)
     common = dict(H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size,
                   CAUSAL=causal, VARLEN=cu is not None)
     cu_arg = cu if cu is not None else lse
