@@ -21,7 +21,6 @@ import time
 from collections import deque
 from typing import Callable, Iterator, Optional
 
-import torch
 
 from ..errors import WarpforgeInputError, check_int
 from ..ops import paged

@@ -7,7 +7,7 @@ feeds it (with any drafted tokens after it). So a decoding request always has nu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .sampling import SamplingParams
