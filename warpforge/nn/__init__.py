@@ -8,6 +8,7 @@ from .mlp import SwiGLU
 from .monarch import MonarchLinear
 from .moe import MoE
 from .norm import RMSNorm
+from .sparse_attention import SparseAttention
 
-__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "MonarchLinear", "RMSNorm", "SwiGLU", "MSARowAttentionWithPairBias",
+__all__ = ["Attention", "KVCache", "MLAttention", "MLACache", "MoE", "MonarchLinear", "RMSNorm", "SparseAttention", "SwiGLU", "MSARowAttentionWithPairBias",
            "MSAColumnAttention", "TriangleAttention", "functional"]

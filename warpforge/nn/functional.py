@@ -16,6 +16,7 @@ from ..errors import check_dtype, check_int, check_rank, check_same_device, chec
 from ..ops import attention as attention_op
 from ..ops import linear_ce, mla, moe, monarch, norm
 from ..ops import rope as rope_op
+from ..ops import sparse as sparse_op
 from ..ops import swiglu as swiglu_op
 from ..ops.attention.reference import visible_mask
 
@@ -23,7 +24,7 @@ Backend = Union[None, str, Mapping[str, Optional[str]]]
 TORCH = "torch"
 # the op names a dict backend may key (each is a function below; "moe" covers route and moe_experts)
 OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy", "moe", "mla", "evoformer",
-       "monarch")
+       "monarch", "sparse")
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # what the ops behind the modules take
 # the largest size a module's constructor takes (a width, a head count, a sequence length): far past any real model,
@@ -97,6 +98,24 @@ def attention(q, k, v, *, causal=True, softmax_scale=None, window=(-1, -1), cu_s
         return torch.cat([sdpa(q[None, s:e], k[None, s:e], v[None, s:e], causal, softmax_scale, window)[0]
                           for s, e in zip(bounds[:-1], bounds[1:])])
     return sdpa(q, k, v, causal, softmax_scale, window)
+
+
+def sparse_attention(q, k, v, index_q, index_k, *, block_size=128, topk=16, softmax_scale=None,
+                     backend: Backend = None):
+    """sparse_attention's call with the index branch: (out, lse, block_indices). "torch" is its reference (dense
+    attention under the block mask: quadratic memory, for small shapes)."""
+    b = pick(backend, "sparse")
+    return sparse_op.sparse_attention(q, k, v, index_q=index_q, index_k=index_k, block_size=block_size, topk=topk,
+                                      softmax_scale=softmax_scale, return_lse=True, return_indices=True,
+                                      backend="reference" if b == TORCH else b)
+
+
+def sparse_index_loss(q, k, lse, index_q, index_k, block_indices, *, block_size=128, softmax_scale=None,
+                      backend: Backend = None):
+    b = pick(backend, "sparse")
+    return sparse_op.sparse_attention_index_loss(q, k, lse, index_q, index_k, block_indices, block_size=block_size,
+                                                 softmax_scale=softmax_scale,
+                                                 backend="reference" if b == TORCH else b)
 
 
 def sdpa(q, k, v, causal=True, softmax_scale=None, window=(-1, -1)):

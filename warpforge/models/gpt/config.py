@@ -19,13 +19,16 @@ class GPTConfig:
     rope_base: float = 10000.0
     tie_embeddings: bool = True
     # DeepSeek-style blocks: Multi-head Latent Attention, Mixture-of-Experts feed-forward
-    attention: str = "mha"           # "mha" (GQA when n_kv_head < n_head) or "mla"
+    attention: str = "mha"           # "mha" (GQA when n_kv_head < n_head), "mla", or "sparse" (top-k block-sparse)
     mla_head_dim: int = 32           # per-head nope and v width of MLA (its latent is 512 + 64 rope)
     moe_experts: int = 0             # 0: dense SwiGLU everywhere
     moe_topk: int = 2
     moe_ffn_dim: int = 256           # per expert
     moe_shared_experts: int = 1
     moe_first_dense: int = 1         # the first layers keep a dense feed-forward
+    sparse_block: int = 128          # attention="sparse": block size, blocks kept per query block, index head width
+    sparse_topk: int = 16
+    sparse_index_dim: int = 32
     mlp: str = "swiglu"              # the dense feed-forward's projections: "swiglu" (nn.Linear) or "monarch"
     monarch_blocks: int = 4          # blocks of each MonarchLinear with mlp="monarch"
 
@@ -41,7 +44,7 @@ class GPTConfig:
         check_positive_float("ffn_mult", self.ffn_mult, allow_none=False)
         check_positive_float("rope_base", self.rope_base, allow_none=False)
         check_bool("tie_embeddings", self.tie_embeddings)
-        check_choice("attention", self.attention, ("mha", "mla"))
+        check_choice("attention", self.attention, ("mha", "mla", "sparse"))
         check_int("moe_experts", self.moe_experts, lo=0, what="an int >= 0 (0: no MoE)")
         check_int("moe_first_dense", self.moe_first_dense, lo=0)
         check_choice("tokenizer", self.tokenizer, ("bytes", "gpt2"))
@@ -113,6 +116,13 @@ PRESETS = {
                                     ckpt_every=10**9, data="random")),
     # MLA attention + MoE feed-forward, DeepSeek-V3's blocks at toy size (the MLA decode kernel wants 16+ heads);
     # for a GPU: slow on a CPU.
+    # Top-k block-sparse attention (MiniMax Sparse Attention style) over 32k-byte windows of Shakespeare read as one
+    # long stream: each 128-byte block keeps its own and 16 earlier blocks (1/15 of causal attention at 32k). For a
+    # GPU; `--attention=mha` trains the dense twin for the comparison.
+    "long": Preset(GPTConfig(seq_len=32768, n_layer=4, n_head=8, n_kv_head=2, d_model=256, attention="sparse",
+                             sparse_block=128, sparse_topk=16, sparse_index_dim=32),
+                   TrainConfig(batch_size=2, max_steps=300, max_minutes=10, lr=2e-3, warmup_steps=30,
+                               eval_every=100, eval_batches=4, ckpt_every=10**9)),
     "deepseek-mini": Preset(GPTConfig(seq_len=256, n_layer=4, n_head=16, n_kv_head=16, d_model=256,
                                       attention="mla", mla_head_dim=32, moe_experts=8, moe_topk=2, moe_ffn_dim=256),
                             TrainConfig(batch_size=32, max_steps=2000, max_minutes=10, lr=2e-3, warmup_steps=100,

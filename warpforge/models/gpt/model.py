@@ -19,7 +19,7 @@ from torch import nn
 
 from ...errors import check_dtype, check_int, check_positive_float, check_rank, check_tensor, fail, \
     host_reads_allowed
-from ...nn import Attention, MLAttention, MoE, RMSNorm, SwiGLU
+from ...nn import Attention, MLAttention, MoE, RMSNorm, SparseAttention, SwiGLU
 from ...nn import functional as F
 from .config import GPTConfig
 
@@ -29,6 +29,10 @@ def _attention(cfg: GPTConfig, backend: F.Backend) -> nn.Module:
         return MLAttention(cfg.d_model, cfg.n_head, q_lora_rank=None, qk_nope_head_dim=cfg.mla_head_dim,
                            v_head_dim=cfg.mla_head_dim, max_seq_len=cfg.seq_len, rope_base=cfg.rope_base,
                            backend=backend)
+    if cfg.attention == "sparse":
+        return SparseAttention(cfg.d_model, cfg.n_head, cfg.n_kv_head, block_size=cfg.sparse_block,
+                               topk=cfg.sparse_topk, index_dim=cfg.sparse_index_dim, max_seq_len=cfg.seq_len,
+                               rope_base=cfg.rope_base, backend=backend)
     return Attention(cfg.d_model, cfg.n_head, cfg.n_kv_head, causal=True, rotary=True, max_seq_len=cfg.seq_len,
                      rope_base=cfg.rope_base, backend=backend)
 
@@ -116,9 +120,11 @@ class GPT(nn.Module):
         dtype = F.compute_dtype(h.device, h.dtype)  # cast as a Linear under autocast would
         loss = F.linear_cross_entropy(h.to(dtype), self.head.weight.to(dtype), targets.reshape(-1),
                                       backend=self.backend)
-        for block in self.blocks:  # MoE layers' load-balancing losses
+        for block in self.blocks:  # MoE layers' load-balancing losses, sparse attention's index losses
             if isinstance(block.mlp, MoE):
                 loss = loss + block.mlp.aux_loss
+            if isinstance(block.attn, SparseAttention):
+                loss = loss + block.attn.aux_loss
         return loss
 
     def num_params(self, active: bool = False) -> int:
