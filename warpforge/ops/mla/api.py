@@ -9,6 +9,7 @@ host when capturing, so one plan serves every replay of a captured decode step.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,7 +18,7 @@ import torch
 from ...errors import (FP32_TINY, SCALE_MAX, check_choice, check_dtype, check_int, check_last_dim_contiguous,
                        check_no_grad, check_positive_float, check_rank, check_same_device, check_tensor, fail,
                        host_reads_allowed, read_once)
-from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
+from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from .._plan import DecodePlan
 from . import configs
@@ -34,14 +35,21 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
                      cache_seqlens: Optional[torch.Tensor], kv_scale: Optional[torch.Tensor], scale: float,
                      causal: bool, kv_format: str, num_splits: int, cfg: list[int],
                      indices: Optional[torch.Tensor] = None,
-                     topk_length: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     topk_length: Optional[torch.Tensor] = None,
+                     gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16, dense, page 64, rows >= 64)
+        from . import decode_gluon_kernel as dg
+        if dg.available() and dg.tma_ok(kv_cache):
+            stages, mode = dg.knobs()
+            return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits,
+                                       stages=stages, mode=mode)
     from .decode_kernel import mla_decode_fwd
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, KV_FORMATS[kv_format], kv_scale,
                           num_splits, configs.MLACfg(*cfg), indices, topk_length)
 
 
 def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits, cfg,
-                     indices=None, topk_length=None):
+                     indices=None, topk_length=None, gluon=False):
     b, s_q, h_q, _ = q.shape
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -57,6 +65,7 @@ class MLAPlan(DecodePlan):
     sparse: bool
     causal: bool
     config: configs.MLACfg
+    gluon: bool = False    # run() takes the Hopper Gluon kernel (decode_gluon_kernel.py): see gluon_gate
 
     @property
     def shapes(self) -> tuple:
@@ -75,7 +84,7 @@ class MLAPlan(DecodePlan):
                                         causal=self.causal, kv_format=self.kv_format, kv_scale=kv_scale,
                                         indices=indices, topk_length=topk_length)
         return _mla_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, self.softmax_scale, self.causal,
-                           self.kv_format, self.num_splits, list(self.config), indices, topk_length)
+                           self.kv_format, self.num_splits, list(self.config), indices, topk_length, self.gluon)
 
 
 def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softmax_scale=None, causal=False,
@@ -95,13 +104,40 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
     if num_splits is not None:  # more splits than tokens would only be empty partials
         check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
                   what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
+    gluon = gluon_gate(q, kv_cache, kv_format, sparse)
     if num_splits is None:
-        num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device),
-                                     waves=cfg.waves)
+        if gluon:  # one 64-row program fills an SM (224 KB of shared memory)
+            num_splits = plan_num_splits(b, rows, max_tokens, configs.GLUON_BLOCK_H, sm_count(q.device),
+                                         waves=configs.GLUON_WAVES)
+        else:
+            num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device),
+                                         waves=cfg.waves)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
     return MLAPlan(batch=b, s_q=s_q, h_q=h_q, page_size=kv_cache.shape[1], kv_format=kv_format, softmax_scale=scale,
                    dtype=q.dtype, num_splits=num_splits, max_tokens=max_tokens, sparse=sparse, causal=causal,
-                   config=cfg)
+                   config=cfg, gluon=gluon)
+
+
+@torch.compiler.assume_constant_result
+def _gluon_switch() -> bool:
+    """WARPFORGE_MLA_GLUON (unset or anything but "0": on) and a Triton whose Gluon API the kernel was written
+    for: read on the host, a constant to torch.compile."""
+    if os.environ.get(configs.GLUON_ENV, "1") == "0":
+        return False
+    import triton
+    return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
+
+
+def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
+    """Whether a plan for these shapes takes the Hopper Gluon kernel: an sm_90 device, a Triton in
+    configs.GLUON_TRITON_VERSIONS, bf16 q and cache, dense (block table, no indices), page size 64,
+    h_q · s_q >= 64 query rows, and WARPFORGE_MLA_GLUON not "0". Everything else runs the portable kernel (so
+    does a run whose cache is not 16-byte aligned for TMA, checked at run time)."""
+    if q.device.type != "cuda" or arch_key(q.device) != "sm90":
+        return False
+    b, s_q, h_q, _ = q.shape
+    return (not sparse and kv_format == "bf16" and q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
+            and kv_cache.shape[1] == configs.GLUON_PAGE and s_q * h_q >= configs.GLUON_MIN_ROWS and _gluon_switch())
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],

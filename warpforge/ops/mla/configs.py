@@ -34,3 +34,11 @@ DECODE = TileTable({
              "nvfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)},
              "mxfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)}},
 })
+
+# The Hopper Gluon kernel (decode_gluon_kernel.py; api.gluon_gate decides): its fixed tile and gate constants.
+GLUON_ENV = "WARPFORGE_MLA_GLUON"       # "0" turns the Gluon path off (the portable kernel then runs everywhere)
+GLUON_TRITON_VERSIONS = ("3.6",)        # Triton releases whose Gluon API the kernel was written and checked on
+GLUON_BLOCK_H = 64                      # query rows per program
+GLUON_MIN_ROWS = 64                     # h_q · s_q from which a request's rows fill its tile
+GLUON_PAGE = 64                         # one cache page = one 64-token step
+GLUON_WAVES = 1                         # one program fills an SM's shared memory: split for one wave

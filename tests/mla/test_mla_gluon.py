@@ -1,0 +1,211 @@
+"""The Hopper Gluon MLA decode (ops/mla/decode_gluon_kernel.py): compiled for sm_90 on CPU when the installed
+Triton is one its Gluon API was written for, and checked against the fp32 reference on an sm_90 GPU."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge.ops.mla import api, configs
+from warpforge.ops.mla import decode_gluon_kernel as dg
+from warpforge.ops.mla import mla_decode_reference
+from warpforge.testing import cosine, poisoned_outputs
+
+from .test_mla_decode import _check, _problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMEM_MAX = 232448  # sm_90's shared memory per block (227 KB)
+
+
+def _triton_version():
+    import triton
+    return triton.__version__
+
+
+def _gluon_triton() -> bool:
+    return _triton_version().startswith(dg.GLUON_TRITON_VERSIONS)
+
+
+def _on_h200_gate() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
+            and os.environ.get(configs.GLUON_ENV, "1") != "0")
+
+
+def test_gate_constants_agree_and_import_is_lazy():
+    assert configs.GLUON_TRITON_VERSIONS == dg.GLUON_TRITON_VERSIONS
+    assert configs.GLUON_PAGE == dg.PAGE and configs.GLUON_BLOCK_H == dg.BLOCK_M
+    code = ("import sys, warpforge, warpforge.ops.mla.decode_gluon_kernel; "
+            "print(any(m.startswith('triton.experimental.gluon') for m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"  # importing warpforge never loads Gluon
+
+
+def test_gate_off_where_it_does_not_apply():
+    q, _, cache, table, _, _ = _problem(2, 1, 64, 64, [70, 5], "bf16")
+    plan = wf.mla.plan(q, cache, table)
+    if not _on_h200_gate() or q.dtype != torch.bfloat16:
+        assert not plan.gluon
+    small = wf.mla.plan(q[:, :, :16].contiguous(), cache, table)  # 16 rows < 64
+    assert not small.gluon
+    fp8 = wf.mla.quantize_kv(torch.randn(4, 64, 1, 576, device=q.device), "fp8")
+    assert not wf.mla.plan(q, fp8, table[:, :1].contiguous(), kv_format="fp8").gluon
+
+
+# ------------------------------------------------------------------------------------ compile for sm_90
+COMPILE_CASES = [
+    dict(h_q=128, s_q=1, causal=False, num_splits=1),
+    dict(h_q=64, s_q=2, causal=True, num_splits=3),
+    dict(h_q=96, s_q=1, causal=False, num_splits=2),
+    dict(h_q=128, s_q=1, causal=False, num_splits=1, mode=1),
+]
+
+
+def _compile_in_subprocess(case):
+    """compile_sm90 in a fresh interpreter (no TRITON_INTERPRET, a stub driver of its own): the report as JSON."""
+    code = ("import json, sys; from warpforge.ops.mla import decode_gluon_kernel as dg; "
+            "r = dg.compile_sm90(**json.loads(sys.argv[1])); k = r.pop('kernel'); "
+            "r.update(dg.ptxas_usage(k.asm['ptx'])); print('REPORT' + json.dumps(r))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(case)], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT")][-1]
+    return json.loads(line[len("REPORT"):])
+
+
+@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {dg.GLUON_TRITON_VERSIONS} "
+                    f"(installed: {_triton_version()}); its API differs between releases")
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_compiles_for_sm90(case):
+    r = _compile_in_subprocess(case)
+    print(f"\n{case}: {r['registers']} registers/thread (ptxas cap; setmaxnreg {r['setmaxnreg_values']}), "
+          f"spills {r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B, warps {r['num_warps']}")
+    assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["mbarrier"]
+    assert r["warp_specialize"] and r["num_warps"] == 12  # 8 consumer warps + the producer's warpgroup
+    assert r["ptxas_rc"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
+    assert r["shared_bytes"] <= SMEM_MAX
+    assert max(r["setmaxnreg_values"]) >= 232  # the consumer warpgroups get the registers the producer frees
+
+
+# ------------------------------------------------------------------------------------------ GPU numerics
+needs_gate = pytest.mark.skipif(not _on_h200_gate(), reason="the Gluon path runs on sm_90 with Triton "
+                                f"{dg.GLUON_TRITON_VERSIONS} (and {configs.GLUON_ENV} != 0)")
+LENS = [0, 1, 63, 64, 65, 1000, 129, 2047]
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Counts the Gluon launches made through api's dispatch."""
+    calls = []
+    real = dg.mla_decode_gluon
+
+    def spy(*args, **kwargs):
+        calls.append(args[6])  # num_splits
+        return real(*args, **kwargs)
+    monkeypatch.setattr(dg, "mla_decode_gluon", spy)
+    return calls
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("h_q,s_q,causal", [(64, 1, False), (128, 1, False), (64, 2, True), (128, 2, True)])
+@pytest.mark.parametrize("splits", [None, 1, 3, 7])
+def test_gpu_matches_reference(h_q, s_q, causal, splits, gluon_calls):
+    q, _, cache, table, seqlens, _ = _problem(len(LENS), s_q, h_q, 64, LENS, "bf16", torch.bfloat16)
+    _check(q, cache, table, seqlens, "bf16", causal, splits)
+    assert len(gluon_calls) == 1  # the gated path ran, not the portable kernel
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_gated_path_is_taken(gluon_calls, monkeypatch):
+    q, _, cache, table, seqlens, _ = _problem(4, 1, 128, 64, [300, 1000, 5, 64], "bf16", torch.bfloat16)
+    plan = wf.mla.plan(q, cache, table)
+    assert plan.gluon and plan.num_splits >= 1
+    out, lse = plan.run(q, cache, table, seqlens)
+    assert gluon_calls == [plan.num_splits]
+    monkeypatch.setenv(configs.GLUON_ENV, "0")
+    off = wf.mla.plan(q, cache, table)
+    assert not off.gluon
+    want, want_lse = off.run(q, cache, table, seqlens, backend="triton")
+    assert len(gluon_calls) == 1
+    assert 1 - cosine(out, want) <= 1e-5
+    assert torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("splits", [1, 4])
+def test_gpu_garbage_past_the_end_stays_out(splits, gluon_calls):
+    """Cache rows past each request's length (the last page's tail, unused and spare pages) hold NaN: the
+    kernel reads whole pages through TMA, so it must keep them out of both S and P·V."""
+    lens = [65, 1000, 1, 127]
+    q, _, cache, table, seqlens, _ = _problem(len(lens), 1, 128, 64, lens, "bf16", torch.bfloat16)
+    valid = torch.zeros(cache.shape[0], 64, dtype=torch.bool, device=cache.device)
+    for i, n in enumerate(lens):
+        for p in range(-(-n // 64)):
+            valid[table[i, p], : min(64, n - 64 * p)] = True
+    cache[~valid] = float("nan")
+    _check(q, cache, table, seqlens, "bf16", False, splits)
+    assert len(gluon_calls) == 1
+
+
+def test_one_stage_is_refused():
+    """One ring slot would deadlock the schedule (S(i+1) is loaded before slot i is freed): refused up front."""
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        dg.launch_args(None, None, None, None, 1.0, False, None, None, True, 1, 0)
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("h_q", [96, 128])  # 96: the second row tile is part-filled
+def test_gpu_direct_call(h_q):
+    lens = [0, 63, 1000, 4096 + 3]
+    q, _, cache, table, seqlens, _ = _problem(len(lens), 1, h_q, 64, lens, "bf16", torch.bfloat16)
+    with poisoned_outputs():
+        out, lse = dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 3)
+    want, want_lse = mla_decode_reference(q.float(), cache.float(), table, seqlens)
+    assert 1 - cosine(out, want) <= 1e-5
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_scores_only_mode_gives_the_lse():
+    """MODE 1 (diagnosis: S = QKᵀ + softmax, no P·V) still gets lse right and writes out 0."""
+    lens = [0, 65, 1000]
+    q, _, cache, table, seqlens, _ = _problem(len(lens), 1, 64, 64, lens, "bf16", torch.bfloat16)
+    out, lse = dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 1, mode=1)
+    _, want_lse = mla_decode_reference(q.float(), cache.float(), table, seqlens)
+    finite = torch.isfinite(want_lse)
+    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert torch.all(out == 0)
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_cuda_graph_capture(gluon_calls):
+    q, _, cache, table, seqlens, _ = _problem(4, 1, 128, 64, [300, 1000, 5, 64], "bf16", torch.bfloat16)
+    plan = wf.mla.plan(q, cache, table)
+    plan.run(q, cache, table, seqlens)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, _ = plan.run(q, cache, table, seqlens)
+    seqlens.add_(7)
+    graph.replay()
+    want, _ = mla_decode_reference(q.float(), cache.float(), table, seqlens)
+    assert 1 - cosine(g_out, want) <= 1e-5
+    assert len(gluon_calls) == 2
+
+
+def test_plan_carries_the_flag_to_the_op():
+    """On any machine: a plan's gluon flag reaches the op (the op's schema takes it)."""
+    assert "gluon" in str(api._mla_decode.op._schema)
