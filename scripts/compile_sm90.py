@@ -144,10 +144,13 @@ def evoformer():
 
 def paged():
     from warpforge.ops import paged as paged_ops
-    from warpforge.ops.paged.api import _decode_impl
+    from warpforge.ops.paged.api import _append_slots_impl, _decode_impl
     b, h_q, h_kv, page, pages = 4, 32, 8, 16, 64
+    # the tuned shapes first, then head dims that are not powers of two (80, 96 in 128-wide tiles, 192 in 256) and
+    # s_q 16 (GQA 4 · 16 = 64 rows)
     for d, fmt, s_q in ((128, "bf16", 1), (128, "fp8", 1), (128, "nvfp4", 1), (128, "mxfp4", 1), (64, "bf16", 4),
-                        (256, "bf16", 1)):
+                        (256, "bf16", 1), (80, "bf16", 1), (96, "fp8", 1), (96, "nvfp4", 1), (96, "mxfp4", 1),
+                        (192, "bf16", 1), (128, "bf16", 16), (128, "fp8", 16)):
         q = torch.randn(b, s_q, h_q, d, dtype=torch.bfloat16)
         values = torch.randn(pages, page, h_kv, d, dtype=torch.bfloat16)
         cache, scale = paged_ops.quantize_kv(values, fmt) if fmt != "bf16" else (values, None)
@@ -155,6 +158,13 @@ def paged():
         plan = paged_ops.plan(q, cache, table, kv_format=fmt)
         _decode_impl(q, cache, cache, table, torch.full((b,), 100, dtype=torch.int32), scale, scale, fmt,
                      plan.softmax_scale, 0.0, -1, plan.num_splits, list(plan.config))
+    # append_kv_slots: the cache writer of every format
+    for d, fmt in ((128, "bf16"), (128, "fp8"), (128, "nvfp4"), (128, "mxfp4"), (256, "nvfp4")):
+        kv = paged_ops.KV_FORMATS[fmt]
+        cache = torch.zeros(pages, page, h_kv, kv.width(d), dtype=kv.storage)
+        new = torch.randn(64, h_kv, d, dtype=torch.bfloat16)
+        scale = torch.ones(1) if fmt in ("fp8", "nvfp4") else None
+        _append_slots_impl(cache, cache.clone(), new, new, torch.arange(64), scale, scale, fmt)
 
 
 def moe():

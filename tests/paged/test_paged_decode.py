@@ -1,5 +1,5 @@
-"""paged_decode (GQA over a paged K/V cache) against the fp32 reference: every cache format, GQA groups, s_q 1-8,
-page sizes, splits, softcap and windows, plan/run reuse, append_kv, quantize_kv, bad input; on a GPU also the
+"""paged_decode (GQA over a paged K/V cache) against the fp32 reference: every cache format, GQA groups, s_q 1-16,
+head dims that are not powers of two, page sizes, splits, softcap and windows, plan/run reuse, append_kv, quantize_kv, bad input; on a GPU also the
 Llama-3-8B shape, the quantised formats' accuracy bars and CUDA-graph replay.
 
 On a CPU machine the kernel runs through the Triton interpreter (fp32 and fp16 q: its bf16 matmuls are wrong) at
@@ -164,6 +164,77 @@ def _splits(splits, p):
 def test_matches_reference(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, q_dtype):
     p = _problem(b, s_q, h_q, h_kv, d, page, lens, fmt, q_dtype)
     _check(p, num_splits=_splits(splits, p))
+
+
+# Head dims that are not powers of two (padded to the next one inside the kernel, masked) and s_q up to 16 (speculative
+# verification with up to 15 drafts: causal among the new tokens, GQA 4 · 16 = 64 and 8 · 16 = 128 query rows).
+MORE_SHAPES = [
+    (2, 1, 8, 2, 80, 16, [37, 5], None),              # d 80 (Phi-2 style): BLOCK_D 128, 48 masked columns
+    (2, 3, 4, 1, 96, 16, [40, 3], 3),                 # d 96, length == s_q
+    (1, 2, 4, 2, 192, 16, [21], None),                # d 192: BLOCK_D 256
+    (2, 1, 4, 2, 32, 8, [23, 9], 2),                  # d 32
+    (1, 2, 2, 2, 24, 8, [17], None),                  # d 24: a multiple of 8 only
+    (2, 1, 4, 2, 8, 16, [19, 2], 2),                  # d 8 (BLOCK_D 16, half of it masked)
+    (2, 16, 4, 2, 64, 16, [40, 16], 3),               # s_q 16: length == s_q, 64 rows (four 16-row tiles)
+    (1, 12, 8, 1, 48, 8, [50], None),                 # s_q 12 at GQA 8 (96 rows), d 48
+    (2, 16, 8, 2, 128, 32, [70, 17], 1),              # s_q 16 at GQA 4, one split
+]
+
+
+@pytest.mark.parametrize("fmt,q_dtype", [("fp32", torch.float32), ("fp16", torch.float16), ("fp8", torch.float16),
+                                         ("fp8-page", torch.float32), ("nvfp4", torch.float16),
+                                         ("mxfp4", torch.float32)])
+@pytest.mark.parametrize("b,s_q,h_q,h_kv,d,page,lens,splits", MORE_SHAPES)
+def test_more_head_dims_and_new_tokens(b, s_q, h_q, h_kv, d, page, lens, splits, fmt, q_dtype):
+    group = wf.paged.KV_FORMATS[FORMATS[fmt][0]].group
+    if group and d % group:
+        pytest.skip(f"{fmt} holds head dims that are multiples of {group}")
+    p = _problem(b, s_q, h_q, h_kv, d, page, lens, fmt, q_dtype)
+    _check(p, num_splits=_splits(splits, p))
+
+
+def test_sixteen_new_tokens_are_causal():
+    """s_q 16: query j's output changes when token j of the new ones does, never when a later one does."""
+    p = _problem(1, 16, 4, 2, 64, 16, [30], "fp32")
+    out, _ = _decode(p, num_splits=2)
+    table = p["block_table"]
+    for j in (0, 7, 15):
+        t = 30 - 16 + j
+        page, slot = int(table[0, t // 16]), t % 16
+        changed = {**p, "k_cache": p["k_cache"].clone(), "v_cache": p["v_cache"].clone()}
+        changed["k_cache"][page, slot] += 1.0
+        changed["v_cache"][page, slot] += 1.0
+        out2, _ = _decode(changed, num_splits=2)
+        diff = (out2 - out).abs().amax(dim=(0, 2, 3))  # per query
+        assert torch.all(diff[:j] == 0) and torch.all(diff[j:] > 0)
+
+
+@pytest.mark.parametrize("fmt,d", [("nvfp4", 24), ("nvfp4", 40), ("mxfp4", 48), ("mxfp4", 80)])
+def test_fp4_head_dims_need_whole_blocks(fmt, d):
+    """FP4 rows hold whole blocks of 16 (nvfp4) / 32 (mxfp4) elements: another head dim is refused naming
+    kv_format, by paged_decode, quantize_kv, append_kv and append_kv_slots."""
+    q = torch.randn(1, 1, 2, d, device=DEV)
+    cache = torch.zeros(2, 16, 1, d, device=DEV, dtype=torch.uint8)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEV)
+    lens = torch.ones(1, dtype=torch.int32, device=DEV)
+    scale = torch.ones(1, device=DEV)
+    calls = [lambda: wf.paged_decode(q, cache, cache, table, lens, kv_format=fmt, k_scale=scale, v_scale=scale),
+             lambda: wf.paged.quantize_kv(torch.randn(4, 2, d, device=DEV), fmt),
+             lambda: wf.paged.append_kv(cache, cache.clone(), q, q, table, lens - 1, kv_format=fmt,
+                                        k_scale=scale, v_scale=scale),
+             lambda: wf.paged.append_kv_slots(cache, cache.clone(), q[0], q[0], lens.long(), kv_format=fmt,
+                                              k_scale=scale, v_scale=scale)]
+    for call in calls:
+        with pytest.raises(WarpforgeInputError, match=rf"^kv_format: .*{d}.*blocks of"):
+            call()
+
+
+def test_head_dims_per_format():
+    assert wf.paged.HEAD_DIMS == tuple(range(8, 257, 8))
+    assert wf.paged.head_dims("fp8") == wf.paged.HEAD_DIMS == wf.paged.head_dims()
+    assert wf.paged.head_dims("nvfp4") == tuple(range(16, 257, 16))
+    assert wf.paged.head_dims("mxfp4") == tuple(range(32, 257, 32))
+    assert wf.paged.MAX_S_Q == 16
 
 
 @pytest.mark.parametrize("variant", ["index_ahead", "prefetch"])
@@ -802,7 +873,7 @@ def test_quantize_kv_refuses_bad_values():
         with pytest.raises(WarpforgeInputError, match="^x"):
             wf.paged.quantize_kv(x, **kwargs)
     with pytest.raises(WarpforgeInputError, match="^x"):
-        wf.paged.quantize_kv(torch.randn(3, 16, 2, 96, device=DEV), "fp8")  # head dim 96
+        wf.paged.quantize_kv(torch.randn(3, 16, 2, 100, device=DEV), "fp8")  # head dim 100
     with pytest.raises(WarpforgeInputError, match="^x"):
         wf.paged.quantize_kv(torch.ones(3, 16, 2, 64, device=DEV, dtype=torch.int32), "fp8")
 
@@ -877,10 +948,13 @@ BAD = [  # (format of the cache, mutation, argument named)
     ("fp16", _set("k_cache", lambda a: a["k_cache"].view(torch.uint8)[..., :40].contiguous()), "kv_format"),
     ("fp16", _set("k_cache", lambda a: a["k_cache"].double()), "k_cache"),                  # no format has float64
     ("fp16", _set("v_cache", lambda a: a["v_cache"][:, :, :1].contiguous()), "v_cache"),
-    ("fp16", _set("q", lambda a: torch.randn(2, 2, 8, 96, dtype=torch.float16, device=DEV)), "q"),  # head dim 96
-    ("fp16", _set("q", lambda a: torch.randn(2, 9, 8, 64, dtype=torch.float16, device=DEV)), "q"),   # s_q 9
+    ("fp16", _set("q", lambda a: torch.randn(2, 2, 8, 100, dtype=torch.float16, device=DEV)), "q"),  # d 100
+    ("fp16", _set("q", lambda a: torch.randn(2, 2, 8, 264, dtype=torch.float16, device=DEV)), "q"),  # d 264
+    ("fp16", _set("q", lambda a: torch.randn(2, 2, 8, 4, dtype=torch.float16, device=DEV)), "q"),    # d 4
+    ("fp16", _set("q", lambda a: torch.randn(2, 17, 8, 64, dtype=torch.float16, device=DEV)), "q"),  # s_q 17
     ("fp16", _set("q", lambda a: torch.randn(2, 2, 5, 64, dtype=torch.float16, device=DEV)), "k_cache"),  # 5 % 2
     ("fp16", _set("q", lambda a: a["q"][0]), "q"),
+    ("mxfp4", _set("q", lambda a: torch.randn(2, 2, 8, 80, dtype=torch.float16, device=DEV)), "kv_format"),  # 80 % 32
     ("fp16", _set("k_scale", lambda a: 1.0), "k_scale"),                                  # scale for a values format
     ("fp16", _set("v_scale", _scale_of(1.0)), "v_scale"),
     ("fp8", _set("k_scale", _scale_of(0.0)), "k_scale"),
@@ -958,7 +1032,7 @@ def _llama(s_q, fmt, q_dtype=torch.bfloat16, spread=False):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [None, 1, 7])
-@pytest.mark.parametrize("s_q", [1, 2, 4, 8])
+@pytest.mark.parametrize("s_q", [1, 2, 4, 8, 12, 16])
 def test_gpu_llama3_8b_bf16(s_q, splits):
     """Llama-3-8B decode (h_q 32, h_kv 8, d 128, page 16, up to 4k tokens) in bf16, against fp32 on the same
     cache; s_q up to 8 (speculative verification: GQA 4 · 8 = 32 query rows per kv head)."""
@@ -966,6 +1040,22 @@ def test_gpu_llama3_8b_bf16(s_q, splits):
     out, lse = _decode(p, num_splits=splits)
     ref, ref_lse = _reference(p)
     assert rel_l2(out, ref) <= REL_L2[torch.bfloat16] and 1 - cosine(out, ref) <= 1e-5
+    assert torch.isfinite(lse).all() and torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("d,s_q", [(80, 1), (96, 4), (192, 1), (64, 16), (128, 16)])
+def test_gpu_more_head_dims_and_new_tokens(d, s_q, fmt):
+    """Head dims that are not powers of two and s_q 16 on the GPU's compiled kernel (bf16 q), against fp32 on the
+    same cache."""
+    group = wf.paged.KV_FORMATS[FORMATS[fmt][0]].group
+    if group and d % group:
+        pytest.skip(f"{fmt} holds head dims that are multiples of {group}")
+    p = _problem(4, s_q, 32, 8, d, 16, [1000, 317, 16, max(s_q, 5)], fmt, torch.bfloat16)
+    out, lse = _decode(p)
+    ref, ref_lse = _reference(p)
+    assert 1 - cosine(out, ref) <= 1e-5 and rel_l2(out, ref) <= REL_L2[torch.bfloat16]
     assert torch.isfinite(lse).all() and torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
 
 

@@ -18,16 +18,27 @@ from ...errors import (FP32_TINY, SCALE_MAX, check_choice, check_dtype, check_in
                        check_no_grad, check_positive_float, check_rank, check_same_device, check_same_dtype,
                        check_tensor, fail, host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
-from .._op import kernel_op
+from .._op import NAMESPACE, kernel_op
 from .._plan import DecodePlan
 from . import configs
 from .kv_format import BY_DTYPE, KV_FORMATS
-from .reference import fp8_scales, paged_decode_reference, quantize_kv_reference
+from .reference import append_kv_slots_reference, fp8_scales, paged_decode_reference, quantize_kv_reference
 
 PAGE_SIZES = (1, 8, 16, 32, 64, 128)
-MAX_S_Q = 8
-HEAD_DIMS = (64, 128, 256)
+MAX_S_Q = 16
+# every multiple of 8 up to 256 (the kernels pad to the next power of two, at least 16, masked); the FP4 formats take
+# the multiples of their block (head_dims)
+HEAD_DIMS = tuple(range(8, 257, 8))
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def head_dims(kv_format: Optional[str] = None) -> tuple:
+    """The head dims paged_decode and the cache helpers take for kv_format (None: any values format): HEAD_DIMS,
+    and for the FP4 formats only the multiples of their block (nvfp4 16, mxfp4 32)."""
+    fmt = KV_FORMATS.get(kv_format) if kv_format is not None else None
+    if fmt is not None and fmt.fp4:
+        return tuple(d for d in HEAD_DIMS if d % fmt.group == 0)
+    return HEAD_DIMS
 
 
 # ------------------------------------------------------------------------------------------- op
@@ -87,7 +98,7 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     """A PagedPlan for decode steps shaped like these tensors (only shapes, dtypes and device are read): q [b, s_q,
     h_q, d]; k_cache [num_pages, page_size, h_kv, width] in kv_format (see paged_decode); block_table int32 [b,
     max_pages]. num_splits: None plans it from the shapes, an int forces it."""
-    from .decode_kernel import plan_block_h, plan_num_splits
+    from .decode_kernel import block_d as padded_head_dim, plan_block_h, plan_num_splits
     kv_format = _check_shapes(q, k_cache, block_table, kv_format)
     check_positive_float("softmax_scale", softmax_scale)
     check_positive_float("softcap", softcap)
@@ -102,7 +113,7 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     if num_splits is not None:
         check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
                   what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
-    block_d = max(16, 1 << (d - 1).bit_length())
+    block_d = padded_head_dim(d, KV_FORMATS[kv_format])
     cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else kv_format, block_d)
     rows = (h_q // h_kv) * s_q
     cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
@@ -123,8 +134,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Decode attention over paged K/V caches, GQA: `plan(...).run(...)` in one call (a serving loop makes the plan
     once instead). Returns out [b, s_q, h_q, d] like q (and lse [b, h_q, s_q] fp32 if return_lse).
 
-    q [b, s_q, h_q, d] (s_q 1-8: the newest tokens, causal among themselves; d 64, 128 or 256; h_q a multiple of
-    h_kv); k_cache / v_cache [num_pages, page_size, h_kv, width] (page size 1, 8, 16, 32, 64 or 128); block_table
+    q [b, s_q, h_q, d] (s_q 1-16: the newest tokens, causal among themselves; d a multiple of 8 up to 256,
+    for nvfp4 / mxfp4 caches a multiple of 16 / 32; h_q a multiple of h_kv); k_cache / v_cache [num_pages, page_size, h_kv, width] (page size 1, 8, 16, 32, 64 or 128); block_table
     int32 [b, max_pages]; cache_seqlens int32 [b], the tokens in the cache including the s_q new ones (see
     reference.py for the exact rule). kv_format (None: from the cache's dtype): "bf16" / "fp16" / "fp32" (q's
     dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a one-element fp32 tensor, or fp32 [num_pages, h_kv]),
@@ -152,7 +163,8 @@ def quantize_kv(x, kv_format, *, scale=None, per_page=False):
     check_choice("kv_format", kv_format, KV_FORMATS)
     fmt = KV_FORMATS[kv_format]
     if x.dim() < 2 or x.shape[-1] not in HEAD_DIMS:
-        fail("x", f"a tensor [..., h_kv, d] with d in {HEAD_DIMS}", f"shape {tuple(x.shape)}")
+        fail("x", f"a tensor [..., h_kv, d] with d {_HEAD_DIMS_SAY}", f"shape {tuple(x.shape)}")
+    _check_fp4_head_dim(kv_format, x.shape[-1])
     if not isinstance(per_page, bool) or (per_page and (kv_format != "fp8" or x.dim() != 4)):
         fail("per_page", "a bool, True only for fp8 pages [num_pages, page_size, h_kv, d]", repr(per_page))
     # before a scale is computed from x: a NaN would make it NaN and the error would name `scale`
@@ -196,34 +208,13 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
              f"{tuple(v_cache.shape)} {v_cache.dtype}")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        # an expanded cache (stride 0) has one slot under many indices: a write to one page would show in all
-        if torch._debug_has_internal_overlap(cache) == 1:
-            fail(name, "a cache whose elements are each their own memory (append_kv writes it in place)",
-                 f"an expanded or self-overlapping view, strides {cache.stride()}")
-    if _overlaps(k_cache, v_cache):
-        fail("v_cache", "a tensor apart from k_cache (the V write would overwrite the K tokens)",
-             "memory shared with k_cache")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        # autograd refuses the in-place write on a leaf (a raw RuntimeError), and a cache in a graph is of no use
-        # to the forward-only decode
-        if torch.is_grad_enabled() and cache.requires_grad:
-            fail(name, "a cache that does not require grad (append_kv writes it in place; call it under "
-                 "torch.no_grad() or pass cache.detach(), which shares its memory)", "requires_grad=True")
+    _check_writable(k_cache, v_cache, "append_kv")
     if v_new.shape != k_new.shape:
         fail("v_new", f"k_new's shape {tuple(k_new.shape)}", tuple(v_new.shape))
     check_same_dtype("v_new", v_new, "k_new", k_new)
     b, s_new = k_new.shape[:2]
     _check_int32("cache_seqlens", cache_seqlens, "k_new", k_new, 1)
-    scales = []
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if kv_format in ("fp8", "nvfp4"):
-            scales.append(_scale_tensor(name, scale if scale is not None else (1.0 if kv_format == "fp8" else None),
-                                        "k_cache", k_cache, None, k_cache.shape[2], per_page_ok=False))
-        elif scale is not None:
-            fail(name, f"None for kv_format {kv_format!r}", type(scale).__name__)
-        else:
-            scales.append(None)
+    scales = _append_scales(kv_format, k_cache, k_scale, v_scale)
     num_pages, page = k_cache.shape[:2]
     capacity = block_table.shape[1] * page
     if b and num_pages == 0:
@@ -245,7 +236,141 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
         cache[pages, slots] = quantize_kv_reference(new, kv_format, scale).to(cache.dtype)
 
 
+def _append_slots_impl(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+                       kv_format: str) -> None:
+    from .append_kernel import append_slots_fwd
+    append_slots_fwd(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, KV_FORMATS[kv_format],
+                     configs.APPEND.lookup(k.device))
+
+
+# registered with the caches as mutated arguments: torch.compile and functionalisation see the write
+_append_slots_op = torch.library.custom_op(f"{NAMESPACE}::paged_append_kv_slots", _append_slots_impl,
+                                           mutates_args=("k_cache", "v_cache"))
+_append_slots_op.register_fake(lambda *args: None)
+
+
+def append_kv_slots(k_cache, v_cache, k, v, slot_mapping, *, kv_format=None, k_scale=None, v_scale=None,
+                    backend=None) -> None:
+    """Writes new tokens k / v [num_tokens, h_kv, d] into the caches in place, token t at flat slot
+    slot_mapping[t] = page · page_size + offset (vLLM's reshape_and_cache); a slot of -1 is skipped (padding). One
+    launch writes K and V of a whole step, whatever mix of requests and lengths its tokens come from. Quantised
+    formats quantise as append_kv does: fp8 with per-tensor scales (a float or one-element fp32 tensor; None: 1.0),
+    nvfp4 with its tensor scales (required), mxfp4 with none.
+
+    slot_mapping: int32 or int64 [num_tokens]. When values may be read on the host, every slot must be -1 or in
+    [0, num_pages · page_size), no two tokens may share a slot, and a quantised cache's tokens must be finite;
+    under a CUDA-graph capture or torch.compile nothing is read back and the kernel skips slots out of range (no
+    write lands outside the caches; two tokens for one slot stay the caller's contract: one of them wins). k_cache
+    and v_cache: as for append_kv (apart in memory, not requiring grad while grad mode is on)."""
+    check_tensor("k", k)
+    check_rank("k", k, 3)
+    check_dtype("k", k, FLOATS)
+    if k.shape[2] not in HEAD_DIMS:
+        fail("k", f"head dim {_HEAD_DIMS_SAY}", k.shape[2])
+    check_last_dim_contiguous("k", k)
+    kv_format = _check_cache("k_cache", k_cache, kv_format, k.dtype, k.shape[2], "k", k)
+    if k_cache.shape[2] != k.shape[1]:
+        fail("k", f"{k_cache.shape[2]} kv heads (the cache's)", k.shape[1])
+    for name, t in (("v_cache", v_cache), ("v", v), ("slot_mapping", slot_mapping)):
+        check_tensor(name, t)
+        check_same_device(name, t, "k", k)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
+             f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    check_last_dim_contiguous("v_cache", v_cache)
+    _check_writable(k_cache, v_cache, "append_kv_slots")
+    if v.shape != k.shape:
+        fail("v", f"k's shape {tuple(k.shape)}", tuple(v.shape))
+    check_same_dtype("v", v, "k", k)
+    check_last_dim_contiguous("v", v)
+    check_rank("slot_mapping", slot_mapping, 1)
+    check_dtype("slot_mapping", slot_mapping, (torch.int32, torch.int64))
+    if slot_mapping.shape[0] != k.shape[0]:
+        fail("slot_mapping", f"{k.shape[0]} slots (one per token of k)", slot_mapping.shape[0])
+    if slot_mapping.numel() and slot_mapping.stride(0) != 1:
+        fail("slot_mapping", "a contiguous tensor", f"stride {slot_mapping.stride(0)}")
+    k_scale, v_scale = _append_scales(kv_format, k_cache, k_scale, v_scale)
+    backend = resolve_backend(backend, k.device)
+    capacity = k_cache.shape[0] * k_cache.shape[1]
+    if host_reads_allowed(k) and k.shape[0]:
+        _check_slot_values(slot_mapping, capacity, (k, v) if KV_FORMATS[kv_format].quantized else ())
+    if backend == "reference":
+        append_kv_slots_reference(k_cache, v_cache, k, v, slot_mapping, kv_format, k_scale, v_scale)
+    else:
+        _append_slots_op(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, kv_format)
+
+
+def _slot_flags(flat, capacity):
+    """(slots out of range, two tokens for one slot) as device bools; skips (-1) are never equal."""
+    bad_range = (flat < -1) | (flat >= capacity)
+    kept = torch.where(flat >= 0, flat, -2 - torch.arange(flat.numel(), device=flat.device))
+    ordered = kept.sort().values
+    return bad_range, kept, [bad_range.any(), (ordered[1:] == ordered[:-1]).any()]
+
+
+def _check_slot_values(slots, capacity, tokens):
+    """append_kv_slots' values: every slot -1 or in [0, capacity), none twice, the tokens finite (a quantised
+    cache's). The slots are read back once for as long as the same tensor comes back unchanged (every layer of a
+    step passes the same one: read_once), the tokens once per call; the details only on failure."""
+    flat = slots.long()
+    slots_ok = read_once((slots,), ("append_kv_slots", capacity),
+                         lambda: not bool(torch.stack(_slot_flags(flat, capacity)[2]).any()))
+    bad = [False, False]
+    if not slots_ok:
+        bad_range, kept, flags = _slot_flags(flat, capacity)
+        bad = torch.stack(flags).tolist()
+    bad += torch.stack([~torch.isfinite(t).all() for t in tokens]).tolist() if tokens else []
+    if bad[0]:
+        i = int(bad_range.nonzero()[0])
+        fail("slot_mapping", f"slots in [0, {capacity}) (num_pages · page_size), or -1 to skip a token",
+             f"{int(flat[i])} for token {i}")
+    if bad[1]:
+        ordered, order = kept.sort(stable=True)
+        first = int((ordered[1:] == ordered[:-1]).nonzero()[0])
+        a, b = int(order[first]), int(order[first + 1])
+        fail("slot_mapping", "a slot of its own for every token (or -1)", f"tokens {a} and {b} both to slot "
+             f"{int(flat[a])}")
+    for name, is_bad in zip(("k", "v"), bad[2:]):
+        if is_bad:
+            fail(name, "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")
+
+
 # ------------------------------------------------------------------------------------------ checks
+def _append_scales(kv_format, k_cache, k_scale, v_scale):
+    """The scales the cache writers take: one-element fp32 tensors for fp8 (None: 1.0) and nvfp4 (required), None
+    for the other formats (a given scale is refused)."""
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if kv_format in ("fp8", "nvfp4"):
+            scales.append(_scale_tensor(name, scale if scale is not None else (1.0 if kv_format == "fp8" else None),
+                                        "k_cache", k_cache, None, k_cache.shape[2], per_page_ok=False))
+        elif scale is not None:
+            fail(name, f"None for kv_format {kv_format!r}", type(scale).__name__)
+        else:
+            scales.append(None)
+    return scales
+
+
+def _check_writable(k_cache, v_cache, op):
+    """Caches a writer may fill in place: each element its own memory, K apart from V, no grad required."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # an expanded cache (stride 0) has one slot under many indices: a write to one page would show in all
+        # (metadata only, but not traceable: unchecked while torch.compile traces, like _overlaps)
+        if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(cache) == 1:
+            fail(name, f"a cache whose elements are each their own memory ({op} writes it in place)",
+                 f"an expanded or self-overlapping view, strides {cache.stride()}")
+    if _overlaps(k_cache, v_cache):
+        fail("v_cache", "a tensor apart from k_cache (the V write would overwrite the K tokens)",
+             "memory shared with k_cache")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # autograd refuses the in-place write on a leaf (a raw RuntimeError), and a cache in a graph is of no use
+        # to the forward-only decode
+        if torch.is_grad_enabled() and cache.requires_grad:
+            fail(name, f"a cache that does not require grad ({op} writes it in place; call it under "
+                 "torch.no_grad() or pass cache.detach(), which shares its memory)", "requires_grad=True")
+
+
 def _check_cache(name, cache, kv_format, dtype, d, ref_name, ref):
     """A [num_pages, page_size, h_kv, width] cache for values of `dtype` (ref's) and head dim d; returns its format's
     name (kv_format, or the one the cache's dtype implies)."""
@@ -261,6 +386,7 @@ def _check_cache(name, cache, kv_format, dtype, d, ref_name, ref):
                  "\"mxfp4\"", str(cache.dtype).replace("torch.", ""))
     check_choice("kv_format", kv_format, KV_FORMATS)
     fmt = KV_FORMATS[kv_format]
+    _check_fp4_head_dim(kv_format, d)
     # the cache against its format first, then an unquantised format against the values' dtype: either mismatch
     # names what is wrong (an fp32 cache under kv_format 'fp16' is not "q's dtype")
     if cache.dtype != fmt.storage:
@@ -276,6 +402,18 @@ def _check_cache(name, cache, kv_format, dtype, d, ref_name, ref):
     return kv_format
 
 
+_HEAD_DIMS_SAY = "a multiple of 8 from 8 to 256"
+
+
+def _check_fp4_head_dim(kv_format, d):
+    """FP4 rows hold whole blocks of 16 (nvfp4) or 32 (mxfp4) elements, each under one scale byte."""
+    fmt = KV_FORMATS[kv_format]
+    if fmt.fp4 and d % fmt.group:
+        fail("kv_format", f"a format that holds head dim {d} ({kv_format} stores blocks of {fmt.group} elements: "
+             f"head dims {fmt.group}, {2 * fmt.group}, ... 256; bf16 / fp16 / fp8 take any multiple of 8)",
+             repr(kv_format))
+
+
 def _short(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -286,7 +424,7 @@ def _check_tokens(name, x, max_tokens):
     check_rank(name, x, 4)
     check_dtype(name, x, FLOATS)
     if x.shape[3] not in HEAD_DIMS:
-        fail(name, f"head dim in {HEAD_DIMS}", x.shape[3])
+        fail(name, f"head dim {_HEAD_DIMS_SAY}", x.shape[3])
     if not 1 <= x.shape[1] <= max_tokens:
         fail(name, f"from 1 to {max_tokens} tokens per request", x.shape[1])
     check_last_dim_contiguous(name, x)

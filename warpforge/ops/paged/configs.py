@@ -25,7 +25,10 @@ class PagedCfg(NamedTuple):
 
 
 C = PagedCfg
-# block_h 64: up to a GQA group of 8 times s_q 8 in one program (each K/V byte read once per split)
+# block_h 64: up to a GQA group of 8 times s_q 8 in one program (each K/V byte read once per split); more rows
+# (s_q up to 16: GQA 8 · 16 = 128) take several row tiles, each reading the split's K/V. Head dims that are not
+# powers of two run in the next power of two's tiles (masked columns): 80 and 96 take the d <= 128 entries, 192
+# the d 256 ones
 DECODE = TileTable({
     "cpu": {"any": C(16, 16, 1, 1)},
     "default": {"any": {0: C(64, 32, 4, 2), 256: C(32, 32, 4, 1)}, "fp32": C(16, 16, 4, 1)},
@@ -37,4 +40,17 @@ DECODE = TileTable({
              # step's bytes prefetched (6.43 -> 3.14 ms at L 16k)
              "nvfp4": {0: C(64, 32, 4, 2, waves=8, prefetch=True), 256: C(64, 32, 4, 2)},
              "mxfp4": {0: C(64, 32, 4, 2, waves=8, prefetch=True), 256: C(64, 32, 4, 2)}},
+})
+
+
+class AppendCfg(NamedTuple):
+    block_t: int   # tokens per program (of one kv head)
+    warps: int
+
+
+# append_kv_slots: a copy with a little arithmetic per element (FP4: two candidate exponents per block);
+# first guesses, checked to compile on sm_90 without spills
+APPEND = TileTable({
+    "cpu": {"any": AppendCfg(16, 1)},
+    "default": {"any": AppendCfg(16, 4)},
 })

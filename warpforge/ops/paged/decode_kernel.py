@@ -210,6 +210,12 @@ def paged_decode_split_kernel(
 
 
 # ------------------------------------------------------------------------------------------ launch
+def block_d(d, fmt):
+    """The padded head dim a program works in: the next power of two, at least 16 (an MMA's K), for FP4 at least 32
+    (its halves of BLOCK_D / 2 columns are the dots' K)."""
+    return max(32 if fmt.fp4 else 16, triton.next_power_of_2(d))
+
+
 def plan_block_h(block_h, rows):
     """A program's query rows: at most the table's block_h, no more than the rows need (a power of two >= 16)."""
     return min(block_h, max(16, triton.next_power_of_2(rows)))
@@ -262,7 +268,7 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         softmax_scale * LOG2E, softmax_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
         window if window is not None else 0,
         block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0, max(k_cache.shape[0] - 1, 0),
-        H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), PAGE=k_cache.shape[1],
+        H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=block_d(d, fmt), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
         WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, INDEX_AHEAD=cfg.index_ahead,
         FP16_MATH=cfg.fp16_math and fmt.name in ("fp8", "nvfp4") and q.dtype == torch.bfloat16, PREFETCH=cfg.prefetch,

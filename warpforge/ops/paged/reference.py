@@ -104,3 +104,15 @@ def paged_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, *, s
         out[i] = torch.einsum("hjt,jthd->jhd", probs, seen_v)
         lse[i] = row_lse
     return out.to(q.dtype), lse
+
+
+def append_kv_slots_reference(k_cache, v_cache, k, v, slot_mapping, kv_format, k_scale=None, v_scale=None) -> None:
+    """append_kv_slots in PyTorch: token t of k / v [T, h_kv, d] quantised into slot slot_mapping[t] (page ·
+    page_size + offset) of each cache, slots < 0 or past the cache skipped (a boolean selection: reads the mask
+    back, so not for a CUDA-graph capture)."""
+    num_pages, page = k_cache.shape[:2]
+    slots = slot_mapping.long()
+    keep = (slots >= 0) & (slots < num_pages * page)
+    slots = slots[keep]
+    for cache, new, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        cache[slots // page, slots % page] = quantize_kv_reference(new[keep], kv_format, scale).to(cache.dtype)
