@@ -49,6 +49,24 @@ def test_smaller_draft_model_greedy_is_plain_greedy(llama_dir, small_llama_dir, 
     assert llm.metrics.acceptance_rate < 1.0  # a different model: some drafts were rejected and rolled back
 
 
+def test_fifteen_drafts_verify_through_paged_decode(llama_dir, plain, monkeypatch):
+    """k up to 15 drafts: verification steps of s_q = k + 1 <= 16 attend through paged_decode (causal among the
+    new tokens), still lossless."""
+    from warpforge.ops import paged
+    seen = []
+    real = paged.plan
+
+    def plan(q, *args, **kw):
+        seen.append(q.shape[1])
+        return real(q, *args, **kw)
+    monkeypatch.setattr(paged, "plan", plan)
+    got, llm = _greedy(llama_dir, speculative=str(llama_dir), num_speculative_tokens=15)
+    assert got == plain
+    assert llm.metrics.drafted > 0 and llm.metrics.acceptance_rate == 1.0
+    assert max(seen) > 8  # verification steps of more than 8 new tokens went the paged way
+    assert max(seen) <= paged.MAX_S_Q == 16
+
+
 def _markov(vocab, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(vocab, vocab, generator=g) * 1.5  # logits of the next token given the last one

@@ -1,5 +1,5 @@
 """Self-attention of one layer over the paged cache, for every sequence of a step: the new K/V are written into
-their pages first, then each group of the StepBatch attends (batch.py says which op serves which group).
+their pages first (one paged.append_kv_slots call), then each group of the StepBatch attends (batch.py says which op serves which group).
 
 Windows are given as Hugging Face's sliding_window: the tokens a query sees, itself included (None: all).
 """

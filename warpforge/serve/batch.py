@@ -1,11 +1,12 @@
 """One engine step's input as the forward reads it: the new tokens of every scheduled sequence packed into one
 row, their positions and cache slots, and how their attention is grouped.
 
-Sequences whose new tokens number at most paged.MAX_S_Q (decode: 1; speculative verification: k + 1; a short
-prompt) attend through `paged_decode`, one call per distinct count (its s_q). Longer runs of new tokens (prefill
+Sequences whose new tokens number at most paged.MAX_S_Q (16; decode: 1; speculative verification: k + 1 for up to
+15 drafts; a short prompt) attend through `paged_decode`, one call per distinct count (its s_q). Longer runs of new tokens (prefill
 and its chunks) attend through `flash_attention` in its packed varlen form: against their own new K/V when none
 of them has earlier tokens in the cache, else against K/V gathered from their pages. A head dim the paged op does
-not take sends every sequence the varlen way.
+not take (paged.head_dims: multiples of 8 up to 256, of the FP4 block for FP4 caches) sends every sequence
+the varlen way.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Engine:
         self.max_num_seqs, self.max_batched = max_num_seqs, max_num_batched_tokens
         self.drafter, self.k = drafter, num_speculative_tokens
         self.graphs = graphs  # cuda_graphs.DecodeGraphs or None: replays plain decode steps
-        self.paged_ok = model.spec.head_dim in paged.HEAD_DIMS
+        self.paged_ok = model.spec.head_dim in paged.head_dims(cache.kv_format)
         self.waiting: deque = deque()
         self.running: list = []
         self.requests: dict = {}

@@ -95,9 +95,9 @@ class PagedKVCache:
         check_choice("kv_format", kv_format, tuple(paged.KV_FORMATS))
         check_choice("page_size", page_size, paged.PAGE_SIZES)
         fmt = paged.KV_FORMATS[kv_format]
-        if fmt.quantized and head_dim not in paged.HEAD_DIMS:
-            fail("kv_format", f"a values format (bf16/fp16/fp32) at head dim {head_dim} (the quantised paged "
-                 f"formats take head dims {paged.HEAD_DIMS})", repr(kv_format))
+        if fmt.quantized and head_dim not in paged.head_dims(kv_format):
+            fail("kv_format", f"a values format (bf16/fp16/fp32) at head dim {head_dim} ({kv_format} takes head "
+                 f"dims {paged.head_dims(kv_format)})", repr(kv_format))
         self.kv_format, self.fmt, self.page_size = kv_format, fmt, page_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         # the dtype attention runs in over this cache: a values format's own, or the model's for quantised ones
@@ -121,12 +121,12 @@ class PagedKVCache:
         return 2 * num_layers * page_size * num_kv_heads * fmt.width(head_dim) * elem
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Stores new tokens k / v [T, h_kv, d] at flat slots [T] (page · page_size + offset) of this layer,
-        quantised by the paged op's helper for the quantised formats."""
-        for cache, new, scale in ((self.k[layer], k, self.k_scale), (self.v[layer], v, self.v_scale)):
-            if self.fmt.quantized:
-                new, _ = paged.quantize_kv(new, self.kv_format, scale=scale)
-            cache.view(-1, *cache.shape[2:])[slots] = new.to(cache.dtype)
+        """Stores new tokens k / v [T, h_kv, d] at flat slots [T] (page · page_size + offset; -1 skips a token) of
+        this layer: one paged.append_kv_slots call for K and V, which quantises for the quantised formats."""
+        if not self.fmt.quantized:  # a values cache holds its own dtype (the model's may differ)
+            k, v = k.to(self.fmt.storage), v.to(self.fmt.storage)
+        paged.append_kv_slots(self.k[layer], self.v[layer], k, v, slots, kv_format=self.kv_format,
+                              k_scale=self.k_scale, v_scale=self.v_scale)
 
     def gather(self, layer: int, slots: torch.Tensor, dtype: Optional[torch.dtype] = None):
         """K and V of the tokens at flat slots [n] of this layer, [n, h_kv, d] in dtype (dequantised)."""

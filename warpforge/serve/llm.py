@@ -106,7 +106,7 @@ class LLM:
             raise WarpforgeInputError(f"speculative: expected None, 'ngram' or a draft model's checkpoint directory, "
                                       f"got {speculative!r}")
         spec, model, _ = _load(speculative, dtype, device, self.max_model_len)
-        fmt = kv_format if spec.head_dim in paged.HEAD_DIMS else _KV_OF_DTYPE[dtype]
+        fmt = kv_format if spec.head_dim in paged.head_dims(kv_format) else _KV_OF_DTYPE[dtype]
         cache = PagedKVCache(spec.num_layers, pages, page_size, spec.num_kv_heads, spec.head_dim, fmt, dtype, device)
         return DraftModelDrafter(model, cache, self.spec.vocab_size)
 

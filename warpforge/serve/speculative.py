@@ -2,6 +2,8 @@
 request's pending token and the k drafts in one step (s_q = k + 1 through paged_decode, causal among them), and
 `verify` keeps what the target's own distribution allows.
 
+Up to paged.MAX_S_Q - 1 drafts (15) a verification step attends through paged_decode; more go the varlen way.
+
 - greedy (temperature 0): the longest prefix of drafts equal to the target's argmax, then the target's argmax
   after it: token for token what plain greedy decoding gives.
 - sampling: standard speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023). Draft x_i, drawn
@@ -121,7 +123,8 @@ class DraftModelDrafter:
                 live.append(i)
             if not works:
                 break
-            batch = StepBatch(works, alloc, self.model.device, paged_ok=self.model.spec.head_dim in _paged_dims())
+            batch = StepBatch(works, alloc, self.model.device,
+                              paged_ok=self.model.spec.head_dim in _paged_dims(self.cache.kv_format))
             logits = self.model.forward(batch, self.cache)
             next_active = []
             for row, (i, w) in enumerate(zip(live, works)):
@@ -154,9 +157,9 @@ class DraftModelDrafter:
         self.cache.allocator.release(request.id)
 
 
-def _paged_dims():
+def _paged_dims(kv_format):
     from ..ops import paged
-    return paged.HEAD_DIMS
+    return paged.head_dims(kv_format)
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
