@@ -226,3 +226,20 @@ def test_dkdv_through_tensor_descriptors(monkeypatch):
     monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(tma=True))))
     q, k, v = _qkv((2, 40), 4, 2, 32, torch.float16)
     _check_attention(q, k, v, _random_indices(2, 2, 3, 2), 16, True)
+
+
+def test_views_of_a_packed_qkv():
+    """q, k, v as column slices of one projection (as nn modules make them): the gradients have layouts of their
+    own, and the kernels write them through their own strides."""
+    qkv = torch.randn(2, 40, 4 + 2 * 2, 16, device=DEV, dtype=torch.float16)
+    q, k, v = (t.detach().clone() for t in qkv.split([4, 2, 2], dim=2))
+    qv, kv_, vv = qkv.requires_grad_().split([4, 2, 2], dim=2)
+    idx = _random_indices(2, 2, 3, 2)
+    out = wf.sparse_attention(qv, kv_, vv, block_indices=idx, block_size=16, backend="triton")
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    ref, _ = sparse_attention_reference(*ref_in, idx, block_size=16)
+    assert rel_l2(out, ref) <= 1e-2
+    d_out = torch.randn_like(out)
+    (g,) = torch.autograd.grad(out, qkv, d_out)
+    want = torch.cat(torch.autograd.grad(ref, ref_in, d_out.float()), dim=2)
+    assert rel_l2(g, want) <= 2e-2

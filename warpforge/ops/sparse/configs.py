@@ -2,7 +2,7 @@
 is clipped to the block size (a tile never crosses a block).
 
 "cpu" is the Triton interpreter: small tiles so that CI's small blocks still hold several. sm90 entries start from
-dense attention's (ops/attention/configs.py) and are to be swept on an H200 (benchmarks/NOTES.md).
+dense attention's; d 128's fwd and dq from `warpforge tune sparse` at 64k on an H200 (benchmarks/NOTES.md).
 """
 from typing import NamedTuple
 
@@ -32,6 +32,6 @@ TILES = TileTable({
     "cpu": {"any": T(C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1))},
     "default": {"any": _PLAIN, 256: T(C(32, 32, 4, 1), C(32, 16, 4, 1), C(16, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
     "sm90": {"any": T(C(128, 64, 8, 3), C(64, 64, 4, 3), C(64, 64, 4, 3, tma=True), C(64, 64, 4, 2)),
-             128: T(C(128, 64, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 2, tma=True), C(64, 64, 4, 2)),
+             128: T(C(128, 128, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 2, tma=True), C(64, 64, 4, 2)),
              256: T(C(64, 32, 4, 2), C(64, 32, 4, 2), C(32, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
 })

@@ -74,17 +74,23 @@ def index_scores_kernel(
     stride_zb, stride_zh, stride_zi,
     seqlen, total, scale,
     H_KV: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    KCHUNK: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Z[b, g, i, j] = max over block j's keys u of pq[b, g, i] · ik[u] · scale for the BLOCK_Q query blocks i of
-    this program, over the key blocks a query block can select (j < i when causal; the rest stays -inf). One key
-    block's tile serves all BLOCK_Q pooled queries in one MMA."""
-    i0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q  # causal: the heaviest tiles first
-    b = tl.program_id(1) // H_KV
-    g = tl.program_id(1) % H_KV
+    """Z[b, g, i, j] = max over block j's keys u of pq[b, g, i] · ik[u] · scale, for the BLOCK_Q query blocks i and
+    the KCHUNK key blocks j of this program, where a query block can select j (j < i when causal; the rest stays
+    -inf). One key block's tile serves all BLOCK_Q pooled queries in one MMA; the grid spreads the key blocks over
+    programs (one program walking every key block left the GPU nearly idle: 22 ms at 64k)."""
+    i0 = tl.program_id(0) * BLOCK_Q
+    j0 = tl.program_id(1) * KCHUNK
+    b = tl.program_id(2) // H_KV
+    g = tl.program_id(2) % H_KV
     start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
     nb = tl.cdiv(s, BS)
-    if i0 >= nb:
+    if CAUSAL:
+        j_end = tl.minimum(tl.minimum(j0 + KCHUNK, i0 + BLOCK_Q - 1), nb)  # blocks before the tile's last one
+    else:
+        j_end = tl.minimum(j0 + KCHUNK, nb)
+    if (i0 >= nb) | (j0 >= j_end):
         return
     b64 = b.to(tl.int64)
     offs_q = tl.arange(0, BLOCK_Q)
@@ -94,12 +100,8 @@ def index_scores_kernel(
     pq_ptrs = PQ + b64 * stride_pb + g.to(tl.int64) * stride_ph + rows[:, None].to(tl.int64) * stride_pi + \
         offs_d[None, :]
     pq = tl.load(pq_ptrs, mask=(rows < nb)[:, None] & (offs_d < DI)[None, :], other=0.0)
-    if CAUSAL:
-        last = tl.minimum(i0 + BLOCK_Q - 1, nb - 1)  # blocks before the tile's last query block
-    else:
-        last = nb
     z_rows = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + rows.to(tl.int64) * stride_zi
-    for j in range(0, last):
+    for j in range(j0, j_end):
         ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s, DI)
         sc = tl.where((j * BS + offs_n < s)[None, :], dot(pq, tl.trans(ik)), float("-inf"))
         ok = rows < nb
@@ -292,13 +294,15 @@ def sparse_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, SEL, NSEL, CU,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_dqb, stride_dqs, stride_dqh,
     stride_sb, stride_sh, stride_si,
     seqlen, total, qk_scale, sm_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """Program (query tile, b · H_Q + h): dq of its rows (dq and q share strides; do and out share O's)."""
+    """Program (query tile, b · H_Q + h): dq of its rows (dq has strides of its own: q may be a view of a packed
+    qkv; do and out share O's)."""
     SUB: tl.constexpr = BS // BLOCK_N
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H_Q
@@ -331,8 +335,8 @@ def sparse_dq_kernel(
     for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
         dq = _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
                       stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, True, CAUSAL)
-    dq_ptrs = DQ + b64 * stride_qb + (start + t).to(tl.int64)[:, None] * stride_qs + h.to(tl.int64) * stride_qh + \
-        offs_d[None, :]
+    dq_ptrs = DQ + b64 * stride_dqb + (start + t).to(tl.int64)[:, None] * stride_dqs + \
+        h.to(tl.int64) * stride_dqh + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
 
 
@@ -362,6 +366,7 @@ def sparse_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFSETS, QBLOCKS, CU,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     seqlen, total, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
@@ -369,7 +374,7 @@ def sparse_dkdv_kernel(
 ):
     """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
     that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
-    dk / dv share K's / V's strides."""
+    dk / dv have strides of their own (k / v may be views of a packed qkv)."""
     SUB: tl.constexpr = BS // BLOCK_M
     pid_n = tl.program_id(0)
     b = tl.program_id(1) // H_KV
@@ -415,9 +420,9 @@ def sparse_dkdv_kernel(
                                 offs_d, offs_dv, qk_scale, D, DV, CAUSAL, USE_TMA)
     u_ok = (u < s)[:, None]
     rows = (start + u).to(tl.int64)[:, None]
-    tl.store(DK + b64 * stride_kb + rows * stride_ks + g.to(tl.int64) * stride_kh + offs_d[None, :],
+    tl.store(DK + b64 * stride_dkb + rows * stride_dks + g.to(tl.int64) * stride_dkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=u_ok & (offs_d < D)[None, :])
-    tl.store(DV_OUT + b64 * stride_vb + rows * stride_vs + g.to(tl.int64) * stride_vh + offs_dv[None, :],
+    tl.store(DV_OUT + b64 * stride_dvb + rows * stride_dvs + g.to(tl.int64) * stride_dvh + offs_dv[None, :],
              dv.to(DV_OUT.dtype.element_ty), mask=u_ok & (offs_dv < DV)[None, :])
 
 
@@ -446,10 +451,12 @@ def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, 
         return z
     sk = _seq_args(index_k, cu, batch, max_s)
     block_q = min(cfg.block_m, max(16, triton.next_power_of_2(nb)))
-    index_scores_kernel[(triton.cdiv(nb, block_q), batch * h_kv)](
+    kchunk = 8
+    index_scores_kernel[(triton.cdiv(nb, block_q), triton.cdiv(nb, kchunk), batch * h_kv)](
         pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
         sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, index_k.shape[0], scale,
-        H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, CAUSAL=causal, VARLEN=cu is not None,
+        H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
+        VARLEN=cu is not None,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return z
 
@@ -494,7 +501,8 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     """(dq, dk, dv). offsets / qblocks: the CSR lists of the query blocks that kept each key block."""
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv, d_v = k.shape[-2], v.shape[-1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # fresh contiguous gradients (empty_like of a view of a packed qkv would be laid out unlike it)
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     if batch == 0 or max_s == 0:
         return dq, dk, dv
     delta = _row_dots(out, do, cu)
@@ -505,7 +513,8 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
                *_seq_args(do, cu, batch, max_s), *_lse_strides(lse, cu))
     block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
     sparse_dq_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
-        q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, sel.stride(0), sel.stride(1), sel.stride(2),
+        q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
+        sel.stride(0), sel.stride(1), sel.stride(2),
         max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common,
         num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
@@ -514,7 +523,8 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     if tma:
         ensure_tma_allocator(q.device)
     sparse_dkdv_kernel[(triton.cdiv(max_s, block_n), batch * h_kv)](
-        q, k, v, do, lse, delta, dk, dv, offsets, qblocks, cu_arg, *strides, max_s, q.shape[0], scale * LOG2E,
+        q, k, v, do, lse, delta, dk, dv, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
+        *_seq_args(dv, cu, batch, max_s), max_s, q.shape[0], scale * LOG2E,
         scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma, num_warps=cfg_dkdv.warps,
         num_stages=cfg_dkdv.stages)
     return dq, dk, dv
