@@ -27,24 +27,26 @@ def blocks_per_sequence(cu_seqlens: Optional[torch.Tensor], batch: int, max_s: i
 def pooled_queries(index_q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], batch: int, max_s: int,
                    block_size: int) -> torch.Tensor:
     """[batch, h_kv, nb, d_i]: the mean index query of each block's tokens (0 for blocks past a sequence), in
-    index_q's dtype. Block sums are differences of a float64 running sum: deterministic, and exact enough."""
+    index_q's dtype. Block sums are differences of a float64 running sum over the tokens: deterministic, and exact
+    enough. The running sum runs along the innermost dim ([h_kv · d_i, tokens]): along the outer dim torch scans
+    each of the h_kv · d_i columns serially (22 ms at 64k tokens on an H200)."""
     nb = -(-max_s // block_size)
     h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
     if cu_seqlens is None:
         start = torch.arange(batch, device=index_q.device) * max_s
         end = start + max_s
-        rows = index_q.reshape(-1, h_kv, d_i)
+        rows = index_q.reshape(-1, h_kv * d_i)
     else:
         start, end = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
         end = torch.minimum(end, start + max_s)
-        rows = index_q
-    csum = torch.zeros(rows.shape[0] + 1, h_kv, d_i, device=index_q.device, dtype=torch.float64)
-    csum[1:] = rows.double().cumsum(0)
+        rows = index_q.reshape(-1, h_kv * d_i)
+    csum = torch.zeros(h_kv * d_i, rows.shape[0] + 1, device=index_q.device, dtype=torch.float64)
+    csum[:, 1:] = rows.t().double().cumsum(-1)
     lo = torch.minimum(start[:, None] + torch.arange(nb, device=index_q.device) * block_size, end[:, None])
     hi = torch.minimum(lo + block_size, end[:, None])
-    count = (hi - lo).clamp_min(1).double()[..., None, None]
-    pooled = (csum[hi] - csum[lo]) / count  # [batch, nb, h_kv, d_i]
-    return pooled.transpose(1, 2).to(index_q.dtype).contiguous()
+    count = (hi - lo).clamp_min(1).double()
+    pooled = (csum[:, hi] - csum[:, lo]) / count  # [h_kv · d_i, batch, nb]
+    return pooled.view(h_kv, d_i, batch, nb).permute(2, 0, 3, 1).to(index_q.dtype).contiguous()
 
 
 def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
