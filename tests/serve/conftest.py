@@ -88,3 +88,16 @@ def hf_greedy(folder, prompt_ids, max_new_tokens):
                                  eos_token_id=EOS, pad_token_id=EOS)
         outs.append(got[0, len(ids):].tolist())
     return outs
+
+
+def paged_plan_calls(monkeypatch):
+    """The s_q of every paged.plan the serving forward makes."""
+    from warpforge.ops import paged
+    calls = []
+    real = paged.plan
+
+    def plan(q, *args, **kw):
+        calls.append(q.shape[1])
+        return real(q, *args, **kw)
+    monkeypatch.setattr(paged, "plan", plan)
+    return calls

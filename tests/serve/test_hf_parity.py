@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+
 from warpforge.serve import LLM, SamplingParams
 
-from conftest import PROMPTS, hf_greedy, make_checkpoint
+from conftest import PROMPTS, hf_greedy, make_checkpoint, paged_plan_calls
 
 MAX_NEW = 10
 
@@ -40,25 +41,12 @@ def test_qwen2_and_mistral_sliding_window(tmp_path, family, extra):
     _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
 
 
-def _paged_calls(monkeypatch):
-    """The s_q of every paged.plan the serving forward makes."""
-    from warpforge.ops import paged
-    calls = []
-    real = paged.plan
-
-    def plan(q, *args, **kw):
-        calls.append(q.shape[1])
-        return real(q, *args, **kw)
-    monkeypatch.setattr(paged, "plan", plan)
-    return calls
-
-
 @pytest.mark.parametrize("head_dim", [8, 16, 80, 96])
 def test_head_dims_that_are_not_powers_of_two_decode_paged(tmp_path, head_dim, monkeypatch):
     # head dims 8 / 16 / 80 / 96 (once gathered K/V through flash_attention): decode steps attend through
     # paged_decode
     make_checkpoint(tmp_path, "llama", layers=1, head_dim=head_dim, seed=4)
-    calls = _paged_calls(monkeypatch)
+    calls = paged_plan_calls(monkeypatch)
     _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
     assert calls and 1 in calls
 
@@ -67,7 +55,7 @@ def test_without_paged_decode_the_varlen_path_gathers(tmp_path, monkeypatch):
     # the fallback kept for head dims the paged op does not take (above 256): every sequence attends through
     # flash_attention over K/V gathered from the pages
     make_checkpoint(tmp_path, "llama", layers=1, head_dim=16, seed=4)
-    calls = _paged_calls(monkeypatch)
+    calls = paged_plan_calls(monkeypatch)
     from warpforge.serve import engine
     real = engine.Engine.__init__
 

@@ -8,7 +8,7 @@ import torch
 from warpforge.serve import LLM, SamplingParams
 from warpforge.serve import speculative
 
-from conftest import PROMPTS
+from conftest import PROMPTS, paged_plan_calls
 
 # prompts that repeat themselves, so that prompt lookup finds n-grams to draft from
 REPEATS = ["the quick brown fox the quick brown fox the quick", "hello world, hello world, hello",
@@ -53,13 +53,7 @@ def test_fifteen_drafts_verify_through_paged_decode(llama_dir, plain, monkeypatc
     """k up to 15 drafts: verification steps of s_q = k + 1 <= 16 attend through paged_decode (causal among the
     new tokens), still lossless."""
     from warpforge.ops import paged
-    seen = []
-    real = paged.plan
-
-    def plan(q, *args, **kw):
-        seen.append(q.shape[1])
-        return real(q, *args, **kw)
-    monkeypatch.setattr(paged, "plan", plan)
+    seen = paged_plan_calls(monkeypatch)
     got, llm = _greedy(llama_dir, speculative=str(llama_dir), num_speculative_tokens=15)
     assert got == plain
     assert llm.metrics.drafted > 0 and llm.metrics.acceptance_rate == 1.0

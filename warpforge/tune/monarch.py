@@ -9,10 +9,10 @@ Winners go into warpforge/ops/monarch/configs.py's MONARCH table, the numbers in
 import argparse
 
 import torch
-import triton.testing
 
 from warpforge.bench.report import write_json
 from warpforge.ops.monarch import configs, monarch_kernel as mk
+from warpforge.tune.timing import time_candidate
 
 G, W = configs.GemmCfg, configs.WgradCfg
 # (block_m, block_n, block_k, warps, stages, tma, programs_per_sm)
@@ -24,15 +24,6 @@ GEMMS = [G(128, 128, 64, 8, 3, True, 1), G(128, 128, 64, 8, 4, True, 1), G(128, 
 WGRADS = [W(128, 128, 64, 8, 3, 0, True), W(128, 128, 64, 8, 4, 0, True), W(128, 128, 128, 8, 2, 0, True),
           W(128, 256, 64, 8, 3, 0, True), W(64, 128, 64, 4, 4, 0, True), W(128, 128, 64, 4, 3, 0, True),
           W(128, 128, 64, 8, 3, 0, False)]
-
-
-def bench(fn):
-    try:
-        fn()
-        return triton.testing.do_bench(fn, warmup=20, rep=80, return_mode="median")
-    except Exception as exc:  # out of shared memory or registers: not a candidate
-        print(f"    {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-        return None
 
 
 def main(argv=None):
@@ -53,7 +44,7 @@ def main(argv=None):
         best_g, best_ms = base.gemm, None
         for g in GEMMS:
             cfg = base._replace(gemm=g)
-            ms = bench(lambda: mk.monarch_fwd(x, w_left, w_right, None, cfg))
+            ms = time_candidate(lambda: mk.monarch_fwd(x, w_left, w_right, None, cfg))
             if ms is None:
                 continue
             results.append(dict(nb=nb, part="fwd", cfg=list(g), ms=ms, tflops=flops / ms / 1e9))
@@ -64,7 +55,7 @@ def main(argv=None):
         best_w, best_ms = base.wgrad, None
         for w in WGRADS:
             cfg = base._replace(gemm=best_g, wgrad=w)
-            ms = bench(lambda: mk.monarch_bwd(dy, x, w_left, w_right, inter, False, cfg))
+            ms = time_candidate(lambda: mk.monarch_bwd(dy, x, w_left, w_right, inter, False, cfg))
             if ms is None:
                 continue
             results.append(dict(nb=nb, part="bwd", cfg=list(w), gemm=list(best_g), ms=ms,
@@ -98,7 +89,7 @@ def main(argv=None):
             "dR": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, w),
         }
         for name, fn in parts.items():
-            ms = bench(fn)
+            ms = time_candidate(fn)
             if ms is not None:
                 results.append(dict(nb=nb, part=name, gemm=list(g), wgrad=list(w), ms=ms))
                 print(f"nb {nb} {name}: {ms:.4f} ms", flush=True)

@@ -9,10 +9,10 @@ Winners go into warpforge/ops/sparse/configs.py's TILES table, the numbers into 
 import argparse
 
 import torch
-import triton.testing
 
 from warpforge.bench.report import write_json
 from warpforge.ops.sparse import configs, select, sparse_kernel as sk
+from warpforge.tune.timing import time_candidate
 
 C = configs.KernelCfg
 FWD = [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 64, 4, 3), C(64, 128, 4, 3), C(64, 64, 4, 3),
@@ -24,12 +24,7 @@ INDEX = [C(64, 64, 4, 2), C(128, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 4, 3)]
 
 
 def bench(fn):
-    try:
-        fn()
-        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    except Exception as exc:  # out of shared memory or registers: not a candidate
-        print(f"    {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-        return None
+    return time_candidate(fn, warmup=10, rep=60)
 
 
 def main(argv=None):

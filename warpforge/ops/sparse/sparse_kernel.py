@@ -66,6 +66,28 @@ def _walked(src, X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_
     return tile
 
 
+@triton.jit
+def _tile_program(CU, seqlen, total, H: tl.constexpr, BLOCK: tl.constexpr, HEAVIEST_FIRST: tl.constexpr,
+                  VARLEN: tl.constexpr):
+    """A program over (tile of BLOCK rows, b · H + head): (b in int64, head, sequence start, length, first row).
+    HEAVIEST_FIRST: causal query tiles get heavier with their index, so the grid hands them out last-first."""
+    if HEAVIEST_FIRST:
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        pid = tl.program_id(0)
+    b = tl.program_id(1) // H
+    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    return b.to(tl.int64), tl.program_id(1) % H, start, s, pid * BLOCK
+
+
+@triton.jit
+def _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_KV: tl.constexpr,
+               BS: tl.constexpr):
+    """Query block i's kept blocks (other than its own): a pointer to the list, and its length."""
+    sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
+    return sel_row, tl.load(NSEL + (b64 * H_KV + hk) * tl.cdiv(seqlen, BS) + i)
+
+
 # ----------------------------------------------------------------------------------------- index branch
 @triton.jit
 def index_scores_kernel(
@@ -127,14 +149,9 @@ def index_stats_kernel(
     the own block): MASS[., g, t, c] = the group's mean attention probability on block c's keys (from the forward's
     lse), ARG[., g, t, c] = the flat row (b · seqlen + u, or start + u when varlen) of the key u that maximises
     iq[t, g] · ik[u] over block c's visible keys; -1 / 0 in unused slots."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1) // H_KV
-    g = tl.program_id(1) % H_KV
-    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
-    m_lo = pid_m * BLOCK_M
+    b64, g, start, s, m_lo = _tile_program(CU, seqlen, total, H_KV, BLOCK_M, False, VARLEN)
     if m_lo >= s:
         return
-    b64 = b.to(tl.int64)
     i = m_lo // BS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -147,8 +164,7 @@ def index_stats_kernel(
         flat0 = start.to(tl.int64)
     else:
         flat0 = b64 * seqlen
-    sel_row = SEL + b64 * stride_sb + g.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
-    n_sel = tl.load(NSEL + (b64 * H_KV + g) * tl.cdiv(seqlen, BS) + i)
+    sel_row, n_sel = _kept_list(SEL, NSEL, b64, g, i, stride_sb, stride_sh, stride_si, seqlen, H_KV, BS)
     out_rows = b64 * stride_mb + g.to(tl.int64) * stride_mh + (start + t).to(tl.int64) * stride_mt
     for c in range(0, TOPK + 1):
         if c < n_sel:
@@ -230,15 +246,10 @@ def sparse_fwd_kernel(
 ):
     """Program (query tile, b · H_Q + h): out and lse (natural log) of its rows over the kept blocks."""
     SUB: tl.constexpr = BS // BLOCK_N
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1) // H_Q
-    h = tl.program_id(1) % H_Q
+    b64, h, start, s, m_lo = _tile_program(CU, seqlen, total, H_Q, BLOCK_M, True, VARLEN)
     hk = h // GROUP
-    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
-    m_lo = pid_m * BLOCK_M
     if m_lo >= s:
         return
-    b64 = b.to(tl.int64)
     i = m_lo // BS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -249,8 +260,7 @@ def sparse_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
-    n_sel = tl.load(NSEL + (b64 * (H_Q // GROUP) + hk) * tl.cdiv(seqlen, BS) + i)
+    sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
     for step in range(0, n_sel * SUB):
         n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
         # causal: a selected block lies before the query block, so it is whole and wholly visible
@@ -304,15 +314,10 @@ def sparse_dq_kernel(
     """Program (query tile, b · H_Q + h): dq of its rows (dq has strides of its own: q may be a view of a packed
     qkv; do and out share O's)."""
     SUB: tl.constexpr = BS // BLOCK_N
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1) // H_Q
-    h = tl.program_id(1) % H_Q
+    b64, h, start, s, m_lo = _tile_program(CU, seqlen, total, H_Q, BLOCK_M, True, VARLEN)
     hk = h // GROUP
-    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
-    m_lo = pid_m * BLOCK_M
     if m_lo >= s:
         return
-    b64 = b.to(tl.int64)
     i = m_lo // BS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -326,8 +331,7 @@ def sparse_dq_kernel(
     lse2 = tl.load(LSE + row_l, mask=t_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    sel_row = SEL + b64 * stride_sb + hk.to(tl.int64) * stride_sh + i.to(tl.int64) * stride_si
-    n_sel = tl.load(NSEL + (b64 * (H_Q // GROUP) + hk) * tl.cdiv(seqlen, BS) + i)
+    sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
     for step in range(0, n_sel * SUB):
         n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
         dq = _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
@@ -376,14 +380,9 @@ def sparse_dkdv_kernel(
     that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
     dk / dv have strides of their own (k / v may be views of a packed qkv)."""
     SUB: tl.constexpr = BS // BLOCK_M
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1) // H_KV
-    g = tl.program_id(1) % H_KV
-    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
-    n_lo = pid_n * BLOCK_N
+    b64, g, start, s, n_lo = _tile_program(CU, seqlen, total, H_KV, BLOCK_N, False, VARLEN)
     if n_lo >= s:
         return
-    b64 = b.to(tl.int64)
     j = n_lo // BS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
