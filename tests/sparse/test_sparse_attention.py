@@ -220,10 +220,11 @@ def test_gpu_bf16_long(d):
     _check_attention(q, k, v, idx, bs, True)
 
 
-def test_dkdv_through_tensor_descriptors(monkeypatch):
-    """The dk/dv pass's TMA path (sm90's table takes it at d 64 / 128), forced on whatever runs the tests."""
+def test_every_pass_through_tensor_descriptors(monkeypatch):
+    """The passes' TMA paths (sm90's table takes dk/dv's at d 64 / 128), forced on whatever runs the tests."""
     from warpforge.ops.sparse import configs
-    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(tma=True))))
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(
+        fwd=t.fwd._replace(tma=True), dq=t.dq._replace(tma=True), dkdv=t.dkdv._replace(tma=True))))
     q, k, v = _qkv((2, 40), 4, 2, 32, torch.float16)
     _check_attention(q, k, v, _random_indices(2, 2, 3, 2), 16, True)
 

@@ -15,9 +15,11 @@ from warpforge.ops.sparse import configs, select, sparse_kernel as sk
 from warpforge.tune.timing import time_candidate
 
 C = configs.KernelCfg
-FWD = [C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 64, 4, 3), C(64, 128, 4, 3), C(64, 64, 4, 3),
-       C(128, 32, 4, 4)]
-DQ = [C(128, 64, 8, 3), C(128, 64, 8, 2), C(128, 128, 8, 2), C(64, 64, 4, 3), C(64, 128, 4, 2), C(128, 32, 8, 3)]
+# (block_m, block_n, warps, stages, tma): tma reads the walked K/V (fwd, dq) or q/do (dk/dv) through descriptors
+FWD = [C(128, 128, 8, 3), C(128, 128, 8, 3, True), C(128, 128, 8, 2, True), C(128, 64, 8, 3), C(128, 64, 8, 3, True),
+       C(64, 64, 4, 3), C(64, 64, 4, 3, True), C(128, 32, 4, 4)]
+DQ = [C(128, 128, 8, 2), C(128, 128, 8, 2, True), C(128, 64, 8, 3), C(128, 64, 8, 3, True), C(64, 64, 4, 3, True),
+      C(64, 128, 4, 2)]
 DKDV = [C(64, 64, 4, 2, True), C(64, 64, 4, 3, True), C(64, 64, 8, 2, True), C(32, 64, 4, 3, True),
         C(64, 128, 8, 2, True), C(128, 64, 8, 2, True), C(64, 64, 4, 2, False), C(32, 128, 8, 2, True)]
 INDEX = [C(64, 64, 4, 2), C(128, 64, 8, 2), C(32, 64, 4, 2), C(64, 64, 4, 3)]

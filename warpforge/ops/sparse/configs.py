@@ -14,7 +14,7 @@ class KernelCfg(NamedTuple):
     block_n: int  # key rows per tile
     warps: int
     stages: int
-    tma: bool = False  # dk/dv pass: the walked q and do through TMA descriptors
+    tma: bool = False  # the walked operands through TMA descriptors (fwd / dq: K and V; dk/dv: q and do)
 
 
 class SparseTiles(NamedTuple):

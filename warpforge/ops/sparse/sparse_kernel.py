@@ -206,12 +206,12 @@ def index_stats_kernel(
 # Each pass walks its kept blocks as one flat loop of BLOCK-row tiles (step -> block list entry step // SUB, tile
 # step % SUB), so the pipeliner overlaps loads across block boundaries; the own block, masked, is a second loop.
 @triton.jit
-def _tile_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-              stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
-              MASK: tl.constexpr, CAUSAL: tl.constexpr):
+def _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
+              stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
     """The online softmax over the keys [n0, n0 + BLOCK_N)."""
-    k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
-    v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
+    k = _walked(k_src, K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D, USE_TMA)
+    v = _walked(v_src, V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV, USE_TMA)
     sc = dot(q, tl.trans(k)) * qk_scale
     if MASK:
         u = n0 + offs_n
@@ -243,7 +243,7 @@ def sparse_fwd_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr,
-):
+ USE_TMA: tl.constexpr,):
     """Program (query tile, b · H_Q + h): out and lse (natural log) of its rows over the kept blocks."""
     SUB: tl.constexpr = BS // BLOCK_N
     b64, h, start, s, m_lo = _tile_program(CU, seqlen, total, H_Q, BLOCK_M, True, VARLEN)
@@ -261,16 +261,22 @@ def sparse_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
+    if USE_TMA:  # K and V through descriptors over the kv head's rows
+        k_src = _head_desc(K, b64, start, hk, s, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
+        v_src = _head_desc(V, b64, start, hk, s, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
+    else:
+        k_src = K
+        v_src = V
     for step in range(0, n_sel * SUB):
         n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
         # causal: a selected block lies before the query block, so it is whole and wholly visible
-        acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
-                                  stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale,
-                                  D, DV, not CAUSAL, False)
+        acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv,
+                                  qk_scale, D, DV, not CAUSAL, False, USE_TMA)
     for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
-        acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
-                                  stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale,
-                                  D, DV, True, CAUSAL)
+        acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv,
+                                  qk_scale, D, DV, True, CAUSAL, USE_TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
@@ -282,12 +288,12 @@ def sparse_fwd_kernel(
 
 
 @triton.jit
-def _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-             stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
-             MASK: tl.constexpr, CAUSAL: tl.constexpr):
+def _tile_dq(dq, q, do, lse2, delta, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
+             stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr,
+             DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
     """dq += ds · k over the keys [n0, n0 + BLOCK_N), ds = p · (do · vᵀ − delta)."""
-    k = _rows(K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
-    v = _rows(V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV)
+    k = _walked(k_src, K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D, USE_TMA)
+    v = _walked(v_src, V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV, USE_TMA)
     p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
     if MASK:
         u = n0 + offs_n
@@ -310,7 +316,7 @@ def sparse_dq_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr,
-):
+ USE_TMA: tl.constexpr,):
     """Program (query tile, b · H_Q + h): dq of its rows (dq has strides of its own: q may be a view of a packed
     qkv; do and out share O's)."""
     SUB: tl.constexpr = BS // BLOCK_N
@@ -332,13 +338,21 @@ def sparse_dq_kernel(
     delta = tl.load(DELTA + row_l, mask=t_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
+    if USE_TMA:
+        k_src = _head_desc(K, b64, start, hk, s, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
+        v_src = _head_desc(V, b64, start, hk, s, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
+    else:
+        k_src = K
+        v_src = V
     for step in range(0, n_sel * SUB):
         n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
-        dq = _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                      stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, not CAUSAL, False)
+        dq = _tile_dq(dq, q, do, lse2, delta, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, not CAUSAL,
+                      False, USE_TMA)
     for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
-        dq = _tile_dq(dq, q, do, lse2, delta, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
-                      stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, True, CAUSAL)
+        dq = _tile_dq(dq, q, do, lse2, delta, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, True, CAUSAL,
+                      USE_TMA)
     dq_ptrs = DQ + b64 * stride_dqb + (start + t).to(tl.int64)[:, None] * stride_dqs + \
         h.to(tl.int64) * stride_dqh + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
@@ -430,6 +444,15 @@ def _bd(d):
     return max(16, triton.next_power_of_2(d))
 
 
+def _use_tma(cfg, d, d_v, *walked):
+    """Whether a pass reads its walked operands through TMA descriptors: the config asks, the head dims need no
+    padding, and the tensors are aligned for descriptors (then the in-kernel descriptors' scratch is set up)."""
+    tma = cfg.tma and d == _bd(d) and d_v == _bd(d_v) and tma_compatible(*walked)
+    if tma:
+        ensure_tma_allocator(walked[0].device)
+    return tma
+
+
 def _seq_args(x, cu, batch, max_s):
     """(stride_b, stride_s, stride_h) of a [b, s, h, d] or packed [total, h, d] tensor."""
     if cu is not None:
@@ -470,13 +493,15 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
     if batch == 0 or max_s == 0:
         return out, lse
     block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
+    tma = _use_tma(cfg, d, d_v, k, v)
     sparse_fwd_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
         q, k, v, out, lse, sel, n_sel, cu if cu is not None else lse,
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
         *_seq_args(out, cu, batch, max_s), *_lse_strides(lse, cu), sel.stride(0), sel.stride(1), sel.stride(2),
         max_s, q.shape[0], scale * LOG2E,
         H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+        BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, USE_TMA=tma, num_warps=cfg.warps,
+        num_stages=cfg.stages)
     return out, lse
 
 
@@ -511,16 +536,15 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     strides = (*_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
                *_seq_args(do, cu, batch, max_s), *_lse_strides(lse, cu))
     block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
+    tma = _use_tma(cfg_dq, d, d_v, k, v)
     sparse_dq_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
         q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
         sel.stride(0), sel.stride(1), sel.stride(2),
-        max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common,
+        max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
         num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
     block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
-    tma = cfg_dkdv.tma and d == _bd(d) and d_v == _bd(d_v) and tma_compatible(q, do)
-    if tma:
-        ensure_tma_allocator(q.device)
+    tma = _use_tma(cfg_dkdv, d, d_v, q, do)
     sparse_dkdv_kernel[(triton.cdiv(max_s, block_n), batch * h_kv)](
         q, k, v, do, lse, delta, dk, dv, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
         *_seq_args(dv, cu, batch, max_s), max_s, q.shape[0], scale * LOG2E,
