@@ -1,0 +1,59 @@
+"""Sweep the Evoformer kernels' tiles on this GPU at the bench's shapes (row attention N_seq 512, N_res 384, 8 heads
+of 32, a mask and a pair bias; the extra-MSA stack's 5120 rows of 8 heads of 8), bf16, each pass timed alone: the
+forward, the dk/dv pass, the dq pass and the pair-bias gradient.
+
+    warpforge tune evoformer [--shapes row,extra] [--out tune_evoformer.json]
+
+Winners go into warpforge/ops/evoformer/configs.py's TILES table, the numbers into benchmarks/NOTES.md.
+"""
+import argparse
+import math
+
+import torch
+
+from warpforge.bench.report import write_json
+from warpforge.ops.evoformer import configs, evoformer_kernel as ek
+from warpforge.tune.timing import time_candidate
+
+C = configs.EvoCfg
+CANDIDATES = [C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 3), C(128, 128, 8, 2),
+              C(64, 128, 4, 2), C(32, 64, 4, 3), C(64, 32, 4, 3), C(128, 32, 4, 3), C(32, 32, 4, 2)]
+SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "extra": dict(S=5120, R=384, H=8, D=8)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune evoformer")
+    ap.add_argument("--shapes", default="row,extra", help="of " + ", ".join(SHAPES))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    results = []
+    for name in args.shapes.split(","):
+        S, R, H, D = (SHAPES[name][key] for key in ("S", "R", "H", "D"))
+        gen = torch.Generator(device="cuda").manual_seed(R)
+
+        def rnd(*shape):
+            return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, k, v, do = (rnd(1, S, R, H, D) for _ in range(4))
+        mask = torch.zeros(1, S, 1, 1, R, device="cuda", dtype=torch.bfloat16).expand(1, S, H, R, R)
+        pair = rnd(1, 1, H, R, R).expand(1, S, H, R, R)
+        biases, scale = (mask, pair), 1.0 / math.sqrt(D)
+        flops = 4.0 * S * H * R * R * D
+        base = configs.TILES.lookup(torch.device("cuda"), ek._block(D))
+        out, lse = ek.evoformer_fwd(q, k, v, biases, scale, base.fwd)
+
+        def record(part, cfg, ms, part_flops):
+            results.append(dict(shape=name, part=part, cfg=list(cfg), ms=ms, tflops=part_flops / ms / 1e9))
+            print(f"{name} {part} {tuple(cfg)}: {ms:.3f} ms {part_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
+        for cfg in CANDIDATES:
+            ms = time_candidate(lambda: ek.evoformer_fwd(q, k, v, biases, scale, cfg))
+            if ms is not None:
+                record("fwd", cfg, ms, flops)
+        for part in ("dkdv", "dq", "dbias"):  # one pass swept, the others at the table's entry
+            for cfg in CANDIDATES:
+                tiles = base._replace(**{part: cfg})
+                ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, scale, True, tiles))
+                if ms is not None:
+                    record(f"bwd, {part} swept", cfg, ms, 2.5 * flops)
+    if args.out:
+        write_json({"sweep": "evoformer", "results": results}, args.out)
+    return 0
