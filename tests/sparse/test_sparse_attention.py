@@ -244,3 +244,10 @@ def test_views_of_a_packed_qkv():
     (g,) = torch.autograd.grad(out, qkv, d_out)
     want = torch.cat(torch.autograd.grad(ref, ref_in, d_out.float()), dim=2)
     assert rel_l2(g, want) <= 2e-2
+
+
+def test_dq_by_atomics_in_the_dkdv_pass(monkeypatch):
+    from warpforge.ops.sparse import configs
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(atomic_dq=True))))
+    q, k, v = _qkv((2, 40), 4, 2, 32, torch.float16)
+    _check_attention(q, k, v, _random_indices(2, 2, 3, 2), 16, True)

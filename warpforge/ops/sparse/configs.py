@@ -15,6 +15,8 @@ class KernelCfg(NamedTuple):
     warps: int
     stages: int
     tma: bool = False  # the walked operands through TMA descriptors (fwd / dq: K and V; dk/dv: q and do)
+    atomic_dq: bool = False  # dk/dv: dq by fp32 atomics in this pass, no dq pass (faster if atomics are; not bitwise
+                             # reproducible)
 
 
 class SparseTiles(NamedTuple):

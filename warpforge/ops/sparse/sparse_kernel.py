@@ -8,7 +8,8 @@ block size), so a selected block costs the same as a dense one and nothing else 
 
 The dk/dv pass owns a key sub-tile and walks, for each query head of its group, the query blocks that selected
 its block (a CSR list built on the GPU from SEL: OFFSETS / QBLOCKS) and then its own block: gradients are summed
-in registers over heads and query blocks, so the backward is deterministic.
+in registers over heads and query blocks, so the backward is deterministic (unless the table asks for dq by fp32
+atomics inside that pass, `atomic_dq`, instead of the dq pass).
 
 Layouts: tensors are addressed through strides; the batched [b, s, h, d] and the packed varlen [total, h, d]
 forms share the kernels (varlen: stride_b = 0 and per-sequence offsets from cu_seqlens, clamped as in
@@ -359,11 +360,14 @@ def sparse_dq_kernel(
 
 
 @triton.jit
-def _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs, stride_qh,
-               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, m0, u, s, offs_m, offs_d, offs_dv, qk_scale,
-               D: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr, USE_TMA: tl.constexpr):
-    """dk, dv of a key tile (rows u) from the queries [m0, m0 + BLOCK_M) of head h. Queries past the sequence get
-    lse +inf, so p = 0 there without a mask; MASK is the causal mask of the own block."""
+def _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, DQ32, b64, start, h, stride_qb, stride_qs, stride_qh,
+               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_aqb, stride_aqs, stride_aqh, m0, u, s,
+               offs_m, offs_d, offs_dv, qk_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, MASK: tl.constexpr,
+               USE_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """dk, dv of a key tile (rows u) from the queries [m0, m0 + BLOCK_M) of head h; with ATOMIC_DQ also this tile's
+    share of those queries' dq, added into the fp32 DQ32 (no separate dq pass: 5 matmuls a tile pair instead of 7,
+    at the price of float atomics). Queries past the sequence get lse +inf, so p = 0 there without a mask; MASK is
+    the causal mask of the own block."""
     t = m0 + offs_m
     t_ok = t < s
     q = _walked(q_src, Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D, USE_TMA)
@@ -376,20 +380,25 @@ def _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, st
         p = tl.where(u[:, None] <= t[None, :], p, 0.0)
     dv = dot(p.to(do.dtype), do, dv)
     ds = p * (dot(v, tl.trans(do)) - delta[None, :])
+    if ATOMIC_DQ:
+        dq_part = dot(tl.trans(ds.to(k.dtype)), k) * sm_scale
+        rows = (start + t).to(tl.int64)[:, None] * stride_aqs
+        tl.atomic_add(DQ32 + b64 * stride_aqb + rows + h.to(tl.int64) * stride_aqh + offs_d[None, :], dq_part,
+                      mask=t_ok[:, None] & (offs_d < D)[None, :])
     return dot(ds.to(q.dtype), q, dk), dv
 
 
 @triton.jit
 def sparse_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, OFFSETS, QBLOCKS, CU,
+    Q, K, V, DO, LSE, DELTA, DK, DV_OUT, DQ32, OFFSETS, QBLOCKS, CU,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_aqb, stride_aqs, stride_aqh,
     seqlen, total, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-):
+ ATOMIC_DQ: tl.constexpr,):
     """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
     that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
     dk / dv have strides of their own (k / v may be views of a packed qkv)."""
@@ -424,13 +433,15 @@ def sparse_dkdv_kernel(
             do_src = DO
         for step in range(lo * SUB, hi * SUB):  # the query blocks that kept this block
             m0 = tl.load(QBLOCKS + step // SUB) * BS + (step % SUB) * BLOCK_M
-            dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs,
-                                stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, m0, u, s, offs_m,
-                                offs_d, offs_dv, qk_scale, D, DV, False, USE_TMA)
+            dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, DQ32, b64, start, h, stride_qb,
+                                stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_aqb,
+                                stride_aqs, stride_aqh, m0, u, s, offs_m, offs_d, offs_dv, qk_scale, sm_scale, D, DV,
+                                False, USE_TMA, ATOMIC_DQ)
         for m0 in range(own_lo, j * BS + BS, BLOCK_M):  # its own block
-            dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, b64, start, h, stride_qb, stride_qs,
-                                stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, m0, u, s, offs_m,
-                                offs_d, offs_dv, qk_scale, D, DV, CAUSAL, USE_TMA)
+            dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, DQ32, b64, start, h, stride_qb,
+                                stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_aqb,
+                                stride_aqs, stride_aqh, m0, u, s, offs_m, offs_d, offs_dv, qk_scale, sm_scale, D, DV,
+                                CAUSAL, USE_TMA, ATOMIC_DQ)
     u_ok = (u < s)[:, None]
     rows = (start + u).to(tl.int64)[:, None]
     tl.store(DK + b64 * stride_dkb + rows * stride_dks + g.to(tl.int64) * stride_dkh + offs_d[None, :],
@@ -535,21 +546,26 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     cu_arg = cu if cu is not None else lse
     strides = (*_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
                *_seq_args(do, cu, batch, max_s), *_lse_strides(lse, cu))
-    block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
-    tma = _use_tma(cfg_dq, d, d_v, k, v)
-    sparse_dq_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
-        q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
-        sel.stride(0), sel.stride(1), sel.stride(2),
-        max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
-        num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
+    atomic = cfg_dkdv.atomic_dq
+    dq32 = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic else lse  # lse: never written
+    if not atomic:
+        block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
+        tma = _use_tma(cfg_dq, d, d_v, k, v)
+        sparse_dq_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
+            q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
+            sel.stride(0), sel.stride(1), sel.stride(2),
+            max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
+            num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
     block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
     tma = _use_tma(cfg_dkdv, d, d_v, q, do)
     sparse_dkdv_kernel[(triton.cdiv(max_s, block_n), batch * h_kv)](
-        q, k, v, do, lse, delta, dk, dv, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
-        *_seq_args(dv, cu, batch, max_s), max_s, q.shape[0], scale * LOG2E,
-        scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma, num_warps=cfg_dkdv.warps,
-        num_stages=cfg_dkdv.stages)
+        q, k, v, do, lse, delta, dk, dv, dq32, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
+        *_seq_args(dv, cu, batch, max_s), *(_seq_args(dq32, cu, batch, max_s) if atomic else (0, 0, 0)),
+        max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
+        ATOMIC_DQ=atomic, num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages)
+    if atomic:
+        dq.copy_(dq32)
     return dq, dk, dv
 
 
