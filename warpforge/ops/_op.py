@@ -27,11 +27,12 @@ NAMESPACE = "warpforge"
 
 
 def kernel_op(name: str, impl: Callable, fake: Callable, *, setup_context: Optional[Callable] = None,
-              backward: Optional[Callable] = None) -> Callable:
-    """Define `warpforge::<name>` from impl, fake and an optional (setup_context, backward) pair."""
+              backward: Optional[Callable] = None, mutates_args: tuple[str, ...] = ()) -> Callable:
+    """Define `warpforge::<name>` from impl, fake and an optional (setup_context, backward) pair. mutates_args names
+    the arguments an in-place op writes (a cache append), as torch.library requires."""
     if (setup_context is None) != (backward is None):
         raise TypeError(f"kernel_op {name}: setup_context and backward go together")
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=())
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=mutates_args)
     op.register_fake(fake)
     eager = impl
     if backward is not None:

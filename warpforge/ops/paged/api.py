@@ -18,7 +18,7 @@ from ...errors import (FP32_TINY, SCALE_MAX, check_choice, check_dtype, check_in
                        check_no_grad, check_positive_float, check_rank, check_same_device, check_same_dtype,
                        check_tensor, fail, host_reads_allowed, read_once)
 from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
-from .._op import NAMESPACE, kernel_op
+from .._op import kernel_op
 from .._plan import DecodePlan
 from . import configs
 from .kv_format import BY_DTYPE, KV_FORMATS
@@ -245,9 +245,8 @@ def _append_slots_impl(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
 
 
 # registered with the caches as mutated arguments: torch.compile and functionalisation see the write
-_append_slots_op = torch.library.custom_op(f"{NAMESPACE}::paged_append_kv_slots", _append_slots_impl,
-                                           mutates_args=("k_cache", "v_cache"))
-_append_slots_op.register_fake(lambda *args: None)
+_append_slots_op = kernel_op("paged_append_kv_slots", _append_slots_impl, lambda *args: None,
+                             mutates_args=("k_cache", "v_cache"))
 
 
 def append_kv_slots(k_cache, v_cache, k, v, slot_mapping, *, kv_format=None, k_scale=None, v_scale=None,
