@@ -10,7 +10,7 @@ sees no key gets out 0 and lse +inf.
 Where it runs: the dense and varlen calls through `warpforge.flash_attention` (autograd included);
 `flash_attn_varlen_func(..., block_table=)` gathers the paged K/V into packed sequences first (a copy; forward and
 backward to q). `flash_attn_with_kvcache` appends k/v into the caches in place, then runs `paged_decode` when it
-can (s_q <= paged.MAX_S_Q, head dim 64/128/256 shared by K and V, causal or one query, no ALiBi; a contiguous
+can (s_q <= paged.MAX_S_Q, a head dim paged takes shared by K and V, causal or one query, no ALiBi; a contiguous
 cache is read as pages through an identity block table, no copy), else `flash_attention` over the caches' tokens
 gathered per cache_seqlens (one host read of the lengths). It has no backward, as in flash-attn.
 
@@ -387,7 +387,8 @@ def _kvcache_attention(q, k_cache, v_cache, rows, block_table, lengths, softmax_
                                       num_splits=num_splits or None, return_lse=True)
     # flash_attention over each sequence's tokens, packed (q as b sequences of s_q)
     if not readable:
-        fail("cache_seqlens", "a call paged_decode can take (s_q <= 8, head dim 64/128/256 for K and V, causal or "
+        fail("cache_seqlens", f"a call paged_decode can take (s_q <= {paged.MAX_S_Q}, a head dim that is a multiple of 8 "
+             "up to 256 for K and V, causal or "
              "one query, no alibi_slopes, a page size it supports) while a CUDA graph is captured or torch.compile "
              "traces: the other path reads the lengths on the host", f"q {tuple(q.shape)}")
     lens = lengths.tolist()
