@@ -251,3 +251,18 @@ def test_dq_by_atomics_in_the_dkdv_pass(monkeypatch):
     monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(atomic_dq=True))))
     q, k, v = _qkv((2, 40), 4, 2, 32, torch.float16)
     _check_attention(q, k, v, _random_indices(2, 2, 3, 2), 16, True)
+
+
+@pytest.mark.parametrize("lead", [(1, 0), (0, 32), (2, 1)])
+def test_empty_and_one_token_sequences(lead):
+    q, k, v = (t.requires_grad_() for t in _qkv(lead, 4, 2, 16, torch.float32))
+    iq, ik = _index(lead, 2, 8, torch.float32)
+    out, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=2, return_lse=True,
+                                        return_indices=True, backend="triton")
+    ref, _ = sparse_attention_reference(q.detach(), k.detach(), v.detach(), idx, block_size=16)
+    assert out.shape == ref.shape and (out.numel() == 0 or rel_l2(out, ref) <= 1e-5)
+    out.sum().backward()
+    a, c = iq.clone().requires_grad_(), ik.clone().requires_grad_()
+    loss = wf.sparse_attention_index_loss(q, k, lse, a, c, idx, block_size=16, backend="triton")
+    assert torch.isfinite(loss)
+    loss.backward()

@@ -128,7 +128,7 @@ class _GatheredScores(torch.autograd.Function):
         ctx.save_for_backward(iq, ik, arg)
         ctx.scale = scale
         rows = iq.reshape(-1, iq.shape[-1])
-        flat = arg.reshape(rows.shape[0], -1)
+        flat = arg.reshape(rows.shape[0], arg.shape[-1])
         z = torch.empty(flat.shape, device=iq.device, dtype=torch.float32)
         step = max(1, _GatheredScores.CHUNK // max(flat.shape[1] * rows.shape[1], 1))
         for r in range(0, rows.shape[0], step):
@@ -140,7 +140,7 @@ class _GatheredScores(torch.autograd.Function):
     def backward(ctx, dz):
         iq, ik, arg = ctx.saved_tensors
         rows = iq.reshape(-1, iq.shape[-1])
-        flat = arg.reshape(rows.shape[0], -1)
+        flat = arg.reshape(rows.shape[0], arg.shape[-1])
         dz = torch.where(flat >= 0, dz.reshape(flat.shape), 0.0) * ctx.scale
         d_iq = torch.empty(rows.shape, device=iq.device, dtype=torch.float32)
         d_ik = torch.zeros(ik.shape, device=ik.device, dtype=torch.float32)
@@ -363,6 +363,8 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     if tuple(lse.shape) != want:
         fail("lse", f"shape {want} (sparse_attention's lse)", tuple(lse.shape))
     scale, i_scale = _scale(q, softmax_scale), _scale(index_q, index_scale)
+    if lse.numel() == 0:  # no tokens: nothing to match (a zero that still reaches the index branch's graph)
+        return (index_q.sum() + index_k.sum()).float() * 0.0
     q, k, lse = q.detach(), k.detach(), lse.detach()
     kw = dict(block_size=block_size, causal=causal, softmax_scale=scale, index_scale=i_scale)
     if backend == "reference":
