@@ -266,3 +266,11 @@ def test_empty_and_one_token_sequences(lead):
     loss = wf.sparse_attention_index_loss(q, k, lse, a, c, idx, block_size=16, backend="triton")
     assert torch.isfinite(loss)
     loss.backward()
+
+
+def test_max_seqlen_shorter_than_a_sequence_is_refused():
+    cu = ragged_cu_seqlens([20, 40], DEV)
+    q, k, v = _qkv((60,), 2, 1, 16, torch.float16)
+    idx = _random_indices(2, 1, 2, 1)
+    with pytest.raises(WarpforgeInputError, match="max_seqlen"):
+        wf.sparse_attention(q, k, v, block_indices=idx, block_size=32, cu_seqlens=cu, max_seqlen=30, backend="triton")

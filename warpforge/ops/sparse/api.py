@@ -190,11 +190,14 @@ def _seq_plan(q, cu_seqlens, max_seqlen):
     read = host_reads_allowed(cu_seqlens)
     host = read_once((cu_seqlens,), ("sparse", q.shape[0]), lambda: check_cu_seqlens("cu_seqlens", cu_seqlens, q,
                                                                                        read_values=read))
+    longest = int((host[1:] - host[:-1]).max()) if host is not None and host.numel() > 1 else None
     if max_seqlen is None:
         if host is None:
             fail("max_seqlen", "an int when cu_seqlens cannot be read (CUDA-graph capture, torch.compile)", None)
-        max_seqlen = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
+        max_seqlen = longest or 0
     check_int("max_seqlen", max_seqlen, 0)
+    if longest is not None and max_seqlen < longest:
+        fail("max_seqlen", f"at least the longest sequence in cu_seqlens ({longest})", max_seqlen)
     return cu_seqlens.numel() - 1, max_seqlen
 
 
