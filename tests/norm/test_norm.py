@@ -82,3 +82,20 @@ def test_bad_input():
     x = torch.randn(2, 8, device=DEV)
     with pytest.raises(WarpforgeInputError, match="^weight"):
         wf.rms_norm(x, torch.ones(9, device=DEV), backend="triton")
+
+
+@pytest.mark.parametrize("block_rows", [2, 4])
+def test_row_tiles(block_rows, monkeypatch):
+    """Several rows per forward program and per backward step (the tile table's block_rows), row counts that are not
+    multiples of the tile, forced on whatever runs the tests; the residual add too."""
+    from warpforge.ops.norm import configs
+    monkeypatch.setattr(configs, "NORM", configs.NORM.map(lambda c: c._replace(block_rows=block_rows)))
+    x = torch.randn(7, 5, 96, device=DEV, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(96, device=DEV)).requires_grad_()
+    b = (0.1 * torch.randn(96, device=DEV)).requires_grad_()
+    assert_grads_match(lambda a, c: wf.rms_norm(a, c, backend="triton"), rms_norm_reference, [x, w], torch.float32)
+    assert_grads_match(lambda a, c, d: wf.layer_norm(a, c, d, backend="triton"), layer_norm_reference, [x, w, b],
+                       torch.float32)
+    r = torch.randn_like(x)
+    y, total = wf.add_rms_norm(x, r, w, backend="triton")
+    assert rel_l2(total, x + r) <= 1e-6 and rel_l2(y, rms_norm_reference(x + r, w, 1e-6)) <= 1e-5

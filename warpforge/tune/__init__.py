@@ -4,4 +4,4 @@ each timing candidate configs on this GPU at its family's benchmark shapes and w
 Each module's main(argv) is one sweep; they need a CUDA GPU."""
 SWEEPS = {"attention": "attention", "mla": "mla", "moe": "moe", "moe-wgrad": "moe_wgrad", "paged": "paged",
           "monarch": "monarch", "lce": "lce", "sparse": "sparse",
-          "evoformer": "evoformer"}
+          "evoformer": "evoformer", "norm": "norm"}

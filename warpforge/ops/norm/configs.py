@@ -7,6 +7,7 @@ from .._tiles import TileTable
 class NormCfg(NamedTuple):
     warps: int
     programs_per_sm: int = 4  # backward: persistent programs per multiprocessor, each walking a run of rows
+    block_rows: int = 1       # rows per tile (forward program, backward step); a power of two
 
 
 # a row per program: one warp holds up to 256 columns, wider rows spread over more warps
