@@ -33,6 +33,10 @@ for step in "$@"; do
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
     compare-mla) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='L(1k|8k) (bf16|fp8)' timeout 300 bash scripts/gpu_check.sh "$w/cmp" mla > "$w/cmp-mla.log" 2>&1 ;;
     bench-sparse) SKIP_TESTS=1 timeout 420 bash scripts/gpu_check.sh "$w/bench" sparse > "$w/$step.log" 2>&1 ;;
+    serve-bench) for bt in 1 64; do  # issue 19's decode MBU bar: Llama-3-8B shape, random bf16 weights, 1k context
+                   timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch $bt --context 1024 \
+                     --json "$w/serve-decode-b$bt.json" > "$w/serve-decode-b$bt.log" 2>&1; tail -2 "$w/serve-decode-b$bt.log"
+                 done ;;
     tune-norm) timeout 240 python3 -m warpforge tune norm --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1 ;;
     tune-evoformer) timeout 300 python3 -m warpforge tune evoformer --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1 ;;
     tune-sparse) timeout 200 python3 -m warpforge tune sparse --s 65536 --out "$w/tune_sparse.json" > "$w/tune_sparse.log" 2>&1 ;;
