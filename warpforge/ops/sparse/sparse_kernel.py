@@ -450,6 +450,24 @@ def sparse_dkdv_kernel(
              dv.to(DV_OUT.dtype.element_ty), mask=u_ok & (offs_dv < DV)[None, :])
 
 
+@triton.jit
+def row_dots_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh, stride_lb,
+                    stride_lh, rows, H: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_T: tl.constexpr):
+    """delta[b, h, t] = Σ_d out[b, t, h, d] · do[b, t, h, d] in fp32 (the softmax gradient's correction term)."""
+    b = tl.program_id(1) // H
+    h = tl.program_id(1) % H
+    b64 = b.to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_DV)
+    ok = (t < rows)[:, None] & (cols < DV)[None, :]
+    t64 = t.to(tl.int64)[:, None]
+    o = tl.load(O + b64 * stride_ob + t64 * stride_os + h * stride_oh + cols[None, :], mask=ok, other=0.0)
+    g = tl.load(DO + b64 * stride_db + t64 * stride_ds + h * stride_dh + cols[None, :], mask=ok, other=0.0)
+    tl.store(DELTA + b64 * stride_lb + h * stride_lh + t.to(tl.int64), tl.sum(o.to(tl.float32) * g.to(tl.float32), 1),
+             mask=t < rows)
+
+
 # ------------------------------------------------------------------------------------------ launch
 def _bd(d):
     return max(16, triton.next_power_of_2(d))
@@ -516,18 +534,20 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
     return out, lse
 
 
-def _row_dots(out, do, cu, chunk_elems=1 << 27):
-    """delta = rowsum(out · do) in fp32, laid out like lse; in chunks of tokens, so that the fp32 copies stay
-    small at a million tokens."""
+def _row_dots(out, do, cu):
+    """delta = rowsum(out · do) in fp32, laid out like lse ([b, h, s] or [h, total]): one pass, no fp32 copies."""
     rows = out.shape[0] if cu is not None else out.shape[1]
-    step = max(1, chunk_elems // max(out[0].numel() if cu is not None else out[:, 0].numel(), 1))
-    delta = torch.empty((out.shape[-2], rows) if cu is not None else (out.shape[0], out.shape[-2], rows),
-                        device=out.device, dtype=torch.float32)
-    for r in range(0, rows, step):
-        if cu is not None:
-            delta[:, r:r + step] = (out[r:r + step].float() * do[r:r + step].float()).sum(-1).t()
-        else:
-            delta[:, :, r:r + step] = (out[:, r:r + step].float() * do[:, r:r + step].float()).sum(-1).transpose(1, 2)
+    h, d_v = out.shape[-2], out.shape[-1]
+    delta = torch.empty((h, rows) if cu is not None else (out.shape[0], h, rows), device=out.device,
+                        dtype=torch.float32)
+    if delta.numel() == 0:
+        return delta
+    batch = 1 if cu is not None else out.shape[0]
+    so, sd = _seq_args(out, cu, batch, rows), _seq_args(do, cu, batch, rows)
+    sl = (0, delta.stride(0)) if cu is not None else (delta.stride(0), delta.stride(1))
+    block_t = 64
+    row_dots_kernel[(triton.cdiv(rows, block_t), batch * h)](
+        out, do, delta, *so, *sd, *sl, rows, H=h, DV=d_v, BLOCK_DV=_bd(d_v), BLOCK_T=block_t, num_warps=4)
     return delta
 
 
