@@ -56,3 +56,10 @@ def test_gpt_with_sparse_attention_trains_a_step():
     loss.backward()
     assert torch.isfinite(loss)
     assert model.blocks[0].attn.index_q.weight.grad is not None
+
+
+@pytest.mark.parametrize("field, value", [("sparse_block", 48), ("sparse_block", 8), ("sparse_topk", 0),
+                                          ("sparse_index_dim", 12)])
+def test_gpt_config_checks_the_sparse_fields(field, value):
+    with pytest.raises(wf.WarpforgeInputError, match=field):
+        GPTConfig(seq_len=64, n_layer=1, n_head=4, n_kv_head=2, d_model=64, attention="sparse", **{field: value})

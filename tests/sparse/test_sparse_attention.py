@@ -274,3 +274,33 @@ def test_max_seqlen_shorter_than_a_sequence_is_refused():
     idx = _random_indices(2, 1, 2, 1)
     with pytest.raises(WarpforgeInputError, match="max_seqlen"):
         wf.sparse_attention(q, k, v, block_indices=idx, block_size=32, cu_seqlens=cu, max_seqlen=30, backend="triton")
+
+
+def test_lse_must_be_the_ops_layout():
+    q, k, v = _qkv((1, 32), 2, 1, 16, torch.float32)
+    iq, ik = _index((1, 32), 1, 8, torch.float32)
+    _, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=1, return_lse=True,
+                                      return_indices=True, backend="triton")
+    strided = lse.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(WarpforgeInputError, match="lse"):
+        wf.sparse_attention_index_loss(q, k, strided, iq, ik, idx, block_size=16, backend="triton")
+
+
+def test_backward_fake_is_laid_out_as_the_kernels_write():
+    """torch.compile checks the real gradients' strides against the fake's: both contiguous, whatever q's layout."""
+    from warpforge.ops.sparse.api import _bwd_fake
+    q = torch.randn(1, 4, 32, 16).transpose(1, 2)
+    grads = _bwd_fake(None, q, q, q, None, None, None, None, None, 1, 32, 16, True, 0.25)
+    assert all(g.is_contiguous() and g.shape == q.shape for g in grads)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_varlen_with_empty_sequences_on_both_backends(backend):
+    lengths = [0, 1, 17, 0]
+    cu = ragged_cu_seqlens(lengths, DEV)
+    q, k, v = _qkv((sum(lengths),), 2, 1, 16, torch.float32)
+    iq, ik = _index((sum(lengths),), 1, 8, torch.float32)
+    out, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=1, cu_seqlens=cu,
+                                        return_lse=True, return_indices=True, backend=backend)
+    loss = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, cu_seqlens=cu, backend=backend)
+    assert torch.isfinite(out).all() and torch.isfinite(loss)

@@ -25,6 +25,9 @@ class SparseAttention(Attention):
                  rope_base: float = 10000.0, backend: F.Backend = None):
         super().__init__(dim, n_heads, n_kv_heads, causal=True, bias=bias, softmax_scale=softmax_scale,
                          rotary=rotary, max_seq_len=max_seq_len, rope_base=rope_base, backend=backend)
+        check_int("block_size", block_size, 16, 256, what="a power of two from 16 to 256")
+        if block_size & (block_size - 1):
+            fail("block_size", "a power of two from 16 to 256", block_size)
         check_int("topk", topk, 1)
         check_int("index_dim", index_dim, 8, 128)
         if index_dim % 8:

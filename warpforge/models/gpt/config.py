@@ -45,6 +45,17 @@ class GPTConfig:
         check_positive_float("rope_base", self.rope_base, allow_none=False)
         check_bool("tie_embeddings", self.tie_embeddings)
         check_choice("attention", self.attention, ("mha", "mla", "sparse"))
+        if self.attention == "sparse":
+            check_int("sparse_block", self.sparse_block, 16, 256, what="a power of two from 16 to 256")
+            if self.sparse_block & (self.sparse_block - 1):
+                fail("sparse_block", "a power of two from 16 to 256", self.sparse_block)
+            check_int("sparse_topk", self.sparse_topk, lo=1)
+            check_int("sparse_index_dim", self.sparse_index_dim, 8, 128, what="a multiple of 8 from 8 to 128")
+            if self.sparse_index_dim % 8:
+                fail("sparse_index_dim", "a multiple of 8 from 8 to 128", self.sparse_index_dim)
+            if self.head_dim % 8:
+                fail("d_model", "a head dim (d_model / n_head) that is a multiple of 8 with sparse attention",
+                     self.head_dim)
         check_int("moe_experts", self.moe_experts, lo=0, what="an int >= 0 (0: no MoE)")
         check_int("moe_first_dense", self.moe_first_dense, lo=0)
         check_choice("tokenizer", self.tokenizer, ("bytes", "gpt2"))

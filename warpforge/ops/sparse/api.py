@@ -61,7 +61,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def _bwd_fake(do, q, k, v, out, lse, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))  # contiguous, as the impl
 
 
 _sparse_bwd = kernel_op("sparse_attn_bwd", _bwd_impl, _bwd_fake)
@@ -302,7 +302,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
     """Top-k block-sparse attention, forward and backward (gradients for q, k, v).
 
     q [b, s, h_q, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] (any GQA group); packed [total, h, d] with cu_seqlens
-    (int32 [n + 1]) and max_seqlen. Each query block (block_size tokens) of each kv head's group attends its own
+    (int32 [n + 1]) and max_seqlen (at least the longest sequence: checked where cu_seqlens can be read; under a
+    CUDA-graph capture or torch.compile that is the caller's contract, as in flash-attn). Each query block (block_size tokens) of each kv head's group attends its own
     block (causal within it) and its top-`topk` key blocks: chosen by the index branch (index_q [b, s, h_kv, d_i],
     index_k [b, s, 1, d_i]; see select_blocks) or given as block_indices [b, h_kv, n_blocks, topk'] (-1 for none;
     out-of-reach, repeated and own entries are ignored). Returns out [b, s, h_q, d_v], then lse (fp32, [b, h_q, s] or
@@ -351,8 +352,8 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
                                 index_scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
     """The index branch's loss (fp32 scalar): the mean over tokens and kv heads of KL(main attention's block mass
     ‖ softmax of the index branch's max-pooled block scores), over each token's kept blocks. q, k and lse are the
-    main attention's (lse from sparse_attention(..., return_lse=True)); the gradient goes to index_q and index_k
-    only."""
+    main attention's (lse from sparse_attention(..., return_lse=True) on the same q and k: the Triton path uses it as
+    given, the reference recomputes it); the gradient goes to index_q and index_k only."""
     check_tensor("q", q)
     backend = resolve_backend(backend, q.device)
     batch, max_s = _check_qkv(q, k, k, cu_seqlens, max_seqlen, backend)
@@ -362,6 +363,8 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     _check_block_indices(block_indices, k, batch, max_s, block_size)
     check_tensor("lse", lse)
     check_dtype("lse", lse, (torch.float32,))
+    check_same_device("lse", lse, "q", q)
+    check_last_dim_contiguous("lse", lse)  # the kernel steps along the tokens with stride 1
     want = (q.shape[-2], q.shape[0]) if varlen else (batch, q.shape[-2], max_s)
     if tuple(lse.shape) != want:
         fail("lse", f"shape {want} (sparse_attention's lse)", tuple(lse.shape))
@@ -375,8 +378,9 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
             return index_loss_reference(q, k, index_q, index_k, block_indices, **kw)
         parts = _per_sequence(cu_seqlens, q, k, index_q, index_k)
         losses = [index_loss_reference(qi, ki, iq, ik, block_indices[i:i + 1, :, :n_blocks(qi.shape[1], block_size)],
-                                       **kw) * qi.shape[1] for i, (qi, ki, iq, ik) in enumerate(parts)]
-        return torch.stack(losses).sum() / max(q.shape[0], 1)
+                                       **kw) * qi.shape[1] for i, (qi, ki, iq, ik) in enumerate(parts)
+                  if qi.shape[1]]  # an empty sequence has no tokens to average (its mean would be NaN)
+        return torch.stack(losses).sum() / q.shape[0]
     nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s, block_size, q.device)
     sel, n_sel = canonical(block_indices, nb_seq, causal)
     with torch.no_grad():

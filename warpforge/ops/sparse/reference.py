@@ -94,7 +94,8 @@ def index_block_scores_reference(index_q, index_k, *, block_size=128, index_scal
     nb = n_blocks(s, block_size)
     iq = _padded(index_q.float(), s, block_size).view(b, nb, block_size, h_kv, d_i)
     count = torch.full((nb,), float(block_size), device=index_q.device)
-    count[-1] = s - (nb - 1) * block_size
+    if nb:
+        count[-1] = s - (nb - 1) * block_size
     pooled = iq.sum(2) / count[None, :, None, None]  # [b, nb, h_kv, d_i]
     scores = torch.einsum("bihd,bud->bhiu", pooled, index_k.float()[:, :, 0]) * scale  # [b, h_kv, nb, s]
     scores = _padded(scores, s, block_size, dim=-1).view(b, h_kv, nb, nb, block_size)

@@ -70,15 +70,17 @@ def _walked(src, X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_
 @triton.jit
 def _tile_program(CU, seqlen, total, H: tl.constexpr, BLOCK: tl.constexpr, HEAVIEST_FIRST: tl.constexpr,
                   VARLEN: tl.constexpr):
-    """A program over (tile of BLOCK rows, b · H + head): (b in int64, head, sequence start, length, first row).
+    """A program over (b · H + head, tile of BLOCK rows) — the heads on grid axis 0, which takes 2^31 programs where
+    axes 1 and 2 stop at 65535 (many packed sequences × heads) — : (b in int64, head, sequence start, length, first
+    row). Neighbouring programs are the heads of one tile, so a group's K/V tiles are read while still in L2.
     HEAVIEST_FIRST: causal query tiles get heavier with their index, so the grid hands them out last-first."""
     if HEAVIEST_FIRST:
-        pid = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid = tl.num_programs(1) - 1 - tl.program_id(1)
     else:
-        pid = tl.program_id(0)
-    b = tl.program_id(1) // H
+        pid = tl.program_id(1)
+    b = tl.program_id(0) // H
     start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
-    return b.to(tl.int64), tl.program_id(1) % H, start, s, pid * BLOCK
+    return b.to(tl.int64), tl.program_id(0) % H, start, s, pid * BLOCK
 
 
 @triton.jit
@@ -103,10 +105,10 @@ def index_scores_kernel(
     the KCHUNK key blocks j of this program, where a query block can select j (j < i when causal; the rest stays
     -inf). One key block's tile serves all BLOCK_Q pooled queries in one MMA; the grid spreads the key blocks over
     programs (one program walking every key block left the GPU nearly idle: 22 ms at 64k)."""
-    i0 = tl.program_id(0) * BLOCK_Q
-    j0 = tl.program_id(1) * KCHUNK
-    b = tl.program_id(2) // H_KV
-    g = tl.program_id(2) % H_KV
+    b = tl.program_id(0) // H_KV  # the heads on axis 0 (see _tile_program)
+    g = tl.program_id(0) % H_KV
+    i0 = tl.program_id(1) * BLOCK_Q
+    j0 = tl.program_id(2) * KCHUNK
     start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
     nb = tl.cdiv(s, BS)
     if CAUSAL:
@@ -125,8 +127,8 @@ def index_scores_kernel(
     pq = tl.load(pq_ptrs, mask=(rows < nb)[:, None] & (offs_d < DI)[None, :], other=0.0)
     z_rows = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + rows.to(tl.int64) * stride_zi
     for j in range(j0, j_end):
-        ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s, DI)
-        sc = tl.where((j * BS + offs_n < s)[None, :], dot(pq, tl.trans(ik)), float("-inf"))
+        ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s, DI).to(tl.float32)
+        sc = tl.where((j * BS + offs_n < s)[None, :], dot(pq, tl.trans(ik)), float("-inf"))  # fp32: ranks as the reference
         ok = rows < nb
         if CAUSAL:
             ok = ok & (j < rows)
@@ -455,10 +457,10 @@ def row_dots_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh, stride_db, st
                     stride_lh, rows, H: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_T: tl.constexpr):
     """delta[b, h, t] = Σ_d out[b, t, h, d] · do[b, t, h, d] in fp32 (the softmax gradient's correction term)."""
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
+    b = tl.program_id(0) // H
+    h = tl.program_id(0) % H
     b64 = b.to(tl.int64)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_DV)
     ok = (t < rows)[:, None] & (cols < DV)[None, :]
     t64 = t.to(tl.int64)[:, None]
@@ -503,7 +505,7 @@ def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, 
     sk = _seq_args(index_k, cu, batch, max_s)
     block_q = min(cfg.block_m, max(16, triton.next_power_of_2(nb)))
     kchunk = 8
-    index_scores_kernel[(triton.cdiv(nb, block_q), triton.cdiv(nb, kchunk), batch * h_kv)](
+    index_scores_kernel[(batch * h_kv, triton.cdiv(nb, block_q), triton.cdiv(nb, kchunk))](
         pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
         sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, index_k.shape[0], scale,
         H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
@@ -523,7 +525,7 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
         return out, lse
     block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
     tma = _use_tma(cfg, d, d_v, k, v)
-    sparse_fwd_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
+    sparse_fwd_kernel[(batch * h_q, triton.cdiv(max_s, block_m))](
         q, k, v, out, lse, sel, n_sel, cu if cu is not None else lse,
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
         *_seq_args(out, cu, batch, max_s), *_lse_strides(lse, cu), sel.stride(0), sel.stride(1), sel.stride(2),
@@ -546,7 +548,7 @@ def _row_dots(out, do, cu):
     so, sd = _seq_args(out, cu, batch, rows), _seq_args(do, cu, batch, rows)
     sl = (0, delta.stride(0)) if cu is not None else (delta.stride(0), delta.stride(1))
     block_t = 64
-    row_dots_kernel[(triton.cdiv(rows, block_t), batch * h)](
+    row_dots_kernel[(batch * h, triton.cdiv(rows, block_t))](
         out, do, delta, *so, *sd, *sl, rows, H=h, DV=d_v, BLOCK_DV=_bd(d_v), BLOCK_T=block_t, num_warps=4)
     return delta
 
@@ -571,7 +573,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     if not atomic:
         block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
         tma = _use_tma(cfg_dq, d, d_v, k, v)
-        sparse_dq_kernel[(triton.cdiv(max_s, block_m), batch * h_q)](
+        sparse_dq_kernel[(batch * h_q, triton.cdiv(max_s, block_m))](
             q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
             sel.stride(0), sel.stride(1), sel.stride(2),
             max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
@@ -579,7 +581,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
     block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
     tma = _use_tma(cfg_dkdv, d, d_v, q, do)
-    sparse_dkdv_kernel[(triton.cdiv(max_s, block_n), batch * h_kv)](
+    sparse_dkdv_kernel[(batch * h_kv, triton.cdiv(max_s, block_n))](
         q, k, v, do, lse, delta, dk, dv, dq32, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
         *_seq_args(dv, cu, batch, max_s), *(_seq_args(dq32, cu, batch, max_s) if atomic else (0, 0, 0)),
         max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
@@ -602,7 +604,7 @@ def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block
         return mass, arg
     block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
     sm = 0 if cu is not None else mass.stride(0)
-    index_stats_kernel[(triton.cdiv(max_s, block_m), batch * h_kv)](
+    index_stats_kernel[(batch * h_kv, triton.cdiv(max_s, block_m))](
         q, k, lse, index_q, index_k, sel, n_sel, cu if cu is not None else lse, mass, arg,
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_lse_strides(lse, cu),
         *_seq_args(index_q, cu, batch, max_s), *_seq_args(index_k, cu, batch, max_s)[:2],
