@@ -79,3 +79,46 @@ def test_low_precision_caches_run(llama_dir, kv_format):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0))
     assert all(len(o.token_ids) >= 1 for o in outs) and llm.cache.allocator.pages_in_use == 0
     assert llm.cache.k.dtype == {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}[kv_format]
+
+
+def _run_capped(eng, steps=200):
+    """Steps until nothing is left, at most `steps` times (a hang fails the test instead of stalling it)."""
+    outs = {}
+    for _ in range(steps):
+        if not eng.has_unfinished():
+            return outs
+        for o in eng.step():
+            outs[o.request_id] = o
+    raise AssertionError(f"still unfinished after {steps} steps")
+
+
+def test_request_outgrowing_the_cache_finishes_by_length(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=2, max_model_len=64)  # 16 tokens of cache < the model length 64
+    eng = llm.engine
+    rid = eng.add_request(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=40, temperature=0,
+                                                                            ignore_eos=True))
+    out = _run_capped(eng)[rid]
+    assert out.finished and out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 16
+    assert llm.cache.allocator.pages_in_use == 0 and llm.cache.allocator.check_no_leaks()
+
+
+def test_pages_reserved_outside_requests_shorten_the_max_length(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=3, max_model_len=64)
+    eng, alloc = llm.engine, llm.cache.allocator
+    alloc.reserve("__cuda_graph_scratch__", 1)  # as DecodeGraphs does: one page no request can have
+    assert eng.max_len == 16
+    with pytest.raises(WarpforgeInputError, match="prompt"):
+        eng.add_request(prompt_token_ids=list(range(3, 20)))
+    rid = eng.add_request(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=40, temperature=0,
+                                                                            ignore_eos=True))
+    out = _run_capped(eng)[rid]
+    assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 16
+
+
+def test_step_refuses_to_spin_when_nothing_can_be_scheduled(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=2)
+    eng = llm.engine
+    eng.add_request(prompt_token_ids=[5, 6, 7], params=SamplingParams(max_tokens=4))
+    llm.cache.allocator.reserve("someone-else", 16)  # every page taken after admission
+    with pytest.raises(RuntimeError, match="cannot be scheduled"):
+        eng.step()

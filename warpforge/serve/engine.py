@@ -54,6 +54,17 @@ class Engine:
         self._ids = itertools.count()
 
     # -------------------------------------------------------------------------------- requests
+    def _free_capacity(self) -> int:
+        """Tokens one sequence can hold: the cache less the pages reserved outside requests (the CUDA graphs'
+        scratch page)."""
+        reserved = sum(len(t) for sid, t in self.alloc.tables.items() if sid not in self.requests)
+        return (self.alloc.num_pages - reserved) * self.alloc.page_size
+
+    @property
+    def max_len(self) -> int:
+        """The longest a request may grow (prompt + output): the model length or what one sequence can hold."""
+        return min(self.max_model_len, self._free_capacity())
+
     def add_request(self, prompt: Optional[str] = None, params: Optional[sampling.SamplingParams] = None, *,
                     prompt_token_ids=None, request_id: Optional[str] = None,
                     on_output: Optional[Callable[[RequestOutput], None]] = None) -> str:
@@ -70,15 +81,16 @@ class Engine:
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise WarpforgeInputError(f"prompt_token_ids: expected a non-empty list of ids in [0, {vocab}), got "
                                       f"{ids[:8]}{'...' if len(ids) > 8 else ''}")
-        capacity = self.alloc.num_pages * self.alloc.page_size
-        if len(ids) >= min(self.max_model_len, capacity):
-            raise WarpforgeInputError(f"prompt: expected fewer than {min(self.max_model_len, capacity)} tokens (the "
-                                      f"model length / the KV cache), got {len(ids)}")
+        max_len = self.max_len
+        if len(ids) >= max_len:
+            raise WarpforgeInputError(f"prompt: expected fewer than {max_len} tokens (the model length "
+                                      f"{self.max_model_len} / the KV cache's {self._free_capacity()} tokens), got "
+                                      f"{len(ids)}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise WarpforgeInputError(f"request_id: expected a new id, got {request_id!r} (in use)")
         r = Request(request_id, prompt, ids, params, params.generator(self.model.device), self.tokenizer,
-                    self.eos_ids, self.max_model_len, on_output)
+                    self.eos_ids, max_len, on_output)
         self.requests[request_id] = r
         self.waiting.append(r)
         self.metrics.prompt_tokens += len(ids)
@@ -181,6 +193,10 @@ class Engine:
         t0 = time.perf_counter()
         plan = self._schedule()
         if not plan:
+            if self.waiting and not self.running:  # nothing holds pages, yet nothing fits: it would never change
+                r = self.waiting[0]
+                raise RuntimeError(f"engine: request {r.id!r} ({len(r.tokens)} tokens) cannot be scheduled: "
+                                   f"{self.alloc.free_pages} of {self.alloc.num_pages} KV pages are free")
             return []
         works = [w for _, w, _, _ in plan]
         logits = None
