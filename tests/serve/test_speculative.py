@@ -142,3 +142,36 @@ def test_sampling_with_speculation_runs_and_frees(llama_dir, small_llama_dir, wh
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # seeded: reproducible
     assert llm.metrics.drafted > 0 and 0.0 <= llm.metrics.acceptance_rate <= 1.0
     assert llm.cache.allocator.pages_in_use == 0 and llm.cache.allocator.check_no_leaks()
+
+
+def test_drafts_dropped_for_want_of_pages_roll_the_drafter_back(llama_dir, small_llama_dir, plain, monkeypatch):
+    """When the target cannot reserve pages for a request's drafts the engine drops them; the draft model's cache
+    (which holds them already) must be rolled back too, or the next round feeds it nothing."""
+    from warpforge.serve.engine import Engine
+    reserve, dropped = Engine._reserve, []
+
+    def stingy(self, r, tokens, protect):  # every third round of drafts finds no room
+        if tokens > r.num_computed + 1 and len(r.tokens) % 3 == 0:
+            dropped.append(r.id)
+            return False
+        return reserve(self, r, tokens, protect)
+    monkeypatch.setattr(Engine, "_reserve", stingy)
+    got, llm = _greedy(llama_dir, speculative=str(small_llama_dir), num_speculative_tokens=3)
+    assert dropped and got == plain
+    drafter = llm.engine.drafter
+    assert drafter.cache.allocator.pages_in_use == 0 and drafter.cache.allocator.check_no_leaks()
+
+
+def test_draft_model_ahead_of_the_request_refeeds_its_pending_token(llama_dir):
+    llm = LLM(llama_dir, page_size=8, num_pages=16, speculative=str(llama_dir), num_speculative_tokens=2)
+    drafter = llm.engine.drafter
+
+    class R:
+        id, tokens = "r", [5, 6, 7, 8]
+        params = SamplingParams(temperature=0)
+        generator = None
+    r = R()
+    first = drafter.propose([r], [2])[0][0]
+    assert len(first) == 2 and drafter.fed["r"] == 5  # the 4 tokens and the first draft
+    again = drafter.propose([r], [2])[0][0]  # the request never took them: fed (5) is past its 4 tokens
+    assert again == first and drafter.fed["r"] == 5

@@ -155,6 +155,8 @@ class Engine:
             if r not in self.running:  # preempted by an earlier request of this loop
                 continue
             if not self._reserve(r, r.num_computed + 1 + len(d), [p[0] for p in plan]):
+                if d:  # no room for the drafts: they are dropped, and leave the drafter's cache with them
+                    self.drafter.rollback(r, len(r.tokens))
                 d, q = [], None
                 if not self._reserve(r, r.num_computed + 1, [p[0] for p in plan]):
                     self._preempt(r)

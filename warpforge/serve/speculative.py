@@ -113,6 +113,10 @@ class DraftModelDrafter:
             for i in active:
                 r = requests[i]
                 fed = self.fed.get(r.id, 0)
+                if step == 0 and fed >= len(r.tokens):
+                    # ahead of the request (drafts it never took): feed its pending token again at least
+                    self.rollback(r, len(r.tokens) - 1)
+                    fed = self.fed[r.id]
                 seq = r.tokens + out[i][0]
                 new = seq[fed:]
                 try:
