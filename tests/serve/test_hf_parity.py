@@ -65,3 +65,23 @@ def test_without_paged_decode_the_varlen_path_gathers(tmp_path, monkeypatch):
     monkeypatch.setattr(engine.Engine, "__init__", init)
     _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
     assert not calls
+
+
+def test_llama_attention_bias_applies_o_proj_bias(tmp_path):
+    # transformers' Llama with attention_bias=True biases q, k, v and o_proj
+    make_checkpoint(tmp_path, "llama", layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, seed=5,
+                    attention_bias=True)
+    _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
+
+
+def test_checkpoint_tensors_left_unused_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from warpforge import WarpforgeInputError
+    make_checkpoint(tmp_path, "llama", layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, seed=5)
+    f = tmp_path / "model.safetensors"
+    t = load_file(str(f))
+    t["model.layers.0.mlp.down_proj.bias"] = t["model.norm.weight"].clone()
+    save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(WarpforgeInputError, match=r"weights: .*model\.layers\.0\.mlp\.down_proj\.bias"):
+        LLM(tmp_path, page_size=8, num_pages=8)

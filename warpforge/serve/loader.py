@@ -218,14 +218,25 @@ def _hf_weights(raw: dict, spec: ModelSpec) -> dict:
         if spec.qkv_bias:
             out[f"{i}.qkv_bias"] = torch.cat([_take(raw, a + f"{n}_proj.bias") for n in "qkv"])
         out[f"{i}.o"] = _take(raw, a + "o_proj.weight")
+        if a + "o_proj.bias" in raw:  # Llama / Qwen3 with attention_bias: o_proj has one too (Qwen2's has not)
+            out[f"{i}.o_bias"] = _take(raw, a + "o_proj.bias")
         if spec.qk_norm:
             out[f"{i}.q_norm"] = _take(raw, a + "q_norm.weight")
             out[f"{i}.k_norm"] = _take(raw, a + "k_norm.weight")
         m = p + "mlp."
         out[f"{i}.gate_up"] = torch.cat([_take(raw, m + "gate_proj.weight"), _take(raw, m + "up_proj.weight")])
         out[f"{i}.down"] = _take(raw, m + "down_proj.weight")
+    _check_unused(raw)
     _check_shapes(out, spec)
     return out
+
+
+def _check_unused(raw: dict) -> None:
+    """Every checkpoint tensor was taken (one the forward does not apply would silently change the model)."""
+    left = sorted(k for k in raw if not k.endswith("rotary_emb.inv_freq"))  # a buffer older exports save
+    if left:
+        raise WarpforgeInputError(f"weights: expected every checkpoint tensor to be used, got {len(left)} this "
+                                  f"model does not apply: {left[:8]}{' ...' if len(left) > 8 else ''}")
 
 
 def _gpt_weights(raw: dict, spec: ModelSpec) -> dict:
@@ -238,6 +249,7 @@ def _gpt_weights(raw: dict, spec: ModelSpec) -> dict:
         out[f"{i}.o"] = _take(raw, p + "attn.proj.weight")
         out[f"{i}.gate_up"] = _take(raw, p + "mlp.gate_up.weight")  # gate first, then up (nn.SwiGLU)
         out[f"{i}.down"] = _take(raw, p + "mlp.down.weight")
+    _check_unused(raw)
     _check_shapes(out, spec)
     return out
 
@@ -250,6 +262,8 @@ def _check_shapes(w: dict, s: ModelSpec) -> None:
         want.update({f"{i}.qkv": (qkv, s.hidden_size), f"{i}.o": (s.hidden_size, s.num_heads * s.head_dim),
                      f"{i}.gate_up": (2 * s.intermediate_size, s.hidden_size),
                      f"{i}.down": (s.hidden_size, s.intermediate_size)})
+        if f"{i}.o_bias" in w:
+            want[f"{i}.o_bias"] = (s.hidden_size,)
     for name, shape in want.items():
         if tuple(w[name].shape) != shape:
             raise WarpforgeInputError(f"weights: expected {name} of shape {shape} (from config.json), got "

@@ -57,7 +57,7 @@ class LlamaModel:
             q = apply_rope(q.contiguous()[None], cos, sin)[0]
             k = apply_rope(k.contiguous()[None], cos, sin)[0]
             o = attend(i, q, k, v, cache, batch, softmax_scale=self.scale, window=s.sliding_windows[i])
-            x = F.linear(o.reshape(t, self.q_width), w[f"{i}.o"])
+            x = F.linear(o.reshape(t, self.q_width), w[f"{i}.o"], w.get(f"{i}.o_bias"))
             h, residual = add_rms_norm(x, residual, w[f"{i}.mlp_norm"], s.rms_norm_eps)
             x = F.linear(swiglu(F.linear(h, w[f"{i}.gate_up"])), w[f"{i}.down"])
         h, _ = add_rms_norm(x, residual, w["norm"], s.rms_norm_eps)
