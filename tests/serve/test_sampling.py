@@ -86,3 +86,28 @@ def test_bad_prompts_and_paths(llm, tmp_path):
     with pytest.raises(WarpforgeInputError, match="gpt_neox"):
         LLM(tmp_path)
     assert not llm.engine.has_unfinished() and llm.cache.allocator.pages_in_use == 0
+
+
+def _feed(out: str, **kw):
+    from warpforge.serve.request import Request
+    from warpforge.serve.tokenizer import ByteTokenizer
+    r = Request("x", "ab", list(b"ab"), SamplingParams(**kw), None, ByteTokenizer(), (), 1000)
+    deltas = []
+    for b in out.encode():
+        deltas.append(r.append(b))
+        if r.finished:
+            break
+    return r, deltas
+
+
+def test_streamed_deltas_never_show_part_of_a_stop_string():
+    r, deltas = _feed("xyz STOP more", stop=["STOP", "no"], max_tokens=50)
+    assert r.finish_reason == "stop" and r.text == "xyz " and "".join(deltas) == "xyz "
+    assert not any(c in d for d in deltas for c in "STOP")  # "S", "ST", "STO" were held back, then cut
+    r, deltas = _feed("hello", stop=["lo!"], max_tokens=5)  # held back (len("lo!") - 1 = 2 characters), released at the finish
+    assert r.finish_reason == "length" and "".join(deltas) == r.text == "hello" and deltas[-1] == "llo"
+
+
+def test_stop_string_completed_by_the_final_flush_is_cut():
+    r, deltas = _feed("xx\u00e9", stop=["\u00e9"], max_tokens=4)  # é's second byte is the last token
+    assert r.finish_reason == "stop" and r.text == "xx" and "".join(deltas) == "xx"

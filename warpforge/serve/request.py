@@ -41,7 +41,9 @@ class Request:
         self.detok = Detokenizer(tokenizer, self.prompt_ids) if tokenizer is not None else None
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         self.max_model_len = max_model_len
-        self.text = ""
+        self.text = ""                   # released text (what outputs and streams have shown)
+        self._decoded = ""               # decoded text, the stop buffer beyond self.text included
+        self._stop_len = max((len(x) for x in params.stop), default=1)
         self.finish_reason: Optional[str] = None
         self.on_output = on_output
         self.arrival = time.perf_counter()
@@ -66,30 +68,32 @@ class Request:
         return min(self.params.max_tokens - len(self.output_ids), self.max_model_len - len(self.tokens))
 
     def append(self, token: int) -> str:
-        """Adds one output token and checks the stop conditions; returns the text it adds (cut at a stop string)."""
+        """Adds one output token and checks the stop conditions; returns the text it releases (cut at a stop string).
+
+        While unfinished, the last max(len(stop)) - 1 characters are held back (vLLM's stop buffer): they may be
+        the start of a stop string, which must never reach a stream. They are released when the request finishes."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.tokens.append(token)
-        delta = self.detok.add([token]) if self.detok is not None else ""
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        if delta and self.params.stop:
-            start = max(0, len(self.text) - max(len(s) for s in self.params.stop) + 1)
-            text = self.text + delta
-            hits = [i for i in (text.find(s, start) for s in self.params.stop) if i >= 0]
-            if hits:
-                cut = min(hits)
-                delta = text[len(self.text):cut] if cut >= len(self.text) else ""
-                self.text = text[:cut]
-                self.finish_reason = "stop"
-                return delta
-        self.text += delta
         if self.finish_reason is None and self.room() <= 0:
             self.finish_reason = "length"
-        if self.finish_reason is not None and self.detok is not None:
-            tail = self.detok.flush()
-            self.text += tail
-            delta += tail
+        if self.detok is not None:
+            searched = len(self._decoded)
+            self._decoded += self.detok.add([token])
+            if self.finished:  # an incomplete character held at the end: the stop check sees it too
+                self._decoded += self.detok.flush()
+            if self.params.stop and len(self._decoded) > searched:
+                start = max(0, searched - self._stop_len + 1)
+                hits = [i for i in (self._decoded.find(s, start) for s in self.params.stop) if i >= 0]
+                if hits:
+                    self._decoded = self._decoded[:min(hits)]
+                    self.finish_reason = "stop"
+        release = len(self._decoded) if self.finished else max(len(self.text),
+                                                                 len(self._decoded) - self._stop_len + 1)
+        delta = self._decoded[len(self.text):release]
+        self.text = self._decoded[:release]
         return delta
 
     def output(self, new_ids: list, new_text: str) -> RequestOutput:
