@@ -245,8 +245,8 @@ def sparse_fwd_kernel(
     seqlen, total, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr,
- USE_TMA: tl.constexpr,):
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+):
     """Program (query tile, b · H_Q + h): out and lse (natural log) of its rows over the kept blocks."""
     SUB: tl.constexpr = BS // BLOCK_N
     b64, h, start, s, m_lo = _tile_program(CU, seqlen, total, H_Q, BLOCK_M, True, VARLEN)
@@ -264,7 +264,7 @@ def sparse_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
-    if USE_TMA:  # K and V through descriptors over the kv head's rows
+    if USE_TMA:  # K and V through descriptors over the kv head's rows (made here: a helper cannot return one)
         k_src = _head_desc(K, b64, start, hk, s, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
         v_src = _head_desc(V, b64, start, hk, s, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
     else:
@@ -318,8 +318,8 @@ def sparse_dq_kernel(
     seqlen, total, qk_scale, sm_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr,
- USE_TMA: tl.constexpr,):
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+):
     """Program (query tile, b · H_Q + h): dq of its rows (dq has strides of its own: q may be a view of a packed
     qkv; do and out share O's)."""
     SUB: tl.constexpr = BS // BLOCK_N
@@ -399,8 +399,8 @@ def sparse_dkdv_kernel(
     seqlen, total, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
- ATOMIC_DQ: tl.constexpr,):
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+):
     """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
     that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
     dk / dv have strides of their own (k / v may be views of a packed qkv)."""
