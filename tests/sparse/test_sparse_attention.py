@@ -304,3 +304,29 @@ def test_varlen_with_empty_sequences_on_both_backends(backend):
                                         return_lse=True, return_indices=True, backend=backend)
     loss = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, cu_seqlens=cu, backend=backend)
     assert torch.isfinite(out).all() and torch.isfinite(loss)
+
+
+@pytest.mark.gpu
+def test_gpu_selection_and_attention_capture_in_a_cuda_graph():
+    """No host sync anywhere in selection, forward and backward: the whole step captures, and replays to the eager
+    step's values."""
+    s, bs = 1024 + 40, 128
+    q, k, v = (t.requires_grad_() for t in _qkv((1, s), 8, 2, 64, torch.bfloat16))
+    iq, ik = _index((1, s), 2, 32, torch.bfloat16)
+
+    def step():
+        out = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=bs, topk=3)
+        return (out,) + torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    want = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
