@@ -129,3 +129,24 @@ def test_sixty_four_concurrent_streaming_clients(server, llama_dir):
     while llm.cache.allocator.pages_in_use and time.time() < deadline:
         time.sleep(0.05)
     assert llm.cache.allocator.pages_in_use == 0 and llm.cache.allocator.check_no_leaks()
+
+
+def test_chat_template_prompt_gets_one_bos(llama_dir, tmp_path):
+    """A template that writes the BOS itself, over a tokenizer that adds one too: the prompt starts with one."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer, processors
+
+    from warpforge.serve.server import _chat_prompt_ids
+    from warpforge.serve.tokenizer import load_tokenizer
+    tok = Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    shutil.copy(llama_dir / "config.json", tmp_path / "config.json")
+    tok = load_tokenizer(tmp_path)
+    prompt, ids = _chat_prompt_ids(tok, [{"role": "user", "content": "hello"}])
+    assert prompt == "<s>hello" and ids[0] == 0 and ids[1] != 0
+    assert tok.encode("hello")[:2] == [0, ids[1]]  # a plain prompt still gets its BOS from the tokenizer

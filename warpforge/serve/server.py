@@ -88,6 +88,15 @@ def _chat_prompt(tokenizer, messages) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
+def _chat_prompt_ids(tokenizer, messages):
+    """(prompt text, its token ids or None). A chat template writes its own special tokens (a BOS among them): its
+    text is encoded without the tokenizer adding them again; the plain transcript leaves that to the engine."""
+    prompt = _chat_prompt(tokenizer, messages)
+    if getattr(tokenizer, "chat_template", None):
+        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    return prompt, None
+
+
 def create_app(llm, model_name: Optional[str] = None):
     """The FastAPI app serving llm (an LLM); its engine thread starts now and stops on app shutdown."""
     from contextlib import asynccontextmanager
@@ -228,7 +237,7 @@ def create_app(llm, model_name: Optional[str] = None):
                                isinstance(m.get("content"), str) for m in msgs):
             raise WarpforgeInputError("messages: expected a non-empty list of {role, content} objects with string "
                                       "content")
-        prompt = _chat_prompt(llm.tokenizer, msgs)
+        prompt, ids = _chat_prompt_ids(llm.tokenizer, msgs)
         first = {}
 
         def chunk(rid, created, out):
@@ -244,7 +253,7 @@ def create_app(llm, model_name: Optional[str] = None):
             return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": name,
                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
                                  "finish_reason": out.finish_reason}], "usage": usage(out)}
-        return await run(request, prompt, params, None, body.stream, chunk, final)
+        return await run(request, prompt, params, ids, body.stream, chunk, final)
 
     @app.get("/v1/models")
     async def models():
