@@ -150,3 +150,68 @@ def test_chat_template_prompt_gets_one_bos(llama_dir, tmp_path):
     prompt, ids = _chat_prompt_ids(tok, [{"role": "user", "content": "hello"}])
     assert prompt == "<s>hello" and ids[0] == 0 and ids[1] != 0
     assert tok.encode("hello")[:2] == [0, ids[1]]  # a plain prompt still gets its BOS from the tokenizer
+
+
+def test_max_tokens_zero_is_a_400_not_sixteen(server):
+    _, client, _ = server
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hello", max_tokens=0)
+    assert "max_tokens" in str(info.value)
+
+
+def test_abort_does_not_wait_for_the_engine_lock(llama_dir):
+    from warpforge.serve.server import EngineLoop
+    loop = EngineLoop(LLM(llama_dir, page_size=8, num_pages=16).engine)
+    try:
+        rid = loop.add(None, SamplingParams(max_tokens=200, ignore_eos=True), None, prompt_token_ids=[5, 6, 7])
+        with loop.lock:  # as during a long step: the event loop's abort must not block on it
+            t0 = time.perf_counter()
+            loop.abort(rid)
+            assert time.perf_counter() - t0 < 0.05
+        deadline = time.time() + 10
+        while loop.engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.01)
+        assert not loop.engine.has_unfinished() and loop.engine.metrics.aborted == 1
+    finally:
+        loop.stop()
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(server):
+    """Outputs come every step (faster than the idle check): the disconnect is still noticed, the request stopped."""
+    import json
+    llm, _, port = server
+    aborted = llm.metrics.aborted
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 240, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 10
+        while not llm.engine.has_unfinished() and time.time() < deadline:
+            time.sleep(0.005)
+    deadline = time.time() + 20
+    while (llm.engine.has_unfinished() or llm.cache.allocator.pages_in_use) and time.time() < deadline:
+        time.sleep(0.02)
+    assert llm.metrics.aborted == aborted + 1 and llm.cache.allocator.pages_in_use == 0
+
+
+def test_stream_after_an_engine_failure_ends_with_an_error_payload(server):
+    import json
+    import urllib.request
+    llm, _, port = server
+    real = llm.engine.step
+
+    def broken():
+        raise RuntimeError("boom")
+    llm.engine.step = broken
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", headers={
+            "Content-Type": "application/json"}, data=json.dumps(
+                {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True}).encode())
+        events = [ln[6:] for ln in urllib.request.urlopen(req, timeout=30).read().decode().splitlines()
+                  if ln.startswith("data: ")]
+    finally:
+        llm.engine.step = real
+    payload = json.loads(events[-1])
+    assert "boom" in payload["error"]["message"] and payload["error"]["type"] == "server_error"
+    assert not any('"abort"' in e for e in events)

@@ -10,6 +10,7 @@ OpenAI-style JSON error body ({"error": {"message", "type", "param", "code"}}).
 # create_app, and a string annotation would not resolve)
 import asyncio
 import json
+import queue
 import threading
 import time
 from typing import Optional
@@ -19,14 +20,18 @@ from .sampling import SamplingParams
 
 
 class EngineLoop:
-    """Runs engine.step() on a thread of its own while requests are unfinished; add/abort are thread-safe."""
+    """Runs engine.step() on a thread of its own while requests are unfinished. add is thread-safe (it takes the
+    engine lock: call it from a worker thread, not the event loop); abort never blocks: it queues the id for the
+    engine thread, which drains the queue before each step."""
 
     def __init__(self, engine):
         self.engine = engine
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopped = False
-        self.error: Optional[BaseException] = None
+        self.error: Optional[BaseException] = None  # the last step's failure, None once a step succeeds
+        self.errors: dict = {}  # request id -> the failure that ended it (popped by whoever reports it)
+        self._aborts: "queue.SimpleQueue" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="warpforge-engine", daemon=True)
         self.thread.start()
 
@@ -37,19 +42,30 @@ class EngineLoop:
         return rid
 
     def abort(self, rid: str) -> None:
-        with self.lock:
+        self._aborts.put(rid)
+        self.wake.set()
+
+    def _drain_aborts(self) -> None:
+        while True:
+            try:
+                rid = self._aborts.get_nowait()
+            except queue.Empty:
+                return
             self.engine.abort(rid)
 
     def _run(self) -> None:
         while not self.stopped:
             with self.lock:
+                self._drain_aborts()
                 busy = self.engine.has_unfinished()
                 if busy:
                     try:
                         self.engine.step()
+                        self.error = None
                     except BaseException as exc:  # noqa: BLE001 (a failed step fails its requests, not the server)
                         self.error = exc
                         for rid in [r.id for r in list(self.engine.running) + list(self.engine.waiting)]:
+                            self.errors[rid] = exc
                             self.engine.abort(rid)
             if not busy:
                 self.wake.wait(0.05)
@@ -151,7 +167,11 @@ def create_app(llm, model_name: Optional[str] = None):
             raise WarpforgeInputError(f"n: expected 1 (one choice per request), got {body.n}")
         if body.model not in (None, name):
             raise WarpforgeInputError(f"model: expected {name!r} (the model this server holds), got {body.model!r}")
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or default_max
+        max_tokens = getattr(body, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = body.max_tokens
+        if max_tokens is None:  # only when absent: 0 is SamplingParams' to refuse (a 400)
+            max_tokens = default_max
         stop = body.stop if body.stop is not None else []
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, seed=body.seed, stop=stop, ignore_eos=body.ignore_eos)
@@ -159,16 +179,23 @@ def create_app(llm, model_name: Optional[str] = None):
     async def run(request: Request, prompt, params, prompt_ids, stream, chunk, final):
         """A request's outputs: streamed as SSE chunks (chunk(output) -> dict) or one JSON body (final)."""
         engine = loop_box["engine"]
-        queue: asyncio.Queue = asyncio.Queue()
+        queue_: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
-        rid = engine.add(prompt, params, lambda out: aloop.call_soon_threadsafe(queue.put_nowait, out),
-                         prompt_token_ids=prompt_ids)
+        # the engine lock is held for a whole step: take it on a worker thread, never on the event loop
+        added = aloop.run_in_executor(None, lambda: engine.add(
+            prompt, params, lambda out: aloop.call_soon_threadsafe(queue_.put_nowait, out),
+            prompt_token_ids=prompt_ids))
+        try:
+            rid = await asyncio.shield(added)
+        except asyncio.CancelledError:  # the handler went away while the request was being added: stop it
+            added.add_done_callback(lambda f: None if f.cancelled() or f.exception() else engine.abort(f.result()))
+            raise
         created = int(time.time())
 
         async def outputs():
             while True:
                 try:
-                    out = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    out = await asyncio.wait_for(queue_.get(), timeout=0.5)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return
@@ -176,6 +203,12 @@ def create_app(llm, model_name: Optional[str] = None):
                 yield out
                 if out.finished:
                     return
+                if await request.is_disconnected():  # however often outputs come
+                    return
+
+        def failure(out):
+            exc = engine.errors.pop(rid, None) if out.finish_reason == "abort" else None
+            return None if exc is None else f"the engine failed: {exc!r}"
 
         if stream:
             async def sse():
@@ -183,6 +216,11 @@ def create_app(llm, model_name: Optional[str] = None):
                 try:
                     async for out in outputs():
                         done = out.finished
+                        failed = failure(out) if done else None
+                        if failed is not None:  # OpenAI's way: an error payload, not a made-up finish_reason
+                            error = {"message": failed, "type": "server_error", "param": None, "code": None}
+                            yield f"data: {json.dumps({'error': error})}\n\n"
+                            return
                         yield f"data: {json.dumps(chunk(rid, created, out))}\n\n"
                     if done:
                         yield "data: [DONE]\n\n"
@@ -200,7 +238,7 @@ def create_app(llm, model_name: Optional[str] = None):
         if last is None or not last.finished:
             return _error(499, "client closed the request")
         if last.finish_reason == "abort":
-            return _error(500, f"the engine failed: {engine.error!r}", kind="server_error")
+            return _error(500, failure(last) or "the request was aborted", kind="server_error")
         return final(rid, created, last)
 
     def usage(out):
