@@ -122,3 +122,14 @@ def test_step_refuses_to_spin_when_nothing_can_be_scheduled(llama_dir):
     llm.cache.allocator.reserve("someone-else", 16)  # every page taken after admission
     with pytest.raises(RuntimeError, match="cannot be scheduled"):
         eng.step()
+
+
+def test_unsupported_head_dim_is_refused_at_construction(tmp_path):
+    from conftest import make_checkpoint
+
+    from warpforge.serve import PagedKVCache
+    with pytest.raises(WarpforgeInputError, match="head_dim"):
+        PagedKVCache(1, 4, 8, 1, 12, "fp32", torch.float32, "cpu")
+    make_checkpoint(tmp_path, "llama", layers=1, hidden=24, heads=2, kv_heads=1, head_dim=12)
+    with pytest.raises(WarpforgeInputError, match="head_dim: .*got 12"):
+        LLM(tmp_path, page_size=8, num_pages=8)  # not at the first step

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import WarpforgeInputError, check_choice, check_int, fail
 from ..ops import paged
+from ..ops.attention.api import MAX_HEAD_DIM
 
 
 class OutOfPages(RuntimeError):
@@ -95,6 +96,8 @@ class PagedKVCache:
         check_choice("kv_format", kv_format, tuple(paged.KV_FORMATS))
         check_choice("page_size", page_size, paged.PAGE_SIZES)
         fmt = paged.KV_FORMATS[kv_format]
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:  # neither paged_decode nor flash_attention takes it
+            fail("head_dim", f"a multiple of 8 from 8 to {MAX_HEAD_DIM} (the attention ops' head dims)", head_dim)
         if fmt.quantized and head_dim not in paged.head_dims(kv_format):
             fail("kv_format", f"a values format (bf16/fp16/fp32) at head dim {head_dim} ({kv_format} takes head "
                  f"dims {paged.head_dims(kv_format)})", repr(kv_format))
