@@ -133,3 +133,11 @@ def test_unsupported_head_dim_is_refused_at_construction(tmp_path):
     make_checkpoint(tmp_path, "llama", layers=1, hidden=24, heads=2, kv_heads=1, head_dim=12)
     with pytest.raises(WarpforgeInputError, match="head_dim: .*got 12"):
         LLM(tmp_path, page_size=8, num_pages=8)  # not at the first step
+
+
+def test_generated_request_ids_skip_user_supplied_ones(llama_dir):
+    eng = LLM(llama_dir, page_size=8, num_pages=16).engine
+    eng.add_request(prompt_token_ids=[5, 6], request_id="0")
+    eng.add_request(prompt_token_ids=[5, 6], request_id="1")
+    auto = eng.add_request(prompt_token_ids=[5, 6])
+    assert auto not in ("0", "1") and len(eng.requests) == 3

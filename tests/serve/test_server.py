@@ -215,3 +215,22 @@ def test_stream_after_an_engine_failure_ends_with_an_error_payload(server):
     payload = json.loads(events[-1])
     assert "boom" in payload["error"]["message"] and payload["error"]["type"] == "server_error"
     assert not any('"abort"' in e for e in events)
+
+
+def test_chat_template_renders_sandboxed(llama_dir, tmp_path):
+    import json
+    import shutil
+
+    from warpforge import WarpforgeInputError
+    from warpforge.serve.server import _chat_prompt
+    from warpforge.serve.tokenizer import load_tokenizer
+    shutil.copy(llama_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    # an immutable sandbox: no mutating the caller's messages, no reaching Python internals
+    for template in ("{{ messages.append({'role': 'x', 'content': 'y'}) }}", "{{ ''.__class__.__mro__ }}"):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+        msgs = [{"role": "user", "content": "hi"}]
+        try:
+            out = _chat_prompt(load_tokenizer(tmp_path), msgs)
+        except WarpforgeInputError:
+            out = ""
+        assert len(msgs) == 1 and "object" not in out

@@ -86,7 +86,11 @@ class Engine:
             raise WarpforgeInputError(f"prompt: expected fewer than {max_len} tokens (the model length "
                                       f"{self.max_model_len} / the KV cache's {self._free_capacity()} tokens), got "
                                       f"{len(ids)}")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:  # the next number no request (a user-named one included) holds
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
         if request_id in self.requests:
             raise WarpforgeInputError(f"request_id: expected a new id, got {request_id!r} (in use)")
         r = Request(request_id, prompt, ids, params, params.generator(self.model.device), self.tokenizer,

@@ -89,7 +89,9 @@ def _chat_prompt(tokenizer, messages) -> str:
     template = getattr(tokenizer, "chat_template", None)
     if template:
         import jinja2
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        # a template comes with the checkpoint: render it sandboxed, as transformers does
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
         def raise_exception(message):  # transformers' templates call it on messages they cannot format
             raise WarpforgeInputError(f"messages: {message}")
@@ -99,8 +101,11 @@ def _chat_prompt(tokenizer, messages) -> str:
         def token(name):
             t = cfg.get(name)
             return t.get("content") if isinstance(t, dict) else (t or "")
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                bos_token=token("bos_token"), eos_token=token("eos_token"))
+        try:
+            return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                    bos_token=token("bos_token"), eos_token=token("eos_token"))
+        except jinja2.TemplateError as exc:  # a security error of the sandbox among them
+            raise WarpforgeInputError(f"messages: the chat template failed on them ({exc})") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
