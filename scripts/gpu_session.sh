@@ -37,6 +37,8 @@ for step in "$@"; do
                    timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch $bt --context 1024 \
                      --json "$w/serve-decode-b$bt.json" > "$w/serve-decode-b$bt.log" 2>&1; tail -2 "$w/serve-decode-b$bt.log"
                  done ;;
+    serve-prefill) timeout 240 python3 -m warpforge.serve.prefill_bench --shape llama3-8b --tokens 8192 \
+                     --json "$w/serve-prefill-8k.json" > "$w/serve-prefill.log" 2>&1; tail -1 "$w/serve-prefill.log" ;;
     tune-norm) timeout 240 python3 -m warpforge tune norm --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1 ;;
     tune-evoformer) timeout 300 python3 -m warpforge tune evoformer --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1 ;;
     tune-sparse) timeout 200 python3 -m warpforge tune sparse --s 65536 --out "$w/tune_sparse.json" > "$w/tune_sparse.log" 2>&1 ;;
