@@ -39,6 +39,13 @@ for step in "$@"; do
                  done ;;
     serve-prefill) timeout 240 python3 -m warpforge.serve.prefill_bench --shape llama3-8b --tokens 8192 \
                      --json "$w/serve-prefill-8k.json" > "$w/serve-prefill.log" 2>&1; tail -1 "$w/serve-prefill.log" ;;
+    serve-spec) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # target: the shakespeare preset; draft: tiny
+                timeout 200 python3 -m warpforge gpt train --preset shakespeare --out "$w/target" > "$w/target.log" 2>&1
+                timeout 120 python3 -m warpforge gpt train --preset tiny --max-minutes 1.5 --out "$w/draft" > "$w/draft.log" 2>&1
+                for d in ngram "$w/draft"; do
+                  timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$d" \
+                    --json "$w/spec-$(basename "$d").json" 2>&1 | tail -1; done
+                rm -rf "$w/target/ckpt.pt" "$w/draft/ckpt.pt" ;;
     tune-norm) timeout 240 python3 -m warpforge tune norm --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1 ;;
     tune-evoformer) timeout 300 python3 -m warpforge tune evoformer --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1 ;;
     tune-sparse) timeout 200 python3 -m warpforge tune sparse --s 65536 --out "$w/tune_sparse.json" > "$w/tune_sparse.log" 2>&1 ;;
