@@ -50,6 +50,15 @@ def random_model(shape: str, dtype, device, max_len: int):
     return s, build(s, w, max_len, device), read
 
 
+def report(out: dict, path=None) -> dict:
+    """A bench's result: printed as one JSON line, and written to path when given."""
+    print(json.dumps(out))
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
 def copy_bandwidth(device) -> float:
     """Bytes/s of a large device-to-device copy (read + write counted)."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -107,11 +116,7 @@ def main(argv=None) -> dict:
            "graphs": graphs is not None, "step_ms": step_s * 1e3, "tokens_per_s": a.batch / step_s,
            "weight_gb": weight_bytes / 1e9, "kv_gb": kv_bytes / 1e9, "copy_tb_s": bw / 1e12,
            "mbu": (weight_bytes + kv_bytes) / step_s / bw, "gpu": torch.cuda.get_device_name()}
-    print(json.dumps(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return report(out, a.json)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,12 @@ head_dim · tokens² / 2), as the issue's anchor does.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from .bench import SHAPES, random_model
+from .bench import SHAPES, random_model, report
 from .engine import Engine
 from .kv_cache import PagedKVCache
 from .sampling import SamplingParams
@@ -97,11 +96,7 @@ def main(argv=None) -> dict:
            "speedup": hf_ms / ours_ms, "warpforge_tflops": flops / ours_ms / 1e9,
            "transformers_tflops": flops / hf_ms / 1e9, "device": str(device),
            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
-    print(json.dumps(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return report(out, a.json)
 
 
 if __name__ == "__main__":

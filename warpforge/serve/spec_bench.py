@@ -11,11 +11,11 @@ that repeats itself.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from .bench import report
 from .llm import LLM
 from .sampling import SamplingParams
 
@@ -55,11 +55,7 @@ def main(argv=None) -> dict:
            "speedup": base_s / fast_s * len(fast.token_ids) / max(len(base.token_ids), 1),
            "acceptance_rate": spec.metrics.acceptance_rate, "identical": base.token_ids == fast.token_ids,
            "device": str(device)}
-    print(json.dumps(out))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return report(out, a.json)
 
 
 if __name__ == "__main__":
