@@ -47,15 +47,17 @@ class LlamaModel:
             else:
                 h, residual = add_rms_norm(x, residual, w[f"{i}.attn_norm"], s.rms_norm_eps)
             qkv = F.linear(h, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))
-            q, k, v = qkv.split([self.q_width, self.kv_width, self.kv_width], dim=-1)
-            q = q.view(t, s.num_heads, s.head_dim)
-            k = k.view(t, s.num_kv_heads, s.head_dim)
-            v = v.reshape(t, s.num_kv_heads, s.head_dim)
+            heads = qkv.view(t, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+            v = heads[:, s.num_heads + s.num_kv_heads:]
             if s.qk_norm:
-                q = rms_norm(q, w[f"{i}.q_norm"], s.rms_norm_eps)
-                k = rms_norm(k, w[f"{i}.k_norm"], s.rms_norm_eps)
-            q = apply_rope(q.contiguous()[None], cos, sin)[0]
-            k = apply_rope(k.contiguous()[None], cos, sin)[0]
+                q = rms_norm(heads[:, :s.num_heads], w[f"{i}.q_norm"], s.rms_norm_eps)
+                k = rms_norm(heads[:, s.num_heads:s.num_heads + s.num_kv_heads], w[f"{i}.k_norm"], s.rms_norm_eps)
+                q = apply_rope(q[None], cos, sin)[0]
+                k = apply_rope(k[None], cos, sin)[0]
+            else:  # q's and k's heads lie side by side in qkv: one rotation for both, no copies (a decode step's
+                # launches are what keep it from the weight-read floor)
+                qk = apply_rope(heads[None, :, :s.num_heads + s.num_kv_heads], cos, sin)[0]
+                q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             o = attend(i, q, k, v, cache, batch, softmax_scale=self.scale, window=s.sliding_windows[i])
             x = F.linear(o.reshape(t, self.q_width), w[f"{i}.o"], w.get(f"{i}.o_bias"))
             h, residual = add_rms_norm(x, residual, w[f"{i}.mlp_norm"], s.rms_norm_eps)
