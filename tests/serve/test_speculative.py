@@ -98,12 +98,10 @@ def test_rejection_sampling_follows_the_target(drafter):
                     tok = (last + 1) % vocab
                 drafts.append(tok)
                 last = tok
-            ctx = [seq[-1]] + drafts[:-1]
             logits = torch.stack([target[t] for t in [seq[-1]] + drafts])
             emitted = speculative.verify(logits, drafts, torch.stack(qs) if qs else None, params, gen)
             assert all(a == b for a, b in zip(emitted[:-1], drafts))  # accepted drafts are a prefix
             seq.extend(emitted)
-            del ctx
         counts[seq[1] * vocab + seq[2]] += 1
     p1 = speculative.sampling.probs(target[start], params)
     p2 = speculative.sampling.probs(target, params)  # row t: next-token distribution after t

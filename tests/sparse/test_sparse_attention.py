@@ -330,3 +330,22 @@ def test_gpu_selection_and_attention_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_index_loss_reads_the_selectors_own_indices_back_once(monkeypatch):
+    """block_indices that sparse_attention selected are in range by construction: the index loss (every layer, every
+    step) does not read them back to check (a host sync); indices changed since are checked again."""
+    import warpforge.ops.sparse.api as api
+    q, k, v = _qkv((1, 64), 4, 2, 16, torch.float32)
+    iq, ik = _index((1, 64), 2, 8, torch.float32)
+    _, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=2, return_lse=True,
+                                      return_indices=True, backend="triton")
+    reads = []
+    real = api._check_block_values
+    monkeypatch.setattr(api, "_check_block_values", lambda t, nb: reads.append(1) or real(t, nb))
+    wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
+    assert not reads
+    idx[0, 0, 3, 0] = 99
+    with pytest.raises(WarpforgeInputError, match="block_indices"):
+        wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
+    assert reads

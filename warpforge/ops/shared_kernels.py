@@ -1,6 +1,6 @@
 """Triton helpers that more than one family's kernels use (kernel files import them from here, never from another
-family): the fp32-exact dot, a precise tanh (softcap), the online-softmax step, the SwiGLU gradient, the e2m1 decode
-of FP4 caches, and split-KV decode's combine."""
+family): the fp32-exact dot, a precise tanh (softcap), the online-softmax step, packed sequences' bounds, the
+attention backward's delta pass, the SwiGLU gradient, the e2m1 decode of FP4 caches, and split-KV decode's combine."""
 import triton
 import triton.language as tl
 
@@ -43,6 +43,55 @@ def online_softmax(s, m_i, l_i):
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def seq_bounds(cu_ptr, b, seqlen, total, VARLEN: tl.constexpr):
+    """(start, length) of sequence b. Varlen offsets are clamped into [0, total] and lengths to seqlen (the
+    max_seqlen the grid covers): offsets the host could not check (under graph capture, or changed behind
+    torch's back) can give wrong rows, never a read or write outside the tensors."""
+    if VARLEN:
+        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), total)
+        length = tl.minimum(end - start, seqlen)
+    else:
+        start = seqlen * 0  # a tensor, not a Python 0, so .to() works in both compiler and interpreter
+        length = seqlen
+    return start, length
+
+
+@triton.jit
+def softmax_delta_kernel(
+    O, DO, DELTA, cu_q,
+    stride_ob, stride_os, stride_oh,
+    stride_dob, stride_dos, stride_doh,
+    stride_lb, stride_lh,
+    seqlen_q, total_q,
+    H_Q: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """delta = rowsum(o · do), the softmax gradient's correction term, fp32, laid out as lse ([b, h, s_q], or
+    [h, total] packed: stride_lb 0). Attention backwards (dense and sparse) run it first. Grid (b · H_Q, row tiles):
+    the heads on axis 0, which takes 2^31 programs where axis 1 stops at 65535."""
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    b = pid_bh // H_Q
+    h = pid_bh % H_Q
+    q_start, s_q = seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
+    m_lo = pid_m * BLOCK_M
+    if m_lo >= s_q:
+        return
+    b64 = b.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = ((m_lo + offs_m) < s_q)[:, None] & (offs_dv < DV)[None, :]
+    row0 = (q_start + m_lo).to(tl.int64)
+    o = tl.load(O + b64 * stride_ob + row0 * stride_os + h * stride_oh
+                + offs_m[:, None] * stride_os + offs_dv[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + row0 * stride_dos + h * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_dv[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m_lo + offs_m, delta,
+             mask=(m_lo + offs_m) < s_q)
 
 
 @triton.jit

@@ -11,24 +11,13 @@ import argparse
 import itertools
 
 import torch
-import triton.testing
 
 from warpforge.bench.report import write_json
 from warpforge.ops.norm import configs, norm_kernel as nk
 from warpforge.runtime import sm_count
+from warpforge.tune.timing import time_candidate
 
 N = configs.NormCfg
-
-
-def time_graphed(fn):
-    """Median ms of fn replayed from a CUDA graph (these kernels take microseconds: a launch would be most of it),
-    or None when it does not run."""
-    try:
-        fn()
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-    except Exception as exc:  # out of registers / shared memory: not a candidate
-        print(f"    {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-        return None
 
 
 def main(argv=None):
@@ -49,7 +38,7 @@ def main(argv=None):
             name = "layer_norm" if layer else "rms_norm"
             for warps, block_rows in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
                 cfg = N(warps, 4, block_rows)
-                ms = time_graphed(lambda: nk.norm_fwd(x, w, b, 1e-6, layer, None, None, cfg))
+                ms = time_candidate(lambda: nk.norm_fwd(x, w, b, 1e-6, layer, None, None, cfg), rep=50, graphed=True)
                 if ms is not None:
                     results.append(dict(shape=shape, op=name, part="fwd", cfg=list(cfg), ms=ms,
                                         gbps=nbytes_fwd / ms / 1e6))
@@ -58,7 +47,8 @@ def main(argv=None):
             _, mean, rstd, _ = nk.norm_fwd(x, w, b, 1e-6, layer, None, None, N(4))
             for warps, block_rows, per_sm in itertools.product((1, 4, 8), (1, 2, 4, 8), (2, 4, 8, 16)):
                 cfg = N(warps, per_sm, block_rows)
-                ms = time_graphed(lambda: nk.norm_bwd(dy, x, w, mean, rstd, per_sm * sms, layer, None, cfg))
+                ms = time_candidate(lambda: nk.norm_bwd(dy, x, w, mean, rstd, per_sm * sms, layer, None, cfg),
+                                    rep=50, graphed=True)
                 if ms is not None:
                     results.append(dict(shape=shape, op=name, part="bwd", cfg=list(cfg), ms=ms,
                                         gbps=nbytes_bwd / ms / 1e6))

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator, tma_compatible
-from ..shared_kernels import dot, tanh
+from ..shared_kernels import seq_bounds, dot, softmax_delta_kernel, tanh
 
 LOG2E = 1.4426950408889634
 
@@ -47,21 +47,6 @@ def _key_span(m_lo, s_q, s_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
     hi_last = tl.minimum(m_lo + BLOCK_M, s_q) - 1
     start, full_lo, full_hi, end = _span(m_lo, hi_last, A, B, s_k, BLOCK_N)
     return A, B, start, full_lo, full_hi, end
-
-
-@triton.jit
-def _seq_bounds(cu_ptr, b, seqlen, total, VARLEN: tl.constexpr):
-    """(start, length) of sequence b. Varlen offsets are clamped into [0, total] and lengths to seqlen (the
-    max_seqlen the grid covers): offsets the host could not check (under graph capture, or changed behind
-    torch's back) can give wrong rows, never a read or write outside the tensors."""
-    if VARLEN:
-        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), total)
-        length = tl.minimum(end - start, seqlen)
-    else:
-        start = seqlen * 0  # a tensor, not a Python 0, so .to() works in both compiler and interpreter
-        length = seqlen
-    return start, length
 
 
 @triton.jit
@@ -94,8 +79,8 @@ def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, H_Q: tl.conste
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // H_Q
     h = tl.program_id(1) % H_Q
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
-    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
+    q_start, s_q = seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
+    k_start, s_k = seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
     return (b.to(tl.int64), h.to(tl.int64), (h // GROUP).to(tl.int64), q_start, s_q, k_start, s_k,
             pid_m * BLOCK_M)
 
@@ -279,38 +264,6 @@ def _dq_step(dq, qk, k, v, do, lse2, delta, rows, cols, s_k, A, B, diag, qk_scal
 
 # ---------------------------------------------------------------------------------------- backward
 @triton.jit
-def flash_bwd_preprocess_kernel(
-    O, DO, DELTA, cu_q,
-    stride_ob, stride_os, stride_oh,
-    stride_dob, stride_dos, stride_doh,
-    stride_lb, stride_lh,
-    seqlen_q, total_q,
-    H_Q: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """delta = rowsum(o * do), the softmax-gradient correction term, [b, h, s_q] fp32."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H_Q
-    h = pid_bh % H_Q
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
-    m_lo = pid_m * BLOCK_M
-    if m_lo >= s_q:
-        return
-    b64 = b.to(tl.int64)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask = ((m_lo + offs_m) < s_q)[:, None] & (offs_dv < DV)[None, :]
-    row0 = (q_start + m_lo).to(tl.int64)
-    o = tl.load(O + b64 * stride_ob + row0 * stride_os + h * stride_oh
-                + offs_m[:, None] * stride_os + offs_dv[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + row0 * stride_dos + h * stride_doh
-                 + offs_m[:, None] * stride_dos + offs_dv[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + b64 * stride_lb + h.to(tl.int64) * stride_lh + q_start + m_lo + offs_m, delta,
-             mask=(m_lo + offs_m) < s_q)
-
-
-@triton.jit
 def _dkdv_inner(dk, dv, k, v, q_src, do_src, dq_base, lse_base, delta_base, stride_qs, stride_dos,
                 stride_dqs, lo, hi, key_rows, offs_m, offs_d, offs_dv, s_q, A, B, diag, qk_scale, sm_scale, cap_in,
                 cap_out, slope2, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
@@ -386,8 +339,8 @@ def flash_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
-    q_start, s_q = _seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
-    k_start, s_k = _seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
+    q_start, s_q = seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
+    k_start, s_k = seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
     n_lo = pid_n * BLOCK_N
     if n_lo >= s_k:
         return
@@ -607,7 +560,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
     cu_k_arg = cu_k if varlen else q
     bd, bdv = _block(d), _block(dv_dim)
     pre_bm = 64
-    flash_bwd_preprocess_kernel[(triton.cdiv(max_q, pre_bm), batch * h_q)](
+    softmax_delta_kernel[(batch * h_q, triton.cdiv(max_q, pre_bm))](
         out, do, delta, cu_q_arg, *_layout(out, varlen), *_layout(do, varlen), stride_lb, stride_lh, max_q,
         q.shape[0], H_Q=h_q, DV=dv_dim, BLOCK_M=pre_bm, BLOCK_DV=bdv, VARLEN=varlen,
     )

@@ -242,9 +242,18 @@ def _check_block_indices(block_indices, k, batch, max_s, block_size):
         fail("block_indices", f"shape {want} + (topk >= 1,): [batch, kv heads, query blocks, topk]",
              tuple(block_indices.shape))
     if host_reads_allowed(block_indices) and block_indices.numel():
-        lo, hi = int(block_indices.min()), int(block_indices.max())
-        if lo < -1 or hi >= nb:
-            fail("block_indices", f"key blocks from 0 to {nb - 1}, or -1 for none", f"values from {lo} to {hi}")
+        read_once((block_indices,), _checked(nb), lambda: _check_block_values(block_indices, nb))
+
+
+def _checked(nb):
+    """read_once's context for block_indices known to hold key blocks from -1 to nb - 1."""
+    return ("sparse block_indices", nb)
+
+
+def _check_block_values(block_indices, nb):
+    lo, hi = int(block_indices.min()), int(block_indices.max())  # a host sync
+    if lo < -1 or hi >= nb:
+        fail("block_indices", f"key blocks from 0 to {nb - 1}, or -1 for none", f"values from {lo} to {hi}")
 
 
 def _scale(x, given):
@@ -324,6 +333,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
         with torch.no_grad():
             block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
                                     causal, _scale(index_q, index_scale), backend)
+        if host_reads_allowed(block_indices):  # in range by construction: the index loss need not read it back
+            read_once((block_indices,), _checked(n_blocks(max_s, block_size)), lambda: None)
     else:
         _check_block_indices(block_indices, k, batch, max_s, block_size)
     scale = _scale(q, softmax_scale)

@@ -20,22 +20,9 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator, tma_compatible
-from ..shared_kernels import dot, online_softmax
+from ..shared_kernels import seq_bounds, dot, online_softmax, softmax_delta_kernel
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _seq_bounds(cu_ptr, b, seqlen, total, VARLEN: tl.constexpr):
-    """(start, length) of sequence b; offsets clamped into [0, total], lengths to seqlen (the grid's max)."""
-    if VARLEN:
-        start = tl.minimum(tl.maximum(tl.load(cu_ptr + b), 0), total)
-        end = tl.minimum(tl.maximum(tl.load(cu_ptr + b + 1), start), total)
-        length = tl.minimum(end - start, seqlen)
-    else:
-        start = seqlen * 0
-        length = seqlen
-    return start, length
 
 
 @triton.jit
@@ -79,7 +66,7 @@ def _tile_program(CU, seqlen, total, H: tl.constexpr, BLOCK: tl.constexpr, HEAVI
     else:
         pid = tl.program_id(1)
     b = tl.program_id(0) // H
-    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    start, s = seq_bounds(CU, b, seqlen, total, VARLEN)
     return b.to(tl.int64), tl.program_id(0) % H, start, s, pid * BLOCK
 
 
@@ -109,7 +96,7 @@ def index_scores_kernel(
     g = tl.program_id(0) % H_KV
     i0 = tl.program_id(1) * BLOCK_Q
     j0 = tl.program_id(2) * KCHUNK
-    start, s = _seq_bounds(CU, b, seqlen, total, VARLEN)
+    start, s = seq_bounds(CU, b, seqlen, total, VARLEN)
     nb = tl.cdiv(s, BS)
     if CAUSAL:
         j_end = tl.minimum(tl.minimum(j0 + KCHUNK, i0 + BLOCK_Q - 1), nb)  # blocks before the tile's last one
@@ -452,24 +439,6 @@ def sparse_dkdv_kernel(
              dv.to(DV_OUT.dtype.element_ty), mask=u_ok & (offs_dv < DV)[None, :])
 
 
-@triton.jit
-def row_dots_kernel(O, DO, DELTA, stride_ob, stride_os, stride_oh, stride_db, stride_ds, stride_dh, stride_lb,
-                    stride_lh, rows, H: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_T: tl.constexpr):
-    """delta[b, h, t] = Σ_d out[b, t, h, d] · do[b, t, h, d] in fp32 (the softmax gradient's correction term)."""
-    b = tl.program_id(0) // H
-    h = tl.program_id(0) % H
-    b64 = b.to(tl.int64)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_DV)
-    ok = (t < rows)[:, None] & (cols < DV)[None, :]
-    t64 = t.to(tl.int64)[:, None]
-    o = tl.load(O + b64 * stride_ob + t64 * stride_os + h * stride_oh + cols[None, :], mask=ok, other=0.0)
-    g = tl.load(DO + b64 * stride_db + t64 * stride_ds + h * stride_dh + cols[None, :], mask=ok, other=0.0)
-    tl.store(DELTA + b64 * stride_lb + h * stride_lh + t.to(tl.int64), tl.sum(o.to(tl.float32) * g.to(tl.float32), 1),
-             mask=t < rows)
-
-
 # ------------------------------------------------------------------------------------------ launch
 def _bd(d):
     return max(16, triton.next_power_of_2(d))
@@ -536,20 +505,16 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
     return out, lse
 
 
-def _row_dots(out, do, cu):
-    """delta = rowsum(out · do) in fp32, laid out like lse ([b, h, s] or [h, total]): one pass, no fp32 copies."""
-    rows = out.shape[0] if cu is not None else out.shape[1]
+def _row_dots(out, do, cu, batch, max_s, lse):
+    """delta = rowsum(out · do) in fp32, laid out like lse: the shared kernel attention's backward runs too."""
+    delta = torch.empty_like(lse)
     h, d_v = out.shape[-2], out.shape[-1]
-    delta = torch.empty((h, rows) if cu is not None else (out.shape[0], h, rows), device=out.device,
-                        dtype=torch.float32)
-    if delta.numel() == 0:
-        return delta
-    batch = 1 if cu is not None else out.shape[0]
-    so, sd = _seq_args(out, cu, batch, rows), _seq_args(do, cu, batch, rows)
-    sl = (0, delta.stride(0)) if cu is not None else (delta.stride(0), delta.stride(1))
-    block_t = 64
-    row_dots_kernel[(batch * h, triton.cdiv(rows, block_t))](
-        out, do, delta, *so, *sd, *sl, rows, H=h, DV=d_v, BLOCK_DV=_bd(d_v), BLOCK_T=block_t, num_warps=4)
+    if delta.numel():
+        block_t = 64
+        softmax_delta_kernel[(batch * h, triton.cdiv(max_s, block_t))](
+            out, do, delta, cu if cu is not None else lse, *_seq_args(out, cu, batch, max_s),
+            *_seq_args(do, cu, batch, max_s), *_lse_strides(lse, cu), max_s, out.shape[0], H_Q=h, DV=d_v,
+            BLOCK_M=block_t, BLOCK_DV=_bd(d_v), VARLEN=cu is not None)
     return delta
 
 
@@ -562,7 +527,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     if batch == 0 or max_s == 0:
         return dq, dk, dv
-    delta = _row_dots(out, do, cu)
+    delta = _row_dots(out, do, cu, batch, max_s, lse)
     common = dict(H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size,
                   CAUSAL=causal, VARLEN=cu is not None)
     cu_arg = cu if cu is not None else lse
