@@ -12,10 +12,16 @@ import re
 import sys
 
 
-def _prepare_device():
-    """Without a GPU, kernels run through the Triton interpreter; it must be on before triton is used."""
+def _prepare_device(own_process: bool = False):
+    """Without a GPU, kernels run through the Triton interpreter, which must be on before triton is imported. Importing
+    warpforge (before this module runs) may already have imported triton (torch.compiler's decorators load
+    torch._dynamo, which loads triton): then the command, when it is the process's own (`warpforge ...`, not a
+    main(argv) call), runs itself again with the interpreter on."""
     import torch
     if not torch.cuda.is_available():
+        if "TRITON_INTERPRET" not in os.environ and "triton" in sys.modules and own_process:
+            os.environ["TRITON_INTERPRET"] = "1"
+            os.execv(sys.executable, [sys.executable, "-m", "warpforge", *sys.argv[1:]])
         os.environ.setdefault("TRITON_INTERPRET", "1")
         return torch.device("cpu")
     return torch.device("cuda")
@@ -28,7 +34,7 @@ def _fail(cmd: str, message) -> int:
 
 # ------------------------------------------------------------------------------------ commands
 def cmd_bench(args) -> int:
-    device = _prepare_device()
+    device = _prepare_device(args.own_process)
     from .bench import cases as registry
     from .bench import report, runner
 
@@ -454,6 +460,7 @@ def config_overrides(extra: list[str]) -> dict:
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.own_process = argv is None
     if extra:
         if not (args.cmd == "gpt" and args.gpt_cmd == "train"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
