@@ -329,24 +329,30 @@ PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setm
                 "mbarrier": "mbarrier"}
 
 
+class _StubTarget:
+    """A stand-in driver for compiling without a GPU: it names the target and launches nothing."""
+
+    def __init__(self, arch):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
 def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, stages=DEFAULT_STAGES, mode=0, arch=90):
     """Compile the kernel for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in
     for the device while nothing is launched. Returns a report dict: PTX features, warps, shared memory,
     registers / spills from ptxas (when the compiled kernel carries them), and the compiled kernel."""
     import re
 
-    from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
-
-    class _StubDriver:
-        def get_current_target(self):
-            return GPUTarget("cuda", arch, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
 
     b, pages, max_pages = 2, 8, 4
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
@@ -359,7 +365,7 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, stages=DEFAULT_STAG
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
     previous = driver._active
-    driver.set_active(_StubDriver())
+    driver.set_active(_StubTarget(arch))
     try:
         kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final,
                                                stages, mode)

@@ -1,0 +1,448 @@
+"""MLA decode for Hopper (sm_90) in Gluon with FlashMLA's "seesaw" schedule: two warpgroups, no producer warp.
+
+The same problem and outputs as decode_gluon_kernel (bf16 cache, dense block table, page 64, query rows
+h_q · s_q >= 64, program = (64-row tile, split, request), partials for combine_splits or the final out / lse).
+
+Why a second schedule: in decode_gluon_kernel both warpgroups split every S = Q·Kᵀ by columns (m64n32 wgmmas,
+each re-reading Q from shared memory), and S + softmax alone took 0.777 of the kernel's 0.878 ms at h_q 128,
+L 8k (MODE 1, 2026-12-02): the score GEMM is bound by shared-memory bandwidth, not the tensor cores. Here the two
+warpgroups take turns: warpgroup 0 computes the whole 64 × 64 S of the even pages, warpgroup 1 of the odd pages
+(n64 wgmmas: half the shared-memory bytes per MAC), and each owns one half (256 columns) of the output, so a
+pair of pages needs four half-width P·V products: its own P from registers, the other's P through shared memory.
+
+Per pair of pages (2p in buffer 0, 2p+1 in buffer 1), with S0 / S1 already computed:
+  WG0: softmax(S0) against the running max → P0; publishes max and scale0; O_L += P0·V0_L (P0 in registers)
+  WG1: waits scale0; softmax(S1) against max(m0, ·) → P1; publishes scale1; O_R *= scale0·scale1;
+       stores P1 (in buffer 1's rope slot, dead after S1); O_R += P1·V1_R
+  WG0: waits scale1; reloads buffer 0's left half; stores P0·scale1 (in buffer 0's rope slot); O_L *= scale1
+  WG1: waits P0; O_R += P0·V0_R; reloads its halves of both buffers once its products are done; S1' = Q·K(2p+3)ᵀ
+  WG0: O_L += P1·V1_L; S0' = Q·K(2p+2)ᵀ; reloads buffer 1's left half and rope once P1·V1_L is done
+Every buffer half is reloaded by the one warpgroup that read it last, as soon as its own MMA on it retires, so
+no empty barriers are needed; the cross-warpgroup handshakes are four mbarriers used once per pair (phase = p & 1).
+Shared memory: Q (64 KB + 8 KB rope) + two pages (2 × 72 KB) = 216 KB; P lives in the pages' rope slots.
+
+Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
+again, every score masked, its V rows zeroed); the request's last page has its rows past the length zeroed in
+shared memory before its P·V (they may hold NaN, and 0 · NaN is NaN).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .decode_gluon_kernel import BLOCK_M, D_R, D_V, LOG2E, PAGE, PTX_FEATURES, _StubTarget, ptxas_usage  # noqa: F401
+
+HALF = D_V // 2
+WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
+MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16]))
+    O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16]))
+    P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+    ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
+    ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
+    HALF_C = gl.constexpr(HALF)
+    MAX_INIT_C = gl.constexpr(MAX_INIT)
+
+    @gluon.jit
+    def _page_row(bt_row, first_page, blk, n_steps, last_page):
+        """Cache row of block blk of this split (a phantom block past the split reloads its last page)."""
+        page = gl.load(bt_row + first_page + gl.minimum(blk, n_steps - 1))
+        return gl.minimum(gl.maximum(page, 0), last_page) * 64
+
+    @gluon.jit
+    def _load_half(kn_desc, kn_dst, bar, row, col):
+        """256 latent columns of a page → shared memory, on bar."""
+        mbarrier.expect(bar, kn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
+
+    @gluon.jit
+    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, bar, row, col):
+        """256 latent columns and the 64 rope columns of a page → shared memory, on bar."""
+        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
+        tma.async_copy_global_to_shared(kr_desc, [row, 512], bar, kr_dst)
+
+    @gluon.jit
+    def _zero_rows(v, n_valid):
+        """Rows n_valid.. of a [64, 256] V half set to 0 (past the request's end: may hold NaN)."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
+        for c in gl.static_range(4):
+            sub = v.slice(c * 64, 64, dim=1)
+            t = sub.load(blk)
+            sub.store(gl.where((rows < n_valid)[:, None], t, gl.zeros_like(t)))
+
+    @gluon.jit
+    def _masked(s, n0, limit, qk_scale):
+        cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, S_LAYOUT))
+        return gl.where(cols[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _limit(tile, length, end, H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr):
+        """Per query row: the first token it must not see (the split's end, and bottom-right causal)."""
+        r = tile * 64 + gl.arange(0, 64, layout=ROW_S)
+        if CAUSAL:
+            return gl.minimum(length - S_Q + 1 + r // H_Q, end)
+        else:
+            return gl.full([64], 0, gl.int32, ROW_S) + end
+
+    @gluon.jit
+    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+             O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
+             qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
+        # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rq = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
+        rq_ok = rq < rows_total
+        q_rows = Q + b.to(gl.int64) * stride_qb + (rq // H_Q).to(gl.int64) * stride_qs + \
+            (rq % H_Q).to(gl.int64) * stride_qh
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        q_mask = rq_ok[:, None] & (c64 >= 0)[None, :]   # Gluon does not broadcast masks
+        for c in gl.static_range(8):
+            half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
+            half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
+        q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=q_mask, other=0.0))
+        s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(sync.index(4), count=1)   # Q and the running max are in place
+
+        limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
+        n_pairs = (n_steps + 1) // 2
+        l_i = gl.zeros([64], gl.float32, ROW_S)
+        acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
+        s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+        if n_pairs > 0:
+            _load_half(kn_desc, kn.index(0), kbar.index(0),
+                       _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
+            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
+                       _page_row(bt_row, first_page, 1, n_steps, last_page), 0)
+            mbarrier.wait(kbar.index(0), 0)
+            tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(kbar.index(1), 0)
+            tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
+            s0 = warpgroup_mma_wait(0, deps=(tok, ))
+        for p in range(n_pairs):
+            ph = p & 1
+            n0 = start + 2 * p * 64
+            more = p + 1 < n_pairs
+            # softmax of the even page against the running max; publish the new max and the rescale
+            s = _masked(s0, n0, limit, qk_scale)
+            m_old = s_m.load(ROW_S)
+            m0 = gl.maximum(m_old, gl.max(s, axis=1))
+            scale0 = gl.exp2(m_old - m0)
+            p0 = gl.exp2(s - m0[:, None])
+            l_i = l_i * scale0 + gl.sum(p0, axis=1)
+            gl.thread_barrier()   # every thread has read the old max before any writes the new one
+            s_sc0.store(scale0)
+            s_m.store(m0)
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(0), count=1)
+            acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
+            n_valid0 = end - n0
+            if n_valid0 < 64:
+                _zero_rows(kn.index(0), n_valid0)
+                fence_async_shared()
+                gl.thread_barrier()
+            tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), kn.index(0), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(tok, ))
+            # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
+            mbarrier.wait(sync.index(1), ph)
+            if more:
+                _load_half(kn_desc, kn.index(0), kbar.index(0),
+                           _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page), 0)
+            scale1 = s_sc1.load(ROW_S)
+            kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(2), count=1)
+            acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
+            l_i = l_i * scale1
+            # P1 is in page 1's rope slot once WG1 has issued its P0·V0_R
+            mbarrier.wait(sync.index(3), ph)
+            n_valid1 = n_valid0 - 64
+            if n_valid1 < 64:
+                _zero_rows(kn.index(2), n_valid1)
+                fence_async_shared()
+                gl.thread_barrier()
+            tok = warpgroup_mma(kr.index(1), kn.index(2), acc, is_async=True)
+            if more:
+                mbarrier.wait(kbar.index(0), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False,
+                                      is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(tok, ))
+                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
+                           _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page), 0)
+                mbarrier.wait(kbar.index(1), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), s_tok, is_async=True)
+                s_tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), s_tok, is_async=True)
+                s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(tok, ))
+
+        # the row sums of both warpgroups (same running max) → the normaliser; WG1 writes the lse
+        s_l0.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(sync.index(5), count=1)
+        mbarrier.wait(sync.index(5), 0)
+        l_all = l_i + s_l1.load(ROW_S)
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, 0,
+                  stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
+
+    @gluon.jit
+    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+             O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
+             qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
+        limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
+        n_pairs = (n_steps + 1) // 2
+        l_i = gl.zeros([64], gl.float32, ROW_S)
+        acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
+        s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+        mbarrier.wait(sync.index(4), 0)
+        if n_pairs > 0:
+            _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
+                       _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C)
+            _load_half(kn_desc, kn.index(3), kbar.index(3),
+                       _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C)
+            mbarrier.wait(kbar.index(3), 0)
+            tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False, is_async=True)
+            mbarrier.wait(kbar.index(2), 0)
+            tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
+            s1 = warpgroup_mma_wait(0, deps=(tok, ))
+        for p in range(n_pairs):
+            ph = p & 1
+            n1 = start + (2 * p + 1) * 64
+            more = p + 1 < n_pairs
+            # softmax of the odd page against WG0's new max
+            mbarrier.wait(sync.index(0), ph)
+            m0 = s_m.load(ROW_S)
+            scale0 = s_sc0.load(ROW_S)
+            s = _masked(s1, n1, limit, qk_scale)
+            m1 = gl.maximum(m0, gl.max(s, axis=1))
+            scale1 = gl.exp2(m0 - m1)
+            p1 = gl.exp2(s - m1[:, None])
+            both = scale0 * scale1
+            l_i = l_i * both + gl.sum(p1, axis=1)
+            gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
+            s_sc1.store(scale1)
+            s_m.store(m1)
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(1), count=1)
+            acc = acc * gl.convert_layout(both, ROW_O)[:, None]
+            p1b = p1.to(gl.bfloat16)
+            kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
+            n_valid1 = end - n1
+            if n_valid1 < 64:
+                _zero_rows(kn.index(3), n_valid1)
+            fence_async_shared()
+            gl.thread_barrier()
+            tok = warpgroup_mma(gl.convert_layout(p1b, P_OPERAND), kn.index(3), acc, is_async=True)
+            # P0 (rescaled to m1) from WG0
+            mbarrier.wait(sync.index(2), ph)
+            n_valid0 = n_valid1 + 64
+            if n_valid0 < 64:
+                _zero_rows(kn.index(1), n_valid0)
+                fence_async_shared()
+                gl.thread_barrier()
+            tok = warpgroup_mma(kr.index(0), kn.index(1), tok, is_async=True)
+            mbarrier.arrive(sync.index(3), count=1)
+            if more:
+                warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
+                _load_half(kn_desc, kn.index(3), kbar.index(3),
+                           _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page), HALF_C)
+                acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
+                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
+                           _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page), HALF_C)
+                mbarrier.wait(kbar.index(3), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False,
+                                      is_async=True)
+                mbarrier.wait(kbar.index(2), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), s_tok, is_async=True)
+                s_tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), s_tok, is_async=True)
+                s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(tok, ))
+
+        s_l1.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(sync.index(5), count=1)
+        mbarrier.wait(sync.index(5), 0)
+        l_all = l_i + s_l0.load(ROW_S)
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
+                  stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, True)
+
+    @gluon.jit
+    def _epilogue(acc, l_all, m_final, O_PART, LSE_PART, b, split, tile, rows_total, col0,
+                  stride_ps, stride_pb, stride_ls, stride_lb,
+                  H_Q: gl.constexpr, S_Q: gl.constexpr, FINAL: gl.constexpr, WRITES_LSE: gl.constexpr):
+        empty_row = l_all == 0.0
+        l_safe = gl.where(empty_row, 1.0, l_all)
+        norm = gl.convert_layout(1.0 / l_safe, ROW_O)
+        ro = tile * 64 + gl.arange(0, 64, layout=ROW_O)
+        cols = col0 + gl.arange(0, HALF_C, layout=gl.SliceLayout(0, O_LAYOUT))
+        o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b.to(gl.int64) * stride_pb + \
+            ro.to(gl.int64)[:, None] * 512 + cols[None, :]
+        o_mask = (ro < rows_total)[:, None] & (cols >= 0)[None, :]   # Gluon does not broadcast masks
+        gl.store(o_ptrs, (acc * norm[:, None]).to(O_PART.dtype.element_ty), mask=o_mask)
+        if WRITES_LSE:
+            # WG1 writes it: Triton 3.6 fails to lower this store in the default partition (ConvertTritonGPUToLLVM)
+            vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            lse2 = gl.convert_layout(gl.where(empty_row, float("-inf"), m_final + gl.log2(l_safe)), vec)
+            r = tile * 64 + gl.arange(0, 64, layout=vec)
+            if FINAL:
+                gl.store(LSE_PART + b.to(gl.int64) * stride_lb + (r % H_Q) * S_Q + r // H_Q,
+                         lse2 * 0.6931471805599453, mask=r < rows_total)
+            else:
+                gl.store(LSE_PART + split.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb + r, lse2,
+                         mask=r < rows_total)
+
+    @gluon.jit
+    def mla_decode_seesaw_kernel(
+        Q, kn_desc, kr_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+        stride_qb, stride_qs, stride_qh, stride_bt,
+        stride_ps, stride_pb, stride_ls, stride_lb,
+        rows_total, qk_scale, capacity, last_page,
+        H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
+        WG1_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
+        tile = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2)
+        n_splits = gl.num_programs(1)
+        length = gl.minimum(gl.maximum(gl.load(SEQLENS + b), 0), capacity)
+        per_split = gl.cdiv(gl.cdiv(length, n_splits), 64) * 64
+        start = split * per_split
+        end = gl.minimum(start + per_split, length)
+        n_steps = gl.maximum(gl.cdiv(end - start, 64), 0)
+
+        half_layout: gl.constexpr = kn_desc.layout
+        rope_layout: gl.constexpr = kr_desc.layout
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
+        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
+        kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_layout)     # page rope; then that page's P
+        s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        s_sc0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
+        s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
+        kbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
+        sync = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(kbar.index(i), count=1)
+        for i in gl.static_range(5):
+            mbarrier.init(sync.index(i), count=1)
+        mbarrier.init(sync.index(5), count=2)
+
+        bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
+        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+                O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
+                rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+                H_Q, S_Q, CAUSAL, FINAL)
+        gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WG1_REGS])
+
+    return mla_decode_seesaw_kernel, gl
+
+
+def _descriptors(kv_cache, gl):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
+    rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
+    shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
+    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout),
+            TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout))
+
+
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final):
+    """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_seesaw and the compile check."""
+    kernel, gl = _build()
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    num_splits = o_part.shape[0]
+    kn_desc, kr_desc = _descriptors(kv_cache, gl)
+    grid = (-(-rows // BLOCK_M), num_splits, b)
+    args = (q, kn_desc, kr_desc, block_table, cache_seqlens, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
+            rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
+            max(kv_cache.shape[0] - 1, 0))
+    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS, num_warps=4)
+    return kernel, grid, args, meta
+
+
+def mla_decode_seesaw(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits):
+    """(out, lse) as decode_gluon_kernel.mla_decode_gluon returns them, through the seesaw kernel."""
+    from ..shared_kernels import combine_splits
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    out = torch.empty((b, s_q, h_q, D_V), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if b == 0:
+        return out, lse
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = out.unsqueeze(0), lse
+    else:
+        o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
+    kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
+                                           lse_part, final)
+    kernel[grid](*args, **meta)
+    if not final:
+        combine_splits(o_part, lse_part, out, lse, h_q, s_q)
+    return out, lse
+
+
+def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
+    """Compile for sm_<arch> without a GPU (a stub driver; Triton's wheel carries ptxas): PTX features, warps,
+    shared memory and the compiled kernel, as decode_gluon_kernel.compile_sm90 reports them."""
+    import re
+
+    from triton.runtime.driver import driver
+    b, pages, max_pages = 2, 8, 4
+    q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
+    cache = torch.empty(pages, PAGE, 1, 576, dtype=torch.bfloat16)
+    table = torch.zeros(b, max_pages, dtype=torch.int32)
+    lens = torch.zeros(b, dtype=torch.int32)
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
+    else:
+        o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
+    previous = driver._active
+    driver.set_active(_StubTarget(arch))
+    try:
+        kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
+        k = kernel.warmup(*args, grid=grid, **meta)
+    finally:
+        driver._active = previous
+    ptx = k.asm.get("ptx", "")
+    report = {name: tag in ptx for name, tag in PTX_FEATURES.items()}
+    report["setmaxnreg_values"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                          ptx)))
+    report["warp_specialize"] = "ttg.warp_specialize" in k.asm.get("ttgir", "")
+    report["num_warps"] = k.metadata.num_warps
+    report["shared_bytes"] = k.metadata.shared
+    report["kernel"] = k
+    return report
