@@ -62,17 +62,27 @@ def _build():
         return gl.minimum(gl.maximum(page, 0), last_page) * 64
 
     @gluon.jit
-    def _load_half(kn_desc, kn_dst, bar, row, col):
-        """256 latent columns of a page → shared memory, on bar."""
-        mbarrier.expect(bar, kn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
+    def _load_tiles(desc, dst, kbar, row, col0, BAR0: gl.constexpr):
+        """Four 64-column tiles (256 latent columns) of a page → shared memory, each on its own barrier: the score
+        GEMM starts on the first tile while the others are still in flight."""
+        for c in gl.static_range(4):
+            bar = kbar.index(BAR0 + c)
+            mbarrier.expect(bar, desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row, col0 + c * 64], bar, dst.slice(c * 64, 64, dim=1))
 
     @gluon.jit
-    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, bar, row, col):
-        """256 latent columns and the 64 rope columns of a page → shared memory, on bar."""
-        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
-        tma.async_copy_global_to_shared(kr_desc, [row, 512], bar, kr_dst)
+    def _load_rope(desc, dst, bar, row):
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, 512], bar, dst)
+
+    @gluon.jit
+    def _scores(q, k, kbar, BAR0: gl.constexpr, phase, tok, ACC: gl.constexpr):
+        """tok (+)= Q_half · K_halfᵀ as four 64-column wgmmas, each issued once its tile has landed."""
+        for c in gl.static_range(4):
+            mbarrier.wait(kbar.index(BAR0 + c), phase)
+            tok = warpgroup_mma(q.slice(c * 64, 64, dim=1), k.slice(c * 64, 64, dim=1).permute((1, 0)), tok,
+                                use_acc=c + ACC > 0, is_async=True)
+        return tok
 
     @gluon.jit
     def _zero_rows(v, n_valid):
@@ -99,7 +109,7 @@ def _build():
             return gl.full([64], 0, gl.int32, ROW_S) + end
 
     @gluon.jit
-    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, tile_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -126,20 +136,21 @@ def _build():
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         if n_pairs > 0:
-            _load_half(kn_desc, kn.index(0), kbar.index(0),
-                       _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
-            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
-                       _page_row(bt_row, first_page, 1, n_steps, last_page), 0)
-            mbarrier.wait(kbar.index(0), 0)
-            tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(kbar.index(1), 0)
-            tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), tok, is_async=True)
+            row1 = _page_row(bt_row, first_page, 1, n_steps, last_page)
+            _load_tiles(tile_desc, kn.index(0), kbar, _page_row(bt_row, first_page, 0, n_steps, last_page), 0, 0)
+            _load_tiles(tile_desc, kn.index(2), kbar, row1, 0, 9)
+            _load_rope(tile_desc, kr.index(1), kbar.index(17), row1)
+            tok = _scores(q_half.index(0), kn.index(0), kbar, 0, 0, s0, 0)
+            tok = _scores(q_half.index(1), kn.index(1), kbar, 4, 0, tok, 1)
+            mbarrier.wait(kbar.index(8), 0)
             tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
             s0 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n0 = start + 2 * p * 64
             more = p + 1 < n_pairs
+            next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
+            next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the even page against the running max; publish the new max and the rescale
             s = _masked(s0, n0, limit, qk_scale)
             m_old = s_m.load(ROW_S)
@@ -163,8 +174,7 @@ def _build():
             # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
             mbarrier.wait(sync.index(1), ph)
             if more:
-                _load_half(kn_desc, kn.index(0), kbar.index(0),
-                           _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page), 0)
+                _load_tiles(tile_desc, kn.index(0), kbar, next0, 0, 0)
             scale1 = s_sc1.load(ROW_S)
             kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
             fence_async_shared()
@@ -181,14 +191,12 @@ def _build():
                 gl.thread_barrier()
             tok = warpgroup_mma(kr.index(1), kn.index(2), acc, is_async=True)
             if more:
-                mbarrier.wait(kbar.index(0), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False,
-                                      is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(tok, ))
-                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
-                           _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page), 0)
-                mbarrier.wait(kbar.index(1), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), s_tok, is_async=True)
+                s_tok = _scores(q_half.index(0), kn.index(0), kbar, 0, (p + 1) & 1, s0, 0)
+                acc = warpgroup_mma_wait(4, deps=(tok, ))   # P1·V1_L retired (the four score wgmmas may run on)
+                _load_tiles(tile_desc, kn.index(2), kbar, next1, 0, 9)
+                _load_rope(tile_desc, kr.index(1), kbar.index(17), next1)
+                s_tok = _scores(q_half.index(1), kn.index(1), kbar, 4, (p + 1) & 1, s_tok, 1)
+                mbarrier.wait(kbar.index(8), (p + 1) & 1)
                 s_tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -204,7 +212,7 @@ def _build():
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
 
     @gluon.jit
-    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, tile_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -215,20 +223,21 @@ def _build():
         s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         mbarrier.wait(sync.index(4), 0)
         if n_pairs > 0:
-            _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
-                       _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C)
-            _load_half(kn_desc, kn.index(3), kbar.index(3),
-                       _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C)
-            mbarrier.wait(kbar.index(3), 0)
-            tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False, is_async=True)
-            mbarrier.wait(kbar.index(2), 0)
-            tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), tok, is_async=True)
+            row0 = _page_row(bt_row, first_page, 0, n_steps, last_page)
+            _load_tiles(tile_desc, kn.index(1), kbar, row0, HALF_C, 4)
+            _load_rope(tile_desc, kr.index(0), kbar.index(8), row0)
+            _load_tiles(tile_desc, kn.index(3), kbar, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C, 13)
+            tok = _scores(q_half.index(1), kn.index(3), kbar, 13, 0, s1, 0)
+            tok = _scores(q_half.index(0), kn.index(2), kbar, 9, 0, tok, 1)
+            mbarrier.wait(kbar.index(17), 0)
             tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
             s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n1 = start + (2 * p + 1) * 64
             more = p + 1 < n_pairs
+            next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
+            next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the odd page against WG0's new max
             mbarrier.wait(sync.index(0), ph)
             m0 = s_m.load(ROW_S)
@@ -264,16 +273,13 @@ def _build():
             mbarrier.arrive(sync.index(3), count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
-                _load_half(kn_desc, kn.index(3), kbar.index(3),
-                           _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page), HALF_C)
+                _load_tiles(tile_desc, kn.index(3), kbar, next1, HALF_C, 13)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
-                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
-                           _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page), HALF_C)
-                mbarrier.wait(kbar.index(3), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False,
-                                      is_async=True)
-                mbarrier.wait(kbar.index(2), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), s_tok, is_async=True)
+                _load_tiles(tile_desc, kn.index(1), kbar, next0, HALF_C, 4)
+                _load_rope(tile_desc, kr.index(0), kbar.index(8), next0)
+                s_tok = _scores(q_half.index(1), kn.index(3), kbar, 13, (p + 1) & 1, s1, 0)
+                s_tok = _scores(q_half.index(0), kn.index(2), kbar, 9, (p + 1) & 1, s_tok, 1)
+                mbarrier.wait(kbar.index(17), (p + 1) & 1)
                 s_tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -314,7 +320,7 @@ def _build():
 
     @gluon.jit
     def mla_decode_seesaw_kernel(
-        Q, kn_desc, kr_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+        Q, tile_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
         stride_qb, stride_qs, stride_qh, stride_bt,
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
@@ -332,8 +338,8 @@ def _build():
         end = gl.minimum(start + per_split, length)
         n_steps = gl.maximum(gl.cdiv(end - start, 64), 0)
 
-        half_layout: gl.constexpr = kn_desc.layout
-        rope_layout: gl.constexpr = kr_desc.layout
+        half_layout: gl.constexpr = tile_desc.layout   # 128-byte swizzle: the same for every tile shape here
+        rope_layout: gl.constexpr = tile_desc.layout
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
         q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
@@ -344,18 +350,19 @@ def _build():
         s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
         s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
-        # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
-        kbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        # kbar: one per 64-column tile, page 0 tiles 0-8 then page 1 tiles 0-8 (8 = rope). WG0 loads page 0's
+        # left tiles and page 1's left tiles and rope; WG1 page 0's right tiles and rope and page 1's right tiles
+        kbar = gl.allocate_shared_memory(gl.int64, [18, 1], mbarrier.MBarrierLayout())
         # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
         sync = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
+        for i in gl.static_range(18):
             mbarrier.init(kbar.index(i), count=1)
         for i in gl.static_range(5):
             mbarrier.init(sync.index(i), count=1)
         mbarrier.init(sync.index(5), count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, tile_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
                 H_Q, S_Q, CAUSAL, FINAL)
@@ -364,14 +371,12 @@ def _build():
     return mla_decode_seesaw_kernel, gl
 
 
-def _descriptors(kv_cache, gl):
+def _descriptor(kv_cache, gl):
+    """One TMA descriptor over the cache's rows [pages · 64, 576] with 64 × 64 boxes: every load is one tile."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
-    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
-    rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
-    shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
-    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout),
-            TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout))
+    layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
+    return TensorDescriptor(kv_cache, [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1], [PAGE, D_R], layout)
 
 
 def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final):
@@ -380,9 +385,8 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     num_splits = o_part.shape[0]
-    kn_desc, kr_desc = _descriptors(kv_cache, gl)
     grid = (-(-rows // BLOCK_M), num_splits, b)
-    args = (q, kn_desc, kr_desc, block_table, cache_seqlens, o_part, lse_part,
+    args = (q, _descriptor(kv_cache, gl), block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
