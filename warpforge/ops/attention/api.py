@@ -3,6 +3,7 @@ reference, or the Triton kernels as ops with autograd)."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Union
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from ...errors import (SCALE_MAX, check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor,
                        dense_like, fail, host_reads_allowed, read_once)
-from ...runtime import check_interpreted_matmul_dtype, resolve_backend
+from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
 from .reference import attention_reference, attention_varlen_reference
@@ -38,10 +39,51 @@ def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Opt
 
     cfg, _, _ = _cfgs(q, v)
     plain = softcap == 0.0 and slopes is None and v.shape[-1] == q.shape[-1]
+    if cu_q is None and plain and gluon_gate(q, k, v, left, right):  # Hopper, Gluon: FA3's schedule
+        from . import flash_gluon_kernel
+        return flash_gluon_kernel.flash_fwd_gluon(q, k, v, scale, right == 0, *gluon_knobs(q.shape[-1], right == 0))
     if cfg.ws and cu_q is None and plain and flash_ws_kernel.fits(q, k, v):  # the Hopper pipeline's forward
         return flash_ws_kernel.flash_fwd_ws(q, k, v, batch, max_q, max_k, scale, left, right, cfg)
     return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg,
                      ScoreMod(scale, softcap, slopes))
+
+
+def _gluon_switch() -> bool:
+    """WARPFORGE_ATTN_GLUON: "1" on, "0" off, unset configs.GLUON_DEFAULT; and a Triton whose Gluon API the
+    kernel was written for. Read on the host (the forward op is opaque to torch.compile)."""
+    flag = os.environ.get(configs.GLUON_ENV)
+    if (configs.GLUON_DEFAULT if flag is None else flag != "0") is False:
+        return False
+    import triton
+    return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
+
+
+def gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool]:
+    """(BLOCK_N, STAGES, PINGPONG) of the Gluon forward: configs.GLUON_FWD, each overridable for sweeps through
+    WARPFORGE_ATTN_GLUON_BLOCK_N / _STAGES / _PINGPONG (scripts/bench_attention_gluon.py)."""
+    block_n, stages, pingpong = configs.GLUON_FWD[(d, bool(causal))]
+    env = os.environ
+    return (int(env.get("WARPFORGE_ATTN_GLUON_BLOCK_N", block_n)), int(env.get("WARPFORGE_ATTN_GLUON_STAGES", stages)),
+            env.get("WARPFORGE_ATTN_GLUON_PINGPONG", "1" if pingpong else "0") != "0")
+
+
+def gluon_gate(q, k, v, left, right) -> bool:
+    """Whether the batched forward takes the Hopper Gluon kernel (flash_gluon_kernel.py): an sm_90 device, a Triton
+    in configs.GLUON_TRITON_VERSIONS, the switch on (_gluon_switch), fp16/bf16, head dim 64 or 128 for q, k and v,
+    no mask or causal (no window), TMA-aligned tensors, at most 65535 (batch, head) pairs (the grid's second
+    axis). The caller has already ruled out varlen, softcap, ALiBi and a separate V head dim; everything else runs
+    the portable kernel."""
+    if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
+        return False
+    s_k = k.shape[1]
+    if left < s_k or not (right == 0 or right >= s_k):  # a window (or a one-sided band) -> portable kernel
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in configs.GLUON_HEAD_DIMS:
+        return False
+    if q.shape[0] * q.shape[2] > 65535 or not _gluon_switch():
+        return False
+    from . import flash_gluon_kernel
+    return flash_gluon_kernel.fits(q, k, v) and flash_gluon_kernel.available()
 
 
 def _flash_fwd_fake(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, softcap, slopes, deterministic):

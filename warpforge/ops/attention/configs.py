@@ -55,3 +55,15 @@ FP8_TILES = TileTable({
     "default": {"any": C(64, 64, 4, 2), 256: C(64, 32, 4, 1)},
     "sm90": {32: C(128, 64, 8, 3), 64: C(128, 64, 8, 3), 128: C(128, 64, 8, 3), 256: C(64, 64, 8, 2)},
 })
+
+# The Hopper Gluon forward (flash_gluon_kernel.py; api.gluon_gate decides): gate constants and its tiles.
+GLUON_ENV = "WARPFORGE_ATTN_GLUON"      # "1" on, "0" off (the portable kernel then runs), unset: GLUON_DEFAULT
+GLUON_DEFAULT = False                   # off until the H200 has run tests/attention/test_attention_gluon.py + bench
+GLUON_TRITON_VERSIONS = ("3.6",)        # Triton releases whose Gluon API the kernel was written and checked on
+GLUON_HEAD_DIMS = (64, 128)
+# (head dim, causal) -> (BLOCK_N, STAGES, PINGPONG); 128 query rows per program (two 64-row consumer warpgroups).
+# Compiled without spills for sm_90 (Triton 3.6); not yet timed on the H200 (benchmarks/NOTES.md, session 10).
+GLUON_FWD = {
+    (64, False): (128, 4, True), (64, True): (128, 4, True),
+    (128, False): (128, 2, True), (128, True): (128, 2, True),
+}

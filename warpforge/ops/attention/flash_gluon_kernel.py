@@ -1,0 +1,398 @@
+"""FlashAttention forward for Hopper (sm_90) in Gluon, on FlashAttention-3's schedule.
+
+The same problem and the same outputs as flash_kernel.flash_fwd for batched [b, s, h, d] inputs (bf16/fp16, head
+dim 64 or 128, causal bottom-right aligned or no mask, GQA/MQA): out like q, lse fp32 [b, h_q, s_q] in natural
+log, -inf (and out 0) for a query that sees no key. The backward (flash_kernel.flash_bwd) reuses both.
+
+Schedule (Triton 3.6's Gluon; the H200 runs 3.6), one program per (128 query rows, batch · head):
+- shared memory: Q [2 × 64 rows, D] (one slice per consumer), a ring of STAGES slots each holding one K and one V
+  tile [BLOCK_N, D] (NVMMA 128-byte swizzle), and mbarriers: q_bar; k_ready / v_ready / empty per slot; two
+  `turn` barriers for the ping-pong. d 128, BLOCK_N 128, 2 stages: 32 + 128 KB.
+- producer (a worker partition of one warp, PRODUCER_REGS registers after setmaxnreg): TMA-loads the two Q
+  slices once (q_bar), then for each key tile j of the program's band: waits `empty[j % STAGES]` (fresh
+  barriers pass on the first lap), TMA-loads K_j (k_ready) and V_j (v_ready) into the slot. All loads go through
+  4-D descriptors over [b, s, h, d] with [1, rows, 1, D] boxes, so rows past a sequence's end arrive as zeros.
+- consumers: two warpgroups, the default partition (warpgroup 0, query rows 0-63 of the tile) and a worker
+  partition (warpgroup 1, rows 64-127), CONSUMER_REGS registers each. Each runs, for key tile j:
+      wait k_ready[j]; [ping-pong: wait my turn]
+      issue S_j = Q·K_jᵀ (async wgmma, 64 × BLOCK_N fp32) and O += P_{j-1}·V_{j-1} (async wgmma, P_{j-1} the
+      bf16 register A operand converted from the previous step's fp32 probabilities: no shared-memory trip)
+      [ping-pong: hand the turn to the other warpgroup]
+      wait for S_j only (P·V still on the tensor cores) and do the online softmax of tile j (exp2, the
+      softmax scale folded into one FMA per score; masks only on tiles that cross the causal diagonal or the
+      end of the keys) while P·V_{j-1} runs: FA3's intra-warpgroup overlap;
+      wait for P·V_{j-1}, free its ring slot (`empty`, one arrive per warpgroup: count 2), rescale O.
+  Ping-pong (PINGPONG): the two warpgroups issue their GEMMs in strict alternation through the two `turn`
+  barriers, so one warpgroup's softmax runs under the other's GEMMs. Each warpgroup takes n_tiles + 1 turns
+  (S_0; S_j with P·V_{j-1}; the last P·V) and hands over after each (one arrive on the other's `turn`, count 1).
+  Warpgroup 0 takes turn 0 without waiting; at turn t it waits for the other's hand-over t-1 (parity (t-1) & 1),
+  warpgroup 1 for hand-over t (parity t & 1). Strict alternation keeps each barrier at most one phase ahead of
+  its waiter; both warpgroups take the same number of turns (the same key tiles), so no one waits at the end.
+- causal: the program walks only the key tiles its 128 rows can see (fully masked tiles are skipped), both
+  warpgroups the same count (the ping-pong needs it), masking only the tiles that cross a row's limit.
+- 12 warps: 4 (consumer 0) + 4 (consumer 1) + 1 producer (rounded to a warpgroup); maxnreg 168 at launch,
+  setmaxnreg gives the consumers 240 and the producer 24 (12 · 168 · 32 = 4 · 32 · (240 + 240 + 24)).
+
+Gluon's API changes between Triton releases: everything here is imported lazily (`_build()`), and the api gate
+(api.py) only dispatches here on sm_90 with a Triton in configs.GLUON_TRITON_VERSIONS.
+"""
+
+
+import functools
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 128           # query rows per program: two consumer warpgroups of 64 rows each
+WG_ROWS = 64
+GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
+HEAD_DIMS = (64, 128)
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redistributes
+SMEM_MAX = 232448       # sm_90's shared memory per block (227 KB)
+
+
+def smem_bytes(d: int, block_n: int, stages: int) -> int:
+    """Shared memory of the schedule (2-byte elements): Q, the ring, barriers (small)."""
+    return 2 * (BLOCK_M * d + stages * 2 * block_n * d) + 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    """The Gluon kernel, built on first use (importing warpforge never touches Gluon)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty,
+                  b, h, kvh, m_lo, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+        # a program without key tiles loads nothing (no copy may still be landing when the program exits)
+        if n_tiles > 0:
+            mbarrier.expect(q_bar, q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [b, m_lo, h, 0], q_bar, q_bufs.index(0))
+            tma.async_copy_global_to_shared(q_desc, [b, m_lo + 64, h, 0], q_bar, q_bufs.index(1))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            # empty barriers start as if their phase 1 had completed: the first lap does not wait
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, kvh, 0], v_ready.index(slot), v_bufs.index(slot))
+
+    @gluon.jit
+    def _softmax(s, n0, limit_row, s_k, m_i, l_i, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One online-softmax step on the raw scores of keys n0 .. n0+BLOCK_N-1: (p fp32, alpha, l, m), m in
+        log2 units. limit_row [64]: causal, the last key each row may see."""
+        if MASK:
+            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            ok = (cols < s_k)[None, :]
+            if CAUSAL:
+                ok = ok & (cols[None, :] <= limit_row[:, None])
+            s = gl.where(ok, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+            p = gl.exp2(s - m_use[:, None])
+        else:
+            # scale and shift in one FMA per score
+            # (every row sees every key of the tile: its maximum is finite)
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_use = m_new
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, o_desc, LSE,
+                  b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
+                  WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_bufs.dtype
+        r0 = m_lo + WG * 64
+        rows = r0 + gl.arange(0, 64, layout=row_s)
+        limit_row = rows + (s_k - s_q)          # causal: the last key each row sees (bottom-right aligned)
+        # key tiles from here on need a mask: past the keys' end, or (causal) past the first row's limit
+        if CAUSAL:
+            first_masked = gl.minimum(s_k, r0 + (s_k - s_q) + 1) // BLOCK_N
+        else:
+            first_masked = s_k // BLOCK_N
+        q = q_bufs.index(WG).reshape([64, D])
+        m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([64], gl.float32, row_s)
+        acc = gl.zeros([64, D], gl.float32, o_layout)
+        s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+        if n_tiles > 0:
+            mbarrier.wait(q_bar, 0)
+            # ---- tile 0: S only
+            mbarrier.wait(k_ready.index(0), 0)
+            if PINGPONG:
+                if WG == 1:  # turn 0: warpgroup 0 goes first, warpgroup 1 waits for its hand-over 0
+                    mbarrier.wait(turn.index(1), 0)
+            s_tok = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            if first_masked <= 0:
+                p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL, s_layout,
+                                              BLOCK_N)
+            else:
+                p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, False, CAUSAL, s_layout,
+                                              BLOCK_N)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            # ---- tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
+            for j in range(1, n_tiles):
+                slot = j % STAGES
+                prev = (j - 1) % STAGES
+                mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+                if PINGPONG:
+                    # turn k = j of this warpgroup: warpgroup 1 waits for hand-over j (parity j & 1), warpgroup 0
+                    # for hand-over j - 1
+                    mbarrier.wait(turn.index(WG), (j - 1 + WG) & 1)
+                s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+                if PINGPONG:
+                    mbarrier.arrive(turn.index(1 - WG))
+                s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
+                if j >= first_masked:
+                    p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL,
+                                                  s_layout, BLOCK_N)
+                else:
+                    p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, False, CAUSAL,
+                                                  s_layout, BLOCK_N)
+                # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
+                acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                gl.thread_barrier()  # the whole warpgroup is past P·V_{j-1} before its slot is handed back
+                mbarrier.arrive(empty.index(prev))
+                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            # ---- the last P·V
+            last = (n_tiles - 1) % STAGES
+            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(WG), (n_tiles - 1 + WG) & 1)
+            acc_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - WG))
+            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(last))
+
+        # epilogue: normalise, store out and lse (rows past s_q are not stored)
+        empty_row = l_i == 0.0
+        l_safe = gl.where(empty_row, 1.0, l_i)
+        lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+        # out goes through this warpgroup's Q slice (every S GEMM that read it is done) and one TMA store, which
+        # clips rows past s_q: no scratch buffer, no masked stores
+        q.store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, r0, h, 0], q_bufs.index(WG))
+        gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < s_q)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def flash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, s_q, s_k, qk_scale, stride_lb, stride_lh, H_Q,
+                               GROUP, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal row tiles get heavier: the heaviest first
+        b = gl.program_id(1) // H_Q
+        h = gl.program_id(1) % H_Q
+        kvh = h // GROUP
+        m_lo = pid_m * 128
+        if CAUSAL:
+            # the last key the tile's last row sees (bottom-right aligned); tiles past it are fully masked
+            hi = gl.minimum(gl.minimum(m_lo + 128, s_q) + (s_k - s_q), s_k)
+        else:
+            hi = s_k
+        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
+
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, o_desc, LSE,
+                         b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
+                         0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, o_desc, LSE,
+                         b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
+                         1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty,
+                         b, h, kvh, m_lo, n_tiles, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    return flash_fwd_gluon_kernel, gl
+
+
+def available() -> bool:
+    """This Triton's Gluon is one the kernel was written for (and imports)."""
+    import triton
+    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+        return False
+    try:
+        _build()
+    except Exception:  # noqa: BLE001 - any import / definition failure means: use the portable kernel
+        return False
+    return True
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Batched 16-bit inputs of head dim 64/128 (q, k and v alike) that TMA descriptors can address: 16-byte
+    aligned bases and strides."""
+    return (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+            and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
+            and all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((st * 2) % 16 == 0 for st in t.stride()[:-1])
+                    for t in (q, k, v)))
+
+
+def _descriptors(q, k, v, out, block_n, gl):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    d = q.shape[-1]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for t, rows in ((q, WG_ROWS), (k, block_n), (v, block_n), (out, WG_ROWS)):
+        block = [1, rows, 1, d]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
+    return descs
+
+
+def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong):
+    """(kernel, grid, args, constexpr kwargs) of one launch; shared by flash_fwd_gluon and the compile test."""
+    if stages < 2:
+        raise ValueError(f"flash_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
+                         "tile j-1 is freed")
+    d = q.shape[-1]
+    if smem_bytes(d, block_n, stages) > SMEM_MAX:
+        raise ValueError(f"flash_fwd_gluon: BLOCK_N {block_n} x {stages} stages at d {d} needs "
+                         f"{smem_bytes(d, block_n, stages)} B of shared memory (> {SMEM_MAX})")
+    kernel, gl = _build()
+    b, s_q, h_q, _ = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    q_desc, k_desc, v_desc, o_desc = _descriptors(q, k, v, out, block_n, gl)
+    grid = (-(-s_q // BLOCK_M), b * h_q)
+    args = (q_desc, k_desc, v_desc, o_desc, lse, s_q, s_k, sm_scale * LOG2E, lse.stride(0), lse.stride(1), h_q,
+            h_q // h_kv)
+    meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal),
+                PINGPONG=bool(pingpong), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                maxnreg=MAXNREG)
+    return kernel, grid, args, meta
+
+
+def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong):
+    """(out [b, s_q, h_q, d] contiguous in q's dtype, lse fp32 [b, h_q, s_q]); the caller checked fits(q, k, v) and
+    available(). Knobs: key rows per ring slot (64 or 128), ring slots (>= 2), ping-pong on/off."""
+    b, s_q, h_q, d = q.shape
+    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)  # contiguous: TMA-aligned
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[1] == 0:  # no keys: every query sees nothing (a descriptor cannot have an empty dimension)
+        lse.fill_(float("-inf"))
+        return out.zero_(), lse
+    kernel, grid, args, meta = launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong)
+    kernel[grid](*args, **meta)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------ compile-only check
+PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
+                "mbarrier": "mbarrier"}
+
+
+def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, h_q=4, h_kv=2, dtype="bfloat16",
+                 arch=90):
+    """Compile the kernel for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in
+    for the device while nothing is launched. Returns a report dict (PTX features, warps, shared memory, the
+    compiled kernel)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class _StubDriver:
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    dt = getattr(torch, dtype)
+    b, s = 2, 300
+    q = torch.empty(b, s, h_q, d, dtype=dt)
+    k = torch.empty(b, s, h_kv, d, dtype=dt)
+    v = torch.empty(b, s, h_kv, d, dtype=dt)
+    out = torch.empty(b, s, h_q, d, dtype=dt)
+    lse = torch.empty(b, h_q, s)
+    previous = driver._active
+    driver.set_active(_StubDriver())
+    try:
+        kernel, grid, args, meta = launch_args(q, k, v, out, lse, d ** -0.5, causal, block_n, stages, pingpong)
+        kern = kernel.warmup(*args, grid=grid, **meta)
+    finally:
+        driver._active = previous
+    ptx = kern.asm.get("ptx", "")
+    report = {name: tag in ptx for name, tag in PTX_FEATURES.items()}
+    report["setmaxnreg_values"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                          ptx)))
+    report["warp_specialize"] = "ttg.warp_specialize" in kern.asm.get("ttgir", "")
+    report["num_warps"] = kern.metadata.num_warps
+    report["shared_bytes"] = kern.metadata.shared
+    report["kernel"] = kern
+    return report
+
+
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers, spills, and whether ptxas serialized the wgmma pipeline (its 'Potential Performance Loss'
+    warning), from `ptxas -v` (Triton's ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    out = {"ptxas_rc": res.returncode, "ptxas_log": text.strip()}
+    m = re.search(r"Used (\d+) registers", text)
+    out["registers"] = int(m.group(1)) if m else None
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    out["spill_stores"], out["spill_loads"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    out["wgmma_serialized"] = "serialized" in text
+    return out
