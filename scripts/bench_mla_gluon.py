@@ -6,8 +6,7 @@ one process, timed from CUDA-graph replay.
 Cases: b 128, s_q 1, page 64, cache_seqlens L + 2i (request i), pages shuffled, for h_q 128 and 64 and L
 1k..32k. Per case: ms of each path (its planned split count), TFLOP/s (2 · h_q · s_q · Σ s_k · 1088) and
 1 − cos against the fp32 reference (over the first REF_REQUESTS requests, which see the same inputs).
---sweep: at L 8k, the Gluon kernel's knobs (splits 1-6 at ring stages 2, the only count that fits and does not
-deadlock; and MODE 1, S + softmax without P·V, to split the time), called directly. --sweep-only skips the cases.
+--sweep: at L 8k, the Gluon kernel's split counts 1-6, called directly. --sweep-only skips the cases.
 """
 import argparse
 import json
@@ -115,23 +114,17 @@ def sweep(h_q, L=8192):
     q, cache, table, seqlens, total = problem(h_q, L)
     flops = 2 * h_q * S_Q * total * 1088
     rows = []
-    for stages in (2,):  # 1 deadlocks the schedule; 3 do not fit in shared memory
-        for splits in (1, 2, 3, 4, 6):
-            try:
-                ms, out = graph_ms(lambda: dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, splits,
-                                                                stages=stages)[0])
-                r = {"h_q": h_q, "L": L, "stages": stages, "splits": splits, "ms": ms, "tflops": flops / ms / 1e9,
-                     "one_minus_cos": one_minus_cos(out, q, cache, table, seqlens)}
-                print(f"sweep h_q {h_q} L {L} stages {stages} splits {splits}: {ms:.3f} ms {r['tflops']:.1f} TF/s "
-                      f"1-cos {r['one_minus_cos']:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001
-                r = {"h_q": h_q, "L": L, "stages": stages, "splits": splits, "error": f"{type(e).__name__}: {e}"[:300]}
-                print(f"sweep h_q {h_q} stages {stages} splits {splits}: {r['error']}", flush=True)
-            rows.append(r)
-    for mode_name, mode in (("scores_only", 1),):
-        ms, _ = graph_ms(lambda: dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 1, mode=mode)[0])
-        print(f"sweep h_q {h_q} L {L} {mode_name} (MODE {mode}, 1 split): {ms:.3f} ms", flush=True)
-        rows.append({"h_q": h_q, "L": L, "mode": mode_name, "splits": 1, "ms": ms})
+    for splits in (1, 2, 3, 4, 6):
+        try:
+            ms, out = graph_ms(lambda: dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, splits)[0])
+            r = {"h_q": h_q, "L": L, "splits": splits, "ms": ms, "tflops": flops / ms / 1e9,
+                 "one_minus_cos": one_minus_cos(out, q, cache, table, seqlens)}
+            print(f"sweep h_q {h_q} L {L} splits {splits}: {ms:.3f} ms {r['tflops']:.1f} TF/s "
+                  f"1-cos {r['one_minus_cos']:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            r = {"h_q": h_q, "L": L, "splits": splits, "error": f"{type(e).__name__}: {e}"[:300]}
+            print(f"sweep h_q {h_q} splits {splits}: {r['error']}", flush=True)
+        rows.append(r)
     return rows
 
 
@@ -140,7 +133,7 @@ def main():
     ap.add_argument("--out", required=True, help="JSON file for the results")
     ap.add_argument("--hq", default="128,64")
     ap.add_argument("--lens", default="1024,2048,4096,8192,16384,32768")
-    ap.add_argument("--sweep", action="store_true", help="also try the Gluon knobs (stages, splits) at L 8k")
+    ap.add_argument("--sweep", action="store_true", help="also try the Gluon kernel's split counts at L 8k")
     ap.add_argument("--sweep-only", action="store_true")
     args = ap.parse_args()
     import triton

@@ -61,8 +61,10 @@ COMPILE_CASES = [
     dict(h_q=128, s_q=1, causal=False, num_splits=1),
     dict(h_q=64, s_q=2, causal=True, num_splits=3),
     dict(h_q=96, s_q=1, causal=False, num_splits=2),
-    dict(h_q=128, s_q=1, causal=False, num_splits=1, mode=1),
 ]
+# ptxas spills a little of the default warpgroup's state (mostly outside the page loop; a few reloads per pair in
+# it). Measured at 25a9ad1: 344 / 336 B. This bound catches a change that makes it worse.
+MAX_SPILL_BYTES = 512
 
 
 def _compile_in_subprocess(case):
@@ -87,10 +89,10 @@ def test_compiles_for_sm90(case):
     print(f"\n{case}: {r['registers']} registers/thread (ptxas cap; setmaxnreg {r['setmaxnreg_values']}), "
           f"spills {r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B, warps {r['num_warps']}")
     assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["mbarrier"]
-    assert r["warp_specialize"] and r["num_warps"] == 12  # 8 consumer warps + the producer's warpgroup
-    assert r["ptxas_rc"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
+    assert r["warp_specialize"] and r["num_warps"] == 8  # two warpgroups, no producer warp
+    assert r["ptxas_rc"] == 0 and r["spill_stores"] <= MAX_SPILL_BYTES, r["ptxas_log"]
     assert r["shared_bytes"] <= SMEM_MAX
-    assert max(r["setmaxnreg_values"]) >= 232  # the consumer warpgroups get the registers the producer frees
+    assert min(r["setmaxnreg_values"]) >= 232  # both warpgroups hold a 64 x 256 fp32 accumulator
 
 
 # ------------------------------------------------------------------------------------------ GPU numerics
@@ -156,12 +158,6 @@ def test_gpu_garbage_past_the_end_stays_out(splits, gluon_calls):
     assert len(gluon_calls) == 1
 
 
-def test_one_stage_is_refused():
-    """One ring slot would deadlock the schedule (S(i+1) is loaded before slot i is freed): refused up front."""
-    with pytest.raises(ValueError, match="stages must be >= 2"):
-        dg.launch_args(None, None, None, None, 1.0, False, None, None, True, 1, 0)
-
-
 @pytest.mark.gpu
 @needs_gate
 @pytest.mark.parametrize("h_q", [96, 128])  # 96: the second row tile is part-filled
@@ -175,19 +171,6 @@ def test_gpu_direct_call(h_q):
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.gpu
-@needs_gate
-def test_gpu_scores_only_mode_gives_the_lse():
-    """MODE 1 (diagnosis: S = QKᵀ + softmax, no P·V) still gets lse right and writes out 0."""
-    lens = [0, 65, 1000]
-    q, _, cache, table, seqlens, _ = _problem(len(lens), 1, 64, 64, lens, "bf16", torch.bfloat16)
-    out, lse = dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 1, mode=1)
-    _, want_lse = mla_decode_reference(q.float(), cache.float(), table, seqlens)
-    finite = torch.isfinite(want_lse)
-    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
-    assert torch.all(out == 0)
 
 
 @pytest.mark.gpu

@@ -40,9 +40,7 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
     if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16, dense, page 64, rows >= 64)
         from . import decode_gluon_kernel as dg
         if dg.available() and dg.tma_ok(kv_cache):
-            stages, mode = dg.knobs()
-            return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits,
-                                       stages=stages, mode=mode)
+            return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits)
     from .decode_kernel import mla_decode_fwd
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, KV_FORMATS[kv_format], kv_scale,
                           num_splits, configs.MLACfg(*cfg), indices, topk_length)

@@ -1,31 +1,31 @@
-"""MLA decode for Hopper (sm_90) in Gluon: a TMA ring of latent pages, one producer warp, two consumer warpgroups.
+"""MLA decode for Hopper (sm_90) in Gluon with FlashMLA's "seesaw" schedule: two warpgroups, no producer warp.
 
-The same problem and the same outputs as decode_kernel.mla_decode_split_kernel (bf16 cache, dense block-table
-walk, page size 64, query rows h_q · s_q >= 64): program (64-row tile, split, b) walks its split's pages one
-page (64 tokens × 576) per step, and writes either the split's partials (o_part [split, b, rows, 512] fp32,
-lse_part [split, b, rows] in log2 units, for the existing combine_splits) or, with one split, the final out /
-lse itself. Splits are cut exactly as the portable kernel cuts them (BLOCK_N 64), so the plan's split count and
-the combine work unchanged.
+The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 cache, dense block table, page 64,
+query rows h_q · s_q >= 64): program (64-row tile, split, request) walks its split's pages and writes either the
+split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows] in log2 units, for
+combine_splits) or, with one split, the final out / lse. Splits are cut as the portable kernel cuts them.
 
-Schedule (Triton 3.6's Gluon; the H200 runs 3.6):
-- shared memory: Q resident ([64, 512] latent + [64, 64] rope, 72 KB, NVMMA 128-byte swizzle), a ring of
-  STAGES latent pages (each [64, 512] + [64, 64], 72 KB), and one [64, 64] bf16 P tile: 224 KB at 2 stages.
-- producer (a worker partition of one warp, 24 registers): reads the page id for each step from block_table
-  (clamped to [0, last_page] like the portable kernel), waits for the ring slot to be empty, and issues the
-  slot's TMA copies over a 2-D view [pages · 64, 576] of the cache (row = page · 64), signalling `ready[slot]`.
-- consumers (the default partition: 8 warps = two warpgroups). Every MMA is laid out with warps_per_cta
-  [4, 2], so warpgroup 0 owns output columns 0-255 and warpgroup 1 columns 256-511 (a 64 × 256 fp32
-  accumulator each, 128 registers a thread); S = Q·Kᵀ (64 × 64, K 576) is split the same way (32 score
-  columns each), its row max / row sum cross the two warpgroups through shared memory, and P goes through
-  shared memory to both warpgroups' P·V wgmma. Software pipelining: step i issues S(i+1) and then P(i)·V(i)
-  as async wgmmas, waits for S(i+1) only (P·V still running on the tensor cores), does the softmax of step
-  i+1, then waits for P·V(i), frees ring slot i (mbarrier arrive), rescales the accumulator and writes
-  P(i+1).
-- tails: tokens past the split's end (and, causal, past each row's bottom-right-aligned limit) are masked
-  to -inf in S; the last page's rows past the request's length are zeroed in shared memory before the last
-  P·V (they may hold anything, NaN included, and 0 · NaN would poison the accumulator).
+Why this schedule: session 9's Gluon kernel (a producer warp, a 2-slot ring, both warpgroups splitting every
+S = Q·Kᵀ by columns as m64n32 wgmmas that re-read Q from shared memory) spent 0.777 of its 0.878 ms at h_q 128,
+L 8k in S + softmax alone: the score GEMM was bound by shared-memory bandwidth (benchmarks/NOTES.md). Here the two
+warpgroups take turns: warpgroup 0 computes the whole 64 × 64 S of the even pages, warpgroup 1 of the odd pages
+(n64 wgmmas: half the shared-memory bytes per MAC), and each owns one half (256 columns) of the output, so a
+pair of pages needs four half-width P·V products: its own P from registers, the other's P through shared memory.
 
-MODE (diagnosis): 0 full; 1 S = QKᵀ + softmax only (P·V skipped: out 0, lse right).
+Per pair of pages (2p in buffer 0, 2p+1 in buffer 1), with S0 / S1 already computed:
+  WG0: softmax(S0) against the running max → P0; publishes max and scale0; O_L += P0·V0_L (P0 in registers)
+  WG1: waits scale0; softmax(S1) against max(m0, ·) → P1; publishes scale1; O_R *= scale0·scale1;
+       stores P1 (in buffer 1's rope slot, dead after S1); O_R += P1·V1_R
+  WG0: waits scale1; reloads buffer 0's left half; stores P0·scale1 (in buffer 0's rope slot); O_L *= scale1
+  WG1: waits P0; O_R += P0·V0_R; reloads its halves of both buffers once its products are done; S1' = Q·K(2p+3)ᵀ
+  WG0: O_L += P1·V1_L; S0' = Q·K(2p+2)ᵀ; reloads buffer 1's left half and rope once P1·V1_L is done
+Every buffer half is reloaded by the one warpgroup that read it last, as soon as its own MMA on it retires, so
+no empty barriers are needed; the cross-warpgroup handshakes are four mbarriers used once per pair (phase = p & 1).
+Shared memory: Q (64 KB + 8 KB rope) + two pages (2 × 72 KB) = 216 KB; P lives in the pages' rope slots.
+
+Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
+again, every score masked, its V rows zeroed); the request's last page has its rows past the length zeroed in
+shared memory before its P·V (they may hold NaN, and 0 · NaN is NaN).
 
 Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and the api
 gate (api.py) only dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
@@ -43,143 +43,289 @@ D_V = 512
 D_R = 64
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
 # (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
-DEFAULT_STAGES = 2                # ring slots: 2 fill the SM's 227 KB with Q and P (3 do not fit). At least 2:
-# step i issues S(i+1) before it frees slot i, so one slot would deadlock (it did, on the H200)
-PRODUCER_REGS = 24
-MAXNREG = 168    # 12 warps (8 consumer + 1 producer, rounded to warpgroups) x 168 <= 64K registers
+
+HALF = D_V // 2
+WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
+MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
 
 @functools.lru_cache(maxsize=None)
 def _build():
-    """The Gluon kernel, built on first use (importing warpforge never touches Gluon)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
 
-    @gluon.jit
-    def _producer(kn_desc, kr_desc, kn_bufs, kr_bufs, ready, empty, bt_row, first_page, n_steps, last_page,
-                  STAGES: gl.constexpr):
-        nbytes: gl.constexpr = kn_desc.block_type.nbytes + kr_desc.block_type.nbytes
-        page = gl.load(bt_row + first_page, mask=n_steps > 0, other=0)
-        for i in range(n_steps):
-            slot = i % STAGES
-            # the page id of the next step is loaded while this step's slot may still be busy
-            page_next = gl.load(bt_row + first_page + i + 1, mask=i + 1 < n_steps, other=0)
-            row = gl.minimum(gl.maximum(page, 0), last_page) * 64
-            # empty barriers start as if phase 1 had completed: the first lap does not wait
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, 0], ready.index(slot), kn_bufs.index(slot))
-            tma.async_copy_global_to_shared(kr_desc, [row, 512], ready.index(slot), kr_bufs.index(slot))
-            page = page_next
+    S_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 64, 16]))
+    O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 256, 16]))
+    P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT.value, k_width=2))
+    ROW_S = gl.constexpr(gl.SliceLayout(1, S_LAYOUT.value))
+    ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
+    HALF_C = gl.constexpr(HALF)
+    MAX_INIT_C = gl.constexpr(MAX_INIT)
 
     @gluon.jit
-    def _scores(q_nope, q_rope, kn, kr, s_layout: gl.constexpr):
-        """S = Q·Kᵀ of one ring slot, issued async (two wgmma groups)."""
-        s0 = gl.zeros([64, 64], gl.float32, s_layout)
-        tok = warpgroup_mma(q_nope, kn.permute((1, 0)), s0, use_acc=False, is_async=True)
-        return warpgroup_mma(q_rope, kr.permute((1, 0)), tok, is_async=True)
+    def _page_row(bt_row, first_page, blk, n_steps, last_page):
+        """Cache row of block blk of this split (a phantom block past the split reloads its last page)."""
+        page = gl.load(bt_row + first_page + gl.minimum(blk, n_steps - 1))
+        return gl.minimum(gl.maximum(page, 0), last_page) * 64
 
     @gluon.jit
-    def _softmax(s, n0, limit, m_i, l_i, qk_scale, s_layout: gl.constexpr):
-        """One online-softmax step on the raw scores of the tokens n0 .. n0+63 (log2 units after qk_scale):
-        (p, alpha, new row sums, new row maxima). limit [64]: per row, the first token it must not see."""
-        cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
-        ok = cols[None, :] < limit[:, None]
-        s = gl.where(ok, s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
+    def _load_half(kn_desc, kn_dst, bar, row, col):
+        """256 latent columns of a page → shared memory, on bar."""
+        mbarrier.expect(bar, kn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
 
     @gluon.jit
-    def _zero_tail(kn, n_valid, num_warps: gl.constexpr):
-        """Rows n_valid.. of a ring slot's [64, 512] latent tile set to 0 (they lie past the request's end)."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, bar, row, col):
+        """256 latent columns and the 64 rope columns of a page → shared memory, on bar."""
+        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
+        tma.async_copy_global_to_shared(kr_desc, [row, 512], bar, kr_dst)
+
+    @gluon.jit
+    def _zero_rows(v, n_valid):
+        """Rows n_valid.. of a [64, 256] V half set to 0 (past the request's end: may hold NaN)."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows = gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
+        for c in gl.static_range(4):
+            sub = v.slice(c * 64, 64, dim=1)
+            t = sub.load(blk)
+            sub.store(gl.where((rows < n_valid)[:, None], t, gl.zeros_like(t)))
+
+    @gluon.jit
+    def _masked(s, n0, limit, qk_scale):
+        cols = n0 + gl.arange(0, 64, layout=gl.SliceLayout(0, S_LAYOUT))
+        return gl.where(cols[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _limit(tile, length, end, H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr):
+        """Per query row: the first token it must not see (the split's end, and bottom-right causal)."""
+        r = tile * 64 + gl.arange(0, 64, layout=ROW_S)
+        if CAUSAL:
+            return gl.minimum(length - S_Q + 1 + r // H_Q, end)
+        else:
+            return gl.full([64], 0, gl.int32, ROW_S) + end
+
+    @gluon.jit
+    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+             O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
+             qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
+        # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rq = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
+        rq_ok = rq < rows_total
+        q_rows = Q + b.to(gl.int64) * stride_qb + (rq // H_Q).to(gl.int64) * stride_qs + \
+            (rq % H_Q).to(gl.int64) * stride_qh
+        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
+        q_mask = rq_ok[:, None] & (c64 >= 0)[None, :]   # Gluon does not broadcast masks
         for c in gl.static_range(8):
-            sub = kn.slice(c * 64, 64, dim=1)
-            v = sub.load(blk)
-            v = gl.where((rows < n_valid)[:, None], v, gl.zeros_like(v))
-            sub.store(v)
+            half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
+            half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
+        q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=q_mask, other=0.0))
+        s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
         fence_async_shared()
         gl.thread_barrier()
+        mbarrier.arrive(sync.index(4), count=1)   # Q and the running max are in place
 
-    @gluon.jit
-    def _consumer(q_nope, q_rope, kn_bufs, kr_bufs, p_smem, ready, empty, O_PART, LSE_PART,
-                  b, split, tile, start, end, length, n_steps, rows_total, qk_scale,
-                  stride_ps, stride_pb, stride_ls, stride_lb,
-                  H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-                  STAGES: gl.constexpr, MODE: gl.constexpr, num_warps: gl.constexpr):
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, 32, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                           instr_shape=[16, 256, 16])
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        r = tile * 64 + gl.arange(0, 64, layout=row_s)  # query row = j · H_Q + h
-        if CAUSAL:
-            limit = gl.minimum(length - S_Q + 1 + r // H_Q, end)  # bottom-right aligned, per row
-        else:
-            limit = gl.full([64], 0, gl.int32, row_s) + end
-        m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([64], gl.float32, row_s)
-        acc = gl.zeros([64, 512], gl.float32, o_layout)
-        if n_steps > 0:
-            mbarrier.wait(ready.index(0), 0)
-            s = warpgroup_mma_wait(0, deps=(_scores(q_nope, q_rope, kn_bufs.index(0), kr_bufs.index(0),
-                                                    s_layout), ))
-            p, alpha, l_i, m_i = _softmax(s, start, limit, m_i, l_i, qk_scale, s_layout)
-            p_smem.store(p.to(gl.bfloat16))
-            fence_async_shared()
+        limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
+        n_pairs = (n_steps + 1) // 2
+        l_i = gl.zeros([64], gl.float32, ROW_S)
+        acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
+        s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+        if n_pairs > 0:
+            _load_half(kn_desc, kn.index(0), kbar.index(0),
+                       _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
+            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
+                       _page_row(bt_row, first_page, 1, n_steps, last_page), 0)
+            mbarrier.wait(kbar.index(0), 0)
+            tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+            mbarrier.wait(kbar.index(1), 0)
+            tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
+            s0 = warpgroup_mma_wait(0, deps=(tok, ))
+        for p in range(n_pairs):
+            ph = p & 1
+            n0 = start + 2 * p * 64
+            more = p + 1 < n_pairs
+            next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
+            next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
+            # softmax of the even page against the running max; publish the new max and the rescale
+            s = _masked(s0, n0, limit, qk_scale)
+            m_old = s_m.load(ROW_S)
+            m0 = gl.maximum(m_old, gl.max(s, axis=1))
+            scale0 = gl.exp2(m_old - m0)
+            p0 = gl.exp2(s - m0[:, None])
+            l_i = l_i * scale0 + gl.sum(p0, axis=1)
+            gl.thread_barrier()   # every thread has read the old max before any writes the new one
+            s_sc0.store(scale0)
+            s_m.store(m0)
             gl.thread_barrier()
-            for i in range(n_steps - 1):
-                cur = i % STAGES
-                nxt = (i + 1) % STAGES
-                mbarrier.wait(ready.index(nxt), ((i + 1) // STAGES) & 1)
-                s_tok = _scores(q_nope, q_rope, kn_bufs.index(nxt), kr_bufs.index(nxt), s_layout)
-                if MODE == 0:
-                    acc_tok = warpgroup_mma(p_smem, kn_bufs.index(cur), acc, is_async=True)
-                    s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S(i+1) done; P·V(i) may still run
-                    p, alpha, l_i, m_i = _softmax(s, start + (i + 1) * 64, limit, m_i, l_i, qk_scale, s_layout)
-                    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-                else:
-                    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                    p, alpha, l_i, m_i = _softmax(s, start + (i + 1) * 64, limit, m_i, l_i, qk_scale, s_layout)
-                # both warpgroups are past their P·V(i): slot i and the P tile may be reused
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(cur), count=1)
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_smem.store(p.to(gl.bfloat16))
+            mbarrier.arrive(sync.index(0), count=1)
+            acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
+            n_valid0 = end - n0
+            if n_valid0 < 64:
+                _zero_rows(kn.index(0), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
-            last = (n_steps - 1) % STAGES
-            if MODE == 0:
-                n_valid = end - (start + (n_steps - 1) * 64)
-                if n_valid < 64:
-                    _zero_tail(kn_bufs.index(last), n_valid, num_warps)
-                acc = warpgroup_mma(p_smem, kn_bufs.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
+            tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), kn.index(0), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(tok, ))
+            # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
+            mbarrier.wait(sync.index(1), ph)
+            if more:
+                _load_half(kn_desc, kn.index(0), kbar.index(0),
+                           next0, 0)
+            scale1 = s_sc1.load(ROW_S)
+            kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(2), count=1)
+            acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
+            l_i = l_i * scale1
+            # P1 is in page 1's rope slot once WG1 has issued its P0·V0_R
+            mbarrier.wait(sync.index(3), ph)
+            n_valid1 = n_valid0 - 64
+            if n_valid1 < 64:
+                _zero_rows(kn.index(2), n_valid1)
+                fence_async_shared()
+                gl.thread_barrier()
+            tok = warpgroup_mma(kr.index(1), kn.index(2), acc, is_async=True)
+            if more:
+                mbarrier.wait(kbar.index(0), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False,
+                                      is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(tok, ))
+                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
+                           next1, 0)
+                mbarrier.wait(kbar.index(1), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), s_tok, is_async=True)
+                s_tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), s_tok, is_async=True)
+                s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(tok, ))
 
-        # epilogue: normalise, store the partial (or final) output and lse
-        empty_row = l_i == 0.0
-        l_safe = gl.where(empty_row, 1.0, l_i)
-        lse2 = gl.where(empty_row, float("-inf"), m_i + gl.log2(l_safe))
-        norm = gl.convert_layout(1.0 / l_safe, row_o)
-        ro = tile * 64 + gl.arange(0, 64, layout=row_o)
-        cols = gl.arange(0, 512, layout=gl.SliceLayout(0, o_layout))
+        # the row sums of both warpgroups (same running max) → the normaliser; WG1 writes the lse
+        s_l0.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(sync.index(5), count=1)
+        mbarrier.wait(sync.index(5), 0)
+        l_all = l_i + s_l1.load(ROW_S)
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, 0,
+                  stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
+
+    @gluon.jit
+    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+             O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
+             qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
+        limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
+        n_pairs = (n_steps + 1) // 2
+        l_i = gl.zeros([64], gl.float32, ROW_S)
+        acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
+        s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+        mbarrier.wait(sync.index(4), 0)
+        if n_pairs > 0:
+            _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
+                       _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C)
+            _load_half(kn_desc, kn.index(3), kbar.index(3),
+                       _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C)
+            mbarrier.wait(kbar.index(3), 0)
+            tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False, is_async=True)
+            mbarrier.wait(kbar.index(2), 0)
+            tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), tok, is_async=True)
+            tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
+            s1 = warpgroup_mma_wait(0, deps=(tok, ))
+        for p in range(n_pairs):
+            ph = p & 1
+            n1 = start + (2 * p + 1) * 64
+            more = p + 1 < n_pairs
+            next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
+            next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
+            # softmax of the odd page against WG0's new max
+            mbarrier.wait(sync.index(0), ph)
+            m0 = s_m.load(ROW_S)
+            scale0 = s_sc0.load(ROW_S)
+            s = _masked(s1, n1, limit, qk_scale)
+            m1 = gl.maximum(m0, gl.max(s, axis=1))
+            scale1 = gl.exp2(m0 - m1)
+            p1 = gl.exp2(s - m1[:, None])
+            both = scale0 * scale1
+            l_i = l_i * both + gl.sum(p1, axis=1)
+            gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
+            s_sc1.store(scale1)
+            s_m.store(m1)
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(1), count=1)
+            acc = acc * gl.convert_layout(both, ROW_O)[:, None]
+            p1b = p1.to(gl.bfloat16)
+            kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
+            n_valid1 = end - n1
+            if n_valid1 < 64:
+                _zero_rows(kn.index(3), n_valid1)
+            fence_async_shared()
+            gl.thread_barrier()
+            tok = warpgroup_mma(gl.convert_layout(p1b, P_OPERAND), kn.index(3), acc, is_async=True)
+            # P0 (rescaled to m1) from WG0
+            mbarrier.wait(sync.index(2), ph)
+            n_valid0 = n_valid1 + 64
+            if n_valid0 < 64:
+                _zero_rows(kn.index(1), n_valid0)
+                fence_async_shared()
+                gl.thread_barrier()
+            tok = warpgroup_mma(kr.index(0), kn.index(1), tok, is_async=True)
+            mbarrier.arrive(sync.index(3), count=1)
+            if more:
+                warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
+                _load_half(kn_desc, kn.index(3), kbar.index(3),
+                           next1, HALF_C)
+                acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
+                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
+                           next0, HALF_C)
+                mbarrier.wait(kbar.index(3), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False,
+                                      is_async=True)
+                mbarrier.wait(kbar.index(2), (p + 1) & 1)
+                s_tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), s_tok, is_async=True)
+                s_tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), s_tok, is_async=True)
+                s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(tok, ))
+
+        s_l1.store(l_i)
+        gl.thread_barrier()
+        mbarrier.arrive(sync.index(5), count=1)
+        mbarrier.wait(sync.index(5), 0)
+        l_all = l_i + s_l0.load(ROW_S)
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
+                  stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, True)
+
+    @gluon.jit
+    def _epilogue(acc, l_all, m_final, O_PART, LSE_PART, b, split, tile, rows_total, col0,
+                  stride_ps, stride_pb, stride_ls, stride_lb,
+                  H_Q: gl.constexpr, S_Q: gl.constexpr, FINAL: gl.constexpr, WRITES_LSE: gl.constexpr):
+        empty_row = l_all == 0.0
+        l_safe = gl.where(empty_row, 1.0, l_all)
+        norm = gl.convert_layout(1.0 / l_safe, ROW_O)
+        ro = tile * 64 + gl.arange(0, 64, layout=ROW_O)
+        cols = col0 + gl.arange(0, HALF_C, layout=gl.SliceLayout(0, O_LAYOUT))
         o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b.to(gl.int64) * stride_pb + \
             ro.to(gl.int64)[:, None] * 512 + cols[None, :]
-        o_mask = (ro < rows_total)[:, None] & (cols < 512)[None, :]
+        o_mask = (ro < rows_total)[:, None] & (cols >= 0)[None, :]   # Gluon does not broadcast masks
         gl.store(o_ptrs, (acc * norm[:, None]).to(O_PART.dtype.element_ty), mask=o_mask)
-        r_ok = r < rows_total
-        if FINAL:
-            gl.store(LSE_PART + b.to(gl.int64) * stride_lb + (r % H_Q) * S_Q + r // H_Q, lse2 * 0.6931471805599453,
-                     mask=r_ok)
-        else:
-            gl.store(LSE_PART + split.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb + r, lse2, mask=r_ok)
+        if WRITES_LSE:
+            # WG1 writes it: Triton 3.6 fails to lower this store in the default partition (ConvertTritonGPUToLLVM)
+            vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            lse2 = gl.convert_layout(gl.where(empty_row, float("-inf"), m_final + gl.log2(l_safe)), vec)
+            r = tile * 64 + gl.arange(0, 64, layout=vec)
+            if FINAL:
+                gl.store(LSE_PART + b.to(gl.int64) * stride_lb + (r % H_Q) * S_Q + r // H_Q,
+                         lse2 * 0.6931471805599453, mask=r < rows_total)
+            else:
+                gl.store(LSE_PART + split.to(gl.int64) * stride_ls + b.to(gl.int64) * stride_lb + r, lse2,
+                         mask=r < rows_total)
 
     @gluon.jit
     def mla_decode_gluon_kernel(
@@ -187,11 +333,10 @@ def _build():
         stride_qb, stride_qs, stride_qh, stride_bt,
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
-        H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr, STAGES: gl.constexpr,
-        MODE: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
+        WG1_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        # the row tiles of one (request, split) are neighbours in launch order: they walk the same pages at about
-        # the same time, so the second reads them from L2 (tile on axis 2 doubled the HBM traffic at h_q 128)
+        # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
         split = gl.program_id(1)
         b = gl.program_id(2)
@@ -202,42 +347,34 @@ def _build():
         end = gl.minimum(start + per_split, length)
         n_steps = gl.maximum(gl.cdiv(end - start, 64), 0)
 
-        q_layout: gl.constexpr = kn_desc.layout
-        qr_layout: gl.constexpr = kr_desc.layout
-        q_nope = gl.allocate_shared_memory(gl.bfloat16, [64, 512], q_layout)
-        q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qr_layout)
-        kn_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, 512], q_layout)
-        kr_bufs = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 64, 64], qr_layout)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [64, 64], qr_layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-
-        # Q rows of this tile (rows past the request's are zeros and never stored) -> shared memory
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        r = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
-        r_ok = r < rows_total
-        q_rows = Q + b.to(gl.int64) * stride_qb + (r // H_Q).to(gl.int64) * stride_qs + \
-            (r % H_Q).to(gl.int64) * stride_qh
-        c512 = gl.arange(0, 512, layout=gl.SliceLayout(0, blk))
-        c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
-        q_nope.store(gl.load(q_rows[:, None] + c512[None, :], mask=r_ok[:, None] & (c512 < 512)[None, :], other=0.0))
-        q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=r_ok[:, None] & (c64 < 64)[None, :],
-                             other=0.0))
-        fence_async_shared()
-        gl.thread_barrier()
+        half_layout: gl.constexpr = kn_desc.layout
+        rope_layout: gl.constexpr = kr_desc.layout
+        vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
+        q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
+        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
+        kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_layout)     # page rope; then that page's P
+        s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        s_sc0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
+        s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
+        kbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
+        sync = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(4):
+            mbarrier.init(kbar.index(i), count=1)
+        for i in gl.static_range(5):
+            mbarrier.init(sync.index(i), count=1)
+        mbarrier.init(sync.index(5), count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        gl.warp_specialize([
-            (_consumer, (q_nope, q_rope, kn_bufs, kr_bufs, p_smem, ready, empty, O_PART, LSE_PART,
-                         b, split, tile, start, end, length, n_steps, rows_total, qk_scale,
-                         stride_ps, stride_pb, stride_ls, stride_lb,
-                         H_Q, S_Q, CAUSAL, FINAL, STAGES, MODE, num_warps)),
-            (_producer, (kn_desc, kr_desc, kn_bufs, kr_bufs, ready, empty, bt_row, start // 64, n_steps, last_page,
-                         STAGES)),
-        ], [1], [PRODUCER_REGS])
+        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+                O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
+                rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+                H_Q, S_Q, CAUSAL, FINAL)
+        gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WG1_REGS])
 
     return mla_decode_gluon_kernel, gl
 
@@ -254,14 +391,6 @@ def available() -> bool:
     return True
 
 
-def knobs() -> tuple[int, int]:
-    """(ring stages, mode) for diagnosis and sweeps: WARPFORGE_MLA_GLUON_STAGES (>= 2, default 2; more do not
-    fit in shared memory on sm_90) and WARPFORGE_MLA_GLUON_MODE (0 full, 1 S + softmax only)."""
-    import os
-    return (int(os.environ.get("WARPFORGE_MLA_GLUON_STAGES", DEFAULT_STAGES)),
-            int(os.environ.get("WARPFORGE_MLA_GLUON_MODE", 0)))
-
-
 def tma_ok(kv_cache: torch.Tensor) -> bool:
     """The cache can be read through a TMA descriptor over its rows: 16-byte aligned base and row stride."""
     return kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
@@ -270,19 +399,15 @@ def tma_ok(kv_cache: torch.Tensor) -> bool:
 def _descriptors(kv_cache, gl):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
-    nope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_V], gl.bfloat16)
+    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
     rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
     shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
-    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, D_V], nope_layout),
+    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout),
             TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout))
 
 
-def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, stages,
-                mode):
-    """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_gluon and the compile test."""
-    if stages < 2:
-        raise ValueError(f"mla_decode_gluon: stages must be >= 2 (got {stages}): the schedule loads step i+1 into "
-                         "the ring before it frees step i's slot")
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final):
+    """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_gluon and the compile check."""
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
@@ -294,13 +419,11 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0))
-    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages, MODE=mode,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=8, maxnreg=MAXNREG)
+    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS, num_warps=4)
     return kernel, grid, args, meta
 
 
-def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits,
-                     stages=DEFAULT_STAGES, mode=0):
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits):
     """The Gluon path of mla_decode_fwd (bf16 cache, dense, page 64, rows >= 64): (out, lse) as the portable
     launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
@@ -317,7 +440,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
-                                           lse_part, final, stages, mode)
+                                           lse_part, final)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -346,14 +469,12 @@ class _StubTarget:
         return 0
 
 
-def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, stages=DEFAULT_STAGES, mode=0, arch=90):
-    """Compile the kernel for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in
-    for the device while nothing is launched. Returns a report dict: PTX features, warps, shared memory,
-    registers / spills from ptxas (when the compiled kernel carries them), and the compiled kernel."""
+def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
+    """Compile for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in for the device
+    while nothing is launched. Returns a report dict: PTX features, warps, shared memory and the compiled kernel."""
     import re
 
     from triton.runtime.driver import driver
-
     b, pages, max_pages = 2, 8, 4
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
     cache = torch.empty(pages, PAGE, 1, 576, dtype=torch.bfloat16)
@@ -367,8 +488,7 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, stages=DEFAULT_STAG
     previous = driver._active
     driver.set_active(_StubTarget(arch))
     try:
-        kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final,
-                                               stages, mode)
+        kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
         k = kernel.warmup(*args, grid=grid, **meta)
     finally:
         driver._active = previous
@@ -379,8 +499,6 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, stages=DEFAULT_STAG
     report["warp_specialize"] = "ttg.warp_specialize" in k.asm.get("ttgir", "")
     report["num_warps"] = k.metadata.num_warps
     report["shared_bytes"] = k.metadata.shared
-    for key in ("n_regs", "n_spills"):
-        report[key] = getattr(k, key, None)
     report["kernel"] = k
     return report
 
