@@ -84,12 +84,14 @@ def test_bad_input():
         wf.rms_norm(x, torch.ones(9, device=DEV), backend="triton")
 
 
-@pytest.mark.parametrize("block_rows", [2, 4])
-def test_row_tiles(block_rows, monkeypatch):
+@pytest.mark.parametrize("block_rows,prefetch", [(2, True), (4, True), (2, False)])
+def test_row_tiles(block_rows, prefetch, monkeypatch):
     """Several rows per forward program and per backward step (the tile table's block_rows), row counts that are not
-    multiples of the tile, forced on whatever runs the tests; the residual add too."""
+    multiples of the tile, the backward with and without its prefetch of the next tile, forced on whatever runs the
+    tests; the residual add too."""
     from warpforge.ops.norm import configs
-    monkeypatch.setattr(configs, "NORM", configs.NORM.map(lambda c: c._replace(block_rows=block_rows)))
+    monkeypatch.setattr(configs, "NORM", configs.NORM.map(lambda c: c._replace(block_rows=block_rows,
+                                                                                prefetch=prefetch)))
     x = torch.randn(7, 5, 96, device=DEV, requires_grad=True)
     w = (1 + 0.1 * torch.randn(96, device=DEV)).requires_grad_()
     b = (0.1 * torch.randn(96, device=DEV)).requires_grad_()
@@ -99,3 +101,97 @@ def test_row_tiles(block_rows, monkeypatch):
     r = torch.randn_like(x)
     y, total = wf.add_rms_norm(x, r, w, backend="triton")
     assert rel_l2(total, x + r) <= 1e-6 and rel_l2(y, rms_norm_reference(x + r, w, 1e-6)) <= 1e-5
+
+
+def test_no_rows():
+    """Zero rows: empty outputs, and weight gradients that are sums of nothing (zeros), not garbage."""
+    x = torch.randn(0, 5, 64, device=DEV, requires_grad=True)
+    w = torch.randn(64, device=DEV, requires_grad=True)
+    b = torch.randn(64, device=DEV, requires_grad=True)
+    y = wf.layer_norm(x, w, b, backend="triton")
+    gx, gw, gb = torch.autograd.grad(y, (x, w, b), torch.randn_like(y))
+    assert y.shape == x.shape and gx.shape == x.shape
+    assert torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
+
+
+def test_repeated_calls_new_alignment():
+    """The ops keep compiled kernels between calls (ops/_op.py's Launcher): later calls with other row counts and an
+    input that is not 16-byte aligned (a view one element in) must still match the reference."""
+    base = torch.randn(40 * 96 + 1, device=DEV)
+    w = 1 + 0.1 * torch.randn(96, device=DEV)
+    for rows, offset in ((16, 0), (16, 0), (7, 1), (33, 1), (16, 0)):
+        x = base[offset:offset + rows * 96].view(rows, 96)
+        assert rel_l2(wf.rms_norm(x, w, backend="triton"), rms_norm_reference(x, w, 1e-6)) <= 1e-5
+
+
+def test_launcher_reuses_only_what_triton_would(monkeypatch):
+    """ops/_op.py's Launcher with a stand-in kernel and driver: the first launch of each specialization goes through
+    kernel[grid]; a repeat calls the compiled kernel directly with the same arguments, the constexprs after them;
+    a new specialization (an int no longer a multiple of 16, a misaligned tensor, another dtype) or a launch hook
+    goes back through kernel[grid]."""
+    import importlib
+
+    import triton
+    from warpforge.ops import _op
+
+    calls = []
+
+    class Compiled:
+        packed_metadata, function = "packed", "function"
+
+        def run(self, *args):
+            calls.append(("direct",) + args)
+
+    class Param:
+        def __init__(self, num, is_constexpr):
+            self.num, self.is_constexpr = num, is_constexpr
+
+    class Kernel:
+        arg_names = ["X", "n", "eps", "BLOCK"]
+        params = [Param(0, False), Param(1, False), Param(2, False), Param(3, True)]
+
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                calls.append(("triton", grid, args, meta))
+                return Compiled()
+            return launch
+
+    class Driver:
+        launcher_cls = object
+
+        @staticmethod
+        def get_current_device():
+            return 0
+
+        @staticmethod
+        def get_current_stream(device):
+            return 7
+
+    class Hooks:
+        def __init__(self, calls=()):
+            self.calls = list(calls)
+
+    class Runtime:
+        launch_enter_hook, launch_exit_hook = Hooks(), None
+
+    driver = importlib.import_module("triton.runtime.driver").driver
+    monkeypatch.setattr(type(driver), "active", property(lambda self: Driver()))
+    monkeypatch.setattr(triton.knobs, "runtime", Runtime())
+    launch = _op.Launcher(Kernel())
+    x = torch.zeros(64)
+    launch((3,), x, 768, 1e-6, BLOCK=1024)
+    launch((5, 2), x, 768, 1e-6, BLOCK=1024)
+    assert calls[0][0] == "triton" and calls[1] == ("direct", 5, 2, 1, 7, "function", "packed", None, None, None, x,
+                                                     768, 1e-6, 1024)
+    for args in ((x, 770, 1e-6), (x[1:], 768, 1e-6), (x.double(), 768, 1e-6)):
+        calls.clear()
+        launch((3,), *args, BLOCK=1024)
+        assert calls[0][0] == "triton"
+    calls.clear()
+    launch((3,), x, 768, 1e-6, BLOCK=2048)
+    launch((3,), x, 768, 1e-6, BLOCK=1024)
+    assert [c[0] for c in calls] == ["triton", "direct"]
+    Runtime.launch_enter_hook = Hooks([print])
+    calls.clear()
+    launch((3,), x, 768, 1e-6, BLOCK=1024)
+    assert calls[0][0] == "triton"

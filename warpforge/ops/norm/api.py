@@ -8,15 +8,27 @@ import torch
 
 from ...errors import check_dim, check_dtype, check_positive_float, check_rank, check_same_device, check_tensor, fail
 from ...runtime import resolve_backend, sm_count
-from .._op import kernel_op
+from .._op import cached_launch, kernel_op
 from . import configs
 from .reference import add_rms_norm_reference, layer_norm_reference, rms_norm_reference
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _cfg(x: torch.Tensor) -> configs.NormCfg:
-    return configs.NORM.lookup(x.device, size=x.shape[-1])
+_CFGS: dict = {}
+_FWD_KIND, _BWD_KIND = ("rms_fwd", "layer_fwd"), ("rms_bwd", "layer_bwd")  # by layer (a bool)
+
+
+def _cfg(x: torch.Tensor, kind: str) -> tuple[configs.NormCfg, int]:
+    """(the table's config for x's device, the kind and x's width; the backward's program count), looked up once per
+    (table, device, kind, width): an eager call would otherwise pay the lookup and the SM count on every call. The
+    table is part of the key so that a swapped table (tests force tiles that way) is seen."""
+    key = (x.device, kind, x.shape[-1])
+    hit = _CFGS.get(key)
+    if hit is None or hit[0] is not configs.NORM:
+        cfg = configs.NORM.lookup(x.device, kind, size=x.shape[-1])
+        hit = _CFGS[key] = (configs.NORM, cfg, cfg.programs_per_sm * sm_count(x.device))
+    return hit[1], hit[2]
 
 
 # ------------------------------------------------------------------------------------------- ops
@@ -24,7 +36,8 @@ def _norm_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
                    layer: bool, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd); mean is empty for RMSNorm."""
     from .norm_kernel import norm_fwd
-    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x))
+    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x, _FWD_KIND[layer])[0],
+                                   cached_launch)
     return y, mean if mean is not None else rstd.new_empty(0), rstd
 
 
@@ -35,18 +48,25 @@ def _norm_fwd_fake(x, weight, bias, eps, layer, out_dtype):
 
 
 def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                   layer: bool,
-                   d_sum: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw, db); d_sum: x's gradient from its other uses when x is a residual sum, added into dx."""
+                   layer: bool, d_sum: Optional[torch.Tensor] = None, dx_dtype: Optional[torch.dtype] = None,
+                   dx2_dtype: Optional[torch.dtype] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dx2, dw, db); d_sum: x's gradient from its other uses when x is a residual sum, added into dx. dx in
+    dx_dtype (default x's); dx2: the same gradient in dx2_dtype when given (else empty), for a residual sum's two
+    inputs of different dtypes."""
     from .norm_kernel import norm_bwd
-    cfg = _cfg(x)
-    dx, dw, db = norm_bwd(dy.contiguous(), x, weight, mean, rstd, cfg.programs_per_sm * sm_count(x.device), layer,
-                          d_sum.contiguous() if d_sum is not None else None, cfg)
-    return dx, dw, db if db is not None else weight.new_empty(0)
+    cfg, programs = _cfg(x, _BWD_KIND[layer])
+    dx, dx2, dw, db = norm_bwd(dy.contiguous(), x, weight, mean, rstd, programs, layer,
+                               d_sum.contiguous() if d_sum is not None else None, cfg, dx_dtype, dx2_dtype,
+                               cached_launch)
+    # absent outputs as empty tensors, one each (a custom op's outputs may not alias one another)
+    return dx, dx2 if dx2 is not None else weight.new_empty(0), dw, db if db is not None else weight.new_empty(0)
 
 
-def _norm_bwd_fake(dy, x, weight, mean, rstd, layer, d_sum=None):
-    return torch.empty_like(x), torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0)
+def _norm_bwd_fake(dy, x, weight, mean, rstd, layer, d_sum=None, dx_dtype=None, dx2_dtype=None):
+    return (torch.empty_like(x, dtype=dx_dtype),
+            torch.empty_like(x, dtype=dx2_dtype) if dx2_dtype is not None else weight.new_empty(0),
+            torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0))
 
 
 _norm_bwd = kernel_op("norm_bwd", _norm_bwd_impl, _norm_bwd_fake)
@@ -61,7 +81,7 @@ def _norm_setup(ctx, inputs, output):
 
 def _norm_backward(ctx, dy, _dmean, _drstd):
     x, weight, mean, rstd = ctx.saved_tensors
-    dx, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
+    dx, _, dw, db = _norm_bwd(dy, x, weight, mean, rstd, ctx.layer)
     return dx, dw, db if ctx.layer else None, None, None, None
 
 
@@ -73,7 +93,8 @@ def _add_norm_fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y = rms_norm(x + residual), x + residual, rstd)."""
     from .norm_kernel import norm_fwd
-    y, _, rstd, total = norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x))
+    y, _, rstd, total = norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x, "rms_fwd")[0],
+                                   cached_launch)
     return y, total, rstd
 
 
@@ -92,8 +113,11 @@ def _add_norm_setup(ctx, inputs, output):
 
 def _add_norm_backward(ctx, dy, d_total, _drstd):
     total, weight, rstd = ctx.saved_tensors
-    d_sum, dw, _ = _norm_bwd(dy, total, weight, rstd, rstd, False, d_total)  # rstd stands in for the unused mean
-    return d_sum.to(ctx.dtypes[0]), d_sum.to(ctx.dtypes[1]), dw, None, None
+    x_dtype, res_dtype = ctx.dtypes
+    two = res_dtype != x_dtype  # each input's gradient in its dtype, from the one kernel (no cast pass after it)
+    # rstd stands in for the unused mean
+    dx, dres, dw, _ = _norm_bwd(dy, total, weight, rstd, rstd, False, d_total, x_dtype, res_dtype if two else None)
+    return dx, dres if two else dx, dw, None, None
 
 
 _add_norm_fwd = kernel_op("add_rms_norm_fwd", _add_norm_fwd_impl, _add_norm_fwd_fake, setup_context=_add_norm_setup,
