@@ -7,16 +7,27 @@ import torch
 
 from ...errors import check_dtype, check_tensor, fail
 from ...runtime import resolve_backend
-from .._op import kernel_op
+from .._op import cached_launch, kernel_op
 from . import configs
 from .reference import swiglu_reference
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_CFGS: dict = {}
+
+
+def _cfg(device: torch.device) -> configs.SwigluCfg:
+    """The table's config for the device, looked up once per (table, device) rather than on every eager call."""
+    hit = _CFGS.get(device)
+    if hit is None or hit[0] is not configs.SWIGLU:
+        hit = _CFGS[device] = (configs.SWIGLU, configs.SWIGLU.lookup(device))
+    return hit[1]
+
+
 def _swiglu_fwd_impl(gate_up: torch.Tensor) -> torch.Tensor:
     from .swiglu_kernel import swiglu_fwd
-    return swiglu_fwd(gate_up, configs.SWIGLU.lookup(gate_up.device))
+    return swiglu_fwd(gate_up, _cfg(gate_up.device), cached_launch)
 
 
 def _swiglu_fwd_fake(gate_up):
@@ -25,7 +36,7 @@ def _swiglu_fwd_fake(gate_up):
 
 def _swiglu_bwd_impl(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
     from .swiglu_kernel import swiglu_bwd
-    return swiglu_bwd(dout.contiguous(), gate_up, configs.SWIGLU.lookup(gate_up.device))
+    return swiglu_bwd(dout.contiguous(), gate_up, _cfg(gate_up.device), cached_launch)
 
 
 def _swiglu_bwd_fake(dout, gate_up):
