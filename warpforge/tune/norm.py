@@ -1,59 +1,131 @@
-"""Sweep the norm kernels' launch settings on this GPU at the bench's shape (16k rows of 768, bf16; also 4096 wide):
-warps and rows per tile for the forward, and with them programs per SM for the backward, for RMSNorm and LayerNorm.
+"""Sweep the norm kernels' launch settings on this GPU at the bench's shapes (16k rows of 768 and of 4096, bf16), for
+RMSNorm and LayerNorm, backward first (the part furthest from the copy rate), then forward; within --budget seconds.
 
-    warpforge tune norm [--shapes 16384x768,16384x4096] [--out tune_norm.json]
+    warpforge tune norm [--shapes 16384x768,16384x4096] [--budget 100] [--out tune_norm.json]
 
-Winners go into warpforge/ops/norm/configs.py's NORM table, the numbers into benchmarks/NOTES.md. Bytes moved: the
-forward reads x and writes y, the backward reads x and dy and writes dx (2 bytes each), so GB/s is against the copy
-bandwidth `warpforge bench` measures.
+Backward: for each (warps, rows per tile) whose tile gives a thread 16 or 32 fp32 columns per tensor, the kernel is
+compiled once and its registers read back; it is timed with as many programs per SM as those registers let reside
+at once (one wave), prefetching the next tile; the three best are timed again with half the programs and without
+the prefetch. Forward:
+the few tiles near the last sweep's winners (benchmarks/NOTES.md, "Norms, session 10"). Timings are medians of
+CUDA-graph replays. Winners go into warpforge/ops/norm/configs.py's NORM table (printed at the end in its form), the
+numbers into benchmarks/NOTES.md. Bytes: forward reads x, writes y; backward reads x and dy, writes dx (2 bytes
+each; the dw partials are not counted), so GB/s compares with the copy bandwidth `warpforge bench` measures.
 """
 import argparse
-import itertools
+import time
 
 import torch
 
 from warpforge.bench.report import write_json
+from warpforge.ops import _op
 from warpforge.ops.norm import configs, norm_kernel as nk
 from warpforge.runtime import sm_count
 from warpforge.tune.timing import time_candidate
 
 N = configs.NormCfg
+FWD_TILES = {1024: [(2, 2), (1, 2), (2, 4), (4, 4)], 4096: [(2, 1), (4, 1), (8, 1), (8, 2)]}
+
+
+def _bwd_tiles(block: int) -> list[tuple[int, int]]:
+    """(warps, rows per tile) giving each thread 16 or 32 fp32 columns of a tensor (fewer: too little in flight per
+    program; 64 spilled in the last sweep, more registers than an SM's share)."""
+    return [(w, r) for w in (1, 2, 4, 8, 16) for r in (1, 2, 4, 8) if 16 <= block * r // (32 * w) <= 32]
+
+
+def _resident(compiled, warps: int) -> int:
+    """Programs of this kernel that fit on one SM at once (registers, threads, shared memory), per an H100/H200."""
+    regs = getattr(compiled, "n_regs", 0) or 255
+    per_program = -(-regs // 8) * 8 * 32 * warps
+    smem = compiled.metadata.shared + 1024
+    return max(1, min(65536 // per_program, 2048 // (32 * warps), 233472 // smem, 32))
+
+
+def _compiled_bwd(cfg, block, layer):
+    """The compiled backward for this config, as the ops' launcher keeps it (keyed by device, meta values, args)."""
+    launcher = _op._LAUNCHERS.get(id(nk.norm_bwd_kernel))
+    meta = (cfg.block_rows, block, layer, False, False, cfg.prefetch, cfg.warps)
+    for key, entry in (launcher.compiled.items() if launcher else ()):
+        if key[1] == meta:
+            return entry[0]
+    return None
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="warpforge tune norm")
     ap.add_argument("--shapes", default="16384x768,16384x4096")
+    ap.add_argument("--budget", type=float, default=100.0,
+                    help="seconds of sweeping; the backward stops 15 s before it so that the forward gets its turn")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    results = []
+    start = time.perf_counter()
+    results, best = [], {}
     sms = sm_count(torch.device("cuda"))
+    data = {}
     for shape in args.shapes.split(","):
         rows, n = (int(v) for v in shape.split("x"))
         x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
-        b = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
-        nbytes_fwd, nbytes_bwd = 2 * x.numel() * 2, 3 * x.numel() * 2
+        w = 1 + 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        b = 0.1 * torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        data[shape] = (x, torch.randn_like(x), w, b, n)
+
+    def record(shape, name, part, cfg, ms, nbytes, note=""):
+        if ms is None:
+            return
+        gbps = nbytes / ms / 1e6
+        results.append(dict(shape=shape, op=name, part=part, cfg=list(cfg), ms=ms, gbps=gbps, note=note))
+        print(f"{shape} {name} {part} {tuple(cfg)}: {ms * 1e3:.1f} us {gbps:.0f} GB/s {note}", flush=True)
+        if (shape, name, part) not in best or ms < best[shape, name, part][1]:
+            best[shape, name, part] = (cfg, ms)
+
+    def out_of_time(reserve=0.0):
+        return time.perf_counter() - start > args.budget - reserve
+
+    for shape, (x, dy, w, b, n) in data.items():  # backward first
+        block = nk._pow2(n)
         for layer in (False, True):
             name = "layer_norm" if layer else "rms_norm"
-            for warps, block_rows in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16)):
-                cfg = N(warps, 4, block_rows)
-                ms = time_candidate(lambda: nk.norm_fwd(x, w, b, 1e-6, layer, None, None, cfg), rep=50, graphed=True)
-                if ms is not None:
-                    results.append(dict(shape=shape, op=name, part="fwd", cfg=list(cfg), ms=ms,
-                                        gbps=nbytes_fwd / ms / 1e6))
-                    print(f"{shape} {name} fwd {tuple(cfg)}: {ms * 1e3:.1f} us {nbytes_fwd / ms / 1e6:.0f} GB/s",
-                          flush=True)
             _, mean, rstd, _ = nk.norm_fwd(x, w, b, 1e-6, layer, None, None, N(4))
-            for warps, block_rows, per_sm in itertools.product((1, 4, 8), (1, 2, 4, 8), (2, 4, 8, 16)):
-                cfg = N(warps, per_sm, block_rows)
-                ms = time_candidate(lambda: nk.norm_bwd(dy, x, w, mean, rstd, per_sm * sms, layer, None, cfg),
-                                    rep=50, graphed=True)
+
+            def bwd(cfg, note=""):
+                ms = time_candidate(lambda: nk.norm_bwd(dy, x, w, mean, rstd, cfg.programs_per_sm * sms, layer, None,
+                                                        cfg, launch=_op.cached_launch), rep=20, graphed=True)
+                record(shape, name, "bwd", cfg, ms, 3 * x.numel() * 2, note)
+                return ms
+
+            timed = []  # stage 1: each tile at the programs per SM its registers let reside, prefetching
+            for warps, rows_per in _bwd_tiles(block):
+                if out_of_time(15):
+                    break
+                probe = N(warps, 1, rows_per, True)
+                try:
+                    nk.norm_bwd(dy, x, w, mean, rstd, sms, layer, None, probe, launch=_op.cached_launch)
+                except Exception as exc:  # registers or shared memory: not a candidate
+                    print(f"    {tuple(probe)}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                    continue
+                compiled = _compiled_bwd(probe, block, layer)
+                fit = _resident(compiled, warps) if compiled is not None else 4
+                cfg = probe._replace(programs_per_sm=fit)
+                ms = bwd(cfg, f"regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')}")
                 if ms is not None:
-                    results.append(dict(shape=shape, op=name, part="bwd", cfg=list(cfg), ms=ms,
-                                        gbps=nbytes_bwd / ms / 1e6))
-                    print(f"{shape} {name} bwd {tuple(cfg)}: {ms * 1e3:.1f} us {nbytes_bwd / ms / 1e6:.0f} GB/s",
-                          flush=True)
+                    timed.append((ms, cfg))
+            for _, cfg in sorted(timed)[:3]:  # stage 2: the best three with half the programs, without prefetch
+                for variant in {cfg._replace(programs_per_sm=max(1, cfg.programs_per_sm // 2)),
+                                cfg._replace(prefetch=False)} - {cfg}:
+                    if not out_of_time(15):
+                        bwd(variant)
+    for shape, (x, dy, w, b, n) in data.items():
+        for layer in (False, True):
+            name = "layer_norm" if layer else "rms_norm"
+            for warps, rows_per in FWD_TILES.get(nk._pow2(n), [(4, 1), (8, 1)]):
+                if out_of_time():
+                    break
+                cfg = N(warps, 4, rows_per)
+                ms = time_candidate(lambda: nk.norm_fwd(x, w, b, 1e-6, layer, None, None, cfg), rep=20, graphed=True)
+                record(shape, name, "fwd", cfg, ms, 2 * x.numel() * 2)
+    print(f"\nbest ({time.perf_counter() - start:.0f} s{', budget reached' if out_of_time() else ''}):")
+    for (shape, name, part), (cfg, ms) in sorted(best.items()):
+        print(f"  {shape} {name} {part}: NormCfg{tuple(cfg)} {ms * 1e3:.1f} us")
     if args.out:
         write_json({"sweep": "norm", "results": results}, args.out)
     return 0
