@@ -3,7 +3,6 @@ the installed Triton is one its Gluon API was written for, and checked against t
 (forced on with WARPFORGE_ATTN_GLUON=1 while configs.GLUON_DEFAULT is off)."""
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -181,11 +180,10 @@ def test_gpu_matches_reference(shape, causal, d, gluon_on):
 
 @pytest.mark.gpu
 @needs_h200
-@pytest.mark.parametrize("block_n,stages,pingpong", [(128, 2, False), (64, 2, True), (64, 4, False), (128, 3, True)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_gpu_knobs(block_n, stages, pingpong, causal):
-    """Every knob the sweep varies gives the same answer (direct calls, fp16 too)."""
-    for d, dtype in ((128, torch.bfloat16), (64, torch.float16)):
+@pytest.mark.parametrize("block_n,stages,pingpong", [(128, 2, False), (64, 4, True), (128, 3, True)])
+def test_gpu_knobs(block_n, stages, pingpong):
+    """Every knob the sweep varies gives the same answer (direct calls; fp16 too)."""
+    for d, dtype, causal in ((128, torch.bfloat16, True), (64, torch.float16, False)):
         q, k, v = _inputs(2, 1000 + 5, 1000 + 5, 4, 2, d, dtype)
         if fg.smem_bytes(d, block_n, stages) > fg.SMEM_MAX:
             continue

@@ -1,33 +1,37 @@
 """FlashAttention forward for Hopper (sm_90) in Gluon, on FlashAttention-3's schedule.
 
 The same problem and the same outputs as flash_kernel.flash_fwd for batched [b, s, h, d] inputs (bf16/fp16, head
-dim 64 or 128, causal bottom-right aligned or no mask, GQA/MQA): out like q, lse fp32 [b, h_q, s_q] in natural
+dim 64 or 128, causal bottom-right aligned or no mask, GQA/MQA): out [b, s_q, h_q, d], lse fp32 [b, h_q, s_q] in natural
 log, -inf (and out 0) for a query that sees no key. The backward (flash_kernel.flash_bwd) reuses both.
 
 Schedule (Triton 3.6's Gluon; the H200 runs 3.6), one program per (128 query rows, batch · head):
 - shared memory: Q [2 × 64 rows, D] (one slice per consumer), a ring of STAGES slots each holding one K and one V
-  tile [BLOCK_N, D] (NVMMA 128-byte swizzle), and mbarriers: q_bar; k_ready / v_ready / empty per slot; two
-  `turn` barriers for the ping-pong. d 128, BLOCK_N 128, 2 stages: 32 + 128 KB.
+  tile [BLOCK_N, D] (NVMMA 128-byte swizzle), and mbarriers: q_bar; k_ready / v_ready / k_empty / v_empty per
+  slot; two `turn` barriers for the ping-pong. d 128, BLOCK_N 128, 2 stages: 32 + 128 KB.
 - producer (a worker partition of one warp, PRODUCER_REGS registers after setmaxnreg): TMA-loads the two Q
-  slices once (q_bar), then for each key tile j of the program's band: waits `empty[j % STAGES]` (fresh
-  barriers pass on the first lap), TMA-loads K_j (k_ready) and V_j (v_ready) into the slot. All loads go through
-  4-D descriptors over [b, s, h, d] with [1, rows, 1, D] boxes, so rows past a sequence's end arrive as zeros.
+  slices once (q_bar), then for each key tile j of the program's band: waits `k_empty[j % STAGES]` (fresh
+  barriers pass on the first lap) and TMA-loads K_j (k_ready), then the same for V_j (v_empty, v_ready). K's
+  slot is freed as soon as S has read it, V's after P·V: K runs ahead of V, as in FA3's two pipelines. All loads
+  go through 4-D descriptors over [b, s, h, d] with [1, rows, 1, D] boxes, so rows past a sequence's end arrive
+  as zeros and any 16-byte-aligned strides work.
 - consumers: two warpgroups, the default partition (warpgroup 0, query rows 0-63 of the tile) and a worker
   partition (warpgroup 1, rows 64-127), CONSUMER_REGS registers each. Each runs, for key tile j:
       wait k_ready[j]; [ping-pong: wait my turn]
       issue S_j = Q·K_jᵀ (async wgmma, 64 × BLOCK_N fp32) and O += P_{j-1}·V_{j-1} (async wgmma, P_{j-1} the
       bf16 register A operand converted from the previous step's fp32 probabilities: no shared-memory trip)
       [ping-pong: hand the turn to the other warpgroup]
-      wait for S_j only (P·V still on the tensor cores) and do the online softmax of tile j (exp2, the
-      softmax scale folded into one FMA per score; masks only on tiles that cross the causal diagonal or the
-      end of the keys) while P·V_{j-1} runs: FA3's intra-warpgroup overlap;
-      wait for P·V_{j-1}, free its ring slot (`empty`, one arrive per warpgroup: count 2), rescale O.
+      wait for S_j only (P·V still on the tensor cores), free K_j's slot, and do the online softmax of tile j
+      (exp2, the softmax scale folded into one FMA per score; masks only on tiles that cross the causal diagonal
+      or the end of the keys) while P·V_{j-1} runs: FA3's intra-warpgroup overlap;
+      wait for P·V_{j-1}, free V_{j-1}'s slot, rescale O. (Each free is one arrive per warpgroup: count 2.)
   Ping-pong (PINGPONG): the two warpgroups issue their GEMMs in strict alternation through the two `turn`
   barriers, so one warpgroup's softmax runs under the other's GEMMs. Each warpgroup takes n_tiles + 1 turns
   (S_0; S_j with P·V_{j-1}; the last P·V) and hands over after each (one arrive on the other's `turn`, count 1).
   Warpgroup 0 takes turn 0 without waiting; at turn t it waits for the other's hand-over t-1 (parity (t-1) & 1),
   warpgroup 1 for hand-over t (parity t & 1). Strict alternation keeps each barrier at most one phase ahead of
   its waiter; both warpgroups take the same number of turns (the same key tiles), so no one waits at the end.
+- epilogue: O normalised, written into the warpgroup's own Q slice (no S reads it any more) and stored with one
+  TMA store (rows past s_q clipped); lse by pointer.
 - causal: the program walks only the key tiles its 128 rows can see (fully masked tiles are skipped), both
   warpgroups the same count (the ping-pong needs it), masking only the tiles that cross a row's limit.
 - 12 warps: 4 (consumer 0) + 4 (consumer 1) + 1 producer (rounded to a warpgroup); maxnreg 168 at launch,
@@ -36,8 +40,6 @@ Schedule (Triton 3.6's Gluon; the H200 runs 3.6), one program per (128 query row
 Gluon's API changes between Triton releases: everything here is imported lazily (`_build()`), and the api gate
 (api.py) only dispatches here on sm_90 with a Triton in configs.GLUON_TRITON_VERSIONS.
 """
-
-
 import functools
 import os
 
@@ -68,7 +70,7 @@ def _build():
                                                                   warpgroup_mma_wait)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty,
+    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                   b, h, kvh, m_lo, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
         # a program without key tiles loads nothing (no copy may still be landing when the program exits)
@@ -78,10 +80,12 @@ def _build():
             tma.async_copy_global_to_shared(q_desc, [b, m_lo + 64, h, 0], q_bar, q_bufs.index(1))
         for j in range(n_tiles):
             slot = j % STAGES
-            # empty barriers start as if their phase 1 had completed: the first lap does not wait
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            # empty barriers start as if their phase 1 had completed: the first lap does not wait. K's slot is
+            # freed once S has read it, V's once P·V has: K runs further ahead
+            mbarrier.wait(k_empty.index(slot), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot), k_bufs.index(slot))
+            mbarrier.wait(v_empty.index(slot), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, kvh, 0], v_ready.index(slot), v_bufs.index(slot))
 
@@ -109,7 +113,7 @@ def _build():
         return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, o_desc, LSE,
+    def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
                   b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
                   WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
@@ -146,6 +150,7 @@ def _build():
             if PINGPONG:
                 mbarrier.arrive(turn.index(1 - WG))
             s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(0))  # K_0 read
             if first_masked <= 0:
                 p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL, s_layout,
                                               BLOCK_N)
@@ -169,6 +174,7 @@ def _build():
                 if PINGPONG:
                     mbarrier.arrive(turn.index(1 - WG))
                 s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
+                mbarrier.arrive(k_empty.index(slot))  # K_j read (Triton syncs the warpgroup before an arrive)
                 if j >= first_masked:
                     p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL,
                                                   s_layout, BLOCK_N)
@@ -178,7 +184,7 @@ def _build():
                 # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
                 acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
                 gl.thread_barrier()  # the whole warpgroup is past P·V_{j-1} before its slot is handed back
-                mbarrier.arrive(empty.index(prev))
+                mbarrier.arrive(v_empty.index(prev))
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
             # ---- the last P·V
@@ -191,7 +197,7 @@ def _build():
                 mbarrier.arrive(turn.index(1 - WG))
             acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
             gl.thread_barrier()
-            mbarrier.arrive(empty.index(last))
+            mbarrier.arrive(v_empty.index(last))
 
         # epilogue: normalise, store out and lse (rows past s_q are not stored)
         empty_row = l_i == 0.0
@@ -229,24 +235,26 @@ def _build():
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
 
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, o_desc, LSE,
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
                          b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
                          0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty, turn, o_desc, LSE,
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
                          b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
                          1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, empty,
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
                          b, h, kvh, m_lo, n_tiles, BLOCK_N, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
