@@ -8,9 +8,9 @@ Per case and path: ms (triton.testing.do_bench median; each call takes the next 
 together pass 2x the L2, so L2 does not serve them), TFLOP/s (4 · b · h · s² · d, halved when causal), the ratio
 to cuDNN, and the max abs error against SDPA's output. cuDNN runs through
 torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION) on [b, h, s, d] views of the same tensors.
---sweep: the Gluon kernel's knobs (BLOCK_N 64/128 x ring stages x ping-pong on/off; 128 query rows per program =
-two 64-row consumer warpgroups is fixed by the register budget, and BLOCK_N 176 is not a TMA box Triton accepts:
-boxes are powers of two) on the causal cases, called directly.
+--sweep: the Gluon kernel's knobs (BLOCK_N 64/128 x ring stages x ping-pong on/off x persistent) on the causal
+cases, called directly. 128 query rows per work item (two 64-row consumer warpgroups) is fixed by the register
+budget, and BLOCK_N 176 is not a TMA box Triton accepts (boxes are powers of two).
 """
 import argparse
 import json
@@ -34,8 +34,9 @@ CASES = [  # b, h, s, d, causal
     (32, 16, 1024, 128, True),
     (8, 32, 4096, 64, True),
 ]
-SWEEP = [(128, 2, True), (128, 2, False), (128, 3, True), (64, 2, True), (64, 4, True), (64, 4, False)]
-SWEEP_D64 = [(128, 4, True), (128, 2, True), (64, 4, True)]
+SWEEP = [(128, 2, True, False), (128, 2, False, False), (128, 3, True, False), (64, 4, True, False),
+         (128, 2, True, True), (64, 4, True, True)]
+SWEEP_D64 = [(128, 4, True, False), (128, 2, True, False), (128, 4, True, True)]
 
 
 def flops(b, h, s, d, causal):
@@ -78,9 +79,9 @@ def portable(causal):
     return run
 
 
-def gluon(causal, block_n=None, stages=None, pingpong=None):
+def gluon(causal, block_n=None, stages=None, pingpong=None, persistent=None):
     def run(q, k, v):
-        knobs = api.gluon_knobs(q.shape[-1], causal) if block_n is None else (block_n, stages, pingpong)
+        knobs = api.gluon_knobs(q.shape[-1], causal) if block_n is None else (block_n, stages, pingpong, persistent)
         return fg.flash_fwd_gluon(q, k, v, q.shape[-1] ** -0.5, causal, *knobs)[0]
     return run
 
@@ -92,10 +93,10 @@ def run_case(b, h, s, d, causal, l2, sweep):
     paths = {"gluon": gluon(causal), "portable": portable(causal), "cudnn": sdpa_cudnn(causal)}
     if sweep and causal:
         grid = SWEEP_D64 if d == 64 else SWEEP
-        for block_n, stages, pp in grid:
-            if fg.smem_bytes(d, block_n, stages) <= fg.SMEM_MAX:
-                paths[f"gluon bn{block_n} st{stages} pp{int(pp)}"] = gluon(causal, block_n=block_n, stages=stages,
-                                                                          pingpong=pp)
+        for block_n, stages, pp, pers in grid:
+            if fg.smem_bytes(d, block_n, stages, pers) <= fg.SMEM_MAX:
+                paths[f"gluon bn{block_n} st{stages} pp{int(pp)} pers{int(pers)}"] = gluon(causal, block_n, stages, pp,
+                                                                                       pers)
     ref = None
     try:
         ref = paths["cudnn"](q, k, v)
@@ -111,7 +112,7 @@ def run_case(b, h, s, d, causal, l2, sweep):
             err = (out.float() - ref.float()).abs().max().item() if ref is not None else float("nan")
             ms = timed(fn, sets)
         except Exception as e:  # noqa: BLE001 - one failing knob must not stop the rest of the sweep
-            print(f"  {name:28s} FAILED: {type(e).__name__}: {str(e)[:200]}")
+            print(f"  {name:32s} FAILED: {type(e).__name__}: {str(e)[:200]}")
             continue
         rows[name] = dict(ms=ms, tflops=fl / ms / 1e9, max_err=err, wall_s=time.perf_counter() - t0)
     base = rows.get("cudnn", {}).get("ms")
@@ -120,7 +121,7 @@ def run_case(b, h, s, d, causal, l2, sweep):
     for name, r in rows.items():
         ratio = f"{base / r['ms']:.3f}x cuDNN" if base else "-"
         r["vs_cudnn"] = base / r["ms"] if base else None
-        print(f"  {name:28s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {ratio:>14s}  max|err| vs SDPA "
+        print(f"  {name:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {ratio:>14s}  max|err| vs SDPA "
               f"{r['max_err']:.2e}")
     del sets
     torch.cuda.empty_cache()

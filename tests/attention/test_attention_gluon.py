@@ -14,6 +14,8 @@ from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_kernel as fg
 from warpforge.testing import REL_L2, poisoned_outputs, rel_l2
 
+KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BLOCK_N", "WARPFORGE_ATTN_GLUON_STAGES", "WARPFORGE_ATTN_GLUON_PINGPONG",
+            "WARPFORGE_ATTN_GLUON_PERSISTENT")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -33,8 +35,8 @@ def _on_h200() -> bool:
 def test_gate_constants_agree_and_import_is_lazy():
     assert configs.GLUON_TRITON_VERSIONS == fg.GLUON_TRITON_VERSIONS
     assert tuple(configs.GLUON_HEAD_DIMS) == tuple(fg.HEAD_DIMS)
-    for (d, _), (block_n, stages, _) in configs.GLUON_FWD.items():
-        assert fg.smem_bytes(d, block_n, stages) <= fg.SMEM_MAX and stages >= 2
+    for (d, _), (block_n, stages, _, persistent) in configs.GLUON_FWD.items():
+        assert fg.smem_bytes(d, block_n, stages, persistent) <= fg.SMEM_MAX and stages >= 2
     code = ("import sys, warpforge, warpforge.ops.attention.flash_gluon_kernel; "
             "print(any(m.startswith('triton.experimental.gluon') for m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -53,13 +55,14 @@ def test_gate_off_where_it_does_not_apply(monkeypatch):
 
 
 def test_knobs_come_from_the_table_and_the_environment(monkeypatch):
-    for name in ("WARPFORGE_ATTN_GLUON_BLOCK_N", "WARPFORGE_ATTN_GLUON_STAGES", "WARPFORGE_ATTN_GLUON_PINGPONG"):
+    for name in KNOB_ENV:
         monkeypatch.delenv(name, raising=False)
     assert api.gluon_knobs(128, True) == configs.GLUON_FWD[(128, True)]
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BLOCK_N", "64")
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_STAGES", "3")
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_PINGPONG", "0")
-    assert api.gluon_knobs(64, False) == (64, 3, False)
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_PERSISTENT", "1")
+    assert api.gluon_knobs(64, False) == (64, 3, False, True)
 
 
 def test_bad_knobs_are_refused():
@@ -69,6 +72,8 @@ def test_bad_knobs_are_refused():
         fg.launch_args(torch.empty(1, 1, 1, 64), None, None, None, None, 1.0, False, 128, 1, True)
     with pytest.raises(ValueError, match="shared memory"):
         fg.launch_args(torch.empty(1, 1, 1, 128), None, None, None, None, 1.0, False, 128, 4, True)
+    with pytest.raises(ValueError, match="shared memory"):  # fits with one Q slot, not with the persistent two
+        fg.launch_args(torch.empty(1, 1, 1, 128), None, None, None, None, 1.0, False, 128, 3, True, True)
 
 
 # ------------------------------------------------------------------------------------ compile for sm_90
@@ -77,6 +82,7 @@ COMPILE_CASES = [
     dict(d=128, causal=False, block_n=128, stages=2, pingpong=True, h_q=4, h_kv=4),
     dict(d=64, causal=True, block_n=128, stages=4, pingpong=True, h_q=8, h_kv=1),
     dict(d=64, causal=False, block_n=64, stages=2, pingpong=False, dtype="float16"),
+    dict(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=True),
 ]
 
 
@@ -122,7 +128,7 @@ needs_h200 = pytest.mark.skipif(not _on_h200(), reason="the Gluon forward runs o
 def gluon_on(monkeypatch):
     """The gate switched on; counts the Gluon launches made through api's dispatch."""
     monkeypatch.setenv(configs.GLUON_ENV, "1")
-    for name in ("WARPFORGE_ATTN_GLUON_BLOCK_N", "WARPFORGE_ATTN_GLUON_STAGES", "WARPFORGE_ATTN_GLUON_PINGPONG"):
+    for name in KNOB_ENV:
         monkeypatch.delenv(name, raising=False)
     calls = []
     real = fg.flash_fwd_gluon
@@ -180,16 +186,20 @@ def test_gpu_matches_reference(shape, causal, d, gluon_on):
 
 @pytest.mark.gpu
 @needs_h200
-@pytest.mark.parametrize("block_n,stages,pingpong", [(128, 2, False), (64, 4, True), (128, 3, True)])
-def test_gpu_knobs(block_n, stages, pingpong):
-    """Every knob the sweep varies gives the same answer (direct calls; fp16 too)."""
-    for d, dtype, causal in ((128, torch.bfloat16, True), (64, torch.float16, False)):
-        q, k, v = _inputs(2, 1000 + 5, 1000 + 5, 4, 2, d, dtype)
-        if fg.smem_bytes(d, block_n, stages) > fg.SMEM_MAX:
+@pytest.mark.parametrize("block_n,stages,pingpong,persistent", [(128, 2, False, False), (64, 4, True, False),
+                                                                (128, 3, True, False), (128, 2, True, True)])
+def test_gpu_knobs(block_n, stages, pingpong, persistent):
+    """Every knob the sweep varies gives the same answer (direct calls; fp16 too). Persistent: more work items than
+    SMs, items without keys (s_q > s_k, causal) among them."""
+    for d, dtype, causal, shape in ((128, torch.bfloat16, True, (3, 1000 + 5, 1000 + 5, 16, 2)),
+                                    (64, torch.float16, False, (2, 1000 + 5, 1000 + 5, 4, 2)),
+                                    (128, torch.bfloat16, True, (5, 1100, 300, 8, 8))):
+        q, k, v = _inputs(*shape, d, dtype)
+        if fg.smem_bytes(d, block_n, stages, persistent) > fg.SMEM_MAX:
             continue
         with poisoned_outputs():
             out, lse = fg.flash_fwd_gluon(q, k, v, d ** -0.5, causal, block_n=block_n, stages=stages,
-                                          pingpong=pingpong)
+                                          pingpong=pingpong, persistent=persistent)
         _check(q, k, v, causal, out, lse)
 
 

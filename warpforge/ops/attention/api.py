@@ -58,21 +58,21 @@ def _gluon_switch() -> bool:
     return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
 
 
-def gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool]:
-    """(BLOCK_N, STAGES, PINGPONG) of the Gluon forward: configs.GLUON_FWD, each overridable for sweeps through
-    WARPFORGE_ATTN_GLUON_BLOCK_N / _STAGES / _PINGPONG (scripts/bench_attention_gluon.py)."""
-    block_n, stages, pingpong = configs.GLUON_FWD[(d, bool(causal))]
+def gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool, bool]:
+    """(BLOCK_N, STAGES, PINGPONG, PERSISTENT) of the Gluon forward: configs.GLUON_FWD, each overridable for sweeps
+    through WARPFORGE_ATTN_GLUON_BLOCK_N / _STAGES / _PINGPONG / _PERSISTENT (scripts/bench_attention_gluon.py)."""
+    block_n, stages, pingpong, persistent = configs.GLUON_FWD[(d, bool(causal))]
     env = os.environ
     return (int(env.get("WARPFORGE_ATTN_GLUON_BLOCK_N", block_n)), int(env.get("WARPFORGE_ATTN_GLUON_STAGES", stages)),
-            env.get("WARPFORGE_ATTN_GLUON_PINGPONG", "1" if pingpong else "0") != "0")
+            env.get("WARPFORGE_ATTN_GLUON_PINGPONG", "1" if pingpong else "0") != "0",
+            env.get("WARPFORGE_ATTN_GLUON_PERSISTENT", "1" if persistent else "0") != "0")
 
 
 def gluon_gate(q, k, v, left, right) -> bool:
     """Whether the batched forward takes the Hopper Gluon kernel (flash_gluon_kernel.py): an sm_90 device, a Triton
     in configs.GLUON_TRITON_VERSIONS, the switch on (_gluon_switch), fp16/bf16, head dim 64 or 128 for q, k and v,
-    no mask or causal (no window), TMA-aligned tensors, at most 65535 (batch, head) pairs (the grid's second
-    axis). The caller has already ruled out varlen, softcap, ALiBi and a separate V head dim; everything else runs
-    the portable kernel."""
+    no mask or causal (no window), TMA-aligned tensors. The caller has already ruled out varlen, softcap, ALiBi
+    and a separate V head dim; everything else runs the portable kernel."""
     if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
         return False
     s_k = k.shape[1]
@@ -80,7 +80,7 @@ def gluon_gate(q, k, v, left, right) -> bool:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in configs.GLUON_HEAD_DIMS:
         return False
-    if q.shape[0] * q.shape[2] > 65535 or not _gluon_switch():
+    if not _gluon_switch():
         return False
     from . import flash_gluon_kernel
     return flash_gluon_kernel.fits(q, k, v) and flash_gluon_kernel.available()

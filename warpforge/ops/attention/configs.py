@@ -61,9 +61,10 @@ GLUON_ENV = "WARPFORGE_ATTN_GLUON"      # "1" on, "0" off (the portable kernel t
 GLUON_DEFAULT = False                   # off until the H200 has run tests/attention/test_attention_gluon.py + bench
 GLUON_TRITON_VERSIONS = ("3.6",)        # Triton releases whose Gluon API the kernel was written and checked on
 GLUON_HEAD_DIMS = (64, 128)
-# (head dim, causal) -> (BLOCK_N, STAGES, PINGPONG); 128 query rows per program (two 64-row consumer warpgroups).
-# Compiled without spills for sm_90 (Triton 3.6); not yet timed on the H200 (benchmarks/NOTES.md, session 10).
+# (head dim, causal) -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT); 128 query rows per work item (two 64-row consumer
+# warpgroups). Compiled without spills for sm_90 (Triton 3.6); not yet timed on the H200 (benchmarks/NOTES.md,
+# session 10): the persistent schedule (one program per SM, Q double-buffered) is off until measured.
 GLUON_FWD = {
-    (64, False): (128, 4, True), (64, True): (128, 4, True),
-    (128, False): (128, 2, True), (128, True): (128, 2, True),
+    (64, False): (128, 4, True, False), (64, True): (128, 4, True, False),
+    (128, False): (128, 2, True, False), (128, True): (128, 2, True, False),
 }

@@ -56,9 +56,9 @@ MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redist
 SMEM_MAX = 232448       # sm_90's shared memory per block (227 KB)
 
 
-def smem_bytes(d: int, block_n: int, stages: int) -> int:
-    """Shared memory of the schedule (2-byte elements): Q, the ring, barriers (small)."""
-    return 2 * (BLOCK_M * d + stages * 2 * block_n * d) + 1024
+def smem_bytes(d: int, block_n: int, stages: int, persistent: bool = False) -> int:
+    """Shared memory of the schedule (2-byte elements): Q (two slots when persistent), the ring, barriers."""
+    return 2 * ((2 if persistent else 1) * BLOCK_M * d + stages * 2 * block_n * d) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,24 +70,76 @@ def _build():
                                                                   warpgroup_mma_wait)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                  b, h, kvh, m_lo, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    def _item(k):
+        """This program's work item in round k: programs take items k · P + pid, in reverse order on odd rounds
+        (a snake: with P a multiple of the row tiles per head, every program's causal work evens out over two
+        rounds)."""
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        t = k * nprog + pid
+        if k % 2 == 1:
+            t = k * nprog + (nprog - 1 - pid)
+        return t
+
+    @gluon.jit
+    def _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Work item t: (b, h, kv head, first query row, key tiles to walk). Items run head by head, each head's
+        row tiles from the last (the heaviest when causal) to the first."""
+        bh = t // n_m
+        pid_m = n_m - 1 - t % n_m
+        b = bh // H_Q
+        h = bh % H_Q
+        m_lo = pid_m * 128
+        if CAUSAL:
+            # the last key the tile's last row sees (bottom-right aligned); tiles past it are fully masked
+            hi = gl.minimum(gl.minimum(m_lo + 128, s_q) + (s_k - s_q), s_k)
+        else:
+            hi = s_k
+        return b, h, h // GROUP, m_lo, gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                  v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, QBUF: gl.constexpr):
+        gl.static_assert(STAGES >= 2)  # S_j is issued before tile j-1's slot is freed: one slot would deadlock
+        it = 0  # K/V tiles loaded so far: the ring position, continued across work items
+        tc = 0  # work items so far
+        for k in range(n_rounds):
+            t = _item(k)
+            if t < total:
+                it, tc = _produce_item(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
+                                       v_ready, k_empty, v_empty, t, it, tc, n_m, H_Q, GROUP, s_q, s_k, CAUSAL,
+                                       BLOCK_N, STAGES, QBUF)
+
+    @gluon.jit
+    def _produce_item(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                      v_empty, t, it, tc, n_m, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, QBUF: gl.constexpr):
         q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
-        # a program without key tiles loads nothing (no copy may still be landing when the program exits)
-        if n_tiles > 0:
-            mbarrier.expect(q_bar, q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [b, m_lo, h, 0], q_bar, q_bufs.index(0))
-            tma.async_copy_global_to_shared(q_desc, [b, m_lo + 64, h, 0], q_bar, q_bufs.index(1))
+        b, h, kvh, m_lo, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N)
+        qs = tc % QBUF
+        # empty barriers start as if their phase 1 had completed: the first lap does not wait. Q's slot is free
+        # once both consumers have stored the output they staged in it. Q is loaded even for an item without
+        # key tiles: the consumers wait for every copy, so none is still landing when the program exits
+        mbarrier.wait(q_empty.index(qs), ((tc // QBUF) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(qs), q_bytes)
+        tma.async_copy_global_to_shared(q_desc, [b, m_lo, h, 0], q_ready.index(qs), q_bufs.index(2 * qs))
+        tma.async_copy_global_to_shared(q_desc, [b, m_lo + 64, h, 0], q_ready.index(qs), q_bufs.index(2 * qs + 1))
         for j in range(n_tiles):
-            slot = j % STAGES
-            # empty barriers start as if their phase 1 had completed: the first lap does not wait. K's slot is
-            # freed once S has read it, V's once P·V has: K runs further ahead
-            mbarrier.wait(k_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            slot = it % STAGES
+            phase = ((it // STAGES) & 1) ^ 1
+            # K's slot is freed once S has read it, V's once P·V has: K runs further ahead
+            mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot), k_bufs.index(slot))
-            mbarrier.wait(v_empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot),
+                                            k_bufs.index(slot))
+            mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, kvh, 0], v_ready.index(slot), v_bufs.index(slot))
+            tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, kvh, 0], v_ready.index(slot),
+                                            v_bufs.index(slot))
+            it += 1
+        tc += 1
+        return it, tc
 
     @gluon.jit
     def _softmax(s, n0, limit_row, s_k, m_i, l_i, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
@@ -113,10 +165,10 @@ def _build():
         return p, alpha, l_i * alpha + gl.sum(p, axis=1), m_new
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
-                  b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
+    def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
+                  n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale, stride_lb, stride_lh,
                   WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -125,137 +177,148 @@ def _build():
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_bufs.dtype
-        r0 = m_lo + WG * 64
-        rows = r0 + gl.arange(0, 64, layout=row_s)
-        limit_row = rows + (s_k - s_q)          # causal: the last key each row sees (bottom-right aligned)
-        # key tiles from here on need a mask: past the keys' end, or (causal) past the first row's limit
-        if CAUSAL:
-            first_masked = gl.minimum(s_k, r0 + (s_k - s_q) + 1) // BLOCK_N
-        else:
-            first_masked = s_k // BLOCK_N
-        q = q_bufs.index(WG).reshape([64, D])
-        m_i = gl.full([64], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([64], gl.float32, row_s)
-        acc = gl.zeros([64, D], gl.float32, o_layout)
         s_zero = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
-        if n_tiles > 0:
-            mbarrier.wait(q_bar, 0)
-            # ---- tile 0: S only
-            mbarrier.wait(k_ready.index(0), 0)
-            if PINGPONG:
-                if WG == 1:  # turn 0: warpgroup 0 goes first, warpgroup 1 waits for its hand-over 0
-                    mbarrier.wait(turn.index(1), 0)
-            s_tok = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            mbarrier.arrive(k_empty.index(0))  # K_0 read
-            if first_masked <= 0:
-                p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL, s_layout,
-                                              BLOCK_N)
-            else:
-                p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, False, CAUSAL, s_layout,
-                                              BLOCK_N)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            # ---- tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
-            for j in range(1, n_tiles):
-                slot = j % STAGES
-                prev = (j - 1) % STAGES
-                mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-                mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-                if PINGPONG:
-                    # turn k = j of this warpgroup: warpgroup 1 waits for hand-over j (parity j & 1), warpgroup 0
-                    # for hand-over j - 1
-                    mbarrier.wait(turn.index(WG), (j - 1 + WG) & 1)
-                s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-                if PINGPONG:
-                    mbarrier.arrive(turn.index(1 - WG))
-                s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
-                mbarrier.arrive(k_empty.index(slot))  # K_j read (Triton syncs the warpgroup before an arrive)
-                if j >= first_masked:
-                    p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL,
-                                                  s_layout, BLOCK_N)
+        it = 0  # K/V tiles consumed so far (the ring position)
+        tn = 0  # GEMM turns taken so far (the ping-pong position): n_tiles + 1 per item with key tiles
+        tc = 0  # work items so far
+        for k in range(n_rounds):
+            t = _item(k)
+            if t < total:
+                b, h, kvh, m_lo, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N)
+                qs = tc % QBUF
+                q_smem = q_bufs.index(2 * qs + WG)
+                q = q_smem.reshape([64, D])
+                r0 = m_lo + WG * 64
+                rows = r0 + gl.arange(0, 64, layout=row_s)
+                limit_row = rows + (s_k - s_q)          # causal: the last key each row sees (bottom-right aligned)
+                # key tiles from here on need a mask: past the keys' end, or (causal) past the first row's limit
+                if CAUSAL:
+                    first_masked = gl.minimum(s_k, r0 + (s_k - s_q) + 1) // BLOCK_N
                 else:
-                    p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, False, CAUSAL,
-                                                  s_layout, BLOCK_N)
-                # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
-                acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-                gl.thread_barrier()  # the whole warpgroup is past P·V_{j-1} before its slot is handed back
-                mbarrier.arrive(v_empty.index(prev))
-                acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            # ---- the last P·V
-            last = (n_tiles - 1) % STAGES
-            mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(WG), (n_tiles - 1 + WG) & 1)
-            acc_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - WG))
-            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-            gl.thread_barrier()
-            mbarrier.arrive(v_empty.index(last))
+                    first_masked = s_k // BLOCK_N
+                m_i = gl.full([64], float("-inf"), gl.float32, row_s)
+                l_i = gl.zeros([64], gl.float32, row_s)
+                acc = gl.zeros([64, D], gl.float32, o_layout)
+                mbarrier.wait(q_ready.index(qs), (tc // QBUF) & 1)
+                if n_tiles > 0:
+                    # ---- key tile 0: S only
+                    slot = it % STAGES
+                    mbarrier.wait(k_ready.index(slot), (it // STAGES) & 1)
+                    if PINGPONG:
+                        # global turn tn: warpgroup 0 waits for warpgroup 1's hand-over tn-1 (none before turn 0),
+                        # warpgroup 1 for warpgroup 0's hand-over tn
+                        if WG == 0:
+                            mbarrier.wait(turn.index(0), (tn + 1) & 1, pred=tn > 0)
+                        else:
+                            mbarrier.wait(turn.index(1), tn & 1)
+                    s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                                          use_acc=False, is_async=True)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - WG))
+                    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                    mbarrier.arrive(k_empty.index(slot))  # K read (Triton syncs the warpgroup before an arrive)
+                    if first_masked <= 0:
+                        p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL, s_layout,
+                                                      BLOCK_N)
+                    else:
+                        p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, False, CAUSAL, s_layout,
+                                                      BLOCK_N)
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    # ---- key tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
+                    for j in range(1, n_tiles):
+                        g = it + j
+                        slot = g % STAGES
+                        prev = (g - 1) % STAGES
+                        mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+                        mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
+                        if PINGPONG:  # global turn tn + j
+                            mbarrier.wait(turn.index(WG), (tn + j + 1 + WG) & 1)
+                        s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                                              use_acc=False, is_async=True)
+                        acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+                        if PINGPONG:
+                            mbarrier.arrive(turn.index(1 - WG))
+                        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
+                        mbarrier.arrive(k_empty.index(slot))
+                        if j >= first_masked:
+                            p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, True,
+                                                          CAUSAL, s_layout, BLOCK_N)
+                        else:
+                            p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, False,
+                                                          CAUSAL, s_layout, BLOCK_N)
+                        # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
+                        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                        gl.thread_barrier()  # the whole warpgroup is past P·V_{j-1} before its slot is handed back
+                        mbarrier.arrive(v_empty.index(prev))
+                        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                        p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    # ---- the last P·V
+                    g = it + n_tiles - 1
+                    last = g % STAGES
+                    mbarrier.wait(v_ready.index(last), (g // STAGES) & 1)
+                    if PINGPONG:  # global turn tn + n_tiles
+                        mbarrier.wait(turn.index(WG), (tn + n_tiles + 1 + WG) & 1)
+                    acc_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+                    if PINGPONG:
+                        mbarrier.arrive(turn.index(1 - WG))
+                    acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                    gl.thread_barrier()
+                    mbarrier.arrive(v_empty.index(last))
+                    it += n_tiles
+                    tn += n_tiles + 1
 
-        # epilogue: normalise, store out and lse (rows past s_q are not stored)
-        empty_row = l_i == 0.0
-        l_safe = gl.where(empty_row, 1.0, l_i)
-        lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
-        # out goes through this warpgroup's Q slice (every S GEMM that read it is done) and one TMA store, which
-        # clips rows past s_q: no scratch buffer, no masked stores
-        q.store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, r0, h, 0], q_bufs.index(WG))
-        gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < s_q)
-        tma.store_wait(0)
+                # epilogue: normalise; out goes through this warpgroup's Q slice (every S GEMM that read it is done)
+                # and one TMA store, which clips rows past s_q; lse by pointer
+                empty_row = l_i == 0.0
+                l_safe = gl.where(empty_row, 1.0, l_i)
+                lse = gl.where(empty_row, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+                out = acc * gl.convert_layout(1.0 / l_safe, row_o)[:, None]
+                q.store(out.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(o_desc, [b, r0, h, 0], q_smem)
+                gl.store(LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows, lse, mask=rows < s_q)
+                tma.store_wait(0)
+                gl.thread_barrier()  # every issuing thread has seen its store leave the slot
+                mbarrier.arrive(q_empty.index(qs))  # the producer may load a later item's Q here
+                tc += 1
 
     @gluon.jit
     def flash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, s_q, s_k, qk_scale, stride_lb, stride_lh, H_Q,
-                               GROUP, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                               GROUP, n_m, total, n_rounds, D: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        pid_m = gl.num_programs(0) - 1 - gl.program_id(0)  # causal row tiles get heavier: the heaviest first
-        b = gl.program_id(1) // H_Q
-        h = gl.program_id(1) % H_Q
-        kvh = h // GROUP
-        m_lo = pid_m * 128
-        if CAUSAL:
-            # the last key the tile's last row sees (bottom-right aligned); tiles past it are fully masked
-            hi = gl.minimum(gl.minimum(m_lo + 128, s_q) + (s_k - s_q), s_k)
-        else:
-            hi = s_k
-        n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
-
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+                               QBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        # Q: QBUF slots of two 64-row slices (slice 2 · slot + warpgroup); QBUF 2 (persistent) lets the producer
+        # load the next item's Q while the consumers finish this one
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [QBUF, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(QBUF):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # one arrive per consumer warpgroup
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
 
         gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
-                         b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
-                         0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
-                         b, h, m_lo, s_q, s_k, n_tiles, qk_scale, stride_lb, stride_lh,
-                         1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
-            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, k_empty, v_empty,
-                         b, h, kvh, m_lo, n_tiles, BLOCK_N, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc,
+                         LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale, stride_lb, stride_lh,
+                         0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc,
+                         LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale, stride_lb, stride_lh,
+                         1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N, STAGES, QBUF)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_fwd_gluon_kernel, gl
@@ -294,31 +357,40 @@ def _descriptors(q, k, v, out, block_n, gl):
     return descs
 
 
-def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong):
+def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent=False, sms=132):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by flash_fwd_gluon and the compile test."""
     if stages < 2:
         raise ValueError(f"flash_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
                          "tile j-1 is freed")
     d = q.shape[-1]
-    if smem_bytes(d, block_n, stages) > SMEM_MAX:
-        raise ValueError(f"flash_fwd_gluon: BLOCK_N {block_n} x {stages} stages at d {d} needs "
-                         f"{smem_bytes(d, block_n, stages)} B of shared memory (> {SMEM_MAX})")
+    if smem_bytes(d, block_n, stages, persistent) > SMEM_MAX:
+        raise ValueError(f"flash_fwd_gluon: BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent}) "
+                         f"needs {smem_bytes(d, block_n, stages, persistent)} B of shared memory (> {SMEM_MAX})")
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     q_desc, k_desc, v_desc, o_desc = _descriptors(q, k, v, out, block_n, gl)
-    grid = (-(-s_q // BLOCK_M), b * h_q)
+    n_m = -(-s_q // BLOCK_M)
+    total = n_m * b * h_q  # work items: (row tile, batch · head), head by head
+    if persistent:
+        # causal: a multiple of the row tiles per head, so that the snake order evens out the programs' work
+        progs = sms // n_m * n_m if causal and n_m <= sms else sms
+        progs = max(1, min(progs, total))
+    else:
+        progs = total
+    grid = (progs, )
     args = (q_desc, k_desc, v_desc, o_desc, lse, s_q, s_k, sm_scale * LOG2E, lse.stride(0), lse.stride(1), h_q,
-            h_q // h_kv)
-    meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal),
-                PINGPONG=bool(pingpong), CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+            h_q // h_kv, n_m, total, -(-total // progs))
+    meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
+                QBUF=2 if persistent else 1, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                 maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
 
-def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong):
+def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persistent=False):
     """(out [b, s_q, h_q, d] contiguous in q's dtype, lse fp32 [b, h_q, s_q]); the caller checked fits(q, k, v) and
-    available(). Knobs: key rows per ring slot (64 or 128), ring slots (>= 2), ping-pong on/off."""
+    available(). Knobs: key rows per ring slot (64 or 128), ring slots (>= 2), ping-pong on/off, persistent (one
+    program per SM walking work items; else one program per item)."""
     b, s_q, h_q, d = q.shape
     out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)  # contiguous: TMA-aligned
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -327,7 +399,9 @@ def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong):
     if k.shape[1] == 0:  # no keys: every query sees nothing (a descriptor cannot have an empty dimension)
         lse.fill_(float("-inf"))
         return out.zero_(), lse
-    kernel, grid, args, meta = launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if persistent else 0
+    kernel, grid, args, meta = launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong,
+                                           persistent, sms)
     kernel[grid](*args, **meta)
     return out, lse
 
@@ -337,8 +411,8 @@ PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setm
                 "mbarrier": "mbarrier"}
 
 
-def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, h_q=4, h_kv=2, dtype="bfloat16",
-                 arch=90):
+def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
+                 dtype="bfloat16", arch=90):
     """Compile the kernel for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in
     for the device while nothing is launched. Returns a report dict (PTX features, warps, shared memory, the
     compiled kernel)."""
@@ -367,7 +441,8 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, h_q=4
     previous = driver._active
     driver.set_active(_StubDriver())
     try:
-        kernel, grid, args, meta = launch_args(q, k, v, out, lse, d ** -0.5, causal, block_n, stages, pingpong)
+        kernel, grid, args, meta = launch_args(q, k, v, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
+                                               persistent)
         kern = kernel.warmup(*args, grid=grid, **meta)
     finally:
         driver._active = previous
