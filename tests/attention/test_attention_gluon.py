@@ -227,19 +227,27 @@ def test_gpu_strided_inputs_and_backward(gluon_on):
 @pytest.mark.gpu
 @needs_h200
 def test_gpu_switch_and_fallbacks(gluon_on, monkeypatch):
-    """Off by WARPFORGE_ATTN_GLUON=0; a window, softcap, d 96, fp32 and varlen take the portable kernel."""
+    """Off by WARPFORGE_ATTN_GLUON=0 (the portable kernel then agrees); the gate says no to a window, d 96, fp32
+    and unaligned strides, and the op sends softcap (a score modifier) to the portable kernel."""
     q, k, v = _inputs(2, 300, 300, 4, 2, 128)
     on = wf.flash_attention(q, k, v, causal=True)
     assert gluon_on == [True]
     monkeypatch.setenv(configs.GLUON_ENV, "0")
+    assert not api.gluon_gate(q, k, v, 1 << 30, 0)
     off = wf.flash_attention(q, k, v, causal=True)
     assert len(gluon_on) == 1
     assert rel_l2(on, off) <= 1e-2
     monkeypatch.setenv(configs.GLUON_ENV, "1")
-    wf.flash_attention(q, k, v, window=(64, 0))
+    big = 1 << 30
+    assert api.gluon_gate(q, k, v, big, 0) and api.gluon_gate(q, k, v, big, big)
+    assert not api.gluon_gate(q, k, v, 64, 0)  # window
+    assert not api.gluon_gate(q, k, v, big, 5)  # a one-sided band
+    q96, k96, v96 = _inputs(1, 64, 64, 2, 2, 96)
+    assert not api.gluon_gate(q96, k96, v96, big, 0)
+    assert not api.gluon_gate(q.float(), k.float(), v.float(), big, 0)
+    odd = torch.randn(2, 300, 4, 129, device="cuda", dtype=torch.bfloat16)[..., :128]  # row stride 129 elements
+    assert not api.gluon_gate(odd, k, v, big, 0)
     wf.flash_attention(q, k, v, softcap=30.0)
-    wf.flash_attention(*_inputs(1, 64, 64, 2, 2, 96))
-    wf.flash_attention(*(t.float() for t in _inputs(1, 64, 64, 2, 2, 64)))
     assert len(gluon_on) == 1
 
 
