@@ -262,6 +262,6 @@ def test_gpu_long_sequence_matches_portable(gluon_on, monkeypatch):
         monkeypatch.setenv(configs.GLUON_ENV, "0")
         want, want_lse = wf.flash_attention(q, k, v, causal=causal, return_lse=True)
         monkeypatch.setenv(configs.GLUON_ENV, "1")
-        assert rel_l2(out, want) <= 5e-3
+        assert rel_l2(out, want) <= 1e-2
         assert torch.allclose(lse, want_lse, rtol=1e-4, atol=1e-4)
     assert gluon_on == [True, False]
