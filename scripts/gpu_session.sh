@@ -53,6 +53,17 @@ for step in "$@"; do
                 SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache timeout 150 bash scripts/gpt_train_check.sh long 3.0 \
                   "$w/gpt-long-$att.json" --attention=$att --max_steps=150 --eval_every=75 --compile=off \
                   --max-minutes 1.6 > "$w/gpt-long-$att.log" 2>&1; tail -2 "$w/gpt-long-$att.log"; done ;;
+    mla-gluon) timeout 90 python3 scripts/check_mla_gluon.py --out "$w/mla_gluon_check.json" > "$w/mla_gluon_check.log" 2>&1 &&
+               timeout 120 python3 scripts/bench_mla_gluon.py --out "$w/mla_gluon.json" > "$w/mla_gluon.log" 2>&1
+               tail -14 "$w/mla_gluon.log" ;;
+    mla-gluon-before) (cd .before && PYTHONPATH=$PWD timeout 120 python3 scripts/bench_mla_gluon.py --out "$w/mla_gluon_before.json" \
+                        > "$w/mla_gluon_before.log" 2>&1); tail -13 "$w/mla_gluon_before.log" ;;
+    attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
+                     timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
+                     tail -3 "$w/attention_gluon_tests.log" ;;
+    norms) timeout 100 python3 -m warpforge bench --family fused --match "norm fwd" --json "$w/fused-norms.json" > "$w/bench-norms.log" 2>&1
+           timeout 60 python3 -m warpforge tune norm --shapes 16384x768 --budget 45 --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1
+           tail -20 "$w/bench-norms.log" ;;
     gpt) timeout 200 python3 -m warpforge bench --family gpt --quick --json "$w/gpt.json" > "$w/gpt.log" 2>&1 ;;
     bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout 240 bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
