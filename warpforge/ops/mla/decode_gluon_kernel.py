@@ -13,17 +13,14 @@ warpgroups take turns: warpgroup 0 computes the whole 64 × 64 S of the even pag
 pair of pages needs four half-width P·V products: its own P from registers, the other's P through shared memory.
 
 Per pair of pages (2p in buffer 0, 2p+1 in buffer 1), with S0 / S1 already computed:
-  WG0: softmax(S0) against the running max → m0, P0; publishes m0, scale0 and P0 (in buffer 0's rope slot, dead
-       after S0); O_L = O_L·scale0 + P0·V0_L (P0 from registers)
-  WG1: O_R = O_R·scale0 + P0·V0_R (P0 from shared memory), issued at once so that it runs under this warpgroup's
-       softmax(S1) against m0 → m1, P1; publishes scale1 and P1 (in buffer 1's rope slot); reloads buffer 0's
-       right half and rope as soon as P0·V0_R retires; O_R = O_R·scale1 + P1·V1_R; reloads buffer 1's right
-       half; S1' = Q·K(2p+3)ᵀ
-  WG0: reloads buffer 0's left half once P0·V0_L retires; O_L = O_L·scale1 + P1·V1_L; S0' = Q·K(2p+2)ᵀ, and
-       reloads buffer 1's left half and rope once P1·V1_L retires
+  WG0: softmax(S0) against the running max → P0; publishes max and scale0; O_L += P0·V0_L (P0 in registers)
+  WG1: waits scale0; softmax(S1) against max(m0, ·) → P1; publishes scale1; O_R *= scale0·scale1;
+       stores P1 (in buffer 1's rope slot, dead after S1); O_R += P1·V1_R
+  WG0: waits scale1; reloads buffer 0's left half; stores P0·scale1 (in buffer 0's rope slot); O_L *= scale1
+  WG1: waits P0; O_R += P0·V0_R; reloads its halves of both buffers once its products are done; S1' = Q·K(2p+3)ᵀ
+  WG0: O_L += P1·V1_L; S0' = Q·K(2p+2)ᵀ; reloads buffer 1's left half and rope once P1·V1_L is done
 Every buffer half is reloaded by the one warpgroup that read it last, as soon as its own MMA on it retires, so
-no empty barriers are needed; the cross-warpgroup handshakes are two mbarriers used once per pair (phase = p & 1),
-and each warpgroup writes its own running-max vector (no read-then-write of one buffer inside a warpgroup).
+no empty barriers are needed; the cross-warpgroup handshakes are four mbarriers used once per pair (phase = p & 1).
 Shared memory: Q (64 KB + 8 KB rope) + two pages (2 × 72 KB) = 216 KB; P lives in the pages' rope slots.
 
 Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
@@ -113,7 +110,7 @@ def _build():
             return gl.full([64], 0, gl.int32, ROW_S) + end
 
     @gluon.jit
-    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m0, s_m1, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -129,7 +126,7 @@ def _build():
             half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
             half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
         q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=q_mask, other=0.0))
-        s_m1.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))   # the running max before the first page
+        s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(sync.index(4), count=1)   # Q and the running max are in place
@@ -156,34 +153,40 @@ def _build():
             more = p + 1 < n_pairs
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
-            # softmax of the even page against the running max (WG1's, of the previous pair); P0 (rounded once,
-            # against m0) goes to WG1 through page 0's rope slot, dead after S0, with m0 and the rescale
+            # softmax of the even page against the running max; publish the new max and the rescale
             s = _masked(s0, n0, limit, qk_scale)
-            m_old = s_m1.load(ROW_S)
+            m_old = s_m.load(ROW_S)
             m0 = gl.maximum(m_old, gl.max(s, axis=1))
             scale0 = gl.exp2(m_old - m0)
-            p0f = gl.exp2(s - m0[:, None])
-            l_i = l_i * scale0 + gl.sum(p0f, axis=1)
-            p0 = p0f.to(gl.bfloat16)
+            p0 = gl.exp2(s - m0[:, None])
+            l_i = l_i * scale0 + gl.sum(p0, axis=1)
+            gl.thread_barrier()   # every thread has read the old max before any writes the new one
             s_sc0.store(scale0)
-            s_m0.store(m0)
-            kr.index(0).store(p0)
-            n_valid0 = end - n0
-            if n_valid0 < 64:
-                _zero_rows(kn.index(0), n_valid0)
-            fence_async_shared()
+            s_m.store(m0)
             gl.thread_barrier()
             mbarrier.arrive(sync.index(0), count=1)
             acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
-            tok = warpgroup_mma(gl.convert_layout(p0, P_OPERAND), kn.index(0), acc, is_async=True)
-            # WG1's softmax of the odd page: its rescale, and P1 (against m1) in page 1's rope slot
-            mbarrier.wait(sync.index(1), ph)
-            scale1 = s_sc1.load(ROW_S)
+            n_valid0 = end - n0
+            if n_valid0 < 64:
+                _zero_rows(kn.index(0), n_valid0)
+                fence_async_shared()
+                gl.thread_barrier()
+            tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), kn.index(0), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(tok, ))
+            # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
+            mbarrier.wait(sync.index(1), ph)
             if more:
-                _load_half(kn_desc, kn.index(0), kbar.index(0), next0, 0)
+                _load_half(kn_desc, kn.index(0), kbar.index(0),
+                           next0, 0)
+            scale1 = s_sc1.load(ROW_S)
+            kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(2), count=1)
             acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
             l_i = l_i * scale1
+            # P1 is in page 1's rope slot once WG1 has issued its P0·V0_R
+            mbarrier.wait(sync.index(3), ph)
             n_valid1 = n_valid0 - 64
             if n_valid1 < 64:
                 _zero_rows(kn.index(2), n_valid1)
@@ -210,11 +213,11 @@ def _build():
         mbarrier.arrive(sync.index(5), count=1)
         mbarrier.wait(sync.index(5), 0)
         l_all = l_i + s_l1.load(ROW_S)
-        _epilogue(acc, l_all, s_m1.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, 0,
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, 0,
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
 
     @gluon.jit
-    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m0, s_m1, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -241,41 +244,46 @@ def _build():
             more = p + 1 < n_pairs
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
-            # O_R moves to WG0's new max and takes P0·V0_R at once: the product runs under this warpgroup's
-            # softmax of the odd page, and page 0's right half and rope are free for the next pair soon after
+            # softmax of the odd page against WG0's new max
             mbarrier.wait(sync.index(0), ph)
-            m0 = s_m0.load(ROW_S)
+            m0 = s_m.load(ROW_S)
             scale0 = s_sc0.load(ROW_S)
-            acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
+            s = _masked(s1, n1, limit, qk_scale)
+            m1 = gl.maximum(m0, gl.max(s, axis=1))
+            scale1 = gl.exp2(m0 - m1)
+            p1 = gl.exp2(s - m1[:, None])
+            both = scale0 * scale1
+            l_i = l_i * both + gl.sum(p1, axis=1)
+            gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
+            s_sc1.store(scale1)
+            s_m.store(m1)
+            gl.thread_barrier()
+            mbarrier.arrive(sync.index(1), count=1)
+            acc = acc * gl.convert_layout(both, ROW_O)[:, None]
+            p1b = p1.to(gl.bfloat16)
+            kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
             n_valid1 = end - n1
+            if n_valid1 < 64:
+                _zero_rows(kn.index(3), n_valid1)
+            fence_async_shared()
+            gl.thread_barrier()
+            tok = warpgroup_mma(gl.convert_layout(p1b, P_OPERAND), kn.index(3), acc, is_async=True)
+            # P0 (rescaled to m1) from WG0
+            mbarrier.wait(sync.index(2), ph)
             n_valid0 = n_valid1 + 64
             if n_valid0 < 64:
                 _zero_rows(kn.index(1), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(kr.index(0), kn.index(1), acc, is_async=True)
-            s = _masked(s1, n1, limit, qk_scale)
-            m1 = gl.maximum(m0, gl.max(s, axis=1))
-            scale1 = gl.exp2(m0 - m1)
-            p1f = gl.exp2(s - m1[:, None])
-            l_i = l_i * (scale0 * scale1) + gl.sum(p1f, axis=1)
-            p1 = p1f.to(gl.bfloat16)
-            s_sc1.store(scale1)
-            s_m1.store(m1)
-            kr.index(1).store(p1)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
-            if n_valid1 < 64:
-                _zero_rows(kn.index(3), n_valid1)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(sync.index(1), count=1)
-            acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
+            tok = warpgroup_mma(kr.index(0), kn.index(1), tok, is_async=True)
+            mbarrier.arrive(sync.index(3), count=1)
             if more:
-                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1), next0, HALF_C)
-            acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
-            tok = warpgroup_mma(gl.convert_layout(p1, P_OPERAND), kn.index(3), acc, is_async=True)
-            if more:
-                acc = warpgroup_mma_wait(0, deps=(tok, ))   # P1·V1_R retired: page 1's right half
-                _load_half(kn_desc, kn.index(3), kbar.index(3), next1, HALF_C)
+                warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
+                _load_half(kn_desc, kn.index(3), kbar.index(3),
+                           next1, HALF_C)
+                acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
+                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
+                           next0, HALF_C)
                 mbarrier.wait(kbar.index(3), (p + 1) & 1)
                 s_tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False,
                                       is_async=True)
@@ -291,7 +299,7 @@ def _build():
         mbarrier.arrive(sync.index(5), count=1)
         mbarrier.wait(sync.index(5), 0)
         l_all = l_i + s_l0.load(ROW_S)
-        _epilogue(acc, l_all, s_m1.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, True)
 
     @gluon.jit
@@ -346,15 +354,14 @@ def _build():
         q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
         kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
         kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_layout)     # page rope; then that page's P
-        s_m0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the running max after WG0's page
-        s_m1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # ... and after WG1's (each written by one)
+        s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_sc0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
         s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
         kbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        # sync: 0 WG0's softmax published (m0, scale0, P0), 1 WG1's (m1, scale1, P1), 4 Q ready, 5 row sums
+        # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
         sync = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(4):
             mbarrier.init(kbar.index(i), count=1)
@@ -363,7 +370,7 @@ def _build():
         mbarrier.init(sync.index(5), count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        args = (q_half, q_rope, kn, kr, kbar, sync, s_m0, s_m1, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
                 H_Q, S_Q, CAUSAL, FINAL)
