@@ -55,7 +55,7 @@ def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean
     dx_dtype (default x's); dx2: the same gradient in dx2_dtype when given (else empty), for a residual sum's two
     inputs of different dtypes."""
     from .norm_kernel import norm_bwd
-    cfg, programs = _cfg(x, _BWD_KIND[layer])
+    cfg, programs = _cfg(x, _BWD_KIND[layer] if d_sum is None else "add_bwd")
     dx, dx2, dw, db = norm_bwd(dy.contiguous(), x, weight, mean, rstd, programs, layer,
                                d_sum.contiguous() if d_sum is not None else None, cfg, dx_dtype, dx2_dtype,
                                cached_launch)
