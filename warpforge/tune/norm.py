@@ -1,7 +1,9 @@
 """Sweep the norm kernels' launch settings on this GPU at the bench's shapes (16k rows of 768 and of 4096, bf16), for
-RMSNorm and LayerNorm, backward first (the part furthest from the copy rate), then forward; within --budget seconds.
+RMSNorm, LayerNorm and add_rms_norm's backward (fp32 stream), backward first (the part furthest from the copy rate),
+then forward; within --budget seconds (the whole sweep took 16 s for 768 on the H200).
 
     warpforge tune norm [--shapes 16384x768,16384x4096] [--budget 100] [--out tune_norm.json]
+    warpforge tune norm --eager-profile      # where an eager fwd+bwd call's host time goes
 
 Backward: for each (warps, rows per tile) whose tile gives a thread 16 or 32 fp32 columns per tensor, the kernel is
 compiled once and its registers read back; it is timed with as many programs per SM as those registers let reside
@@ -41,14 +43,67 @@ def _resident(compiled, warps: int) -> int:
     return max(1, min(65536 // per_program, 2048 // (32 * warps), 233472 // smem, 32))
 
 
-def _compiled_bwd(cfg, block, layer):
+def _compiled_bwd(cfg, block, layer, add):
     """The compiled backward for this config, as the ops' launcher keeps it (keyed by device, meta values, args)."""
     launcher = _op._LAUNCHERS.get(id(nk.norm_bwd_kernel))
-    meta = (cfg.block_rows, block, layer, False, False, cfg.prefetch, cfg.warps)
+    meta = (cfg.block_rows, block, layer, add, add, cfg.prefetch, cfg.warps)
     for key, entry in (launcher.compiled.items() if launcher else ()):
         if key[1] == meta:
             return entry[0]
     return None
+
+
+def eager_profile(calls: int = 200) -> None:
+    """Where an eager fwd+bwd spends its host time on this machine (issue 20's eager line): per op at 16k x 768, the
+    time per call back to back (synced once at the end: the host's cost when it is the bottleneck) and synced every
+    call (latency from an idle GPU), then a cProfile of rms_norm's calls, by own time."""
+    import cProfile
+    import pstats
+
+    import warpforge as wf
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(16384, 768, device=dev, dtype=bf, requires_grad=True)
+    x32 = torch.randn(16384, 768, device=dev, requires_grad=True)
+    w = torch.ones(768, device=dev, dtype=bf, requires_grad=True)
+    w32 = torch.ones(768, device=dev, requires_grad=True)
+    b = torch.zeros(768, device=dev, dtype=bf, requires_grad=True)
+    gu = torch.randn(16384, 6144, device=dev, dtype=bf, requires_grad=True)
+    cases = {"rms_norm": (lambda: wf.rms_norm(x, w), (x, w)),
+             "add_rms_norm": (lambda: wf.add_rms_norm(x32, x, w32, out_dtype=bf), (x32, x, w32)),
+             "layer_norm": (lambda: wf.layer_norm(x, w, b), (x, w, b)),
+             "swiglu": (lambda: wf.swiglu(gu), (gu,))}
+    steps = {}
+    for name, (fwd, inputs) in cases.items():
+        outs = fwd()
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads = tuple(torch.randn_like(o) for o in outs)
+
+        def step(fwd=fwd, inputs=inputs, grads=grads):
+            out = fwd()
+            return torch.autograd.grad(out if isinstance(out, tuple) else (out,), inputs, grads)
+        steps[name] = step
+        for _ in range(20):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+        back_to_back = (time.perf_counter() - t0) / calls * 1e3
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+            torch.cuda.synchronize()
+        synced = (time.perf_counter() - t0) / calls * 1e3
+        print(f"eager {name} fwd+bwd 16k: {back_to_back:.3f} ms a call back to back, {synced:.3f} ms synced each",
+              flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        steps["rms_norm"]()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def main(argv=None):
@@ -57,7 +112,12 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=100.0,
                     help="seconds of sweeping; the backward stops 15 s before it so that the forward gets its turn")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--eager-profile", action="store_true",
+                    help="instead of sweeping: time eager fwd+bwd calls and profile rms_norm's host time")
     args = ap.parse_args(argv)
+    if args.eager_profile:
+        eager_profile()
+        return 0
     start = time.perf_counter()
     results, best = [], {}
     sms = sm_count(torch.device("cuda"))
@@ -83,14 +143,22 @@ def main(argv=None):
 
     for shape, (x, dy, w, b, n) in data.items():  # backward first
         block = nk._pow2(n)
-        for layer in (False, True):
-            name = "layer_norm" if layer else "rms_norm"
-            _, mean, rstd, _ = nk.norm_fwd(x, w, b, 1e-6, layer, None, None, N(4))
+        for name in ("rms_norm", "layer_norm", "add_rms_norm"):
+            # add_rms_norm as the GPT and the bench run it: an fp32 residual stream (the sum and its gradient from
+            # downstream in fp32) with a bf16 branch, whose gradient the kernel also writes ("add_bwd" in NORM)
+            layer, add = name == "layer_norm", name == "add_rms_norm"
+            xs, ws = (x.float(), w.float()) if add else (x, w)
+            d_sum = torch.randn_like(xs) if add else None
+            _, mean, rstd, _ = nk.norm_fwd(xs, ws, b, 1e-6, layer, None, None, N(4))
+            nbytes = x.numel() * (4 + 2 + 4 + 4 + 2 if add else 3 * 2)
+
+            def run(cfg, programs):
+                return nk.norm_bwd(dy, xs, ws, mean, rstd, programs, layer, d_sum, cfg,
+                                   dx2_dtype=torch.bfloat16 if add else None, launch=_op.cached_launch)
 
             def bwd(cfg, note=""):
-                ms = time_candidate(lambda: nk.norm_bwd(dy, x, w, mean, rstd, cfg.programs_per_sm * sms, layer, None,
-                                                        cfg, launch=_op.cached_launch), rep=20, graphed=True)
-                record(shape, name, "bwd", cfg, ms, 3 * x.numel() * 2, note)
+                ms = time_candidate(lambda: run(cfg, cfg.programs_per_sm * sms), rep=20, graphed=True)
+                record(shape, name, "bwd", cfg, ms, nbytes, note)
                 return ms
 
             timed = []  # stage 1: each tile at the programs per SM its registers let reside, prefetching
@@ -99,11 +167,11 @@ def main(argv=None):
                     break
                 probe = N(warps, 1, rows_per, True)
                 try:
-                    nk.norm_bwd(dy, x, w, mean, rstd, sms, layer, None, probe, launch=_op.cached_launch)
+                    run(probe, sms)
                 except Exception as exc:  # registers or shared memory: not a candidate
                     print(f"    {tuple(probe)}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
                     continue
-                compiled = _compiled_bwd(probe, block, layer)
+                compiled = _compiled_bwd(probe, block, layer, add)
                 fit = _resident(compiled, warps) if compiled is not None else 4
                 cfg = probe._replace(programs_per_sm=fit)
                 ms = bwd(cfg, f"regs {getattr(compiled, 'n_regs', '?')} spills {getattr(compiled, 'n_spills', '?')}")
