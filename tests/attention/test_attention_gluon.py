@@ -1,7 +1,6 @@
 """The Hopper Gluon forward of flash_attention (ops/attention/flash_gluon_kernel.py): compiled for sm_90 on CPU when
 the installed Triton is one its Gluon API was written for, and checked against the fp32 reference on an sm_90 GPU
 (forced on with WARPFORGE_ATTN_GLUON=1 while configs.GLUON_DEFAULT is off)."""
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 import warpforge as wf
+from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_kernel as fg
 from warpforge.testing import REL_L2, poisoned_outputs, rel_l2
@@ -87,19 +87,7 @@ COMPILE_CASES = [
 
 
 def _compile_in_subprocess(case):
-    """compile_sm90 in a fresh interpreter (no TRITON_INTERPRET, a stub driver of its own): the report as JSON."""
-    code = ("import json, re, sys; from warpforge.ops.attention import flash_gluon_kernel as fg; "
-            "r = fg.compile_sm90(**json.loads(sys.argv[1])); k = r.pop('kernel'); ptx = k.asm['ptx']; "
-            "r.update(fg.ptxas_usage(ptx)); "
-            r"r['wgmma_reg_a'] = len(re.findall(r'wgmma\.mma_async[^;]*\}, \{', ptx)); "
-            "r['wgmma_count'] = ptx.count('wgmma.mma_async'); print('REPORT' + json.dumps(r))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(case)], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):])
+    return compile_in_subprocess("warpforge.ops.attention.flash_gluon_kernel", case, ROOT)
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fg.GLUON_TRITON_VERSIONS} "

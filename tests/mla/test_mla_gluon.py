@@ -1,6 +1,5 @@
 """The Hopper Gluon MLA decode (ops/mla/decode_gluon_kernel.py): compiled for sm_90 on CPU when the installed
 Triton is one its Gluon API was written for, and checked against the fp32 reference on an sm_90 GPU."""
-import json
 import os
 import subprocess
 import sys
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 import warpforge as wf
+from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.mla import api, configs
 from warpforge.ops.mla import decode_gluon_kernel as dg
 from warpforge.ops.mla import mla_decode_reference
@@ -68,17 +68,7 @@ MAX_SPILL_BYTES = 512
 
 
 def _compile_in_subprocess(case):
-    """compile_sm90 in a fresh interpreter (no TRITON_INTERPRET, a stub driver of its own): the report as JSON."""
-    code = ("import json, sys; from warpforge.ops.mla import decode_gluon_kernel as dg; "
-            "r = dg.compile_sm90(**json.loads(sys.argv[1])); k = r.pop('kernel'); "
-            "r.update(dg.ptxas_usage(k.asm['ptx'])); print('REPORT' + json.dumps(r))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(case)], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT")][-1]
-    return json.loads(line[len("REPORT"):])
+    return compile_in_subprocess("warpforge.ops.mla.decode_gluon_kernel", case, ROOT)
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {dg.GLUON_TRITON_VERSIONS} "

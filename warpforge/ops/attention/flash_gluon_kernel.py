@@ -41,7 +41,6 @@ Gluon's API changes between Triton releases: everything here is imported lazily 
 (api.py) only dispatches here on sm_90 with a Triton in configs.GLUON_TRITON_VERSIONS.
 """
 import functools
-import os
 
 import torch
 
@@ -407,30 +406,12 @@ def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persis
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
-                "mbarrier": "mbarrier"}
-
-
 def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
                  dtype="bfloat16", arch=90):
     """Compile the kernel for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in
     for the device while nothing is launched. Returns a report dict (PTX features, warps, shared memory, the
     compiled kernel)."""
-    import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
-    class _StubDriver:
-        def get_current_target(self):
-            return GPUTarget("cuda", arch, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
+    from .._gluon import compile_report
     dt = getattr(torch, dtype)
     b, s = 2, 300
     q = torch.empty(b, s, h_q, d, dtype=dt)
@@ -438,44 +419,6 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
     v = torch.empty(b, s, h_kv, d, dtype=dt)
     out = torch.empty(b, s, h_q, d, dtype=dt)
     lse = torch.empty(b, h_q, s)
-    previous = driver._active
-    driver.set_active(_StubDriver())
-    try:
-        kernel, grid, args, meta = launch_args(q, k, v, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
-                                               persistent)
-        kern = kernel.warmup(*args, grid=grid, **meta)
-    finally:
-        driver._active = previous
-    ptx = kern.asm.get("ptx", "")
-    report = {name: tag in ptx for name, tag in PTX_FEATURES.items()}
-    report["setmaxnreg_values"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                                          ptx)))
-    report["warp_specialize"] = "ttg.warp_specialize" in kern.asm.get("ttgir", "")
-    report["num_warps"] = kern.metadata.num_warps
-    report["shared_bytes"] = kern.metadata.shared
-    report["kernel"] = kern
-    return report
-
-
-def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
-    """Registers, spills, and whether ptxas serialized the wgmma pipeline (its 'Potential Performance Loss'
-    warning), from `ptxas -v` (Triton's ptxas)."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([get_ptxas(90).path, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    out = {"ptxas_rc": res.returncode, "ptxas_log": text.strip()}
-    m = re.search(r"Used (\d+) registers", text)
-    out["registers"] = int(m.group(1)) if m else None
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    out["spill_stores"], out["spill_loads"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
-    out["wgmma_serialized"] = "serialized" in text
-    return out
+    kernel, grid, args, meta = launch_args(q, k, v, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
+                                           persistent)
+    return compile_report(kernel, args, grid, meta, arch)

@@ -448,33 +448,9 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
-                "mbarrier": "mbarrier"}
-
-
-class _StubTarget:
-    """A stand-in driver for compiling without a GPU: it names the target and launches nothing."""
-
-    def __init__(self, arch):
-        from triton.backends.compiler import GPUTarget
-        self.target = GPUTarget("cuda", arch, 32)
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-
 def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
-    """Compile for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in for the device
-    while nothing is launched. Returns a report dict: PTX features, warps, shared memory and the compiled kernel."""
-    import re
-
-    from triton.runtime.driver import driver
+    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
+    from .._gluon import compile_report
     b, pages, max_pages = 2, 8, 4
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
     cache = torch.empty(pages, PAGE, 1, 576, dtype=torch.bfloat16)
@@ -485,45 +461,5 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
         o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
-    previous = driver._active
-    driver.set_active(_StubTarget(arch))
-    try:
-        kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
-        k = kernel.warmup(*args, grid=grid, **meta)
-    finally:
-        driver._active = previous
-    ptx = k.asm.get("ptx", "")
-    report = {name: tag in ptx for name, tag in PTX_FEATURES.items()}
-    report["setmaxnreg_values"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                                          ptx)))
-    report["warp_specialize"] = "ttg.warp_specialize" in k.asm.get("ttgir", "")
-    report["num_warps"] = k.metadata.num_warps
-    report["shared_bytes"] = k.metadata.shared
-    report["kernel"] = k
-    return report
-
-
-def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
-    """Registers, spill stores / loads and stack of each kernel in the PTX, from `ptxas -v` (Triton's ptxas)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([get_ptxas(90).path, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    out = {"ptxas_rc": res.returncode}
-    m = re.search(r"Used (\d+) registers", text)
-    out["registers"] = int(m.group(1)) if m else None
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    out["spill_stores"], out["spill_loads"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
-    m = re.search(r"(\d+) bytes stack frame", text)
-    out["stack_bytes"] = int(m.group(1)) if m else None
-    out["ptxas_log"] = text.strip()
-    return out
+    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
+    return compile_report(kernel, args, grid, meta, arch)

@@ -1,0 +1,102 @@
+"""Compile-only checks for the Hopper Gluon kernels (Gluon has no interpreter): compile a kernel for sm_90 on a
+machine without a GPU and read what the compiler made of it.
+
+    report = compile_report(kernel, args, grid, meta)   # PTX features, warps, shared memory, the compiled kernel
+    report.update(ptxas_usage(report["kernel"].asm["ptx"]))   # registers, spills, wgmma serialization
+
+A stub driver names the target while nothing is launched; Triton's wheel carries ptxas. Every Gluon kernel's
+`compile_sm90` builds its own example arguments and calls these; CI runs them through the families' tests.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
+                "mbarrier": "mbarrier"}
+
+
+class StubTarget:
+    """A stand-in driver for compiling without a GPU: it names the target and launches nothing."""
+
+    def __init__(self, arch: int = 90):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def compile_report(kernel, args, grid, meta, arch: int = 90) -> dict:
+    """Compile `kernel[grid](*args, **meta)` for sm_<arch> under the stub driver: which PTX features it has
+    (PTX_FEATURES), the setmaxnreg values, whether the TTGIR is warp-specialized, warps, shared memory, and the
+    compiled kernel under "kernel"."""
+    from triton.runtime.driver import driver
+    previous = driver._active
+    driver.set_active(StubTarget(arch))
+    try:
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+    finally:
+        driver._active = previous
+    ptx = compiled.asm.get("ptx", "")
+    report = {name: tag in ptx for name, tag in PTX_FEATURES.items()}
+    report["setmaxnreg_values"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                                          ptx)))
+    report["warp_specialize"] = "ttg.warp_specialize" in compiled.asm.get("ttgir", "")
+    report["num_warps"] = compiled.metadata.num_warps
+    report["shared_bytes"] = compiled.metadata.shared
+    report["kernel"] = compiled
+    return report
+
+
+def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers, spill stores / loads, stack, and whether ptxas serialized the wgmma pipeline (its 'Potential
+    Performance Loss' warning), from `ptxas -v` (Triton's ptxas) on the kernel's PTX."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    text = res.stdout + res.stderr
+    out = {"ptxas_rc": res.returncode, "ptxas_log": text.strip()}
+    m = re.search(r"Used (\d+) registers", text)
+    out["registers"] = int(m.group(1)) if m else None
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    out["spill_stores"], out["spill_loads"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    m = re.search(r"(\d+) bytes stack frame", text)
+    out["stack_bytes"] = int(m.group(1)) if m else None
+    out["wgmma_serialized"] = "serialized" in text
+    return out
+
+
+def compile_in_subprocess(module: str, case: dict, root: str, timeout: int = 600) -> dict:
+    """`module.compile_sm90(**case)` plus ptxas_usage, in a fresh interpreter (no TRITON_INTERPRET: the tests'
+    process may have the interpreter on), returned as a JSON-able dict (the compiled kernel dropped). Also counts
+    the wgmmas and those whose A operand is a register list."""
+    import json
+    import subprocess
+    import sys
+    code = ("import importlib, json, re, sys; from warpforge.ops import _gluon; "
+            "m = importlib.import_module(sys.argv[1]); r = m.compile_sm90(**json.loads(sys.argv[2])); "
+            "k = r.pop('kernel'); ptx = k.asm['ptx']; r.update(_gluon.ptxas_usage(ptx)); "
+            r"r['wgmma_reg_a'] = len(re.findall(r'wgmma\.mma_async[^;]*\}, \{', ptx)); "
+            "r['wgmma_count'] = ptx.count('wgmma.mma_async'); print('REPORT' + json.dumps(r))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root
+    res = subprocess.run([sys.executable, "-c", code, module, json.dumps(case)], capture_output=True, text=True,
+                         cwd=root, env=env, timeout=timeout)
+    if res.returncode != 0:
+        raise AssertionError(res.stderr[-4000:])
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT")][-1]
+    return json.loads(line[len("REPORT"):])
