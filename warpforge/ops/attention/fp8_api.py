@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Union
 
 import torch
 
 from ...errors import (check_bool, check_choice, check_last_dim_contiguous, check_no_grad, check_positive_float,
                        check_rank, check_same_device, check_tensor, fail)
-from ...runtime import resolve_backend
+from ...runtime import arch_key, resolve_backend
 from .._op import kernel_op
 from . import configs
 from .api import FLOATS, MAX_HEAD_DIM, band, check_window
@@ -17,17 +18,69 @@ from .fp8_quantize import (FP8, QK_FORMATS, QuantizedQKV, dequantize_qkv_referen
                            quantize_qkv_reference, smoothing, v_channel_scale)
 from .reference import attention_reference
 
+# ---------------------------------------------------------------------------------- the Hopper Gluon FP8 forward
+# fp8_gluon_kernel.py (QGMMA / IGMMA on the bf16 Gluon forward's schedule): sm_90, a Triton whose Gluon API it was
+# written for, head dim 64/128 (d_v = d), causal or no mask, batched (fixed length). Kept here rather than in
+# configs.py for now (another engineer owns configs.py this session).
+FP8_GLUON_ENV = "WARPFORGE_ATTN_FP8_GLUON"  # "1" on, "0" off (the portable FP8 kernel runs), unset: FP8_GLUON_DEFAULT
+FP8_GLUON_DEFAULT = False                   # off until the H200 has run its GPU tests and bench (NOTES, session 10)
+FP8_GLUON_TRITON_VERSIONS = ("3.6",)
+FP8_GLUON_HEAD_DIMS = (64, 128)
+# (head dim, causal) -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT); 128 query rows per work item. Compiled without
+# spills for sm_90 (Triton 3.6); not yet timed. Overridable for sweeps: WARPFORGE_ATTN_FP8_GLUON_BLOCK_N / _STAGES /
+# _PINGPONG / _PERSISTENT.
+FP8_GLUON_FWD = {
+    (64, False): (128, 4, True, False), (64, True): (128, 4, True, False),
+    (128, False): (128, 3, True, False), (128, True): (128, 3, True, False),
+}
+
+
+def fp8_gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool, bool]:
+    """(BLOCK_N, STAGES, PINGPONG, PERSISTENT): FP8_GLUON_FWD, each overridable through the environment."""
+    block_n, stages, pingpong, persistent = FP8_GLUON_FWD[(d, bool(causal))]
+    env, pre = os.environ, FP8_GLUON_ENV + "_"
+    return (int(env.get(pre + "BLOCK_N", block_n)), int(env.get(pre + "STAGES", stages)),
+            env.get(pre + "PINGPONG", "1" if pingpong else "0") != "0",
+            env.get(pre + "PERSISTENT", "1" if persistent else "0") != "0")
+
+
+def _fp8_gluon_switch() -> bool:
+    flag = os.environ.get(FP8_GLUON_ENV)
+    if not (FP8_GLUON_DEFAULT if flag is None else flag != "0"):
+        return False
+    import triton
+    return triton.__version__.startswith(FP8_GLUON_TRITON_VERSIONS)
+
+
+def fp8_gluon_gate(qkv: QuantizedQKV, left: int, right: int) -> bool:
+    """Whether flash_attention_quantized takes the Hopper Gluon kernel: an sm_90 device, the switch on, a Triton in
+    FP8_GLUON_TRITON_VERSIONS, head dim 64/128 with d_v = d, no mask or causal (no window), TMA-aligned codes and an
+    fp16/bf16 output. Everything else runs the portable FP8 kernel (fp8_kernel.py)."""
+    q = qkv.q
+    if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
+        return False
+    s_k = qkv.k.shape[1]
+    if left < s_k or not (right == 0 or right >= s_k):  # a window or a one-sided band
+        return False
+    if q.shape[-1] not in FP8_GLUON_HEAD_DIMS or not _fp8_gluon_switch():
+        return False
+    from . import fp8_gluon_kernel
+    return fp8_gluon_kernel.fits(qkv) and fp8_gluon_kernel.available()
+
 
 def _fp8_impl(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
               v_scale: torch.Tensor, qk_format: str, out_dtype: torch.dtype, sm_scale: float, left: int,
               right: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .fp8_kernel import _block, flash_fp8_fwd
     b, s_q, h_q, d = q.shape
+    qkv = QuantizedQKV(qk_format, q, q_scale, k, k_scale, v_t, v_scale, None, out_dtype)
+    if fp8_gluon_gate(qkv, left, right):  # Hopper: QGMMA on the Gluon forward's schedule
+        from .fp8_gluon_kernel import flash_fp8_fwd_gluon
+        return flash_fp8_fwd_gluon(qkv, sm_scale, right == 0, *fp8_gluon_knobs(d, right == 0))
     out = torch.empty((b, s_q, h_q, v_t.shape[2]), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     if out.numel():
         cfg = configs.FP8_TILES.lookup(q.device, max(_block(d), _block(v_t.shape[2])))
-        qkv = QuantizedQKV(qk_format, q, q_scale, k, k_scale, v_t, v_scale, None, out_dtype)
         flash_fp8_fwd(qkv, sm_scale, left, right, cfg, out, lse)
     return out, lse
 

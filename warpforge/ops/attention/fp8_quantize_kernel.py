@@ -20,10 +20,11 @@ def _row_scale(x, fmt_max: tl.constexpr):
 
 
 @triton.jit
-def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, H: tl.constexpr, D: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr, SMOOTH: tl.constexpr):
+def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, stride_sb, stride_ss, stride_sh, H: tl.constexpr,
+                         D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr,
+                         SMOOTH: tl.constexpr):
     """Rows of a contiguous [b, s, h, d] tensor: scale = amax / (127 or 448), codes = x / scale (SMOOTH: x minus
-    its (batch, head)'s mean first)."""
+    its (batch, head)'s mean first). The scales go to SCALE [b, s, h] at its strides."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -39,7 +40,8 @@ def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, H: tl.constexpr
         scale = _row_scale(x, 448.0)
         codes = (x / scale[:, None]).to(tl.float8e4nv)
     tl.store(OUT + rows[:, None] * D + cols[None, :], codes, mask=ok)
-    tl.store(SCALE + rows, scale, mask=rows < n_rows)
+    s_off = (rows // seq_heads) * stride_sb + ((rows % seq_heads) // H) * stride_ss + (rows % H) * stride_sh
+    tl.store(SCALE + s_off, scale, mask=rows < n_rows)
 
 
 @triton.jit
@@ -60,16 +62,20 @@ def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, st
              mask=ch_ok[:, None] & (toks < s_pad)[None, :])
 
 
-def quantize_rows(x, mean, fmt):
-    """(codes like x, scale [b, s, h] fp32) of a contiguous [b, s, h, d] tensor; mean [b, h, d] smooths (int8 k)."""
+def quantize_rows(x, mean, fmt, scale=None):
+    """(codes like x, scale [b, s, h] fp32) of a contiguous [b, s, h, d] tensor; mean [b, h, d] smooths (int8 k).
+    scale: where the scales go, any [b, s, h] fp32 view (e.g. of [b, h, s] memory, keys contiguous); by default a
+    new contiguous tensor."""
     b, s, h, d = x.shape
     codes = torch.empty(x.shape, device=x.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
-    scale = torch.empty((b, s, h), device=x.device, dtype=torch.float32)
+    if scale is None:
+        scale = torch.empty((b, s, h), device=x.device, dtype=torch.float32)
     n_rows = b * s * h
     block_r = 16
     if n_rows:
         quantize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-            x, mean if mean is not None else scale, codes, scale, n_rows, s * h, H=h, D=d, BLOCK_R=block_r,
+            x, mean if mean is not None else scale, codes, scale, n_rows, s * h, *scale.stride(), H=h, D=d,
+            BLOCK_R=block_r,
             BLOCK_D=triton.next_power_of_2(d), INT8=fmt == "int8", SMOOTH=mean is not None, num_warps=4)
     return codes, scale
 
