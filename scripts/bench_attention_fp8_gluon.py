@@ -141,6 +141,9 @@ def run_case(b, h, s, d, causal, l2, copy_gbs, sweep, portable):
         qsets = [quantize_qkv(*x, qk_format=fmt) for x in sets]
         add(f"quantise {fmt}", lambda q, k, v, f=fmt: quantize_qkv(q, k, v, qk_format=f), sets, fl_=0,
             bytes_=quantiser_bytes(b, h, s, d, fmt))
+        if fmt == "int8":  # the smoothing's torch part (k mean, q · mean in fp32): what a fused q pass would remove
+            from warpforge.ops.attention.fp8_quantize import smoothing
+            add("  of which smoothing (torch)", lambda q, k, v: smoothing(q, k), sets, fl_=0)
         knobs = fp8_api.fp8_gluon_knobs(d, causal)
         add(f"{fmt} kernel", lambda x: fk.flash_fp8_fwd_gluon(x, scale, causal, *knobs)[0], qsets)
         out = add(f"{fmt} all-in", lambda q, k, v, f=fmt: wf.flash_attention_fp8(q, k, v, causal=causal, qk_format=f),
@@ -165,7 +168,8 @@ def run_case(b, h, s, d, causal, l2, copy_gbs, sweep, portable):
     print(f"{label}  ({fl / 1e12:.3f} TFLOP)")
     for name, r in rows.items():
         r["vs_cudnn"] = base / r["ms"] if base else None
-        extra = f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else f"{r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)"
+        extra = (f"{r['tflops']:7.1f} TFLOP/s" if "tflops" in r else
+                 f"{r['gbs']:7.0f} GB/s ({r['of_copy']:.0%} of copy)" if "gbs" in r else "")
         ratio = f"{base / r['ms']:.3f}x cuDNN" if base and "tflops" in r else ""
         print(f"  {name:34s} {r['ms']:8.3f} ms {extra}  {ratio}")
     for name, val in notes.items():

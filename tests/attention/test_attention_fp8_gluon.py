@@ -89,6 +89,27 @@ def test_key_scales_by_head(s_k):
     assert fk.key_scales_by_head(ks).data_ptr() == ks.data_ptr()  # already in that layout: no copy
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_quantiser_options(group):
+    """quantize_rows' strided scale output (k scales written keys-inner, the layout the kernel TMA-loads) and its
+    fused smoothing shift (int8 q · mean(k) in q's own pass, no fp32 copy of q) against the plain path."""
+    from warpforge.ops.attention.fp8_quantize import smoothing
+    from warpforge.ops.attention.fp8_quantize_kernel import quantize_rows
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 37, 4, 64, generator=g).to(dev)
+    k = (torch.randn(2, 37, 4 // group, 64, generator=g) + 0.3).to(dev)
+    mean, shift = smoothing(q, k)
+    codes, scale = quantize_rows(q, None, "int8")
+    codes2, scale2, got = quantize_rows(q, None, "int8", shift_mean=mean)
+    assert torch.equal(codes, codes2) and torch.equal(scale, scale2)
+    torch.testing.assert_close(got, shift, rtol=1e-5, atol=1e-5)
+    inner = torch.empty(2, 4, 40, device=dev).transpose(1, 2)[:, :37]
+    codes3, scale3 = quantize_rows(q, None, "fp8", scale=inner)
+    assert scale3.data_ptr() == inner.data_ptr() and fk.key_scales_by_head(scale3).data_ptr() == inner.data_ptr()
+    assert torch.equal(scale3, quantize_rows(q, None, "fp8")[1])
+
+
 # ------------------------------------------------------------------------- the mbarrier protocol, modelled (CPU)
 class ProtocolError(AssertionError):
     pass
@@ -311,7 +332,8 @@ COMPILE_CASES = [
 
 def _compile_in_subprocess(case):
     code = ("import json, re, sys; from warpforge.ops.attention import fp8_gluon_kernel as fk; "
-            "r = fk.compile_sm90(**json.loads(sys.argv[1])); k = r.pop('kernel'); r.update(fk.ptxas_usage(k.asm['ptx'])); "
+            "r = fk.compile_sm90(**json.loads(sys.argv[1])); k = r.pop('kernel'); "
+            "r.update(fk.ptxas_usage(k.asm['ptx'])); "
             "s = fk.sass(k); r['sass_qgmma'] = s.count('QGMMA'); r['sass_igmma'] = s.count('IGMMA'); "
             "r['sass_hgmma'] = s.count('HGMMA'); print('REPORT' + json.dumps(r))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -323,8 +345,8 @@ def _compile_in_subprocess(case):
     return json.loads(line[len("REPORT"):])
 
 
-@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon FP8 kernel is written for Triton {fk.GLUON_TRITON_VERSIONS} "
-                    f"(installed: {_triton_version()}); Gluon's API differs between releases")
+@pytest.mark.skipif(not _gluon_triton(), reason="the Gluon FP8 kernel is written for Triton "
+                    f"{fk.GLUON_TRITON_VERSIONS} (installed: {_triton_version()}); Gluon's API differs between releases")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_compiles_for_sm90(case):
     r = _compile_in_subprocess(case)

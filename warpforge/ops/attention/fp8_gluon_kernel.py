@@ -10,11 +10,13 @@ Operands (FP8 wgmma takes both shared-memory operands K-major, i.e. contiguous a
 - S = Q·Kᵀ: Q [64 rows, d] and K [BLOCK_N, d] tiles of the [b, s, h, d] codes, contiguous along d: K-major for both.
 - O += P·V: V comes channel-major, v_t [b, h_kv, d, s_pad], so a [d, BLOCK_N] tile is contiguous along the keys,
   the reduction: its permuted view [BLOCK_N, d] is the K-major B operand. P is the register A operand.
-- scores: s_ij = (q̂_i · k̂_j) · qs_i · ks_j. Per tile: t = s · ks_j (one MUL; the key scales of the tile are loaded
-  by pointer, one tile ahead, from a [b, h_kv, s] copy of k_scale whose keys are contiguous), then
-  exp2(t · qs2_i - m'_i) (one FMA; qs2 = q_scale · softmax scale · log2 e), with m'_i = m_i - log2 448 so that
-  the probabilities come out already scaled into e4m3's range (P · 448 <= 448, probabilities down to 2^-15 stay
-  normal numbers): the row sum l carries the same 448, and out = acc / l · vs_c cancels it.
+- scores: s_ij = (q̂_i · k̂_j) · qs_i · ks_j. Per tile: t = s · ks_j (one MUL; the tile's BLOCK_N key scales arrive
+  in the ring slot with K, by TMA from a [b, h_kv, s] copy of k_scale whose keys are contiguous, and are read from
+  shared memory before K's slot is freed), then exp2(t · qs2_i - m'_i) (one FMA; qs2 = q_scale · softmax scale ·
+  log2 e, loaded once per item), with m'_i = m_i - log2 448 so that the probabilities come out already scaled into
+  e4m3's range (P · 448 <= 448; probabilities down to 2^-15 stay normal numbers): the row sum l carries the same
+  448, and out = acc / l · vs_c cancels it. (Per-token q and k scales cannot fold into a single FMA: their product
+  differs per score. A per-128-key-block k scale would; see benchmarks/NOTES.md.)
 - int8 (INT8_QK): s8 wgmma with int32 accumulators; the integer scores (|s| <= 127² · 256 < 2^22) become fp32 by
   the exponent trick (bits of s + 0x4B400000 as a float = 12582912 + s exactly) instead of I2F, which issues on
   the same narrow pipe as ex2; the 12582912 comes off inside the key-scale MUL, made an FMA.
@@ -25,10 +27,13 @@ Schedule (one program per (128 query rows, batch · head) work item, or persiste
 (setmaxnreg PRODUCER_REGS) loading Q once and K_j / V_j into a STAGES-slot ring (k_ready / v_ready / k_empty /
 v_empty, K's slot freed after S_j, V's after P·V_j), two 64-row consumer warpgroups (CONSUMER_REGS) that issue S_j
 together with P_{j-1}·V_{j-1} and run tile j's softmax while P·V_{j-1} is on the tensor cores, and ping-pong between
-the warpgroups through two `turn` barriers. Every barrier, count and parity is flash_gluon_kernel's (modelled there:
-deadlock, phase aliasing and slot reuse, 24k random interleavings); the only additions are per-warpgroup output
-staging buffers, which nothing else touches (each warpgroup waits for its own TMA store before it writes its buffer
-again), and pointer loads of scales, which need no barrier.
+the warpgroups through two `turn` barriers. Every barrier, count and parity is flash_gluon_kernel's; the additions
+are the key scales (a second TMA copy on K's k_ready, counted in its expected bytes, read before K's k_empty
+arrive), per-warpgroup output staging buffers (each warpgroup waits for its own TMA store before it writes its
+buffer again) and pointer loads of q / v scales, which need no barrier. The protocol, op for op, is modelled in
+tests/attention/test_attention_fp8_gluon.py (random interleavings of the three partitions and the copies in flight:
+no deadlock, no read of a slot before its tile lands, no copy into a slot still read, strict ping-pong alternation;
+mutations of a parity, a wait or a release order are caught).
 
 Gluon's API changes between Triton releases: everything is imported lazily (`_build()`); fp8_api gates on sm_90
 and a Triton in GLUON_TRITON_VERSIONS.
@@ -46,6 +51,10 @@ GLUON_TRITON_VERSIONS = ("3.6",)
 HEAD_DIMS = (64, 128)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+# P's conversion into the register operand (_p_operand): 0 = cast to e4m3 in the accumulator layout, then move the
+# bytes (Triton: shuffles + byte permutes); 1 = move fp32, then cast; 2 = via fp16. Whole-kernel SASS at d128,
+# 3 stages (Triton 3.6): 7376 / 7928 / 7664 instructions, so 0.
+P_CONVERT = 0
 MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redistributes
 SMEM_MAX = 232448       # sm_90's shared memory per block (227 KB)
 PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
@@ -92,7 +101,8 @@ def _build():
         return b, h, h // GROUP, m_lo, gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+    def _producer(q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready,
+                  v_ready, k_empty,
                   v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, QBUF: gl.constexpr):
         gl.static_assert(STAGES >= 2)  # S_j is issued before tile j-1's slot is freed: one slot would deadlock
@@ -141,6 +151,16 @@ def _build():
             return s * ks[None, :]
 
     @gluon.jit
+    def _p_operand(p, p_layout: gl.constexpr, P_CONVERT: gl.constexpr):
+        """P · 448 (fp32, wgmma accumulator layout) -> e4m3 in the register A operand's layout."""
+        if P_CONVERT == 0:
+            return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+        elif P_CONVERT == 1:
+            return gl.convert_layout(p, p_layout).to(gl.float8e4nv)
+        else:
+            return gl.convert_layout(p.to(gl.float16), p_layout).to(gl.float8e4nv)
+
+    @gluon.jit
     def _softmax(t, n0, limit_row, s_k, m_i, l_i, qs2, MASK: gl.constexpr, CAUSAL: gl.constexpr,
                  s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """One online-softmax step on t = scores · key scales of keys n0 .. n0+BLOCK_N-1: (p · 448 fp32, alpha, l,
@@ -168,7 +188,7 @@ def _build():
                   stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                   stride_lb, stride_lh, WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr,
-                  INT8_QK: gl.constexpr):
+                  INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr):
         KINSTR: gl.constexpr = 32  # an 8-bit wgmma's K
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, KINSTR])
@@ -230,7 +250,7 @@ def _build():
                     else:
                         p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qs2, False, CAUSAL, s_layout,
                                                       BLOCK_N)
-                    p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+                    p_op = _p_operand(p, p_layout, P_CONVERT)
                     # ---- key tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
                     for j in range(1, n_tiles):
                         g = it + j
@@ -256,11 +276,14 @@ def _build():
                         else:
                             p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qs2, False,
                                                           CAUSAL, s_layout, BLOCK_N)
+                        # P_{j-1} (e4m3 registers) is not passed as a dep: Triton 3.6 cannot lower an 8-bit dep
+                        # ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"); P is built again only after this wait, and
+                        # ptxas keeps an in-flight wgmma's registers (no serialization warning in the compile test)
                         acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
                         gl.thread_barrier()
                         mbarrier.arrive(v_empty.index(prev))
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                        p_op = gl.convert_layout(p.to(gl.float8e4nv), p_layout)
+                        p_op = _p_operand(p, p_layout, P_CONVERT)
                     # ---- the last P·V
                     g = it + n_tiles - 1
                     last = g % STAGES
@@ -299,7 +322,8 @@ def _build():
                                    stride_lb, stride_lh, H_Q, GROUP, n_m, total, n_rounds, D: gl.constexpr,
                                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    PINGPONG: gl.constexpr, QBUF: gl.constexpr, INT8_QK: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                   P_CONVERT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   PRODUCER_REGS: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         ks_bufs = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
@@ -327,12 +351,13 @@ def _build():
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                          v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                          stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                         stride_lb, stride_lh, 0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK)),
+                         stride_lb, stride_lh, 0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT)),
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                          v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                          stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                         stride_lb, stride_lh, 1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK)),
-            (_producer, (q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
+                         stride_lb, stride_lh, 1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT)),
+            (_producer, (q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready,
+                         v_ready, k_empty,
                          v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N, STAGES, QBUF)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -420,11 +445,14 @@ def launch_args(qkv, ks, out, lse, sm_scale, causal, block_n, stages, pingpong, 
     else:
         progs = total
     qsc, vsc = qkv.q_scale, qkv.v_scale
+    if vsc.stride(-1) != 1:  # the epilogue reads a head's channel scales at unit stride
+        vsc = vsc.contiguous()
     args = (q_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, s_q, s_k, sm_scale * LOG2E,
             qsc.stride(0), qsc.stride(1), qsc.stride(2), vsc.stride(0), vsc.stride(1),
             lse.stride(0), lse.stride(1), h_q, h_q // h_kv, n_m, total, -(-total // progs))
     meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
-                QBUF=2 if persistent else 1, INT8_QK=qkv.qk_format == "int8", CONSUMER_REGS=CONSUMER_REGS,
+                QBUF=2 if persistent else 1, INT8_QK=qkv.qk_format == "int8", P_CONVERT=P_CONVERT,
+                CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, (progs, ), args, meta
 
@@ -441,11 +469,7 @@ def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=T
     if qkv.k.shape[1] == 0:  # no keys (a descriptor cannot have an empty dimension)
         lse.fill_(float("-inf"))
         return out.zero_(), lse
-    # v_scale is indexed with unit stride along channels
     ks = key_scales_by_head(qkv.k_scale)
-    if qkv.v_scale.stride(-1) != 1:
-        import dataclasses
-        qkv = dataclasses.replace(qkv, v_scale=qkv.v_scale.contiguous())
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if persistent else 0
     kernel, grid, args, meta = launch_args(qkv, ks, out, lse, sm_scale, causal, block_n, stages, pingpong,
                                            persistent, sms)
@@ -463,7 +487,7 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
 
-    from .fp8_quantize import QuantizedQKV, padded_tokens
+    from types import SimpleNamespace
 
     class _StubDriver:
         def get_current_target(self):
@@ -477,11 +501,11 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
 
     b = 2
     code = torch.int8 if qk_format == "int8" else torch.float8_e4m3fn
-    s_pad = padded_tokens(s)
-    qkv = QuantizedQKV(qk_format, torch.empty(b, s, h_q, d, dtype=code), torch.empty(b, s, h_q),
-                       torch.empty(b, s, h_kv, d, dtype=code), torch.empty(b, h_kv, s_pad).transpose(1, 2)[:, :s],
-                       torch.empty(b, h_kv, d, s_pad, dtype=torch.float8_e4m3fn), torch.empty(b, h_kv, d), None,
-                       getattr(torch, dtype))
+    s_pad = s + (-s % 16)  # fp8_quantize.padded_tokens
+    qkv = SimpleNamespace(qk_format=qk_format, q=torch.empty(b, s, h_q, d, dtype=code), q_scale=torch.empty(b, s, h_q),
+                          k=torch.empty(b, s, h_kv, d, dtype=code), k_scale=torch.empty(b, s, h_kv),
+                          v_t=torch.empty(b, h_kv, d, s_pad, dtype=torch.float8_e4m3fn),
+                          v_scale=torch.empty(b, h_kv, d), dtype=getattr(torch, dtype))
     out = torch.empty(b, s, h_q, d, dtype=qkv.dtype)
     lse = torch.empty(b, h_q, s)
     previous = driver._active

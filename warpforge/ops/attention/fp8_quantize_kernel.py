@@ -20,11 +20,13 @@ def _row_scale(x, fmt_max: tl.constexpr):
 
 
 @triton.jit
-def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, stride_sb, stride_ss, stride_sh, H: tl.constexpr,
-                         D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, INT8: tl.constexpr,
-                         SMOOTH: tl.constexpr):
+def quantize_rows_kernel(X, MEAN, OUT, SCALE, SHIFT, n_rows, seq_heads, seq, stride_sb, stride_ss, stride_sh,
+                         H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_D: tl.constexpr, INT8: tl.constexpr, SMOOTH: tl.constexpr, WITH_SHIFT: tl.constexpr):
     """Rows of a contiguous [b, s, h, d] tensor: scale = amax / (127 or 448), codes = x / scale (SMOOTH: x minus
-    its (batch, head)'s mean first). The scales go to SCALE [b, s, h] at its strides."""
+    its (batch, head)'s mean first). The scales go to SCALE [b, s, h] at its strides. WITH_SHIFT (int8 q): also
+    x · mean of the row's kv head (head // GROUP of MEAN [b, h / GROUP, d]) into SHIFT [b, h, s] contiguous, the
+    smoothing's lse shift, in the same pass (no fp32 copy of q)."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -32,6 +34,12 @@ def quantize_rows_kernel(X, MEAN, OUT, SCALE, n_rows, seq_heads, stride_sb, stri
     if SMOOTH:
         head_row = (rows // seq_heads) * H + rows % H
         x = tl.where(ok, x - tl.load(MEAN + head_row[:, None] * D + cols[None, :], mask=ok, other=0.0), 0.0)
+    if WITH_SHIFT:
+        bat = rows // seq_heads
+        head = rows % H
+        kv_row = bat * (H // GROUP) + head // GROUP
+        shift = tl.sum(x * tl.load(MEAN + kv_row[:, None] * D + cols[None, :], mask=ok, other=0.0), 1)
+        tl.store(SHIFT + (bat * H + head) * seq + (rows % seq_heads) // H, shift, mask=rows < n_rows)
     if INT8:
         scale = _row_scale(x, 127.0)
         y = tl.floor(x / scale[:, None] + 0.5)
@@ -62,22 +70,29 @@ def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, st
              mask=ch_ok[:, None] & (toks < s_pad)[None, :])
 
 
-def quantize_rows(x, mean, fmt, scale=None):
+def quantize_rows(x, mean, fmt, scale=None, shift_mean=None):
     """(codes like x, scale [b, s, h] fp32) of a contiguous [b, s, h, d] tensor; mean [b, h, d] smooths (int8 k).
     scale: where the scales go, any [b, s, h] fp32 view (e.g. of [b, h, s] memory, keys contiguous); by default a
-    new contiguous tensor."""
+    new contiguous tensor. shift_mean [b, h_kv, d] fp32 contiguous (int8 q): returns (codes, scale, lse_shift
+    [b, h, s] = x · shift_mean of each row's kv head), computed in the same pass."""
     b, s, h, d = x.shape
     codes = torch.empty(x.shape, device=x.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
     if scale is None:
         scale = torch.empty((b, s, h), device=x.device, dtype=torch.float32)
+    shift = None
+    if shift_mean is not None:
+        shift_mean = shift_mean.contiguous()
+        shift = torch.empty((b, h, s), device=x.device, dtype=torch.float32)
     n_rows = b * s * h
     block_r = 16
     if n_rows:
+        means = mean if mean is not None else shift_mean
         quantize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-            x, mean if mean is not None else scale, codes, scale, n_rows, s * h, *scale.stride(), H=h, D=d,
-            BLOCK_R=block_r,
-            BLOCK_D=triton.next_power_of_2(d), INT8=fmt == "int8", SMOOTH=mean is not None, num_warps=4)
-    return codes, scale
+            x, means if means is not None else scale, codes, scale, shift if shift is not None else scale, n_rows,
+            s * h, s, *scale.stride(), H=h, GROUP=h // shift_mean.shape[1] if shift_mean is not None else 1, D=d,
+            BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), INT8=fmt == "int8", SMOOTH=mean is not None,
+            WITH_SHIFT=shift is not None, num_warps=4)
+    return (codes, scale) if shift is None else (codes, scale, shift)
 
 
 def quantize_v(v, v_scale, s_pad):
