@@ -10,8 +10,10 @@ that together pass 2x the L2), TFLOP/s (4 · b · h · s² · d, halved when cau
   gluon bf16            flash_gluon_kernel.flash_fwd_gluon (the bf16 Gluon forward), its table's knobs
   fp8 all-in / int8 all-in   flash_attention_fp8 (quantize_qkv + the Gluon FP8 kernel), the bar's measure
   fp8 kernel / int8 kernel   the Gluon FP8 kernel alone on pre-quantised inputs
-  quantise fp8 / int8   quantize_qkv alone, with GB/s against its bytes on paper (bf16 q, k, v read, v read twice:
-                        its channel amax and its codes; e4m3 codes and fp32 scales written) and the copy rate
+  quantise fp8 / int8   the quantiser alone as flash_attention_fp8 runs it (int8 without return_lse: no lse shift),
+                        with GB/s against its bytes on paper (bf16 q, k, v read, v read twice: its channel amax and
+                        its codes, int8's k once more for its mean; 1-byte codes and fp32 scales written) and the copy
+                        rate; "quantise int8 + lse shift" is quantize_qkv's int8 (what return_lse adds)
   portable fp8 all-in   the portable FP8 kernel (fp8_kernel.py) with the same quantiser (first case only)
 and the cosine of each FP8 output against fp32 attention on the unquantised inputs (two heads, exact).
 --sweep: the FP8 kernel's knobs (BLOCK_N, stages, ping-pong, persistent) at the headline shape.
@@ -49,9 +51,9 @@ def flops(b, h, s, d, causal):
 
 def quantiser_bytes(b, h, s, d, qk_format):
     """Bytes on paper: q, k, v read (bf16) and v read a second time (amax, then codes); codes (1 B) and fp32 scales
-    written. int8 also reads k for its mean and q for the smoothing's lse shift."""
+    written. int8 also reads k for its mean (the lse shift's pass over q, when lse is returned, is not counted)."""
     n = b * s * h * d
-    read = 4 * n * 2 + (2 * n * 2 if qk_format == "int8" else 0)
+    read = 4 * n * 2 + (n * 2 if qk_format == "int8" else 0)
     write = 3 * n + 4 * (2 * b * s * h + b * h * d)
     return read + write
 
@@ -139,11 +141,11 @@ def run_case(b, h, s, d, causal, l2, copy_gbs, sweep, portable):
     for fmt in ("fp8", "int8"):
         os.environ[fp8_api.FP8_GLUON_ENV] = "1"
         qsets = [quantize_qkv(*x, qk_format=fmt) for x in sets]
-        add(f"quantise {fmt}", lambda q, k, v, f=fmt: quantize_qkv(q, k, v, qk_format=f), sets, fl_=0,
+        # what flash_attention_fp8 runs without return_lse (int8: no lse shift)
+        add(f"quantise {fmt}", lambda q, k, v, f=fmt: fp8_api._quantize(q, k, v, f, None, False), sets, fl_=0,
             bytes_=quantiser_bytes(b, h, s, d, fmt))
-        if fmt == "int8":  # the smoothing's torch part (k mean, q · mean in fp32): what a fused q pass would remove
-            from warpforge.ops.attention.fp8_quantize import smoothing
-            add("  of which smoothing (torch)", lambda q, k, v: smoothing(q, k), sets, fl_=0)
+        if fmt == "int8":  # quantize_qkv: with the lse shift q · mean(k) (torch, fp32 copy of q)
+            add("quantise int8 + lse shift", lambda q, k, v: quantize_qkv(q, k, v, qk_format="int8"), sets, fl_=0)
         knobs = fp8_api.fp8_gluon_knobs(d, causal)
         add(f"{fmt} kernel", lambda x: fk.flash_fp8_fwd_gluon(x, scale, causal, *knobs)[0], qsets)
         out = add(f"{fmt} all-in", lambda q, k, v, f=fmt: wf.flash_attention_fp8(q, k, v, causal=causal, qk_format=f),

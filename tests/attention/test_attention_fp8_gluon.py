@@ -110,6 +110,21 @@ def test_quantiser_options(group):
     assert torch.equal(scale3, quantize_rows(q, None, "fp8")[1])
 
 
+def test_int8_without_lse_skips_the_shift_and_gives_the_same_output(monkeypatch):
+    """flash_attention_fp8(qk_format="int8") computes the smoothing's lse shift (q · mean(k) over every query, fp32)
+    only when lse is returned: the output does not depend on it."""
+    from warpforge.ops.attention import fp8_quantize
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 40, 2, 32, generator=g).to(dev) for _ in range(3))
+    out, _ = wf.flash_attention_fp8(q, k, v, qk_format="int8", causal=True, return_lse=True, backend="triton")
+    calls = []
+    real = fp8_quantize.smoothing
+    monkeypatch.setattr(fp8_api, "smoothing", lambda *a: calls.append(1) or real(*a))
+    alone = wf.flash_attention_fp8(q, k, v, qk_format="int8", causal=True, backend="triton")
+    assert calls == [] and torch.equal(out, alone)
+
+
 # ------------------------------------------------------------------------- the mbarrier protocol, modelled (CPU)
 class ProtocolError(AssertionError):
     pass
@@ -450,9 +465,9 @@ def test_gpu_matches_reference(shape, causal, d, qk_format, gluon_on, monkeypatc
 
 @pytest.mark.gpu
 @needs_h200
-@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
-@pytest.mark.parametrize("block_n,stages,pingpong,persistent", [(128, 2, False, False), (64, 4, True, False),
-                                                                (128, 3, True, True), (128, 2, True, True)])
+@pytest.mark.parametrize("block_n,stages,pingpong,persistent,qk_format", [
+    (128, 2, False, False, "fp8"), (64, 4, True, False, "int8"), (128, 2, True, True, "fp8"),
+    (128, 3, True, True, "int8")])
 def test_gpu_knobs(block_n, stages, pingpong, persistent, qk_format):
     """Every knob the bench sweeps gives the same answer (direct calls; fp16 output too); persistent with more items
     than SMs and items without keys (s_q > s_k, causal)."""

@@ -15,7 +15,7 @@ from .._op import kernel_op
 from . import configs
 from .api import FLOATS, MAX_HEAD_DIM, band, check_window
 from .fp8_quantize import (FP8, QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, padded_tokens,
-                           quantize_qkv_reference, smoothing, v_channel_scale)
+                           quantize_qkv_reference, smoothing, smoothing_mean, v_channel_scale)
 from .reference import attention_reference
 
 # ---------------------------------------------------------------------------------- the Hopper Gluon FP8 forward
@@ -180,10 +180,21 @@ def quantize_qkv(q, k, v, *, qk_format: str = "fp8", backend=None) -> QuantizedQ
     refused while grad mode is on."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
+    return _quantize(q, k, v, qk_format, backend, True)
+
+
+def _quantize(q, k, v, qk_format, backend, lse_shift_needed: bool) -> QuantizedQKV:
+    """quantize_qkv on validated inputs. Without lse_shift_needed (flash_attention_fp8 when lse is not returned) the
+    Triton path skips int8's lse shift, q · mean(k) over every query in fp32: it only ever feeds lse."""
     if resolve_backend(backend, q.device) == "reference":
         return quantize_qkv_reference(q, k, v, qk_format)
     from .fp8_quantize_kernel import quantize_rows, quantize_v
-    mean, lse_shift = smoothing(q, k) if qk_format == "int8" else (None, None)
+    if qk_format != "int8":
+        mean = lse_shift = None
+    elif lse_shift_needed:
+        mean, lse_shift = smoothing(q, k)
+    else:
+        mean, lse_shift = smoothing_mean(k), None
     q8, q_scale = quantize_rows(q.contiguous(), None, qk_format)
     k8, k_scale = quantize_rows(k.contiguous(), mean, qk_format)
     v_scale = v_channel_scale(v)
@@ -228,6 +239,9 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     smoothed K); P·V is e4m3 either way. Forward only (inference), on both backends: inputs that require grad are
     refused while grad mode is on (call it under torch.no_grad(), or detach them). NaN and inf propagate to the
     outputs they reach without a host read (quantize_qkv); s_k = 0 gives zeros and lse -inf, as flash_attention."""
-    qkv = quantize_qkv(q, k, v, qk_format=qk_format, backend=backend)
+    _check_qkv(q, k, v)
+    check_choice("qk_format", qk_format, QK_FORMATS)
+    check_bool("return_lse", return_lse)
+    qkv = _quantize(q, k, v, qk_format, backend, return_lse)
     return flash_attention_quantized(qkv, causal=causal, softmax_scale=softmax_scale, window=window,
                                      return_lse=return_lse, backend=backend)

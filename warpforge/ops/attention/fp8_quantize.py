@@ -38,12 +38,16 @@ class QuantizedQKV:
         return self.k.shape[1]
 
 
+def smoothing_mean(k: torch.Tensor) -> torch.Tensor:
+    """The mean of k over tokens [b, h_kv, d] fp32 that int8's smoothing subtracts from K."""
+    if k.shape[1] == 0:  # no keys: nothing to smooth (a mean over no tokens would be NaN and poison lse's -inf)
+        return k.new_zeros((k.shape[0], k.shape[2], k.shape[3]), dtype=torch.float32)
+    return k.mean(1, dtype=torch.float32)
+
+
 def smoothing(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean of k over tokens [b, h_kv, d] fp32, lse_shift = q · that mean [b, h_q, s_q]) for int8's smoothed K."""
-    if k.shape[1] == 0:  # no keys: nothing to smooth (a mean over no tokens would be NaN and poison lse's -inf)
-        mean = k.new_zeros((k.shape[0], k.shape[2], k.shape[3]), dtype=torch.float32)
-    else:
-        mean = k.mean(1, dtype=torch.float32)
+    mean = smoothing_mean(k)
     per_q_head = mean.repeat_interleave(q.shape[2] // k.shape[2], dim=1)
     return mean, torch.einsum("bqhd,bhd->bhq", q.float(), per_q_head)
 
