@@ -11,6 +11,17 @@ torch.nn.attention.sdpa_kernel(SDPBackend.CUDNN_ATTENTION) on [b, h, s, d] views
 --sweep: the Gluon kernel's knobs (BLOCK_N 64/128 x ring stages x ping-pong on/off x persistent) on the causal
 cases, called directly. 128 query rows per work item (two 64-row consumer warpgroups) is fixed by the register
 budget, and BLOCK_N 176 is not a TMA box Triton accepts (boxes are powers of two).
+
+    PYTHONPATH=. python scripts/bench_attention_gluon.py --bwd [--bwd-sweep] [--json out.json]
+
+--bwd: forward+backward (the backward of ops/attention/flash_gluon_bwd_kernel.py) at the attention bench's fwd+bwd
+cases (b4 h16 s8192 d128, b32 h16 s1024, b1 h16 s32768, b8 h32 s4096 d64, b4 h32/kv4 s8192 GQA 8:1; all causal):
+"gluon+gluon" (Gluon forward, Gluon backward), "gluon+portable" (Gluon forward, portable backward), "cudnn" (cuDNN
+SDPA, GQA through kv expanded once outside the timing, as the main bench does) and "gluon fwd" (the forward alone:
+backward time = fwd+bwd - fwd). Each call runs out = attention(q, k, v) and torch.autograd.grad(out, (q, k, v), do)
+on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the
+max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N) on the headline
+and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables.
 """
 import argparse
 import json
@@ -26,6 +37,7 @@ import triton  # noqa: E402
 
 import warpforge as wf  # noqa: E402
 from warpforge.ops.attention import api, configs  # noqa: E402
+from warpforge.ops.attention import flash_gluon_bwd_kernel as fb  # noqa: E402
 from warpforge.ops.attention import flash_gluon_kernel as fg  # noqa: E402
 
 CASES = [  # b, h, s, d, causal
@@ -128,10 +140,155 @@ def run_case(b, h, s, d, causal, l2, sweep):
     return label, rows
 
 
+# ------------------------------------------------------------------------------------------ forward + backward
+BWD_CASES = [  # b, h_q, h_kv, s, d (all causal): the attention bench's fwd+bwd cases
+    (4, 16, 16, 8192, 128),
+    (32, 16, 16, 1024, 128),
+    (1, 16, 16, 32768, 128),
+    (8, 32, 32, 4096, 64),
+    (4, 32, 4, 8192, 128),
+]
+BWD_SWEEP = {128: [(64, 2, 64), (64, 2, 32), (64, 3, 64)], 64: [(64, 4, 64), (64, 2, 64), (64, 4, 32), (128, 2, 64)]}
+BWD_KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N")
+
+
+def bwd_sets(b, h_q, h_kv, s, d, l2_bytes):
+    """Input sets (q, k, v, do and cuDNN's [b, h, s, d] copies, kv expanded for GQA), enough to pass 2x the L2."""
+    per_set = (2 * h_q + 2 * h_kv) * b * s * d * 2
+    n = max(2, math.ceil(2 * l2_bytes / per_set))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sets = []
+    for _ in range(n):
+        q = torch.randn(b, s, h_q, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k = torch.randn(b, s, h_kv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(b, s, h_kv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        do = torch.randn(b, s, h_q, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        grp = h_q // h_kv
+        st = dict(q=q.requires_grad_(), k=k.requires_grad_(), v=v.requires_grad_(), do=do,
+                  qt=q.detach().transpose(1, 2).contiguous().requires_grad_(),
+                  kt=k.detach().transpose(1, 2).repeat_interleave(grp, 1).contiguous().requires_grad_(),
+                  vt=v.detach().transpose(1, 2).repeat_interleave(grp, 1).contiguous().requires_grad_(),
+                  dot=do.transpose(1, 2).contiguous())
+        sets.append(st)
+    return sets
+
+
+def timed_sets(fn, sets):
+    i = [0]
+
+    def call():
+        st = sets[i[0] % len(sets)]
+        i[0] += 1
+        return fn(st)
+    return triton.testing.do_bench(call, warmup=5, rep=60, return_mode="median")
+
+
+def warpforge_fwd_bwd(gluon_bwd, knobs=None):
+    """The public call, forward + backward; the Gluon forward on, the Gluon backward on or off (env, read per call)."""
+    def run(st):
+        os.environ[configs.GLUON_ENV] = "1"
+        os.environ[configs.GLUON_BWD_ENV] = "1" if gluon_bwd else "0"
+        for name, value in zip(BWD_KNOB_ENV, knobs or ()):
+            os.environ[name] = str(value)
+        try:
+            out = wf.flash_attention(st["q"], st["k"], st["v"], causal=True)
+            return torch.autograd.grad(out, (st["q"], st["k"], st["v"]), st["do"])
+        finally:
+            for name in BWD_KNOB_ENV:
+                os.environ.pop(name, None)
+    return run
+
+
+def gluon_fwd_only(st):
+    with torch.no_grad():
+        return (gluon(True)(st["q"], st["k"], st["v"]), )
+
+
+def cudnn_fwd_bwd(st):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(st["qt"], st["kt"], st["vt"], is_causal=True)
+    return torch.autograd.grad(out, (st["qt"], st["kt"], st["vt"]), st["dot"])
+
+
+def cudnn_grads_bshd(grads, h_kv):
+    """cuDNN's [b, h, s, d] gradients in [b, s, h, d]; GQA: the expanded copies' dk, dv summed over each group (for
+    the error check only, outside the timing, as the main bench leaves them)."""
+    dq, dk, dv = grads
+    b, h_q, s, d = dq.shape
+    dk = dk.view(b, h_kv, h_q // h_kv, s, d).sum(2)
+    dv = dv.view(b, h_kv, h_q // h_kv, s, d).sum(2)
+    return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
+
+
+def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
+    sets = bwd_sets(b, h_q, h_kv, s, d, l2)
+    fl = flops(b, h_q, s, d, True)
+    paths = {"gluon+gluon": warpforge_fwd_bwd(True), "gluon+portable": warpforge_fwd_bwd(False),
+             "cudnn": cudnn_fwd_bwd, "gluon fwd": gluon_fwd_only}
+    if sweep and (b, h_q, h_kv, s, d) in ((4, 16, 16, 8192, 128), (8, 32, 32, 4096, 64)):
+        for knobs in BWD_SWEEP[d]:
+            if fb.smem_bytes(d, knobs[0], knobs[1]) <= fg.SMEM_MAX:
+                paths["gluon+gluon bm{} st{} dq{}".format(*knobs)] = warpforge_fwd_bwd(True, knobs)
+    launches = []
+    real = fb.flash_bwd_gluon
+
+    def spy(*args, **kwargs):
+        launches.append(args[8:])
+        return real(*args, **kwargs)
+    fb.flash_bwd_gluon = spy
+    ref = None
+    try:
+        ref = cudnn_grads_bshd(cudnn_fwd_bwd(sets[0]), h_kv)
+    except Exception as e:  # noqa: BLE001 - a torch build without cuDNN attention: say so, time the rest
+        print(f"  cudnn: unavailable ({type(e).__name__}: {str(e)[:120]})")
+        paths.pop("cudnn")
+    rows = {}
+    try:
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            try:
+                del launches[:]
+                got = fn(sets[0])
+                if name == "cudnn":
+                    got = cudnn_grads_bshd(got, h_kv)
+                torch.cuda.synchronize()
+                ran_gluon_bwd = bool(launches)
+                err = float("nan")
+                if ref is not None and len(got) == 3:
+                    err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref))
+                ms = timed_sets(fn, sets)
+            except Exception as e:  # noqa: BLE001 - one failing path must not stop the rest
+                print(f"  {name:32s} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                continue
+            rows[name] = dict(ms=ms, tflops=(fl if name == "gluon fwd" else 3.5 * fl) / ms / 1e9, max_rel_l2=err,
+                              gluon_bwd=ran_gluon_bwd, wall_s=time.perf_counter() - t0)
+    finally:
+        fb.flash_bwd_gluon = real
+    base = rows.get("cudnn", {}).get("ms")
+    label = f"fwd+bwd b{b} h{h_q}" + (f"/kv{h_kv}" if h_kv != h_q else "") + f" s{s} d{d} causal"
+    print(f"{label}  ({3.5 * fl / 1e12:.3f} TFLOP fwd+bwd)")
+    fwd_ms = rows.get("gluon fwd", {}).get("ms")
+    for name, r in rows.items():
+        ratio = f"{base / r['ms']:.3f}x cuDNN" if base and name != "gluon fwd" else "-"
+        r["vs_cudnn"] = base / r["ms"] if base and name != "gluon fwd" else None
+        bwd = ""
+        if fwd_ms and name.startswith("gluon+"):
+            r["bwd_ms"] = r["ms"] - fwd_ms
+            bwd = f"  bwd ~{r['bwd_ms']:.3f} ms ({2.5 * fl / r['bwd_ms'] / 1e9:.0f} TFLOP/s)"
+        print(f"  {name:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {ratio:>14s}  rel L2 vs cuDNN "
+              f"{r['max_rel_l2']:.2e}  gluon bwd ran: {r['gluon_bwd']}{bwd}")
+    del sets
+    torch.cuda.empty_cache()
+    return label, rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time the Gluon kernel's knobs")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep's shapes (headline, b32 s1024, d64)")
+    ap.add_argument("--bwd", action="store_true", help="forward+backward: Gluon bwd vs portable bwd vs cuDNN")
+    ap.add_argument("--bwd-sweep", action="store_true", help="with --bwd: also the Gluon backward's knobs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0), "needs an sm_90 GPU"
@@ -143,6 +300,19 @@ def main():
           f"default knobs (BLOCK_N, stages, ping-pong): {configs.GLUON_FWD}")
     t0 = time.perf_counter()
     results = {}
+    if args.bwd:
+        assert fb.available(), f"the Gluon backward needs Triton {fb.GLUON_TRITON_VERSIONS} (have {triton.__version__})"
+        print(f"backward knobs (BLOCK_M, STAGES, DQ_N): {configs.GLUON_BWD}")
+        for case in BWD_CASES:
+            label, rows = run_bwd_case(*case, l2, args.bwd_sweep)
+            results[label] = rows
+            print(f"  ({time.perf_counter() - t0:.1f} s so far)", flush=True)
+        print(f"total {time.perf_counter() - t0:.1f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__, results=results), f,
+                          indent=1)
+        return
     cases = CASES if not args.sweep_only else [c for c in CASES if c[-1]]
     for case in cases:
         label, rows = run_case(*case, l2, args.sweep or args.sweep_only)

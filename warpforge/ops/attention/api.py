@@ -104,8 +104,51 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     _, cfg_dkdv, cfg_dq = _cfgs(q, v, deterministic)
     if do.stride(-1) != 1:
         do = do.contiguous()
+    plain = cu_q is None and softcap == 0.0 and slopes is None and v.shape[-1] == q.shape[-1]
+    if plain and gluon_bwd_gate(q, k, v, out, do, left, right, deterministic):  # Hopper, Gluon: FA3's schedule
+        from . import flash_gluon_bwd_kernel
+        return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0,
+                                                      *gluon_bwd_knobs(q.shape[-1], right == 0))
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
                      cfg_dq, ScoreMod(scale, softcap, slopes))
+
+
+def _gluon_bwd_switch() -> bool:
+    """WARPFORGE_ATTN_GLUON_BWD: "1" on, "0" off, unset configs.GLUON_BWD_DEFAULT; and a Triton whose Gluon API the
+    kernel was written for."""
+    flag = os.environ.get(configs.GLUON_BWD_ENV)
+    if (configs.GLUON_BWD_DEFAULT if flag is None else flag != "0") is False:
+        return False
+    import triton
+    return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
+
+
+def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, STAGES, DQ_N) of the Gluon backward: configs.GLUON_BWD, each overridable for sweeps through
+    WARPFORGE_ATTN_GLUON_BWD_BLOCK_M / _STAGES / _DQ_N (scripts/bench_attention_gluon.py --bwd)."""
+    block_m, stages, dq_n = configs.GLUON_BWD[(d, bool(causal))]
+    env = os.environ
+    return (int(env.get("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", block_m)),
+            int(env.get("WARPFORGE_ATTN_GLUON_BWD_STAGES", stages)), int(env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_N", dq_n)))
+
+
+def gluon_bwd_gate(q, k, v, out, do, left, right, deterministic) -> bool:
+    """Whether the batched backward takes the Hopper Gluon kernel (flash_gluon_bwd_kernel.py): an sm_90 device, a
+    Triton in configs.GLUON_TRITON_VERSIONS, its own switch on (_gluon_bwd_switch), deterministic False (dq is summed
+    by fp32 atomics), fp16/bf16, head dim 64 or 128 for q, k and v, no mask or causal (no window), TMA-aligned
+    tensors. The caller has ruled out varlen, softcap, ALiBi and a separate V head dim; everything else runs the
+    portable backward."""
+    if deterministic or q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
+        return False
+    s_k = k.shape[1]
+    if left < s_k or not (right == 0 or right >= s_k):  # a window (or a one-sided band) -> portable backward
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in configs.GLUON_HEAD_DIMS:
+        return False
+    if not _gluon_bwd_switch():
+        return False
+    from . import flash_gluon_bwd_kernel
+    return flash_gluon_bwd_kernel.fits(q, k, v, out, do) and flash_gluon_bwd_kernel.available()
 
 
 def _flash_bwd_fake(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, softcap, slopes,

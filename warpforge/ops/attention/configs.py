@@ -68,3 +68,15 @@ GLUON_FWD = {
     (64, False): (128, 4, True, False), (64, True): (128, 4, True, False),
     (128, False): (128, 2, True, False), (128, True): (128, 2, True, False),
 }
+
+# The Hopper Gluon backward (flash_gluon_bwd_kernel.py; api.gluon_bwd_gate decides): its own switch, off until the H200
+# has run its GPU tests and the fwd+bwd bench (scripts/bench_attention_gluon.py --bwd). Not used when deterministic=True
+# (dq is summed by fp32 atomics): that stays on the portable backward.
+GLUON_BWD_ENV = "WARPFORGE_ATTN_GLUON_BWD"  # "1" on, "0" off, unset: GLUON_BWD_DEFAULT
+GLUON_BWD_DEFAULT = False                   # off: compiled for sm_90 without spills (Triton 3.6), not yet run on a GPU
+# (head dim, causal) -> (BLOCK_M query rows per ring slot, STAGES ring slots, DQ_N dq columns per wgmma chunk); 128 keys
+# per program (two 64-key consumer warpgroups). Chosen on CPU by ptxas (0 spills); not yet timed.
+GLUON_BWD = {
+    (64, False): (64, 4, 64), (64, True): (64, 4, 64),
+    (128, False): (64, 2, 64), (128, True): (64, 2, 64),
+}

@@ -1,0 +1,406 @@
+"""The Hopper Gluon backward of flash_attention (ops/attention/flash_gluon_bwd_kernel.py): its mbarrier protocol checked
+by a random-interleaving model of the three partitions, compiled for sm_90 on CPU when the installed Triton is one its
+Gluon API was written for, and checked against the reference gradients on an sm_90 GPU (forced on with
+WARPFORGE_ATTN_GLUON_BWD=1 while configs.GLUON_BWD_DEFAULT is off)."""
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge.ops._gluon import compile_in_subprocess
+from warpforge.ops.attention import api, attention_reference, configs
+from warpforge.ops.attention import flash_gluon_bwd_kernel as fb
+from warpforge.ops.attention import flash_gluon_kernel as fg
+from warpforge.testing import poisoned_outputs, rel_l2
+
+KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _triton_version():
+    import triton
+    return triton.__version__
+
+
+def _gluon_triton() -> bool:
+    return _triton_version().startswith(fb.GLUON_TRITON_VERSIONS)
+
+
+def _on_h200() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
+
+
+def test_gate_constants_agree_and_import_is_lazy():
+    assert configs.GLUON_TRITON_VERSIONS == fb.GLUON_TRITON_VERSIONS
+    assert configs.GLUON_BWD_DEFAULT is False  # off until the H200 has run the tests and the bench
+    for (d, _), (block_m, stages, dq_n) in configs.GLUON_BWD.items():
+        assert d in fb.HEAD_DIMS and block_m in (64, 128) and stages >= 2 and dq_n <= 64 and d % dq_n == 0
+        assert fb.smem_bytes(d, block_m, stages) <= fg.SMEM_MAX
+    code = ("import sys, warpforge, warpforge.ops.attention.flash_gluon_bwd_kernel; "
+            "print(any(m.startswith('triton.experimental.gluon') for m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"  # importing warpforge never loads Gluon
+
+
+def test_gate_off_where_it_does_not_apply(monkeypatch):
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
+    q = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
+    big = 1 << 30
+    assert not api.gluon_bwd_gate(q, q, q, q, q, big, 0, False)  # a CPU tensor
+    monkeypatch.setattr(api, "arch_key", lambda device: "sm90")
+    assert not api.gluon_bwd_gate(q, q, q, q, q, big, big, False)  # still a CPU tensor
+    assert not api.gluon_bwd_gate(q, q, q, q, q, big, 0, True)  # deterministic: never the atomic dq
+
+
+def test_switch_reads_its_own_variable(monkeypatch):
+    monkeypatch.setenv(configs.GLUON_ENV, "1")
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
+    assert not api._gluon_bwd_switch()
+    monkeypatch.delenv(configs.GLUON_BWD_ENV)
+    assert api._gluon_bwd_switch() is (configs.GLUON_BWD_DEFAULT and _gluon_triton())
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
+    assert api._gluon_bwd_switch() is _gluon_triton()
+
+
+def test_knobs_come_from_the_table_and_the_environment(monkeypatch):
+    for name in KNOB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert api.gluon_bwd_knobs(128, True) == configs.GLUON_BWD[(128, True)]
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "128")
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_STAGES", "3")
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_DQ_N", "32")
+    assert api.gluon_bwd_knobs(64, False) == (128, 3, 32)
+
+
+def test_bad_knobs_are_refused():
+    def args(d, block_m, stages, dq_n=None):
+        q = torch.empty(1, 1, 1, d)
+        return (q, q, q, q, None, None, None, None, None, block_m, 1.0, False, block_m, stages, dq_n)
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        fb.launch_args(*args(64, 64, 1))
+    with pytest.raises(ValueError, match="BLOCK_M"):
+        fb.launch_args(*args(64, 96, 2))
+    with pytest.raises(ValueError, match="shared memory"):
+        fb.launch_args(*args(128, 128, 3))
+    with pytest.raises(ValueError, match="column chunk"):
+        fb.launch_args(*args(128, 64, 2, 128))
+
+
+# ------------------------------------------------------------------------------ the barrier protocol, modelled
+class _Barrier:
+    """An mbarrier: `count` arrivals (plus the expected transaction bytes, here: copies) complete a phase.
+    wait(parity) passes iff the phase of that parity has completed, i.e. completed % 2 != parity."""
+
+    def __init__(self, count):
+        self.count, self.arrived, self.pending_tx, self.completed = count, 0, 0, 0
+
+    def arrive(self):
+        self.arrived += 1
+        self._maybe_complete()
+
+    def expect(self, copies):
+        self.pending_tx += copies
+        self.arrive()
+
+    def land(self):
+        self.pending_tx -= 1
+        self._maybe_complete()
+
+    def _maybe_complete(self):
+        assert self.arrived <= self.count, "more arrivals than the barrier's count in one phase"
+        if self.arrived == self.count and self.pending_tx == 0:
+            self.arrived, self.completed = 0, self.completed + 1
+
+    def passes(self, parity):
+        return self.completed % 2 != parity
+
+
+def _model_run(rng, stages, n_items, mutation=None):
+    """One random interleaving of the producer, the two consumers and the TMA engine, following the kernel's waits,
+    expects, copies and arrives (flash_gluon_bwd_kernel._producer / _consumer). Returns None or the failure."""
+    kv_bar = _Barrier(1)
+    ready = [_Barrier(1) for _ in range(stages)]
+    empty = [_Barrier(1 if mutation == "empty_count_1" else 2) for _ in range(stages)]
+    slot_tile = [None] * stages          # the tile a slot holds (after its copies landed)
+    readers = [set() for _ in range(stages)]
+    in_flight = []                       # TMA copies: (barrier, slot or None, tile)
+    kv_landed = [0]
+
+    def producer():
+        kv_bar.expect(5)  # K and V (two slices each) and the index table
+        for _ in range(5):
+            in_flight.append((kv_bar, None, "kv"))
+        yield
+        for it in range(n_items):
+            slot, u = it % stages, it // stages
+            parity = (u & 1) if mutation == "producer_parity" else (u & 1) ^ 1
+            while not empty[slot].passes(parity):
+                yield "blocked"
+            if empty[slot].completed != u:
+                return f"producer passed empty[{slot}] for use {u} with {empty[slot].completed} phases completed"
+            if readers[slot]:
+                return f"producer refills slot {slot} while consumers {readers[slot]} still read it"
+            ready[slot].expect(4)
+            slot_tile[slot] = None
+            for _ in range(4):
+                in_flight.append((ready[slot], slot, it))
+            yield
+
+    def consumer(wg):
+        while not kv_bar.passes(0):
+            yield "blocked"
+        if kv_landed[0] != 5:
+            return f"consumer {wg} passed kv_bar before K, V and the index table landed"
+        yield
+        for it in range(n_items):
+            slot, u = it % stages, it // stages
+            parity = ((u & 1) ^ 1) if mutation == "consumer_parity" else (u & 1)
+            while not ready[slot].passes(parity):
+                yield "blocked"
+            if ready[slot].completed != u + 1:
+                return f"consumer {wg} passed ready[{slot}] for use {u} with {ready[slot].completed} phases completed"
+            if slot_tile[slot] != it:
+                return f"consumer {wg} reads tile {slot_tile[slot]} in slot {slot}, wants {it}"
+            readers[slot].add(wg)
+            for _ in range(rng.randint(0, 3)):  # the wgmmas reading the slot
+                yield
+            readers[slot].discard(wg)
+            empty[slot].arrive()
+            for _ in range(rng.randint(1, 3)):  # dQ's atomics (the arrive is progress: at least one yield)
+                yield
+
+    agents = {"producer": producer(), "consumer0": consumer(0), "consumer1": consumer(1)}
+    done = set()
+    for _ in range(100000):
+        runnable = [n for n in agents if n not in done]
+        if in_flight:
+            runnable.append("tma")
+        if not runnable:
+            return None
+        progress = False
+        for name in rng.sample(runnable, len(runnable)):
+            if name == "tma":
+                bar, slot, tile = in_flight.pop(rng.randrange(len(in_flight)))
+                if slot is not None:
+                    # the slot holds the tile once its last copy landed
+                    slot_tile[slot] = tile if sum(1 for f in in_flight if f[1] == slot) == 0 else None
+                else:
+                    kv_landed[0] += 1
+                bar.land()
+                progress = True
+                break
+            try:
+                step = next(agents[name])
+            except StopIteration as stop:
+                if stop.value:
+                    return stop.value
+                done.add(name)
+                progress = True
+                break
+            if step != "blocked":
+                progress = True
+                break
+        if not progress:
+            where = {n: agents[n].gi_frame.f_locals.get("it") for n in agents if n not in done}
+            return (f"deadlock: {where} (item each) blocked, {len(in_flight)} copies in flight; ready "
+                    f"{[(b.completed, b.arrived, b.pending_tx) for b in ready]}, empty "
+                    f"{[(b.completed, b.arrived) for b in empty]}, kv {kv_bar.completed}")
+    return "did not finish"
+
+
+def test_barrier_protocol_model():
+    """Every interleaving tried finishes, each consumer reads every tile exactly when it has landed, and no slot is
+    refilled while a consumer reads it: stages 2-4, items 0-9 (the GQA group times the query tiles)."""
+    rng = random.Random(0)
+    for run in range(3000):
+        stages, n_items = rng.choice((2, 3, 4)), rng.randint(0, 9)
+        failure = _model_run(rng, stages, n_items)
+        assert failure is None, (run, stages, n_items, failure)
+
+
+@pytest.mark.parametrize("mutation", ["producer_parity", "consumer_parity", "empty_count_1"])
+def test_barrier_model_catches_mutations(mutation):
+    """The model is not vacuous: a wrong parity or a single-arrival empty barrier fails in some interleaving."""
+    rng = random.Random(1)
+    assert any(_model_run(rng, rng.choice((2, 3)), rng.randint(3, 9), mutation) for _ in range(300))
+
+
+# ------------------------------------------------------------------------------------ compile for sm_90
+COMPILE_CASES = [  # configs.GLUON_BWD's knobs, and dq in 32-column chunks
+    dict(d=128, causal=True, block_m=64, stages=2, dq_n=64),
+    dict(d=128, causal=False, block_m=64, stages=2, dq_n=64, h_q=4, h_kv=4, dtype="float16"),
+    dict(d=128, causal=True, block_m=64, stages=2, dq_n=32, h_q=8, h_kv=1),
+    dict(d=64, causal=True, block_m=64, stages=4, dq_n=64, h_q=8, h_kv=1, dtype="float16"),
+    dict(d=64, causal=False, block_m=64, stages=4, dq_n=64),
+]
+
+
+@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fb.GLUON_TRITON_VERSIONS} "
+                    f"(installed: {_triton_version()}); its API differs between releases")
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_compiles_for_sm90(case):
+    r = compile_in_subprocess("warpforge.ops.attention.flash_gluon_bwd_kernel", case, ROOT)
+    print(f"\n{case}: {r['registers']} registers/thread (ptxas cap; setmaxnreg {r['setmaxnreg_values']}), "
+          f"spills {r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B, warps {r['num_warps']}, "
+          f"{r['wgmma_count']} wgmma")
+    assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["mbarrier"] and r["red"]
+    assert r["warp_specialize"] and r["num_warps"] == 12  # 2 consumer warpgroups + the producer's warpgroup
+    assert r["ptxas_rc"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
+    assert not r["wgmma_serialized"], r["ptxas_log"]
+    assert r["shared_bytes"] <= fg.SMEM_MAX
+    assert fg.CONSUMER_REGS in r["setmaxnreg_values"] and fg.PRODUCER_REGS in r["setmaxnreg_values"]
+
+
+# ------------------------------------------------------------------------------------------ GPU numerics
+needs_h200 = pytest.mark.skipif(not _on_h200(), reason="the Gluon backward runs on sm_90 with Triton "
+                                f"{fb.GLUON_TRITON_VERSIONS}")
+
+
+@pytest.fixture
+def gluon_bwd_on(monkeypatch):
+    """The backward's gate switched on; counts the Gluon backward launches made through api's dispatch."""
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
+    for name in KNOB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    real = fb.flash_bwd_gluon
+
+    def spy(*args, **kwargs):
+        calls.append(args[7])  # causal
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fb, "flash_bwd_gluon", spy)
+    return calls
+
+
+def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype=torch.bfloat16):
+    q = torch.randn(b, s_q, h_q, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, s_k, h_kv, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, s_k, h_kv, d, device="cuda", dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def _grads(q, k, v, causal, d_out, deterministic=False):
+    with poisoned_outputs():
+        out = wf.flash_attention(q, k, v, causal=causal, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, k, v), d_out)
+
+
+def _reference_grads(q, k, v, causal, d_out):
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = attention_reference(*ref_in, causal=causal)
+    return torch.autograd.grad(ref_out, ref_in, d_out.float())
+
+
+SHAPES = [  # b, s_q, s_k, h_q, h_kv
+    (1, 1, 1, 2, 2),
+    (2, 77, 77, 4, 2),
+    (2, 1000, 1000, 4, 4),
+    (1, 2048 + 13, 2048 + 13, 2, 1),
+    (3, 128, 128, 8, 2),
+    (2, 77, 1000, 4, 1),    # fewer queries than keys (bottom-right causal)
+    (2, 1000, 77, 4, 4),    # more queries than keys: causal rows that see nothing
+    (1, 300, 300, 8, 1),    # MQA: dK/dV summed over 8 query heads in-program
+]
+
+
+@pytest.mark.gpu
+@needs_h200
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-sq{}-sk{}-hq{}-hkv{}".format(*s))
+def test_gpu_matches_reference(shape, causal, d, gluon_bwd_on):
+    q, k, v = _inputs(*shape, d)
+    d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    grads = _grads(q, k, v, causal, d_out)
+    assert gluon_bwd_on == [causal]  # the gated path ran, not the portable backward
+    for name, g, r in zip("qkv", grads, _reference_grads(q, k, v, causal, d_out)):
+        assert torch.isfinite(g).all(), f"d{name}: unwritten (NaN-poisoned) or non-finite"
+        assert rel_l2(g, r) <= 2e-2, f"d{name}"
+
+
+@pytest.mark.gpu
+@needs_h200
+@pytest.mark.parametrize("block_m,stages,dq_n", [(64, 2, 64), (64, 3, 32), (64, 4, 16), (128, 2, 64)])
+def test_gpu_knobs_match_portable(block_m, stages, dq_n, monkeypatch):
+    """Every knob the sweep varies agrees with the portable backward (direct calls; fp16 too)."""
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
+    for d, dtype, causal, shape in ((128, torch.bfloat16, True, (2, 1000 + 5, 1000 + 5, 8, 2)),
+                                    (64, torch.float16, False, (2, 700, 900, 4, 4))):
+        if fb.smem_bytes(d, block_m, stages) > fg.SMEM_MAX:
+            continue
+        q, k, v = _inputs(*shape, d, dtype)
+        d_out = torch.randn(q.shape, device="cuda", dtype=dtype)
+        out, lse = wf.flash_attention(q, k, v, causal=causal, return_lse=True)
+        want = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
+        with poisoned_outputs():
+            got = fb.flash_bwd_gluon(d_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, d ** -0.5, causal,
+                                     block_m, stages, dq_n)
+        for name, g, w in zip("qkv", got, want):
+            assert torch.isfinite(g).all(), f"d{name}"
+            assert rel_l2(g, w) <= 1e-2, f"d{name} {block_m}/{stages}/{dq_n}"
+
+
+@pytest.mark.gpu
+@needs_h200
+def test_gpu_deterministic_stays_portable_and_reproducible(gluon_bwd_on):
+    """deterministic=True never takes the atomic-dq kernel, and its gradients are bitwise equal run to run."""
+    q, k, v = _inputs(2, 1000, 1000, 8, 2, 128)
+    d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    first = _grads(q, k, v, True, d_out, deterministic=True)
+    second = _grads(q, k, v, True, d_out, deterministic=True)
+    assert gluon_bwd_on == []
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    # dK and dV of the Gluon kernel are deterministic too (summed in-program); dq is summed by atomics
+    third = _grads(q, k, v, True, d_out)
+    fourth = _grads(q, k, v, True, d_out)
+    assert gluon_bwd_on == [True, True]
+    assert torch.equal(third[1], fourth[1]) and torch.equal(third[2], fourth[2])
+    assert rel_l2(third[0], fourth[0]) <= 1e-3
+
+
+@pytest.mark.gpu
+@needs_h200
+def test_gpu_strided_inputs_and_fallbacks(gluon_bwd_on, monkeypatch):
+    """q, k, v as views of one packed qkv tensor (TMA descriptors over their strides); off by
+    WARPFORGE_ATTN_GLUON_BWD=0 (the portable backward then agrees); softcap and a window go to the portable one."""
+    b, s, h, d = 2, 333, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (qkv[:, :, i].detach().requires_grad_() for i in range(3))
+    d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    on = _grads(q, k, v, True, d_out)
+    assert gluon_bwd_on == [True]
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
+    off = _grads(q, k, v, True, d_out)
+    assert len(gluon_bwd_on) == 1
+    for g, w in zip(on, off):
+        assert rel_l2(g, w) <= 1e-2
+    monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
+    out = wf.flash_attention(q, k, v, causal=True, softcap=30.0)
+    torch.autograd.grad(out, (q, k, v), d_out)
+    out = wf.flash_attention(q, k, v, window=(64, 0))
+    torch.autograd.grad(out, (q, k, v), d_out)
+    assert len(gluon_bwd_on) == 1
+
+
+@pytest.mark.gpu
+@needs_h200
+def test_gpu_long_sequence_matches_portable(gluon_bwd_on, monkeypatch):
+    """A bench-sized problem (b 1, h 4, s 8192, d 128) against the portable backward (the fp32 reference would need
+    1 GB of scores per head)."""
+    q, k, v = _inputs(1, 8192, 8192, 4, 4, 128)
+    d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    for causal in (True, False):
+        got = _grads(q, k, v, causal, d_out)
+        monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
+        want = _grads(q, k, v, causal, d_out)
+        monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
+        for g, w in zip(got, want):
+            assert rel_l2(g, w) <= 1e-2
+    assert gluon_bwd_on == [True, False]

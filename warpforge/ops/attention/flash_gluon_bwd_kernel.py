@@ -1,0 +1,460 @@
+"""FlashAttention backward for Hopper (sm_90) in Gluon, on FlashAttention-3's schedule.
+
+The same problem as flash_kernel.flash_bwd for batched [b, s, h, d] inputs (bf16/fp16, head dim 64 or 128 for q, k
+and v, causal bottom-right aligned or no mask, GQA/MQA): given do, q, k, v, out and the forward's lse [b, h_q, s_q]
+(natural log, -inf for a query that sees nothing) it returns dq, dk, dv like q, k, v. Not deterministic: dq is
+summed over key tiles by fp32 atomics (the api gate sends deterministic=True to the portable backward).
+
+Three launches:
+1. `bwd_prep_kernel` (plain Triton): per (batch · head, 64 query rows): delta = rowsum(do ∘ out) and lse2 = lse · log2 e
+   (+inf where lse is -inf, so that such a row's probabilities are exp2(-inf) = 0) into [b · h_q, s_pad] fp32 buffers
+   padded to whole query tiles (padding: lse2 +inf, delta 0, so padded query rows contribute nothing and need no
+   mask), and zeros into the fp32 dq accumulator [b · h_q, s_pad, d].
+2. `flash_bwd_gluon_kernel`, one program per (128 keys, batch · kv head), 12 warps:
+   - shared memory: K and V of the program's keys as two 64-row slices each (one per consumer warpgroup), a ring of
+     STAGES slots each holding Q_i and dO_i [BLOCK_M, d] and lse2_i, delta_i [1, BLOCK_M]; per consumer a P tile and
+     a dS tile [BLOCK_M, 64] (16-bit); a [1, 64] int32 table 0..63. d 128, BLOCK_M 64, 2 stages: 162 KB.
+   - producer (a 1-warp worker partition, setmaxnreg 24): TMA-loads K, V and the index table once (kv_bar), then for
+     each query head of the kv head's GQA group and each query tile i that sees any of the program's keys: waits
+     `empty[slot]`, loads Q_i, dO_i, lse2_i, delta_i onto `ready[slot]` (one expect-tx for the four copies). 4-D
+     descriptors over [b, s, h, d] with [1, rows, 1, d] boxes (rows past a sequence's end arrive as zeros); 2-D over
+     the padded lse2 / delta.
+   - consumers: warpgroup w (w = 0 the default partition, 1 a 4-warp worker; setmaxnreg 240) owns keys
+     n0 + 64 w .. n0 + 64 w + 63 and accumulates dK_w, dV_w [64, d] fp32 in registers over every query tile and every
+     head of the group (GQA's sum is in-program and deterministic). Per query tile (queries as rows, so lse and
+     delta are per-row values, two registers):
+        S = Q_i · K_wᵀ (wgmma, [BLOCK_M, 64] fp32); P = exp2(S · scale · log2 e − lse2_i), the mask only on tiles whose
+        first row does not see the warpgroup's last key (causal diagonal) or that hold keys past s_k; P stored 16-bit
+        into the warpgroup's P tile
+        dP = dO_i · V_wᵀ and dV_w += Pᵀ · dO_i issued together (Pᵀ: the P tile read transposed from shared memory)
+        wait dP (dV may run); dS = P ∘ (dP − delta_i) (P read back from its tile), stored 16-bit into the dS tile
+        dK_w += dSᵀ · Q_i and dQ_i,w[:, :DQ_N] = dS · K_w[:, :DQ_N] issued (both read dS from shared memory)
+        wait all; release the ring slot (one arrive per warpgroup, count 2); relaxed fp32 atomic adds (red.v2.f32) of
+        the dQ chunk into the accumulator; the next DQ_N columns of dQ the same way (D / DQ_N chunks).
+     P and dS go through shared memory (not registers) and dQ in column chunks because registers are the limit: dK
+     and dV hold 128 of the 240 at d 128, and with S, dP, P and dQ beside them ptxas spilled. The column indices the
+     mask and the atomics need come from the shared table: an arange-built index vector is hoisted out of the loop
+     and held 8-16 registers for its whole length. The two warpgroups are not synchronised with each other: while
+     one computes exp2 or issues its atomics, the other's wgmmas keep the tensor cores busy.
+   - epilogue: dK_w · scale and dV_w to 16-bit, written into the warpgroup's own K / V slices (nothing reads them
+     any more) and stored by TMA (rows past s_k clipped).
+   - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
+     skipped); key tiles no query sees write zeros.
+3. `dq_convert_kernel` (plain Triton): dq = accumulator · scale, to q's dtype and layout.
+
+Why atomics rather than a separate dq pass: the dq pass recomputes S and dP (7 GEMMs per tile pair instead of 5, 40%
+more tensor work where the backward must run at ~450 TFLOP/s effective), and must re-read K and V for every query
+tile; the atomics move dQ's fp32 partials through L2 (they stay there: a head's accumulator is 4 MB at s 8192,
+d 128, and programs run head by head), and HBM sees the accumulator about once written, once read by the conversion.
+The synchronisation is also simpler: no second kernel's schedule, and each warpgroup adds its own partial, so the
+two consumers never wait on each other (no named barrier between them; the only shared state is the ring).
+
+Barrier protocol (checked by tests/attention/test_attention_gluon_bwd.py's random-interleaving model):
+  kv_bar (count 1, tx): one phase: the producer's expect + 5 copies (K, V slices, index table); consumers wait
+  parity 0 before their first wgmma (and before the epilogue writes into the K / V slices).
+  ready[s] (count 1, tx): the producer's expect + 4 copies for ring use u = it // STAGES; consumers wait parity u & 1.
+  empty[s] (count 2): each consumer arrives once, after the wgmmas of step it that read the slot (S, dP, dV, dK, the
+  first dQ chunk) have completed and a warpgroup barrier; the producer waits parity (u & 1) ^ 1 before refilling
+  (fresh barriers pass the first lap). Both consumers walk the same (head, query tile) sequence, so ring positions
+  agree; neither can be a lap ahead of the other, since a slot's refill needs both arrivals.
+
+Gluon's API changes between Triton releases: imported lazily (`_build()`); the api gate dispatches here only on sm_90
+with a Triton in configs.GLUON_TRITON_VERSIONS.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_gluon_kernel import (CONSUMER_REGS, GLUON_TRITON_VERSIONS, HEAD_DIMS, LOG2E, MAXNREG, PRODUCER_REGS,
+                                 SMEM_MAX)
+
+BLOCK_N = 128           # keys per program: two consumer warpgroups of 64 keys each
+WG_KEYS = 64
+PREP_ROWS = 64          # query rows per program of the prep kernel (BLOCK_M is a multiple of it)
+
+__all__ = ["BLOCK_N", "GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compile_sm90", "fits", "flash_bwd_gluon",
+           "launch_args", "smem_bytes"]
+
+
+def smem_bytes(d: int, block_m: int, stages: int) -> int:
+    """Shared memory of the schedule (2-byte elements): K, V, the ring (Q, dO, lse2, delta), two dSᵀ tiles,
+    barriers."""
+    return 2 * (2 * BLOCK_N * d + stages * 2 * block_m * d + 4 * WG_KEYS * block_m) + stages * 2 * block_m * 4 + 256 + 1024
+
+
+# ------------------------------------------------------------------------------------ plain Triton helpers
+@triton.jit
+def bwd_prep_kernel(OUT, DO, LSE, LSE2, DELTA, DQ_ACC, s_q, s_pad, stride_ob, stride_os, stride_oh, stride_dob,
+                    stride_dos, stride_doh, stride_lb, stride_lh, H_Q: tl.constexpr, D: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """delta = rowsum(out ∘ do), lse2 = lse · log2 e (+inf for -inf), padded to s_pad; zeros into dq's accumulator."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
+    live = rows < s_q
+    o = tl.load(OUT + b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_os + cols[None, :],
+                mask=live[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None].to(tl.int64) * stride_dos + cols[None, :],
+                 mask=live[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + rows, mask=live, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    stat = bh.to(tl.int64) * s_pad + rows
+    tl.store(LSE2 + stat, lse2)
+    tl.store(DELTA + stat, delta)
+    tl.store(DQ_ACC + stat[:, None] * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32))
+
+
+@triton.jit
+def dq_convert_kernel(DQ_ACC, DQ, s_q, s_pad, scale, stride_qb, stride_qs, stride_qh, H_Q: tl.constexpr,
+                      D: tl.constexpr, BLOCK: tl.constexpr):
+    """dq [b, s, h, d] = accumulator [b · h, s_pad, d] · scale, in dq's dtype."""
+    bh = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
+    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * s_pad + rows)[:, None] * D + cols[None, :])
+    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qs + cols[None, :],
+             (acc * scale).to(DQ.dtype.element_ty), mask=(rows < s_q)[:, None])
+
+
+# ------------------------------------------------------------------------------------------------- Gluon
+@functools.lru_cache(maxsize=None)
+def _build():
+    """The Gluon kernel, built on first use (importing warpforge never touches Gluon)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+
+    @gluon.jit
+    def _span(n0, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+        """(first, end) query tiles that see any of the keys n0 .. n0 + 127 (bottom-right causal: query c sees key
+        r iff r <= c + s_k - s_q)."""
+        n_m = gl.cdiv(s_q, BLOCK_M)
+        if CAUSAL:
+            first = gl.maximum(n0 - (s_k - s_q), 0) // BLOCK_M
+            first = gl.minimum(first, n_m)
+        else:
+            first = n_m * 0
+        return first, n_m
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
+                  lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        n0 = gl.program_id(0) * 128
+        b = gl.program_id(1) // H_KV
+        kvh = gl.program_id(1) % H_KV
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes + idx_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(idx_desc, [0, 0], kv_bar, idx_smem)
+        for w in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [b, n0 + 64 * w, kvh, 0], kv_bar, k_bufs.index(w))
+            tma.async_copy_global_to_shared(v_desc, [b, n0 + 64 * w, kvh, 0], kv_bar, v_bufs.index(w))
+        tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                    + dl_desc.block_type.nbytes)
+        first, end = _span(n0, s_q, s_k, CAUSAL, BLOCK_M)
+        n_i = end - first
+        for it in range(GROUP * n_i):  # (head of the group, query tile), as the consumers walk them
+            g = it // n_i
+            i = first + (it - g * n_i)
+            h = kvh * GROUP + g
+            bh = b * H_Q + h
+            slot = it % STAGES
+            mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass the first lap
+            mbarrier.expect(ready.index(slot), tile_bytes)
+            tma.async_copy_global_to_shared(q_desc, [b, i * BLOCK_M, h, 0], ready.index(slot), q_bufs.index(slot))
+            tma.async_copy_global_to_shared(do_desc, [b, i * BLOCK_M, h, 0], ready.index(slot),
+                                            do_bufs.index(slot))
+            tma.async_copy_global_to_shared(lse_desc, [bh, i * BLOCK_M], ready.index(slot), lse_bufs.index(slot))
+            tma.async_copy_global_to_shared(dl_desc, [bh, i * BLOCK_M], ready.index(slot), dl_bufs.index(slot))
+
+    @gluon.jit
+    def _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+               s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+        """P [BLOCK_M queries m0 .., 64 keys] = exp2(S · scale2 − lse2) (lse2 [BLOCK_M, 1] broadcast over the keys),
+        stored 16-bit into p_smem. The mask keeps key column c of row r iff c <= limit0 (the keys' end) and, causal,
+        c <= r + shift: one comparison with a per-row limit, so that no [64] key vector stays in registers."""
+        p = gl.exp2(s * qk_scale - lse2)
+        if MASK:
+            limit = gl.full([BLOCK_M], limit0, gl.int32, gl.SliceLayout(1, s_layout))
+            if CAUSAL:
+                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                limit = gl.minimum(limit, rows + shift)
+            cols = idx_smem.load(s_layout)                 # [1, 64]: 0 .. 63 (see _consumer)
+            p = gl.where(cols <= limit[:, None], p, 0.0)
+        # stored here, inside the caller's masked / unmasked branch: no [BLOCK_M, 64] tensor crosses the branches' join
+        p_smem.store(p.to(p_smem.dtype))
+
+    @gluon.jit
+    def _dq_add(dq_head, idx_smem, m0, c0, dq, q_layout: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                DQ_N: gl.constexpr):
+        """Relaxed fp32 atomic adds of one [BLOCK_M, DQ_N] chunk of dQ into the accumulator at (m0, c0). The offsets
+        are built here from the chunk's own position, so that no offset or pointer tensor lives across a wgmma."""
+        rows = (m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, q_layout))) * D + c0
+        cols = idx_smem.slice(0, DQ_N, dim=1).load(q_layout)     # [1, DQ_N]: 0 .. DQ_N - 1
+        # (what the table holds: DQ_N consecutive values from 0, so that the adds go out two floats at a time)
+        cols = gl.max_contiguous(gl.multiple_of(cols, [1, DQ_N]), [1, DQ_N])
+        gl.atomic_add(dq_head + rows[:, None] + cols, dq, sem="relaxed")
+
+    @gluon.jit
+    def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready, empty,
+                  dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, WG: gl.constexpr,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  DQ_N: gl.constexpr):
+        # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, DQ_N, 16])
+        dtype: gl.constexpr = q_bufs.dtype
+        key_lo = gl.program_id(0) * 128 + WG * 64
+        k = k_bufs.index(WG).reshape([64, D])
+        v = v_bufs.index(WG).reshape([64, D])
+        p_smem = p_bufs.index(WG)                           # [BLOCK_M, 64 keys]
+        ds_smem = ds_bufs.index(WG)
+        s_zero = gl.zeros([BLOCK_M, 64], gl.float32, s_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, q_layout)
+        dk = gl.zeros([64, D], gl.float32, o_layout)
+        dv = gl.zeros([64, D], gl.float32, o_layout)
+        # key columns (relative to key_lo) a row may see: <= limit0 (the keys' end); causal, row r: <= r + shift.
+        # A tile needs the mask iff its first row does not see the warpgroup's last key (column 63)
+        limit0 = s_k - 1 - key_lo
+        shift = (s_k - s_q) - key_lo
+        keys_cut = limit0 < 63
+        first, end = _span(gl.program_id(0) * 128, s_q, s_k, CAUSAL, BLOCK_M)
+        n_i = end - first
+        bh0 = (gl.program_id(1) // H_KV) * H_Q + (gl.program_id(1) % H_KV) * GROUP   # the group's first query head
+        # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
+        # tile needs them (the mask, dQ's adds): an index vector built from arange would be hoisted out of the loop
+        # and hold 8-16 registers for its whole length
+        mbarrier.wait(kv_bar, 0)
+        # one flat loop over (head of the group, query tile): nothing of an outer loop stays live around the inner one
+        for it in range(GROUP * n_i):
+            g = it // n_i
+            i = first + (it - g * n_i)
+            m0 = i * BLOCK_M
+            slot = it % STAGES
+            mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            q = q_bufs.index(slot).reshape([BLOCK_M, D])
+            do = do_bufs.index(slot).reshape([BLOCK_M, D])
+            s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            lse2 = lse_bufs.index(slot).permute((1, 0)).load(s_layout)     # [BLOCK_M, 1]
+            s = warpgroup_mma_wait(0, deps=(s_tok, ))
+            masked = keys_cut
+            if CAUSAL:
+                masked = masked | (m0 + shift < 63)
+            if masked:
+                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, True, CAUSAL, s_layout, BLOCK_M)
+            else:
+                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, False, CAUSAL, s_layout, BLOCK_M)
+            # P goes to shared memory (dV's A operand) and is read back for dS after dP: no fp32 or 16-bit copy of P
+            # stays in registers while dP is in flight beside dK and dV
+            fence_async_shared()
+            gl.thread_barrier()                            # the whole P tile is in shared memory
+            dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)     # dV += Pᵀ · dO
+            dp = warpgroup_mma_wait(1, deps=(dp_tok, ))    # dP done; dV may still run
+            delta = dl_bufs.index(slot).permute((1, 0)).load(s_layout)
+            p = p_smem.load(s_layout)
+            ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
+            ds_smem.store(ds)
+            fence_async_shared()
+            gl.thread_barrier()                            # the whole dS tile is in shared memory
+            dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)     # dK += dSᵀ · Q
+            # dQ = dS · K in column chunks of DQ_N (dS from shared memory, K-major; one chunk's fp32 at a time)
+            dq_tok = warpgroup_mma(ds_smem, k.slice(0, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+            gl.thread_barrier()                            # every warp is past the slot's last reads
+            mbarrier.arrive(empty.index(slot))
+            dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
+            _dq_add(dq_head, idx_smem, m0, 0, dq, q_layout, D, BLOCK_M, DQ_N)
+            for c in gl.static_range(1, D // DQ_N):
+                # the previous chunk's adds are issued (its registers free) before this chunk's accumulator is taken
+                gl.thread_barrier()
+                dq_tok = warpgroup_mma(ds_smem, k.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
+                                       is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+                _dq_add(dq_head, idx_smem, m0, c * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
+
+        # epilogue: dK (scaled) and dV through this warpgroup's own K / V slices, one TMA store each
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        b = gl.program_id(1) // H_KV
+        kvh = gl.program_id(1) % H_KV
+        key_lo = gl.program_id(0) * 128 + WG * 64
+        tma.async_copy_shared_to_global(dk_desc, [b, key_lo, kvh, 0], k_bufs.index(WG))
+        tma.async_copy_shared_to_global(dv_desc, [b, key_lo, kvh, 0], v_bufs.index(WG))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, DQ_ACC, s_q,
+                               s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, D: gl.constexpr,
+                               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                               DQ_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+        do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+        lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+        dl_bufs = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], q_desc.dtype)
+        p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
+        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
+        idx_smem = gl.allocate_shared_memory(idx_desc.dtype, idx_desc.block_type.shape, idx_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
+
+        gl.warp_specialize([
+            (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready,
+                         empty, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, 0, D, BLOCK_M,
+                         STAGES, CAUSAL, DQ_N)),
+            (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready,
+                         empty, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, 1, D, BLOCK_M,
+                         STAGES, CAUSAL, DQ_N)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
+                         lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL, BLOCK_M,
+                         STAGES)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    return flash_bwd_gluon_kernel, gl
+
+
+def available() -> bool:
+    """This Triton's Gluon is one the kernel was written for (and imports)."""
+    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
+        return False
+    try:
+        _build()
+    except Exception:  # noqa: BLE001 - any import / definition failure means: use the portable backward
+        return False
+    return True
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((st * 2) % 16 == 0 for st in t.stride()[:-1])
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, do: torch.Tensor) -> bool:
+    """Batched 16-bit inputs of head dim 64/128 (q, k and v alike) that TMA descriptors can address."""
+    return (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
+            and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1] and do.dtype == q.dtype
+            and out.shape == q.shape and do.shape == q.shape and all(_aligned(t) for t in (q, k, v, do)))
+
+
+@functools.lru_cache(maxsize=None)
+def _index_table(device: str) -> torch.Tensor:
+    """int32 [1, 64] = 0 .. 63: the kernel's column-index table (loaded once per program by TMA)."""
+    return torch.arange(64, dtype=torch.int32, device=device).reshape(1, 64)
+
+
+def _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    d = q.shape[-1]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    descs = []
+    for t, rows in ((q, block_m), (k, WG_KEYS), (v, WG_KEYS), (do, block_m)):
+        block = [1, rows, 1, d]
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                      gl.NVMMASharedLayout.get_default_for(block, gdt)))
+    for t, block, dt in ((lse2, [1, block_m], gl.float32), (delta, [1, block_m], gl.float32),
+                         (_index_table(str(q.device)), [1, 64], gl.int32)):
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                      gl.NVMMASharedLayout.get_default_for(block, dt)))
+    for t in (dk, dv):
+        block = [1, WG_KEYS, 1, d]
+        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
+                                      gl.NVMMASharedLayout.get_default_for(block, gdt)))
+    return descs
+
+
+def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None):
+    """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test."""
+    if stages < 2:
+        raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
+    d = q.shape[-1]
+    if block_m not in (64, 128) or s_pad % block_m:
+        raise ValueError(f"flash_bwd_gluon: BLOCK_M must be 64 or 128 and divide the padded length (got {block_m})")
+    if smem_bytes(d, block_m, stages) > SMEM_MAX:
+        raise ValueError(f"flash_bwd_gluon: BLOCK_M {block_m} x {stages} stages at d {d} needs "
+                         f"{smem_bytes(d, block_m, stages)} B of shared memory (> {SMEM_MAX})")
+    dq_n = dq_n or 64
+    if dq_n not in (16, 32, 64) or d % dq_n:
+        raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 and divide d {d} (got {dq_n})")
+    kernel, gl = _build()
+    b, s_q, h_q, _ = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl)
+    grid = (-(-s_k // BLOCK_N), b * h_kv)
+    args = (*descs, dq_acc, s_q, s_k, s_pad, h_q, h_kv, h_q // h_kv, sm_scale * LOG2E, sm_scale)
+    meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), DQ_N=dq_n, CONSUMER_REGS=CONSUMER_REGS,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+    return kernel, grid, args, meta
+
+
+def _buffers(q, block_m):
+    b, s_q, h_q, d = q.shape
+    s_pad = -(-s_q // block_m) * block_m
+    lse2 = torch.empty((b * h_q, s_pad), device=q.device, dtype=torch.float32)
+    delta = torch.empty_like(lse2)
+    dq_acc = torch.empty((b * h_q, s_pad, d), device=q.device, dtype=torch.float32)
+    return s_pad, lse2, delta, dq_acc
+
+
+def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None):
+    """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
+    [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
+    wgmma chunk (16 / 32 / 64)."""
+    b, s_q, h_q, d = q.shape
+    s_k = k.shape[1]
+    dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if q.numel() == 0 or k.numel() == 0 or s_q == 0 or s_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    s_pad, lse2, delta, dq_acc = _buffers(q, block_m)
+    grid = (b * h_q, s_pad // PREP_ROWS)
+    bwd_prep_kernel[grid](out, do, lse, lse2, delta, dq_acc, s_q, s_pad, out.stride(0), out.stride(1), out.stride(2),
+                          do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
+                          BLOCK=PREP_ROWS, num_warps=4)
+    kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
+                                            block_m, stages, dq_n)
+    kernel[kgrid](*args, **meta)
+    dq_convert_kernel[grid](dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2), H_Q=h_q, D=d,
+                            BLOCK=PREP_ROWS, num_warps=4)
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------------------------ compile-only check
+def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, h_q=4, h_kv=2, dtype="bfloat16", arch=90):
+    """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
+    Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
+    holds fp32 reductions to global memory (dq's atomics)."""
+    from .._gluon import compile_report
+    dt = getattr(torch, dtype)
+    b, s = 2, 300
+    q = torch.empty(b, s, h_q, d, dtype=dt)
+    k = torch.empty(b, s, h_kv, d, dtype=dt)
+    v = torch.empty(b, s, h_kv, d, dtype=dt)
+    do = torch.empty(b, s, h_q, d, dtype=dt)
+    s_pad, lse2, delta, dq_acc = _buffers(q, block_m)
+    kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
+                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n)
+    report = compile_report(kernel, args, grid, meta, arch)
+    ptx = report["kernel"].asm.get("ptx", "")
+    report["red"] = "red.global" in ptx or "atom.global" in ptx
+    return report
