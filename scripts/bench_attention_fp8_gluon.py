@@ -16,9 +16,13 @@ that together pass 2x the L2), TFLOP/s (4 · b · h · s² · d, halved when cau
                         rate; "quantise int8 + lse shift" is quantize_qkv's int8 (what return_lse adds)
   portable fp8 all-in   the portable FP8 kernel (fp8_kernel.py) with the same quantiser (first case only)
 and the cosine of each FP8 output against fp32 attention on the unquantised inputs (two heads, exact).
+  fp8 / int8 kernel permute_k, all-in permute_k   the same with WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K's schedule (K's
+                        rows permuted within 16-key groups, P into the P·V operand without data movement; K laid out
+                        [b, h, s_pad, d] by the quantiser)
 --sweep: the FP8 kernel's knobs (BLOCK_N, stages, ping-pong, persistent) at the headline shape.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,7 +46,7 @@ CASES = [  # b, h, s, d, causal
     (8, 32, 4096, 64, True),
 ]
 SWEEP = [(128, 2, True, False), (128, 3, True, False), (128, 4, True, False), (128, 3, False, False),
-         (64, 4, True, False), (128, 3, True, True), (128, 2, True, True)]
+         (64, 4, True, False), (128, 3, True, True), (128, 2, True, True)]  # + each of the first two with PERMUTE_K
 
 
 def flops(b, h, s, d, causal):
@@ -148,6 +152,17 @@ def run_case(b, h, s, d, causal, l2, copy_gbs, sweep, portable):
             add("quantise int8 + lse shift", lambda q, k, v: quantize_qkv(q, k, v, qk_format="int8"), sets, fl_=0)
         knobs = fp8_api.fp8_gluon_knobs(d, causal)
         add(f"{fmt} kernel", lambda x: fk.flash_fp8_fwd_gluon(x, scale, causal, *knobs)[0], qsets)
+        # PERMUTE_K: K's rows permuted so that P needs no data movement; K pre-laid-out by head (as the quantiser
+        # writes it for flash_attention_fp8 when the knob is on), so this is the kernel alone
+        psets = [(x, fk.keys_by_head(x.k)[0].transpose(1, 2)[:, :x.k.shape[1]]) for x in qsets]
+        psets = [dataclasses.replace(x, k=kb) for x, kb in psets]
+        add(f"{fmt} kernel permute_k", lambda x: fk.flash_fp8_fwd_gluon(x, scale, causal, *knobs, permute_k=True)[0],
+            psets)
+        os.environ[fp8_api.FP8_GLUON_ENV + "_PERMUTE_K"] = "1"
+        add(f"{fmt} all-in permute_k", lambda q, k, v, f=fmt: wf.flash_attention_fp8(q, k, v, causal=causal,
+                                                                                    qk_format=f), sets)
+        os.environ[fp8_api.FP8_GLUON_ENV + "_PERMUTE_K"] = "0"
+        del psets
         out = add(f"{fmt} all-in", lambda q, k, v, f=fmt: wf.flash_attention_fp8(q, k, v, causal=causal, qk_format=f),
                   sets)
         if out is not None:
@@ -158,6 +173,10 @@ def run_case(b, h, s, d, causal, l2, copy_gbs, sweep, portable):
                     add(f"{fmt} kernel bn{block_n} st{stages} pp{int(pp)} pers{int(pers)}",
                         lambda x, kn=(block_n, stages, pp, pers): fk.flash_fp8_fwd_gluon(x, scale, causal, *kn)[0],
                         qsets)
+            for block_n, stages, pp, pers in SWEEP[:2]:
+                add(f"{fmt} kernel bn{block_n} st{stages} permute_k (K copied)",
+                    lambda x, kn=(block_n, stages, pp, pers): fk.flash_fp8_fwd_gluon(x, scale, causal, *kn,
+                                                                                       permute_k=True)[0], qsets)
         if portable and fmt == "fp8":
             os.environ[fp8_api.FP8_GLUON_ENV] = "0"
             out = add("portable fp8 all-in", lambda q, k, v: wf.flash_attention_fp8(q, k, v, causal=causal), sets)

@@ -74,9 +74,9 @@ def test_gate_off_on_cpu_and_by_default(monkeypatch):
 def test_bad_knobs_are_refused():
     qkv = quantize_qkv(*(torch.randn(1, 8, 1, 128) for _ in range(3)), backend="reference")
     with pytest.raises(ValueError, match="stages must be >= 2"):
-        fk.launch_args(qkv, None, None, None, 1.0, False, 128, 1, True)
+        fk.launch_args(qkv, None, None, 1.0, False, 128, 1, True)
     with pytest.raises(ValueError, match="shared memory"):
-        fk.launch_args(qkv, None, None, None, 1.0, False, 128, 6, True)
+        fk.launch_args(qkv, None, None, 1.0, False, 128, 6, True)
 
 
 @pytest.mark.parametrize("s_k", [1, 21, 64, 300])
@@ -123,6 +123,45 @@ def test_int8_without_lse_skips_the_shift_and_gives_the_same_output(monkeypatch)
     monkeypatch.setattr(fp8_api, "smoothing", lambda *a: calls.append(1) or real(*a))
     alone = wf.flash_attention_fp8(q, k, v, qk_format="int8", causal=True, backend="triton")
     assert calls == [] and torch.equal(out, alone)
+
+
+@pytest.mark.parametrize("s_k,block_n", [(77, 64), (300, 128), (16, 128)])
+def test_permuted_keys_emulated(s_k, block_n):
+    """PERMUTE_K's index algebra in torch: K's smem tile as the 5-D descriptor lands it (box [BN/16, 2, 4, 2, d] over
+    [b, h, s_pad, d] memory with strides (16d, 2d, 4d, d)), the permuted key scales, the mask on permuted_key, and P
+    relabelled as _p_operand does, give exactly the unpermuted attention of one (batch, head)."""
+    torch.manual_seed(0)
+    d, rows = 32, 5
+    q, k, v = torch.randn(rows, d, dtype=torch.float64), torch.randn(1, s_k, 1, d, dtype=torch.float64), \
+        torch.randn(s_k, d, dtype=torch.float64)
+    ks = (torch.rand(1, s_k, 1) + 0.5).double()  # fp32 values: key_scales_permuted keeps fp32
+    kbh, pad = fk.keys_by_head(k)
+    ksp = fk.key_scales_permuted(ks.float(), pad).double()
+    n_g = pad // 16
+    groups = torch.as_strided(kbh, (n_g, 2, 4, 2, d), (16 * d, 2 * d, 4 * d, d, 1))  # the descriptor's view
+    want = torch.softmax((q @ (k[0, :, 0] * ks[0])[:, :].T), -1) @ v
+    num = torch.zeros(rows, d, dtype=torch.float64)
+    den = torch.zeros(rows, 1, dtype=torch.float64)
+    for n0 in range(0, s_k, block_n):
+        g0 = n0 // 16
+        tile = torch.zeros(block_n // 16, 2, 4, 2, d, dtype=torch.float64)
+        got = groups[g0:g0 + block_n // 16]
+        tile[:got.shape[0]] = got  # TMA: zeros past the tensor
+        k_smem = tile.reshape(block_n, d)  # smem row x
+        ks_tile = torch.zeros(block_n, dtype=torch.float64)
+        part = ksp[0, 0, n0:n0 + block_n]
+        ks_tile[:part.numel()] = part
+        x = torch.arange(block_n)
+        keys = n0 + fk.permuted_key(x)
+        assert torch.equal(k_smem[keys < s_k], k[0, keys[keys < s_k], 0])  # row x holds key permuted_key(x)
+        t = (q @ k_smem.T) * ks_tile
+        p = torch.where(keys < s_k, torch.exp(t), torch.zeros(()))
+        p_rel = p.reshape(rows, block_n // 16, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(rows, block_n)
+        v_tile = torch.zeros(block_n, d, dtype=torch.float64)
+        v_tile[:min(block_n, s_k - n0)] = v[n0:n0 + block_n]  # V unpermuted, natural key order
+        num += p_rel @ v_tile
+        den += p.sum(-1, keepdim=True)
+    torch.testing.assert_close(num / den, want, rtol=1e-10, atol=1e-10)
 
 
 # ------------------------------------------------------------------------- the mbarrier protocol, modelled (CPU)
@@ -342,6 +381,8 @@ COMPILE_CASES = [
     dict(d=128, causal=True, block_n=128, stages=3, pingpong=True, qk_format="int8"),
     dict(d=64, causal=False, block_n=64, stages=2, pingpong=False, qk_format="int8", dtype="float16"),
     dict(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=True),
+    dict(d=128, causal=True, block_n=128, stages=3, pingpong=True, permute_k=True),
+    dict(d=64, causal=False, block_n=64, stages=4, pingpong=True, permute_k=True, qk_format="int8"),
 ]
 
 
@@ -499,6 +540,31 @@ def test_gpu_headline_shape_accuracy(qk_format, gluon_on):
     c = cosine(out, exact)
     print(f"\n{qk_format}: 1 - cos = {1 - c:.2e}")
     assert c >= COS_EXACT[qk_format]
+
+
+@pytest.mark.gpu
+@needs_h200
+@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+def test_gpu_permuted_keys(qk_format, gluon_on, monkeypatch):
+    """WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K=1 (K's rows permuted, P relabelled into the operand without data movement;
+    the quantiser writes K by head) gives what the plain kernel gives, through the public call and direct calls."""
+    for causal, d, shape in ((True, 128, (2, 1000 + 5, 1000 + 5, 8, 2)), (False, 64, (1, 77, 300, 4, 4)),
+                             (True, 128, (2, 1000, 77, 4, 4))):
+        q, k, v = _inputs(*shape, d)
+        monkeypatch.setenv(fp8_api.FP8_GLUON_ENV + "_PERMUTE_K", "0")
+        want, want_lse = wf.flash_attention_fp8(q, k, v, causal=causal, qk_format=qk_format, return_lse=True)
+        monkeypatch.setenv(fp8_api.FP8_GLUON_ENV + "_PERMUTE_K", "1")
+        with poisoned_outputs():
+            out, lse = wf.flash_attention_fp8(q, k, v, causal=causal, qk_format=qk_format, return_lse=True)
+        seen = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        if seen.any():
+            assert cosine(out, want) >= 0.9999
+            torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-3, rtol=1e-3)
+        qkv = quantize_qkv(q, k, v, qk_format=qk_format)  # contiguous K: keys_by_head copies it
+        direct, _ = fk.flash_fp8_fwd_gluon(qkv, d ** -0.5, causal, 64, 4, True, False, permute_k=True)
+        assert cosine(direct, want) >= 0.9999
+    assert len(gluon_on) == 6
 
 
 @pytest.mark.gpu

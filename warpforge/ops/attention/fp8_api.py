@@ -44,6 +44,13 @@ def fp8_gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool, bool]:
             env.get(pre + "PERSISTENT", "1" if persistent else "0") != "0")
 
 
+def fp8_gluon_permute_k() -> bool:
+    """WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K ("1" on; default off until measured): K's rows loaded permuted within
+    16-key groups so that P moves into the P·V operand without data movement (fp8_gluon_kernel._p_operand); the
+    quantiser then writes K as [b, h_kv, s_pad16, d] memory for the kernel's 5-D descriptor."""
+    return os.environ.get(FP8_GLUON_ENV + "_PERMUTE_K", "0") != "0"
+
+
 def _fp8_gluon_switch() -> bool:
     flag = os.environ.get(FP8_GLUON_ENV)
     if not (FP8_GLUON_DEFAULT if flag is None else flag != "0"):
@@ -76,7 +83,8 @@ def _fp8_impl(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: 
     qkv = QuantizedQKV(qk_format, q, q_scale, k, k_scale, v_t, v_scale, None, out_dtype)
     if fp8_gluon_gate(qkv, left, right):  # Hopper: QGMMA on the Gluon forward's schedule
         from .fp8_gluon_kernel import flash_fp8_fwd_gluon
-        return flash_fp8_fwd_gluon(qkv, sm_scale, right == 0, *fp8_gluon_knobs(d, right == 0))
+        return flash_fp8_fwd_gluon(qkv, sm_scale, right == 0, *fp8_gluon_knobs(d, right == 0),
+                                   permute_k=fp8_gluon_permute_k())
     out = torch.empty((b, s_q, h_q, v_t.shape[2]), device=q.device, dtype=out_dtype)
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     if out.numel():
@@ -183,9 +191,17 @@ def quantize_qkv(q, k, v, *, qk_format: str = "fp8", backend=None) -> QuantizedQ
     return _quantize(q, k, v, qk_format, backend, True)
 
 
-def _quantize(q, k, v, qk_format, backend, lse_shift_needed: bool) -> QuantizedQKV:
+def _keys_for_gluon(q, k) -> bool:
+    """Whether flash_attention_fp8 should have the quantiser write K as [b, h_kv, s_pad16, d] memory (a [b, s, h, d]
+    view of it): the Gluon kernel with PERMUTE_K would otherwise copy K into that layout."""
+    return (q.device.type == "cuda" and q.shape[-1] in FP8_GLUON_HEAD_DIMS and fp8_gluon_permute_k()
+            and arch_key(q.device) == "sm90" and _fp8_gluon_switch())
+
+
+def _quantize(q, k, v, qk_format, backend, lse_shift_needed: bool, keys_by_head: bool = False) -> QuantizedQKV:
     """quantize_qkv on validated inputs. Without lse_shift_needed (flash_attention_fp8 when lse is not returned) the
-    Triton path skips int8's lse shift, q · mean(k) over every query in fp32: it only ever feeds lse."""
+    Triton path skips int8's lse shift, q · mean(k) over every query in fp32: it only ever feeds lse. keys_by_head:
+    k's codes go to [b, h_kv, s_pad16, d] memory (_keys_for_gluon)."""
     if resolve_backend(backend, q.device) == "reference":
         return quantize_qkv_reference(q, k, v, qk_format)
     from .fp8_quantize_kernel import quantize_rows, quantize_v
@@ -196,7 +212,14 @@ def _quantize(q, k, v, qk_format, backend, lse_shift_needed: bool) -> QuantizedQ
     else:
         mean, lse_shift = smoothing_mean(k), None
     q8, q_scale = quantize_rows(q.contiguous(), None, qk_format)
-    k8, k_scale = quantize_rows(k.contiguous(), mean, qk_format)
+    codes = None
+    if keys_by_head:
+        b, s_k, h_kv, d = k.shape
+        pad = padded_tokens(s_k)
+        buf = torch.empty((b, h_kv, pad, d), device=k.device, dtype=torch.int8 if qk_format == "int8" else FP8)
+        buf[:, :, s_k:].zero_()
+        codes = buf.transpose(1, 2)[:, :s_k]
+    k8, k_scale = quantize_rows(k.contiguous(), mean, qk_format, codes=codes)
     v_scale = v_channel_scale(v)
     v_t = quantize_v(v, v_scale, padded_tokens(k.shape[1]))
     return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype)
@@ -242,6 +265,7 @@ def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
     check_bool("return_lse", return_lse)
-    qkv = _quantize(q, k, v, qk_format, backend, return_lse)
+    qkv = _quantize(q, k, v, qk_format, backend, return_lse,
+                    resolve_backend(backend, q.device) != "reference" and _keys_for_gluon(q, k))
     return flash_attention_quantized(qkv, causal=causal, softmax_scale=softmax_scale, window=window,
                                      return_lse=return_lse, backend=backend)

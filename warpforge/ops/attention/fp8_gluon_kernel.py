@@ -20,6 +20,12 @@ Operands (FP8 wgmma takes both shared-memory operands K-major, i.e. contiguous a
 - int8 (INT8_QK): s8 wgmma with int32 accumulators; the integer scores (|s| <= 127² · 256 < 2^22) become fp32 by
   the exponent trick (bits of s + 0x4B400000 as a float = 12582912 + s exactly) instead of I2F, which issues on
   the same narrow pipe as ex2; the 12582912 comes off inside the key-scale MUL, made an FMA.
+- P into the P·V operand: the accumulator gives a thread column pairs {2c, 2c+1} per 8 columns, the 8-bit A operand
+  wants {4c..4c+3} per 16; Triton moves the bytes (shuffles, byte permutes). PERMUTE_K (a knob, off by default): K's
+  rows are TMA-loaded permuted within 16-key groups (a 5-D box over K laid out [b, h_kv, s_pad16, d]), so S's column
+  16g + 8i + 2c + e holds key 16g + 4c + 2i + e; relabelling P's columns accordingly is then free (assert_trivial)
+  and puts every probability at its key's index for the unpermuted V. The key scales are permuted the same way and
+  the mask compares the permuted key index.
 - epilogue: out = acc · (vs_c / l) into a [64, d] staging buffer per warpgroup (bf16/fp16 out needs twice Q's fp8
   bytes: not Q's slot, unlike the bf16 kernel), one TMA store per warpgroup (rows past s_q clipped); lse by pointer.
 
@@ -103,8 +109,8 @@ def _build():
     @gluon.jit
     def _producer(q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready,
                   v_ready, k_empty,
-                  v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, QBUF: gl.constexpr):
+                  v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, H_KV, S16, CAUSAL: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr, PERMUTE_K: gl.constexpr):
         gl.static_assert(STAGES >= 2)  # S_j is issued before tile j-1's slot is freed: one slot would deadlock
         it = 0
         tc = 0
@@ -124,8 +130,12 @@ def _build():
                     phase = ((it // STAGES) & 1) ^ 1
                     mbarrier.wait(k_empty.index(slot), phase)
                     mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot),
-                                                    k_bufs.index(slot))
+                    if PERMUTE_K:  # 16-key groups of K laid out [b, h_kv, s_pad, d]: group row of the tile's first
+                        tma.async_copy_global_to_shared(k_desc, [(b * H_KV + kvh) * S16 + j * (BLOCK_N // 16), 0, 0,
+                                                                 0, 0], k_ready.index(slot), k_bufs.index(slot))
+                    else:
+                        tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot),
+                                                        k_bufs.index(slot))
                     tma.async_copy_global_to_shared(ks_desc, [b, kvh, j * BLOCK_N], k_ready.index(slot),
                                                     ks_bufs.index(slot))
                     mbarrier.wait(v_empty.index(slot), phase)
@@ -151,9 +161,16 @@ def _build():
             return s * ks[None, :]
 
     @gluon.jit
-    def _p_operand(p, p_layout: gl.constexpr, P_CONVERT: gl.constexpr):
-        """P · 448 (fp32, wgmma accumulator layout) -> e4m3 in the register A operand's layout."""
-        if P_CONVERT == 0:
+    def _p_operand(p, p_layout: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr):
+        """P · 448 (fp32, wgmma accumulator layout) -> e4m3 in the register A operand's layout. PERMUTE_K: S's column
+        16g + 8i + 2c + e holds key 16g + 4c + 2i + e (K's rows were loaded so); relabelling the columns to
+        16g + 4c + 2i + e puts every probability at its key's index, and in exactly the registers the A operand
+        wants: no data moves (assert_trivial)."""
+        if PERMUTE_K:
+            BN: gl.constexpr = p.shape[1]
+            pk = p.reshape([64, BN // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([64, BN])
+            return gl.convert_layout(pk.to(gl.float8e4nv), p_layout, assert_trivial=True)
+        elif P_CONVERT == 0:
             return gl.convert_layout(p.to(gl.float8e4nv), p_layout)
         elif P_CONVERT == 1:
             return gl.convert_layout(p, p_layout).to(gl.float8e4nv)
@@ -162,11 +179,14 @@ def _build():
 
     @gluon.jit
     def _softmax(t, n0, limit_row, s_k, m_i, l_i, qs2, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr, PERMUTE_K: gl.constexpr):
         """One online-softmax step on t = scores · key scales of keys n0 .. n0+BLOCK_N-1: (p · 448 fp32, alpha, l,
         m), m in log2 units (the true running maximum; the 448 rides in the exp2's shift)."""
         if MASK:
-            cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            x_idx = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            if PERMUTE_K:  # column 16g + 8i + 2c + e holds key 16g + 4c + 2i + e
+                x_idx = (x_idx & ~15) | (((x_idx >> 1) & 3) << 2) | (((x_idx >> 3) & 1) << 1) | (x_idx & 1)
+            cols = n0 + x_idx
             ok = (cols < s_k)[None, :]
             if CAUSAL:
                 ok = ok & (cols[None, :] <= limit_row[:, None])
@@ -188,7 +208,7 @@ def _build():
                   stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                   stride_lb, stride_lh, WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr,
-                  INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr):
+                  INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr):
         KINSTR: gl.constexpr = 32  # an 8-bit wgmma's K
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, KINSTR])
@@ -246,11 +266,11 @@ def _build():
                     x = _scores(s, ks, INT8_QK)
                     if first_masked <= 0:
                         p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qs2, True, CAUSAL, s_layout,
-                                                      BLOCK_N)
+                                                      BLOCK_N, PERMUTE_K)
                     else:
                         p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qs2, False, CAUSAL, s_layout,
-                                                      BLOCK_N)
-                    p_op = _p_operand(p, p_layout, P_CONVERT)
+                                                      BLOCK_N, PERMUTE_K)
+                    p_op = _p_operand(p, p_layout, P_CONVERT, PERMUTE_K)
                     # ---- key tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
                     for j in range(1, n_tiles):
                         g = it + j
@@ -272,10 +292,10 @@ def _build():
                         x = _scores(s, ks, INT8_QK)
                         if j >= first_masked:
                             p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qs2, True,
-                                                          CAUSAL, s_layout, BLOCK_N)
+                                                          CAUSAL, s_layout, BLOCK_N, PERMUTE_K)
                         else:
                             p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qs2, False,
-                                                          CAUSAL, s_layout, BLOCK_N)
+                                                          CAUSAL, s_layout, BLOCK_N, PERMUTE_K)
                         # P_{j-1} (e4m3 registers) is not passed as a dep: Triton 3.6 cannot lower an 8-bit dep
                         # ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"); P is built again only after this wait, and
                         # ptxas keeps an in-flight wgmma's registers (no serialization warning in the compile test)
@@ -283,7 +303,7 @@ def _build():
                         gl.thread_barrier()
                         mbarrier.arrive(v_empty.index(prev))
                         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                        p_op = _p_operand(p, p_layout, P_CONVERT)
+                        p_op = _p_operand(p, p_layout, P_CONVERT, PERMUTE_K)
                     # ---- the last P·V
                     g = it + n_tiles - 1
                     last = g % STAGES
@@ -317,12 +337,12 @@ def _build():
                 tc += 1
 
     @gluon.jit
-    def flash_fp8_fwd_gluon_kernel(q_desc, k_desc, ks_desc, v_desc, o_desc, QS, VS, LSE, s_q, s_k, qk_scale,
+    def flash_fp8_fwd_gluon_kernel(q_desc, k_desc, ks_desc, v_desc, o_desc, QS, VS, LSE, s_q, s_k, H_KV, S16, qk_scale,
                                    stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                                    stride_lb, stride_lh, H_Q, GROUP, n_m, total, n_rounds, D: gl.constexpr,
                                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    PINGPONG: gl.constexpr, QBUF: gl.constexpr, INT8_QK: gl.constexpr,
-                                   P_CONVERT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                   P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                    PRODUCER_REGS: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -351,14 +371,17 @@ def _build():
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                          v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                          stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                         stride_lb, stride_lh, 0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT)),
+                         stride_lb, stride_lh, 0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT,
+                         PERMUTE_K)),
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                          v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                          stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                         stride_lb, stride_lh, 1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT)),
+                         stride_lb, stride_lh, 1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT,
+                         PERMUTE_K)),
             (_producer, (q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready,
                          v_ready, k_empty,
-                         v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N, STAGES, QBUF)),
+                         v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, H_KV, S16, CAUSAL, BLOCK_N, STAGES, QBUF,
+                         PERMUTE_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_fp8_fwd_gluon_kernel, gl
@@ -403,7 +426,41 @@ def key_scales_by_head(k_scale: torch.Tensor) -> torch.Tensor:
     return buf.transpose(1, 2)[:, :s_k]
 
 
-def _descriptors(q, k, ks, vt, out, block_n, gl):
+def _pad16(n: int) -> int:
+    return n + (-n % 16)
+
+
+def permuted_key(x):
+    """PERMUTE_K: the key that S's column / K's smem row x holds within its tile: 16g + 8i + 2c + e -> 16g + 4c + 2i
+    + e (ints or an integer tensor; the kernel's mask computes the same)."""
+    return (x & ~15) | (((x >> 1) & 3) << 2) | (((x >> 3) & 1) << 1) | (x & 1)
+
+
+def keys_by_head(k: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(K codes as [b, h_kv, S, d] memory with S = s_k padded to 16, S): what PERMUTE_K's 5-D descriptor walks. A k
+    that already is a [b, s_k, h_kv, d] view of such memory is taken as is; anything else is copied once (zeros in
+    the padding; its values are masked anyway)."""
+    b, s_k, h, d = k.shape
+    pad = _pad16(s_k)
+    if k.stride() == (h * pad * d, d, pad * d, 1):
+        return torch.as_strided(k, (b, h, pad, d), (h * pad * d, pad * d, d, 1)), pad
+    buf = torch.zeros((b, h, pad, d), device=k.device, dtype=k.dtype)
+    buf[:, :, :s_k] = k.transpose(1, 2)
+    return buf, pad
+
+
+def key_scales_permuted(k_scale: torch.Tensor, pad: int) -> torch.Tensor:
+    """PERMUTE_K: k_scale [b, s_k, h_kv] as [b, h_kv, pad] fp32 with the scale of key permuted_key(x) at x (zeros
+    past s_k), so that a tile's scales line up with S's columns."""
+    b, s_k, h = k_scale.shape
+    buf = torch.zeros((b, h, pad), device=k_scale.device, dtype=torch.float32)
+    buf[..., :s_k] = k_scale.transpose(1, 2)
+    # key 16g + 4c + 2i + e -> position 16g + 8i + 2c + e
+    return buf.view(b, h, pad // 16, 4, 2, 2).permute(0, 1, 2, 4, 3, 5).reshape(b, h, pad).contiguous()
+
+
+def _descriptors(q, k, ks, vt, out, block_n, gl, permute_k=False):
+    """TMA descriptors (q, k, key scales, v_t, out) and S16 (PERMUTE_K: K's padded length / 16, else 0)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = q.shape[-1]
     s_k = k.shape[1]
@@ -415,15 +472,29 @@ def _descriptors(q, k, ks, vt, out, block_n, gl):
         # v_t past s_k (its padding, or a longer cache) is never read: the descriptor ends at s_k and TMA fills zeros
         layout = gl.NVMMASharedLayout.get_default_for(block, dt)
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
-    # the key scales [b, h_kv, s_k] (keys contiguous, rows 16-byte aligned): BLOCK_N fp32 per ring slot, with K
-    ks_bh = ks.transpose(1, 2)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
-    descs.insert(2, TensorDescriptor(ks_bh, list(ks_bh.shape), list(ks_bh.stride()), [1, 1, block_n], layout))
-    return descs
+    s16 = 0
+    if permute_k:
+        # K as [16-key groups of every (batch, head), i, c, e, d]: a box of BLOCK_N / 16 groups lands key
+        # 16g + 4c + 2i + e at smem row 16g + 8i + 2c + e
+        kbh, pad = keys_by_head(k)
+        b, h = kbh.shape[:2]
+        block = [block_n // 16, 2, 4, 2, d]
+        descs[1] = TensorDescriptor(kbh, [b * h * pad // 16, 2, 4, 2, d], [16 * d, 2 * d, 4 * d, d, 1], block,
+                                    gl.NVMMASharedLayout.get_default_for(block, code))
+        ksp = key_scales_permuted(ks, pad)  # the whole padded length: position x >= s_k may hold a key < s_k
+        descs.insert(2, TensorDescriptor(ksp, list(ksp.shape), list(ksp.stride()), [1, 1, block_n], layout))
+        s16 = pad // 16
+    else:
+        # the key scales [b, h_kv, s_k] (keys contiguous, rows 16-byte aligned): BLOCK_N fp32 per slot, with K
+        ks_bh = ks.transpose(1, 2)
+        descs.insert(2, TensorDescriptor(ks_bh, list(ks_bh.shape), list(ks_bh.stride()), [1, 1, block_n], layout))
+    return descs, s16
 
 
-def launch_args(qkv, ks, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent=False, sms=132):
-    """(kernel, grid, args, constexpr kwargs) of one launch; ks = key_scales_by_head(qkv.k_scale)."""
+def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent=False, sms=132,
+                permute_k=False):
+    """(kernel, grid, args, constexpr kwargs) of one launch (the key scales, and with permute_k K, laid out here)."""
     if stages < 2:
         raise ValueError(f"flash_fp8_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
                          "tile j-1 is freed")
@@ -436,7 +507,8 @@ def launch_args(qkv, ks, out, lse, sm_scale, causal, block_n, stages, pingpong, 
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    q_desc, k_desc, ks_desc, v_desc, o_desc = _descriptors(q, k, ks, vt, out, block_n, gl)
+    ks = qkv.k_scale if permute_k else key_scales_by_head(qkv.k_scale)
+    (q_desc, k_desc, ks_desc, v_desc, o_desc), s16 = _descriptors(q, k, ks, vt, out, block_n, gl, permute_k)
     n_m = -(-s_q // BLOCK_M)
     total = n_m * b * h_q
     if persistent:
@@ -447,19 +519,23 @@ def launch_args(qkv, ks, out, lse, sm_scale, causal, block_n, stages, pingpong, 
     qsc, vsc = qkv.q_scale, qkv.v_scale
     if vsc.stride(-1) != 1:  # the epilogue reads a head's channel scales at unit stride
         vsc = vsc.contiguous()
-    args = (q_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, s_q, s_k, sm_scale * LOG2E,
+    args = (q_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, s_q, s_k, h_kv, s16, sm_scale * LOG2E,
             qsc.stride(0), qsc.stride(1), qsc.stride(2), vsc.stride(0), vsc.stride(1),
             lse.stride(0), lse.stride(1), h_q, h_q // h_kv, n_m, total, -(-total // progs))
     meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
                 QBUF=2 if persistent else 1, INT8_QK=qkv.qk_format == "int8", P_CONVERT=P_CONVERT,
+                PERMUTE_K=bool(permute_k),
                 CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, (progs, ), args, meta
 
 
-def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=True, persistent=False):
+def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=True, persistent=False,
+                        permute_k=False):
     """(out [b, s_q, h_q, d] contiguous in qkv.dtype, lse fp32 [b, h_q, s_q], natural log, without int8's smoothing
-    shift); the caller checked fits(qkv) and available()."""
+    shift); the caller checked fits(qkv) and available(). permute_k: K's rows loaded permuted within 16-key groups
+    so that P needs no data movement into the P·V operand (keys_by_head copies K once unless it already is laid out
+    [b, h_kv, s_pad16, d])."""
     q = qkv.q
     b, s_q, h_q, d = q.shape
     out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=qkv.dtype)
@@ -469,17 +545,16 @@ def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=T
     if qkv.k.shape[1] == 0:  # no keys (a descriptor cannot have an empty dimension)
         lse.fill_(float("-inf"))
         return out.zero_(), lse
-    ks = key_scales_by_head(qkv.k_scale)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if persistent else 0
-    kernel, grid, args, meta = launch_args(qkv, ks, out, lse, sm_scale, causal, block_n, stages, pingpong,
-                                           persistent, sms)
+    kernel, grid, args, meta = launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent,
+                                           sms, permute_k)
     kernel[grid](*args, **meta)
     return out, lse
 
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
-                 qk_format="fp8", dtype="bfloat16", s=300, arch=90):
+                 qk_format="fp8", dtype="bfloat16", s=300, permute_k=False, arch=90):
     """Compile the kernel for sm_<arch> without a GPU (a stub driver stands in while nothing is launched).
     Returns a report dict (PTX features, warps, shared memory, the compiled kernel)."""
     import re
@@ -511,8 +586,8 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
     previous = driver._active
     driver.set_active(_StubDriver())
     try:
-        kernel, grid, args, meta = launch_args(qkv, key_scales_by_head(qkv.k_scale), out, lse, d ** -0.5, causal,
-                                               block_n, stages, pingpong, persistent)
+        kernel, grid, args, meta = launch_args(qkv, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
+                                               persistent, permute_k=permute_k)
         kern = kernel.warmup(*args, grid=grid, **meta)
     finally:
         driver._active = previous
