@@ -148,6 +148,18 @@ def run_case(b, h, s, d, causal, l2, copy_gbs, sweep, portable):
         # what flash_attention_fp8 runs without return_lse (int8: no lse shift)
         add(f"quantise {fmt}", lambda q, k, v, f=fmt: fp8_api._quantize(q, k, v, f, None, False), sets, fl_=0,
             bytes_=quantiser_bytes(b, h, s, d, fmt))
+        if fmt == "fp8" and portable:  # the quantiser's parts, to see which one is off the copy rate
+            from warpforge.ops.attention.fp8_quantize import padded_tokens, v_channel_scale
+            from warpforge.ops.attention.fp8_quantize_kernel import quantize_rows, quantize_v
+            n = b * s * h * d
+            add("  part: q rows (codes + scales)", lambda q, k, v: quantize_rows(q, None, "fp8"), sets, fl_=0,
+                bytes_=3 * n + 4 * b * s * h)
+            add("  part: v channel amax (torch)", lambda q, k, v: v_channel_scale(v), sets, fl_=0, bytes_=2 * n)
+            vsc = v_channel_scale(q)
+            add("  part: v codes, channel-major", lambda q, k, v: quantize_v(v, vsc, padded_tokens(s)), sets, fl_=0,
+                bytes_=3 * n)
+            add("  part: k scales by head (kernel)", lambda x: fk.key_scales_by_head(x.k_scale), qsets, fl_=0,
+                bytes_=8 * b * s * h)
         if fmt == "int8":  # quantize_qkv: with the lse shift q · mean(k) (torch, fp32 copy of q)
             add("quantise int8 + lse shift", lambda q, k, v: quantize_qkv(q, k, v, qk_format="int8"), sets, fl_=0)
         knobs = fp8_api.fp8_gluon_knobs(d, causal)
