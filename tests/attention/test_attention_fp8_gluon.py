@@ -108,6 +108,11 @@ def test_quantiser_options(group):
     codes3, scale3 = quantize_rows(q, None, "fp8", scale=inner)
     assert scale3.data_ptr() == inner.data_ptr() and fk.key_scales_by_head(scale3).data_ptr() == inner.data_ptr()
     assert torch.equal(scale3, quantize_rows(q, None, "fp8")[1])
+    by_head = torch.zeros(2, 4, 48, 64, dtype=torch.int8, device=dev)  # K by head, as PERMUTE_K reads it
+    codes4, _ = quantize_rows(q, None, "int8", codes=by_head.transpose(1, 2)[:, :37])
+    assert torch.equal(codes4, codes) and torch.all(by_head[:, :, 37:] == 0)
+    kbh, pad = fk.keys_by_head(codes4)
+    assert pad == 48 and kbh.data_ptr() == by_head.data_ptr()  # taken as is, no copy
 
 
 def test_int8_without_lse_skips_the_shift_and_gives_the_same_output(monkeypatch):
