@@ -465,7 +465,8 @@ def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype=torch.bfloat16, seed=0):
 # is): each e4m3 operand (q, k, v, P) costs 2-3.5e-4 of cosine, a 3-bit mantissa's rounding, so e4m3 Q·Kᵀ lands at
 # 1 - cos 1.1e-3 (causal) / 1.4e-3 (non-causal), int8 Q·Kᵀ at 6e-4 / 7e-4 (torch emulation in fp64; the portable
 # kernel measured 1.2e-3 / 5.8e-4 on the H200). The bar's cos >= 0.999 is asserted for int8; e4m3 is held to what
-# its format gives (0.998) and to the portable kernel on the same quantised inputs (they differ by summation order).
+# its format gives (0.998), and both to the portable kernel on the same quantised inputs at 0.998 (each kernel rounds
+# P against its own running maxima: two independent roundings differ by 1 - cos 5-7e-4).
 COS_EXACT = {"fp8": 0.998, "int8": 0.999}
 SHAPES = [  # b, s_q, s_k, h_q, h_kv
     (1, 1, 1, 2, 2),
@@ -505,7 +506,9 @@ def test_gpu_matches_reference(shape, causal, d, qk_format, gluon_on, monkeypatc
     want, want_lse = flash_attention_quantized(qkv, causal=causal, return_lse=True)
     assert len(gluon_on) == 1
     if seen.any():
-        assert cosine(out, want) >= 0.9995
+        # each kernel rounds P to e4m3 against its own running maxima (the portable kernel walks 64-key tiles): two
+        # independent roundings differ by 1 - cos 5-7e-4 (emulated), so the bar here is the existing tests' 0.998
+        assert cosine(out, want) >= 0.998
         torch.testing.assert_close(lse[seen], want_lse[seen], atol=2e-3, rtol=2e-3)
 
 
@@ -567,7 +570,8 @@ def test_gpu_permuted_keys(qk_format, gluon_on, monkeypatch):
             assert cosine(out, want) >= 0.9999
             torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-3, rtol=1e-3)
         qkv = quantize_qkv(q, k, v, qk_format=qk_format)  # contiguous K: keys_by_head copies it
-        direct, _ = fk.flash_fp8_fwd_gluon(qkv, d ** -0.5, causal, 64, 4, True, False, permute_k=True)
+        direct, _ = fk.flash_fp8_fwd_gluon(qkv, d ** -0.5, causal, *fp8_api.fp8_gluon_knobs(d, causal),
+                                           permute_k=True)  # same tiles as `want`: the same P rounding
         assert cosine(direct, want) >= 0.9999
     assert len(gluon_on) == 9  # per shape: the two public calls and the direct one (the spy wraps it too)
 
