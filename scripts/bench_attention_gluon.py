@@ -20,7 +20,7 @@ cases (b4 h16 s8192 d128, b32 h16 s1024, b1 h16 s32768, b8 h32 s4096 d64, b4 h32
 SDPA, GQA through kv expanded once outside the timing, as the main bench does) and "gluon fwd" (the forward alone:
 backward time = fwd+bwd - fwd). Each call runs out = attention(q, k, v) and torch.autograd.grad(out, (q, k, v), do)
 on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the
-max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N) on the headline
+max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT) on the headline
 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables.
 """
 import argparse
@@ -148,8 +148,12 @@ BWD_CASES = [  # b, h_q, h_kv, s, d (all causal): the attention bench's fwd+bwd 
     (8, 32, 32, 4096, 64),
     (4, 32, 4, 8192, 128),
 ]
-BWD_SWEEP = {128: [(64, 2, 64), (64, 2, 32), (64, 3, 64)], 64: [(64, 4, 64), (64, 2, 64), (64, 4, 32), (128, 2, 64)]}
-BWD_KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N")
+BWD_SWEEP = {  # (BLOCK_M, STAGES, DQ_N, DQ_SPLIT)
+    128: [(64, 2, 64, 0), (64, 2, 64, 1), (64, 3, 64, 0), (64, 3, 64, 1), (64, 2, 32, 0)],
+    64: [(64, 4, 64, 0), (64, 4, 32, 1), (64, 2, 64, 0), (128, 2, 64, 0)],
+}
+BWD_KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N",
+                "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT")
 
 
 def bwd_sets(b, h_q, h_kv, s, d, l2_bytes):
@@ -229,7 +233,7 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
     if sweep and (b, h_q, h_kv, s, d) in ((4, 16, 16, 8192, 128), (8, 32, 32, 4096, 64)):
         for knobs in BWD_SWEEP[d]:
             if fb.smem_bytes(d, knobs[0], knobs[1]) <= fg.SMEM_MAX:
-                paths["gluon+gluon bm{} st{} dq{}".format(*knobs)] = warpforge_fwd_bwd(True, knobs)
+                paths["gluon+gluon bm{} st{} dq{} split{}".format(*knobs)] = warpforge_fwd_bwd(True, knobs)
     launches = []
     real = fb.flash_bwd_gluon
 

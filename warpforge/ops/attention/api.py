@@ -123,13 +123,14 @@ def _gluon_bwd_switch() -> bool:
     return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
 
 
-def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, STAGES, DQ_N) of the Gluon backward: configs.GLUON_BWD, each overridable for sweeps through
-    WARPFORGE_ATTN_GLUON_BWD_BLOCK_M / _STAGES / _DQ_N (scripts/bench_attention_gluon.py --bwd)."""
-    block_m, stages, dq_n = configs.GLUON_BWD[(d, bool(causal))]
+def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, STAGES, DQ_N, DQ_SPLIT) of the Gluon backward: configs.GLUON_BWD, each overridable for sweeps through
+    WARPFORGE_ATTN_GLUON_BWD_BLOCK_M / _STAGES / _DQ_N / _DQ_SPLIT (scripts/bench_attention_gluon.py --bwd-sweep)."""
+    block_m, stages, dq_n, dq_split = configs.GLUON_BWD[(d, bool(causal))]
     env = os.environ
     return (int(env.get("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", block_m)),
-            int(env.get("WARPFORGE_ATTN_GLUON_BWD_STAGES", stages)), int(env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_N", dq_n)))
+            int(env.get("WARPFORGE_ATTN_GLUON_BWD_STAGES", stages)), int(env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_N", dq_n)),
+            env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "1" if dq_split else "0") != "0")
 
 
 def gluon_bwd_gate(q, k, v, out, do, left, right, deterministic) -> bool:

@@ -151,7 +151,9 @@ def _build():
         n0 = gl.program_id(0) * 128
         b = gl.program_id(1) // H_KV
         kvh = gl.program_id(1) % H_KV
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes + idx_desc.block_type.nbytes)
+        kv_bytes: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
+                                  + idx_desc.block_type.nbytes)
+        mbarrier.expect(kv_bar, kv_bytes)
         tma.async_copy_global_to_shared(idx_desc, [0, 0], kv_bar, idx_smem)
         for w in gl.static_range(2):
             tma.async_copy_global_to_shared(k_desc, [b, n0 + 64 * w, kvh, 0], kv_bar, k_bufs.index(w))
@@ -204,9 +206,9 @@ def _build():
 
     @gluon.jit
     def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready, empty,
-                  dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, WG: gl.constexpr,
-                  D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                  DQ_N: gl.constexpr):
+                  ds_full, ds_free, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale,
+                  WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr):
         # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
@@ -237,12 +239,16 @@ def _build():
         # and hold 8-16 registers for its whole length
         mbarrier.wait(kv_bar, 0)
         # one flat loop over (head of the group, query tile): nothing of an outer loop stays live around the inner one
+        g = first * 0                                       # (head of the group, query tile) of step it, carried:
+        i = first                                           # a division here would land amid the exp2 registers
         for it in range(GROUP * n_i):
-            g = it // n_i
-            i = first + (it - g * n_i)
             m0 = i * BLOCK_M
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
+            if DQ_SPLIT:
+                # both warpgroups' dQ of the previous tile have read this warpgroup's dS tile (and the P tile is free
+                # anyway); waited here, where few registers are live (fresh barrier: the first pass is free)
+                mbarrier.wait(ds_free, (it & 1) ^ 1)
             q = q_bufs.index(slot).reshape([BLOCK_M, D])
             do = do_bufs.index(slot).reshape([BLOCK_M, D])
             s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -269,21 +275,44 @@ def _build():
             fence_async_shared()
             gl.thread_barrier()                            # the whole dS tile is in shared memory
             dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)     # dK += dSᵀ · Q
-            # dQ = dS · K in column chunks of DQ_N (dS from shared memory, K-major; one chunk's fp32 at a time)
-            dq_tok = warpgroup_mma(ds_smem, k.slice(0, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
-            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-            gl.thread_barrier()                            # every warp is past the slot's last reads
-            mbarrier.arrive(empty.index(slot))
-            dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
-            _dq_add(dq_head, idx_smem, m0, 0, dq, q_layout, D, BLOCK_M, DQ_N)
-            for c in gl.static_range(1, D // DQ_N):
-                # the previous chunk's adds are issued (its registers free) before this chunk's accumulator is taken
-                gl.thread_barrier()
-                dq_tok = warpgroup_mma(ds_smem, k.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
-                                       is_async=True)
-                dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-                _dq_add(dq_head, idx_smem, m0, c * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
+            if DQ_SPLIT:
+                # dQ = dS · K over all 128 keys (both warpgroups' dS tiles), this warpgroup's half of the columns:
+                # one [BLOCK_M, D / 2] partial per tile pair instead of two [BLOCK_M, D] ones (half the atomics)
+                mbarrier.arrive(ds_full)
+                mbarrier.wait(ds_full, it & 1)
+                k0 = k_bufs.index(0).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
+                k1 = k_bufs.index(1).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
+                dq_tok = warpgroup_mma(ds_bufs.index(0), k0, dq_zero, use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds_bufs.index(1), k1, dq_tok, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                gl.thread_barrier()                        # every warp is past the slot's and the dS tiles' last reads
+                mbarrier.arrive(empty.index(slot))
+                mbarrier.arrive(ds_free)
+                dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
+                _dq_add(dq_head, idx_smem, m0, WG * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
+            else:
+                # dQ = dS · K in column chunks of DQ_N (this warpgroup's 64 keys; dS from shared memory, K-major)
+                dq_tok = warpgroup_mma(ds_smem, k.slice(0, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
+                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                gl.thread_barrier()                        # every warp is past the slot's last reads
+                mbarrier.arrive(empty.index(slot))
+                dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
+                _dq_add(dq_head, idx_smem, m0, 0, dq, q_layout, D, BLOCK_M, DQ_N)
+                for c in gl.static_range(1, D // DQ_N):
+                    # the previous chunk's adds are issued (its registers free) before this chunk's accumulator
+                    gl.thread_barrier()
+                    dq_tok = warpgroup_mma(ds_smem, k.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
+                                           is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
+                    _dq_add(dq_head, idx_smem, m0, c * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
+            i += 1
+            if i == end:
+                i = first
+                g += 1
 
+        if DQ_SPLIT:
+            # the other warpgroup's last dQ has read this warpgroup's K slice before dK is written over it
+            mbarrier.wait(ds_free, ((GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
         # epilogue: dK (scaled) and dV through this warpgroup's own K / V slices, one TMA store each
         k.store((dk * sm_scale).to(dtype))
         v.store(dv.to(dtype))
@@ -297,10 +326,11 @@ def _build():
         tma.store_wait(0)
 
     @gluon.jit
-    def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, DQ_ACC, s_q,
-                               s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, D: gl.constexpr,
+    def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, DQ_ACC,
+                               s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, D: gl.constexpr,
                                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                               DQ_N: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -314,18 +344,22 @@ def _build():
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        mbarrier.init(ds_full, count=2)  # DQ_SPLIT: both warpgroups' dS tiles of this step are in shared memory
+        mbarrier.init(ds_free, count=2)  # DQ_SPLIT: both warpgroups' dQ of this step have read them
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
 
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready,
-                         empty, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, 0, D, BLOCK_M,
-                         STAGES, CAUSAL, DQ_N)),
+                         empty, ds_full, ds_free, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale,
+                         sm_scale, 0, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready,
-                         empty, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, 1, D, BLOCK_M,
-                         STAGES, CAUSAL, DQ_N)),
+                         empty, ds_full, ds_free, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale,
+                         sm_scale, 1, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                          lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL, BLOCK_M,
                          STAGES)),
@@ -382,7 +416,8 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl):
     return descs
 
 
-def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None):
+def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
+                dq_split=False):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
@@ -392,6 +427,8 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     if smem_bytes(d, block_m, stages) > SMEM_MAX:
         raise ValueError(f"flash_bwd_gluon: BLOCK_M {block_m} x {stages} stages at d {d} needs "
                          f"{smem_bytes(d, block_m, stages)} B of shared memory (> {SMEM_MAX})")
+    if dq_split:  # each warpgroup computes half of dQ's columns over all 128 keys
+        dq_n = d // 2
     dq_n = dq_n or 64
     if dq_n not in (16, 32, 64) or d % dq_n:
         raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 and divide d {d} (got {dq_n})")
@@ -401,7 +438,8 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl)
     grid = (-(-s_k // BLOCK_N), b * h_kv)
     args = (*descs, dq_acc, s_q, s_k, s_pad, h_q, h_kv, h_q // h_kv, sm_scale * LOG2E, sm_scale)
-    meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), DQ_N=dq_n, CONSUMER_REGS=CONSUMER_REGS,
+    meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), DQ_N=dq_n, DQ_SPLIT=bool(dq_split),
+                CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
@@ -415,10 +453,11 @@ def _buffers(q, block_m):
     return s_pad, lse2, delta, dq_acc
 
 
-def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None):
+def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
-    wgmma chunk (16 / 32 / 64)."""
+    wgmma chunk (16 / 32 / 64; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's columns over both
+    warpgroups' keys: half the atomics, one cross-warpgroup barrier pair per tile; dq_n is then d / 2)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -432,7 +471,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
                           do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
                           BLOCK=PREP_ROWS, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
-                                            block_m, stages, dq_n)
+                                            block_m, stages, dq_n, dq_split)
     kernel[kgrid](*args, **meta)
     dq_convert_kernel[grid](dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2), H_Q=h_q, D=d,
                             BLOCK=PREP_ROWS, num_warps=4)
@@ -440,7 +479,8 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, h_q=4, h_kv=2, dtype="bfloat16", arch=90):
+def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, h_q=4, h_kv=2, dtype="bfloat16",
+                 arch=90):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics)."""
@@ -453,7 +493,7 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, h_q=4, h_k
     do = torch.empty(b, s, h_q, d, dtype=dt)
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m)
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
-                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n)
+                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx
