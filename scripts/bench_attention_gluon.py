@@ -311,11 +311,12 @@ def main():
             label, rows = run_bwd_case(*case, l2, args.bwd_sweep)
             results[label] = rows
             print(f"  ({time.perf_counter() - t0:.1f} s so far)", flush=True)
+            if args.json:  # after every case: a call that runs out of time keeps what it measured
+                with open(args.json, "w") as f:
+                    json.dump(dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__,
+                                   knobs={str(k): v for k, v in configs.GLUON_BWD.items()}, results=results), f,
+                              indent=1)
         print(f"total {time.perf_counter() - t0:.1f} s")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(gpu=props.name, torch=torch.__version__, triton=triton.__version__, results=results), f,
-                          indent=1)
         return
     cases = CASES if not args.sweep_only else [c for c in CASES if c[-1]]
     for case in cases:

@@ -36,6 +36,10 @@ Three launches:
      mask and the atomics need come from the shared table: an arange-built index vector is hoisted out of the loop
      and held 8-16 registers for its whole length. The two warpgroups are not synchronised with each other: while
      one computes exp2 or issues its atomics, the other's wgmmas keep the tensor cores busy.
+   - DQ_SPLIT (a knob, off by default): instead, each warpgroup computes half of dQ's columns over all 128 keys (two
+     wgmmas: both warpgroups' dS tiles against both K slices), so a tile pair sends one [BLOCK_M, d] partial to the
+     atomics instead of two (half the L2 reduction traffic, FA3's volume). It needs two barriers between the
+     warpgroups (ds_full, ds_free, below) and spills ~100 B of loop scalars at d 128 under Triton 3.6.
    - epilogue: dK_w · scale and dV_w to 16-bit, written into the warpgroup's own K / V slices (nothing reads them
      any more) and stored by TMA (rows past s_k clipped).
    - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
@@ -57,6 +61,12 @@ Barrier protocol (checked by tests/attention/test_attention_gluon_bwd.py's rando
   first dQ chunk) have completed and a warpgroup barrier; the producer waits parity (u & 1) ^ 1 before refilling
   (fresh barriers pass the first lap). Both consumers walk the same (head, query tile) sequence, so ring positions
   agree; neither can be a lap ahead of the other, since a slot's refill needs both arrivals.
+  DQ_SPLIT only: ds_full (count 2): each consumer arrives after storing its dS tile of step it (fence + warpgroup
+  barrier first) and waits parity it & 1 before the dQ wgmmas that read both tiles. ds_free (count 2): each consumer
+  arrives after those wgmmas completed; before step it (which overwrites its dS tile) it waits parity (it & 1) ^ 1
+  (phase it - 1; fresh: passes), and before the epilogue overwrites its K slice with dK, parity (n - 1) & 1 (the
+  other warpgroup's last dQ read that slice). A consumer cannot be two phases ahead on either: passing ds_free(it - 1)
+  needs the other's dQ of it - 1, which came after its own ds_full(it - 1) wait.
 
 Gluon's API changes between Triton releases: imported lazily (`_build()`); the api gate dispatches here only on sm_90
 with a Triton in configs.GLUON_TRITON_VERSIONS.
