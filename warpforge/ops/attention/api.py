@@ -313,7 +313,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     ([b, h_q, s_q], varlen [h_q, total_q]) if return_lse.
 
     deterministic: the backward is bitwise reproducible. It already is with the default tiles (dq in its own pass,
-    no atomics); True also rules out the atomic-dq variant a tile table may pick.
+    no atomics); True also rules out the atomic-dq variant a tile table may pick, and the Hopper Gluon backward
+    (WARPFORGE_ATTN_GLUON_BWD), which sums dq by fp32 atomics (its dk and dv are reproducible).
 
     Varlen: the offsets (and max_seqlen_q/k, when given) are checked on the host: one sync, once per cu_seqlens
     tensor as long as its values do not change (the layers of a step share it). Under CUDA-graph capture or

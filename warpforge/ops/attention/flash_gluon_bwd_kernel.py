@@ -394,10 +394,12 @@ def _aligned(t: torch.Tensor) -> bool:
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, do: torch.Tensor) -> bool:
-    """Batched 16-bit inputs of head dim 64/128 (q, k and v alike) that TMA descriptors can address."""
+    """Batched 16-bit inputs of head dim 64/128 (q, k and v alike) that TMA descriptors can address (a
+    non-contiguous do is copied contiguous first)."""
     return (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
             and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1] and do.dtype == q.dtype
-            and out.shape == q.shape and do.shape == q.shape and all(_aligned(t) for t in (q, k, v, do)))
+            and out.shape == q.shape and do.shape == q.shape and all(_aligned(t) for t in (q, k, v))
+            and (not do.is_contiguous() or _aligned(do)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -475,6 +477,8 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
     if q.numel() == 0 or k.numel() == 0 or s_q == 0 or s_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
+    if not do.is_contiguous():  # e.g. an expanded gradient (zero strides): TMA wants real, 16-byte strides
+        do = do.contiguous()
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m)
     grid = (b * h_q, s_pad // PREP_ROWS)
     bwd_prep_kernel[grid](out, do, lse, lse2, delta, dq_acc, s_q, s_pad, out.stride(0), out.stride(1), out.stride(2),
