@@ -2,6 +2,8 @@
 by a random-interleaving model of the three partitions, compiled for sm_90 on CPU when the installed Triton is one its
 Gluon API was written for, and checked against the reference gradients on an sm_90 GPU (forced on with
 WARPFORGE_ATTN_GLUON_BWD=1 while configs.GLUON_BWD_DEFAULT is off)."""
+import itertools
+import math
 import os
 import random
 import subprocess
@@ -264,6 +266,86 @@ def test_barrier_model_catches_mutations(mutation):
     interleaving."""
     rng = random.Random(1)
     assert any(_model_run(rng, rng.choice((2, 3)), rng.randint(3, 9), mutation, split=True) for _ in range(300))
+
+
+# ------------------------------------------------------------------------------ the schedule's arithmetic, emulated
+def _emulate(q, k, v, do, causal, BM=64):
+    """The Gluon backward's schedule (flash_gluon_bwd_kernel._span / _consumer / _probs) in float64: programs of 128 keys x kv head, two 64-key warpgroups, the
+    kernel's tile walk, mask conditions (masked / unmasked branch), padding, scales."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    G = h_q // h_kv
+    scale = d ** -0.5
+    out, lse = attention_reference(q, k, v, causal=causal)
+    delta = (out * do).sum(-1)                      # [b, s, h]
+    s_pad = -(-s_q // BM) * BM
+    LOG2E = 1.4426950408889634
+    lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
+    lse2[:, :, :s_q] = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
+    dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
+    dl[:, :, :s_q] = delta.transpose(1, 2)
+    pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1) if n > t.shape[1] else t
+    n_kv = -(-s_k // 128)
+    Qp, DOp = pad(q, s_pad), pad(do, s_pad)
+    Kp, Vp = pad(k, n_kv * 128), pad(v, n_kv * 128)
+    dq_acc = torch.zeros((b, h_q, s_pad, d), dtype=torch.float64)
+    dk = torch.zeros_like(k); dv = torch.zeros_like(v)
+    diag = s_k - s_q
+    n_m = -(-s_q // BM)
+    for pid0, bb, kvh in itertools.product(range(n_kv), range(b), range(h_kv)):
+        n0 = pid0 * 128
+        first = min(max(n0 - diag, 0) // BM, n_m) if causal else 0
+        for wg in range(2):
+            key_lo = n0 + 64 * wg
+            K = Kp[bb, key_lo:key_lo + 64, kvh]; V = Vp[bb, key_lo:key_lo + 64, kvh]
+            limit0 = s_k - 1 - key_lo; shift = diag - key_lo
+            keys_cut = limit0 < 63
+            dK = torch.zeros(64, d, dtype=torch.float64); dV = torch.zeros(64, d, dtype=torch.float64)
+            for g in range(G):
+                h = kvh * G + g
+                for i in range(first, n_m):
+                    m0 = i * BM
+                    Q = Qp[bb, m0:m0 + BM, h]; dO = DOp[bb, m0:m0 + BM, h]
+                    S = Q @ K.T
+                    P = torch.exp2(S * scale * LOG2E - lse2[bb, h, m0:m0 + BM, None])
+                    masked = keys_cut or (causal and m0 + shift < 63)
+                    if masked:
+                        limit = torch.full((BM,), limit0)
+                        if causal:
+                            limit = torch.minimum(limit, torch.arange(m0, m0 + BM) + shift)
+                        cols = torch.arange(64)
+                        P = torch.where(cols[None, :] <= limit[:, None], P, 0.0)
+                    dP = dO @ V.T
+                    dS = P * (dP - dl[bb, h, m0:m0 + BM, None])
+                    dV += P.T @ dO
+                    dK += dS.T @ Q
+                    dq_acc[bb, h, m0:m0 + BM] += dS @ K
+            n_valid = max(0, min(64, s_k - key_lo))
+            dk[bb, key_lo:key_lo + n_valid, kvh] = (dK * scale)[:n_valid]
+            dv[bb, key_lo:key_lo + n_valid, kvh] = dV[:n_valid]
+    dq = (dq_acc[:, :, :s_q] * scale).transpose(1, 2)
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 77, 77, 2, 1, 16), (2, 130, 300, 4, 2, 8), (1, 300, 130, 2, 2, 8),
+                                   (1, 200, 200, 3, 1, 8)], ids=lambda s: "b{}-sq{}-sk{}-hq{}-hkv{}-d{}".format(*s))
+def test_schedule_emulation_matches_reference(shape, causal):
+    """The kernel's tile walk (first query tile per key tile, GQA heads), its masked / unmasked choice and per-row
+    limits, the padded lse2 (+inf) / delta (0) rows and where the scales go, replayed in float64 on CPU, give the
+    reference gradients: a wrong branch condition or limit would leave unmasked probabilities in."""
+    b, s_q, s_k, h_q, h_kv, d = shape
+    torch.manual_seed(0)
+    q = torch.randn(b, s_q, h_q, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, s_k, h_kv, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, s_k, h_kv, d, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(b, s_q, h_q, d, dtype=torch.float64)
+    out, _ = attention_reference(q, k, v, causal=causal)
+    want = torch.autograd.grad(out, (q, k, v), do)
+    with torch.no_grad():
+        got = _emulate(q.detach(), k.detach(), v.detach(), do, causal)
+    for name, g, w in zip("qkv", got, want):
+        assert rel_l2(g, w) <= 1e-5, f"d{name}"
 
 
 # ------------------------------------------------------------------------------------ compile for sm_90
