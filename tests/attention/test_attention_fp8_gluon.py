@@ -394,7 +394,7 @@ COMPILE_CASES = [
 def _compile_in_subprocess(case):
     code = ("import json, re, sys; from warpforge.ops.attention import fp8_gluon_kernel as fk; "
             "r = fk.compile_sm90(**json.loads(sys.argv[1])); k = r.pop('kernel'); "
-            "r.update(fk.ptxas_usage(k.asm['ptx'])); "
+            "from warpforge.ops._gluon import ptxas_usage; r.update(ptxas_usage(k.asm['ptx'])); "
             "s = fk.sass(k); r['sass_qgmma'] = s.count('QGMMA'); r['sass_igmma'] = s.count('IGMMA'); "
             "r['sass_hgmma'] = s.count('HGMMA'); print('REPORT' + json.dumps(r))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -63,8 +63,6 @@ CONSUMER_REGS = 240
 P_CONVERT = 0
 MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redistributes
 SMEM_MAX = 232448       # sm_90's shared memory per block (227 KB)
-PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
-                "mbarrier": "mbarrier"}
 
 
 def smem_bytes(d: int, block_n: int, stages: int, persistent: bool = False, out_bytes: int = 2) -> int:
@@ -555,24 +553,12 @@ def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=T
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
                  qk_format="fp8", dtype="bfloat16", s=300, permute_k=False, arch=90):
-    """Compile the kernel for sm_<arch> without a GPU (a stub driver stands in while nothing is launched).
-    Returns a report dict (PTX features, warps, shared memory, the compiled kernel)."""
+    """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched). Returns
+    compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus the wgmma types and counts."""
     import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-
     from types import SimpleNamespace
 
-    class _StubDriver:
-        def get_current_target(self):
-            return GPUTarget("cuda", arch, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
+    from .._gluon import compile_report
 
     b = 2
     code = torch.int8 if qk_format == "int8" else torch.float8_e4m3fn
@@ -583,51 +569,15 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
                           v_scale=torch.empty(b, h_kv, d), dtype=getattr(torch, dtype))
     out = torch.empty(b, s, h_q, d, dtype=qkv.dtype)
     lse = torch.empty(b, h_q, s)
-    previous = driver._active
-    driver.set_active(_StubDriver())
-    try:
-        kernel, grid, args, meta = launch_args(qkv, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
-                                               persistent, permute_k=permute_k)
-        kern = kernel.warmup(*args, grid=grid, **meta)
-    finally:
-        driver._active = previous
-    ptx = kern.asm.get("ptx", "")
-    report = {name: tag in ptx for name, tag in PTX_FEATURES.items()}
-    report["setmaxnreg_values"] = sorted(set(int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                                          ptx)))
+    kernel, grid, args, meta = launch_args(qkv, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
+                                           persistent, permute_k=permute_k)
+    report = compile_report(kernel, args, grid, meta, arch)
+    ptx = report["kernel"].asm.get("ptx", "")
     wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.(\w+)\.(\w+)\.(\w+)", ptx)
     report["wgmma_types"] = sorted(set(".".join(x) for x in wg))
     report["wgmma_count"] = len(re.findall(r"wgmma\.mma_async", ptx))
     report["wgmma_reg_a"] = len(re.findall(r"wgmma\.mma_async[^;]*\}, \{", ptx))
-    report["warp_specialize"] = "ttg.warp_specialize" in kern.asm.get("ttgir", "")
-    report["num_warps"] = kern.metadata.num_warps
-    report["shared_bytes"] = kern.metadata.shared
-    report["kernel"] = kern
     return report
-
-
-def ptxas_usage(ptx: str, arch: str = "sm_90a") -> dict:
-    """Registers, spills, and whether ptxas serialized the wgmma pipeline, from `ptxas -v` (Triton's ptxas)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia.compiler import get_ptxas
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([get_ptxas(90).path, "-v", f"-arch={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    text = res.stdout + res.stderr
-    out = {"ptxas_rc": res.returncode, "ptxas_log": text.strip()}
-    m = re.search(r"Used (\d+) registers", text)
-    out["registers"] = int(m.group(1)) if m else None
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    out["spill_stores"], out["spill_loads"] = (int(m.group(1)), int(m.group(2))) if m else (None, None)
-    out["wgmma_serialized"] = "serialized" in text
-    return out
 
 
 def sass(kern) -> str:
