@@ -79,3 +79,18 @@ def assert_grads_match(fn, ref, inputs, dtype):
     exp = torch.autograd.grad(want, [t for t in ref_in if t.requires_grad], g.float())
     for a, b in zip(got, exp):
         assert rel_l2(a, b) <= (2e-2 if dtype != torch.float32 else 1e-4)
+
+
+def triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+def gluon_triton(versions: tuple[str, ...]) -> bool:
+    """The installed Triton is one whose Gluon API a kernel was written for (its GLUON_TRITON_VERSIONS)."""
+    return triton_version().startswith(versions)
+
+
+def on_sm90_gluon(versions: tuple[str, ...]) -> bool:
+    """A Hopper (sm_90) GPU and a Triton in `versions`: where a Gluon kernel's GPU tests can run."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and gluon_triton(versions)

@@ -14,23 +14,18 @@ import torch
 import warpforge as wf
 from warpforge.ops.attention import flash_attention_quantized, fp8_api, quantize_qkv
 from warpforge.ops.attention import fp8_gluon_kernel as fk
-from warpforge.testing import cosine, poisoned_outputs
+from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, triton_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KNOB_ENV = tuple(fp8_api.FP8_GLUON_ENV + "_" + k for k in ("BLOCK_N", "STAGES", "PINGPONG", "PERSISTENT"))
 
 
-def _triton_version():
-    import triton
-    return triton.__version__
-
-
 def _gluon_triton() -> bool:
-    return _triton_version().startswith(fk.GLUON_TRITON_VERSIONS)
+    return gluon_triton(fk.GLUON_TRITON_VERSIONS)
 
 
 def _on_h200() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
+    return on_sm90_gluon(fk.GLUON_TRITON_VERSIONS)
 
 
 # ------------------------------------------------------------------------------------------ gate and knobs (CPU)
@@ -407,7 +402,7 @@ def _compile_in_subprocess(case):
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason="the Gluon FP8 kernel is written for Triton "
-                    f"{fk.GLUON_TRITON_VERSIONS} (installed: {_triton_version()}); Gluon's API differs between releases")
+                    f"{fk.GLUON_TRITON_VERSIONS} (installed: {triton_version()}); Gluon's API differs between releases")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_compiles_for_sm90(case):
     r = _compile_in_subprocess(case)

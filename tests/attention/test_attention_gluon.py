@@ -12,24 +12,20 @@ import warpforge as wf
 from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_kernel as fg
-from warpforge.testing import REL_L2, poisoned_outputs, rel_l2
+from warpforge.testing import (REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2,
+                               triton_version)
 
 KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BLOCK_N", "WARPFORGE_ATTN_GLUON_STAGES", "WARPFORGE_ATTN_GLUON_PINGPONG",
             "WARPFORGE_ATTN_GLUON_PERSISTENT")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _triton_version():
-    import triton
-    return triton.__version__
-
-
 def _gluon_triton() -> bool:
-    return _triton_version().startswith(fg.GLUON_TRITON_VERSIONS)
+    return gluon_triton(fg.GLUON_TRITON_VERSIONS)
 
 
 def _on_h200() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
+    return on_sm90_gluon(fg.GLUON_TRITON_VERSIONS)
 
 
 def test_gate_constants_agree_and_import_is_lazy():
@@ -91,7 +87,7 @@ def _compile_in_subprocess(case):
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fg.GLUON_TRITON_VERSIONS} "
-                    f"(installed: {_triton_version()}); its API differs between releases")
+                    f"(installed: {triton_version()}); its API differs between releases")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_compiles_for_sm90(case):
     r = _compile_in_subprocess(case)

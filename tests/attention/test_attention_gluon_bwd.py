@@ -17,24 +17,19 @@ from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_bwd_kernel as fb
 from warpforge.ops.attention import flash_gluon_kernel as fg
-from warpforge.testing import poisoned_outputs, rel_l2
+from warpforge.testing import gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, triton_version
 
 KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N",
             "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _triton_version():
-    import triton
-    return triton.__version__
-
-
 def _gluon_triton() -> bool:
-    return _triton_version().startswith(fb.GLUON_TRITON_VERSIONS)
+    return gluon_triton(fb.GLUON_TRITON_VERSIONS)
 
 
 def _on_h200() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
+    return on_sm90_gluon(fb.GLUON_TRITON_VERSIONS)
 
 
 def test_gate_constants_agree_and_import_is_lazy():
@@ -359,7 +354,7 @@ COMPILE_CASES = [  # configs.GLUON_BWD's knobs, and dq in 32-column chunks
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fb.GLUON_TRITON_VERSIONS} "
-                    f"(installed: {_triton_version()}); its API differs between releases")
+                    f"(installed: {triton_version()}); its API differs between releases")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_compiles_for_sm90(case):
     r = compile_in_subprocess("warpforge.ops.attention.flash_gluon_bwd_kernel", case, ROOT)
@@ -375,7 +370,7 @@ def test_compiles_for_sm90(case):
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fb.GLUON_TRITON_VERSIONS} "
-                    f"(installed: {_triton_version()}); its API differs between releases")
+                    f"(installed: {triton_version()}); its API differs between releases")
 def test_dq_split_compiles_for_sm90():
     """The DQ_SPLIT knob (off by default): compiles and keeps the pipeline; at d 128 ptxas spills ~100 B of loop scalars
     (benchmarks/NOTES.md), bounded here so that a regression shows."""

@@ -12,7 +12,7 @@ from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.mla import api, configs
 from warpforge.ops.mla import decode_gluon_kernel as dg
 from warpforge.ops.mla import mla_decode_reference
-from warpforge.testing import cosine, poisoned_outputs
+from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, triton_version
 
 from .test_mla_decode import _check, _problem
 
@@ -20,18 +20,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMEM_MAX = 232448  # sm_90's shared memory per block (227 KB)
 
 
-def _triton_version():
-    import triton
-    return triton.__version__
-
-
 def _gluon_triton() -> bool:
-    return _triton_version().startswith(dg.GLUON_TRITON_VERSIONS)
+    return gluon_triton(dg.GLUON_TRITON_VERSIONS)
 
 
 def _on_h200_gate() -> bool:
-    return (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
-            and os.environ.get(configs.GLUON_ENV, "1") != "0")
+    return on_sm90_gluon(dg.GLUON_TRITON_VERSIONS) and os.environ.get(configs.GLUON_ENV, "1") != "0"
 
 
 def test_gate_constants_agree_and_import_is_lazy():
@@ -72,7 +66,7 @@ def _compile_in_subprocess(case):
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {dg.GLUON_TRITON_VERSIONS} "
-                    f"(installed: {_triton_version()}); its API differs between releases")
+                    f"(installed: {triton_version()}); its API differs between releases")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_compiles_for_sm90(case):
     r = _compile_in_subprocess(case)
