@@ -48,14 +48,30 @@ def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Opt
                      ScoreMod(scale, softcap, slopes))
 
 
-def _gluon_switch() -> bool:
-    """WARPFORGE_ATTN_GLUON: "1" on, "0" off, unset configs.GLUON_DEFAULT; and a Triton whose Gluon API the
-    kernel was written for. Read on the host (the forward op is opaque to torch.compile)."""
-    flag = os.environ.get(configs.GLUON_ENV)
-    if (configs.GLUON_DEFAULT if flag is None else flag != "0") is False:
+def _switch(env: str, default: bool) -> bool:
+    """A Gluon kernel's switch: env "1" on, "0" off, unset `default`; and a Triton whose Gluon API the kernels were
+    written for. Read on the host (the ops are opaque to torch.compile)."""
+    flag = os.environ.get(env)
+    if (default if flag is None else flag != "0") is False:
         return False
     import triton
     return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
+
+
+def _gluon_switch() -> bool:
+    """WARPFORGE_ATTN_GLUON, default configs.GLUON_DEFAULT."""
+    return _switch(configs.GLUON_ENV, configs.GLUON_DEFAULT)
+
+
+def _gluon_shape_ok(q, k, left, right) -> bool:
+    """What both Gluon kernels take: a 4-d fp16/bf16 batch on an sm_90 device, head dim 64 or 128, no mask or
+    causal (a window, or a one-sided band, goes to the portable kernels)."""
+    if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
+        return False
+    s_k = k.shape[1]
+    if left < s_k or not (right == 0 or right >= s_k):
+        return False
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in configs.GLUON_HEAD_DIMS
 
 
 def gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool, bool]:
@@ -73,14 +89,7 @@ def gluon_gate(q, k, v, left, right) -> bool:
     in configs.GLUON_TRITON_VERSIONS, the switch on (_gluon_switch), fp16/bf16, head dim 64 or 128 for q, k and v,
     no mask or causal (no window), TMA-aligned tensors. The caller has already ruled out varlen, softcap, ALiBi
     and a separate V head dim; everything else runs the portable kernel."""
-    if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
-        return False
-    s_k = k.shape[1]
-    if left < s_k or not (right == 0 or right >= s_k):  # a window (or a one-sided band) -> portable kernel
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in configs.GLUON_HEAD_DIMS:
-        return False
-    if not _gluon_switch():
+    if not (_gluon_shape_ok(q, k, left, right) and _gluon_switch()):
         return False
     from . import flash_gluon_kernel
     return flash_gluon_kernel.fits(q, k, v) and flash_gluon_kernel.available()
@@ -114,13 +123,8 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 
 def _gluon_bwd_switch() -> bool:
-    """WARPFORGE_ATTN_GLUON_BWD: "1" on, "0" off, unset configs.GLUON_BWD_DEFAULT; and a Triton whose Gluon API the
-    kernel was written for."""
-    flag = os.environ.get(configs.GLUON_BWD_ENV)
-    if (configs.GLUON_BWD_DEFAULT if flag is None else flag != "0") is False:
-        return False
-    import triton
-    return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
+    """WARPFORGE_ATTN_GLUON_BWD, default configs.GLUON_BWD_DEFAULT."""
+    return _switch(configs.GLUON_BWD_ENV, configs.GLUON_BWD_DEFAULT)
 
 
 def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool]:
@@ -139,14 +143,7 @@ def gluon_bwd_gate(q, k, v, out, do, left, right, deterministic) -> bool:
     by fp32 atomics), fp16/bf16, head dim 64 or 128 for q, k and v, no mask or causal (no window), TMA-aligned
     tensors. The caller has ruled out varlen, softcap, ALiBi and a separate V head dim; everything else runs the
     portable backward."""
-    if deterministic or q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
-        return False
-    s_k = k.shape[1]
-    if left < s_k or not (right == 0 or right >= s_k):  # a window (or a one-sided band) -> portable backward
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in configs.GLUON_HEAD_DIMS:
-        return False
-    if not _gluon_bwd_switch():
+    if deterministic or not (_gluon_shape_ok(q, k, left, right) and _gluon_bwd_switch()):
         return False
     from . import flash_gluon_bwd_kernel
     return flash_gluon_bwd_kernel.fits(q, k, v, out, do) and flash_gluon_bwd_kernel.available()
