@@ -16,6 +16,19 @@ PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setm
                 "mbarrier": "mbarrier"}
 
 
+def builds(build, versions: tuple[str, ...]) -> bool:
+    """The installed Triton is one of `versions` and the kernel's builder (its Gluon imports and definitions) runs:
+    otherwise the caller takes its portable kernel."""
+    import triton
+    if not triton.__version__.startswith(versions):
+        return False
+    try:
+        build()
+    except Exception:  # noqa: BLE001 - any import / definition failure means: use the portable kernel
+        return False
+    return True
+
+
 class StubTarget:
     """A stand-in driver for compiling without a GPU: it names the target and launches nothing."""
 

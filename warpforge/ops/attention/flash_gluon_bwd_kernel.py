@@ -380,13 +380,8 @@ def _build():
 
 def available() -> bool:
     """This Triton's Gluon is one the kernel was written for (and imports)."""
-    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
-        return False
-    try:
-        _build()
-    except Exception:  # noqa: BLE001 - any import / definition failure means: use the portable backward
-        return False
-    return True
+    from .._gluon import builds
+    return builds(_build, GLUON_TRITON_VERSIONS)
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -381,14 +381,8 @@ def _build():
 
 def available() -> bool:
     """This Triton's Gluon is one the kernel was written for (and imports)."""
-    import triton
-    if not triton.__version__.startswith(GLUON_TRITON_VERSIONS):
-        return False
-    try:
-        _build()
-    except Exception:  # noqa: BLE001 - any import / definition failure means: use the portable kernel
-        return False
-    return True
+    from .._gluon import builds
+    return builds(_build, GLUON_TRITON_VERSIONS)
 
 
 def tma_ok(kv_cache: torch.Tensor) -> bool:
