@@ -40,6 +40,9 @@ from warpforge.ops.attention import flash_gluon_kernel as fg  # noqa: E402
 from warpforge.ops.attention import fp8_gluon_kernel as fk  # noqa: E402
 from warpforge.ops.attention.reference import attention_reference  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention_gluon import flops, input_sets, sdpa_cudnn, timed  # noqa: E402
+
 CASES = [  # b, h, s, d, causal
     (4, 16, 8192, 128, True),
     (4, 16, 8192, 128, False),
@@ -47,10 +50,6 @@ CASES = [  # b, h, s, d, causal
 ]
 SWEEP = [(128, 2, True, False), (128, 3, True, False), (128, 4, True, False), (128, 3, False, False),
          (64, 4, True, False), (128, 3, True, True), (128, 2, True, True)]  # + each of the first two with PERMUTE_K
-
-
-def flops(b, h, s, d, causal):
-    return 4 * b * h * s * s * d / (2 if causal else 1)
 
 
 def quantiser_bytes(b, h, s, d, qk_format):
@@ -62,24 +61,6 @@ def quantiser_bytes(b, h, s, d, qk_format):
     return read + write
 
 
-def input_sets(b, h, s, d, l2_bytes):
-    per_set = 3 * b * s * h * d * 2
-    n = max(2, math.ceil(2 * l2_bytes / per_set))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    return [[torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
-            for _ in range(n)]
-
-
-def timed(fn, sets):
-    i = [0]
-
-    def call():
-        x = sets[i[0] % len(sets)]
-        i[0] += 1
-        return fn(*x) if isinstance(x, (list, tuple)) else fn(x)
-    return triton.testing.do_bench(call, warmup=10, rep=50, return_mode="median")
-
-
 def copy_rate(l2):
     """Device-to-device copy GB/s (read + write) of a buffer 4x the L2."""
     n = int(8 * l2) // 4
@@ -87,17 +68,6 @@ def copy_rate(l2):
     b = torch.empty_like(a)
     ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=30, return_mode="median")
     return 2 * a.numel() * 4 / ms / 1e6
-
-
-def sdpa_cudnn(causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def run(q, k, v):
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                                                 v.transpose(1, 2), is_causal=causal)
-        return o.transpose(1, 2)
-    return run
 
 
 def exact_cos(out, q, k, v, causal, heads=2):

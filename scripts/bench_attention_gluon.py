@@ -64,13 +64,13 @@ def input_sets(b, h, s, d, l2_bytes):
 
 
 def timed(fn, sets):
-    """Median ms of fn(q, k, v), each call on the next input set."""
+    """Median ms of fn(*set) (fn(set) for a set that is not a list or tuple), each call on the next input set."""
     i = [0]
 
     def call():
-        q, k, v = sets[i[0] % len(sets)]
+        st = sets[i[0] % len(sets)]
         i[0] += 1
-        return fn(q, k, v)
+        return fn(*st) if isinstance(st, (list, tuple)) else fn(st)
     return triton.testing.do_bench(call, warmup=10, rep=60, return_mode="median")
 
 
@@ -177,16 +177,6 @@ def bwd_sets(b, h_q, h_kv, s, d, l2_bytes):
     return sets
 
 
-def timed_sets(fn, sets):
-    i = [0]
-
-    def call():
-        st = sets[i[0] % len(sets)]
-        i[0] += 1
-        return fn(st)
-    return triton.testing.do_bench(call, warmup=5, rep=60, return_mode="median")
-
-
 def warpforge_fwd_bwd(gluon_bwd, knobs=None):
     """The public call, forward + backward; the Gluon forward on, the Gluon backward on or off (env, read per call)."""
     def run(st):
@@ -261,7 +251,7 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
                 err = float("nan")
                 if ref is not None and len(got) == 3:
                     err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref))
-                ms = timed_sets(fn, sets)
+                ms = timed(fn, sets)
             except Exception as e:  # noqa: BLE001 - one failing path must not stop the rest
                 print(f"  {name:32s} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 continue
