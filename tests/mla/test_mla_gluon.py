@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import warpforge as wf
-from warpforge.ops._gluon import compile_in_subprocess
+from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess
 from warpforge.ops.mla import api, configs
 from warpforge.ops.mla import decode_gluon_kernel as dg
 from warpforge.ops.mla import mla_decode_reference
@@ -17,7 +17,6 @@ from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outp
 from .test_mla_decode import _check, _problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMEM_MAX = 232448  # sm_90's shared memory per block (227 KB)
 
 
 def _gluon_triton() -> bool:

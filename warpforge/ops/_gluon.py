@@ -12,8 +12,16 @@ from __future__ import annotations
 import os
 import re
 
+SMEM_MAX = 232448  # sm_90's shared memory per block (227 KB)
 PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setmaxnreg": "setmaxnreg",
                 "mbarrier": "mbarrier"}
+
+
+def tma_addressable(t) -> bool:
+    """A tensor a TMA descriptor can address as it is: 16-byte aligned base and strides, unit stride along the
+    last dim."""
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]))
 
 
 def builds(build, versions: tuple[str, ...]) -> bool:

@@ -77,8 +77,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .flash_gluon_kernel import (CONSUMER_REGS, GLUON_TRITON_VERSIONS, HEAD_DIMS, LOG2E, MAXNREG, PRODUCER_REGS,
-                                 SMEM_MAX)
+from .._gluon import SMEM_MAX, tma_addressable
+from .flash_gluon_kernel import CONSUMER_REGS, GLUON_TRITON_VERSIONS, HEAD_DIMS, LOG2E, MAXNREG, PRODUCER_REGS
 
 BLOCK_N = 128           # keys per program: two consumer warpgroups of 64 keys each
 WG_KEYS = 64
@@ -384,17 +384,13 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((st * 2) % 16 == 0 for st in t.stride()[:-1])
-
-
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, do: torch.Tensor) -> bool:
     """Batched 16-bit inputs of head dim 64/128 (q, k and v alike) that TMA descriptors can address (a
     non-contiguous do is copied contiguous first)."""
     return (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
             and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1] and do.dtype == q.dtype
-            and out.shape == q.shape and do.shape == q.shape and all(_aligned(t) for t in (q, k, v))
-            and (not do.is_contiguous() or _aligned(do)))
+            and out.shape == q.shape and do.shape == q.shape and all(tma_addressable(t) for t in (q, k, v))
+            and (not do.is_contiguous() or tma_addressable(do)))
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,6 +44,8 @@ import functools
 
 import torch
 
+from .._gluon import SMEM_MAX, tma_addressable
+
 LOG2E = 1.4426950408889634
 BLOCK_M = 128           # query rows per program: two consumer warpgroups of 64 rows each
 WG_ROWS = 64
@@ -52,7 +54,6 @@ HEAD_DIMS = (64, 128)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redistributes
-SMEM_MAX = 232448       # sm_90's shared memory per block (227 KB)
 
 
 def smem_bytes(d: int, block_n: int, stages: int, persistent: bool = False) -> int:
@@ -334,8 +335,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     aligned bases and strides."""
     return (q.dim() == 4 and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in HEAD_DIMS
             and k.shape[-1] == q.shape[-1] and v.shape[-1] == q.shape[-1]
-            and all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and all((st * 2) % 16 == 0 for st in t.stride()[:-1])
-                    for t in (q, k, v)))
+            and all(tma_addressable(t) for t in (q, k, v)))
 
 
 def _descriptors(q, k, v, out, block_n, gl):

@@ -48,6 +48,8 @@ import functools
 
 import torch
 
+from .._gluon import SMEM_MAX, tma_addressable
+
 
 LOG2E = 1.4426950408889634
 LOG2_448 = 8.807354922057604  # log2(448): e4m3's largest finite value
@@ -62,7 +64,6 @@ CONSUMER_REGS = 240
 # 3 stages (Triton 3.6): 7376 / 7928 / 7664 instructions, so 0.
 P_CONVERT = 0
 MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redistributes
-SMEM_MAX = 232448       # sm_90's shared memory per block (227 KB)
 
 
 def smem_bytes(d: int, block_n: int, stages: int, persistent: bool = False, out_bytes: int = 2) -> int:
@@ -391,18 +392,13 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all((st * t.element_size()) % 16 == 0 for st in t.stride()[:-1]))
-
-
 def fits(qkv) -> bool:
     """A QuantizedQKV the kernel takes: head dim 64/128 for q, k and v (d_v = d), codes that TMA descriptors can
     address (16-byte aligned bases and strides, unit stride along the last dim), an fp16/bf16 output."""
     q, k, vt = qkv.q, qkv.k, qkv.v_t
     d = q.shape[-1]
     return (q.dim() == 4 and d in HEAD_DIMS and k.shape[-1] == d and vt.shape[2] == d
-            and qkv.dtype in (torch.float16, torch.bfloat16) and all(_aligned(t) for t in (q, k, vt)))
+            and qkv.dtype in (torch.float16, torch.bfloat16) and all(tma_addressable(t) for t in (q, k, vt)))
 
 
 def key_scales_by_head(k_scale: torch.Tensor) -> torch.Tensor:
