@@ -16,8 +16,9 @@ from warpforge.ops.evoformer import configs, evoformer_kernel as ek
 from warpforge.tune.timing import time_candidate
 
 C = configs.EvoCfg
-CANDIDATES = [C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 3), C(128, 128, 8, 2),
-              C(64, 128, 4, 2), C(32, 64, 4, 3), C(64, 32, 4, 3), C(128, 32, 4, 3), C(32, 32, 4, 2)]
+CANDIDATES = [C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 3), C(128, 64, 8, 2),
+              C(128, 128, 8, 2), C(64, 128, 4, 2), C(32, 64, 4, 3), C(64, 32, 4, 3), C(128, 32, 4, 3), C(32, 32, 4, 2),
+              C(64, 64, 2, 2), C(32, 64, 2, 2), C(64, 32, 2, 3), C(128, 128, 8, 3), C(64, 128, 8, 2)]
 SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "extra": dict(S=5120, R=384, H=8, D=8)}
 
 

@@ -113,6 +113,9 @@ def _check(q, k, v, biases, gate, softmax_scale, backend):
         check_dtype(name, bias, FLOATS)
         if bias.dim() > 5 or any(n not in (1, m) for n, m in zip(reversed(bias.shape), reversed(full))):
             fail(name, f"a shape broadcastable to [B, N_seq, H, N_res, N_res] = {list(full)}", tuple(bias.shape))
+        st = _full(bias, full).stride()
+        if (R - 1) * (abs(st[3]) + abs(st[4])) >= 2 ** 31:  # the kernels' offsets inside one (b, s, h) are int32
+            fail(name, "strides over the residues that keep one (b, s, h) slice under 2^31 elements", st[3:])
         if bias.requires_grad and bias.dim() >= 4 and bias.shape[-4] != 1 and S != 1:
             fail(name, "no gradient unless it is shared by the MSA rows (N_seq dim 1, as the pair bias "
                  "[B, 1, H, N_res, N_res]): a per-row bias's gradient is as large as the scores", "requires_grad=True")

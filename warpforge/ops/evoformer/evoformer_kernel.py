@@ -9,6 +9,12 @@ tensor and no float atomics (bitwise reproducible).
 
 Layouts: q, k, v, out, do and the gradients contiguous [B, N_seq, N_res, H, D] (one set of strides); lse and delta
 [B, N_seq, H, N_res], indexed by the program's (b, s, h) row bsh = (b · N_seq + s) · H + h.
+
+At the small head dims of these models (8-64) the matmuls are cheap and a score costs ~15 instructions, so the
+kernels spend their care there: a bias that is the same for every query (the residue mask, stride 0 over the
+queries: BIAS_KIND 2) is read as one vector per key block instead of a [rows, keys] tile; masks are compiled only
+where N_res does not fill the tiles (EVEN_M / EVEN_N / EVEN_D); offsets inside one (b, s, h) slice are int32 from an
+int64 base (api._check makes sure they fit).
 """
 import torch
 import triton
@@ -17,34 +23,66 @@ import triton.language as tl
 from ..shared_kernels import dot, online_softmax
 
 LOG2E = 1.4426950408889634
+BIAS_NONE, BIAS_TILE, BIAS_KEYS = 0, 1, 2
 
 
 @triton.jit
-def _bias_tile(BIAS, b, s, h, rows, cols, stride_b, stride_s, stride_h, stride_i, stride_j, R, HAS: tl.constexpr):
-    """The [rows, cols] tile of one bias for (b, s, h) in fp32 (0 past the residues), or 0 without one."""
-    if HAS:
-        ptrs = BIAS + b * stride_b + s * stride_s + h * stride_h + rows[:, None].to(tl.int64) * stride_i + \
-            cols[None, :].to(tl.int64) * stride_j
-        tile = tl.load(ptrs, mask=(rows < R)[:, None] & (cols < R)[None, :], other=0.0).to(tl.float32)
+def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN_M: tl.constexpr,
+               EVEN_N: tl.constexpr):
+    """The [rows, cols] tile of one bias (BIAS already at this (b, s, h)) in fp32, 0 past the residues; a [1, cols]
+    row for a bias shared by every query (KIND 2); 0 without one."""
+    if KIND == 1:
+        ptrs = BIAS + rows[:, None] * stride_i + cols[None, :] * stride_j
+        if EVEN_M and EVEN_N:
+            tile = tl.load(ptrs).to(tl.float32)
+        else:
+            tile = tl.load(ptrs, mask=(rows < R)[:, None] & (cols < R)[None, :], other=0.0).to(tl.float32)
+    elif KIND == 2:
+        if EVEN_N:
+            tile = tl.load(BIAS + cols * stride_j).to(tl.float32)[None, :]
+        else:
+            tile = tl.load(BIAS + cols * stride_j, mask=cols < R, other=0.0).to(tl.float32)[None, :]
     else:
         tile = 0.0
     return tile
 
 
 @triton.jit
-def _scores(q, k, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i, b1_j, B2, b2_b, b2_s, b2_h, b2_i, b2_j,
-            HAS1: tl.constexpr, HAS2: tl.constexpr):
-    """(q · kᵀ · scale + biases) in log2 units, [rows, cols], -inf past the residues."""
-    x = dot(q, tl.trans(k)) * scale
-    x += _bias_tile(B1, b, s, h, rows, cols, b1_b, b1_s, b1_h, b1_i, b1_j, R, HAS1)
-    x += _bias_tile(B2, b, s, h, rows, cols, b2_b, b2_s, b2_h, b2_i, b2_j, R, HAS2)
-    return tl.where((cols < R)[None, :], x * 1.4426950408889634, float("-inf"))
+def _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1: tl.constexpr,
+            KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """(q · kᵀ · scale + biases) in log2 units (qk_scale = scale · log2 e), [rows, cols], -inf past the residues.
+    B1 / B2 point at this (b, s, h)'s slice of each bias."""
+    x = dot(q, tl.trans(k)) * qk_scale
+    if KIND1 != 0 or KIND2 != 0:
+        bias = _bias_tile(B1, rows, cols, b1_i, b1_j, R, KIND1, EVEN_M, EVEN_N) + \
+            _bias_tile(B2, rows, cols, b2_i, b2_j, R, KIND2, EVEN_M, EVEN_N)
+        x += bias * 1.4426950408889634
+    if not EVEN_N:
+        x = tl.where((cols < R)[None, :], x, float("-inf"))
+    return x
 
 
 @triton.jit
-def _rows_tile(X, base, rows, offs_d, stride_r, R, D: tl.constexpr):
-    return tl.load(X + base + rows[:, None].to(tl.int64) * stride_r + offs_d[None, :],
-                   mask=(rows < R)[:, None] & (offs_d < D)[None, :], other=0.0)
+def _rows_tile(X, rows, offs_d, stride_r, R, D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr):
+    """[rows, BLOCK_D] of X (already at this (b, s, h)), 0 past the residues and the head dim."""
+    ptrs = X + rows[:, None] * stride_r + offs_d[None, :]
+    if EVEN_R and EVEN_D:
+        tile = tl.load(ptrs)
+    elif EVEN_R:
+        tile = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=(rows < R)[:, None] & (offs_d < D)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(X, tile, rows, offs_d, stride_r, R, D: tl.constexpr, EVEN_R: tl.constexpr, EVEN_D: tl.constexpr):
+    ptrs = X + rows[:, None] * stride_r + offs_d[None, :]
+    tile = tile.to(X.dtype.element_ty)
+    if EVEN_R and EVEN_D:
+        tl.store(ptrs, tile)
+    else:
+        tl.store(ptrs, tile, mask=(rows < R)[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
@@ -61,50 +99,59 @@ def evo_fwd_kernel(
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS1: tl.constexpr, HAS2: tl.constexpr,
+    KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    bsh = tl.program_id(1)
+    bsh = tl.program_id(1).to(tl.int64)
     b, s, h = _program_bsh(bsh, S, H)
     base = b * stride_b + s * stride_s + h * stride_h
+    B1 += b * b1_b + s * b1_s + h * b1_h
+    B2 += b * b2_b + s * b2_s + h * b2_h
+    qk_scale = scale * 1.4426950408889634
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _rows_tile(Q, base, rows, offs_d, stride_r, R, D)
+    q = _rows_tile(Q + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, R, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
-        v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
-        x = _scores(q, k, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i, b1_j, B2, b2_b, b2_s, b2_h,
-                    b2_i, b2_j, HAS1, HAS2)
+        k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
         p, alpha, l_i, m_i = online_softmax(x, m_i, l_i)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    tl.store(LSE + bsh.to(tl.int64) * R + rows, tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe))
-                                                         * 0.6931471805599453), mask=rows < R)
-    tl.store(OUT + base + rows[:, None].to(tl.int64) * stride_r + offs_d[None, :],
-             (acc / l_safe[:, None]).to(OUT.dtype.element_ty), mask=(rows < R)[:, None] & (offs_d < D)[None, :])
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    if EVEN_M:
+        tl.store(LSE + bsh * R + rows, lse)
+    else:
+        tl.store(LSE + bsh * R + rows, lse, mask=rows < R)
+    _store_rows(OUT + base, acc / l_safe[:, None], rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
 
 
 @triton.jit
-def _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D: tl.constexpr):
-    """A query block's q, do, lse (log2; +inf for rows that saw nothing, so their p is 0) and delta."""
-    q = _rows_tile(Q, base, rows, offs_d, stride_r, R, D)
-    do = _rows_tile(DO, base, rows, offs_d, stride_r, R, D)
-    lse = tl.load(LSE + bsh * R + rows, mask=rows < R, other=float("-inf"))
+def _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D: tl.constexpr, EVEN_R: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """A query block's q, do, lse (log2; +inf for rows that saw nothing, so their p is 0) and delta (Q and DO at
+    this (b, s, h))."""
+    q = _rows_tile(Q, rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D)
+    do = _rows_tile(DO, rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D)
+    if EVEN_R:
+        lse = tl.load(LSE + bsh * R + rows)
+        delta = tl.load(DELTA + bsh * R + rows)
+    else:
+        lse = tl.load(LSE + bsh * R + rows, mask=rows < R, other=float("-inf"))
+        delta = tl.load(DELTA + bsh * R + rows, mask=rows < R, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + bsh * R + rows, mask=rows < R, other=0.0)
     return q, do, lse2, delta
 
 
 @triton.jit
-def _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i, b1_j, B2, b2_b,
-             b2_s, b2_h, b2_i, b2_j, HAS1: tl.constexpr, HAS2: tl.constexpr):
+def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+             KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """(p, ds = p · (do · vᵀ − delta)) of a [rows, cols] tile: the softmax's gradient w.r.t. the scores."""
-    x = _scores(q, k, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i, b1_j, B2, b2_b, b2_s, b2_h, b2_i,
-                b2_j, HAS1, HAS2)
+    x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
     p = tl.math.exp2(x - lse2[:, None])
     return p, p * (dot(do, tl.trans(v)) - delta[:, None])
 
@@ -116,44 +163,47 @@ def evo_bwd_kernel(
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS1: tl.constexpr, HAS2: tl.constexpr, DQ_PASS: tl.constexpr,
+    KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    DQ_PASS: tl.constexpr,
 ):
     """Program (block, b · s · h). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
     query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics."""
     bsh = tl.program_id(1).to(tl.int64)
     b, s, h = _program_bsh(bsh, S, H)
     base = b * stride_b + s * stride_s + h * stride_h
+    B1 += b * b1_b + s * b1_s + h * b1_h
+    B2 += b * b2_b + s * b2_s + h * b2_h
+    qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     if DQ_PASS:
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D)
+        q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M,
+                                        EVEN_D)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(0, R, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
-            k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
-            v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
-            p, ds = _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i,
-                             b1_j, B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
+            k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+            v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+                             KIND1, KIND2, EVEN_M, EVEN_N)
             dq = dot(ds.to(k.dtype), k, dq)
-        tl.store(DQ + base + rows[:, None].to(tl.int64) * stride_r + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=(rows < R)[:, None] & (offs_d < D)[None, :])
+        _store_rows(DQ + base, dq * scale, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
     else:
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
-        v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
+        k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         for m0 in range(0, R, BLOCK_M):
             rows = m0 + tl.arange(0, BLOCK_M)
-            q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D)
-            p, ds = _dscores(q, k, v, do, lse2, delta, b, s, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i,
-                             b1_j, B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
+            q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D,
+                                            EVEN_M, EVEN_D)
+            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+                             KIND1, KIND2, EVEN_M, EVEN_N)
             dv = dot(tl.trans(p.to(do.dtype)), do, dv)
             dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
-        ok = (cols < R)[:, None] & (offs_d < D)[None, :]
-        ptrs = base + cols[:, None].to(tl.int64) * stride_r + offs_d[None, :]
-        tl.store(DK + ptrs, (dk * scale).to(DK.dtype.element_ty), mask=ok)
-        tl.store(DV + ptrs, dv.to(DV.dtype.element_ty), mask=ok)
+        _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        _store_rows(DV + base, dv, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
 
 
 @triton.jit
@@ -164,11 +214,12 @@ def evo_bwd_dbias_kernel(
     db_b, db_h, db_i,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS1: tl.constexpr, HAS2: tl.constexpr,
+    KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """d(pair bias)[b, h, i, j] = Σ_s ds[b, s, h, i, j], the rows walked in order (deterministic)."""
     b = (tl.program_id(2) // H).to(tl.int64)
     h = (tl.program_id(2) % H).to(tl.int64)
+    qk_scale = scale * 1.4426950408889634
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -177,14 +228,19 @@ def evo_bwd_dbias_kernel(
         s64 = s + b * 0  # an int64 tensor in both the compiler and the interpreter
         bsh = (b * S + s64) * H + h
         base = b * stride_b + s64 * stride_s + h * stride_h
-        q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, base, bsh, rows, offs_d, stride_r, R, D)
-        k = _rows_tile(K, base, cols, offs_d, stride_r, R, D)
-        v = _rows_tile(V, base, cols, offs_d, stride_r, R, D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, b, s64, h, rows, cols, R, scale, B1, b1_b, b1_s, b1_h, b1_i,
-                         b1_j, B2, b2_b, b2_s, b2_h, b2_i, b2_j, HAS1, HAS2)
+        q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M,
+                                        EVEN_D)
+        k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale,
+                         B1 + b * b1_b + s64 * b1_s + h * b1_h, b1_i, b1_j,
+                         B2 + b * b2_b + s64 * b2_s + h * b2_h, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
         acc += ds
-    tl.store(DBIAS + b * db_b + h * db_h + rows[:, None].to(tl.int64) * db_i + cols[None, :],
-             acc.to(DBIAS.dtype.element_ty), mask=(rows < R)[:, None] & (cols < R)[None, :])
+    ptrs = DBIAS + b * db_b + h * db_h + rows[:, None] * db_i + cols[None, :]
+    if EVEN_M and EVEN_N:
+        tl.store(ptrs, acc.to(DBIAS.dtype.element_ty))
+    else:
+        tl.store(ptrs, acc.to(DBIAS.dtype.element_ty), mask=(rows < R)[:, None] & (cols < R)[None, :])
 
 
 # ------------------------------------------------------------------------------------------ launch
@@ -193,17 +249,23 @@ def _block(d):
 
 
 def _bias_args(biases, dummy):
-    """(pointer, 5 strides, present) per bias slot, broadcast dims at stride 0; `dummy` stands in for no bias."""
-    args, present = [], []
+    """(pointer, 5 strides, kind) per bias slot, broadcast dims at stride 0; `dummy` stands in for no bias. A bias
+    with stride 0 over the queries is read as one row of keys (BIAS_KEYS)."""
+    args, kinds = [], []
     for i in range(2):
         bias = biases[i] if i < len(biases) else None
         if bias is None:
             args += [dummy, 0, 0, 0, 0, 0]
-            present.append(False)
+            kinds.append(BIAS_NONE)
         else:
-            args += [bias, *bias.stride()]
-            present.append(True)
-    return args, present
+            st = bias.stride()  # api._check keeps (R - 1) · (|st[3]| + |st[4]|) under 2^31: int32 offsets
+            args += [bias, *st]
+            kinds.append(BIAS_KEYS if st[3] == 0 else BIAS_TILE)
+    return args, kinds
+
+
+def _shape_flags(R, D, cfg):
+    return dict(EVEN_M=R % cfg.block_m == 0, EVEN_N=R % cfg.block_n == 0, EVEN_D=_block(D) == D)
 
 
 def evoformer_fwd(q, k, v, biases, scale, cfg):
@@ -212,12 +274,12 @@ def evoformer_fwd(q, k, v, biases, scale, cfg):
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     if q.numel():
-        bias_args, (has1, has2) = _bias_args(biases, q)
+        bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
         evo_fwd_kernel[(triton.cdiv(R, cfg.block_m), B * S * H)](
             q, k, v, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2), q.stride(3), *b1[1:], *b2[1:],
-            S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), HAS1=has1, HAS2=has2,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
+            KIND2=kind2, **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
 
 
@@ -231,19 +293,19 @@ def evoformer_bwd(do, q, k, v, out, lse, biases, scale, want_dbias, tiles):
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     delta = (out.float() * do.float()).sum(-1).permute(0, 1, 3, 2).contiguous()  # [B, S, H, R]
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
-    bias_args, (has1, has2) = _bias_args(biases, q)
+    bias_args, (kind1, kind2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
     for cfg, dq_pass in ((tiles.dkdv, False), (tiles.dq, True)):
         evo_bwd_kernel[(triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n), B * S * H)](
             q, k, v, do, lse, delta, dq, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
-            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), HAS1=has1, HAS2=has2,
-            DQ_PASS=dq_pass, num_warps=cfg.warps, num_stages=cfg.stages)
+            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
+            **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, num_warps=cfg.warps, num_stages=cfg.stages)
     cfg = tiles.dbias
     if want_dbias:
         db = dbias
         evo_bwd_dbias_kernel[(triton.cdiv(R, cfg.block_m), triton.cdiv(R, cfg.block_n), B * H)](
             q, k, v, do, lse, delta, db, b1[0], b2[0], *strides, *b1[1:], *b2[1:],
             db.stride(0), db.stride(1), db.stride(2), S, R, scale,
-            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), HAS1=has1, HAS2=has2,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
+            **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     return dq, dk, dv, dbias
