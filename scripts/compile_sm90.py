@@ -132,14 +132,14 @@ def mla():
 def evoformer():
     from warpforge.ops.evoformer import api
     for s, d in ((8, 32), (8, 16), (4, 64)):
-        q, k, v = (torch.randn(1, s, 384, 8, d, dtype=torch.bfloat16) for _ in range(3))
+        q, k, v, gate = (torch.randn(1, s, 384, 8, d, dtype=torch.bfloat16) for _ in range(4))
         pair = torch.randn(1, 1, 8, 384, 384, dtype=torch.bfloat16)
         mask = torch.zeros(1, s, 1, 1, 384, dtype=torch.bfloat16)
-        out, lse = api._fwd_impl(q, k, v, mask, pair, 0.1)
+        out, lse = api._fwd_impl(q, k, v, mask, pair, gate, 0.1)
         from warpforge.ops.evoformer.evoformer_kernel import evoformer_bwd
         full = (1, s, 8, 384, 384)
         evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(1, s, 8, 384), (api._full(mask, full),
-                      api._full(pair, full)), 0.1, True, api._tiles(q))
+                      api._full(pair, full)), gate, 0.1, True, api._tiles(q))
 
 
 def paged():

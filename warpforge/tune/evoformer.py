@@ -34,25 +34,26 @@ def main(argv=None):
 
         def rnd(*shape):
             return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-        q, k, v, do = (rnd(1, S, R, H, D) for _ in range(4))
+        q, k, v, do, gate = (rnd(1, S, R, H, D) for _ in range(5))
         mask = torch.zeros(1, S, 1, 1, R, device="cuda", dtype=torch.bfloat16).expand(1, S, H, R, R)
         pair = rnd(1, 1, H, R, R).expand(1, S, H, R, R)
         biases, scale = (mask, pair), 1.0 / math.sqrt(D)
         flops = 4.0 * S * H * R * R * D
         base = configs.TILES.lookup(torch.device("cuda"), ek._block(D))
-        out, lse = ek.evoformer_fwd(q, k, v, biases, scale, base.fwd)
+        out, lse = ek.evoformer_fwd(q, k, v, biases, gate, scale, base.fwd)
 
         def record(part, cfg, ms, part_flops):
             results.append(dict(shape=name, part=part, cfg=list(cfg), ms=ms, tflops=part_flops / ms / 1e9))
             print(f"{name} {part} {tuple(cfg)}: {ms:.3f} ms {part_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
         for cfg in CANDIDATES:
-            ms = time_candidate(lambda: ek.evoformer_fwd(q, k, v, biases, scale, cfg))
+            ms = time_candidate(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, cfg))
             if ms is not None:
                 record("fwd", cfg, ms, flops)
         for part in ("dkdv", "dq", "dbias"):  # one pass swept, the others at the table's entry
             for cfg in CANDIDATES:
                 tiles = base._replace(**{part: cfg})
-                ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, scale, True, tiles))
+                ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True,
+                                                                    tiles))
                 if ms is not None:
                     record(f"bwd, {part} swept", cfg, ms, 2.5 * flops)
     if args.out:

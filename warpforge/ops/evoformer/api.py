@@ -31,14 +31,15 @@ def _tiles(q):
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: Optional[torch.Tensor],
-              bias2: Optional[torch.Tensor], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+              bias2: Optional[torch.Tensor], gate: Optional[torch.Tensor],
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     from .evoformer_kernel import evoformer_fwd
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
-    return evoformer_fwd(q, k, v, (_full(bias1, full), _full(bias2, full)), scale, _tiles(q).fwd)
+    return evoformer_fwd(q, k, v, (_full(bias1, full), _full(bias2, full)), gate, scale, _tiles(q).fwd)
 
 
-def _fwd_fake(q, k, v, bias1, bias2, scale):
+def _fwd_fake(q, k, v, bias1, bias2, gate, scale):
     B, S, R, H, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, S, H, R), dtype=torch.float32)
 
@@ -52,39 +53,44 @@ def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor], scale: float,
-              want1: bool, want2: bool) -> list[torch.Tensor]:
-    """[dq, dk, dv, then the gradient of each bias whose want flag is set, in that bias's shape and dtype]."""
+              lse: torch.Tensor, bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
+              gate: Optional[torch.Tensor], scale: float, want1: bool, want2: bool) -> list[torch.Tensor]:
+    """[dq, dk, dv, then the gradient of each bias whose want flag is set, in that bias's shape and dtype, then
+    the gate's if there is one]. out is the (gated) output."""
     from .evoformer_kernel import evoformer_bwd
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
-    dq, dk, dv, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, (_full(bias1, full), _full(bias2, full)),
-                                      scale, want1 or want2, _tiles(q))
-    return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want]
+    dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse,
+                                             (_full(bias1, full), _full(bias2, full)), gate, scale, want1 or want2,
+                                             _tiles(q))
+    return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
+        ([] if gate is None else [dgate])
 
 
-def _bwd_fake(do, q, k, v, out, lse, bias1, bias2, scale, want1, want2):
+def _bwd_fake(do, q, k, v, out, lse, bias1, bias2, gate, scale, want1, want2):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + \
-        [bias.new_empty(bias.shape) for bias, want in ((bias1, want1), (bias2, want2)) if want]
+        [bias.new_empty(bias.shape) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
+        ([] if gate is None else [torch.empty_like(gate)])
 
 
 _evoformer_bwd = kernel_op("evoformer_attention_bwd", _bwd_impl, _bwd_fake)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, bias1, bias2, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], bias1, bias2)
+    q, k, v, bias1, bias2, gate, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], bias1, bias2, gate)
     ctx.scale = scale
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, d_out, _d_lse):
-    q, k, v, out, lse, bias1, bias2 = ctx.saved_tensors
+    q, k, v, out, lse, bias1, bias2, gate = ctx.saved_tensors
     want = [bool(ctx.needs_input_grad[3]) and bias1 is not None, bool(ctx.needs_input_grad[4]) and bias2 is not None]
-    dq, dk, dv, *dbiases = _evoformer_bwd(d_out, q, k, v, out, lse, bias1, bias2, ctx.scale, *want)
-    dbias1 = dbiases.pop(0) if want[0] else None
-    dbias2 = dbiases.pop(0) if want[1] else None
-    return dq, dk, dv, dbias1, dbias2, None
+    dq, dk, dv, *rest = _evoformer_bwd(d_out, q, k, v, out, lse, bias1, bias2, gate, ctx.scale, *want)
+    dbias1 = rest.pop(0) if want[0] else None
+    dbias2 = rest.pop(0) if want[1] else None
+    dgate = rest.pop(0) if gate is not None else None
+    return dq, dk, dv, dbias1, dbias2, dgate, None
 
 
 _evoformer = kernel_op("evoformer_attention", _fwd_impl, _fwd_fake, setup_context=_setup, backward=_backward)
@@ -147,5 +153,6 @@ def evoformer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, biase
     if backend == "reference":
         return evoformer_attention_reference(q, k, v, biases, gate=gate, softmax_scale=scale)
     padded = list(biases) + [None] * (2 - len(biases))
-    out, _ = _evoformer(q.contiguous(), k.contiguous(), v.contiguous(), padded[0], padded[1], scale)
-    return out if gate is None else out * torch.sigmoid(gate)
+    out, _ = _evoformer(q.contiguous(), k.contiguous(), v.contiguous(), padded[0], padded[1],
+                        None if gate is None else gate.contiguous(), scale)
+    return out

@@ -94,13 +94,15 @@ def _program_bsh(bsh, S, H: tl.constexpr):
 
 @triton.jit
 def evo_fwd_kernel(
-    Q, K, V, OUT, LSE, B1, B2,
+    Q, K, V, GATE, OUT, LSE, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+    HAS_GATE: tl.constexpr,
 ):
+    """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q)."""
     bsh = tl.program_id(1).to(tl.int64)
     b, s, h = _program_bsh(bsh, S, H)
     base = b * stride_b + s * stride_s + h * stride_h
@@ -127,7 +129,35 @@ def evo_fwd_kernel(
         tl.store(LSE + bsh * R + rows, lse)
     else:
         tl.store(LSE + bsh * R + rows, lse, mask=rows < R)
-    _store_rows(OUT + base, acc / l_safe[:, None], rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+    out = acc / l_safe[:, None]
+    if HAS_GATE:
+        gate = _rows_tile(GATE + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D).to(tl.float32)
+        out = out / (1.0 + tl.math.exp2(-gate * 1.4426950408889634))
+    _store_rows(OUT + base, out, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+
+
+@triton.jit
+def evo_bwd_prep_kernel(OUT, DOUT, GATE, DO, DGATE, DELTA, n_rows, S, R, H: tl.constexpr, D: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+    """Per row (b, s, r, h) of the [B, S, R, H, D] tensors: delta = Σ_d out · d_out and, with a gate, the gradient
+    reaching the attention, do = d_out · sigmoid(gate), and the gate's, d_out · out · (1 − sigmoid(gate)). out is
+    the gated output, so out · d_out is also the ungated pair's product and nothing ungated needs keeping. delta
+    goes to [B, S, H, R] (row (b · S + s) · H + h, column r)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (rows < n_rows)[:, None] & (offs_d < D)[None, :]
+    offs = rows[:, None] * D + offs_d[None, :]
+    out = tl.load(OUT + offs, mask=ok, other=0.0).to(tl.float32)
+    d_out = tl.load(DOUT + offs, mask=ok, other=0.0).to(tl.float32)
+    h = rows % H
+    r = (rows // H) % R
+    bs = rows // H // R
+    tl.store(DELTA + (bs * H + h) * R + r, tl.sum(out * d_out, 1), mask=rows < n_rows)
+    if HAS_GATE:
+        sig = 1.0 / (1.0 + tl.math.exp2(-tl.load(GATE + offs, mask=ok, other=0.0).to(tl.float32)
+                                        * 1.4426950408889634))
+        tl.store(DO + offs, (d_out * sig).to(DO.dtype.element_ty), mask=ok)
+        tl.store(DGATE + offs, (d_out * out * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -268,8 +298,9 @@ def _shape_flags(R, D, cfg):
     return dict(EVEN_M=R % cfg.block_m == 0, EVEN_N=R % cfg.block_n == 0, EVEN_D=_block(D) == D)
 
 
-def evoformer_fwd(q, k, v, biases, scale, cfg):
-    """(out like q, lse [B, S, H, R] fp32). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast)."""
+def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
+    """(out like q, lse [B, S, H, R] fp32). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast);
+    gate None or laid out as q (out is then the gated output)."""
     B, S, R, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
@@ -277,21 +308,32 @@ def evoformer_fwd(q, k, v, biases, scale, cfg):
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
         evo_fwd_kernel[(triton.cdiv(R, cfg.block_m), B * S * H)](
-            q, k, v, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2), q.stride(3), *b1[1:], *b2[1:],
+            q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2), q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
-            KIND2=kind2, **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
+            KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, num_warps=cfg.warps,
+            num_stages=cfg.stages)
     return out, lse
 
 
-def evoformer_bwd(do, q, k, v, out, lse, biases, scale, want_dbias, tiles):
-    """(dq, dk, dv, and with want_dbias the scores' gradient summed over N_seq, [B, H, R, R] fp32: the gradient of
-    a pair bias [B, 1, H, R, R], else None)."""
+PREP_ROWS = 64
+
+
+def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles):
+    """(dq, dk, dv, dgate (None without a gate), and with want_dbias the scores' gradient summed over N_seq,
+    [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the forward's (gated)
+    output, d_out its gradient."""
     B, S, R, H, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dgate = None if gate is None else torch.empty_like(gate)
     dbias = torch.zeros((B, H, R, R), device=q.device, dtype=torch.float32) if want_dbias else None
     if not q.numel():
-        return dq.zero_(), dk.zero_(), dv.zero_(), dbias
-    delta = (out.float() * do.float()).sum(-1).permute(0, 1, 3, 2).contiguous()  # [B, S, H, R]
+        return dq.zero_(), dk.zero_(), dv.zero_(), None if gate is None else dgate.zero_(), dbias
+    delta = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
+    do = d_out if gate is None else torch.empty_like(d_out)
+    n_rows = B * S * R * H
+    evo_bwd_prep_kernel[(triton.cdiv(n_rows, PREP_ROWS),)](
+        out, d_out, q if gate is None else gate, do, q if gate is None else dgate, delta, n_rows, S, R, H=H, D=D,
+        BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (kind1, kind2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
@@ -308,4 +350,4 @@ def evoformer_bwd(do, q, k, v, out, lse, biases, scale, want_dbias, tiles):
             db.stride(0), db.stride(1), db.stride(2), S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
-    return dq, dk, dv, dbias
+    return dq, dk, dv, dgate, dbias
