@@ -1,7 +1,7 @@
 """Tiles for Evoformer attention: arch -> padded head dim -> EvoformerTiles (see ops/_tiles.py).
 
-"cpu" is the Triton interpreter. sm90 entries are first guesses (small head dims: the score work, not the
-matmuls, dominates), compiled for sm_90 without spills (scripts/compile_sm90.py), not yet timed on the H200.
+"cpu" is the Triton interpreter. sm90 at d 8-16 and 32: the H200 sweep of session 11
+(benchmarks/runs/2026-12-02-s11/call2/tune_evoformer.log, `warpforge tune evoformer`); d 64 is still a first guess.
 """
 from typing import NamedTuple
 
@@ -26,6 +26,8 @@ C, T = EvoCfg, EvoformerTiles
 TILES = TileTable({
     "cpu": {"any": T(C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1), C(16, 16, 1, 1))},
     "default": {"any": T(C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2))},
-    "sm90": {"any": T(C(128, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2)),
+    "sm90": {"any": T(C(64, 64, 4, 3), C(64, 64, 2, 2), C(64, 32, 4, 3), C(64, 32, 4, 3)),
+             16: T(C(128, 32, 4, 3), C(64, 64, 2, 2), C(128, 32, 4, 3), C(64, 32, 4, 3)),   # d8 / d16: extra-MSA
+             32: T(C(64, 64, 4, 3), C(64, 64, 2, 2), C(64, 32, 4, 3), C(64, 32, 4, 3)),
              64: T(C(64, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2))},  # 128-row fwd spills at d64
 })
