@@ -54,6 +54,7 @@ COMPILE_CASES = [
     dict(h_q=128, s_q=1, causal=False, num_splits=1),
     dict(h_q=64, s_q=2, causal=True, num_splits=3),
     dict(h_q=96, s_q=1, causal=False, num_splits=2),
+    dict(h_q=128, s_q=1, causal=False, num_splits=1, knob_overrides=dict(split_bars=True, quarters=True)),
 ]
 # ptxas spills a little of the default warpgroup's state (mostly outside the page loop; a few reloads per pair in
 # it). Measured at 25a9ad1: 344 / 336 B. This bound catches a change that makes it worse.

@@ -33,6 +33,7 @@ gate (api.py) only dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIO
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -45,6 +46,13 @@ GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file wa
 # (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
 
 HALF = D_V // 2
+# Schedule variants behind constexpr knobs, for A/B runs on the H200 (benchmarks/NOTES.md, "MLA decode (session 11)"):
+#   split_bars: one shared-memory allocation per mbarrier (Triton's membar pass then puts no warpgroup bar.sync
+#               between operations on different barriers): 3 fewer bar.syncs per pair of pages, same schedule
+#   quarters:   each 256-column half is loaded as two 64 x 128 boxes on two barriers, and the score GEMM runs its
+#               first 128 columns while the second 128 stream in (FlashMLA waits per 64-column tile)
+DEFAULT_KNOBS = dict(split_bars=False, quarters=False)
+KNOBS_ENV = "WARPFORGE_MLA_GLUON_KNOBS"
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
@@ -67,23 +75,61 @@ def _build():
     MAX_INIT_C = gl.constexpr(MAX_INIT)
 
     @gluon.jit
+    def _bar():
+        return gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+
+    @gluon.jit
     def _page_row(bt_row, first_page, blk, n_steps, last_page):
         """Cache row of block blk of this split (a phantom block past the split reloads its last page)."""
         page = gl.load(bt_row + first_page + gl.minimum(blk, n_steps - 1))
         return gl.minimum(gl.maximum(page, 0), last_page) * 64
 
     @gluon.jit
-    def _load_half(kn_desc, kn_dst, bar, row, col):
-        """256 latent columns of a page → shared memory, on bar."""
-        mbarrier.expect(bar, kn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
+    def _load_half(kn_desc, kn_dst, kbar, H: gl.constexpr, row, col, QUARTERS: gl.constexpr):
+        """256 latent columns of a page → shared memory, on kbar[H] (QUARTERS: columns 0-127 on kbar[H], 128-255 on
+        kbar[4 + H], two 64 x 128 boxes)."""
+        QC: gl.constexpr = gl.constexpr(128)   # columns per quarter box
+        if QUARTERS:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst.slice(0, QC, dim=1))
+            mbarrier.expect(kbar[4 + H], kn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col + QC], kbar[4 + H], kn_dst.slice(QC, QC, dim=1))
+        else:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
 
     @gluon.jit
-    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, bar, row, col):
-        """256 latent columns and the 64 rope columns of a page → shared memory, on bar."""
-        mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, col], bar, kn_dst)
-        tma.async_copy_global_to_shared(kr_desc, [row, 512], bar, kr_dst)
+    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, kbar, H: gl.constexpr, row, col, QUARTERS: gl.constexpr):
+        """256 latent columns and the 64 rope columns of a page → shared memory, on kbar[H] (QUARTERS: the rope
+        travels with the second quarter, on kbar[4 + H])."""
+        QC: gl.constexpr = gl.constexpr(128)
+        if QUARTERS:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst.slice(0, QC, dim=1))
+            mbarrier.expect(kbar[4 + H], kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col + QC], kbar[4 + H], kn_dst.slice(QC, QC, dim=1))
+            tma.async_copy_global_to_shared(kr_desc, [row, 512], kbar[4 + H], kr_dst)
+        else:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
+            tma.async_copy_global_to_shared(kr_desc, [row, 512], kbar[H], kr_dst)
+
+    @gluon.jit
+    def _s_half(q, k, kbar, H: gl.constexpr, phase, acc, USE_ACC: gl.constexpr, QUARTERS: gl.constexpr):
+        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed (QUARTERS: as two 128-column
+        wgmma groups, the second once kbar[4 + H] has landed: the first runs while the second quarter streams in)."""
+        QC: gl.constexpr = gl.constexpr(128)
+        if QUARTERS:
+            mbarrier.wait(kbar[H], phase)
+            tok = warpgroup_mma(q.slice(0, QC, dim=1), k.slice(0, QC, dim=1).permute((1, 0)), acc,
+                                use_acc=USE_ACC, is_async=True)
+            mbarrier.wait(kbar[4 + H], phase)
+            tok = warpgroup_mma(q.slice(QC, QC, dim=1), k.slice(QC, QC, dim=1).permute((1, 0)), tok,
+                                is_async=True)
+        else:
+            mbarrier.wait(kbar[H], phase)
+            tok = warpgroup_mma(q, k.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+        return tok
 
     @gluon.jit
     def _zero_rows(v, n_valid):
@@ -113,7 +159,8 @@ def _build():
     def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
-             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
+             QUARTERS: gl.constexpr):
         # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rq = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
@@ -129,7 +176,7 @@ def _build():
         s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
         fence_async_shared()
         gl.thread_barrier()
-        mbarrier.arrive(sync.index(4), count=1)   # Q and the running max are in place
+        mbarrier.arrive(sync[4], count=1)   # Q and the running max are in place
 
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
         n_pairs = (n_steps + 1) // 2
@@ -137,14 +184,12 @@ def _build():
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         if n_pairs > 0:
-            _load_half(kn_desc, kn.index(0), kbar.index(0),
-                       _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
-            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
-                       _page_row(bt_row, first_page, 1, n_steps, last_page), 0)
-            mbarrier.wait(kbar.index(0), 0)
-            tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-            mbarrier.wait(kbar.index(1), 0)
-            tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), tok, is_async=True)
+            _load_half(kn_desc, kn.index(0), kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0,
+                       QUARTERS)
+            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2,
+                            _page_row(bt_row, first_page, 1, n_steps, last_page), 0, QUARTERS)
+            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, QUARTERS)
+            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, QUARTERS)
             tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
             s0 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
@@ -164,7 +209,7 @@ def _build():
             s_sc0.store(scale0)
             s_m.store(m0)
             gl.thread_barrier()
-            mbarrier.arrive(sync.index(0), count=1)
+            mbarrier.arrive(sync[0], count=1)
             acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
             n_valid0 = end - n0
             if n_valid0 < 64:
@@ -174,19 +219,18 @@ def _build():
             tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), kn.index(0), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(tok, ))
             # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
-            mbarrier.wait(sync.index(1), ph)
+            mbarrier.wait(sync[1], ph)
             if more:
-                _load_half(kn_desc, kn.index(0), kbar.index(0),
-                           next0, 0)
+                _load_half(kn_desc, kn.index(0), kbar, 0, next0, 0, QUARTERS)
             scale1 = s_sc1.load(ROW_S)
             kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(sync.index(2), count=1)
+            mbarrier.arrive(sync[2], count=1)
             acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
             l_i = l_i * scale1
             # P1 is in page 1's rope slot once WG1 has issued its P0·V0_R
-            mbarrier.wait(sync.index(3), ph)
+            mbarrier.wait(sync[3], ph)
             n_valid1 = n_valid0 - 64
             if n_valid1 < 64:
                 _zero_rows(kn.index(2), n_valid1)
@@ -194,14 +238,13 @@ def _build():
                 gl.thread_barrier()
             tok = warpgroup_mma(kr.index(1), kn.index(2), acc, is_async=True)
             if more:
-                mbarrier.wait(kbar.index(0), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(0), kn.index(0).permute((1, 0)), s0, use_acc=False,
-                                      is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(tok, ))
-                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar.index(2),
-                           next1, 0)
-                mbarrier.wait(kbar.index(1), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(1), kn.index(1).permute((1, 0)), s_tok, is_async=True)
+                s_tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, (p + 1) & 1, s0, False, QUARTERS)
+                if QUARTERS:   # P1·V1_L retired (the score groups issued after it may run on)
+                    acc = warpgroup_mma_wait(2, deps=(tok, ))
+                else:
+                    acc = warpgroup_mma_wait(1, deps=(tok, ))
+                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0, QUARTERS)
+                s_tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, (p + 1) & 1, s_tok, True, QUARTERS)
                 s_tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -210,8 +253,8 @@ def _build():
         # the row sums of both warpgroups (same running max) → the normaliser; WG1 writes the lse
         s_l0.store(l_i)
         gl.thread_barrier()
-        mbarrier.arrive(sync.index(5), count=1)
-        mbarrier.wait(sync.index(5), 0)
+        mbarrier.arrive(sync[5], count=1)
+        mbarrier.wait(sync[5], 0)
         l_all = l_i + s_l1.load(ROW_S)
         _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, 0,
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
@@ -220,22 +263,21 @@ def _build():
     def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
-             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
+             QUARTERS: gl.constexpr):
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
         n_pairs = (n_steps + 1) // 2
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
-        mbarrier.wait(sync.index(4), 0)
+        mbarrier.wait(sync[4], 0)
         if n_pairs > 0:
-            _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
-                       _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C)
-            _load_half(kn_desc, kn.index(3), kbar.index(3),
-                       _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C)
-            mbarrier.wait(kbar.index(3), 0)
-            tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False, is_async=True)
-            mbarrier.wait(kbar.index(2), 0)
-            tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), tok, is_async=True)
+            _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1,
+                            _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C, QUARTERS)
+            _load_half(kn_desc, kn.index(3), kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C,
+                       QUARTERS)
+            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, QUARTERS)
+            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, QUARTERS)
             tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
             s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
@@ -245,7 +287,7 @@ def _build():
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the odd page against WG0's new max
-            mbarrier.wait(sync.index(0), ph)
+            mbarrier.wait(sync[0], ph)
             m0 = s_m.load(ROW_S)
             scale0 = s_sc0.load(ROW_S)
             s = _masked(s1, n1, limit, qk_scale)
@@ -258,7 +300,7 @@ def _build():
             s_sc1.store(scale1)
             s_m.store(m1)
             gl.thread_barrier()
-            mbarrier.arrive(sync.index(1), count=1)
+            mbarrier.arrive(sync[1], count=1)
             acc = acc * gl.convert_layout(both, ROW_O)[:, None]
             p1b = p1.to(gl.bfloat16)
             kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
@@ -269,26 +311,21 @@ def _build():
             gl.thread_barrier()
             tok = warpgroup_mma(gl.convert_layout(p1b, P_OPERAND), kn.index(3), acc, is_async=True)
             # P0 (rescaled to m1) from WG0
-            mbarrier.wait(sync.index(2), ph)
+            mbarrier.wait(sync[2], ph)
             n_valid0 = n_valid1 + 64
             if n_valid0 < 64:
                 _zero_rows(kn.index(1), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
             tok = warpgroup_mma(kr.index(0), kn.index(1), tok, is_async=True)
-            mbarrier.arrive(sync.index(3), count=1)
+            mbarrier.arrive(sync[3], count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
-                _load_half(kn_desc, kn.index(3), kbar.index(3),
-                           next1, HALF_C)
+                _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C, QUARTERS)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
-                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar.index(1),
-                           next0, HALF_C)
-                mbarrier.wait(kbar.index(3), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(1), kn.index(3).permute((1, 0)), s1, use_acc=False,
-                                      is_async=True)
-                mbarrier.wait(kbar.index(2), (p + 1) & 1)
-                s_tok = warpgroup_mma(q_half.index(0), kn.index(2).permute((1, 0)), s_tok, is_async=True)
+                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1, next0, HALF_C, QUARTERS)
+                s_tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, (p + 1) & 1, s1, False, QUARTERS)
+                s_tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
                 s_tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -296,8 +333,8 @@ def _build():
 
         s_l1.store(l_i)
         gl.thread_barrier()
-        mbarrier.arrive(sync.index(5), count=1)
-        mbarrier.wait(sync.index(5), 0)
+        mbarrier.arrive(sync[5], count=1)
+        mbarrier.wait(sync[5], 0)
         l_all = l_i + s_l0.load(ROW_S)
         _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, True)
@@ -334,7 +371,7 @@ def _build():
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
         H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        WG1_REGS: gl.constexpr, num_warps: gl.constexpr,
+        WG1_REGS: gl.constexpr, SPLIT_BARS: gl.constexpr, QUARTERS: gl.constexpr, num_warps: gl.constexpr,
     ):
         # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
@@ -360,20 +397,32 @@ def _build():
         s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
         s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
-        kbar = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
         # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
-        sync = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(4):
-            mbarrier.init(kbar.index(i), count=1)
+        if SPLIT_BARS:   # one allocation per barrier: the membar pass sees no hazard between different barriers
+            kbar = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
+            sync = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar())
+        else:
+            sall = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+            if QUARTERS:
+                kall = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
+                kbar = (kall.index(0), kall.index(1), kall.index(2), kall.index(3), kall.index(4), kall.index(5),
+                        kall.index(6), kall.index(7))
+            else:   # session 10's kernel exactly: four barriers (4-7 are never used)
+                kall = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+                kbar = (kall.index(0), kall.index(1), kall.index(2), kall.index(3), kall.index(0), kall.index(1),
+                        kall.index(2), kall.index(3))
+            sync = (sall.index(0), sall.index(1), sall.index(2), sall.index(3), sall.index(4), sall.index(5))
+        for i in gl.static_range(8 if QUARTERS else 4):   # 4-7: the second quarters
+            mbarrier.init(kbar[i], count=1)
         for i in gl.static_range(5):
-            mbarrier.init(sync.index(i), count=1)
-        mbarrier.init(sync.index(5), count=2)
+            mbarrier.init(sync[i], count=1)
+        mbarrier.init(sync[5], count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
         args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
-                H_Q, S_Q, CAUSAL, FINAL)
+                H_Q, S_Q, CAUSAL, FINAL, QUARTERS)
         gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WG1_REGS])
 
     return mla_decode_gluon_kernel, gl
@@ -390,34 +439,55 @@ def tma_ok(kv_cache: torch.Tensor) -> bool:
     return kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
 
 
-def _descriptors(kv_cache, gl):
+def _descriptors(kv_cache, gl, quarters=False):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
-    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
+    box = HALF // 2 if quarters else HALF
+    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, box], gl.bfloat16)
     rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
     shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
-    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout),
+    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, box], half_layout),
             TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout))
 
 
-def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final):
+def knobs(overrides=None) -> dict:
+    """The kernel's schedule knobs: DEFAULT_KNOBS, then KNOBS_ENV ("split_bars=1,quarters=0"), then overrides."""
+    out = dict(DEFAULT_KNOBS)
+    env = os.environ.get(KNOBS_ENV, "").strip()
+    for item in filter(None, (x.strip() for x in env.split(","))):
+        name, _, value = item.partition("=")
+        if name not in out:
+            raise ValueError(f"{KNOBS_ENV}: unknown knob {name!r} (known: {sorted(out)})")
+        out[name] = value.strip().lower() in ("1", "true", "yes", "on")
+    for name, value in (overrides or {}).items():
+        if name not in out:
+            raise ValueError(f"unknown knob {name!r} (known: {sorted(out)})")
+        out[name] = bool(value)
+    return out
+
+
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final,
+                knob_overrides=None):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_gluon and the compile check."""
     kernel, gl = _build()
+    kn = knobs(knob_overrides)
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     num_splits = o_part.shape[0]
-    kn_desc, kr_desc = _descriptors(kv_cache, gl)
+    kn_desc, kr_desc = _descriptors(kv_cache, gl, kn["quarters"])
     grid = (-(-rows // BLOCK_M), num_splits, b)
     args = (q, kn_desc, kr_desc, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0))
-    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS, num_warps=4)
+    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS,
+                SPLIT_BARS=kn["split_bars"], QUARTERS=kn["quarters"], num_warps=4)
     return kernel, grid, args, meta
 
 
-def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits):
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits,
+                     knob_overrides=None):
     """The Gluon path of mla_decode_fwd (bf16 cache, dense, page 64, rows >= 64): (out, lse) as the portable
     launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
@@ -434,7 +504,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
-                                           lse_part, final)
+                                           lse_part, final, knob_overrides)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -442,7 +512,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
+def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, knob_overrides=None):
     """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
     from .._gluon import compile_report
     b, pages, max_pages = 2, 8, 4
@@ -455,5 +525,6 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
         o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
-    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
+    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final,
+                                           knob_overrides)
     return compile_report(kernel, args, grid, meta, arch)
