@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--knobs", default="",
                     help='also check these schedule variants: "quarters=1;split_bars=1,quarters=1"')
+    ap.add_argument("--skip-base", action="store_true", help="check only the --knobs variants")
     args = ap.parse_args()
     t0 = time.time()
     result = {"device": torch.cuda.get_device_name(), "checks": []}
@@ -68,7 +69,7 @@ def main():
         (32, 4, [777, 90], 2, True),
         (128, 2, [3000, 1], 4, True),
     ]
-    variants = [{}]
+    variants = [] if args.skip_base else [{}]
     for item in filter(None, (x.strip() for x in args.knobs.split(";"))):
         variants.append({k.strip(): v.strip() in ("1", "true") for k, _, v in
                          (p.partition("=") for p in item.split(","))})
