@@ -58,6 +58,10 @@ for step in "$@"; do
                tail -14 "$w/mla_gluon.log" ;;
     mla-gluon-before) (cd .before && PYTHONPATH=$PWD timeout 120 python3 scripts/bench_mla_gluon.py --out "$w/mla_gluon_before.json" \
                         > "$w/mla_gluon_before.log" 2>&1); tail -13 "$w/mla_gluon_before.log" ;;
+    mla-variants) timeout 65 python3 scripts/check_mla_gluon.py --out "$w/mla_check_knobs.json" --knobs "split_bars=1,quarters=1" --skip-base > "$w/mla_check_knobs.log" 2>&1
+                  timeout 80 python3 scripts/bench_mla_gluon.py --out "$w/mla_variants.json" --hq 128 --variant-lens 1024,8192,32768 \
+                    --variants "base=;split=split_bars=1;quarters=quarters=1;both=split_bars=1,quarters=1" --diag-l2 > "$w/mla_variants.log" 2>&1
+                  tail -3 "$w/mla_check_knobs.log"; tail -20 "$w/mla_variants.log" ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
