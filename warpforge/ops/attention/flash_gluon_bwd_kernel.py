@@ -40,6 +40,15 @@ Three launches:
      wgmmas: both warpgroups' dS tiles against both K slices), so a tile pair sends one [BLOCK_M, d] partial to the
      atomics instead of two (half the L2 reduction traffic, FA3's volume). It needs two barriers between the
      warpgroups (ds_full, ds_free, below) and spills ~100 B of loop scalars at d 128 under Triton 3.6.
+   - DQ_TMA (a knob, off by default; with or without DQ_SPLIT): dQ's chunks are not added by per-thread fp32 atomics
+     (32 REDG.F32x2 a thread per tile at d 128, 64 KB of L2 reductions per tile pair without the split) but stored
+     fp32 into a staging tile in shared memory (per warpgroup one [BLOCK_M, DQ_N] tile per chunk of a step) and sent
+     by one TMA reduce-add each (cp.reduce.async.bulk.tensor ... .add, FA3's way): whole 128-byte lines into L2, no
+     address registers, nothing for the warps to issue but one instruction. Before a step overwrites its staging
+     tiles, the issuing thread waits until the previous step's reduce-adds have read them (tma.store_wait before the
+     P tile's warpgroup barrier, which holds the other threads). Shared memory: +32 KB with the split (d 128), +64 KB
+     without (d 128, 2 stages: 226 KB of 227). With DQ_TMA, DQ_N may be D (one full-width dQ wgmma and one reduce per
+     step; ~180 B of loop scalars spill at d 128).
    - epilogue: dK_w · scale and dV_w to 16-bit, written into the warpgroup's own K / V slices (nothing reads them
      any more) and stored by TMA (rows past s_k clipped).
    - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
@@ -88,10 +97,12 @@ __all__ = ["BLOCK_N", "GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compil
            "launch_args", "smem_bytes"]
 
 
-def smem_bytes(d: int, block_m: int, stages: int) -> int:
-    """Shared memory of the schedule (2-byte elements): K, V, the ring (Q, dO, lse2, delta), two dSᵀ tiles,
-    barriers."""
-    return 2 * (2 * BLOCK_N * d + stages * 2 * block_m * d + 4 * WG_KEYS * block_m) + stages * 2 * block_m * 4 + 256 + 1024
+def smem_bytes(d: int, block_m: int, stages: int, dq_n: int = 64, dq_split: bool = False, dq_tma: bool = False) -> int:
+    """Shared memory of the schedule (2-byte elements): K, V, the ring (Q, dO, lse2, delta), two P and two dS tiles,
+    barriers; with DQ_TMA the fp32 dQ staging tiles (per warpgroup one [block_m, dq_n] tile per dQ chunk)."""
+    dq_stage = 2 * (1 if dq_split else d // dq_n) * block_m * dq_n * 4 if dq_tma else 0
+    return (2 * (2 * BLOCK_N * d + stages * 2 * block_m * d + 4 * WG_KEYS * block_m) + stages * 2 * block_m * 4 + 256
+            + 1024 + dq_stage)
 
 
 # ------------------------------------------------------------------------------------ plain Triton helpers
@@ -139,8 +150,19 @@ def _build():
     """The Gluon kernel, built on first use (importing warpforge never touches Gluon)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+
+    @builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """TMA reduce-add (cp.reduce.async.bulk.tensor ... .add) of a shared-memory tile into global memory at coord:
+        Triton 3.9's tma.async_atomic_add, which 3.6's Gluon lacks (its IR builder has the op). Completion is tracked
+        like a TMA store (tma.store_wait)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
     @gluon.jit
     def _span(n0, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -215,10 +237,10 @@ def _build():
         gl.atomic_add(dq_head + rows[:, None] + cols, dq, sem="relaxed")
 
     @gluon.jit
-    def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready, empty,
-                  ds_full, ds_free, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale,
-                  WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr):
+    def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar, ready,
+                  empty, ds_full, ds_free, dk_desc, dv_desc, dq_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP,
+                  qk_scale, sm_scale, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  CAUSAL: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
         # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
@@ -273,6 +295,10 @@ def _build():
                 _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, False, CAUSAL, s_layout, BLOCK_M)
             # P goes to shared memory (dV's A operand) and is read back for dS after dP: no fp32 or 16-bit copy of P
             # stays in registers while dP is in flight beside dK and dV
+            if DQ_TMA:
+                # the previous step's dQ reduce-adds have read their staging tiles (the issuing thread waits; the
+                # barrier below holds the warpgroup until it has) before this step's dQ overwrites them
+                tma.store_wait(0)
             fence_async_shared()
             gl.thread_barrier()                            # the whole P tile is in shared memory
             dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -295,26 +321,46 @@ def _build():
                 dq_tok = warpgroup_mma(ds_bufs.index(0), k0, dq_zero, use_acc=False, is_async=True)
                 dq_tok = warpgroup_mma(ds_bufs.index(1), k1, dq_tok, is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                if DQ_TMA:
+                    dq_bufs.index(WG).store(dq)
+                    fence_async_shared()
                 gl.thread_barrier()                        # every warp is past the slot's and the dS tiles' last reads
                 mbarrier.arrive(empty.index(slot))
                 mbarrier.arrive(ds_free)
-                dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
-                _dq_add(dq_head, idx_smem, m0, WG * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
+                if DQ_TMA:  # one TMA reduce-add of the [BLOCK_M, D / 2] fp32 tile into the accumulator
+                    _tma_reduce_add(dq_desc, [(bh0 + g) * s_pad + m0, WG * DQ_N], dq_bufs.index(WG))
+                else:
+                    dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
+                    _dq_add(dq_head, idx_smem, m0, WG * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
             else:
                 # dQ = dS · K in column chunks of DQ_N (this warpgroup's 64 keys; dS from shared memory, K-major)
                 dq_tok = warpgroup_mma(ds_smem, k.slice(0, DQ_N, dim=1), dq_zero, use_acc=False, is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                NC: gl.constexpr = D // DQ_N
+                if DQ_TMA:
+                    dq_bufs.index(WG * NC).store(dq)
+                    fence_async_shared()
                 gl.thread_barrier()                        # every warp is past the slot's last reads
                 mbarrier.arrive(empty.index(slot))
+                dq_row = (bh0 + g) * s_pad + m0
                 dq_head = DQ_ACC + (bh0 + g).to(gl.int64) * s_pad * D
-                _dq_add(dq_head, idx_smem, m0, 0, dq, q_layout, D, BLOCK_M, DQ_N)
-                for c in gl.static_range(1, D // DQ_N):
+                if DQ_TMA:
+                    _tma_reduce_add(dq_desc, [dq_row, 0], dq_bufs.index(WG * NC))
+                else:
+                    _dq_add(dq_head, idx_smem, m0, 0, dq, q_layout, D, BLOCK_M, DQ_N)
+                for c in gl.static_range(1, NC):
                     # the previous chunk's adds are issued (its registers free) before this chunk's accumulator
                     gl.thread_barrier()
                     dq_tok = warpgroup_mma(ds_smem, k.slice(c * DQ_N, DQ_N, dim=1), dq_zero, use_acc=False,
                                            is_async=True)
                     dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-                    _dq_add(dq_head, idx_smem, m0, c * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
+                    if DQ_TMA:  # each chunk its own staging tile: no wait for the previous chunk's reduce
+                        dq_bufs.index(WG * NC + c).store(dq)
+                        fence_async_shared()
+                        gl.thread_barrier()
+                        _tma_reduce_add(dq_desc, [dq_row, c * DQ_N], dq_bufs.index(WG * NC + c))
+                    else:
+                        _dq_add(dq_head, idx_smem, m0, c * DQ_N, dq, q_layout, D, BLOCK_M, DQ_N)
             i += 1
             if i == end:
                 i = first
@@ -336,11 +382,11 @@ def _build():
         tma.store_wait(0)
 
     @gluon.jit
-    def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, DQ_ACC,
-                               s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, D: gl.constexpr,
+    def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, dq_desc,
+                               DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, D: gl.constexpr,
                                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                               DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
+                               DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -351,6 +397,11 @@ def _build():
         p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
         ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
         idx_smem = gl.allocate_shared_memory(idx_desc.dtype, idx_desc.block_type.shape, idx_desc.layout)
+        if DQ_TMA:  # fp32 dQ staging tiles for the TMA reduce-adds: per warpgroup one per dQ chunk of a step
+            N_DQ: gl.constexpr = 2 if DQ_SPLIT else 2 * (D // DQ_N)
+            dq_bufs = gl.allocate_shared_memory(dq_desc.dtype, [N_DQ] + dq_desc.block_type.shape, dq_desc.layout)
+        else:
+            dq_bufs = ds_bufs  # unused
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -364,12 +415,12 @@ def _build():
             mbarrier.init(empty.index(i), count=2)  # one arrive per consumer warpgroup
 
         gl.warp_specialize([
-            (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready,
-                         empty, ds_full, ds_free, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale,
-                         sm_scale, 0, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT)),
-            (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, idx_smem, kv_bar, ready,
-                         empty, ds_full, ds_free, dk_desc, dv_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale,
-                         sm_scale, 1, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT)),
+            (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
+                         ready, empty, ds_full, ds_free, dk_desc, dv_desc, dq_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV,
+                         GROUP, qk_scale, sm_scale, 0, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT, DQ_TMA)),
+            (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
+                         ready, empty, ds_full, ds_free, dk_desc, dv_desc, dq_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV,
+                         GROUP, qk_scale, sm_scale, 1, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT, DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                          lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL, BLOCK_M,
                          STAGES)),
@@ -399,7 +450,7 @@ def _index_table(device: str) -> torch.Tensor:
     return torch.arange(64, dtype=torch.int32, device=device).reshape(1, 64)
 
 
-def _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl):
+def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, block_m, dq_n, gl):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = q.shape[-1]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -416,33 +467,38 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl):
         block = [1, WG_KEYS, 1, d]
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                       gl.NVMMASharedLayout.get_default_for(block, gdt)))
+    acc = dq_acc.view(-1, d)  # [b · h_q · s_pad, d] fp32: the target of DQ_TMA's reduce-adds
+    descs.append(TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [block_m, dq_n],
+                                  gl.NVMMASharedLayout.get_default_for([block_m, dq_n], gl.float32)))
     return descs
 
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
-                dq_split=False):
+                dq_split=False, dq_tma=False):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
     if block_m not in (64, 128) or s_pad % block_m:
         raise ValueError(f"flash_bwd_gluon: BLOCK_M must be 64 or 128 and divide the padded length (got {block_m})")
-    if smem_bytes(d, block_m, stages) > SMEM_MAX:
-        raise ValueError(f"flash_bwd_gluon: BLOCK_M {block_m} x {stages} stages at d {d} needs "
-                         f"{smem_bytes(d, block_m, stages)} B of shared memory (> {SMEM_MAX})")
     if dq_split:  # each warpgroup computes half of dQ's columns over all 128 keys
         dq_n = d // 2
     dq_n = dq_n or 64
-    if dq_n not in (16, 32, 64) or d % dq_n:
-        raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 and divide d {d} (got {dq_n})")
+    if dq_n not in (16, 32, 64, 128) or d % dq_n or (dq_n > 64 and not dq_tma):
+        raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 (128: with dq_tma) and divide d {d} "
+                         f"(got {dq_n})")
+    need = smem_bytes(d, block_m, stages, dq_n, dq_split, dq_tma)
+    if need > SMEM_MAX:
+        raise ValueError(f"flash_bwd_gluon: BLOCK_M {block_m} x {stages} stages at d {d} (dq_n {dq_n}, split "
+                         f"{dq_split}, tma {dq_tma}) needs {need} B of shared memory (> {SMEM_MAX})")
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, block_m, gl)
+    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, block_m, dq_n, gl)
     grid = (-(-s_k // BLOCK_N), b * h_kv)
     args = (*descs, dq_acc, s_q, s_k, s_pad, h_q, h_kv, h_q // h_kv, sm_scale * LOG2E, sm_scale)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), DQ_N=dq_n, DQ_SPLIT=bool(dq_split),
-                CONSUMER_REGS=CONSUMER_REGS,
+                DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
@@ -456,11 +512,13 @@ def _buffers(q, block_m):
     return s_pad, lse2, delta, dq_acc
 
 
-def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False):
+def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
+                    dq_tma=False):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
-    wgmma chunk (16 / 32 / 64; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's columns over both
-    warpgroups' keys: half the atomics, one cross-warpgroup barrier pair per tile; dq_n is then d / 2)."""
+    wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
+    columns over both warpgroups' keys: half the atomics, one cross-warpgroup barrier pair per tile; dq_n is then
+    d / 2), dq_tma (dQ staged in shared memory and added by TMA reduce-adds instead of per-thread atomics)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -476,7 +534,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
                           do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
                           BLOCK=PREP_ROWS, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
-                                            block_m, stages, dq_n, dq_split)
+                                            block_m, stages, dq_n, dq_split, dq_tma)
     kernel[kgrid](*args, **meta)
     dq_convert_kernel[grid](dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2), H_Q=h_q, D=d,
                             BLOCK=PREP_ROWS, num_warps=4)
@@ -484,8 +542,8 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, h_q=4, h_kv=2, dtype="bfloat16",
-                 arch=90):
+def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
+                 dtype="bfloat16", arch=90):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics)."""
@@ -498,8 +556,9 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=F
     do = torch.empty(b, s, h_q, d, dtype=dt)
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m)
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
-                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split)
+                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx
+    report["tma_reduce"] = "cp.reduce.async.bulk" in ptx
     return report
