@@ -20,7 +20,7 @@ from warpforge.ops.attention import flash_gluon_kernel as fg
 from warpforge.testing import gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, triton_version
 
 KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N",
-            "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT")
+            "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "WARPFORGE_ATTN_GLUON_BWD_DQ_TMA")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -35,9 +35,9 @@ def _on_h200() -> bool:
 def test_gate_constants_agree_and_import_is_lazy():
     assert configs.GLUON_TRITON_VERSIONS == fb.GLUON_TRITON_VERSIONS
     assert configs.GLUON_BWD_DEFAULT is False  # off until the H200 has run the tests and the bench
-    for (d, _), (block_m, stages, dq_n, _split) in configs.GLUON_BWD.items():
+    for (d, _), (block_m, stages, dq_n, split, tma) in configs.GLUON_BWD.items():
         assert d in fb.HEAD_DIMS and block_m in (64, 128) and stages >= 2 and dq_n <= 64 and d % dq_n == 0
-        assert fb.smem_bytes(d, block_m, stages) <= fg.SMEM_MAX
+        assert fb.smem_bytes(d, block_m, stages, d // 2 if split else dq_n, split, tma) <= fg.SMEM_MAX
     code = ("import sys, warpforge, warpforge.ops.attention.flash_gluon_bwd_kernel; "
             "print(any(m.startswith('triton.experimental.gluon') for m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -74,7 +74,8 @@ def test_knobs_come_from_the_table_and_the_environment(monkeypatch):
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_STAGES", "3")
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_DQ_N", "32")
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "1")
-    assert api.gluon_bwd_knobs(64, False) == (128, 3, 32, True)
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_DQ_TMA", "1")
+    assert api.gluon_bwd_knobs(64, False) == (128, 3, 32, True, True)
 
 
 def test_bad_knobs_are_refused():
@@ -89,6 +90,8 @@ def test_bad_knobs_are_refused():
         fb.launch_args(*args(128, 128, 3))
     with pytest.raises(ValueError, match="column chunk"):
         fb.launch_args(*args(128, 64, 2, 128))
+    with pytest.raises(ValueError, match="shared memory"):  # DQ_TMA's staging tiles count: 64 KB at d 128
+        fb.launch_args(*args(128, 64, 3), dq_tma=True)
 
 
 # ------------------------------------------------------------------------------ the barrier protocol, modelled
@@ -381,6 +384,35 @@ def test_dq_split_compiles_for_sm90():
     assert r["spill_stores"] <= 256 and not r["wgmma_serialized"]
 
 
+DQ_TMA_CASES = [  # dQ by TMA reduce-adds from shared memory (DQ_TMA), with and without DQ_SPLIT
+    dict(d=128, causal=True, block_m=64, stages=2, dq_n=64, dq_tma=True),
+    dict(d=128, causal=True, block_m=64, stages=2, dq_split=True, dq_tma=True, h_q=8, h_kv=1),
+    dict(d=128, causal=False, block_m=64, stages=3, dq_split=True, dq_tma=True, dtype="float16"),
+    dict(d=128, causal=True, block_m=64, stages=2, dq_n=128, dq_tma=True),  # one full-width dQ wgmma, one reduce
+    dict(d=64, causal=True, block_m=64, stages=4, dq_n=64, dq_tma=True),
+    dict(d=64, causal=True, block_m=64, stages=4, dq_split=True, dq_tma=True, h_q=8, h_kv=1),
+]
+
+
+@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fb.GLUON_TRITON_VERSIONS} "
+                    f"(installed: {triton_version()}); its API differs between releases")
+@pytest.mark.parametrize("case", DQ_TMA_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_dq_tma_compiles_for_sm90(case):
+    """DQ_TMA: the PTX reduces dQ with cp.reduce.async.bulk.tensor (no per-thread atomics), keeps the pipeline, and
+    spills nothing except loop scalars at d 128 with DQ_SPLIT or the full-width dQ (bounded, as above)."""
+    r = compile_in_subprocess("warpforge.ops.attention.flash_gluon_bwd_kernel", case, ROOT)
+    print(f"\n{case}: spills {r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B, "
+          f"{r['wgmma_count']} wgmma")
+    assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["ptxas_rc"] == 0, r.get("ptxas_log")
+    assert r["tma_reduce"] and not r["red"]
+    assert r["warp_specialize"] and r["num_warps"] == 12 and not r["wgmma_serialized"]
+    assert r["shared_bytes"] <= fg.SMEM_MAX
+    # measured (Triton 3.6), B stored / loaded: split at d 128, 2 stages 128 / 116, 3 stages 264 / 256;
+    # dq_n 128: 180 / 172
+    spilly = case["d"] == 128 and (case.get("dq_split") or case.get("dq_n") == 128)
+    assert r["spill_stores"] <= (320 if spilly else 0), r["ptxas_log"]
+
+
 # ------------------------------------------------------------------------------------------ GPU numerics
 needs_h200 = pytest.mark.skipif(not _on_h200(), reason="the Gluon backward runs on sm_90 with Triton "
                                 f"{fb.GLUON_TRITON_VERSIONS}")
@@ -450,13 +482,16 @@ def test_gpu_matches_reference(shape, causal, d, gluon_bwd_on):
 
 @pytest.mark.gpu
 @needs_h200
-@pytest.mark.parametrize("block_m,stages,dq_n,dq_split", [(64, 3, 32, False), (64, 2, None, True)])
-def test_gpu_knobs_match_portable(block_m, stages, dq_n, dq_split, monkeypatch):
+@pytest.mark.parametrize("block_m,stages,dq_n,dq_split,dq_tma", [(64, 3, 32, False, False), (64, 2, None, True, False),
+                                                                 (64, 2, 64, False, True), (64, 2, None, True, True),
+                                                                 (64, 3, None, True, True), (64, 2, 128, False, True)])
+def test_gpu_knobs_match_portable(block_m, stages, dq_n, dq_split, dq_tma, monkeypatch):
     """Every knob the sweep varies agrees with the portable backward (direct calls; fp16 too)."""
     monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
     for d, dtype, causal, shape in ((128, torch.bfloat16, True, (2, 1000 + 5, 1000 + 5, 8, 2)),
                                     (64, torch.float16, False, (2, 700, 900, 4, 4))):
-        if fb.smem_bytes(d, block_m, stages) > fg.SMEM_MAX:
+        if (dq_n or 64) > d or fb.smem_bytes(d, block_m, stages, (d // 2) if dq_split else (dq_n or 64), dq_split,
+                                             dq_tma) > fg.SMEM_MAX:
             continue
         q, k, v = _inputs(*shape, d, dtype)
         d_out = torch.randn(q.shape, device="cuda", dtype=dtype)
@@ -464,10 +499,10 @@ def test_gpu_knobs_match_portable(block_m, stages, dq_n, dq_split, monkeypatch):
         want = torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
         with poisoned_outputs():
             got = fb.flash_bwd_gluon(d_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, d ** -0.5, causal,
-                                     block_m, stages, dq_n, dq_split)
+                                     block_m, stages, dq_n, dq_split, dq_tma)
         for name, g, w in zip("qkv", got, want):
             assert torch.isfinite(g).all(), f"d{name}"
-            assert rel_l2(g, w) <= 1e-2, f"d{name} {block_m}/{stages}/{dq_n}/{dq_split}"
+            assert rel_l2(g, w) <= 1e-2, f"d{name} {block_m}/{stages}/{dq_n}/{dq_split}/{dq_tma}"
 
 
 @pytest.mark.gpu

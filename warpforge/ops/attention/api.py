@@ -127,14 +127,16 @@ def _gluon_bwd_switch() -> bool:
     return _switch(configs.GLUON_BWD_ENV, configs.GLUON_BWD_DEFAULT)
 
 
-def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, STAGES, DQ_N, DQ_SPLIT) of the Gluon backward: configs.GLUON_BWD, each overridable for sweeps through
-    WARPFORGE_ATTN_GLUON_BWD_BLOCK_M / _STAGES / _DQ_N / _DQ_SPLIT (scripts/bench_attention_gluon.py --bwd-sweep)."""
-    block_m, stages, dq_n, dq_split = configs.GLUON_BWD[(d, bool(causal))]
+def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool, bool]:
+    """(BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) of the Gluon backward: configs.GLUON_BWD, each overridable for sweeps
+    through WARPFORGE_ATTN_GLUON_BWD_BLOCK_M / _STAGES / _DQ_N / _DQ_SPLIT / _DQ_TMA (scripts/bench_attention_gluon.py
+    --bwd-sweep)."""
+    block_m, stages, dq_n, dq_split, dq_tma = configs.GLUON_BWD[(d, bool(causal))]
     env = os.environ
     return (int(env.get("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", block_m)),
             int(env.get("WARPFORGE_ATTN_GLUON_BWD_STAGES", stages)), int(env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_N", dq_n)),
-            env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "1" if dq_split else "0") != "0")
+            env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "1" if dq_split else "0") != "0",
+            env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_TMA", "1" if dq_tma else "0") != "0")
 
 
 def gluon_bwd_gate(q, k, v, out, do, left, right, deterministic) -> bool:
