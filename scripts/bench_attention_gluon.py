@@ -20,8 +20,9 @@ cases (b4 h16 s8192 d128, b32 h16 s1024, b1 h16 s32768, b8 h32 s4096 d64, b4 h32
 SDPA, GQA through kv expanded once outside the timing, as the main bench does) and "gluon fwd" (the forward alone:
 backward time = fwd+bwd - fwd). Each call runs out = attention(q, k, v) and torch.autograd.grad(out, (q, k, v), do)
 on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the
-max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT) on the headline
-and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables.
+max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) on
+the headline, b32 s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables. --bwd-cases 0,3: only those
+of BWD_CASES (indices; default all).
 """
 import argparse
 import json
@@ -148,12 +149,16 @@ BWD_CASES = [  # b, h_q, h_kv, s, d (all causal): the attention bench's fwd+bwd 
     (8, 32, 32, 4096, 64),
     (4, 32, 4, 8192, 128),
 ]
-BWD_SWEEP = {  # (BLOCK_M, STAGES, DQ_N, DQ_SPLIT)
-    128: [(64, 2, 64, 0), (64, 2, 64, 1), (64, 3, 64, 0), (64, 3, 64, 1), (64, 2, 32, 0)],
-    64: [(64, 4, 64, 0), (64, 4, 32, 1), (64, 2, 64, 0), (128, 2, 64, 0)],
+BWD_SWEEP = {  # (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA); the table's default runs as "gluon+gluon"
+    # session 11: dQ's reduction is the suspect (per-thread fp32 atomics, 64 KB per tile pair): halve it (split), send
+    # it as TMA reduce-adds from shared memory (tma), both (FA3's schedule), the third ring slot that split+tma fits,
+    # and tma with one full-width dQ wgmma (dq128)
+    128: [(64, 2, 64, 1, 0), (64, 2, 64, 0, 1), (64, 2, 64, 1, 1), (64, 3, 64, 1, 1), (64, 2, 128, 0, 1)],
+    64: [(64, 4, 32, 1, 0), (64, 4, 64, 0, 1), (64, 4, 32, 1, 1), (64, 2, 32, 1, 1)],
 }
+BWD_SWEEP_CASES = ((4, 16, 16, 8192, 128), (32, 16, 16, 1024, 128), (8, 32, 32, 4096, 64))
 BWD_KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N",
-                "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT")
+                "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "WARPFORGE_ATTN_GLUON_BWD_DQ_TMA")
 
 
 def bwd_sets(b, h_q, h_kv, s, d, l2_bytes):
@@ -220,10 +225,11 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
     fl = flops(b, h_q, s, d, True)
     paths = {"gluon+gluon": warpforge_fwd_bwd(True), "gluon+portable": warpforge_fwd_bwd(False),
              "cudnn": cudnn_fwd_bwd, "gluon fwd": gluon_fwd_only}
-    if sweep and (b, h_q, h_kv, s, d) in ((4, 16, 16, 8192, 128), (8, 32, 32, 4096, 64)):
+    if sweep and (b, h_q, h_kv, s, d) in BWD_SWEEP_CASES:
         for knobs in BWD_SWEEP[d]:
-            if fb.smem_bytes(d, knobs[0], knobs[1]) <= fg.SMEM_MAX:
-                paths["gluon+gluon bm{} st{} dq{} split{}".format(*knobs)] = warpforge_fwd_bwd(True, knobs)
+            bm, st, dq_n, split, tma = knobs
+            if fb.smem_bytes(d, bm, st, d // 2 if split else dq_n, bool(split), bool(tma)) <= fg.SMEM_MAX:
+                paths["gluon+gluon bm{} st{} dq{} split{} tma{}".format(*knobs)] = warpforge_fwd_bwd(True, knobs)
     launches = []
     real = fb.flash_bwd_gluon
 
@@ -253,7 +259,7 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
                     err = max(((g.float() - r.float()).norm() / r.float().norm()).item() for g, r in zip(got, ref))
                 ms = timed(fn, sets)
             except Exception as e:  # noqa: BLE001 - one failing path must not stop the rest
-                print(f"  {name:32s} FAILED: {type(e).__name__}: {str(e)[:300]}")
+                print(f"  {name:40s} FAILED: {type(e).__name__}: {str(e)[:300]}")
                 continue
             rows[name] = dict(ms=ms, tflops=(fl if name == "gluon fwd" else 3.5 * fl) / ms / 1e9, max_rel_l2=err,
                               gluon_bwd=ran_gluon_bwd, wall_s=time.perf_counter() - t0)
@@ -270,7 +276,7 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
         if fwd_ms and name.startswith("gluon+"):
             r["bwd_ms"] = r["ms"] - fwd_ms
             bwd = f"  bwd ~{r['bwd_ms']:.3f} ms ({2.5 * fl / r['bwd_ms'] / 1e9:.0f} TFLOP/s)"
-        print(f"  {name:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {ratio:>14s}  rel L2 vs cuDNN "
+        print(f"  {name:40s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {ratio:>14s}  rel L2 vs cuDNN "
               f"{r['max_rel_l2']:.2e}  gluon bwd ran: {r['gluon_bwd']}{bwd}")
     del sets
     torch.cuda.empty_cache()
@@ -283,6 +289,7 @@ def main():
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep's shapes (headline, b32 s1024, d64)")
     ap.add_argument("--bwd", action="store_true", help="forward+backward: Gluon bwd vs portable bwd vs cuDNN")
     ap.add_argument("--bwd-sweep", action="store_true", help="with --bwd: also the Gluon backward's knobs")
+    ap.add_argument("--bwd-cases", default=None, help="with --bwd: indices into BWD_CASES, e.g. 0,1,3 (default all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0), "needs an sm_90 GPU"
@@ -296,8 +303,9 @@ def main():
     results = {}
     if args.bwd:
         assert fb.available(), f"the Gluon backward needs Triton {fb.GLUON_TRITON_VERSIONS} (have {triton.__version__})"
-        print(f"backward knobs (BLOCK_M, STAGES, DQ_N): {configs.GLUON_BWD}")
-        for case in BWD_CASES:
+        print(f"backward knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA): {configs.GLUON_BWD}")
+        picked = [int(x) for x in args.bwd_cases.split(",")] if args.bwd_cases else range(len(BWD_CASES))
+        for case in [BWD_CASES[i] for i in picked]:
             label, rows = run_bwd_case(*case, l2, args.bwd_sweep)
             results[label] = rows
             print(f"  ({time.perf_counter() - t0:.1f} s so far)", flush=True)
