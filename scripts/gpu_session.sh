@@ -62,6 +62,8 @@ for step in "$@"; do
                   timeout 80 python3 scripts/bench_mla_gluon.py --out "$w/mla_variants.json" --hq 128 --variant-lens 1024,8192,32768 \
                     --variants "base=;split=split_bars=1;quarters=quarters=1;both=split_bars=1,quarters=1" --diag-l2 > "$w/mla_variants.log" 2>&1
                   tail -3 "$w/mla_check_knobs.log"; tail -20 "$w/mla_variants.log" ;;
+    attention-bwd-knobs) timeout 70 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py -k knobs > "$w/bwd_knob_tests.log" 2>&1; tail -n 15 "$w/bwd_knob_tests.log"
+                         timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
