@@ -64,6 +64,8 @@ for step in "$@"; do
                   tail -3 "$w/mla_check_knobs.log"; tail -20 "$w/mla_variants.log" ;;
     attention-bwd-knobs) timeout 70 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py -k knobs > "$w/bwd_knob_tests.log" 2>&1; tail -n 15 "$w/bwd_knob_tests.log"
                          timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
+    evoformer-bench) SKIP_TESTS=1 MATCH='row|triangle' timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
+                     grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16 ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
