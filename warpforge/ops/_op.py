@@ -27,17 +27,21 @@ NAMESPACE = "warpforge"
 
 
 def kernel_op(name: str, impl: Callable, fake: Callable, *, setup_context: Optional[Callable] = None,
-              backward: Optional[Callable] = None, mutates_args: tuple[str, ...] = ()) -> Callable:
+              backward: Optional[Callable] = None, mutates_args: tuple[str, ...] = (),
+              eager_impl: Optional[Callable] = None) -> Callable:
     """Define `warpforge::<name>` from impl, fake and an optional (setup_context, backward) pair. mutates_args names
-    the arguments an in-place op writes (a cache append), as torch.library requires."""
+    the arguments an in-place op writes (a cache append), as torch.library requires. eager_impl: what eager calls run
+    instead of impl, where they can do less: it returns None for the outputs that impl returns as empty placeholders
+    (a custom op's outputs must be tensors, each its own: an allocation apiece), and setup_context and backward then
+    take those Nones."""
     if (setup_context is None) != (backward is None):
         raise TypeError(f"kernel_op {name}: setup_context and backward go together")
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=mutates_args)
     op.register_fake(fake)
-    eager = impl
+    eager = eager_impl or impl
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
-        eager = _autograd_function(name, impl, setup_context, backward).apply
+        eager = _autograd_function(name, eager, setup_context, backward).apply
 
     def call(*args, **kwargs):
         if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
@@ -54,6 +58,10 @@ def _autograd_function(name, impl, setup_context, backward):
     def forward(ctx, *args):
         out = impl(*args)
         setup_context(ctx, args, out)
+        # the outputs marked non-differentiable (statistics, indices) get None as their gradient, not zeros: the
+        # engine would otherwise allocate and fill one tensor per such output on every backward, which no backward
+        # here reads. Differentiable outputs without a gradient are still given zeros, as for the registered op.
+        ctx._materialize_non_diff_grads = False
         return out
 
     return type(f"{name}_eager", (torch.autograd.Function,),
@@ -86,6 +94,11 @@ class Launcher:
     on each call (≈ 10 µs of host time a launch with Triton 3.6 on a 2-core CPU, against ≈ 4 µs for this key),
     which an eager call of a microsecond kernel pays on every op.
 
+    With Triton 3.6's CUDA launcher (and no scratch memory) the direct call goes straight to its C `launch` with
+    tensors passed as their addresses: the Python wrapper in front of it and, per pointer argument, the
+    `data_ptr()` call and `cuPointerGetAttribute` check it would make (the ops have checked their devices) are
+    skipped.
+
     args are the non-constexpr arguments, in the kernel's order, and the constexprs its last parameters (passed in
     meta). Under the Triton interpreter, with launch hooks set (a profiler), or with a driver that only compiles,
     every launch goes through `kernel[grid]`."""
@@ -98,21 +111,26 @@ class Launcher:
     def __call__(self, grid, *args, **meta):
         key = None
         if self.device is not None:
-            key = (self.device(), tuple(meta.values()), tuple(map(_spec, args)))
+            spec, flat = _bind(args)
+            key = (self.device(), tuple(meta.values()), *spec)
             hit = self.compiled.get(key)
             if hit is not None:
-                compiled, tail, runtime, stream = hit
+                _, run, raw, function, packed, tail, runtime, stream = hit
                 if _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook):
-                    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                                 stream(key[0]), compiled.function, compiled.packed_metadata, None, None, None,
-                                 *args, *tail)
+                    n = len(grid)
+                    if raw is not None:  # Triton 3.6's C launch: (.., coop, pdl, scratch, profile scratch, ..)
+                        run.launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream(key[0]),
+                                   function, raw[0], raw[1], None, None, packed, None, None, None, *flat, *tail)
+                    else:
+                        run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream(key[0]), function,
+                            packed, None, None, None, *args, *tail)
                     return
         compiled = self.kernel[grid](*args, **meta)
         entry = _cacheable(self.kernel, compiled, len(args), meta)
         if entry is not None:
             if key is None:
                 self.device = entry[-1]
-                key = (self.device(), tuple(meta.values()), tuple(map(_spec, args)))
+                key = (self.device(), tuple(meta.values()), *_bind(args)[0])
             self.compiled[key] = entry[:-1]
 
 
@@ -128,21 +146,35 @@ def cached_launch(kernel, grid, *args, **meta) -> None:
     launcher(grid, *args, **meta)
 
 
-def _spec(a):
-    t = type(a)
-    if t is int:
-        return 4 if a == 1 else (a % 16 == 0) + 2 * (not -2**31 <= a < 2**31)
-    if t is float:
-        return 5
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    return t, a  # None, bools, dtypes: by value
+_Tensor = torch.Tensor
+
+
+def _bind(args):
+    """(what Triton specializes args on, flattened: a tensor's dtype and whether its address is a multiple of 16, an
+    int's class (1, a multiple of 16, 64-bit), a float, anything else by value; args with tensors as addresses)."""
+    spec, flat = [], []
+    for a in args:
+        t = type(a)
+        if t is _Tensor or (t is not int and t is not float and isinstance(a, _Tensor)):
+            p = a.data_ptr()
+            spec += (a.dtype, not p & 15)
+            flat.append(p)
+            continue
+        if t is int:
+            spec.append(4 if a == 1 else (a % 16 == 0) + 2 * (not -2**31 <= a < 2**31))
+        elif t is float:
+            spec.append(5)
+        else:  # None, bools, dtypes: by value
+            spec += (t, a)
+        flat.append(a)
+    return spec, flat
 
 
 def _cacheable(kernel, compiled, n_args, meta):
-    """(compiled, constexpr values in order, Triton's runtime knobs, stream getter, device getter), or None where the
-    direct call would not match what `kernel[grid]` did: the interpreter (no compiled kernel), constexprs not last
-    or not all in meta, a driver that cannot launch."""
+    """(the compiled kernel, its runner, (cooperative grid, PDL) where its C launch can be called directly, else None,
+    its function handle and packed metadata, the constexpr values in order, Triton's runtime knobs, the stream getter,
+    the device getter), or None where the direct call would not match what `kernel[grid]` did: the interpreter (no
+    compiled kernel), constexprs not last or not all in meta, a driver that cannot launch."""
     if compiled is None or not hasattr(compiled, "packed_metadata"):
         return None
     names = list(getattr(kernel, "arg_names", ()))
@@ -155,8 +187,24 @@ def _cacheable(kernel, compiled, n_args, meta):
     active = driver.active
     if getattr(active, "launcher_cls", None) is None:  # a driver that only compiles (scripts/compile_sm90.py)
         return None
-    return (compiled, tuple(meta[name] for name in tail_names), knobs.runtime, active.get_current_stream,
+    run = compiled.run
+    return (compiled, run, _raw_launch(run), compiled.function, compiled.packed_metadata,
+            tuple(meta[name] for name in tail_names), knobs.runtime, active.get_current_stream,
             active.get_current_device)
+
+
+def _raw_launch(run):
+    """(cooperative grid, PDL) when `run` is Triton 3.6's CudaLauncher without scratch memory: its __call__(gridX,
+    gridY, gridZ, stream, function, *args) then only forwards to the C `launch`, whose pointer arguments may be ints.
+    None for anything else (other Triton versions or backends: called through `run` as Triton does)."""
+    call = getattr(type(run), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if type(run).__name__ != "CudaLauncher" or not type(run).__module__.endswith("nvidia.driver") or code is None \
+            or code.co_varnames[:6] != ("self", "gridX", "gridY", "gridZ", "stream", "function") \
+            or code.co_argcount != 6 or not code.co_flags & 0x04 or not hasattr(run, "launch") \
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    return run.launch_cooperative_grid, run.launch_pdl
 
 
 def _idle(hook) -> bool:
