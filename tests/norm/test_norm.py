@@ -195,3 +195,123 @@ def test_launcher_reuses_only_what_triton_would(monkeypatch):
     calls.clear()
     launch((3,), x, 768, 1e-6, BLOCK=1024)
     assert calls[0][0] == "triton"
+
+
+def test_launcher_calls_triton36_c_launch_directly(monkeypatch):
+    """With Triton 3.6's CUDA launcher (a CudaLauncher whose __call__ only forwards to its C `launch`) and no scratch
+    memory, a repeat launch calls `launch` itself, tensors as their addresses (the order of that C function's
+    arguments); with scratch memory, through the launcher object, tensors as they are."""
+    import importlib
+
+    import triton
+    from warpforge.ops import _op
+
+    calls = []
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            calls.append(("wrapper", gridX, gridY, gridZ, stream, function) + args)
+
+        def launch(self, *args):
+            calls.append(("raw",) + args)
+
+    CudaLauncher.__module__ = "triton.backends.nvidia.driver"
+
+    class Compiled:
+        packed_metadata, function = "packed", "function"
+
+        def __init__(self, scratch):
+            self.run = CudaLauncher()
+            self.run.global_scratch_size = scratch
+
+    class Param:
+        def __init__(self, num, is_constexpr):
+            self.num, self.is_constexpr = num, is_constexpr
+
+    class Kernel:
+        arg_names = ["X", "n", "eps", "BLOCK"]
+        params = [Param(0, False), Param(1, False), Param(2, False), Param(3, True)]
+        scratch = 0
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: Compiled(self.scratch)
+
+    class Driver:
+        launcher_cls = object
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 7)
+
+    class Runtime:
+        launch_enter_hook = launch_exit_hook = None
+
+    driver = importlib.import_module("triton.runtime.driver").driver
+    monkeypatch.setattr(type(driver), "active", property(lambda self: Driver()))
+    monkeypatch.setattr(triton.knobs, "runtime", Runtime())
+    x = torch.zeros(64)
+    for scratch, want in ((0, ("raw", 5, 2, 1, 7, "function", False, True, None, None, "packed", None, None, None,
+                               x.data_ptr(), 768, 1e-6, 1024)),
+                          (256, ("wrapper", 5, 2, 1, 7, "function", "packed", None, None, None, x, 768, 1e-6, 1024))):
+        Kernel.scratch = scratch
+        launch = _op.Launcher(Kernel())
+        launch((3,), x, 768, 1e-6, BLOCK=1024)
+        calls.clear()
+        launch((5, 2), x, 768, 1e-6, BLOCK=1024)
+        assert calls == [want]
+
+
+def test_eager_backward_gets_no_zeros_for_statistics():
+    """ops/_op.py's eager autograd.Function: outputs marked non-differentiable (a norm's mean and rstd) reach the
+    backward as None, not as zeros the engine would allocate and fill on every call; a differentiable output without
+    a gradient still gets zeros, as the registered op's backward does."""
+    from warpforge.ops._op import kernel_op
+
+    seen = []
+
+    def impl(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x * 2, x.sum(-1), x * 3
+
+    def fake(x):
+        return torch.empty_like(x), x.new_empty(x.shape[:-1]), torch.empty_like(x)
+
+    def setup(ctx, inputs, out):
+        ctx.mark_non_differentiable(out[1])
+
+    def backward(ctx, dy, d_stat, dz):
+        seen.append((d_stat, dz))
+        return dy * 2 + dz * 3
+
+    op = kernel_op("test_eager_nondiff_grads", impl, fake, setup_context=setup, backward=backward)
+    x = torch.randn(4, 5, requires_grad=True)
+    y, _, _ = op(x)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    assert seen[0][0] is None and torch.equal(seen[0][1], torch.zeros(4, 5)) and torch.equal(gx, torch.full_like(x, 2))
+
+
+def test_eager_norms_make_no_placeholders(monkeypatch):
+    """Eager calls pass None where the registered op returns empty placeholder tensors (RMSNorm's mean, the backward's
+    second dx and db): no allocation an eager call does not use."""
+    import sys
+
+    new_empty = torch.Tensor.new_empty
+
+    def refuse(*args, **kwargs):  # placeholders are made in api.py (the interpreter makes its own tensors)
+        assert not sys._getframe(1).f_code.co_filename.endswith(("norm/api.py", "norm_kernel.py")), \
+            "a placeholder tensor in an eager call"
+        return new_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", refuse)
+    x = torch.randn(6, 40, device=DEV, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(40, device=DEV)).requires_grad_()
+    b = torch.zeros(40, device=DEV, requires_grad=True)
+    y = wf.rms_norm(x, w, backend="triton")
+    gx, gw = torch.autograd.grad(y, (x, w), torch.ones_like(y))
+    want = torch.autograd.grad(rms_norm_reference(x, w, 1e-6), (x, w), torch.ones_like(y))
+    assert rel_l2(gx, want[0]) <= 1e-4 and rel_l2(gw, want[1]) <= 1e-4
+    y = wf.layer_norm(x, w, b, backend="triton")
+    torch.autograd.grad(y, (x, w, b), torch.ones_like(y))
+    r = torch.randn(6, 40, device=DEV, dtype=torch.float16, requires_grad=True)
+    y, total = wf.add_rms_norm(x, r, w, backend="triton")
+    torch.autograd.grad((y, total), (x, r, w), (torch.ones_like(y), torch.ones_like(total)))

@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from ...errors import check_dim, check_dtype, check_positive_float, check_rank, check_same_device, check_tensor, fail
+from ...errors import (FP32_TINY, SCALE_MAX, check_dim, check_dtype, check_positive_float, check_rank,
+                       check_same_device, check_tensor, fail)
 from ...runtime import resolve_backend, sm_count
 from .._op import cached_launch, kernel_op
 from . import configs
@@ -32,12 +33,21 @@ def _cfg(x: torch.Tensor, kind: str) -> tuple[configs.NormCfg, int]:
 
 
 # ------------------------------------------------------------------------------------------- ops
+# Each op has an eager form (`*_eager`: absent outputs as None) and the registered op's (`*_impl`: absent outputs as
+# empty tensors, one each, since a custom op's outputs are tensors and may not alias one another). An eager call
+# makes only the tensors it uses: on a GPU host each allocation costs microseconds.
+def _norm_fwd_eager(x, weight, bias, eps, layer, out_dtype):
+    """(y, mean or None, rstd)."""
+    from .norm_kernel import norm_fwd
+    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x, _FWD_KIND[layer])[0],
+                                cached_launch)
+    return y, mean, rstd
+
+
 def _norm_fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                    layer: bool, out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd); mean is empty for RMSNorm."""
-    from .norm_kernel import norm_fwd
-    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x, _FWD_KIND[layer])[0],
-                                   cached_launch)
+    y, mean, rstd = _norm_fwd_eager(x, weight, bias, eps, layer, out_dtype)
     return y, mean if mean is not None else rstd.new_empty(0), rstd
 
 
@@ -47,6 +57,14 @@ def _norm_fwd_fake(x, weight, bias, eps, layer, out_dtype):
         x.new_empty(rows, dtype=torch.float32)
 
 
+def _norm_bwd_eager(dy, x, weight, mean, rstd, layer, d_sum=None, dx_dtype=None, dx2_dtype=None):
+    """(dx, dx2 or None, dw, db or None)."""
+    from .norm_kernel import norm_bwd
+    cfg, programs = _cfg(x, _BWD_KIND[layer] if d_sum is None else "add_bwd")
+    return norm_bwd(dy.contiguous(), x, weight, mean, rstd, programs, layer,
+                    d_sum.contiguous() if d_sum is not None else None, cfg, dx_dtype, dx2_dtype, cached_launch)
+
+
 def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                    layer: bool, d_sum: Optional[torch.Tensor] = None, dx_dtype: Optional[torch.dtype] = None,
                    dx2_dtype: Optional[torch.dtype] = None
@@ -54,12 +72,7 @@ def _norm_bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean
     """(dx, dx2, dw, db); d_sum: x's gradient from its other uses when x is a residual sum, added into dx. dx in
     dx_dtype (default x's); dx2: the same gradient in dx2_dtype when given (else empty), for a residual sum's two
     inputs of different dtypes."""
-    from .norm_kernel import norm_bwd
-    cfg, programs = _cfg(x, _BWD_KIND[layer] if d_sum is None else "add_bwd")
-    dx, dx2, dw, db = norm_bwd(dy.contiguous(), x, weight, mean, rstd, programs, layer,
-                               d_sum.contiguous() if d_sum is not None else None, cfg, dx_dtype, dx2_dtype,
-                               cached_launch)
-    # absent outputs as empty tensors, one each (a custom op's outputs may not alias one another)
+    dx, dx2, dw, db = _norm_bwd_eager(dy, x, weight, mean, rstd, layer, d_sum, dx_dtype, dx2_dtype)
     return dx, dx2 if dx2 is not None else weight.new_empty(0), dw, db if db is not None else weight.new_empty(0)
 
 
@@ -69,14 +82,17 @@ def _norm_bwd_fake(dy, x, weight, mean, rstd, layer, d_sum=None, dx_dtype=None, 
             torch.empty_like(weight), weight.new_empty(weight.shape[0] if layer else 0))
 
 
-_norm_bwd = kernel_op("norm_bwd", _norm_bwd_impl, _norm_bwd_fake)
+_norm_bwd = kernel_op("norm_bwd", _norm_bwd_impl, _norm_bwd_fake, eager_impl=_norm_bwd_eager)
 
 
 def _norm_setup(ctx, inputs, output):
     x, weight, bias, _, layer, _ = inputs
     ctx.save_for_backward(x, weight, output[1], output[2])
     ctx.layer = layer
-    ctx.mark_non_differentiable(output[1], output[2])
+    if layer:
+        ctx.mark_non_differentiable(output[1], output[2])
+    else:  # RMSNorm's mean: None (eager) or an empty tensor (the registered op)
+        ctx.mark_non_differentiable(*(t for t in output[1:] if t is not None))
 
 
 def _norm_backward(ctx, dy, _dmean, _drstd):
@@ -86,14 +102,14 @@ def _norm_backward(ctx, dy, _dmean, _drstd):
 
 
 _norm_fwd = kernel_op("norm_fwd", _norm_fwd_impl, _norm_fwd_fake, setup_context=_norm_setup,
-                      backward=_norm_backward)
+                      backward=_norm_backward, eager_impl=_norm_fwd_eager)
 
 
 def _add_norm_fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y = rms_norm(x + residual), x + residual, rstd)."""
     from .norm_kernel import norm_fwd
-    y, _, rstd, total = norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x, "rms_fwd")[0],
+    y, _, rstd, total = norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x, "add_fwd")[0],
                                    cached_launch)
     return y, total, rstd
 
@@ -125,7 +141,29 @@ _add_norm_fwd = kernel_op("add_rms_norm_fwd", _add_norm_fwd_impl, _add_norm_fwd_
 
 
 # ------------------------------------------------------------------------------------ public door
+_STRIDED = torch.strided
+
+
 def _check_norm(x, weight, bias, eps, out_dtype):
+    """The common case in one expression (an eager call's host time counts), the checks one by one, with their
+    messages, otherwise."""
+    try:
+        n = x.shape[-1]
+        if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor) and x.layout is _STRIDED \
+                and weight.layout is _STRIDED and not x.is_nested and not weight.is_nested and n \
+                and x.dtype in FLOATS and weight.dtype in FLOATS and weight.dim() == 1 and weight.shape[0] == n \
+                and weight.device == x.device and (out_dtype is None or out_dtype in FLOATS) \
+                and type(eps) is float and FP32_TINY <= eps <= SCALE_MAX \
+                and (bias is None or (isinstance(bias, torch.Tensor) and bias.layout is _STRIDED
+                                      and not bias.is_nested and bias.dtype in FLOATS and bias.dim() == 1
+                                      and bias.shape[0] == n and bias.device == x.device)):
+            return
+    except (AttributeError, IndexError, TypeError):
+        pass
+    _check_norm_each(x, weight, bias, eps, out_dtype)
+
+
+def _check_norm_each(x, weight, bias, eps, out_dtype):
     check_tensor("x", x)
     if out_dtype is not None and out_dtype not in FLOATS:
         fail("out_dtype", f"None or one of {FLOATS}", out_dtype)
@@ -161,10 +199,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     the next norm. The sum has x's and residual's promoted dtype (an fp32 stream plus a bf16 branch stays fp32);
     out_dtype is the normalised output's, as in rms_norm."""
     _check_norm(x, weight, None, eps, out_dtype)
-    check_tensor("residual", residual)
-    check_dtype("residual", residual, FLOATS)
-    check_same_device("residual", residual, "x", x)
-    if residual.shape != x.shape:
+    if not (isinstance(residual, torch.Tensor) and residual.layout is _STRIDED and not residual.is_nested
+            and residual.dtype in FLOATS and residual.device == x.device and residual.shape == x.shape):
+        check_tensor("residual", residual)
+        check_dtype("residual", residual, FLOATS)
+        check_same_device("residual", residual, "x", x)
         fail("residual", f"x's shape {tuple(x.shape)}", tuple(residual.shape))
     if resolve_backend(backend, x.device) == "reference":
         y, total = add_rms_norm_reference(x, residual, weight, eps)

@@ -1,6 +1,6 @@
 """Launch settings for the norm kernels: arch -> kind -> row width -> NormCfg (see ops/_tiles.py). Kinds:
-"rms_fwd", "rms_bwd", "layer_fwd", "layer_bwd", "add_bwd" (add_rms_norm's forward is rms_fwd's); an arch row without
-a kind falls back to its "any"."""
+"rms_fwd", "rms_bwd", "layer_fwd", "layer_bwd", "add_fwd", "add_bwd" (add_rms_norm's, an fp32 stream plus a bf16
+branch as the GPT runs it); an arch row without a kind falls back to its "any"."""
 from typing import NamedTuple
 
 from .._tiles import TileTable
@@ -31,6 +31,6 @@ _ADD_BWD_SM90 = {0: N(1), 257: N(4), 513: N(4, 3, 2), 1025: N(4), 2049: N(8, 1, 
 NORM = TileTable({
     "cpu": {"any": _BY_WIDTH},
     "default": {"any": _BY_WIDTH},
-    "sm90": {"rms_fwd": _FWD_SM90, "layer_fwd": _FWD_SM90, "rms_bwd": _BWD_SM90, "layer_bwd": _BWD_SM90,
-             "add_bwd": _ADD_BWD_SM90},
+    "sm90": {"rms_fwd": _FWD_SM90, "layer_fwd": _FWD_SM90, "add_fwd": _FWD_SM90, "rms_bwd": _BWD_SM90,
+             "layer_bwd": _BWD_SM90, "add_bwd": _ADD_BWD_SM90},
 })
