@@ -8,7 +8,7 @@ then forward; within --budget seconds (the whole sweep took 16 s for 768 on the 
 Backward: for each (warps, rows per tile) whose tile gives a thread 16 or 32 fp32 columns per tensor, the kernel is
 compiled once and its registers read back; it is timed with as many programs per SM as those registers let reside
 at once (one wave), prefetching the next tile; the three best are timed again with half the programs and without
-the prefetch. Forward:
+the prefetch. Forward (add_rms_norm's too, "add_fwd"):
 the few tiles near the last sweep's winners (benchmarks/NOTES.md, "Norms, session 10"). Timings are medians of
 CUDA-graph replays. Winners go into warpforge/ops/norm/configs.py's NORM table (printed at the end in its form), the
 numbers into benchmarks/NOTES.md. Bytes: forward reads x, writes y; backward reads x and dy, writes dx (2 bytes
@@ -54,9 +54,15 @@ def _compiled_bwd(cfg, block, layer, add):
 
 
 def eager_profile(calls: int = 200) -> None:
-    """Where an eager fwd+bwd spends its host time on this machine (issue 20's eager line): per op at 16k x 768, the
-    time per call back to back (synced once at the end: the host's cost when it is the bottleneck) and synced every
-    call (latency from an idle GPU), then a cProfile of rms_norm's calls, by own time."""
+    """Where an eager fwd+bwd spends its host time on this machine (issue 20's eager line), at 16k x 768 bf16:
+    - per op, the time per call back to back (synced once at the end: the host's cost when it is the bottleneck) and
+      synced before every call (latency from an idle GPU, as the fused bench's "warpforge (eager)" row times it);
+    - the same with autograd's multithreading off (the backward then runs on the calling thread, not handed to the
+      engine's CUDA device thread and back), and two floors: an empty autograd.Function (one allocation each way, no
+      kernel) and torch's own eager F.rms_norm;
+    - what one allocation and one forward (no_grad) cost here;
+    - torch.profiler's per-call counts of CUDA kernels and allocating ops for rms_norm and layer_norm;
+    - a cProfile of rms_norm's calls, by own time."""
     import cProfile
     import pstats
 
@@ -68,10 +74,33 @@ def eager_profile(calls: int = 200) -> None:
     w32 = torch.ones(768, device=dev, requires_grad=True)
     b = torch.zeros(768, device=dev, dtype=bf, requires_grad=True)
     gu = torch.randn(16384, 6144, device=dev, dtype=bf, requires_grad=True)
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, weight):
+            return torch.empty_like(a)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return torch.empty_like(dy), None
+
     cases = {"rms_norm": (lambda: wf.rms_norm(x, w), (x, w)),
              "add_rms_norm": (lambda: wf.add_rms_norm(x32, x, w32, out_dtype=bf), (x32, x, w32)),
              "layer_norm": (lambda: wf.layer_norm(x, w, b), (x, w, b)),
-             "swiglu": (lambda: wf.swiglu(gu), (gu,))}
+             "swiglu": (lambda: wf.swiglu(gu), (gu,)),
+             "floor: empty autograd.Function": (lambda: Empty.apply(x, w), (x,)),
+             "torch eager F.rms_norm": (lambda: torch.nn.functional.rms_norm(x, (768,), w, 1e-6), (x, w))}
+
+    def per_call(fn, sync_each):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            if sync_each:
+                torch.cuda.synchronize()
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / calls * 1e3
+
     steps = {}
     for name, (fwd, inputs) in cases.items():
         outs = fwd()
@@ -84,26 +113,40 @@ def eager_profile(calls: int = 200) -> None:
         steps[name] = step
         for _ in range(20):
             step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
+        times = [per_call(step, False), per_call(step, True)]
+        with torch.autograd.set_multithreading_enabled(False):
             step()
-        torch.cuda.synchronize()
-        back_to_back = (time.perf_counter() - t0) / calls * 1e3
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            step()
-            torch.cuda.synchronize()
-        synced = (time.perf_counter() - t0) / calls * 1e3
-        print(f"eager {name} fwd+bwd 16k: {back_to_back:.3f} ms a call back to back, {synced:.3f} ms synced each",
+            times += [per_call(step, False), per_call(step, True)]
+        print(f"eager {name} fwd+bwd 16k: {times[0]:.3f} ms a call back to back, {times[1]:.3f} synced each; "
+              f"multithreading off {times[2]:.3f} / {times[3]:.3f}", flush=True)
+    with torch.no_grad():
+        print(f"host: torch.empty_like(x) {per_call(lambda: torch.empty_like(x), False) * 1e3:.1f} us, "
+              f"rms_norm forward (no_grad) {per_call(lambda: wf.rms_norm(x, w), False) * 1e3:.1f} us a call",
               flush=True)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        for name in ("rms_norm", "layer_norm"):
+            n = 10
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    steps[name]()
+                torch.cuda.synchronize()
+            kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+            ops = {e.key: e.count / n for e in prof.key_averages()
+                   if e.key.startswith(("aten::empty", "aten::zeros", "aten::fill_", "aten::copy_", "aten::to",
+                                        "aten::new_empty", "aten::contiguous", "cuLaunch", "cudaLaunch",
+                                        "cudaMemset", "cudaEvent", "cudaStream"))}
+            print(f"{name} per fwd+bwd call: {kernels / n:.1f} GPU kernels; "
+                  + ", ".join(f"{k} {v:g}" for k, v in sorted(ops.items())), flush=True)
+    except Exception as exc:  # the profiler is a diagnostic: never the reason this step fails
+        print(f"torch.profiler: {type(exc).__name__}: {str(exc)[:200]}")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         steps["rms_norm"]()
     torch.cuda.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 def main(argv=None):
@@ -183,14 +226,19 @@ def main(argv=None):
                     if not out_of_time(15):
                         bwd(variant)
     for shape, (x, dy, w, b, n) in data.items():
-        for layer in (False, True):
-            name = "layer_norm" if layer else "rms_norm"
+        x32, w32 = x.float(), w.float()
+        for name in ("rms_norm", "layer_norm", "add_rms_norm"):
+            # add_rms_norm ("add_fwd" in NORM): an fp32 stream plus a bf16 branch, the sum stored in fp32, y in bf16
+            layer, add = name == "layer_norm", name == "add_rms_norm"
+            xs, ws, res = (x32, w32, x) if add else (x, w, None)
+            nbytes = x.numel() * (4 + 2 + 4 + 2 if add else 2 * 2)
             for warps, rows_per in FWD_TILES.get(nk._pow2(n), [(4, 1), (8, 1)]):
                 if out_of_time():
                     break
                 cfg = N(warps, 4, rows_per)
-                ms = time_candidate(lambda: nk.norm_fwd(x, w, b, 1e-6, layer, None, None, cfg), rep=20, graphed=True)
-                record(shape, name, "fwd", cfg, ms, 2 * x.numel() * 2)
+                ms = time_candidate(lambda: nk.norm_fwd(xs, ws, b, 1e-6, layer, x.dtype if add else None, res, cfg),
+                                    rep=20, graphed=True)
+                record(shape, name, "fwd", cfg, ms, nbytes)
     print(f"\nbest ({time.perf_counter() - start:.0f} s{', budget reached' if out_of_time() else ''}):")
     for (shape, name, part), (cfg, ms) in sorted(best.items()):
         print(f"  {shape} {name} {part}: NormCfg{tuple(cfg)} {ms * 1e3:.1f} us")
