@@ -73,15 +73,16 @@ GLUON_FWD = {
 # has run its GPU tests and the fwd+bwd bench (scripts/bench_attention_gluon.py --bwd). Not used when deterministic=True
 # (dq is summed by fp32 atomics): that stays on the portable backward.
 GLUON_BWD_ENV = "WARPFORGE_ATTN_GLUON_BWD"  # "1" on, "0" off, unset: GLUON_BWD_DEFAULT
-GLUON_BWD_DEFAULT = False                   # off: compiled for sm_90 without spills (Triton 3.6), not yet run on a GPU
+GLUON_BWD_DEFAULT = True                    # on for sm_90 + Triton 3.6: faster than the portable backward on every case timed
 # (head dim, causal) -> (BLOCK_M query rows per ring slot, STAGES ring slots, DQ_N dq columns per wgmma chunk, DQ_SPLIT,
 # DQ_TMA); 128 keys per program (two 64-key consumer warpgroups). DQ_SPLIT: each warpgroup computes half of dQ's
 # columns over both warpgroups' dS (half the fp32 reduction traffic, a barrier pair between the warpgroups per tile);
-# it compiles with ~100 B of spilled scalars at d 128 (Triton 3.6). DQ_TMA: dQ staged in shared memory and added by one
-# TMA reduce-add per tile (cp.reduce.async.bulk.tensor, FA3's way) instead of per-thread fp32 atomics. Session 10's
-# H200 run (these defaults, per-thread atomics, no split): bwd 324 TFLOP/s at the headline vs the portable 389;
-# DQ_SPLIT / DQ_TMA are timed by the next --bwd-sweep (benchmarks/NOTES.md, session 11) before they become defaults.
+# it compiles with ~100-260 B of spilled scalars at d 128 (Triton 3.6). DQ_TMA: dQ staged in shared memory and added by
+# one TMA reduce-add per tile (cp.reduce.async.bulk.tensor, FA3's way) instead of per-thread fp32 atomics. The H200
+# sweep of session 11 (benchmarks/runs/2026-12-02-s11/call3/bwd_sweep.log, fwd+bwd vs cuDNN in one process): d128
+# split + TMA at 3 stages 0.984x at b4 h16 s8192 causal (the old per-thread atomics 0.723x, the portable bwd 0.826x),
+# 0.879x at b32 s1024; d64 TMA alone 0.937x at b8 h32 s4096 (split + TMA 0.879x).
 GLUON_BWD = {
-    (64, False): (64, 4, 64, False, False), (64, True): (64, 4, 64, False, False),
-    (128, False): (64, 2, 64, False, False), (128, True): (64, 2, 64, False, False),
+    (64, False): (64, 4, 64, False, True), (64, True): (64, 4, 64, False, True),
+    (128, False): (64, 3, 64, True, True), (128, True): (64, 3, 64, True, True),
 }
