@@ -15,6 +15,7 @@ numbers into benchmarks/NOTES.md. Bytes: forward reads x, writes y; backward rea
 each; the dw partials are not counted), so GB/s compares with the copy bandwidth `warpforge bench` measures.
 """
 import argparse
+import sys
 import time
 
 import torch
@@ -61,8 +62,8 @@ def eager_profile(calls: int = 200) -> None:
       engine's CUDA device thread and back), and two floors: an empty autograd.Function (one allocation each way, no
       kernel) and torch's own eager F.rms_norm;
     - what one allocation and one forward (no_grad) cost here;
-    - torch.profiler's per-call counts of CUDA kernels and allocating ops for rms_norm and layer_norm;
-    - a cProfile of rms_norm's calls, by own time."""
+    - a cProfile of rms_norm's calls, by own time;
+    - torch.profiler's per-call counts of CUDA kernels and allocating ops for rms_norm and layer_norm."""
     import cProfile
     import pstats
 
@@ -123,6 +124,14 @@ def eager_profile(calls: int = 200) -> None:
         print(f"host: torch.empty_like(x) {per_call(lambda: torch.empty_like(x), False) * 1e3:.1f} us, "
               f"rms_norm forward (no_grad) {per_call(lambda: wf.rms_norm(x, w), False) * 1e3:.1f} us a call",
               flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        steps["rms_norm"]()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    sys.stdout.flush()
     try:
         from torch.profiler import ProfilerActivity, profile
         for name in ("rms_norm", "layer_norm"):
@@ -140,13 +149,6 @@ def eager_profile(calls: int = 200) -> None:
                   + ", ".join(f"{k} {v:g}" for k, v in sorted(ops.items())), flush=True)
     except Exception as exc:  # the profiler is a diagnostic: never the reason this step fails
         print(f"torch.profiler: {type(exc).__name__}: {str(exc)[:200]}")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        steps["rms_norm"]()
-    torch.cuda.synchronize()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 def main(argv=None):
