@@ -1,5 +1,5 @@
 """Sweep the norm kernels' launch settings on this GPU at the bench's shapes (16k rows of 768 and of 4096, bf16), for
-RMSNorm, LayerNorm and add_rms_norm's backward (fp32 stream), backward first (the part furthest from the copy rate),
+add_rms_norm (fp32 stream; first, the furthest from its bar), RMSNorm and LayerNorm, backward first (the part furthest from the copy rate),
 then forward; within --budget seconds (the whole sweep took 16 s for 768 on the H200).
 
     warpforge tune norm [--shapes 16384x768,16384x4096] [--budget 100] [--out tune_norm.json]
@@ -188,7 +188,7 @@ def main(argv=None):
 
     for shape, (x, dy, w, b, n) in data.items():  # backward first
         block = nk._pow2(n)
-        for name in ("rms_norm", "layer_norm", "add_rms_norm"):
+        for name in ("add_rms_norm", "rms_norm", "layer_norm"):  # the one furthest from its bar first
             # add_rms_norm as the GPT and the bench run it: an fp32 residual stream (the sum and its gradient from
             # downstream in fp32) with a bf16 branch, whose gradient the kernel also writes ("add_bwd" in NORM)
             layer, add = name == "layer_norm", name == "add_rms_norm"
@@ -229,7 +229,7 @@ def main(argv=None):
                         bwd(variant)
     for shape, (x, dy, w, b, n) in data.items():
         x32, w32 = x.float(), w.float()
-        for name in ("rms_norm", "layer_norm", "add_rms_norm"):
+        for name in ("add_rms_norm", "rms_norm", "layer_norm"):  # the one furthest from its bar first
             # add_rms_norm ("add_fwd" in NORM): an fp32 stream plus a bf16 branch, the sum stored in fp32, y in bf16
             layer, add = name == "layer_norm", name == "add_rms_norm"
             xs, ws, res = (x32, w32, x) if add else (x, w, None)
