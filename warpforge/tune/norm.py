@@ -1,6 +1,6 @@
 """Sweep the norm kernels' launch settings on this GPU at the bench's shapes (16k rows of 768 and of 4096, bf16), for
-add_rms_norm (fp32 stream; first, the furthest from its bar), RMSNorm and LayerNorm, backward first (the part furthest from the copy rate),
-then forward; within --budget seconds (the whole sweep took 16 s for 768 on the H200).
+add_rms_norm (fp32 stream; first, the furthest from its bar), RMSNorm and LayerNorm, backward first (the part furthest
+from the copy rate), then forward; within --budget seconds (the whole sweep took 16 s for 768 on the H200).
 
     warpforge tune norm [--shapes 16384x768,16384x4096] [--budget 100] [--out tune_norm.json]
     warpforge tune norm --eager-profile      # where an eager fwd+bwd call's host time goes
