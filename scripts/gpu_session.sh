@@ -66,6 +66,14 @@ for step in "$@"; do
                          timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
     evoformer-bench) SKIP_TESTS=1 MATCH='row|triangle' timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
                      grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16 ;;
+    attention-bwd-check) timeout 70 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon_bwd.py -k "not knobs" > "$w/bwd_tests.log" 2>&1; tail -n 3 "$w/bwd_tests.log"
+                         timeout 75 python3 scripts/bench_attention_gluon.py --bwd --json "$w/attention_gluon_bwd.json" > "$w/bwd_bench.log" 2>&1
+                         grep -E "^fwd|gluon\+gluon |gluon\+portable|cudnn " "$w/bwd_bench.log" ;;
+    norms-eager) timeout 55 python3 -m warpforge tune norm --shapes 16384x768 --budget 45 --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1
+                 timeout 30 python3 -m warpforge tune norm --eager-profile > "$w/eager_profile.log" 2>&1
+                 timeout 65 python3 -m warpforge bench --family fused --match "norm fwd" --json "$w/fused-norms.json" > "$w/bench-norms.log" 2>&1
+                 tail -n 26 "$w/tune_norm.log"; head -n 12 "$w/eager_profile.log"; grep "per fwd+bwd call" "$w/eager_profile.log"
+                 grep -E "norm fwd" "$w/bench-norms.log" | tail -n 30 ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
