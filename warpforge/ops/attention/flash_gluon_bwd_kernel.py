@@ -180,9 +180,9 @@ def _build():
     def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                   lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL: gl.constexpr,
                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        n0 = gl.program_id(1) * 128
-        b = gl.program_id(0) // H_KV
-        kvh = gl.program_id(0) % H_KV
+        n0 = gl.program_id(0) * 128
+        b = gl.program_id(1) // H_KV
+        kvh = gl.program_id(1) % H_KV
         kv_bytes: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
                                   + idx_desc.block_type.nbytes)
         mbarrier.expect(kv_bar, kv_bytes)
@@ -249,7 +249,7 @@ def _build():
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_N, 16])
         dtype: gl.constexpr = q_bufs.dtype
-        key_lo = gl.program_id(1) * 128 + WG * 64
+        key_lo = gl.program_id(0) * 128 + WG * 64
         k = k_bufs.index(WG).reshape([64, D])
         v = v_bufs.index(WG).reshape([64, D])
         p_smem = p_bufs.index(WG)                           # [BLOCK_M, 64 keys]
@@ -263,9 +263,9 @@ def _build():
         limit0 = s_k - 1 - key_lo
         shift = (s_k - s_q) - key_lo
         keys_cut = limit0 < 63
-        first, end = _span(gl.program_id(1) * 128, s_q, s_k, CAUSAL, BLOCK_M)
+        first, end = _span(gl.program_id(0) * 128, s_q, s_k, CAUSAL, BLOCK_M)
         n_i = end - first
-        bh0 = (gl.program_id(0) // H_KV) * H_Q + (gl.program_id(0) % H_KV) * GROUP   # the group's first query head
+        bh0 = (gl.program_id(1) // H_KV) * H_Q + (gl.program_id(1) % H_KV) * GROUP   # the group's first query head
         # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
         # tile needs them (the mask, dQ's adds): an index vector built from arange would be hoisted out of the loop
         # and hold 8-16 registers for its whole length
@@ -374,9 +374,9 @@ def _build():
         v.store(dv.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        b = gl.program_id(0) // H_KV
-        kvh = gl.program_id(0) % H_KV
-        key_lo = gl.program_id(1) * 128 + WG * 64
+        b = gl.program_id(1) // H_KV
+        kvh = gl.program_id(1) % H_KV
+        key_lo = gl.program_id(0) * 128 + WG * 64
         tma.async_copy_shared_to_global(dk_desc, [b, key_lo, kvh, 0], k_bufs.index(WG))
         tma.async_copy_shared_to_global(dv_desc, [b, key_lo, kvh, 0], v_bufs.index(WG))
         tma.store_wait(0)
@@ -495,9 +495,7 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, block_m, dq_n, gl)
-    # (b · h_kv, key block): the heaviest programs first over every head (causal: key block 0 sees every query
-    # tile), so no head's long programs start in the last wave (GQA's are GROUP times longer: 1.28x its ideal)
-    grid = (b * h_kv, -(-s_k // BLOCK_N))
+    grid = (-(-s_k // BLOCK_N), b * h_kv)
     args = (*descs, dq_acc, s_q, s_k, s_pad, h_q, h_kv, h_q // h_kv, sm_scale * LOG2E, sm_scale)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), DQ_N=dq_n, DQ_SPLIT=bool(dq_split),
                 DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
