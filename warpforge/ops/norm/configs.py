@@ -26,7 +26,8 @@ _FWD_SM90 = {0: N(1), 257: N(4), 513: N(2, 4, 2), 1025: N(4), 2049: N(2, 4, 1), 
 _BWD_SM90 = {0: N(1), 257: N(4), 513: N(4, 4, 2), 1025: N(4), 2049: N(8, 2, 1), 4097: N(8)}
 # add_rms_norm's backward (an fp32 residual stream: x and d_sum in fp32, two dx stores) takes more registers: 164 at
 # (4, -, 2) x 768 and 184 at (8, -, 1) x 4096 (ptxas, sm_90), so 3 and 1 programs per SM reside, not 4 and 2 (more
-# would run a second, partial wave). Not yet timed.
+# would run a second, partial wave). The 768 entries are the session 11 sweep's winners (runs/2026-12-02-s11/call5:
+# bwd (4, 3, 2) 54.5 us, fwd (2, 4, 2) 38.3 us); 4096 not yet timed.
 _ADD_BWD_SM90 = {0: N(1), 257: N(4), 513: N(4, 3, 2), 1025: N(4), 2049: N(8, 1, 1), 4097: N(8)}
 NORM = TileTable({
     "cpu": {"any": _BY_WIDTH},
