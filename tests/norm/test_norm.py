@@ -262,6 +262,39 @@ def test_launcher_calls_triton36_c_launch_directly(monkeypatch):
         assert calls == [want]
 
 
+def test_launcher_binders_match_bind():
+    """ops/_op.py's Launcher keys a launch by straight-line binders made per argument-type pattern: each must give
+    _bind's specialization key and flat arguments exactly (tensors, a Parameter, ints 1 / 16k / 64-bit / odd, a float,
+    None, bools, a dtype), and the launch counts (a debug aid) record the path taken."""
+    from warpforge.ops import _op
+
+    x = torch.zeros(64)
+    p = torch.nn.Parameter(torch.zeros(8, dtype=torch.float16))
+    for args in ((x, 768, 1e-6), (x[1:], 1, 2.0), (p, x, 2**40, 17, None, True, torch.float32),
+                 (x, False, 0, -3), (7,)):
+        launcher = _op.Launcher(object())
+        spec, flat = launcher._binder(args)(*args)
+        want = _op._bind(args)
+        assert (spec, list(flat)) == (want[0], list(want[1])) and type(spec) is tuple
+        assert launcher.binders[tuple(map(type, args))] is not None
+
+    calls = []
+
+    class Kernel:
+        __name__ = "k"
+        arg_names = ["X", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: calls.append(args)
+
+    try:
+        _op.Launcher.counts = {}
+        _op.Launcher(Kernel())((1,), x, 3, BLOCK=4)
+        assert _op.Launcher.counts == {("k", "triton"): 1}
+    finally:
+        _op.Launcher.counts = None
+
+
 def test_eager_backward_gets_no_zeros_for_statistics():
     """ops/_op.py's eager autograd.Function: outputs marked non-differentiable (a norm's mean and rstd) reach the
     backward as None, not as zeros the engine would allocate and fill on every call; a differentiable output without

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 from torch._C import _functions as autograd_functions  # DelayedError: what once_differentiable uses
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _len_torch_dispatch_stack  # what _get_current_dispatch_mode reads, without its frame
 
 NAMESPACE = "warpforge"
 
@@ -44,7 +44,7 @@ def kernel_op(name: str, impl: Callable, fake: Callable, *, setup_context: Optio
         eager = _autograd_function(name, eager, setup_context, backward).apply
 
     def call(*args, **kwargs):
-        if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        if torch.compiler.is_compiling() or _len_torch_dispatch_stack():
             return op(*args, **kwargs)
         return eager(*args, **kwargs)
 
@@ -103,20 +103,30 @@ class Launcher:
     meta). Under the Triton interpreter, with launch hooks set (a profiler), or with a driver that only compiles,
     every launch goes through `kernel[grid]`."""
 
+    counts = None  # {(kernel name, path): launches} while a dict (`warpforge tune norm --eager-profile`); paths:
+    # "c" (Triton 3.6's C launch, direct), "run" (the compiled kernel's launcher object), "triton" (kernel[grid])
+
     def __init__(self, kernel):
         self.kernel = kernel
         self.compiled: dict = {}
         self.device = None
+        self.binders: dict = {}  # argument types -> a function made for them: (spec, args with tensors as addresses)
 
     def __call__(self, grid, *args, **meta):
         key = None
-        if self.device is not None:
-            spec, flat = _bind(args)
-            key = (self.device(), tuple(meta.values()), *spec)
+        device = self.device
+        if device is not None:
+            binder = self.binders.get(tuple(map(type, args)))
+            if binder is None:
+                binder = self._binder(args)
+            spec, flat = binder(*args)
+            key = (device(), tuple(meta.values()), spec)
             hit = self.compiled.get(key)
             if hit is not None:
                 _, run, raw, function, packed, tail, runtime, stream = hit
-                if _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook):
+                enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+                if (enter is None or not getattr(enter, "calls", True)) and \
+                        (leave is None or not getattr(leave, "calls", True)):  # no launch hook to call
                     n = len(grid)
                     if raw is not None:  # Triton 3.6's C launch: (.., coop, pdl, scratch, profile scratch, ..)
                         run.launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream(key[0]),
@@ -124,14 +134,61 @@ class Launcher:
                     else:
                         run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream(key[0]), function,
                             packed, None, None, None, *args, *tail)
+                    if self.counts is not None:
+                        self._count("c" if raw is not None else "run")
                     return
         compiled = self.kernel[grid](*args, **meta)
+        if self.counts is not None:
+            self._count("triton")
         entry = _cacheable(self.kernel, compiled, len(args), meta)
         if entry is not None:
             if key is None:
-                self.device = entry[-1]
-                key = (self.device(), tuple(meta.values()), *_bind(args)[0])
+                self.device = _fast_device(entry[-1])
+                key = (self.device(), tuple(meta.values()), _bind(args)[0])
             self.compiled[key] = entry[:-1]
+
+    def _binder(self, args):
+        """A function of these argument types returning _bind's (spec as a tuple, flat): straight-line code, made once
+        per type pattern (an eager launch otherwise loops over ~10 arguments in Python on every call)."""
+        names = [f"a{i}" for i in range(len(args))]
+        spec, flat, pre = [], [], []
+        for i, (name, a) in enumerate(zip(names, args)):
+            t = type(a)
+            if t is _Tensor or (t is not int and t is not float and isinstance(a, _Tensor)):
+                pre.append(f"p{i} = {name}.data_ptr()")
+                spec += [f"{name}.dtype", f"not p{i} & 15"]
+                flat.append(f"p{i}")
+                continue
+            if t is int:
+                spec.append(f"(4 if {name} == 1 else ({name} % 16 == 0) + 2 * (not -2147483648 <= {name} < 2147483648))")
+            elif t is float:
+                spec.append("5")
+            else:  # None, bools, dtypes: by value
+                spec += [f"_t{i}", name]
+            flat.append(name)
+        glob = {f"_t{i}": type(a) for i, a in enumerate(args)}
+        code = (f"def bind({', '.join(names)}):\n    " + "".join(f"{line}\n    " for line in pre)
+                + f"return ({', '.join(spec)}{',' if len(spec) == 1 else ''}), "
+                + f"({', '.join(flat)}{',' if len(flat) == 1 else ''})\n")
+        exec(compile(code, f"<Launcher binder {len(self.binders)}>", "exec"), glob)
+        binder = self.binders[tuple(map(type, args))] = glob["bind"]
+        return binder
+
+    def _count(self, path):
+        key = (getattr(self.kernel, "__name__", None) or getattr(getattr(self.kernel, "fn", None), "__name__", "?"),
+               path)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+def _fast_device(getter):
+    """The current-device getter for launch keys: torch.cuda.current_device (Triton's) checks initialisation in three
+    Python frames per call; once a kernel has been compiled and launched here CUDA is initialised, and its C getter
+    answers alone."""
+    if getter is getattr(torch.cuda, "current_device", None) and torch.cuda.is_initialized():
+        fast = getattr(torch._C, "_cuda_getDevice", None)
+        if fast is not None:
+            return fast
+    return getter
 
 
 _LAUNCHERS: dict = {}
@@ -153,7 +210,7 @@ def _bind(args):
     """(what Triton specializes args on, flattened: a tensor's dtype and whether its address is a multiple of 16, an
     int's class (1, a multiple of 16, 64-bit), a float, anything else by value; args with tensors as addresses)."""
     spec, flat = [], []
-    for a in args:
+    for a in args:  # the binders (Launcher._binder) do the same in straight-line code
         t = type(a)
         if t is _Tensor or (t is not int and t is not float and isinstance(a, _Tensor)):
             p = a.data_ptr()
@@ -167,7 +224,7 @@ def _bind(args):
         else:  # None, bools, dtypes: by value
             spec += (t, a)
         flat.append(a)
-    return spec, flat
+    return tuple(spec), flat
 
 
 def _cacheable(kernel, compiled, n_args, meta):
@@ -206,7 +263,3 @@ def _raw_launch(run):
         return None
     return run.launch_cooperative_grid, run.launch_pdl
 
-
-def _idle(hook) -> bool:
-    """No launch hook to call: None, or (Triton 3.6 on) an empty HookChain."""
-    return hook is None or not getattr(hook, "calls", True)
