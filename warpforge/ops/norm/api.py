@@ -17,6 +17,15 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 _CFGS: dict = {}
+_NK = None  # the kernel file, imported on first use (keeps `import warpforge` off Triton; a function-level import
+# statement costs ~1 µs a call)
+
+
+def _kernels():
+    global _NK
+    from . import norm_kernel
+    _NK = norm_kernel
+    return norm_kernel
 _FWD_KIND, _BWD_KIND = ("rms_fwd", "layer_fwd"), ("rms_bwd", "layer_bwd")  # by layer (a bool)
 
 
@@ -38,8 +47,7 @@ def _cfg(x: torch.Tensor, kind: str) -> tuple[configs.NormCfg, int]:
 # makes only the tensors it uses: on a GPU host each allocation costs microseconds.
 def _norm_fwd_eager(x, weight, bias, eps, layer, out_dtype):
     """(y, mean or None, rstd)."""
-    from .norm_kernel import norm_fwd
-    y, mean, rstd, _ = norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x, _FWD_KIND[layer])[0],
+    y, mean, rstd, _ = (_NK or _kernels()).norm_fwd(x, weight, bias, eps, layer, out_dtype, None, _cfg(x, _FWD_KIND[layer])[0],
                                 cached_launch)
     return y, mean, rstd
 
@@ -59,9 +67,8 @@ def _norm_fwd_fake(x, weight, bias, eps, layer, out_dtype):
 
 def _norm_bwd_eager(dy, x, weight, mean, rstd, layer, d_sum=None, dx_dtype=None, dx2_dtype=None):
     """(dx, dx2 or None, dw, db or None)."""
-    from .norm_kernel import norm_bwd
     cfg, programs = _cfg(x, _BWD_KIND[layer] if d_sum is None else "add_bwd")
-    return norm_bwd(dy.contiguous(), x, weight, mean, rstd, programs, layer,
+    return (_NK or _kernels()).norm_bwd(dy.contiguous(), x, weight, mean, rstd, programs, layer,
                     d_sum.contiguous() if d_sum is not None else None, cfg, dx_dtype, dx2_dtype, cached_launch)
 
 
@@ -108,8 +115,7 @@ _norm_fwd = kernel_op("norm_fwd", _norm_fwd_impl, _norm_fwd_fake, setup_context=
 def _add_norm_fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                        out_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y = rms_norm(x + residual), x + residual, rstd)."""
-    from .norm_kernel import norm_fwd
-    y, _, rstd, total = norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x, "add_fwd")[0],
+    y, _, rstd, total = (_NK or _kernels()).norm_fwd(x, weight, None, eps, False, out_dtype, residual, _cfg(x, "add_fwd")[0],
                                    cached_launch)
     return y, total, rstd
 

@@ -15,6 +15,14 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 _CFGS: dict = {}
+_SK = None  # the kernel file, imported on first use (a function-level import statement costs ~1 µs a call)
+
+
+def _kernels():
+    global _SK
+    from . import swiglu_kernel
+    _SK = swiglu_kernel
+    return swiglu_kernel
 
 
 def _cfg(device: torch.device) -> configs.SwigluCfg:
@@ -26,8 +34,7 @@ def _cfg(device: torch.device) -> configs.SwigluCfg:
 
 
 def _swiglu_fwd_impl(gate_up: torch.Tensor) -> torch.Tensor:
-    from .swiglu_kernel import swiglu_fwd
-    return swiglu_fwd(gate_up, _cfg(gate_up.device), cached_launch)
+    return (_SK or _kernels()).swiglu_fwd(gate_up, _cfg(gate_up.device), cached_launch)
 
 
 def _swiglu_fwd_fake(gate_up):
@@ -35,8 +42,7 @@ def _swiglu_fwd_fake(gate_up):
 
 
 def _swiglu_bwd_impl(dout: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    from .swiglu_kernel import swiglu_bwd
-    return swiglu_bwd(dout.contiguous(), gate_up, _cfg(gate_up.device), cached_launch)
+    return (_SK or _kernels()).swiglu_bwd(dout.contiguous(), gate_up, _cfg(gate_up.device), cached_launch)
 
 
 def _swiglu_bwd_fake(dout, gate_up):
