@@ -54,27 +54,112 @@ def _compiled_bwd(cfg, block, layer, add):
     return None
 
 
-def eager_profile(calls: int = 200) -> None:
-    """Where an eager fwd+bwd spends its host time on this machine (issue 20's eager line), at 16k x 768 bf16:
-    - per op, the time per call back to back (synced once at the end: the host's cost when it is the bottleneck) and
-      synced before every call (latency from an idle GPU, as the fused bench's "warpforge (eager)" row times it);
-    - the same with autograd's multithreading off (the backward then runs on the calling thread, not handed to the
-      engine's CUDA device thread and back), and two floors: an empty autograd.Function (one allocation each way, no
-      kernel) and torch's own eager F.rms_norm;
-    - what one allocation and one forward (no_grad) cost here;
-    - a cProfile of rms_norm's calls, by own time;
-    - torch.profiler's per-call counts of CUDA kernels and allocating ops for rms_norm and layer_norm."""
+def _py_calibration() -> float:
+    """µs for a fixed pure-Python workload (calls, tuples, dict stores, attribute reads): compares this host's
+    interpreter with the CPU where the stubbed harness runs (benchmarks/NOTES.md, "Norms eager path, round 2")."""
+    class Box:
+        a = 1
+
+    def f(i, box=Box()):
+        return (i, box.a, i + 1)
+
+    def work():
+        d = {}
+        for i in range(1000):
+            d[i & 63] = f(i)
+        return d
+
+    work()
+    best = 1e9
+    for _ in range(20):
+        t0 = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e6
+
+
+def _host_info() -> None:
+    import os
+    import platform
+    import sysconfig
+    import threading
+    info = [f"python {sys.version.split()[0]} ({platform.python_implementation()}, "
+            f"{sysconfig.get_config_var('CONFIG_ARGS') or '?'})"[:200],
+            f"gil {'off' if getattr(sys, '_is_gil_enabled', lambda: True)() is False else 'on'}, "
+            f"switch interval {sys.getswitchinterval() * 1e3:g} ms, trace {sys.gettrace() is not None}, "
+            f"profile {sys.getprofile() is not None}, threads {threading.active_count()} "
+            f"({', '.join(t.name for t in threading.enumerate())[:120]})"]
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is not None:
+        info.append("sys.monitoring tools: " + (", ".join(f"{i}={monitoring.get_tool(i)}" for i in range(6)
+                                                         if monitoring.get_tool(i)) or "none"))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count()
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info.append(f"cpu {model or platform.processor()}, {cpus} usable of {os.cpu_count()}, load "
+                f"{' '.join(f'{v:.1f}' for v in os.getloadavg())}; torch {torch.__version__}")
+    try:
+        import triton
+        info[-1] += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    info.append(f"python calibration (a fixed pure-Python loop; this repo's 2-core CPU: see NOTES): "
+                f"{_py_calibration():.0f} us")
+    for line in info:
+        print("host: " + line, flush=True)
+
+
+def eager_profile(calls: int = 100, rounds: int = 7, rows: int = 16384, device=None) -> None:
+    """Where an eager fwd+bwd spends its host time on this machine (issue 20's eager line), at rows x 768 bf16. In
+    order (the most telling first; every section guarded, a failure prints and moves on):
+    - host: interpreter, threads, CPU, and a pure-Python calibration loop (compares hosts);
+    - per op, interleaved over `rounds` rounds (min and median): fwd+bwd back to back (synced once at the end: host
+      cost when the host is the bottleneck), synced before every call (latency from an idle GPU, as the fused bench
+      times it), and back to back with autograd's multithreading off (backward on the calling thread, not handed to
+      the engine's CUDA device thread); floors: an empty autograd.Function, torch's eager F.rms_norm / F.layer_norm;
+    - launches per call by path, counted by the toolkit's Launcher ("c": Triton 3.6's C launch called directly,
+      "run": through the launcher object, "triton": kernel[grid], Triton's own binding);
+    - a breakdown, each part back to back, as host time to issue `calls` calls (no sync inside) and per call with the
+      drain: forward alone (grad on / off), backward alone (autograd.grad on a saved graph), the op layers one by one
+      (registered-op call, eager body, kernel helper), single Launcher launches, a bare launch of a trivial kernel
+      (Launcher, kernel[grid], the C launch itself), and torch's own ops (allocation, device and stream queries, a
+      tiny torch kernel);
+    - torch.profiler: every host-side event per fwd+bwd call (count, self µs), allocator and CUDA API calls included;
+    - CUDA sync debug mode over a few calls (any synchronizing torch op warns);
+    - cProfile of rms_norm fwd+bwd calls: the full list by own time and by cumulative time (top 60 each). pstats
+      keeps one entry per name, so the per-kernel `__triton_launcher.launch` modules show as one: the Launcher's
+      counts above are the launches' truth."""
     import cProfile
     import pstats
+    import statistics
+    import warnings
 
     import warpforge as wf
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    x = torch.randn(16384, 768, device=dev, dtype=bf, requires_grad=True)
-    x32 = torch.randn(16384, 768, device=dev, requires_grad=True)
+    dev = torch.device(device or "cuda")
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    bf = torch.bfloat16
+    try:
+        _host_info()
+    except Exception as exc:
+        print(f"host: {type(exc).__name__}: {exc}")
+    x = torch.randn(rows, 768, device=dev, dtype=bf, requires_grad=True)
+    x32 = torch.randn(rows, 768, device=dev, requires_grad=True)
     w = torch.ones(768, device=dev, dtype=bf, requires_grad=True)
     w32 = torch.ones(768, device=dev, requires_grad=True)
     b = torch.zeros(768, device=dev, dtype=bf, requires_grad=True)
-    gu = torch.randn(16384, 6144, device=dev, dtype=bf, requires_grad=True)
+    gu = torch.randn(rows, 6144, device=dev, dtype=bf, requires_grad=True)
+    F = torch.nn.functional
 
     class Empty(torch.autograd.Function):
         @staticmethod
@@ -90,17 +175,30 @@ def eager_profile(calls: int = 200) -> None:
              "layer_norm": (lambda: wf.layer_norm(x, w, b), (x, w, b)),
              "swiglu": (lambda: wf.swiglu(gu), (gu,)),
              "floor: empty autograd.Function": (lambda: Empty.apply(x, w), (x,)),
-             "torch eager F.rms_norm": (lambda: torch.nn.functional.rms_norm(x, (768,), w, 1e-6), (x, w))}
+             "torch eager F.rms_norm": (lambda: F.rms_norm(x, (768,), w, 1e-6), (x, w)),
+             "torch eager F.layer_norm": (lambda: F.layer_norm(x, (768,), w, b, 1e-5), (x, w, b))}
 
-    def per_call(fn, sync_each):
-        torch.cuda.synchronize()
+    def per_call(fn, n=calls, sync_each=False):
+        """ms a call: fn n times back to back, synced once at the end (or before each call)."""
+        sync()
         t0 = time.perf_counter()
-        for _ in range(calls):
+        for _ in range(n):
             if sync_each:
-                torch.cuda.synchronize()
+                sync()
             fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / calls * 1e3
+        sync()
+        return (time.perf_counter() - t0) / n * 1e3
+
+    def issue(fn, n=calls):
+        """(µs a call to issue n calls without a sync, µs a call with the drain at the end)."""
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
 
     steps = {}
     for name, (fwd, inputs) in cases.items():
@@ -112,43 +210,234 @@ def eager_profile(calls: int = 200) -> None:
             out = fwd()
             return torch.autograd.grad(out if isinstance(out, tuple) else (out,), inputs, grads)
         steps[name] = step
-        for _ in range(20):
+        for _ in range(10):
             step()
-        times = [per_call(step, False), per_call(step, True)]
-        with torch.autograd.set_multithreading_enabled(False):
-            step()
-            times += [per_call(step, False), per_call(step, True)]
-        print(f"eager {name} fwd+bwd 16k: {times[0]:.3f} ms a call back to back, {times[1]:.3f} synced each; "
-              f"multithreading off {times[2]:.3f} / {times[3]:.3f}", flush=True)
-    with torch.no_grad():
-        print(f"host: torch.empty_like(x) {per_call(lambda: torch.empty_like(x), False) * 1e3:.1f} us, "
-              f"rms_norm forward (no_grad) {per_call(lambda: wf.rms_norm(x, w), False) * 1e3:.1f} us a call",
-              flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        steps["rms_norm"]()
-    torch.cuda.synchronize()
-    prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-    sys.stdout.flush()
+    print(f"\n== eager fwd+bwd at {rows} x 768, ms a call, interleaved over {rounds} rounds of {calls} calls: "
+          "min / median", flush=True)
+    times: dict = {}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t = times.setdefault(name, ([], [], [], []))
+            t[0].append(per_call(step))
+            t[1].append(per_call(step, sync_each=True))
+            with torch.autograd.set_multithreading_enabled(False):
+                t[2].append(per_call(step))
+                t[3].append(per_call(step, sync_each=True))
+    for name, t in times.items():
+        cols = [f"{min(v):.3f} / {statistics.median(v):.3f}" for v in t]
+        print(f"eager {name}: back to back {cols[0]}, synced each {cols[1]}; multithreading off {cols[2]}, "
+              f"synced {cols[3]}", flush=True)
+
+    from warpforge.ops import _op
     try:
-        from torch.profiler import ProfilerActivity, profile
-        for name in ("rms_norm", "layer_norm"):
-            n = 10
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    steps[name]()
-                torch.cuda.synchronize()
-            kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-            ops = {e.key: e.count / n for e in prof.key_averages()
-                   if e.key.startswith(("aten::empty", "aten::zeros", "aten::fill_", "aten::copy_", "aten::to",
-                                        "aten::new_empty", "aten::contiguous", "cuLaunch", "cudaLaunch",
-                                        "cudaMemset", "cudaEvent", "cudaStream"))}
-            print(f"{name} per fwd+bwd call: {kernels / n:.1f} GPU kernels; "
-                  + ", ".join(f"{k} {v:g}" for k, v in sorted(ops.items())), flush=True)
-    except Exception as exc:  # the profiler is a diagnostic: never the reason this step fails
-        print(f"torch.profiler: {type(exc).__name__}: {str(exc)[:200]}")
+        _op.Launcher.counts = {}
+        for name in ("rms_norm", "add_rms_norm", "layer_norm", "swiglu"):
+            _op.Launcher.counts.clear()
+            for _ in range(10):
+                steps[name]()
+            sync()
+            print(f"launches per {name} fwd+bwd: " + ", ".join(
+                f"{kernel} {path} {n / 10:g}" for (kernel, path), n in sorted(_op.Launcher.counts.items())),
+                flush=True)
+    except Exception as exc:
+        print(f"launch counts: {type(exc).__name__}: {exc}")
+    finally:
+        _op.Launcher.counts = None
+
+    print("\n== breakdown, each part back to back: us a call to issue (no sync) / with the drain", flush=True)
+    try:
+        _breakdown(issue, x, w, b, gu, dev, Empty)
+    except Exception as exc:
+        import traceback
+        traceback.print_exc(limit=3)
+        print(f"breakdown: {type(exc).__name__}: {exc}", flush=True)
+
+    if cuda:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+            for name in ("rms_norm", "layer_norm"):
+                n = 20
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], acc_events=True) as prof:
+                    for _ in range(n):
+                        steps[name]()
+                    sync()
+                events = prof.key_averages()
+                kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+                host = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA),
+                              key=lambda e: -e.self_cpu_time_total)
+                print(f"\n== torch.profiler, {name} per fwd+bwd call: {kernels / n:.1f} GPU kernels; host events "
+                      "(count, self us, total us a call):", flush=True)
+                for e in host[:30]:
+                    print(f"  {e.key[:60]:60s} {e.count / n:5.1f} {e.self_cpu_time_total / n:8.1f} "
+                          f"{e.cpu_time_total / n:8.1f}")
+        except Exception as exc:  # the profiler is a diagnostic: never the reason this step fails
+            print(f"torch.profiler: {type(exc).__name__}: {str(exc)[:200]}")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    for name in ("rms_norm", "layer_norm", "swiglu"):
+                        steps[name]()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = [str(c.message)[:120] for c in caught if "synchroniz" in str(c.message).lower()]
+            print(f"\nsync debug mode over rms / layer / swiglu fwd+bwd: {len(syncs)} synchronizing ops"
+                  + "".join(f"\n  {m}" for m in syncs[:5]), flush=True)
+        except Exception as exc:
+            print(f"sync debug: {type(exc).__name__}: {exc}")
+
+    for label, mt in (("multithreading on", True), ("multithreading off", False)):
+        prof = cProfile.Profile()
+        with torch.autograd.set_multithreading_enabled(mt):
+            prof.enable()
+            for _ in range(calls):
+                steps["rms_norm"]()
+            sync()
+            prof.disable()
+        _print_profile(pstats.Stats(prof), f"{calls} rms_norm fwd+bwd calls ({label})", calls,
+                       (("tottime", 60), ("cumulative", 60)) if mt else (("tottime", 30),))
+
+
+def _print_profile(stats, title, calls, sorts) -> None:
+    """pstats' entries in µs per fwd+bwd call (its own listing rounds to ms): calls per fwd+bwd, own µs, cumulative
+    µs, function."""
+    rows = []
+    for (path, line, func), (_, nc, tt, ct, _) in stats.stats.items():
+        where = func if path == "~" else f"{'/'.join(path.split('/')[-3:])}:{line}({func})"
+        rows.append((nc / calls, tt / calls * 1e6, ct / calls * 1e6, where))
+    total = sum(r[1] for r in rows)
+    for key, top in sorts:
+        index = 1 if key == "tottime" else 2
+        print(f"\n== cProfile of {title}, by {key}: {total:.1f} us own time a call in all; calls a call, own us, "
+              "cumulative us", flush=True)
+        for n, tt, ct, where in sorted(rows, key=lambda r: -r[index])[:top]:
+            print(f"  {n:6.1f} {tt:8.2f} {ct:8.2f}  {where[:110]}")
+    sys.stdout.flush()
+
+
+def _breakdown(issue, x, w, b, gu, dev, Empty) -> None:
+    """Each part of an eager rms_norm / layer_norm call alone, back to back (see eager_profile)."""
+    import triton
+    import triton.language as tl
+
+    import warpforge as wf
+    from warpforge.ops import _op
+    from warpforge.ops.norm import api
+    from warpforge.ops.swiglu import api as swiglu_api
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    @triton.jit
+    def touch_kernel(X, n):
+        tl.store(X + tl.program_id(0), n)
+
+    rows = x.shape[0]
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    dy = torch.randn_like(xd)
+    parts = []
+
+    def add(label, fn):
+        parts.append((label, fn))
+
+    for name, layer in (("rms_norm", False), ("layer_norm", True)):
+        fwd = (lambda: wf.layer_norm(x, w, b)) if layer else (lambda: wf.rms_norm(x, w))
+        inputs = (x, w, b) if layer else (x, w)
+        saved = fwd()
+        saved_mt = fwd()
+
+        def bwd(saved=saved, inputs=inputs):
+            return torch.autograd.grad(saved, inputs, dy, retain_graph=True)
+
+        def bwd_st(saved=saved_mt, inputs=inputs):
+            with torch.autograd.set_multithreading_enabled(False):
+                return torch.autograd.grad(saved, inputs, dy, retain_graph=True)
+
+        with torch.no_grad():
+            _, mean, rstd = api._norm_fwd_eager(xd, wd, bd if layer else None, 1e-6, layer, None)
+        cfg_f = api._cfg(xd, api._FWD_KIND[layer])[0]
+        cfg_b, programs = api._cfg(xd, api._BWD_KIND[layer])
+        bias = bd if layer else None
+
+        def no_grad(fn):
+            def run():
+                with torch.no_grad():
+                    return fn()
+            return run
+
+        add(f"{name} fwd+bwd (autograd.grad)", lambda fwd=fwd, inputs=inputs: torch.autograd.grad(fwd(), inputs, dy))
+        add(f"{name} fwd, grad on (output dropped)", fwd)
+        add(f"{name} fwd, no_grad", no_grad(fwd))
+        add(f"{name} bwd alone: autograd.grad, saved graph", bwd)
+        add(f"{name} bwd alone, multithreading off", bwd_st)
+        add(f"{name} fwd: registered-op caller (no checks), no_grad",
+            no_grad(lambda layer=layer, bias=bias: api._norm_fwd(xd, wd, bias, 1e-6, layer, None)))
+        add(f"{name} fwd: eager body _norm_fwd_eager",
+            lambda layer=layer, bias=bias: api._norm_fwd_eager(xd, wd, bias, 1e-6, layer, None))
+        add(f"{name} fwd: norm_fwd (allocations + launch)",
+            lambda layer=layer, bias=bias, cfg=cfg_f: nk.norm_fwd(xd, wd, bias, 1e-6, layer, None, None, cfg,
+                                                                 _op.cached_launch))
+        add(f"{name} bwd: registered-op caller _norm_bwd",
+            lambda layer=layer, mean=mean, rstd=rstd: api._norm_bwd(dy, xd, wd, mean, rstd, layer))
+        add(f"{name} bwd: eager body _norm_bwd_eager",
+            lambda layer=layer, mean=mean, rstd=rstd: api._norm_bwd_eager(dy, xd, wd, mean, rstd, layer))
+        add(f"{name} bwd: norm_bwd (allocations + 2 launches)",
+            lambda layer=layer, mean=mean, rstd=rstd, cfg=cfg_b, programs=programs:
+            nk.norm_bwd(dy, xd, wd, mean, rstd, programs, layer, None, cfg, None, None, _op.cached_launch))
+        if not layer:
+            y = torch.empty_like(xd)
+            br = cfg_f.block_rows
+            add("rms_norm: one Launcher launch of norm_fwd_kernel (outputs preallocated)",
+                lambda y=y, rstd=rstd, br=br, cfg=cfg_f: _op.cached_launch(
+                    nk.norm_fwd_kernel, ((rows + br - 1) // br,), xd, xd, y, wd, wd, y, rstd, rstd, rows, 768, 1e-6,
+                    BLOCK_R=br, BLOCK=1024, LAYER=False, ADD=False, num_warps=cfg.warps))
+            grid, _ = nk.bwd_programs(rows, programs, cfg_b.block_rows)
+            part = torch.empty(grid * 768, device=dev, dtype=torch.float32)
+            dw = torch.empty_like(wd)
+            block_p = min(nk._pow2(grid), 512)
+            add("rms_norm: one Launcher launch of part_sum_kernel",
+                lambda part=part, dw=dw, grid=grid, block_p=block_p: _op.cached_launch(
+                    nk.part_sum_kernel, (24, 1), part, dw, dw, grid, 768, BLOCK_P=block_p, BLOCK_N=32,
+                    num_warps=8 if block_p >= 256 else 4))
+    gud = gu.detach()
+    dout = torch.randn(rows, 3072, device=dev, dtype=gu.dtype)
+    add("swiglu fwd, no_grad", lambda: swiglu_api._swiglu_fwd_impl(gud))
+    add("swiglu bwd body", lambda: swiglu_api._swiglu_bwd_impl(dout, gud))
+    # a trivial kernel: the launch alone
+    sink = torch.zeros(4, device=dev, dtype=torch.int32)
+    touch = _op.Launcher(touch_kernel)
+    touch((1,), sink, 3)
+    touch((1,), sink, 3)
+    add("trivial kernel: Launcher (toolkit, cached)", lambda: touch((1,), sink, 3))
+    add("trivial kernel: kernel[grid] (Triton's own binding)", lambda: touch_kernel[(1,)](sink, 3))
+    entry = next(iter(touch.compiled.values()), None)
+    if entry is not None:
+        _, run, raw, function, packed, tail, _, stream = entry
+        s = stream(torch.cuda.current_device()) if dev.type == "cuda" else 0
+        ptr = sink.data_ptr()
+        if raw is not None:
+            add("trivial kernel: the C launch alone (ints)", lambda: run.launch(
+                1, 1, 1, s, function, raw[0], raw[1], None, None, packed, None, None, None, ptr, 3, *tail))
+        add("trivial kernel: compiled.run (launcher object)", lambda: run(
+            1, 1, 1, s, function, packed, None, None, None, sink, 3, *tail))
+    add("torch.empty_like(x)", lambda: torch.empty_like(xd))
+    add("torch.empty(rows, fp32)", lambda: torch.empty(rows, device=dev, dtype=torch.float32))
+    add("x.contiguous()", xd.contiguous)
+    add("torch.neg(w) (a tiny torch kernel)", lambda: torch.neg(wd))
+    add("torch F.rms_norm fwd (detached inputs)", lambda: torch.nn.functional.rms_norm(xd, (768,), wd, 1e-6))
+    add("Empty.apply + grad (the floor)", lambda: torch.autograd.grad(Empty.apply(x, w), (x,), dy))
+    if dev.type == "cuda":
+        add("torch.cuda.current_device()", torch.cuda.current_device)
+        add("torch._C._cuda_getDevice()", torch._C._cuda_getDevice)
+        add("torch._C._cuda_getCurrentRawStream(0)", lambda: torch._C._cuda_getCurrentRawStream(0))
+        add("torch.cuda.current_stream()", torch.cuda.current_stream)
+    add("torch.compiler.is_compiling()", torch.compiler.is_compiling)
+    add("_get_current_dispatch_mode()", _get_current_dispatch_mode)
+    add("x.data_ptr()", xd.data_ptr)
+    add("x.device", lambda: xd.device)
+    for label, fn in parts:
+        fn()
+        best = min((issue(fn, 50) for _ in range(5)), key=lambda v: v[0])
+        print(f"  {label:68s} {best[0]:8.1f} / {best[1]:8.1f}", flush=True)
 
 
 def main(argv=None):
@@ -158,7 +447,8 @@ def main(argv=None):
                     help="seconds of sweeping; the backward stops 15 s before it so that the forward gets its turn")
     ap.add_argument("--out", default=None)
     ap.add_argument("--eager-profile", action="store_true",
-                    help="instead of sweeping: time eager fwd+bwd calls and profile rms_norm's host time")
+                    help="instead of sweeping: where eager fwd+bwd calls spend their host time (timings, launch "
+                         "paths, a breakdown, torch.profiler, cProfile)")
     args = ap.parse_args(argv)
     if args.eager_profile:
         eager_profile()
