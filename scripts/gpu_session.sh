@@ -74,6 +74,8 @@ for step in "$@"; do
                  timeout 65 python3 -m warpforge bench --family fused --match "norm fwd" --json "$w/fused-norms.json" > "$w/bench-norms.log" 2>&1
                  tail -n 26 "$w/tune_norm.log"; head -n 12 "$w/eager_profile.log"; grep "per fwd+bwd call" "$w/eager_profile.log"
                  grep -E "norm fwd" "$w/bench-norms.log" | tail -n 30 ;;
+    norms-eager-profile) timeout 110 python3 -m warpforge tune norm --eager-profile > "$w/eager_profile2.log" 2>&1
+                         head -n 80 "$w/eager_profile2.log"; grep -A 31 "torch.profiler, rms_norm" "$w/eager_profile2.log" ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
