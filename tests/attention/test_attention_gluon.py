@@ -224,7 +224,11 @@ def test_gpu_switch_and_fallbacks(gluon_on, monkeypatch):
     monkeypatch.setenv(configs.GLUON_ENV, "1")
     big = 1 << 30
     assert api.gluon_gate(q, k, v, big, 0) and api.gluon_gate(q, k, v, big, big)
-    assert not api.gluon_gate(q, k, v, 64, 0)  # window
+    monkeypatch.setenv(configs.GLUON_WINDOW_ENV, "0")
+    assert not api.gluon_gate(q, k, v, 64, 0)  # a left window with its switch off
+    monkeypatch.setenv(configs.GLUON_WINDOW_ENV, "1")
+    assert api.gluon_gate(q, k, v, 64, 0) and api.gluon_gate(q, k, v, 64, big)  # a left window (sliding)
+    assert not api.gluon_gate(q, k, v, 64, 5)  # two-sided
     assert not api.gluon_gate(q, k, v, big, 5)  # a one-sided band
     q96, k96, v96 = _inputs(1, 64, 64, 2, 2, 96)
     assert not api.gluon_gate(q96, k96, v96, big, 0)
