@@ -76,6 +76,8 @@ for step in "$@"; do
                  grep -E "norm fwd" "$w/bench-norms.log" | tail -n 30 ;;
     norms-eager-profile) timeout 110 python3 -m warpforge tune norm --eager-profile > "$w/eager_profile2.log" 2>&1
                          head -n 80 "$w/eager_profile2.log"; grep -A 31 "torch.profiler, rms_norm" "$w/eager_profile2.log" ;;
+    attention-gqa-window) timeout 120 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_window.py > "$w/window_tests.log" 2>&1; tail -n 15 "$w/window_tests.log"
+                          timeout 115 python3 scripts/bench_attention_gluon.py --gqa-window --json "$w/attention_gqa_window.json" > "$w/gqa_window.log" 2>&1; cat "$w/gqa_window.log" ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
