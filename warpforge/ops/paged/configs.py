@@ -22,6 +22,12 @@ class PagedCfg(NamedTuple):
     #                          pair; -> bf16 adds one per element), q and the probabilities rounded to fp16 (finer
     #                          than bf16; their values, ≤ 448 and ≤ 6 · 448, fit; mxfp4's power-of-two scales may not)
     prefetch: bool = False  # load the next step's raw bytes into registers while this step computes
+    fp8_mma: int = 0  # fp8 caches: 1 = the e4m3 codes straight into fp8 tensor-core dots (q per row and the
+    #                   probabilities per row and step rounded to e4m3 with fp32 scales; no dequantisation in the
+    #                   loop, the loads feed dots); 2 = the same with q and p each a pair of e4m3 (value + its
+    #                   rounding error: two dots each, ~7 mantissa bits); 0 = dequantise in registers
+    fp8_tokens_m: bool = False  # fp8_mma's dots transposed (Sᵀ = K·qᵀ, Oᵀ = Vᵀ·Pᵀ): the cache tokens are the MMA's
+    #                             M, so sm_90's wgmma (M >= 64; Triton runs fp8 dots only there) pads no query rows
 
 
 C = PagedCfg

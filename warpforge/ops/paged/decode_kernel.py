@@ -14,6 +14,14 @@ the pipeliner can issue them stages - 1 steps ahead instead of spending a stage 
 the next step's raw bytes into registers while this step computes: Triton's pipeliner leaves a load whose consumer
 is arithmetic (the dequantisation), not a dot, unpipelined, so quantised tiles would otherwise wait on memory every
 step (MLA decode's register prefetch, benchmarks/NOTES.md).
+
+FP8_MMA (fp8 caches, PagedCfg.fp8_mma): the e4m3 codes go straight into fp8 dots, no dequantisation in the loop:
+q is rounded once per program to e4m3 with an fp32 scale per row, the probabilities (times V's per-token scales)
+per row and step; FP8_MMA 2 adds each one's rounding error as a second e4m3 operand (two dots each), which keeps
+the FP8 accuracy bar (benchmarks/NOTES.md, session 11). Triton 3.6 runs fp8 dots on sm_90 only as wgmma (M >= 64;
+a 16-row mma.sync dot is upcast to fp16), so FP8_TOKENS_M computes Sᵀ = K·qᵀ and Oᵀ = Vᵀ·Pᵀ with the tokens as
+M. K then reaches its wgmma from shared memory by cp.async; V (tokens, its reduction dim, not contiguous) is
+transposed through registers, which the compiler does with byte stores, so PREFETCH loads V alone a step ahead.
 """
 import torch
 import triton
@@ -61,6 +69,19 @@ def _step_bytes(K_CACHE, V_CACHE, bt_row, tok, end, last_page, kvh64, stride_kp,
 
 
 @triton.jit
+def _v_bytes(V_CACHE, bt_row, tok, end, last_page, kvh64, stride_vp, stride_vt, stride_vh, PAGE: tl.constexpr,
+             D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fp8 V codes of tokens `tok` (those >= end masked off): fp8_mma's register prefetch of V alone (K goes to
+    a dot from shared memory, so the pipeliner copies it asynchronously; V reaches its dot through a transpose in
+    registers, which no asynchronous copy can do)."""
+    ok = tok < end
+    page = tl.minimum(tl.maximum(tl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page).to(tl.int64)
+    v_raw, _ = _raw_tile(V_CACHE, page * stride_vp + (tok % PAGE).to(tl.int64) * stride_vt, kvh64, ok, stride_vh, D,
+                         BLOCK_D, 1, 1)
+    return v_raw
+
+
+@triton.jit
 def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """_raw_tile's bytes as values in OUT_DTYPE: (the tile, the same) for KV_FMT 0 / 1 (e4m3 -> OUT_DTYPE; per-token
     scales are the caller's); for FP4 the even and the odd elements ([BLOCK_N, BLOCK_D / 2] each, block scales
@@ -87,6 +108,46 @@ def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DT
 
 
 @triton.jit
+def _fp8_step_t(q8, q8_lo, q_scale, k8, v8, ks, vs, tok, tok_ok, pos, window, acc_t, m_i, l_i, qk_scale, cap_in,
+                cap_out, SCALED: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, FP8_MMA: tl.constexpr):
+    """One step of the fp8 tensor-core path with the tokens as the MMAs' M (PagedCfg.fp8_tokens_m): scores
+    Sᵀ [tokens, rows] = K codes · q8ᵀ, softmax down the columns, accᵀ [d, rows] += V codesᵀ · P8ᵀ. A GQA group's
+    few query rows are the N side (8 or more), so a 64-row wgmma wastes nothing on padded rows."""
+    st = dot(k8, tl.trans(q8))
+    if FP8_MMA == 2:
+        st = dot(k8, tl.trans(q8_lo), st)
+    st = st * q_scale[None, :]
+    if SCALED:
+        st = st * ks[:, None]
+    if SOFTCAP:
+        st = cap_out * tanh(st * cap_in)
+    else:
+        st = st * qk_scale
+    seen = tok_ok[:, None] & (tok[:, None] <= pos[None, :])
+    if WINDOW:
+        seen = seen & (tok[:, None] >= pos[None, :] - window)
+    st = tl.where(seen, st, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(st - m_use[None, :])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if SCALED:
+        p = p * vs[:, None]
+    p_max = tl.max(p, 0)
+    p_scale = tl.where(p_max > 0.0, p_max / 448.0, 1.0)
+    pf = p / p_scale[None, :]
+    p8 = pf.to(tl.float8e4nv)
+    v8t = tl.trans(v8)
+    if FP8_MMA == 2:
+        pv = dot(v8t, p8, dot(v8t, (pf - p8.to(tl.float32)).to(tl.float8e4nv)))
+    else:
+        pv = dot(v8t, p8)
+    acc_t = acc_t * alpha[None, :] + pv * p_scale[None, :]
+    return acc_t, m_new, l_i
+
+
+@triton.jit
 def paged_decode_split_kernel(
     Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
     stride_qb, stride_qs, stride_qh,
@@ -98,7 +159,8 @@ def paged_decode_split_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
-    INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr, PREFETCH: tl.constexpr,
+    INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr, PREFETCH: tl.constexpr, FP8_MMA: tl.constexpr = 0,
+    FP8_TOKENS_M: tl.constexpr = False,
 ):
     """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
     (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h. Lengths are
@@ -134,16 +196,30 @@ def paged_decode_split_kernel(
         q_odd = tl.load(q_rows + offs_d[None, :] + 1, mask=r_ok[:, None] & (offs_d < D)[None, :], other=0.0)
     if FP16_MATH:  # a quantised cache's tiles and q meet in fp16 (see PagedCfg.fp16_math)
         q, q_odd = q.to(tl.float16), q_odd.to(tl.float16)
+    q_scale = tl.full([BLOCK_H], 1.0, tl.float32)
+    q_lo = q
+    if FP8_MMA > 0:  # q as e4m3 with one fp32 scale per row (and, FP8_MMA 2, the rounding error as a second e4m3)
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), 1)
+        q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+        qf = qf / q_scale[:, None]
+        q = qf.to(tl.float8e4nv)
+        q_lo = (qf - q.to(tl.float32)).to(tl.float8e4nv)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, WIDTH], tl.float32)
     acc_odd = tl.zeros([BLOCK_H, WIDTH if FP4 else 16], tl.float32)  # FP4 only
+    acc_t = tl.zeros([WIDTH if FP8_TOKENS_M else 16, BLOCK_H], tl.float32)  # fp8_tokens_m only
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BLOCK_TABLE + b64 * stride_bt
     page_next = 0
     if INDEX_AHEAD:  # the first step's page ids; each step then loads the next step's (see the module docstring)
         page_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
-    if PREFETCH:  # the first step's bytes; each step then loads the next step's (see the module docstring)
+    V_AHEAD: tl.constexpr = PREFETCH and FP8_MMA > 0  # fp8_mma prefetches V only (see _v_bytes)
+    if V_AHEAD:
+        v_next = _v_bytes(V_CACHE, bt_row, start + offs_n, end, last_page, kvh64, stride_vp, stride_vt, stride_vh,
+                          PAGE, D, BLOCK_D)
+    elif PREFETCH:  # the first step's bytes; each step then loads the next step's (see the module docstring)
         k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, bt_row, start + offs_n, end, last_page,
                                                        kvh64, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                                        stride_vh, PAGE, D, BLOCK_D, KV_FMT, FP4_GROUP)
@@ -156,7 +232,15 @@ def paged_decode_split_kernel(
         else:
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
         page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
-        if PREFETCH:
+        if V_AHEAD:
+            slot = (tok % PAGE).to(tl.int64)
+            k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D,
+                                    BLOCK_D, KV_FMT, FP4_GROUP)
+            v_raw = v_next
+            v_sb = k_sb
+            v_next = _v_bytes(V_CACHE, bt_row, tok + BLOCK_N, end, last_page, kvh64, stride_vp, stride_vt, stride_vh,
+                              PAGE, D, BLOCK_D)
+        elif PREFETCH:
             k_raw, k_sb, v_raw, v_sb = k_next, ks_next, v_next, vs_next
             k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, bt_row, tok + BLOCK_N, end, last_page,
                                                            kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
@@ -167,33 +251,62 @@ def paged_decode_split_kernel(
                                     BLOCK_D, KV_FMT, FP4_GROUP)
             v_raw, v_sb = _raw_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, tok_ok, stride_vh, D,
                                     BLOCK_D, KV_FMT, FP4_GROUP)
-        k, k_odd = _decode_tile(k_raw, k_sb, KV_FMT, FP4_GROUP, q.dtype)
-        v, v_odd = _decode_tile(v_raw, v_sb, KV_FMT, FP4_GROUP, q.dtype)
-        if FP4:
-            s = dot(q_odd, tl.trans(k_odd), dot(q, tl.trans(k)))
+        if FP8_TOKENS_M:
+            ks = l_i  # dummies
+            vs = l_i
+            if SCALED:
+                ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
+                vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
+            acc_t, m_i, l_i = _fp8_step_t(q, q_lo, q_scale, k_raw, v_raw, ks, vs, tok, tok_ok, pos, window, acc_t,
+                                          m_i, l_i, qk_scale, cap_in, cap_out, SCALED, SOFTCAP, WINDOW, FP8_MMA)
         else:
-            s = dot(q, tl.trans(k))
-        if SCALED:  # per-token dequantisation scales, on the scores and probabilities
-            ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
-            vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
-            s = s * ks[None, :]
-        if SOFTCAP:
-            s = cap_out * tanh(s * cap_in)
-        else:
-            s = s * qk_scale
-        seen = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
-        if WINDOW:
-            seen = seen & (tok[None, :] >= pos[:, None] - window)
-        p, alpha, l_i, m_i = online_softmax(tl.where(seen, s, float("-inf")), m_i, l_i)
-        if SCALED:
-            p = p * vs[None, :]
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+            if FP8_MMA > 0:  # the e4m3 codes go to the tensor cores as they are (q's dtype is e4m3 here)
+                k, k_odd, v, v_odd = k_raw, k_raw, v_raw, v_raw
+            else:
+                k, k_odd = _decode_tile(k_raw, k_sb, KV_FMT, FP4_GROUP, q.dtype)
+                v, v_odd = _decode_tile(v_raw, v_sb, KV_FMT, FP4_GROUP, q.dtype)
+            if FP4:
+                s = dot(q_odd, tl.trans(k_odd), dot(q, tl.trans(k)))
+            elif FP8_MMA == 2:
+                s = dot(q, tl.trans(k), dot(q_lo, tl.trans(k)))
+            else:
+                s = dot(q, tl.trans(k))
+            if FP8_MMA > 0:
+                s = s * q_scale[:, None]
+            if SCALED:  # per-token dequantisation scales, on the scores and probabilities
+                ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
+                vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
+                s = s * ks[None, :]
+            if SOFTCAP:
+                s = cap_out * tanh(s * cap_in)
+            else:
+                s = s * qk_scale
+            seen = tok_ok[None, :] & (tok[None, :] <= pos[:, None])
+            if WINDOW:
+                seen = seen & (tok[None, :] >= pos[:, None] - window)
+            p, alpha, l_i, m_i = online_softmax(tl.where(seen, s, float("-inf")), m_i, l_i)
+            if SCALED:
+                p = p * vs[None, :]
+            if FP8_MMA > 0:  # p (times V's scales) as e4m3 with one scale per row and step; FP8_MMA 2 adds its error
+                p_max = tl.max(p, 1)
+                p_scale = tl.where(p_max > 0.0, p_max / 448.0, 1.0)
+                pf = p / p_scale[:, None]
+                p8 = pf.to(tl.float8e4nv)
+                if FP8_MMA == 2:
+                    pv = dot(p8, v, dot((pf - p8.to(tl.float32)).to(tl.float8e4nv), v))
+                else:
+                    pv = dot(p8, v)
+                acc = acc * alpha[:, None] + pv * p_scale[:, None]
+            else:
+                acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
         if FP4:
             acc_odd = dot(p.to(v.dtype), v_odd, acc_odd * alpha[:, None])
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
+    if FP8_TOKENS_M:
+        acc = tl.trans(acc_t)
     out = acc / l_safe[:, None]
     out_odd = acc_odd / l_safe[:, None]
     if FINAL:
@@ -271,7 +384,10 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=block_d(d, fmt), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
         WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, INDEX_AHEAD=cfg.index_ahead,
-        FP16_MATH=cfg.fp16_math and fmt.name in ("fp8", "nvfp4") and q.dtype == torch.bfloat16, PREFETCH=cfg.prefetch,
+        FP16_MATH=(cfg.fp16_math and fmt.name in ("fp8", "nvfp4") and q.dtype == torch.bfloat16
+                   and not (cfg.fp8_mma and fmt.name == "fp8")),
+        PREFETCH=cfg.prefetch, FP8_MMA=cfg.fp8_mma if fmt.name == "fp8" else 0,
+        FP8_TOKENS_M=bool(cfg.fp8_mma and cfg.fp8_tokens_m and fmt.name == "fp8"),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
