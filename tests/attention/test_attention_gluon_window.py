@@ -17,6 +17,8 @@ from warpforge.ops.attention import flash_gluon_bwd_kernel as fb
 from warpforge.ops.attention import flash_gluon_kernel as fg
 from warpforge.testing import REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, triton_version
 
+from tests.attention.test_attention_gluon_bwd import _inputs  # CUDA q, k, v with grads
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIG = 1 << 30
 
@@ -203,13 +205,6 @@ def spies(monkeypatch):
     monkeypatch.setattr(fg, "flash_fwd_gluon", spy_f)
     monkeypatch.setattr(fb, "flash_bwd_gluon", spy_b)
     return calls
-
-
-def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype=torch.bfloat16):
-    q = torch.randn(b, s_q, h_q, d, device="cuda", dtype=dtype)
-    k = torch.randn(b, s_k, h_kv, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, s_k, h_kv, d, device="cuda", dtype=dtype)
-    return [t.requires_grad_() for t in (q, k, v)]
 
 
 WINDOW_SHAPES = [  # b, s_q, s_k, h_q, h_kv, left

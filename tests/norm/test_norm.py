@@ -124,6 +124,17 @@ def test_repeated_calls_new_alignment():
         assert rel_l2(wf.rms_norm(x, w, backend="triton"), rms_norm_reference(x, w, 1e-6)) <= 1e-5
 
 
+class _StubParam:
+    def __init__(self, num, is_constexpr):
+        self.num, self.is_constexpr = num, is_constexpr
+
+
+class _StubKernelSignature:
+    """What ops/_op.py's Launcher reads of a JITFunction: (X, n, eps, BLOCK), BLOCK a constexpr."""
+    arg_names = ["X", "n", "eps", "BLOCK"]
+    params = [_StubParam(0, False), _StubParam(1, False), _StubParam(2, False), _StubParam(3, True)]
+
+
 def test_launcher_reuses_only_what_triton_would(monkeypatch):
     """ops/_op.py's Launcher with a stand-in kernel and driver: the first launch of each specialization goes through
     kernel[grid]; a repeat calls the compiled kernel directly with the same arguments, the constexprs after them;
@@ -142,14 +153,7 @@ def test_launcher_reuses_only_what_triton_would(monkeypatch):
         def run(self, *args):
             calls.append(("direct",) + args)
 
-    class Param:
-        def __init__(self, num, is_constexpr):
-            self.num, self.is_constexpr = num, is_constexpr
-
-    class Kernel:
-        arg_names = ["X", "n", "eps", "BLOCK"]
-        params = [Param(0, False), Param(1, False), Param(2, False), Param(3, True)]
-
+    class Kernel(_StubKernelSignature):
         def __getitem__(self, grid):
             def launch(*args, **meta):
                 calls.append(("triton", grid, args, meta))
@@ -227,13 +231,7 @@ def test_launcher_calls_triton36_c_launch_directly(monkeypatch):
             self.run = CudaLauncher()
             self.run.global_scratch_size = scratch
 
-    class Param:
-        def __init__(self, num, is_constexpr):
-            self.num, self.is_constexpr = num, is_constexpr
-
-    class Kernel:
-        arg_names = ["X", "n", "eps", "BLOCK"]
-        params = [Param(0, False), Param(1, False), Param(2, False), Param(3, True)]
+    class Kernel(_StubKernelSignature):
         scratch = 0
 
         def __getitem__(self, grid):
