@@ -13,7 +13,7 @@ from ...errors import (check_bool, check_choice, check_last_dim_contiguous, chec
 from ...runtime import arch_key, resolve_backend
 from .._op import kernel_op
 from . import configs
-from .api import FLOATS, MAX_HEAD_DIM, band, check_window
+from .api import FLOATS, MAX_HEAD_DIM, band, causal_or_unmasked, check_window
 from .fp8_quantize import (FP8, QK_FORMATS, QuantizedQKV, dequantize_qkv_reference, padded_tokens,
                            quantize_qkv_reference, smoothing, smoothing_mean, v_channel_scale)
 from .reference import attention_reference
@@ -23,8 +23,7 @@ from .reference import attention_reference
 # written for, head dim 64/128 (d_v = d), causal or no mask, batched (fixed length). Kept here rather than in
 # configs.py for now (another engineer owns configs.py this session).
 FP8_GLUON_ENV = "WARPFORGE_ATTN_FP8_GLUON"  # "1" on, "0" off (the portable FP8 kernel runs), unset: FP8_GLUON_DEFAULT
-FP8_GLUON_DEFAULT = True                    # on: its GPU tests pass on the H200 and it is 2.6x the portable FP8 kernel
-# all-in at the headline (session 11, runs/2026-12-02-s11/call1/fp8_gluon.log: 2.149 vs 5.581 ms with PERMUTE_K)
+FP8_GLUON_DEFAULT = False                   # off until the H200 has run its GPU tests and bench (NOTES, session 10)
 FP8_GLUON_TRITON_VERSIONS = ("3.6",)
 FP8_GLUON_HEAD_DIMS = (64, 128)
 # (head dim, causal) -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT); 128 query rows per work item. Compiled without
@@ -46,11 +45,10 @@ def fp8_gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool, bool]:
 
 
 def fp8_gluon_permute_k() -> bool:
-    """WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K ("0" off; on by default: 5-10% faster on the H200, session 11): K's rows
-    loaded permuted within 16-key groups so that P moves into the P·V operand without data movement
-    (fp8_gluon_kernel._p_operand); the quantiser then writes K as [b, h_kv, s_pad16, d] memory for the kernel's 5-D
-    descriptor."""
-    return os.environ.get(FP8_GLUON_ENV + "_PERMUTE_K", "1") != "0"
+    """WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K ("1" on; default off until measured): K's rows loaded permuted within
+    16-key groups so that P moves into the P·V operand without data movement (fp8_gluon_kernel._p_operand); the
+    quantiser then writes K as [b, h_kv, s_pad16, d] memory for the kernel's 5-D descriptor."""
+    return os.environ.get(FP8_GLUON_ENV + "_PERMUTE_K", "0") != "0"
 
 
 def _fp8_gluon_switch() -> bool:
@@ -68,8 +66,7 @@ def fp8_gluon_gate(qkv: QuantizedQKV, left: int, right: int) -> bool:
     q = qkv.q
     if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
         return False
-    s_k = qkv.k.shape[1]
-    if left < s_k or not (right == 0 or right >= s_k):  # a window or a one-sided band
+    if not causal_or_unmasked(q.shape[1], qkv.k.shape[1], left, right):  # a window or a one-sided band
         return False
     if q.shape[-1] not in FP8_GLUON_HEAD_DIMS or not _fp8_gluon_switch():
         return False
