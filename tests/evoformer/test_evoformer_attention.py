@@ -85,6 +85,7 @@ CASES = [
     (2, 2, 17, 2, 8, ("mask",), False),             # mask only
     (2, 2, 19, 2, 16, ("headless", "pair"), True),  # two gradient-taking biases
     (1, 2, 17, 2, 16, ("full", "pair"), False),     # a per-row bias [B, S, H, R, R] (no gradient)
+    (1, 2, 32, 2, 16, ("mask", "pair"), True),      # N_res a multiple of the tiles: the unmasked (EVEN) loads
 ]
 
 
@@ -387,3 +388,17 @@ def test_gpu_pair_bias_gradient_deterministic_over_10_runs():
             first = grads
         for a, b in zip(grads, first):
             assert torch.equal(a, b)
+
+
+def test_gate_without_gradient():
+    """A gate that does not require grad: the other gradients as with one that does, and no gate gradient."""
+    dtype = torch.float32 if DEV.type == "cpu" else torch.bfloat16
+    q, k, v, g = _qkv(1, 2, 20, 2, 16, dtype)
+    pair = _pair((1, 1, 2, 20, 20), dtype)
+    d_out = torch.randn(1, 2, 20, 2, 16, device=DEV, dtype=dtype)
+    out = wf.evoformer_attention(q, k, v, [pair], gate=g, backend="triton")
+    want = torch.autograd.grad(out, [q, k, v, pair], d_out)
+    out = wf.evoformer_attention(q, k, v, [pair], gate=g.detach(), backend="triton")
+    got = torch.autograd.grad(out, [q, k, v, pair], d_out)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -54,23 +54,24 @@ def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
-              gate: Optional[torch.Tensor], scale: float, want1: bool, want2: bool) -> list[torch.Tensor]:
+              gate: Optional[torch.Tensor], scale: float, want1: bool, want2: bool,
+              want_gate: bool) -> list[torch.Tensor]:
     """[dq, dk, dv, then the gradient of each bias whose want flag is set, in that bias's shape and dtype, then
-    the gate's if there is one]. out is the (gated) output."""
+    the gate's if want_gate]. out is the (gated) output."""
     from .evoformer_kernel import evoformer_bwd
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
     dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse,
                                              (_full(bias1, full), _full(bias2, full)), gate, scale, want1 or want2,
-                                             _tiles(q))
+                                             _tiles(q), want_gate)
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
-        ([] if gate is None else [dgate])
+        ([dgate] if dgate is not None else [])
 
 
-def _bwd_fake(do, q, k, v, out, lse, bias1, bias2, gate, scale, want1, want2):
+def _bwd_fake(do, q, k, v, out, lse, bias1, bias2, gate, scale, want1, want2, want_gate):
     return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)] + \
         [bias.new_empty(bias.shape) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
-        ([] if gate is None else [torch.empty_like(gate)])
+        ([torch.empty_like(gate)] if want_gate and gate is not None else [])
 
 
 _evoformer_bwd = kernel_op("evoformer_attention_bwd", _bwd_impl, _bwd_fake)
@@ -86,10 +87,11 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, d_out, _d_lse):
     q, k, v, out, lse, bias1, bias2, gate = ctx.saved_tensors
     want = [bool(ctx.needs_input_grad[3]) and bias1 is not None, bool(ctx.needs_input_grad[4]) and bias2 is not None]
-    dq, dk, dv, *rest = _evoformer_bwd(d_out, q, k, v, out, lse, bias1, bias2, gate, ctx.scale, *want)
+    want_gate = bool(ctx.needs_input_grad[5]) and gate is not None
+    dq, dk, dv, *rest = _evoformer_bwd(d_out, q, k, v, out, lse, bias1, bias2, gate, ctx.scale, *want, want_gate)
     dbias1 = rest.pop(0) if want[0] else None
     dbias2 = rest.pop(0) if want[1] else None
-    dgate = rest.pop(0) if gate is not None else None
+    dgate = rest.pop(0) if want_gate else None
     return dq, dk, dv, dbias1, dbias2, dgate, None
 
 
@@ -131,6 +133,8 @@ def _check(q, k, v, biases, gate, softmax_scale, backend):
         check_same_dtype("gate", gate, "q", q)
         if gate.shape != q.shape:
             fail("gate", f"q's shape {tuple(q.shape)}", tuple(gate.shape))
+    if R * H * D >= 2 ** 31:  # the kernels' offsets inside one (b, s, h) slice are int32
+        fail("q", "N_res · H · D under 2^31 elements", R * H * D)
     check_positive_float("softmax_scale", softmax_scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_last_dim_contiguous(name, t)

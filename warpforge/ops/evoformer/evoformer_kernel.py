@@ -14,7 +14,7 @@ At the small head dims of these models (8-64) the matmuls are cheap and a score 
 kernels spend their care there: a bias that is the same for every query (the residue mask, stride 0 over the
 queries: BIAS_KIND 2) is read as one vector per key block instead of a [rows, keys] tile; masks are compiled only
 where N_res does not fill the tiles (EVEN_M / EVEN_N / EVEN_D); offsets inside one (b, s, h) slice are int32 from an
-int64 base (api._check makes sure they fit).
+int64 base (api._check makes sure they fit: N_res · H · D and each bias's strides over the residues).
 """
 import torch
 import triton
@@ -138,7 +138,8 @@ def evo_fwd_kernel(
 
 @triton.jit
 def evo_bwd_prep_kernel(OUT, DOUT, GATE, DO, DGATE, DELTA, n_rows, S, R, H: tl.constexpr, D: tl.constexpr,
-                        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
+                        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+                        WANT_DGATE: tl.constexpr):
     """Per row (b, s, r, h) of the [B, S, R, H, D] tensors: delta = Σ_d out · d_out and, with a gate, the gradient
     reaching the attention, do = d_out · sigmoid(gate), and the gate's, d_out · out · (1 − sigmoid(gate)). out is
     the gated output, so out · d_out is also the ungated pair's product and nothing ungated needs keeping. delta
@@ -157,7 +158,8 @@ def evo_bwd_prep_kernel(OUT, DOUT, GATE, DO, DGATE, DELTA, n_rows, S, R, H: tl.c
         sig = 1.0 / (1.0 + tl.math.exp2(-tl.load(GATE + offs, mask=ok, other=0.0).to(tl.float32)
                                         * 1.4426950408889634))
         tl.store(DO + offs, (d_out * sig).to(DO.dtype.element_ty), mask=ok)
-        tl.store(DGATE + offs, (d_out * out * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=ok)
+        if WANT_DGATE:
+            tl.store(DGATE + offs, (d_out * out * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -318,22 +320,25 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
 PREP_ROWS = 64
 
 
-def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles):
-    """(dq, dk, dv, dgate (None without a gate), and with want_dbias the scores' gradient summed over N_seq,
-    [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the forward's (gated)
-    output, d_out its gradient."""
+def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles, want_dgate=True):
+    """(dq, dk, dv, dgate (None without a gate or without want_dgate), and with want_dbias the scores' gradient
+    summed over N_seq, [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the
+    forward's (gated) output, d_out its gradient."""
     B, S, R, H, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dgate = None if gate is None else torch.empty_like(gate)
-    dbias = torch.zeros((B, H, R, R), device=q.device, dtype=torch.float32) if want_dbias else None
+    want_dgate = want_dgate and gate is not None
+    dgate = torch.empty_like(gate) if want_dgate else None
+    # the dbias pass writes every [R, R] element of each (b, h): no memset needed, except for an empty N_seq
+    dbias = torch.empty((B, H, R, R), device=q.device, dtype=torch.float32) if want_dbias else None
     if not q.numel():
-        return dq.zero_(), dk.zero_(), dv.zero_(), None if gate is None else dgate.zero_(), dbias
+        return (dq.zero_(), dk.zero_(), dv.zero_(), dgate.zero_() if want_dgate else None,
+                dbias.zero_() if want_dbias else None)
     delta = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     do = d_out if gate is None else torch.empty_like(d_out)
     n_rows = B * S * R * H
     evo_bwd_prep_kernel[(triton.cdiv(n_rows, PREP_ROWS),)](
-        out, d_out, q if gate is None else gate, do, q if gate is None else dgate, delta, n_rows, S, R, H=H, D=D,
-        BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None)
+        out, d_out, q if gate is None else gate, do, dgate if want_dgate else q, delta, n_rows, S, R, H=H, D=D,
+        BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None, WANT_DGATE=want_dgate)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (kind1, kind2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
