@@ -87,7 +87,7 @@ for step in "$@"; do
     attention-gluon-bwd) timeout 75 python3 scripts/bench_attention_gluon.py --bwd --json "$w/attention_gluon_bwd.json" > "$w/bwd_bench.log" 2>&1
                          timeout 115 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py > "$w/bwd_tests.log" 2>&1
                          tail -25 "$w/bwd_bench.log"; tail -3 "$w/bwd_tests.log" ;;
-    attention-fp8-gluon) timeout 65 python3 -m pytest -q $par -m gpu tests/attention/test_attention_fp8_gluon.py > "$w/fp8_gluon_tests.log" 2>&1
+    attention-fp8-gluon) timeout 170 python3 -m pytest -q $par -m gpu tests/attention/test_attention_fp8_gluon.py > "$w/fp8_gluon_tests.log" 2>&1
                          timeout 80 python3 scripts/bench_attention_fp8_gluon.py --json "$w/fp8_gluon.json" > "$w/fp8_gluon.log" 2>&1
                          tail -3 "$w/fp8_gluon_tests.log"; tail -30 "$w/fp8_gluon.log" ;;
     attention-gluon-sweep) timeout 140 python3 scripts/bench_attention_gluon.py --sweep-only > "$w/attention_gluon_sweep.log" 2>&1
