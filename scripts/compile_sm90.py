@@ -140,6 +140,8 @@ def evoformer():
         full = (1, s, 8, 384, 384)
         evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(1, s, 8, 384), (api._full(mask, full),
                       api._full(pair, full)), gate, 0.1, True, api._tiles(q))
+        evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(1, s, 8, 384), (api._full(mask, full),
+                      api._full(pair, full)), gate, 0.1, False, api._tiles(q), fused=True)
 
 
 def paged():

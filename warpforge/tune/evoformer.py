@@ -1,8 +1,8 @@
 """Sweep the Evoformer kernels' tiles on this GPU at the bench's shapes (row attention N_seq 512, N_res 384, 8 heads
 of 32, a mask and a pair bias; the extra-MSA stack's 5120 rows of 8 heads of 8), bf16, each pass timed alone: the
-forward, the dk/dv pass, the dq pass and the pair-bias gradient.
+forward, the one-walk dk/dv/dq backward (configs.bwd_fused), the dk/dv pass, the dq pass and the pair-bias gradient.
 
-    warpforge tune evoformer [--shapes row,extra] [--out tune_evoformer.json]
+    warpforge tune evoformer [--shapes row,extra] [--parts fwd,fused,dkdv,dq,dbias] [--out tune_evoformer.json]
 
 Winners go into warpforge/ops/evoformer/configs.py's TILES table, the numbers into benchmarks/NOTES.md.
 """
@@ -25,8 +25,10 @@ SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "extra": dict(S=5120, R=384, H=8
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="warpforge tune evoformer")
     ap.add_argument("--shapes", default="row,extra", help="of " + ", ".join(SHAPES))
+    ap.add_argument("--parts", default="fwd,fused,dkdv,dq,dbias", help="which passes to sweep")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     results = []
     for name in args.shapes.split(","):
         S, R, H, D = (SHAPES[name][key] for key in ("S", "R", "H", "D"))
@@ -45,11 +47,18 @@ def main(argv=None):
         def record(part, cfg, ms, part_flops):
             results.append(dict(shape=name, part=part, cfg=list(cfg), ms=ms, tflops=part_flops / ms / 1e9))
             print(f"{name} {part} {tuple(cfg)}: {ms:.3f} ms {part_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for cfg in CANDIDATES:
+        for cfg in CANDIDATES if "fwd" in parts else ():
             ms = time_candidate(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, cfg))
             if ms is not None:
                 record("fwd", cfg, ms, flops)
-        for part in ("dkdv", "dq", "dbias"):  # one pass swept, the others at the table's entry
+        # the one-walk dk/dv/dq backward (configs.bwd_fused), the dbias pass at the table's entry
+        for cfg in CANDIDATES if "fused" in parts else ():
+            tiles = base._replace(fused=cfg)
+            ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles,
+                                                         fused=True))
+            if ms is not None:
+                record("bwd, fused swept", cfg, ms, 2.5 * flops)
+        for part in [p for p in ("dkdv", "dq", "dbias") if p in parts]:  # one swept, the others at the table's
             for cfg in CANDIDATES:
                 tiles = base._replace(**{part: cfg})
                 ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True,

@@ -63,7 +63,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     full = (B, S, H, R, R)
     dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse,
                                              (_full(bias1, full), _full(bias2, full)), gate, scale, want1 or want2,
-                                             _tiles(q), want_gate)
+                                             _tiles(q), want_gate, configs.bwd_fused())
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
         ([dgate] if dgate is not None else [])
 

@@ -3,7 +3,8 @@
 "cpu" is the Triton interpreter. sm90 at d 8-16 and 32: the H200 sweep of session 11
 (benchmarks/runs/2026-12-02-s11/call2/tune_evoformer.log, `warpforge tune evoformer`); d 64 is still a first guess.
 """
-from typing import NamedTuple
+import os
+from typing import NamedTuple, Optional
 
 from .._tiles import TileTable
 
@@ -20,6 +21,7 @@ class EvoformerTiles(NamedTuple):
     dkdv: EvoCfg   # a program owns block_n keys and walks block_m queries per step
     dq: EvoCfg     # a program owns block_m queries and walks block_n keys per step
     dbias: EvoCfg  # a program owns a [block_m, block_n] tile of the pair bias and walks the MSA rows
+    fused: Optional[EvoCfg] = None  # the one-walk dk/dv/dq backward (bwd_fused()); None: dkdv's tile
 
 
 C, T = EvoCfg, EvoformerTiles
@@ -31,3 +33,13 @@ TILES = TileTable({
              32: T(C(64, 64, 4, 3), C(64, 64, 2, 2), C(64, 32, 4, 3), C(64, 32, 4, 3)),
              64: T(C(64, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2))},  # 128-row fwd spills at d64
 })
+
+# The backward's dk/dv and dq in one walk over the scores (evoformer_kernel.evo_bwd_fused_kernel) instead of two
+# passes: "1" on. Off until the H200 has timed it (benchmarks/NOTES.md, "Evoformer (session 11)").
+BWD_FUSED_ENV = "WARPFORGE_EVO_BWD_FUSED"
+BWD_FUSED_DEFAULT = False
+
+
+def bwd_fused() -> bool:
+    flag = os.environ.get(BWD_FUSED_ENV)
+    return BWD_FUSED_DEFAULT if flag is None else flag != "0"

@@ -239,6 +239,53 @@ def evo_bwd_kernel(
 
 
 @triton.jit
+def evo_bwd_fused_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DQ_ACC, DK, DV, B1, B2,
+    stride_b, stride_s, stride_r, stride_h,
+    b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
+    S, R, scale,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Program b · s · h: dk, dv and dq of one (b, s, h) from one walk over its scores (the two-pass backward
+    computes every score twice). Key blocks outside, their dk and dv in registers; query blocks inside, each
+    block's dq summed over the key blocks in DQ_ACC (fp32, laid out as q), which only this program touches, so the
+    sum is in a fixed order (deterministic) and stays in L1/L2; at the end dq · scale goes to DQ."""
+    bsh = tl.program_id(0).to(tl.int64)
+    b, s, h = _program_bsh(bsh, S, H)
+    base = b * stride_b + s * stride_s + h * stride_h
+    B1 += b * b1_b + s * b1_s + h * b1_h
+    B2 += b * b2_b + s * b2_s + h * b2_h
+    qk_scale = scale * 1.4426950408889634
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(0, R, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        for m0 in range(0, R, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D,
+                                            EVEN_M, EVEN_D)
+            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+                             KIND1, KIND2, EVEN_M, EVEN_N)
+            dv = dot(tl.trans(p.to(do.dtype)), do, dv)
+            dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+            dq = dot(ds.to(k.dtype), k)
+            if n0 > 0:
+                dq += _rows_tile(DQ_ACC + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+            _store_rows(DQ_ACC + base, dq, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+            tl.debug_barrier()  # the next key block's threads read what these wrote
+        _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        _store_rows(DV + base, dv, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+    for m0 in range(0, R, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        dq = _rows_tile(DQ_ACC + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+        _store_rows(DQ + base, dq * scale, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+
+
+@triton.jit
 def evo_bwd_dbias_kernel(
     Q, K, V, DO, LSE, DELTA, DBIAS, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
@@ -310,7 +357,8 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
         evo_fwd_kernel[(triton.cdiv(R, cfg.block_m), B * S * H)](
-            q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2), q.stride(3), *b1[1:], *b2[1:],
+            q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
+            q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
             KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, num_warps=cfg.warps,
             num_stages=cfg.stages)
@@ -320,10 +368,11 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
 PREP_ROWS = 64
 
 
-def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles, want_dgate=True):
+def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles, want_dgate=True, fused=False):
     """(dq, dk, dv, dgate (None without a gate or without want_dgate), and with want_dbias the scores' gradient
     summed over N_seq, [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the
-    forward's (gated) output, d_out its gradient."""
+    forward's (gated) output, d_out its gradient. fused: dk, dv and dq from evo_bwd_fused_kernel (one walk over the
+    scores, tiles.fused's tile) instead of the dk/dv and dq passes."""
     B, S, R, H, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     want_dgate = want_dgate and gate is not None
@@ -342,7 +391,14 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (kind1, kind2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
-    for cfg, dq_pass in ((tiles.dkdv, False), (tiles.dq, True)):
+    if fused:
+        cfg = tiles.fused or tiles.dkdv
+        dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)  # q's strides: q is contiguous
+        evo_bwd_fused_kernel[(B * S * H,)](
+            q, k, v, do, lse, delta, dq, dq_acc, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
+            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
+            **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
+    for cfg, dq_pass in (() if fused else ((tiles.dkdv, False), (tiles.dq, True))):
         evo_bwd_kernel[(triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n), B * S * H)](
             q, k, v, do, lse, delta, dq, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
