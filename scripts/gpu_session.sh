@@ -81,6 +81,9 @@ for step in "$@"; do
     paged-fp8mma) timeout 70 python3 -m pytest -q tests/paged/test_paged_decode.py -k "fp8_mma or quantised_cache or look_ahead" > "$w/paged-fp8mma-tests.log" 2>&1; tail -n 3 "$w/paged-fp8mma-tests.log"
                   timeout 130 python3 -m warpforge tune paged --L 16384 --formats bf16,fp8,fp8mma --bf16-tiles 2 --out "$w/tune_paged_fp8mma_16k.json" > "$w/tune_paged_fp8mma_16k.log" 2>&1
                   tail -n 30 "$w/tune_paged_fp8mma_16k.log" ;;
+    evoformer-fused) timeout 120 python3 -m pytest -q $par tests/evoformer > "$w/tests-evoformer.log" 2>&1; tail -n 2 "$w/tests-evoformer.log"
+                     timeout 200 python3 -m warpforge tune evoformer --shapes row --parts fused,dkdv --out "$w/tune_evoformer_fused.json" > "$w/tune_evoformer_fused.log" 2>&1
+                     sort -t: -k2 -n "$w/tune_evoformer_fused.log" | head -n 12 ;;
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
