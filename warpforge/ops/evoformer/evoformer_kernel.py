@@ -189,6 +189,32 @@ def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, 
 
 
 @triton.jit
+def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride_r, R, qk_scale, B1, b1_i, b1_j, B2,
+                  b2_i, b2_j, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                  EVEN_D: tl.constexpr, SUM_DQ: tl.constexpr):
+    """(dk, dv) of the key block at n0 (k, v its tiles) over every query block of one (b, s, h) (Q, DO at it). SUM_DQ:
+    also adds each query block's ds · k into DQ_ACC (fp32, at this (b, s, h), the key block n0 = 0 storing), which
+    the caller's program alone touches."""
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for m0 in range(0, R, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+                         KIND1, KIND2, EVEN_M, EVEN_N)
+        dv = dot(tl.trans(p.to(do.dtype)), do, dv)
+        dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+        if SUM_DQ:
+            dq = dot(ds.to(k.dtype), k)
+            if n0 > 0:
+                dq += _rows_tile(DQ_ACC, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+            _store_rows(DQ_ACC, dq, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+            tl.debug_barrier()  # the next key block's threads read what these wrote
+    return dk, dv
+
+
+@triton.jit
 def evo_bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DK, DV, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
@@ -221,19 +247,13 @@ def evo_bwd_kernel(
             dq = dot(ds.to(k.dtype), k, dq)
         _store_rows(DQ + base, dq * scale, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
     else:
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(0) * BLOCK_N
+        cols = n0 + tl.arange(0, BLOCK_N)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        for m0 in range(0, R, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D,
-                                            EVEN_M, EVEN_D)
-            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
-                             KIND1, KIND2, EVEN_M, EVEN_N)
-            dv = dot(tl.trans(p.to(do.dtype)), do, dv)
-            dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+        dk, dv = _walk_queries(Q + base, DO + base, LSE, DELTA, DQ, k, v, bsh, n0, cols, offs_d, stride_r, R, qk_scale,
+                               B1, b1_i, b1_j, B2, b2_i, b2_j, D, BLOCK_M, BLOCK_N, BLOCK_D, KIND1, KIND2, EVEN_M,
+                               EVEN_N, EVEN_D, False)
         _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         _store_rows(DV + base, dv, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
 
@@ -262,21 +282,9 @@ def evo_bwd_fused_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-        for m0 in range(0, R, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D,
-                                            EVEN_M, EVEN_D)
-            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
-                             KIND1, KIND2, EVEN_M, EVEN_N)
-            dv = dot(tl.trans(p.to(do.dtype)), do, dv)
-            dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
-            dq = dot(ds.to(k.dtype), k)
-            if n0 > 0:
-                dq += _rows_tile(DQ_ACC + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
-            _store_rows(DQ_ACC + base, dq, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
-            tl.debug_barrier()  # the next key block's threads read what these wrote
+        dk, dv = _walk_queries(Q + base, DO + base, LSE, DELTA, DQ_ACC + base, k, v, bsh, n0, cols, offs_d, stride_r,
+                               R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, D, BLOCK_M, BLOCK_N, BLOCK_D, KIND1, KIND2,
+                               EVEN_M, EVEN_N, EVEN_D, True)
         _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         _store_rows(DV + base, dv, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
     for m0 in range(0, R, BLOCK_M):
