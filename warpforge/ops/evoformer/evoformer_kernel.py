@@ -93,6 +93,14 @@ def _program_bsh(bsh, S, H: tl.constexpr):
 
 
 @triton.jit
+def _slice(bsh, S, H: tl.constexpr, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h):
+    """(the element offset of (b, s, h) in q's layout, each bias's pointer at (b, s, h)) for the row bsh."""
+    b, s, h = _program_bsh(bsh, S, H)
+    return (b * stride_b + s * stride_s + h * stride_h, B1 + (b * b1_b + s * b1_s + h * b1_h),
+            B2 + (b * b2_b + s * b2_s + h * b2_h))
+
+
+@triton.jit
 def evo_fwd_kernel(
     Q, K, V, GATE, OUT, LSE, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
@@ -104,10 +112,7 @@ def evo_fwd_kernel(
 ):
     """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q)."""
     bsh = tl.program_id(1).to(tl.int64)
-    b, s, h = _program_bsh(bsh, S, H)
-    base = b * stride_b + s * stride_s + h * stride_h
-    B1 += b * b1_b + s * b1_s + h * b1_h
-    B2 += b * b2_b + s * b2_s + h * b2_h
+    base, B1, B2 = _slice(bsh, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h)
     qk_scale = scale * 1.4426950408889634
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -227,10 +232,7 @@ def evo_bwd_kernel(
     """Program (block, b · s · h). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
     query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics."""
     bsh = tl.program_id(1).to(tl.int64)
-    b, s, h = _program_bsh(bsh, S, H)
-    base = b * stride_b + s * stride_s + h * stride_h
-    B1 += b * b1_b + s * b1_s + h * b1_h
-    B2 += b * b2_b + s * b2_s + h * b2_h
+    base, B1, B2 = _slice(bsh, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h)
     qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     if DQ_PASS:
@@ -272,10 +274,7 @@ def evo_bwd_fused_kernel(
     block's dq summed over the key blocks in DQ_ACC (fp32, laid out as q), which only this program touches, so the
     sum is in a fixed order (deterministic) and stays in L1/L2; at the end dq · scale goes to DQ."""
     bsh = tl.program_id(0).to(tl.int64)
-    b, s, h = _program_bsh(bsh, S, H)
-    base = b * stride_b + s * stride_s + h * stride_h
-    B1 += b * b1_b + s * b1_s + h * b1_h
-    B2 += b * b2_b + s * b2_s + h * b2_h
+    base, B1, B2 = _slice(bsh, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h)
     qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(0, R, BLOCK_N):
