@@ -94,3 +94,22 @@ def gluon_triton(versions: tuple[str, ...]) -> bool:
 def on_sm90_gluon(versions: tuple[str, ...]) -> bool:
     """A Hopper (sm_90) GPU and a Triton in `versions`: where a Gluon kernel's GPU tests can run."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and gluon_triton(versions)
+
+
+def spy_launches(monkeypatch, module, name: str, record, env: dict[str, str] = None,
+                 clear: tuple[str, ...] = ()) -> list:
+    """Wrap module.<name> (a kernel's launcher that api dispatches to) so every call appends record(args) to the
+    returned list and then runs as before; first set each env variable and delete those in `clear` (a gate
+    switched on, its knob overrides off). The Gluon kernels' tests count their launches this way."""
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    for key in clear:
+        monkeypatch.delenv(key, raising=False)
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(record(args))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, spy)
+    return calls

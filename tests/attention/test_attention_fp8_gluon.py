@@ -14,7 +14,7 @@ import torch
 import warpforge as wf
 from warpforge.ops.attention import flash_attention_quantized, fp8_api, quantize_qkv
 from warpforge.ops.attention import fp8_gluon_kernel as fk
-from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, triton_version
+from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KNOB_ENV = tuple(fp8_api.FP8_GLUON_ENV + "_" + k for k in ("BLOCK_N", "STAGES", "PINGPONG", "PERSISTENT"))
@@ -433,18 +433,9 @@ needs_h200 = pytest.mark.skipif(not _on_h200(), reason="the Gluon FP8 forward ru
 
 @pytest.fixture
 def gluon_on(monkeypatch):
-    """The gate switched on; counts the Gluon launches made through fp8_api's dispatch."""
-    monkeypatch.setenv(fp8_api.FP8_GLUON_ENV, "1")
-    for name in KNOB_ENV:
-        monkeypatch.delenv(name, raising=False)
-    calls = []
-    real = fk.flash_fp8_fwd_gluon
-
-    def spy(*args, **kwargs):
-        calls.append(args[2])  # causal
-        return real(*args, **kwargs)
-    monkeypatch.setattr(fk, "flash_fp8_fwd_gluon", spy)
-    return calls
+    """The gate switched on; records causal of each Gluon launch made through fp8_api's dispatch."""
+    return spy_launches(monkeypatch, fk, "flash_fp8_fwd_gluon", lambda args: args[2], {fp8_api.FP8_GLUON_ENV: "1"},
+                        KNOB_ENV)
 
 
 def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype=torch.bfloat16, seed=0):

@@ -12,7 +12,7 @@ import warpforge as wf
 from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_kernel as fg
-from warpforge.testing import (REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2,
+from warpforge.testing import (REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, spy_launches,
                                triton_version)
 
 KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BLOCK_N", "WARPFORGE_ATTN_GLUON_STAGES", "WARPFORGE_ATTN_GLUON_PINGPONG",
@@ -121,18 +121,8 @@ needs_h200 = pytest.mark.skipif(not _on_h200(), reason="the Gluon forward runs o
 
 @pytest.fixture
 def gluon_on(monkeypatch):
-    """The gate switched on; counts the Gluon launches made through api's dispatch."""
-    monkeypatch.setenv(configs.GLUON_ENV, "1")
-    for name in KNOB_ENV:
-        monkeypatch.delenv(name, raising=False)
-    calls = []
-    real = fg.flash_fwd_gluon
-
-    def spy(*args, **kwargs):
-        calls.append(args[4])  # causal
-        return real(*args, **kwargs)
-    monkeypatch.setattr(fg, "flash_fwd_gluon", spy)
-    return calls
+    """The gate switched on; records causal of each Gluon launch made through api's dispatch."""
+    return spy_launches(monkeypatch, fg, "flash_fwd_gluon", lambda args: args[4], {configs.GLUON_ENV: "1"}, KNOB_ENV)
 
 
 def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype=torch.bfloat16, grad=False):

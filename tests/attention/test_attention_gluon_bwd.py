@@ -17,7 +17,7 @@ from warpforge.ops._gluon import compile_in_subprocess
 from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_bwd_kernel as fb
 from warpforge.ops.attention import flash_gluon_kernel as fg
-from warpforge.testing import gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, triton_version
+from warpforge.testing import gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, spy_launches, triton_version
 
 KNOB_ENV = ("WARPFORGE_ATTN_GLUON_BWD_BLOCK_M", "WARPFORGE_ATTN_GLUON_BWD_STAGES", "WARPFORGE_ATTN_GLUON_BWD_DQ_N",
             "WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "WARPFORGE_ATTN_GLUON_BWD_DQ_TMA")
@@ -268,8 +268,9 @@ def test_barrier_model_catches_mutations(mutation):
 
 # ------------------------------------------------------------------------------ the schedule's arithmetic, emulated
 def _emulate(q, k, v, do, causal, BM=64):
-    """The Gluon backward's schedule (flash_gluon_bwd_kernel._span / _consumer / _probs) in float64: programs of 128 keys x kv head, two 64-key warpgroups, the
-    kernel's tile walk, mask conditions (masked / unmasked branch), padding, scales."""
+    """The Gluon backward's schedule (flash_gluon_bwd_kernel._span / _consumer / _probs) in float64: programs of
+    128 keys x kv head, two 64-key warpgroups, the kernel's tile walk, mask conditions (masked / unmasked branch),
+    padding, scales."""
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     G = h_q // h_kv
@@ -420,18 +421,9 @@ needs_h200 = pytest.mark.skipif(not _on_h200(), reason="the Gluon backward runs 
 
 @pytest.fixture
 def gluon_bwd_on(monkeypatch):
-    """The backward's gate switched on; counts the Gluon backward launches made through api's dispatch."""
-    monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
-    for name in KNOB_ENV:
-        monkeypatch.delenv(name, raising=False)
-    calls = []
-    real = fb.flash_bwd_gluon
-
-    def spy(*args, **kwargs):
-        calls.append(args[7])  # causal
-        return real(*args, **kwargs)
-    monkeypatch.setattr(fb, "flash_bwd_gluon", spy)
-    return calls
+    """The backward's gate switched on; records causal of each Gluon backward launch made through api's dispatch."""
+    return spy_launches(monkeypatch, fb, "flash_bwd_gluon", lambda args: args[7], {configs.GLUON_BWD_ENV: "1"},
+                        KNOB_ENV)
 
 
 def _inputs(b, s_q, s_k, h_q, h_kv, d, dtype=torch.bfloat16):

@@ -37,3 +37,19 @@ def test_compiled_matches_eager():
     for a, b in zip(got_grads, eager_grads):
         assert rel_l2(a, b) <= 1e-5
 
+
+
+def test_spy_launches_records_and_passes_through(monkeypatch):
+    """testing.spy_launches (the Gluon tests' launch counters): sets and clears the environment, records what the
+    record function picks of each call's arguments, returns the real function's result."""
+    import os
+    import types
+
+    from warpforge.testing import spy_launches
+    mod = types.SimpleNamespace(launch=lambda *args, **kwargs: sum(args) + kwargs.get("extra", 0))
+    monkeypatch.setenv("WARPFORGE_SPY_TEST_KNOB", "3")
+    calls = spy_launches(monkeypatch, mod, "launch", lambda args: args[1], {"WARPFORGE_SPY_TEST_GATE": "1"},
+                         ("WARPFORGE_SPY_TEST_KNOB",))
+    assert os.environ["WARPFORGE_SPY_TEST_GATE"] == "1" and "WARPFORGE_SPY_TEST_KNOB" not in os.environ
+    assert mod.launch(1, 2, extra=10) == 13 and mod.launch(4, 5) == 9
+    assert calls == [2, 5]

@@ -12,7 +12,7 @@ from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess
 from warpforge.ops.mla import api, configs
 from warpforge.ops.mla import decode_gluon_kernel as dg
 from warpforge.ops.mla import mla_decode_reference
-from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, triton_version
+from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
 
 from .test_mla_decode import _check, _problem
 
@@ -87,15 +87,8 @@ LENS = [0, 1, 63, 64, 65, 1000, 129, 2047]
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """Counts the Gluon launches made through api's dispatch."""
-    calls = []
-    real = dg.mla_decode_gluon
-
-    def spy(*args, **kwargs):
-        calls.append(args[6])  # num_splits
-        return real(*args, **kwargs)
-    monkeypatch.setattr(dg, "mla_decode_gluon", spy)
-    return calls
+    """Records num_splits of each Gluon launch made through api's dispatch."""
+    return spy_launches(monkeypatch, dg, "mla_decode_gluon", lambda args: args[6])
 
 
 @pytest.mark.gpu

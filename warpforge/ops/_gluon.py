@@ -17,6 +17,13 @@ PTX_FEATURES = {"wgmma": "wgmma.mma_async", "tma": "cp.async.bulk.tensor", "setm
                 "mbarrier": "mbarrier"}
 
 
+def check_smem(kernel: str, need: int, config: str) -> None:
+    """Refuse a configuration whose shared memory exceeds sm_90's per-block limit (a launch would fail later and
+    less clearly): ValueError naming the kernel, the configuration and the bytes."""
+    if need > SMEM_MAX:
+        raise ValueError(f"{kernel}: {config} needs {need} B of shared memory (> {SMEM_MAX})")
+
+
 def tma_addressable(t) -> bool:
     """A tensor a TMA descriptor can address as it is: 16-byte aligned base and strides, unit stride along the
     last dim."""

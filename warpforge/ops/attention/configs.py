@@ -73,7 +73,7 @@ GLUON_FWD = {
 # has run its GPU tests and the fwd+bwd bench (scripts/bench_attention_gluon.py --bwd). Not used when deterministic=True
 # (dq is summed by fp32 atomics): that stays on the portable backward.
 GLUON_BWD_ENV = "WARPFORGE_ATTN_GLUON_BWD"  # "1" on, "0" off, unset: GLUON_BWD_DEFAULT
-GLUON_BWD_DEFAULT = True                    # on for sm_90 + Triton 3.6: faster than the portable backward on every case timed
+GLUON_BWD_DEFAULT = True                    # on (sm_90, Triton 3.6): faster than the portable backward on every case
 # (head dim, causal) -> (BLOCK_M query rows per ring slot, STAGES ring slots, DQ_N dq columns per wgmma chunk, DQ_SPLIT,
 # DQ_TMA); 128 keys per program (two 64-key consumer warpgroups). DQ_SPLIT: each warpgroup computes half of dQ's
 # columns over both warpgroups' dS (half the fp32 reduction traffic, a barrier pair between the warpgroups per tile);

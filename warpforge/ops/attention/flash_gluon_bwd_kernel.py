@@ -86,7 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._gluon import SMEM_MAX, tma_addressable
+from .._gluon import SMEM_MAX, check_smem, tma_addressable  # noqa: F401 - SMEM_MAX: the tests' bound
 from .flash_gluon_kernel import CONSUMER_REGS, GLUON_TRITON_VERSIONS, HEAD_DIMS, LOG2E, MAXNREG, PRODUCER_REGS
 
 BLOCK_N = 128           # keys per program: two consumer warpgroups of 64 keys each
@@ -487,10 +487,8 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     if dq_n not in (16, 32, 64, 128) or d % dq_n or (dq_n > 64 and not dq_tma):
         raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 (128: with dq_tma) and divide d {d} "
                          f"(got {dq_n})")
-    need = smem_bytes(d, block_m, stages, dq_n, dq_split, dq_tma)
-    if need > SMEM_MAX:
-        raise ValueError(f"flash_bwd_gluon: BLOCK_M {block_m} x {stages} stages at d {d} (dq_n {dq_n}, split "
-                         f"{dq_split}, tma {dq_tma}) needs {need} B of shared memory (> {SMEM_MAX})")
+    check_smem("flash_bwd_gluon", smem_bytes(d, block_m, stages, dq_n, dq_split, dq_tma),
+               f"BLOCK_M {block_m} x {stages} stages at d {d} (dq_n {dq_n}, split {dq_split}, tma {dq_tma})")
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]

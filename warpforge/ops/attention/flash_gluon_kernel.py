@@ -44,7 +44,7 @@ import functools
 
 import torch
 
-from .._gluon import SMEM_MAX, tma_addressable
+from .._gluon import SMEM_MAX, check_smem, tma_addressable  # noqa: F401 - SMEM_MAX: the tests' bound
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128           # query rows per program: two consumer warpgroups of 64 rows each
@@ -356,9 +356,8 @@ def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, 
         raise ValueError(f"flash_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
                          "tile j-1 is freed")
     d = q.shape[-1]
-    if smem_bytes(d, block_n, stages, persistent) > SMEM_MAX:
-        raise ValueError(f"flash_fwd_gluon: BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent}) "
-                         f"needs {smem_bytes(d, block_n, stages, persistent)} B of shared memory (> {SMEM_MAX})")
+    check_smem("flash_fwd_gluon", smem_bytes(d, block_n, stages, persistent),
+               f"BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent})")
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]

@@ -48,7 +48,7 @@ import functools
 
 import torch
 
-from .._gluon import SMEM_MAX, tma_addressable
+from .._gluon import SMEM_MAX, check_smem, tma_addressable  # noqa: F401 - SMEM_MAX: the tests' bound
 
 
 LOG2E = 1.4426950408889634
@@ -488,10 +488,8 @@ def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, pers
                          "tile j-1 is freed")
     q, k, vt = qkv.q, qkv.k, qkv.v_t
     d = q.shape[-1]
-    need = smem_bytes(d, block_n, stages, persistent)
-    if need > SMEM_MAX:
-        raise ValueError(f"flash_fp8_fwd_gluon: BLOCK_N {block_n} x {stages} stages at d {d} (persistent "
-                         f"{persistent}) needs {need} B of shared memory (> {SMEM_MAX})")
+    check_smem("flash_fp8_fwd_gluon", smem_bytes(d, block_n, stages, persistent),
+               f"BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent})")
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
