@@ -6,14 +6,12 @@ import itertools
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import warpforge as wf
-from warpforge.ops._gluon import compile_in_subprocess
+from warpforge.ops._gluon import compile_in_subprocess, import_loads_gluon
 from warpforge.ops.attention import api, attention_reference, configs
 from warpforge.ops.attention import flash_gluon_bwd_kernel as fb
 from warpforge.ops.attention import flash_gluon_kernel as fg
@@ -38,12 +36,8 @@ def test_gate_constants_agree_and_import_is_lazy():
     for (d, _), (block_m, stages, dq_n, split, tma) in configs.GLUON_BWD.items():
         assert d in fb.HEAD_DIMS and block_m in (64, 128) and stages >= 2 and dq_n <= 64 and d % dq_n == 0
         assert fb.smem_bytes(d, block_m, stages, d // 2 if split else dq_n, split, tma) <= fg.SMEM_MAX
-    code = ("import sys, warpforge, warpforge.ops.attention.flash_gluon_bwd_kernel; "
-            "print(any(m.startswith('triton.experimental.gluon') for m in sys.modules))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": ROOT})
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "False"  # importing warpforge never loads Gluon
+    # importing warpforge (and the kernel module) does not load Gluon: it is built on first use
+    assert not import_loads_gluon(("warpforge.ops.attention.flash_gluon_bwd_kernel",), ROOT)
 
 
 def test_gate_off_where_it_does_not_apply(monkeypatch):

@@ -128,3 +128,17 @@ def compile_in_subprocess(module: str, case: dict, root: str, timeout: int = 600
         raise AssertionError(res.stderr[-4000:])
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("REPORT")][-1]
     return json.loads(line[len("REPORT"):])
+
+
+def import_loads_gluon(modules: tuple[str, ...], root: str) -> bool:
+    """Whether importing warpforge and `modules` in a fresh interpreter loads triton.experimental.gluon: the Gluon
+    kernels build on first use, so `import warpforge` must not pay for Gluon (or fail where it is missing)."""
+    import subprocess
+    import sys
+    code = ("import importlib, sys, warpforge; [importlib.import_module(m) for m in sys.argv[1:]]; "
+            "print(any(m.startswith('triton.experimental.gluon') for m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root})
+    if res.returncode != 0:
+        raise AssertionError(res.stderr[-4000:])
+    return res.stdout.strip() == "True"
