@@ -23,6 +23,14 @@ on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forw
 max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) on
 the headline, b32 s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables. --bwd-cases 0,3: only those
 of BWD_CASES (indices; default all).
+
+    PYTHONPATH=. python scripts/bench_attention_gluon.py --gqa-window [--json out.json]
+
+--gqa-window: the family bench's GQA 8:1 fwd+bwd case (b4 h32/kv4 s8192 d128 causal) with the Gluon backward's group
+split at 1 (one program walks the whole group), 2, 4 and 8 (one query head per program; WARPFORGE_ATTN_GLUON_BWD_GROUP_
+SPLIT) against cuDNN, and its sliding-window case (b2 h16 s16384 d128 causal, window (4096, 0)) fwd+bwd with the Gluon
+window on and off (WARPFORGE_ATTN_GLUON_WINDOW) against FlexAttention; the same setups (inputs, rotation, FLOPs,
+scores against the fp32 reference) as `warpforge bench --family attention`, in one process.
 """
 import argparse
 import json
@@ -283,6 +291,67 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep):
     return label, rows
 
 
+def run_gqa_window(json_path):
+    """GQA group-split variants vs cuDNN, and the window case with the Gluon window on / off vs Flex (one process)."""
+    from warpforge.bench.attention_cases import attention_setup
+    dev = torch.device("cuda")
+    os.environ[configs.GLUON_ENV] = "1"
+    os.environ[configs.GLUON_BWD_ENV] = "1"
+    t0 = time.perf_counter()
+    results = {}
+    plans = [
+        ("fwd+bwd b4 h32/kv4 s8192 d128 causal (GQA 8:1)", dict(b=4, s=8192, h_q=32, h_kv=4, d=128, causal=True),
+         [("cudnn", "cudnn", {})] + [(f"warpforge group_split {g}", "warpforge",
+                                      {"WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT": str(g)}) for g in (1, 8, 4, 2)],
+         "cudnn"),
+        ("fwd+bwd b2 h16 s16384 d128 window 4096", dict(b=2, s=16384, h_q=16, h_kv=16, d=128, causal=True,
+                                                          window=(4096, 0)),
+         [("flex", "flex", {}), ("warpforge gluon window", "warpforge", {configs.GLUON_WINDOW_ENV: "1"}),
+          ("warpforge portable window", "warpforge", {configs.GLUON_WINDOW_ENV: "0"})], "flex"),
+    ]
+    for label, shape, paths, base_name in plans:
+        setup = attention_setup(dev, False, backward=True, **shape)
+        rows = {}
+        print(f"{label}  ({setup.flops / 1e12:.3f} TFLOP)", flush=True)
+        for name, impl, env in paths:
+            fn = setup.impls.get(impl)
+            if fn is None:
+                print(f"  {name}: unavailable")
+                continue
+            old = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            t1 = time.perf_counter()
+            try:
+                setup.reset()  # the scored call runs on input set 0, the reference's
+                err = setup.score(fn())
+                torch.cuda.synchronize()
+                ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+            except Exception as e:  # noqa: BLE001 - one failing path must not stop the rest
+                print(f"  {name:32s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            finally:
+                for key, value in old.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+            rows[name] = dict(ms=ms, tflops=setup.flops / ms / 1e9, rel_l2=err, wall_s=time.perf_counter() - t1)
+        base = rows.get(base_name, {}).get("ms")
+        for name, r in rows.items():
+            r["vs_" + base_name] = base / r["ms"] if base else None
+            ratio = f"{base / r['ms']:.3f}x {base_name}" if base else "-"
+            print(f"  {name:32s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s  {ratio:>14s}  rel L2 {r['rel_l2']:.2e}"
+                  f"  ({r['wall_s']:.0f} s)", flush=True)
+        results[label] = rows
+        del setup
+        torch.cuda.empty_cache()
+        print(f"  ({time.perf_counter() - t0:.1f} s so far)", flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                               results=results), f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="also time the Gluon kernel's knobs")
@@ -290,10 +359,13 @@ def main():
     ap.add_argument("--bwd", action="store_true", help="forward+backward: Gluon bwd vs portable bwd vs cuDNN")
     ap.add_argument("--bwd-sweep", action="store_true", help="with --bwd: also the Gluon backward's knobs")
     ap.add_argument("--bwd-cases", default=None, help="with --bwd: indices into BWD_CASES, e.g. 0,1,3 (default all)")
+    ap.add_argument("--gqa-window", action="store_true", help="GQA group-split variants and the window case")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0), "needs an sm_90 GPU"
     assert fg.available(), f"the Gluon kernel needs Triton {fg.GLUON_TRITON_VERSIONS} (have {triton.__version__})"
+    if args.gqa_window:
+        return run_gqa_window(args.json)
     os.environ[configs.GLUON_ENV] = "0"  # "portable" is the portable kernel; the Gluon kernel is called directly
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 * 2 ** 20) or 50 * 2 ** 20

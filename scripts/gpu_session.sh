@@ -39,8 +39,11 @@ for step in "$@"; do
                  done ;;
     serve-prefill) timeout 240 python3 -m warpforge.serve.prefill_bench --shape llama3-8b --tokens 8192 \
                      --json "$w/serve-prefill-8k.json" > "$w/serve-prefill.log" 2>&1; tail -1 "$w/serve-prefill.log" ;;
-    serve-spec) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # target: the shakespeare preset; draft: tiny
-                timeout 200 python3 -m warpforge gpt train --preset shakespeare --out "$w/target" > "$w/target.log" 2>&1
+    serve-spec) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # target: gpt2-124m shape; draft: tiny
+                # target: GPT-2 small's shape on the plays' bytes (the issue's example), 500 steps
+                timeout 200 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
+                  --max-steps 500 --max-minutes 2.5 --lr=1e-3 --warmup_steps=50 --eval_every=250 --ckpt-every 500 \
+                  --out "$w/target" > "$w/target.log" 2>&1
                 timeout 120 python3 -m warpforge gpt train --preset tiny --max-minutes 1.5 --out "$w/draft" > "$w/draft.log" 2>&1
                 for d in ngram "$w/draft"; do
                   timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$d" \
@@ -103,5 +106,5 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
   echo "$step: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$w/steps.txt"
+  tar czf "$out/all.tgz" -C "$w" .  # after every step: a call cut by the device's limit still returns the steps done
 done
-tar czf "$out/all.tgz" -C "$w" .

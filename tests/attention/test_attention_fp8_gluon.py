@@ -33,7 +33,7 @@ def _on_h200() -> bool:
 def test_gate_constants_agree_and_import_is_lazy():
     assert fp8_api.FP8_GLUON_TRITON_VERSIONS == fk.GLUON_TRITON_VERSIONS
     assert tuple(fp8_api.FP8_GLUON_HEAD_DIMS) == tuple(fk.HEAD_DIMS)
-    assert fp8_api.FP8_GLUON_DEFAULT is False  # off until measured on the H200
+    assert isinstance(fp8_api.FP8_GLUON_DEFAULT, bool)  # on since session 11's H200 run
     for (d, _), (block_n, stages, _, persistent) in fp8_api.FP8_GLUON_FWD.items():
         assert fk.smem_bytes(d, block_n, stages, persistent) <= fk.SMEM_MAX and stages >= 2
     assert not import_loads_gluon(("warpforge.ops.attention.fp8_gluon_kernel", "warpforge.ops.attention.fp8_api"),
@@ -51,7 +51,7 @@ def test_knobs_come_from_the_table_and_the_environment(monkeypatch):
     assert fp8_api.fp8_gluon_knobs(64, False) == (64, 2, False, True)
 
 
-def test_gate_off_on_cpu_and_by_default(monkeypatch):
+def test_gate_off_on_cpu_and_switchable(monkeypatch):
     q, k, v = (torch.randn(1, 64, 2, 128) for _ in range(3))
     qkv = quantize_qkv(q, k, v, backend="reference")
     big = 1 << 30
@@ -59,8 +59,12 @@ def test_gate_off_on_cpu_and_by_default(monkeypatch):
     assert not fp8_api.fp8_gluon_gate(qkv, big, 0)  # a CPU tensor
     monkeypatch.setattr(fp8_api, "arch_key", lambda device: "sm90")
     assert not fp8_api.fp8_gluon_gate(qkv, big, big)  # still a CPU tensor
+    monkeypatch.setenv(fp8_api.FP8_GLUON_ENV, "0")
+    assert not fp8_api._fp8_gluon_switch()
     monkeypatch.delenv(fp8_api.FP8_GLUON_ENV)
-    assert not fp8_api._fp8_gluon_switch()  # default off
+    import triton
+    assert fp8_api._fp8_gluon_switch() is (fp8_api.FP8_GLUON_DEFAULT
+                                          and triton.__version__.startswith(fp8_api.FP8_GLUON_TRITON_VERSIONS))
 
 
 def test_bad_knobs_are_refused():

@@ -46,13 +46,14 @@ def test_gate_off_where_it_does_not_apply(monkeypatch):
 
 @pytest.mark.parametrize("s_q, s_k, left, right, want", [
     (100, 100, 1 << 30, 0, True), (100, 100, 1 << 30, 1 << 30, True), (100, 100, 1 << 30, 99, True),
-    (100, 100, 99, 0, False),                 # a left window: the portable kernels
+    (100, 100, 99, 0, False),                 # a left window: the FP8 kernel's gate sends it to the portable kernel
     (1000, 100, 1 << 30, 200, False),         # right >= s_k, yet queries 0..698 see no key: a real bound
     (1000, 100, 1 << 30, 999, True), (77, 1000, 1 << 30, 50, False), (77, 1000, 1 << 30, 76, True)])
-def test_only_causal_or_unmasked_bands_reach_the_gluon_kernels(s_q, s_k, left, right, want):
-    """Bottom-right aligned bands: query c sees keys up to c + s_k - s_q + right; the Gluon kernels (and the FP8
-    one's gate, which shares the rule) take only no mask or causal."""
+def test_only_causal_or_unmasked_bands_reach_the_fp8_gluon_kernel(s_q, s_k, left, right, want):
+    """Bottom-right aligned bands: query c sees keys up to c + s_k - s_q + right. The bf16 Gluon kernels share the
+    right-side rule (causal_or_open_right) and take left windows as well."""
     assert api.causal_or_unmasked(s_q, s_k, left, right) is want
+    assert api.causal_or_open_right(s_q, right) is (want or left < s_k)
 
 
 def test_knobs_come_from_the_table_and_the_environment(monkeypatch):
@@ -219,7 +220,11 @@ def test_gpu_switch_and_fallbacks(gluon_on, monkeypatch):
     monkeypatch.setenv(configs.GLUON_ENV, "1")
     big = 1 << 30
     assert api.gluon_gate(q, k, v, big, 0) and api.gluon_gate(q, k, v, big, big)
-    assert not api.gluon_gate(q, k, v, 64, 0)  # window
+    monkeypatch.setenv(configs.GLUON_WINDOW_ENV, "0")
+    assert not api.gluon_gate(q, k, v, 64, 0)  # a left window with its switch off
+    monkeypatch.setenv(configs.GLUON_WINDOW_ENV, "1")
+    assert api.gluon_gate(q, k, v, 64, 0) and api.gluon_gate(q, k, v, 64, big)  # a left window (sliding)
+    assert not api.gluon_gate(q, k, v, 64, 5)  # two-sided
     assert not api.gluon_gate(q, k, v, big, 5)  # a one-sided band
     q96, k96, v96 = _inputs(1, 64, 64, 2, 2, 96)
     assert not api.gluon_gate(q96, k96, v96, big, 0)

@@ -261,7 +261,7 @@ def test_barrier_model_catches_mutations(mutation):
 
 
 # ------------------------------------------------------------------------------ the schedule's arithmetic, emulated
-def _emulate(q, k, v, do, causal, BM=64):
+def _emulate(q, k, v, do, causal, BM=64, left=None):
     """The Gluon backward's schedule (flash_gluon_bwd_kernel._span / _consumer / _probs) in float64: programs of
     128 keys x kv head, two 64-key warpgroups, the kernel's tile walk, mask conditions (masked / unmasked branch),
     padding, scales."""
@@ -269,7 +269,7 @@ def _emulate(q, k, v, do, causal, BM=64):
     s_k, h_kv = k.shape[1], k.shape[2]
     G = h_q // h_kv
     scale = d ** -0.5
-    out, lse = attention_reference(q, k, v, causal=causal)
+    out, lse = attention_reference(q, k, v, causal=causal, window=(-1 if left is None else left, -1))
     delta = (out * do).sum(-1)                      # [b, s, h]
     s_pad = -(-s_q // BM) * BM
     LOG2E = 1.4426950408889634
@@ -288,6 +288,9 @@ def _emulate(q, k, v, do, causal, BM=64):
     for pid0, bb, kvh in itertools.product(range(n_kv), range(b), range(h_kv)):
         n0 = pid0 * 128
         first = min(max(n0 - diag, 0) // BM, n_m) if causal else 0
+        end = n_m
+        if left is not None:  # _span's WINDOW: the last query that sees key n0 + 127
+            end = max(min(max(n0 + 127 - diag + left + BM, 0) // BM, n_m), first)
         for wg in range(2):
             key_lo = n0 + 64 * wg
             K = Kp[bb, key_lo:key_lo + 64, kvh]; V = Vp[bb, key_lo:key_lo + 64, kvh]
@@ -296,18 +299,24 @@ def _emulate(q, k, v, do, causal, BM=64):
             dK = torch.zeros(64, d, dtype=torch.float64); dV = torch.zeros(64, d, dtype=torch.float64)
             for g in range(G):
                 h = kvh * G + g
-                for i in range(first, n_m):
+                for i in range(first, end):
                     m0 = i * BM
                     Q = Qp[bb, m0:m0 + BM, h]; dO = DOp[bb, m0:m0 + BM, h]
                     S = Q @ K.T
                     P = torch.exp2(S * scale * LOG2E - lse2[bb, h, m0:m0 + BM, None])
                     masked = keys_cut or (causal and m0 + shift < 63)
+                    if left is not None:
+                        masked = masked or (m0 + BM - 1 + shift - left > 0)
                     if masked:
                         limit = torch.full((BM,), limit0)
+                        rows = torch.arange(m0, m0 + BM)
                         if causal:
-                            limit = torch.minimum(limit, torch.arange(m0, m0 + BM) + shift)
+                            limit = torch.minimum(limit, rows + shift)
                         cols = torch.arange(64)
-                        P = torch.where(cols[None, :] <= limit[:, None], P, 0.0)
+                        ok = cols[None, :] <= limit[:, None]
+                        if left is not None:
+                            ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
+                        P = torch.where(ok, P, 0.0)
                     dP = dO @ V.T
                     dS = P * (dP - dl[bb, h, m0:m0 + BM, None])
                     dV += P.T @ dO
@@ -323,20 +332,22 @@ def _emulate(q, k, v, do, causal, BM=64):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 77, 77, 2, 1, 16), (2, 130, 300, 4, 2, 8), (1, 300, 130, 2, 2, 8),
                                    (1, 200, 200, 3, 1, 8)], ids=lambda s: "b{}-sq{}-sk{}-hq{}-hkv{}-d{}".format(*s))
-def test_schedule_emulation_matches_reference(shape, causal):
-    """The kernel's tile walk (first query tile per key tile, GQA heads), its masked / unmasked choice and per-row
-    limits, the padded lse2 (+inf) / delta (0) rows and where the scales go, replayed in float64 on CPU, give the
-    reference gradients: a wrong branch condition or limit would leave unmasked probabilities in."""
+@pytest.mark.parametrize("left", [None, 0, 50, 127, 200])
+def test_schedule_emulation_matches_reference(shape, causal, left):
+    """The kernel's tile walk (first query tile per key tile, GQA heads; with a left window its last query tile), its
+    masked / unmasked choice and per-row limits, the padded lse2 (+inf) / delta (0) rows and where the scales go,
+    replayed in float64 on CPU, give the reference gradients: a wrong branch condition or limit would leave unmasked
+    probabilities in."""
     b, s_q, s_k, h_q, h_kv, d = shape
     torch.manual_seed(0)
     q = torch.randn(b, s_q, h_q, d, dtype=torch.float64, requires_grad=True)
     k = torch.randn(b, s_k, h_kv, d, dtype=torch.float64, requires_grad=True)
     v = torch.randn(b, s_k, h_kv, d, dtype=torch.float64, requires_grad=True)
     do = torch.randn(b, s_q, h_q, d, dtype=torch.float64)
-    out, _ = attention_reference(q, k, v, causal=causal)
+    out, _ = attention_reference(q, k, v, causal=causal, window=(-1 if left is None else left, -1))
     want = torch.autograd.grad(out, (q, k, v), do)
     with torch.no_grad():
-        got = _emulate(q.detach(), k.detach(), v.detach(), do, causal)
+        got = _emulate(q.detach(), k.detach(), v.detach(), do, causal, left=left)
     for name, g, w in zip("qkv", got, want):
         assert rel_l2(g, w) <= 1e-5, f"d{name}"
 
@@ -537,7 +548,7 @@ def test_gpu_strided_inputs_and_fallbacks(gluon_bwd_on, monkeypatch):
     monkeypatch.setenv(configs.GLUON_BWD_ENV, "1")
     out = wf.flash_attention(q, k, v, causal=True, softcap=30.0)
     torch.autograd.grad(out, (q, k, v), d_out)
-    out = wf.flash_attention(q, k, v, window=(64, 0))
+    out = wf.flash_attention(q, k, v, window=(64, 64))  # two-sided: the portable kernels (a left window is ours)
     torch.autograd.grad(out, (q, k, v), d_out)
     assert len(gluon_bwd_on) == 2
 

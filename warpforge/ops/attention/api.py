@@ -41,7 +41,8 @@ def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Opt
     plain = softcap == 0.0 and slopes is None and v.shape[-1] == q.shape[-1]
     if cu_q is None and plain and gluon_gate(q, k, v, left, right):  # Hopper, Gluon: FA3's schedule
         from . import flash_gluon_kernel
-        return flash_gluon_kernel.flash_fwd_gluon(q, k, v, scale, right == 0, *gluon_knobs(q.shape[-1], right == 0))
+        return flash_gluon_kernel.flash_fwd_gluon(q, k, v, scale, right == 0, *gluon_knobs(q.shape[-1], right == 0),
+                                                  left=_gluon_left(k, left))
     if cfg.ws and cu_q is None and plain and flash_ws_kernel.fits(q, k, v):  # the Hopper pipeline's forward
         return flash_ws_kernel.flash_fwd_ws(q, k, v, batch, max_q, max_k, scale, left, right, cfg)
     return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg,
@@ -63,20 +64,41 @@ def _gluon_switch() -> bool:
     return _switch(configs.GLUON_ENV, configs.GLUON_DEFAULT)
 
 
+def causal_or_open_right(s_q: int, right: int) -> bool:
+    """Whether the band's right side is causal (0) or bounds nothing at this query length. Bands are bottom-right
+    aligned: query c sees keys c + s_k - s_q - left .. c + s_k - s_q + right, so a right bound is unbounded from
+    s_q - 1 on (the old test, right >= s_k, let a real bound through when s_q > s_k + 1)."""
+    return right == 0 or right >= s_q - 1
+
+
 def causal_or_unmasked(s_q: int, s_k: int, left: int, right: int) -> bool:
-    """Whether the band (left, right) is no mask or causal (right 0) at these lengths, the only masks the Hopper
-    Gluon kernels take. Bands are bottom-right aligned: query c sees keys c + s_k - s_q - left .. c + s_k - s_q +
-    right, so a right bound is unbounded from s_q - 1 on (the old test, right >= s_k, let a real bound through
-    when s_q > s_k + 1), a left one from s_k - 1 (taken from s_k on)."""
-    return left >= s_k and (right == 0 or right >= s_q - 1)
+    """Whether the band (left, right) is no mask or causal at these lengths, the only masks the FP8 Gluon kernel
+    takes: no left window (a left bound is unbounded from s_k - 1; taken from s_k on) and causal_or_open_right."""
+    return left >= s_k and causal_or_open_right(s_q, right)
+
+
+def _gluon_window_switch() -> bool:
+    """WARPFORGE_ATTN_GLUON_WINDOW ("0": left windows go to the portable kernels), default
+    configs.GLUON_WINDOW_DEFAULT."""
+    flag = os.environ.get(configs.GLUON_WINDOW_ENV)
+    return configs.GLUON_WINDOW_DEFAULT if flag is None else flag != "0"
+
+
+def _gluon_left(k, left: int):
+    """The left window the Gluon kernels get: None when it bounds nothing (left >= s_k - 1: no query's window starts
+    past key 0)."""
+    return left if left < k.shape[1] - 1 else None
 
 
 def _gluon_shape_ok(q, k, left, right) -> bool:
-    """What both Gluon kernels take: a 4-d fp16/bf16 batch on an sm_90 device, head dim 64 or 128, no mask or
-    causal (a window, or a one-sided band, goes to the portable kernels)."""
+    """What both Gluon kernels take: a 4-d fp16/bf16 batch on an sm_90 device, head dim 64 or 128, no mask, causal,
+    or a left window (sliding window; right 0 or unbounded; switch _gluon_window_switch). A right side that bounds
+    something other than the causal diagonal goes to the portable kernels (causal_or_open_right)."""
     if q.device.type != "cuda" or q.dim() != 4 or arch_key(q.device) != "sm90":
         return False
-    if not causal_or_unmasked(q.shape[1], k.shape[1], left, right):
+    if not causal_or_open_right(q.shape[1], right):
+        return False
+    if _gluon_left(k, left) is not None and not _gluon_window_switch():
         return False
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] in configs.GLUON_HEAD_DIMS
 
@@ -123,8 +145,11 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     plain = cu_q is None and softcap == 0.0 and slopes is None and v.shape[-1] == q.shape[-1]
     if plain and gluon_bwd_gate(q, k, v, out, do, left, right, deterministic):  # Hopper, Gluon: FA3's schedule
         from . import flash_gluon_bwd_kernel
-        return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0,
-                                                      *gluon_bwd_knobs(q.shape[-1], right == 0))
+        knobs = gluon_bwd_knobs(q.shape[-1], right == 0)
+        return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0, *knobs,
+                                                      group_split=gluon_bwd_group_split(q.shape[-2] // k.shape[-2],
+                                                                                        *knobs),
+                                                      left=_gluon_left(k, left))
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
                      cfg_dq, ScoreMod(scale, softcap, slopes))
 
@@ -144,6 +169,20 @@ def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool, bool]:
             int(env.get("WARPFORGE_ATTN_GLUON_BWD_STAGES", stages)), int(env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_N", dq_n)),
             env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "1" if dq_split else "0") != "0",
             env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_TMA", "1" if dq_tma else "0") != "0")
+
+
+def gluon_bwd_group_split(group: int, block_m: int, stages: int, dq_n: int, dq_split: bool, dq_tma: bool) -> int:
+    """GQA: programs per (kv head, key block) of the Gluon backward (configs.GLUON_BWD_GROUP_SPLIT, env
+    WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT; 0 = the whole group, one query head per program): the largest divisor of
+    the group not above it. 1 (one program walks every head of the group) where the knobs cannot take a split (it
+    needs dq_tma and stages · BLOCK_M >= 128)."""
+    want = int(os.environ.get("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", configs.GLUON_BWD_GROUP_SPLIT))
+    if group <= 1 or not dq_tma or stages * block_m < 128:
+        return 1
+    split = group if want <= 0 else min(want, group)
+    while group % split:
+        split -= 1
+    return split
 
 
 def gluon_bwd_gate(q, k, v, out, do, left, right, deterministic) -> bool:

@@ -86,3 +86,14 @@ GLUON_BWD = {
     (64, False): (64, 4, 64, False, True), (64, True): (64, 4, 64, False, True),
     (128, False): (64, 3, 64, True, True), (128, True): (64, 3, 64, True, True),
 }
+# GQA in the Gluon backward: programs per (kv head, 128-key block), each walking GROUP / GROUP_SPLIT query heads; dK / dV
+# of the split programs are summed in fp32 by TMA reduce-adds (env WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT; 0 = one query
+# head per program, 1 = the whole group in one program, as before). Why: a program over the whole group re-reads 8
+# heads' Q / dO / dQ (64 MB per kv head at s 8192, d 128) across its lifetime, which does not stay in the 50 MB L2
+# (benchmarks/NOTES.md, "Attention GQA and window (session 11)"). Not yet timed on the H200: 1 until it is.
+GLUON_BWD_GROUP_SPLIT = 1
+
+# Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
+# kernels. Off until the H200 has run the window GPU tests and the bench (session 12's device step; "1" turns it on).
+GLUON_WINDOW_ENV = "WARPFORGE_ATTN_GLUON_WINDOW"
+GLUON_WINDOW_DEFAULT = False

@@ -165,34 +165,43 @@ def _build():
                                                   src.handle)
 
     @gluon.jit
-    def _span(n0, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    def _span(n0, s_q, s_k, left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, BLOCK_M: gl.constexpr):
         """(first, end) query tiles that see any of the keys n0 .. n0 + 127 (bottom-right causal: query c sees key
-        r iff r <= c + s_k - s_q)."""
+        r iff r <= c + s_k - s_q; WINDOW, a left window: only if r >= c + s_k - s_q - left)."""
         n_m = gl.cdiv(s_q, BLOCK_M)
         if CAUSAL:
             first = gl.maximum(n0 - (s_k - s_q), 0) // BLOCK_M
             first = gl.minimum(first, n_m)
         else:
             first = n_m * 0
-        return first, n_m
+        if WINDOW:
+            # the last query that sees key n0 + 127 is c = n0 + 127 - (s_k - s_q) + left (none if that is < 0)
+            last = n0 + 127 - (s_k - s_q) + left
+            end = gl.minimum(gl.maximum(last + BLOCK_M, 0) // BLOCK_M, n_m)
+            end = gl.maximum(end, first)
+        else:
+            end = n_m
+        return first, end
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
-                  lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL: gl.constexpr,
-                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+                  lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
+                  STAGES: gl.constexpr):
         n0 = gl.program_id(0) * 128
         b = gl.program_id(1) // H_KV
-        kvh = gl.program_id(1) % H_KV
+        kvh = gl.program_id(1) % H_KV          # with GSPLIT: a slice of GROUP query heads of kv head kvh // GSPLIT
+        kv_head = kvh // GSPLIT
         kv_bytes: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
                                   + idx_desc.block_type.nbytes)
         mbarrier.expect(kv_bar, kv_bytes)
         tma.async_copy_global_to_shared(idx_desc, [0, 0], kv_bar, idx_smem)
         for w in gl.static_range(2):
-            tma.async_copy_global_to_shared(k_desc, [b, n0 + 64 * w, kvh, 0], kv_bar, k_bufs.index(w))
-            tma.async_copy_global_to_shared(v_desc, [b, n0 + 64 * w, kvh, 0], kv_bar, v_bufs.index(w))
+            tma.async_copy_global_to_shared(k_desc, [b, n0 + 64 * w, kv_head, 0], kv_bar, k_bufs.index(w))
+            tma.async_copy_global_to_shared(v_desc, [b, n0 + 64 * w, kv_head, 0], kv_bar, v_bufs.index(w))
         tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                     + dl_desc.block_type.nbytes)
-        first, end = _span(n0, s_q, s_k, CAUSAL, BLOCK_M)
+        first, end = _span(n0, s_q, s_k, left, CAUSAL, WINDOW, BLOCK_M)
         n_i = end - first
         for it in range(GROUP * n_i):  # (head of the group, query tile), as the consumers walk them
             g = it // n_i
@@ -209,19 +218,23 @@ def _build():
             tma.async_copy_global_to_shared(dl_desc, [bh, i * BLOCK_M], ready.index(slot), dl_bufs.index(slot))
 
     @gluon.jit
-    def _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-               s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    def _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+               WINDOW: gl.constexpr, s_layout: gl.constexpr, BLOCK_M: gl.constexpr):
         """P [BLOCK_M queries m0 .., 64 keys] = exp2(S · scale2 − lse2) (lse2 [BLOCK_M, 1] broadcast over the keys),
         stored 16-bit into p_smem. The mask keeps key column c of row r iff c <= limit0 (the keys' end) and, causal,
-        c <= r + shift: one comparison with a per-row limit, so that no [64] key vector stays in registers."""
+        c <= r + shift: one comparison with a per-row limit, so that no [64] key vector stays in registers; WINDOW,
+        also c >= r + shift - left (a second per-row limit)."""
         p = gl.exp2(s * qk_scale - lse2)
         if MASK:
             limit = gl.full([BLOCK_M], limit0, gl.int32, gl.SliceLayout(1, s_layout))
+            rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
             if CAUSAL:
-                rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
                 limit = gl.minimum(limit, rows + shift)
             cols = idx_smem.load(s_layout)                 # [1, 64]: 0 .. 63 (see _consumer)
-            p = gl.where(cols <= limit[:, None], p, 0.0)
+            ok = cols <= limit[:, None]
+            if WINDOW:
+                ok = ok & (cols >= (rows + (shift - left))[:, None])
+            p = gl.where(ok, p, 0.0)
         # stored here, inside the caller's masked / unmasked branch: no [BLOCK_M, 64] tensor crosses the branches' join
         p_smem.store(p.to(p_smem.dtype))
 
@@ -238,9 +251,10 @@ def _build():
 
     @gluon.jit
     def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar, ready,
-                  empty, ds_full, ds_free, dk_desc, dv_desc, dq_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP,
-                  qk_scale, sm_scale, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
+                  empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad,
+                  dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, WG: gl.constexpr, D: gl.constexpr,
+                  BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  GSPLIT: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
         # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers)
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
@@ -263,7 +277,7 @@ def _build():
         limit0 = s_k - 1 - key_lo
         shift = (s_k - s_q) - key_lo
         keys_cut = limit0 < 63
-        first, end = _span(gl.program_id(0) * 128, s_q, s_k, CAUSAL, BLOCK_M)
+        first, end = _span(gl.program_id(0) * 128, s_q, s_k, left, CAUSAL, WINDOW, BLOCK_M)
         n_i = end - first
         bh0 = (gl.program_id(1) // H_KV) * H_Q + (gl.program_id(1) % H_KV) * GROUP   # the group's first query head
         # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
@@ -289,10 +303,14 @@ def _build():
             masked = keys_cut
             if CAUSAL:
                 masked = masked | (m0 + shift < 63)
+            if WINDOW:  # the tile's last row does not see the warpgroup's first key (column 0)
+                masked = masked | (m0 + BLOCK_M - 1 + shift - left > 0)
             if masked:
-                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, True, CAUSAL, s_layout, BLOCK_M)
+                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, True, CAUSAL, WINDOW, s_layout,
+                       BLOCK_M)
             else:
-                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, qk_scale, False, CAUSAL, s_layout, BLOCK_M)
+                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, False, CAUSAL, WINDOW, s_layout,
+                       BLOCK_M)
             # P goes to shared memory (dV's A operand) and is read back for dS after dP: no fp32 or 16-bit copy of P
             # stays in registers while dP is in flight beside dK and dV
             if DQ_TMA:
@@ -369,24 +387,49 @@ def _build():
         if DQ_SPLIT:
             # the other warpgroup's last dQ has read this warpgroup's K slice before dK is written over it
             mbarrier.wait(ds_free, ((GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
-        # epilogue: dK (scaled) and dV through this warpgroup's own K / V slices, one TMA store each
-        k.store((dk * sm_scale).to(dtype))
-        v.store(dv.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
         b = gl.program_id(1) // H_KV
         kvh = gl.program_id(1) % H_KV
         key_lo = gl.program_id(0) * 128 + WG * 64
-        tma.async_copy_shared_to_global(dk_desc, [b, key_lo, kvh, 0], k_bufs.index(WG))
-        tma.async_copy_shared_to_global(dv_desc, [b, key_lo, kvh, 0], v_bufs.index(WG))
-        tma.store_wait(0)
+        if GSPLIT > 1:
+            # GSPLIT programs share this kv head's keys: dK, dV are fp32 partials, reduce-added by TMA into the
+            # [2, b · h_kv · s_kpad, D] fp32 accumulator (converted afterwards), staged [64, D] fp32 in the ring's
+            # memory (warpgroup 0 in the Q slots, 1 in the dO slots: STAGES · BLOCK_M · D · 2 B >= 64 · D · 4 B), once
+            # both warpgroups are past their last reads of the ring (fin; every load landed: each was waited for)
+            mbarrier.arrive(fin)
+            mbarrier.wait(fin, 0)
+            if WG == 0:
+                stage = q_bufs._reinterpret(gl.float32, [64, D], dkv_desc.layout)
+            else:
+                stage = do_bufs._reinterpret(gl.float32, [64, D], dkv_desc.layout)
+            row = (b * (H_KV // GSPLIT) + kvh // GSPLIT) * s_kpad + key_lo   # H_KV: kv heads · GSPLIT
+            stage.store(dk * sm_scale)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_reduce_add(dkv_desc, [row, 0], stage)
+            tma.store_wait(0)
+            gl.thread_barrier()                            # the issuing thread has seen the reduce read the tile
+            stage.store(dv)
+            fence_async_shared()
+            gl.thread_barrier()
+            _tma_reduce_add(dkv_desc, [dv_row0 + row, 0], stage)
+            tma.store_wait(0)
+        else:
+            # epilogue: dK (scaled) and dV through this warpgroup's own K / V slices, one TMA store each
+            k.store((dk * sm_scale).to(dtype))
+            v.store(dv.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(dk_desc, [b, key_lo, kvh, 0], k_bufs.index(WG))
+            tma.async_copy_shared_to_global(dv_desc, [b, key_lo, kvh, 0], v_bufs.index(WG))
+            tma.store_wait(0)
 
     @gluon.jit
     def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, dq_desc,
-                               DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV, GROUP, qk_scale, sm_scale, D: gl.constexpr,
-                               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                               DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale,
+                               sm_scale, D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
+                               DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -407,7 +450,9 @@ def _build():
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
+        mbarrier.init(fin, count=2)  # GSPLIT: both warpgroups are past their last reads of the ring
         mbarrier.init(ds_full, count=2)  # DQ_SPLIT: both warpgroups' dS tiles of this step are in shared memory
         mbarrier.init(ds_free, count=2)  # DQ_SPLIT: both warpgroups' dQ of this step have read them
         for i in gl.static_range(STAGES):
@@ -416,14 +461,16 @@ def _build():
 
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
-                         ready, empty, ds_full, ds_free, dk_desc, dv_desc, dq_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV,
-                         GROUP, qk_scale, sm_scale, 0, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT, DQ_TMA)),
+                         ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
+                         s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, 0, D, BLOCK_M, STAGES,
+                         CAUSAL, WINDOW, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
-                         ready, empty, ds_full, ds_free, dk_desc, dv_desc, dq_desc, DQ_ACC, s_q, s_k, s_pad, H_Q, H_KV,
-                         GROUP, qk_scale, sm_scale, 1, D, BLOCK_M, STAGES, CAUSAL, DQ_N, DQ_SPLIT, DQ_TMA)),
+                         ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
+                         s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, 1, D, BLOCK_M, STAGES,
+                         CAUSAL, WINDOW, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
-                         lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, H_Q, H_KV, GROUP, CAUSAL, BLOCK_M,
-                         STAGES)),
+                         lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, CAUSAL,
+                         WINDOW, GSPLIT, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_bwd_gluon_kernel, gl
@@ -450,7 +497,7 @@ def _index_table(device: str) -> torch.Tensor:
     return torch.arange(64, dtype=torch.int32, device=device).reshape(1, 64)
 
 
-def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, block_m, dq_n, gl):
+def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_n, gl):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = q.shape[-1]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -470,12 +517,19 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, block_m, dq_n, gl):
     acc = dq_acc.view(-1, d)  # [b · h_q · s_pad, d] fp32: the target of DQ_TMA's reduce-adds
     descs.append(TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [block_m, dq_n],
                                   gl.NVMMASharedLayout.get_default_for([block_m, dq_n], gl.float32)))
+    # GROUP_SPLIT's fp32 dK / dV accumulator [2 · b · h_kv · s_kpad, d] ([64, d] boxes); unused (dq's) otherwise
+    kv_acc = (dkv_acc if dkv_acc is not None else dq_acc).view(-1, d)
+    descs.append(TensorDescriptor(kv_acc, list(kv_acc.shape), list(kv_acc.stride()), [WG_KEYS, d],
+                                  gl.NVMMASharedLayout.get_default_for([WG_KEYS, d], gl.float32)))
     return descs
 
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
-                dq_split=False, dq_tma=False):
-    """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test."""
+                dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None):
+    """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
+    group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
+    reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
+    window (query c sees key r only if r >= c + s_k - s_q - left); None: no window."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -489,14 +543,29 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
                          f"(got {dq_n})")
     check_smem("flash_bwd_gluon", smem_bytes(d, block_m, stages, dq_n, dq_split, dq_tma),
                f"BLOCK_M {block_m} x {stages} stages at d {d} (dq_n {dq_n}, split {dq_split}, tma {dq_tma})")
-    kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, block_m, dq_n, gl)
-    grid = (-(-s_k // BLOCK_N), b * h_kv)
-    args = (*descs, dq_acc, s_q, s_k, s_pad, h_q, h_kv, h_q // h_kv, sm_scale * LOG2E, sm_scale)
-    meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), DQ_N=dq_n, DQ_SPLIT=bool(dq_split),
-                DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
+    group = h_q // h_kv
+    if group_split < 1 or group % group_split:
+        raise ValueError(f"flash_bwd_gluon: group_split must divide the GQA group {group} (got {group_split})")
+    s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
+    if group_split > 1:
+        # the [64, d] fp32 dK / dV staging tile lives in the ring's Q (dO) slots: STAGES · BLOCK_M rows of 16-bit d
+        if not dq_tma or stages * block_m < 128:
+            raise ValueError("flash_bwd_gluon: group_split > 1 needs dq_tma and stages · BLOCK_M >= 128")
+        if dkv_acc is None or tuple(dkv_acc.shape) != (2, b * h_kv * s_kpad, d) or dkv_acc.dtype != torch.float32:
+            raise ValueError("flash_bwd_gluon: group_split > 1 needs the fp32 dK / dV accumulator")
+    window = left is not None and left < s_k
+    kernel, gl = _build()
+    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if group_split > 1 else None, block_m, dq_n,
+                         gl)
+    grid = (-(-s_k // BLOCK_N), b * h_kv * group_split)
+    # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
+    # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
+    args = (*descs, dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad, int(left) if window else 0, h_q,
+            h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale)
+    meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, GSPLIT=group_split, DQ_N=dq_n,
+                DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
@@ -511,12 +580,14 @@ def _buffers(q, block_m):
 
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
-                    dq_tma=False):
+                    dq_tma=False, group_split=1, left=None):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
     columns over both warpgroups' keys: half the atomics, one cross-warpgroup barrier pair per tile; dq_n is then
-    d / 2), dq_tma (dQ staged in shared memory and added by TMA reduce-adds instead of per-thread atomics)."""
+    d / 2), dq_tma (dQ staged in shared memory and added by TMA reduce-adds instead of per-thread atomics),
+    group_split (GQA: programs per (kv head, key block), each over GROUP / group_split query heads; dK / dV then
+    summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -531,17 +602,27 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     bwd_prep_kernel[grid](out, do, lse, lse2, delta, dq_acc, s_q, s_pad, out.stride(0), out.stride(1), out.stride(2),
                           do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
                           BLOCK=PREP_ROWS, num_warps=4)
+    h_kv = k.shape[2]
+    dkv_acc = None
+    if group_split > 1:
+        s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
+        dkv_acc = torch.zeros((2, b * h_kv * s_kpad, d), device=q.device, dtype=torch.float32)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
-                                            block_m, stages, dq_n, dq_split, dq_tma)
+                                            block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left)
     kernel[kgrid](*args, **meta)
     dq_convert_kernel[grid](dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2), H_Q=h_q, D=d,
                             BLOCK=PREP_ROWS, num_warps=4)
+    if group_split > 1:  # dK (already scaled) and dV from their fp32 sums, like dq
+        kgrid2 = (b * h_kv, s_kpad // PREP_ROWS)
+        for acc, t in ((dkv_acc[0], dk), (dkv_acc[1], dv)):
+            dq_convert_kernel[kgrid2](acc, t, s_k, s_kpad, 1.0, t.stride(0), t.stride(1), t.stride(2), H_Q=h_kv, D=d,
+                                      BLOCK=PREP_ROWS, num_warps=4)
     return dq, dk, dv
 
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
-                 dtype="bfloat16", arch=90):
+                 dtype="bfloat16", arch=90, group_split=1, left=None):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics)."""
@@ -553,8 +634,11 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=F
     v = torch.empty(b, s, h_kv, d, dtype=dt)
     do = torch.empty(b, s, h_q, d, dtype=dt)
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m)
+    s_kpad = -(-s // BLOCK_N) * BLOCK_N
+    dkv_acc = torch.empty((2, b * h_kv * s_kpad, d), dtype=torch.float32) if group_split > 1 else None
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
-                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma)
+                                           dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma,
+                                           group_split, dkv_acc, left)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx

@@ -82,9 +82,11 @@ def _build():
         return t
 
     @gluon.jit
-    def _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Work item t: (b, h, kv head, first query row, key tiles to walk). Items run head by head, each head's
-        row tiles from the last (the heaviest when causal) to the first."""
+    def _tile(t, n_m, H_Q, GROUP, s_q, s_k, left, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+        """Work item t: (b, h, kv head, first query row, first key tile, key tiles to walk). Items run head by head,
+        each head's row tiles from the last (the heaviest when causal) to the first. WINDOW (a left window: query c
+        sees key r only if r >= c + s_k - s_q - left): the walk starts at the tile of the first row's first key."""
         bh = t // n_m
         pid_m = n_m - 1 - t % n_m
         b = bh // H_Q
@@ -95,12 +97,17 @@ def _build():
             hi = gl.minimum(gl.minimum(m_lo + 128, s_q) + (s_k - s_q), s_k)
         else:
             hi = s_k
-        return b, h, h // GROUP, m_lo, gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
+        n_hi = gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
+        if WINDOW:
+            j0 = gl.minimum(gl.maximum(m_lo + (s_k - s_q) - left, 0) // BLOCK_N, n_hi)
+        else:
+            j0 = n_hi * 0
+        return b, h, h // GROUP, m_lo, j0, n_hi - j0
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                  v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, QBUF: gl.constexpr):
+                  v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, left, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
         gl.static_assert(STAGES >= 2)  # S_j is issued before tile j-1's slot is freed: one slot would deadlock
         it = 0  # K/V tiles loaded so far: the ring position, continued across work items
         tc = 0  # work items so far
@@ -108,15 +115,15 @@ def _build():
             t = _item(k)
             if t < total:
                 it, tc = _produce_item(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready,
-                                       v_ready, k_empty, v_empty, t, it, tc, n_m, H_Q, GROUP, s_q, s_k, CAUSAL,
-                                       BLOCK_N, STAGES, QBUF)
+                                       v_ready, k_empty, v_empty, t, it, tc, n_m, H_Q, GROUP, s_q, s_k, left,
+                                       CAUSAL, WINDOW, BLOCK_N, STAGES, QBUF)
 
     @gluon.jit
     def _produce_item(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                      v_empty, t, it, tc, n_m, H_Q, GROUP, s_q, s_k, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-                      STAGES: gl.constexpr, QBUF: gl.constexpr):
+                      v_empty, t, it, tc, n_m, H_Q, GROUP, s_q, s_k, left, CAUSAL: gl.constexpr,
+                      WINDOW: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr):
         q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
-        b, h, kvh, m_lo, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N)
+        b, h, kvh, m_lo, j0, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, left, CAUSAL, WINDOW, BLOCK_N)
         qs = tc % QBUF
         # empty barriers start as if their phase 1 had completed: the first lap does not wait. Q's slot is free
         # once both consumers have stored the output they staged in it. Q is loaded even for an item without
@@ -131,26 +138,28 @@ def _build():
             # K's slot is freed once S has read it, V's once P·V has: K runs further ahead
             mbarrier.wait(k_empty.index(slot), phase)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, j * BLOCK_N, kvh, 0], k_ready.index(slot),
+            tma.async_copy_global_to_shared(k_desc, [b, (j0 + j) * BLOCK_N, kvh, 0], k_ready.index(slot),
                                             k_bufs.index(slot))
             mbarrier.wait(v_empty.index(slot), phase)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, j * BLOCK_N, kvh, 0], v_ready.index(slot),
+            tma.async_copy_global_to_shared(v_desc, [b, (j0 + j) * BLOCK_N, kvh, 0], v_ready.index(slot),
                                             v_bufs.index(slot))
             it += 1
         tc += 1
         return it, tc
 
     @gluon.jit
-    def _softmax(s, n0, limit_row, s_k, m_i, l_i, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
-                 s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _softmax(s, n0, limit_row, low_row, s_k, m_i, l_i, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                 WINDOW: gl.constexpr, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
         """One online-softmax step on the raw scores of keys n0 .. n0+BLOCK_N-1: (p fp32, alpha, l, m), m in
-        log2 units. limit_row [64]: causal, the last key each row may see."""
+        log2 units. limit_row [64]: causal, the last key each row may see; low_row [64]: WINDOW, the first."""
         if MASK:
             cols = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             ok = (cols < s_k)[None, :]
             if CAUSAL:
                 ok = ok & (cols[None, :] <= limit_row[:, None])
+            if WINDOW:
+                ok = ok & (cols[None, :] >= low_row[:, None])
             s = gl.where(ok, s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
@@ -166,9 +175,9 @@ def _build():
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc, LSE,
-                  n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale, stride_lb, stride_lh,
+                  n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, left, qk_scale, stride_lb, stride_lh,
                   WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr):
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -184,7 +193,7 @@ def _build():
         for k in range(n_rounds):
             t = _item(k)
             if t < total:
-                b, h, kvh, m_lo, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N)
+                b, h, kvh, m_lo, j0, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, left, CAUSAL, WINDOW, BLOCK_N)
                 qs = tc % QBUF
                 q_smem = q_bufs.index(2 * qs + WG)
                 q = q_smem.reshape([64, D])
@@ -196,6 +205,13 @@ def _build():
                     first_masked = gl.minimum(s_k, r0 + (s_k - s_q) + 1) // BLOCK_N
                 else:
                     first_masked = s_k // BLOCK_N
+                # WINDOW: key tiles before lo_full hold keys below some row's window (the last row's first key)
+                if WINDOW:
+                    low_row = limit_row - left
+                    lo_full = (gl.maximum(r0 + 63 + (s_k - s_q) - left, 0) + BLOCK_N - 1) // BLOCK_N
+                else:
+                    low_row = limit_row
+                    lo_full = first_masked * 0
                 m_i = gl.full([64], float("-inf"), gl.float32, row_s)
                 l_i = gl.zeros([64], gl.float32, row_s)
                 acc = gl.zeros([64, D], gl.float32, o_layout)
@@ -217,12 +233,12 @@ def _build():
                         mbarrier.arrive(turn.index(1 - WG))
                     s = warpgroup_mma_wait(0, deps=(s_tok, ))
                     mbarrier.arrive(k_empty.index(slot))  # K read (Triton syncs the warpgroup before an arrive)
-                    if first_masked <= 0:
-                        p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, True, CAUSAL, s_layout,
-                                                      BLOCK_N)
+                    if (j0 >= first_masked) | (j0 < lo_full):
+                        p, alpha, l_i, m_i = _softmax(s, j0 * BLOCK_N, limit_row, low_row, s_k, m_i, l_i, qk_scale,
+                                                      True, CAUSAL, WINDOW, s_layout, BLOCK_N)
                     else:
-                        p, alpha, l_i, m_i = _softmax(s, 0, limit_row, s_k, m_i, l_i, qk_scale, False, CAUSAL, s_layout,
-                                                      BLOCK_N)
+                        p, alpha, l_i, m_i = _softmax(s, j0 * BLOCK_N, limit_row, low_row, s_k, m_i, l_i, qk_scale,
+                                                      False, CAUSAL, WINDOW, s_layout, BLOCK_N)
                     p_op = gl.convert_layout(p.to(dtype), p_layout)
                     # ---- key tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
                     for j in range(1, n_tiles):
@@ -240,12 +256,13 @@ def _build():
                             mbarrier.arrive(turn.index(1 - WG))
                         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
                         mbarrier.arrive(k_empty.index(slot))
-                        if j >= first_masked:
-                            p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, True,
-                                                          CAUSAL, s_layout, BLOCK_N)
+                        jj = j0 + j
+                        if (jj >= first_masked) | (jj < lo_full):
+                            p, alpha, l_i, m_i = _softmax(s, jj * BLOCK_N, limit_row, low_row, s_k, m_i, l_i,
+                                                          qk_scale, True, CAUSAL, WINDOW, s_layout, BLOCK_N)
                         else:
-                            p, alpha, l_i, m_i = _softmax(s, j * BLOCK_N, limit_row, s_k, m_i, l_i, qk_scale, False,
-                                                          CAUSAL, s_layout, BLOCK_N)
+                            p, alpha, l_i, m_i = _softmax(s, jj * BLOCK_N, limit_row, low_row, s_k, m_i, l_i,
+                                                          qk_scale, False, CAUSAL, WINDOW, s_layout, BLOCK_N)
                         # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
                         acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
                         gl.thread_barrier()  # the whole warpgroup is past P·V_{j-1} before its slot is handed back
@@ -284,8 +301,8 @@ def _build():
 
     @gluon.jit
     def flash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, s_q, s_k, qk_scale, stride_lb, stride_lh, H_Q,
-                               GROUP, n_m, total, n_rounds, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                               GROUP, n_m, total, n_rounds, left, D: gl.constexpr, BLOCK_N: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr,
                                QBUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         # Q: QBUF slots of two 64-row slices (slice 2 · slot + warpgroup); QBUF 2 (persistent) lets the producer
         # load the next item's Q while the consumers finish this one
@@ -312,13 +329,14 @@ def _build():
 
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc,
-                         LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale, stride_lb, stride_lh,
-                         0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF)),
+                         LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, left, qk_scale, stride_lb, stride_lh,
+                         0, D, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, QBUF)),
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, o_desc,
-                         LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale, stride_lb, stride_lh,
-                         1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF)),
+                         LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, left, qk_scale, stride_lb, stride_lh,
+                         1, D, BLOCK_N, STAGES, CAUSAL, WINDOW, PINGPONG, QBUF)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N, STAGES, QBUF)),
+                         v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, left, CAUSAL, WINDOW, BLOCK_N, STAGES,
+                         QBUF)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_fwd_gluon_kernel, gl
@@ -350,8 +368,9 @@ def _descriptors(q, k, v, out, block_n, gl):
     return descs
 
 
-def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent=False, sms=132):
-    """(kernel, grid, args, constexpr kwargs) of one launch; shared by flash_fwd_gluon and the compile test."""
+def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent=False, sms=132, left=None):
+    """(kernel, grid, args, constexpr kwargs) of one launch; shared by flash_fwd_gluon and the compile test. left: a
+    left window (query c sees key r only if r >= c + s_k - s_q - left); None or >= s_k: none."""
     if stages < 2:
         raise ValueError(f"flash_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
                          "tile j-1 is freed")
@@ -362,6 +381,7 @@ def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, 
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     q_desc, k_desc, v_desc, o_desc = _descriptors(q, k, v, out, block_n, gl)
+    window = left is not None and left < s_k
     n_m = -(-s_q // BLOCK_M)
     total = n_m * b * h_q  # work items: (row tile, batch · head), head by head
     if persistent:
@@ -372,17 +392,17 @@ def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, 
         progs = total
     grid = (progs, )
     args = (q_desc, k_desc, v_desc, o_desc, lse, s_q, s_k, sm_scale * LOG2E, lse.stride(0), lse.stride(1), h_q,
-            h_q // h_kv, n_m, total, -(-total // progs))
-    meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
+            h_q // h_kv, n_m, total, -(-total // progs), int(left) if window else 0)
+    meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, PINGPONG=bool(pingpong),
                 QBUF=2 if persistent else 1, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                 maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
 
-def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persistent=False):
+def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persistent=False, left=None):
     """(out [b, s_q, h_q, d] contiguous in q's dtype, lse fp32 [b, h_q, s_q]); the caller checked fits(q, k, v) and
     available(). Knobs: key rows per ring slot (64 or 128), ring slots (>= 2), ping-pong on/off, persistent (one
-    program per SM walking work items; else one program per item)."""
+    program per SM walking work items; else one program per item). left: a left window (None: none)."""
     b, s_q, h_q, d = q.shape
     out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)  # contiguous: TMA-aligned
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -393,14 +413,14 @@ def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persis
         return out.zero_(), lse
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if persistent else 0
     kernel, grid, args, meta = launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong,
-                                           persistent, sms)
+                                           persistent, sms, left)
     kernel[grid](*args, **meta)
     return out, lse
 
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
-                 dtype="bfloat16", arch=90):
+                 dtype="bfloat16", arch=90, left=None):
     """Compile the kernel for sm_<arch> without a GPU (Triton's wheel carries ptxas): a stub driver stands in
     for the device while nothing is launched. Returns a report dict (PTX features, warps, shared memory, the
     compiled kernel)."""
@@ -413,5 +433,5 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
     out = torch.empty(b, s, h_q, d, dtype=dt)
     lse = torch.empty(b, h_q, s)
     kernel, grid, args, meta = launch_args(q, k, v, out, lse, d ** -0.5, causal, block_n, stages, pingpong,
-                                           persistent)
+                                           persistent, left=left)
     return compile_report(kernel, args, grid, meta, arch)

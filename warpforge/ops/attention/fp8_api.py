@@ -23,7 +23,8 @@ from .reference import attention_reference
 # written for, head dim 64/128 (d_v = d), causal or no mask, batched (fixed length). Kept here rather than in
 # configs.py for now (another engineer owns configs.py this session).
 FP8_GLUON_ENV = "WARPFORGE_ATTN_FP8_GLUON"  # "1" on, "0" off (the portable FP8 kernel runs), unset: FP8_GLUON_DEFAULT
-FP8_GLUON_DEFAULT = False                   # off until the H200 has run its GPU tests and bench (NOTES, session 10)
+FP8_GLUON_DEFAULT = False                   # off until its GPU tests have run whole on the H200 (session 11's were cut
+# by a timeout); 2.6x the portable FP8 kernel all-in at the headline (runs/2026-12-02-s11/call1/fp8_gluon.log)
 FP8_GLUON_TRITON_VERSIONS = ("3.6",)
 FP8_GLUON_HEAD_DIMS = (64, 128)
 # (head dim, causal) -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT); 128 query rows per work item. Compiled without
@@ -45,10 +46,11 @@ def fp8_gluon_knobs(d: int, causal: bool) -> tuple[int, int, bool, bool]:
 
 
 def fp8_gluon_permute_k() -> bool:
-    """WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K ("1" on; default off until measured): K's rows loaded permuted within
-    16-key groups so that P moves into the P·V operand without data movement (fp8_gluon_kernel._p_operand); the
-    quantiser then writes K as [b, h_kv, s_pad16, d] memory for the kernel's 5-D descriptor."""
-    return os.environ.get(FP8_GLUON_ENV + "_PERMUTE_K", "0") != "0"
+    """WARPFORGE_ATTN_FP8_GLUON_PERMUTE_K ("0" off; on by default: 5-10% faster on the H200, session 11): K's rows
+    loaded permuted within 16-key groups so that P moves into the P·V operand without data movement
+    (fp8_gluon_kernel._p_operand); the quantiser then writes K as [b, h_kv, s_pad16, d] memory for the kernel's 5-D
+    descriptor."""
+    return os.environ.get(FP8_GLUON_ENV + "_PERMUTE_K", "1") != "0"
 
 
 def _fp8_gluon_switch() -> bool:
