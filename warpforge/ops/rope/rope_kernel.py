@@ -9,10 +9,11 @@ import triton.language as tl
 def rope_kernel(X, COS, SIN, Y, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh, stride_c,
                 n_heads, HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
                 BACKWARD: tl.constexpr):
-    """One program per (b, s) position: all heads rotated by that position's angles. The backward is the
-    inverse rotation (sin negated). HALF_PAD: HALF rounded up to a power of two (any even head dim works)."""
-    b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1).to(tl.int64)
+    """One program per (s, b) position: all heads rotated by that position's angles. The backward is the
+    inverse rotation (sin negated). HALF_PAD: HALF rounded up to a power of two (any even head dim works). Positions
+    on the grid's first axis: the others stop at 65535, and a serving batch packs 64 x 1k tokens into s."""
+    s = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, HALF_PAD)
     col_ok = offs < HALF
     heads = tl.arange(0, BLOCK_H)
@@ -37,7 +38,7 @@ def rope(x, cos, sin, backward, cfg):
     y = torch.empty_like(x)
     if x.numel():
         block_h = min(triton.next_power_of_2(h), cfg.max_block_h)
-        rope_kernel[(b, s)](x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
+        rope_kernel[(s, b)](x, cos, sin, y, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
                             y.stride(2), cos.stride(0), h, HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
                             BLOCK_H=block_h, BACKWARD=backward)
     return y
