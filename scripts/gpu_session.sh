@@ -33,18 +33,22 @@ for step in "$@"; do
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
     compare-mla) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='L(1k|8k) (bf16|fp8)' timeout 300 bash scripts/gpu_check.sh "$w/cmp" mla > "$w/cmp-mla.log" 2>&1 ;;
     bench-sparse) SKIP_TESTS=1 timeout 420 bash scripts/gpu_check.sh "$w/bench" sparse > "$w/$step.log" 2>&1 ;;
-    serve-bench) for bt in 1 64; do  # issue 19's decode MBU bar: Llama-3-8B shape, random bf16 weights, 1k context
+    serve-bench) for bt in ${SERVE_BATCHES:-1 64}; do  # issue 19's decode MBU bar: Llama-3-8B shape, random bf16 weights, 1k context
                    timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch $bt --context 1024 \
                      --json "$w/serve-decode-b$bt.json" > "$w/serve-decode-b$bt.log" 2>&1; tail -2 "$w/serve-decode-b$bt.log"
                  done ;;
+    serve-gpu-tests) timeout 150 python3 -m pytest -q -m gpu tests/serve > "$w/serve-gpu-tests.log" 2>&1; tail -n 3 "$w/serve-gpu-tests.log" ;;
+    attention-gluon-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon.py tests/attention/test_attention_gluon_bwd.py \
+                             > "$w/attention-gluon-tests.log" 2>&1; tail -n 15 "$w/attention-gluon-tests.log" ;;
     serve-prefill) timeout 240 python3 -m warpforge.serve.prefill_bench --shape llama3-8b --tokens 8192 \
                      --json "$w/serve-prefill-8k.json" > "$w/serve-prefill.log" 2>&1; tail -1 "$w/serve-prefill.log" ;;
     serve-spec) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # target: gpt2-124m shape; draft: tiny
                 # target: GPT-2 small's shape on the plays' bytes (the issue's example), 500 steps
                 timeout 200 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
-                  --max-steps 500 --max-minutes 2.5 --lr=1e-3 --warmup_steps=50 --eval_every=250 --ckpt-every 500 \
+                  --max-steps 500 --max-minutes 2 --lr=1e-3 --warmup_steps=50 --eval_every=250 --ckpt-every 500 \
+                  --compile=on \
                   --out "$w/target" > "$w/target.log" 2>&1
-                timeout 120 python3 -m warpforge gpt train --preset tiny --max-minutes 1.5 --out "$w/draft" > "$w/draft.log" 2>&1
+                timeout 120 python3 -m warpforge gpt train --preset tiny --max-minutes 1 --out "$w/draft" > "$w/draft.log" 2>&1
                 for d in ngram "$w/draft"; do
                   timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$d" \
                     --json "$w/spec-$(basename "$d").json" 2>&1 | tail -1; done
