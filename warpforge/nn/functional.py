@@ -40,7 +40,11 @@ def check_size(name: str, value: object, lo: int = 1) -> None:
 def autocast_on(device: torch.device) -> bool:
     """Whether autocast is on for device's type (False for types autocast does not know, e.g. meta: asking about
     those raises)."""
-    return torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type)
+    # cuda / cpu first: torch 2.11's Dynamo cannot trace torch._C._is_autocast_available (a graph break in every
+    # module's forward), while it folds is_autocast_enabled to a constant
+    if device.type not in ("cuda", "cpu") and not torch.amp.is_autocast_available(device.type):
+        return False
+    return torch.is_autocast_enabled(device.type)
 
 
 def check_input(x: object, width: int, weight: torch.Tensor | None = None, ranks: int | Sequence[int] | None = None,

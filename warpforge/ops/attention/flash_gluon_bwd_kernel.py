@@ -491,9 +491,11 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d
             and (not do.is_contiguous() or tma_addressable(do)))
 
 
-@functools.lru_cache(maxsize=None)
-def _index_table(device: str) -> torch.Tensor:
-    """int32 [1, 64] = 0 .. 63: the kernel's column-index table (loaded once per program by TMA)."""
+def _index_table(device) -> torch.Tensor:
+    """int32 [1, 64] = 0 .. 63: the kernel's column-index table (loaded once per program by TMA). Made on every
+    call, like the other buffers, never cached: a device tensor cached on the first call would, under
+    torch.compile(mode="reduce-overhead"), be made inside the CUDA graphs' private pool during their warmup and
+    stay there as no graph's output ("tensor(s) in the cudagraph pool not tracked as outputs")."""
     return torch.arange(64, dtype=torch.int32, device=device).reshape(1, 64)
 
 
@@ -507,7 +509,7 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                       gl.NVMMASharedLayout.get_default_for(block, gdt)))
     for t, block, dt in ((lse2, [1, block_m], gl.float32), (delta, [1, block_m], gl.float32),
-                         (_index_table(str(q.device)), [1, 64], gl.int32)):
+                         (_index_table(q.device), [1, 64], gl.int32)):
         descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
                                       gl.NVMMASharedLayout.get_default_for(block, dt)))
     for t in (dk, dv):
