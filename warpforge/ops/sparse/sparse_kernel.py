@@ -57,17 +57,20 @@ def _walked(src, X, b64, start, h, stride_b, stride_s, stride_h, lo, offs, offs_
 @triton.jit
 def _tile_program(CU, seqlen, total, H: tl.constexpr, BLOCK: tl.constexpr, HEAVIEST_FIRST: tl.constexpr,
                   VARLEN: tl.constexpr):
-    """A program over (b · H + head, tile of BLOCK rows) — the heads on grid axis 0, which takes 2^31 programs where
-    axes 1 and 2 stop at 65535 (many packed sequences × heads) — : (b in int64, head, sequence start, length, first
-    row). Neighbouring programs are the heads of one tile, so a group's K/V tiles are read while still in L2.
+    """A program over (b · H + head, tile of BLOCK rows), both folded into grid axis 0 (tile · (batch · H) + b · H +
+    head), the only axis that takes 2^31 programs: axes 1 and 2 stop at 65535, which many packed sequences × heads,
+    or a million tokens in 16-row tiles, would pass. Returns (b in int64, head, sequence start, length, first row).
+    Neighbouring programs are the heads of one tile, so a group's K/V tiles are read while still in L2.
     HEAVIEST_FIRST: causal query tiles get heavier with their index, so the grid hands them out last-first."""
+    n_tiles = tl.cdiv(seqlen, BLOCK)  # the grid's tiles per head: cdiv(max_seqlen, BLOCK)
+    heads = tl.num_programs(0) // n_tiles  # batch · H
+    tile = tl.program_id(0) // heads
+    bh = tl.program_id(0) % heads
     if HEAVIEST_FIRST:
-        pid = tl.num_programs(1) - 1 - tl.program_id(1)
-    else:
-        pid = tl.program_id(1)
-    b = tl.program_id(0) // H
+        tile = n_tiles - 1 - tile
+    b = bh // H
     start, s = seq_bounds(CU, b, seqlen, total, VARLEN)
-    return b.to(tl.int64), tl.program_id(0) % H, start, s, pid * BLOCK
+    return b.to(tl.int64), bh % H, start, s, tile * BLOCK
 
 
 @triton.jit
@@ -494,7 +497,7 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
         return out, lse
     block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
     tma = _use_tma(cfg, d, d_v, k, v)
-    sparse_fwd_kernel[(batch * h_q, triton.cdiv(max_s, block_m))](
+    sparse_fwd_kernel[(triton.cdiv(max_s, block_m) * batch * h_q,)](  # see _tile_program
         q, k, v, out, lse, sel, n_sel, cu if cu is not None else lse,
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
         *_seq_args(out, cu, batch, max_s), *_lse_strides(lse, cu), sel.stride(0), sel.stride(1), sel.stride(2),
@@ -538,7 +541,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     if not atomic:
         block_m, block_n = min(cfg_dq.block_m, block_size), min(cfg_dq.block_n, block_size)
         tma = _use_tma(cfg_dq, d, d_v, k, v)
-        sparse_dq_kernel[(batch * h_q, triton.cdiv(max_s, block_m))](
+        sparse_dq_kernel[(triton.cdiv(max_s, block_m) * batch * h_q,)](  # see _tile_program
             q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
             sel.stride(0), sel.stride(1), sel.stride(2),
             max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
@@ -546,7 +549,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
     block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
     tma = _use_tma(cfg_dkdv, d, d_v, q, do)
-    sparse_dkdv_kernel[(batch * h_kv, triton.cdiv(max_s, block_n))](
+    sparse_dkdv_kernel[(triton.cdiv(max_s, block_n) * batch * h_kv,)](  # see _tile_program
         q, k, v, do, lse, delta, dk, dv, dq32, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
         *_seq_args(dv, cu, batch, max_s), *(_seq_args(dq32, cu, batch, max_s) if atomic else (0, 0, 0)),
         max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
@@ -569,7 +572,7 @@ def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block
         return mass, arg
     block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
     sm = 0 if cu is not None else mass.stride(0)
-    index_stats_kernel[(batch * h_kv, triton.cdiv(max_s, block_m))](
+    index_stats_kernel[(triton.cdiv(max_s, block_m) * batch * h_kv,)](  # see _tile_program
         q, k, lse, index_q, index_k, sel, n_sel, cu if cu is not None else lse, mass, arg,
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_lse_strides(lse, cu),
         *_seq_args(index_q, cu, batch, max_s), *_seq_args(index_k, cu, batch, max_s)[:2],
