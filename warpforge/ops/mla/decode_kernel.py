@@ -135,20 +135,26 @@ def mla_decode_split_kernel(
     GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr, INDEX_AHEAD: tl.constexpr,
 ):
-    """Dense: program (row tile, split, b) over the query rows r = j * H_Q + h, walking the block table.
-    SPARSE: program (head tile, split, b * S_Q + j) walks indices[b, j, :] (slots; -1 skipped).
+    """Dense: program (b · row tiles + row tile, split) over the query rows r = j * H_Q + h, walking the block table.
+    SPARSE: program ((b * S_Q + j) · head tiles + head tile, split) walks indices[b, j, :] (slots; -1 skipped).
+    The requests share grid axis 0 with the tiles: it takes 2^31 programs, axes 1 and 2 stop at 65535.
     FINAL (one split): O_PART / LSE_PART are the outputs themselves, out [b, s_q, h_q, 512] in q's dtype and
     lse [b, h_q, s_q] in natural log, and no combine runs."""
     D_V: tl.constexpr = 512
     D_R: tl.constexpr = 64
     # the row tiles of one (split, request) are neighbours in launch order, so the second reads its cache tiles from
     # L2 (the Gluon kernel measured 0.952 -> 0.875 ms at h_q 128, L 8k, from the same reorder)
-    tile = tl.program_id(0)
+    if SPARSE:
+        n_tiles = tl.cdiv(H_Q, BLOCK_H)
+    else:
+        n_tiles = tl.cdiv(rows_total, BLOCK_H)
+    tile = tl.program_id(0) % n_tiles
+    req = tl.program_id(0) // n_tiles  # b (dense) or b * S_Q + j (sparse)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     if SPARSE:
-        b = tl.program_id(2) // S_Q
-        j0 = tl.program_id(2) % S_Q
+        b = req // S_Q
+        j0 = req % S_Q
         h = tile * BLOCK_H + tl.arange(0, BLOCK_H)
         r_ok = h < H_Q
         j = tl.zeros([BLOCK_H], tl.int32) + j0
@@ -158,7 +164,7 @@ def mla_decode_split_kernel(
         else:
             length = topk
     else:
-        b = tl.program_id(2)
+        b = req
         r = tile * BLOCK_H + tl.arange(0, BLOCK_H)  # query row = j * H_Q + h
         r_ok = r < rows_total
         j = r // H_Q
@@ -311,11 +317,12 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
     row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
     sparse = indices is not None
+    # the requests (b, or b · s_q sparse) folded into grid axis 0 with the row tiles: axes 1 and 2 stop at 65535
     if sparse:
-        grid = (triton.cdiv(h_q, block_h), num_splits, b * s_q)
+        grid = (triton.cdiv(h_q, block_h) * b * s_q, num_splits)
         idx, topk = indices, indices.shape[-1]
     else:
-        grid = (triton.cdiv(rows, block_h), num_splits, b)
+        grid = (triton.cdiv(rows, block_h) * b, num_splits)
         idx, topk = lse_part, 0  # unused
     dummy = lse_part  # a pointer for arguments the chosen mode never reads
     mla_decode_split_kernel[grid](
