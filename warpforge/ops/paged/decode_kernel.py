@@ -155,23 +155,25 @@ def paged_decode_split_kernel(
     stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
     stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
     stride_ls, stride_lb,
-    qk_scale, cap_in, cap_out, window, capacity, last_page,
+    qk_scale, cap_in, cap_out, window, capacity, last_page, n_splits,
     H_Q: tl.constexpr, GROUP: tl.constexpr, S_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
     INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr, PREFETCH: tl.constexpr, FP8_MMA: tl.constexpr = 0,
     FP8_TOKENS_M: tl.constexpr = False,
 ):
-    """Program (split, b, kv head · row tile). FINAL (one split): O_PART / LSE_PART are out and lse themselves
-    (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse per global row j · H_Q + h. Lengths are
-    clamped to [0, capacity] (the table's tokens) and page numbers to [0, last_page]: the host checks them except
-    under a CUDA-graph capture or torch.compile, and an unchecked value must not read outside the tensors."""
-    split = tl.program_id(0)
-    b64 = tl.program_id(1).to(tl.int64)
+    """Program (b · n_splits + split, kv head · row tile): the requests share grid axis 0 with the splits (it takes
+    2^31 programs; axes 1 and 2 stop at 65535), in the launch order a (split, b, ·) grid had. FINAL (one split):
+    O_PART / LSE_PART are out and lse themselves (lse natural-log [b, h_q, s_q]); else partial outputs and log2 lse
+    per global row j · H_Q + h. Lengths are clamped to [0, capacity] (the table's tokens) and page numbers to
+    [0, last_page]: the host checks them except under a CUDA-graph capture or torch.compile, and an unchecked value
+    must not read outside the tensors."""
+    split = tl.program_id(0) % n_splits
+    b64 = (tl.program_id(0) // n_splits).to(tl.int64)
     TILES: tl.constexpr = (GROUP * S_Q + BLOCK_H - 1) // BLOCK_H
-    kvh = tl.program_id(2) // TILES
+    kvh = tl.program_id(1) // TILES
     kvh64 = kvh.to(tl.int64)
-    r_loc = (tl.program_id(2) % TILES) * BLOCK_H + tl.arange(0, BLOCK_H)  # r = j · GROUP + g
+    r_loc = (tl.program_id(1) % TILES) * BLOCK_H + tl.arange(0, BLOCK_H)  # r = j · GROUP + g
     r_ok = r_loc < GROUP * S_Q
     j = r_loc // GROUP
     h = kvh * GROUP + r_loc % GROUP
@@ -180,7 +182,7 @@ def paged_decode_split_kernel(
     lo = 0
     if WINDOW:
         lo = tl.maximum(length - S_Q - window, 0)  # no row sees a token before this
-    per_split = tl.cdiv(tl.cdiv(length - lo, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(length - lo, n_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, length)
 
@@ -370,7 +372,7 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
 
     def scale_strides(t):
         return (0, 0) if t is None or t.numel() == 1 else (t.stride(0), t.stride(1))
-    grid = (num_splits, b, h_kv * tiles)
+    grid = (num_splits * b, h_kv * tiles)  # the batch on axis 0 (see the kernel)
     paged_decode_split_kernel[grid](
         q, k_cache, v_cache, block_table, cache_seqlens, k_scale if scaled else lse, v_scale if scaled else lse,
         o_part, lse_part,
@@ -380,7 +382,7 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
         *o_strides, *l_strides,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
         window if window is not None else 0,
-        block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0, max(k_cache.shape[0] - 1, 0),
+        block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0, max(k_cache.shape[0] - 1, 0), num_splits,
         H_Q=h_q, GROUP=group, S_Q=s_q, D=d, BLOCK_D=block_d(d, fmt), PAGE=k_cache.shape[1],
         KV_FMT=fmt.code, FP4_GROUP=max(fmt.group, 1), SCALED=scaled, SOFTCAP=bool(softcap),
         WINDOW=window is not None, BLOCK_H=block_h, BLOCK_N=cfg.block_n, FINAL=final, INDEX_AHEAD=cfg.index_ahead,
