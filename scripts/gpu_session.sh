@@ -49,10 +49,14 @@ for step in "$@"; do
                   --compile=on \
                   --out "$w/target" > "$w/target.log" 2>&1
                 timeout 120 python3 -m warpforge gpt train --preset tiny --max-minutes 1 --out "$w/draft" > "$w/draft.log" 2>&1
-                for d in ngram "$w/draft"; do
-                  timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$d" \
-                    --json "$w/spec-$(basename "$d").json" 2>&1 | tail -1; done
-                rm -rf "$w/target/ckpt.pt" "$w/draft/ckpt.pt" ;;
+                for run in "ngram 4" "ngram 8" "$w/draft 4"; do set -- $run
+                  timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$1" --k $2 \
+                    --json "$w/spec-$(basename "$1")-k$2.json" 2>&1 | tail -1; done
+                grep -E "val|done" "$w/target.log" | tail -3
+                rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft/*.pt "$w"/draft/*.safetensors ;;
+    serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
+                     > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
+    gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
     tune-norm) timeout 240 python3 -m warpforge tune norm --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1 ;;
     tune-evoformer) timeout 300 python3 -m warpforge tune evoformer --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1 ;;
     tune-sparse) timeout 200 python3 -m warpforge tune sparse --s 65536 --out "$w/tune_sparse.json" > "$w/tune_sparse.log" 2>&1 ;;

@@ -56,13 +56,8 @@ def test_without_paged_decode_the_varlen_path_gathers(tmp_path, monkeypatch):
     # flash_attention over K/V gathered from the pages
     make_checkpoint(tmp_path, "llama", layers=1, head_dim=16, seed=4)
     calls = paged_plan_calls(monkeypatch)
-    from warpforge.serve import engine
-    real = engine.Engine.__init__
-
-    def init(self, *args, **kw):
-        real(self, *args, **kw)
-        self.paged_ok = False
-    monkeypatch.setattr(engine.Engine, "__init__", init)
+    from warpforge.serve import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "paged_ok", lambda model, cache: False)
     _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
     assert not calls
 

@@ -73,6 +73,24 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
+def _profile(eng, steps: int) -> None:
+    """Where a step's time goes: the top GPU kernels, and the GPU's busy time per step beside the step's wall time
+    (the rest is host work the GPU waits for)."""
+    from torch.profiler import ProfilerActivity, profile
+    n = min(8, steps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / n
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / n / 1e3
+    print(f"profile: {n} steps, wall {wall * 1e3:.3f} ms/step, GPU kernels {gpu:.3f} ms/step")
+    print(events.table(sort_by="self_device_time_total", row_limit=18, max_name_column_width=70))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m warpforge.serve.bench")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -81,6 +99,7 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed")
     p.add_argument("--kv-format", default="bf16")
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also print the GPU kernels of a few steps (torch.profiler)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     device = torch.device("cuda")
@@ -111,6 +130,8 @@ def main(argv=None) -> dict:
     kv_fmt = cache.fmt
     kv_bytes = (2 * spec.num_layers * spec.num_kv_heads * kv_fmt.width(spec.head_dim) * cache.k.element_size()
                 * a.batch * (a.context + a.steps // 2 + 4))
+    if a.profile:
+        _profile(eng, a.steps)
     bw = copy_bandwidth(device)
     out = {"shape": a.shape, "batch": a.batch, "context": a.context, "kv_format": a.kv_format,
            "graphs": graphs is not None, "step_ms": step_s * 1e3, "tokens_per_s": a.batch / step_s,

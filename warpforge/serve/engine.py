@@ -23,9 +23,9 @@ from typing import Callable, Iterator, Optional
 
 
 from ..errors import WarpforgeInputError, check_int
-from ..ops import paged
 from . import sampling
-from .batch import SeqWork, StepBatch
+from .batch import SeqWork
+from .cuda_graphs import forward_step
 from .kv_cache import OutOfPages, PagedKVCache
 from .metrics import EngineMetrics
 from .request import Request, RequestOutput
@@ -45,8 +45,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.max_num_seqs, self.max_batched = max_num_seqs, max_num_batched_tokens
         self.drafter, self.k = drafter, num_speculative_tokens
-        self.graphs = graphs  # cuda_graphs.DecodeGraphs or None: replays plain decode steps
-        self.paged_ok = model.spec.head_dim in paged.head_dims(cache.kv_format)
+        self.graphs = graphs  # cuda_graphs.DecodeGraphs or None: replays decode and verification steps
         self.waiting: deque = deque()
         self.running: list = []
         self.requests: dict = {}
@@ -205,15 +204,9 @@ class Engine:
                                    f"{self.alloc.free_pages} of {self.alloc.num_pages} KV pages are free")
             return []
         works = [w for _, w, _, _ in plan]
-        logits = None
-        if self.graphs is not None and all(len(w.tokens) == 1 for w in works) and self.graphs.fits(len(works)):
-            logits = self.graphs.run(works, self.alloc)
-        if logits is None:
-            batch = StepBatch(works, self.alloc, self.model.device, paged_ok=self.paged_ok)
-            logits = self.model.forward(batch, self.cache)
-            slices = batch.logits_slices
-        else:
-            slices = [slice(i, i + 1) for i in range(len(works))]
+        logits, slices = self._forward(works)
+        # every greedy request's choice in one read back (not one device sync per request)
+        best = logits.argmax(-1).tolist() if any(r.params.greedy for r, *_ in plan) else None
         outputs = []
         for (r, w, d, q), sl in zip(plan, slices):
             r.num_computed = w.start + len(w.tokens)
@@ -222,7 +215,7 @@ class Engine:
                 continue
             rows = logits[sl]
             if d:
-                new = verify(rows, d, q, r.params, r.generator)
+                new = verify(rows, d, q, r.params, r.generator, best[sl] if best is not None else None)
                 accepted = len(new) - 1
                 r.drafted += len(d)
                 r.accepted += accepted
@@ -231,6 +224,8 @@ class Engine:
                 r.num_computed -= len(d) - accepted  # the rejected drafts' K/V: rolled back below
                 self.alloc.truncate(r.id, r.num_computed)
                 self.drafter.rollback(r, r.num_computed)
+            elif r.params.greedy:
+                new = [best[sl.stop - 1]]
             else:
                 new = [sampling.pick(rows[-1], r.params, r.generator)]
             self.alloc.set_length(r.id, r.num_computed)
@@ -250,6 +245,12 @@ class Engine:
         self.metrics.step_done(time.perf_counter() - t0, self.alloc.pages_in_use, len(works),
                                sum(len(w.tokens) for w in works))
         return outputs
+
+    def _forward(self, works: list):
+        """(logits, each work's rows in them): replayed from a CUDA graph when every sequence feeds one token
+        (plain decode) or at most k + 1 (verification: the pending token and its drafts; the graph pads to k + 1),
+        else one eager forward."""
+        return forward_step(self.model, self.cache, works, self.graphs, self.k + 1 if self.drafter is not None else 1)
 
     # ---------------------------------------------------------------------------- conveniences
     def run(self) -> None:

@@ -63,7 +63,8 @@ class LLM:
     dtype: the weights' and activations' dtype (None: bf16 on CUDA, fp32 on a CPU). kv_format: the paged cache's
     format ("bf16", "fp16", "fp32", "fp8", "nvfp4", "mxfp4"; None: the dtype's). speculative: None, "ngram"
     (prompt lookup) or a draft model's directory (same vocabulary), proposing num_speculative_tokens a step.
-    cuda_graphs: replay plain decode steps from CUDA graphs (None: on CUDA)."""
+    cuda_graphs: replay decode steps (plain, speculative verification, a draft model's) from CUDA graphs (None: on
+    CUDA)."""
 
     def __init__(self, path, *, dtype=None, kv_format: Optional[str] = None, device=None, page_size: int = 16,
                  num_pages: Optional[int] = None, max_model_len: Optional[int] = None, max_num_seqs: int = 64,
@@ -84,20 +85,21 @@ class LLM:
                            gpu_memory_fraction)
         self.cache = PagedKVCache(self.spec.num_layers, pages, page_size, self.spec.num_kv_heads, self.spec.head_dim,
                                   kv_format, dtype, device)
-        drafter = self._drafter(speculative, dtype, kv_format, page_size, pages, device)
         if cuda_graphs is None:
             cuda_graphs = DecodeGraphs.supported(device)
-        graphs = None
-        if cuda_graphs:
-            if not DecodeGraphs.supported(device):
-                raise WarpforgeInputError(f"cuda_graphs: True needs a CUDA device, got {device}")
-            graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, -(-self.max_model_len // page_size))
+        if cuda_graphs and not DecodeGraphs.supported(device):
+            raise WarpforgeInputError(f"cuda_graphs: True needs a CUDA device, got {device}")
+        max_pages = -(-self.max_model_len // page_size)
+        drafter = self._drafter(speculative, dtype, kv_format, page_size, pages, device,
+                                (max_num_seqs, max_pages, num_speculative_tokens + 1) if cuda_graphs else None)
+        graphs = DecodeGraphs(self.model, self.cache, max_num_seqs, max_pages) if cuda_graphs else None
         self.engine = Engine(self.model, self.cache, self.tokenizer, eos_token_ids=self.spec.eos_token_ids,
                              max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, drafter=drafter,
                              num_speculative_tokens=num_speculative_tokens, graphs=graphs)
 
-    def _drafter(self, speculative, dtype, kv_format, page_size, pages, device):
+    def _drafter(self, speculative, dtype, kv_format, page_size, pages, device, graphs):
+        """graphs: None, or (max batch, max pages per sequence, tokens a step feeds) for the draft model's graphs."""
         if speculative is None:
             return None
         if speculative == "ngram":
@@ -108,7 +110,11 @@ class LLM:
         spec, model, _ = _load(speculative, dtype, device, self.max_model_len)
         fmt = kv_format if spec.head_dim in paged.head_dims(kv_format) else _KV_OF_DTYPE[dtype]
         cache = PagedKVCache(spec.num_layers, pages, page_size, spec.num_kv_heads, spec.head_dim, fmt, dtype, device)
-        return DraftModelDrafter(model, cache, self.spec.vocab_size)
+        if graphs is None:
+            return DraftModelDrafter(model, cache, self.spec.vocab_size)
+        max_batch, max_pages, max_feed = graphs
+        return DraftModelDrafter(model, cache, self.spec.vocab_size, DecodeGraphs(model, cache, max_batch, max_pages),
+                                 max_feed)
 
     @property
     def metrics(self):

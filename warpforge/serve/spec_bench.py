@@ -24,7 +24,7 @@ REPEATING = ("ROMEO. But soft, what light through yonder window breaks? It is th
 
 def _timed(llm, prompt, tokens, device):
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up, graph capture
+    llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))  # warm-up: graph captures
     if device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()

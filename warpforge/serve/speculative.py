@@ -26,17 +26,21 @@ import torch
 
 from ..errors import check_int
 from . import sampling
-from .batch import SeqWork, StepBatch
+from .batch import SeqWork
+from .cuda_graphs import forward_step
 from .kv_cache import OutOfPages
 
 
-def verify(target_logits: torch.Tensor, drafts: list, draft_probs: Optional[torch.Tensor], params, generator) -> list:
+def verify(target_logits: torch.Tensor, drafts: list, draft_probs: Optional[torch.Tensor], params, generator,
+           best: Optional[list] = None) -> list:
     """The tokens a verification step emits: accepted drafts, then one token of the target's. target_logits
     [len(drafts) + 1, vocab]: row i is the target's logits after the pending token and drafts[:i]. draft_probs
-    [len(drafts), vocab] (the drafter's distributions) or None for a deterministic drafter."""
+    [len(drafts), vocab] (the drafter's distributions) or None for a deterministic drafter. best: the rows' argmax
+    when the caller has read it back already (greedy)."""
     k = len(drafts)
     if params.greedy:
-        best = target_logits.argmax(-1).tolist()
+        if best is None:
+            best = target_logits.argmax(-1).tolist()
         out = []
         for i in range(k):
             if drafts[i] != best[i]:
@@ -99,8 +103,9 @@ class DraftModelDrafter:
     feeds what it has not seen (the tokens accepted since, and the pending one), then its own drafts one at a time,
     all requests batched."""
 
-    def __init__(self, model, cache, vocab_size: int):
+    def __init__(self, model, cache, vocab_size: int, graphs=None, max_feed: int = 1):
         self.model, self.cache, self.vocab_size = model, cache, vocab_size
+        self.graphs, self.max_feed = graphs, max_feed  # a DecodeGraphs of the draft model; tokens a graph feeds
         self.fed: dict = {}
 
     def propose(self, requests: list, ks: list) -> list:
@@ -127,17 +132,17 @@ class DraftModelDrafter:
                 live.append(i)
             if not works:
                 break
-            batch = StepBatch(works, alloc, self.model.device,
-                              paged_ok=self.model.spec.head_dim in _paged_dims(self.cache.kv_format))
-            logits = self.model.forward(batch, self.cache)
+            logits, slices = forward_step(self.model, self.cache, works, self.graphs, self.max_feed)
+            last = _fit_vocab(logits[[sl.stop - 1 for sl in slices]], self.vocab_size)
+            best = last.argmax(-1).tolist()  # one read back for the round
             next_active = []
             for row, (i, w) in enumerate(zip(live, works)):
                 r = requests[i]
                 self.fed[r.id] = w.start + len(w.tokens)
                 alloc.set_length(r.id, self.fed[r.id])
-                lg = _fit_vocab(logits[row], self.vocab_size)
+                lg = last[row]
                 if r.params.greedy:
-                    tok = int(lg.argmax())
+                    tok = best[row]
                 else:
                     q = sampling.probs(lg, r.params)
                     tok = sampling.sample(q, r.generator)
@@ -159,11 +164,6 @@ class DraftModelDrafter:
     def release(self, request) -> None:
         self.fed.pop(request.id, None)
         self.cache.allocator.release(request.id)
-
-
-def _paged_dims(kv_format):
-    from ..ops import paged
-    return paged.head_dims(kv_format)
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
