@@ -117,13 +117,15 @@ def test_window_gate_and_switch(monkeypatch):
 def test_group_split_knob(monkeypatch):
     monkeypatch.delenv("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", raising=False)
     knobs = (64, 3, 64, True, True)
-    assert api.gluon_bwd_group_split(8, *knobs) == min(configs.GLUON_BWD_GROUP_SPLIT or 8, 8)
+    for d, table in configs.GLUON_BWD_GROUP_SPLIT.items():
+        assert api.gluon_bwd_group_split(d, 8, *knobs) == min(table or 8, 8)
+    assert api.gluon_bwd_group_split(96, 8, *knobs) == 1  # a head dim the table does not name: no split
     for want, group, got in (("0", 8, 8), ("8", 8, 8), ("4", 8, 4), ("3", 8, 2), ("16", 4, 4), ("0", 1, 1),
                              ("2", 6, 2), ("4", 6, 3)):
         monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", want)
-        assert api.gluon_bwd_group_split(group, *knobs) == got, (want, group)
+        assert api.gluon_bwd_group_split(128, group, *knobs) == got, (want, group)
     monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", "0")
-    assert api.gluon_bwd_group_split(8, 64, 3, 64, True, False) == 1  # needs dq_tma (the staging and the reduce)
+    assert api.gluon_bwd_group_split(128, 8, 64, 3, 64, True, False) == 1  # needs dq_tma (the staging and the reduce)
 
 
 def test_group_split_bad_values_are_refused():
@@ -277,7 +279,7 @@ def test_gpu_group_split_matches_portable(split, d, spies, monkeypatch):
         out = wf.flash_attention(q, k, v, causal=causal, window=window)
         with poisoned_outputs():
             got = torch.autograd.grad(out, (q, k, v), d_out)
-        assert spies[-1][0] == "bwd" and spies[-1][2] == api.gluon_bwd_group_split(shape[3] // shape[4],
+        assert spies[-1][0] == "bwd" and spies[-1][2] == api.gluon_bwd_group_split(d, shape[3] // shape[4],
                                                                                     *api.gluon_bwd_knobs(d, causal))
         monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
         want = torch.autograd.grad(wf.flash_attention(q, k, v, causal=causal, window=window), (q, k, v), d_out)

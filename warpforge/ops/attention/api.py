@@ -147,7 +147,7 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         from . import flash_gluon_bwd_kernel
         knobs = gluon_bwd_knobs(q.shape[-1], right == 0)
         return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0, *knobs,
-                                                      group_split=gluon_bwd_group_split(q.shape[-2] // k.shape[-2],
+                                                      group_split=gluon_bwd_group_split(q.shape[-1], q.shape[-2] // k.shape[-2],
                                                                                         *knobs),
                                                       left=_gluon_left(k, left))
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
@@ -171,12 +171,13 @@ def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool, bool]:
             env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_TMA", "1" if dq_tma else "0") != "0")
 
 
-def gluon_bwd_group_split(group: int, block_m: int, stages: int, dq_n: int, dq_split: bool, dq_tma: bool) -> int:
-    """GQA: programs per (kv head, key block) of the Gluon backward (configs.GLUON_BWD_GROUP_SPLIT, env
+def gluon_bwd_group_split(d: int, group: int, block_m: int, stages: int, dq_n: int, dq_split: bool,
+                          dq_tma: bool) -> int:
+    """GQA: programs per (kv head, key block) of the Gluon backward at head dim d (configs.GLUON_BWD_GROUP_SPLIT, env
     WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT; 0 = the whole group, one query head per program): the largest divisor of
     the group not above it. 1 (one program walks every head of the group) where the knobs cannot take a split (it
     needs dq_tma and stages · BLOCK_M >= 128)."""
-    want = int(os.environ.get("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", configs.GLUON_BWD_GROUP_SPLIT))
+    want = int(os.environ.get("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", configs.GLUON_BWD_GROUP_SPLIT.get(d, 1)))
     if group <= 1 or not dq_tma or stages * block_m < 128:
         return 1
     split = group if want <= 0 else min(want, group)

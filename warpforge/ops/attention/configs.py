@@ -86,14 +86,16 @@ GLUON_BWD = {
     (64, False): (64, 4, 64, False, True), (64, True): (64, 4, 64, False, True),
     (128, False): (64, 3, 64, True, True), (128, True): (64, 3, 64, True, True),
 }
-# GQA in the Gluon backward: programs per (kv head, 128-key block), each walking GROUP / GROUP_SPLIT query heads; dK / dV
-# of the split programs are summed in fp32 by TMA reduce-adds (env WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT; 0 = one query
-# head per program, 1 = the whole group in one program, as before). Why: a program over the whole group re-reads 8
+# GQA in the Gluon backward, head dim -> programs per (kv head, 128-key block), each walking GROUP / GROUP_SPLIT query
+# heads; dK / dV of the split programs are summed in fp32 by TMA reduce-adds (env WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT;
+# 0 = one query head per program, 1 = the whole group in one program). Why: a program over the whole group re-reads 8
 # heads' Q / dO / dQ (64 MB per kv head at s 8192, d 128) across its lifetime, which does not stay in the 50 MB L2
-# (benchmarks/NOTES.md, "Attention GQA and window (session 11)"). Not yet timed on the H200: 1 until it is.
-GLUON_BWD_GROUP_SPLIT = 1
+# (benchmarks/NOTES.md, "Attention GQA and window (session 11)"). H200, GQA 8:1 b4 h32 s8192 d128 causal fwd+bwd, same
+# process as cuDNN (session 12): split 1 0.818x, 2 0.880x, 4 0.896x, 8 0.959x. d 64: its GPU test has not run whole yet.
+GLUON_BWD_GROUP_SPLIT = {128: 0, 64: 1}
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
-# kernels. Off until the H200 has run the window GPU tests and the bench (session 12's device step; "1" turns it on).
+# kernels. On: the window GPU tests pass on the H200, and b2 h16 s16384 d128 window 4096 fwd+bwd is 1.157x Flex against
+# the portable kernels' 1.059x (session 12, same process).
 GLUON_WINDOW_ENV = "WARPFORGE_ATTN_GLUON_WINDOW"
-GLUON_WINDOW_DEFAULT = False
+GLUON_WINDOW_DEFAULT = True
