@@ -48,11 +48,21 @@ for step in "$@"; do
                   --max-steps 500 --max-minutes 2 --lr=1e-3 --warmup_steps=50 --eval_every=250 --ckpt-every 500 \
                   --compile=on \
                   --out "$w/target" > "$w/target.log" 2>&1
-                timeout 120 python3 -m warpforge gpt train --preset tiny --max-minutes 1 --out "$w/draft" > "$w/draft.log" 2>&1
+                timeout 120 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --max-minutes 1 --out "$w/draft" > "$w/draft.log" 2>&1
                 for run in "ngram 4" "ngram 8" "$w/draft 4"; do set -- $run
                   timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$1" --k $2 \
                     --json "$w/spec-$(basename "$1")-k$2.json" 2>&1 | tail -1; done
                 grep -E "val|done" "$w/target.log" | tail -3
+                rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft/*.pt "$w"/draft/*.safetensors ;;
+    serve-spec-draft) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # the draft-model line alone, shorter runs
+                timeout 100 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
+                  --max-steps 300 --max-minutes 1.1 --lr=1e-3 --warmup_steps=30 --eval_every=300 --ckpt-every 300 \
+                  --out "$w/target" > "$w/target.log" 2>&1
+                timeout 60 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --max-minutes 0.6 \
+                  --out "$w/draft" > "$w/draft.log" 2>&1
+                timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft" --k 4 \
+                  --json "$w/spec-draft-chain-k4.json" 2>&1 | tail -1
+                grep -E "val" "$w/target.log" "$w/draft.log" | tail -4
                 rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft/*.pt "$w"/draft/*.safetensors ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;

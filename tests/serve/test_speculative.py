@@ -173,3 +173,26 @@ def test_draft_model_ahead_of_the_request_refeeds_its_pending_token(llama_dir):
     assert len(first) == 2 and drafter.fed["r"] == 5  # the 4 tokens and the first draft
     again = drafter.propose([r], [2])[0][0]  # the request never took them: fed (5) is past its 4 tokens
     assert again == first and drafter.fed["r"] == 5
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_draft_chain_gives_the_step_by_step_drafts(llama_dir, small_llama_dir, plain, k):
+    """A greedy round's k draft steps as one chain (draft_chain.py; run eagerly here, replayed from one CUDA graph
+    on a GPU) propose what the step-by-step loop proposes: same output, same acceptance, and the chain did run."""
+    from warpforge.serve.cuda_graphs import DecodeGraphs
+    from warpforge.serve.draft_chain import DraftChain
+    _, stepwise = _greedy(llama_dir, speculative=str(small_llama_dir), num_speculative_tokens=k)
+    llm = LLM(llama_dir, page_size=8, num_pages=96, max_num_batched_tokens=24, speculative=str(small_llama_dir),
+              num_speculative_tokens=k)
+    d = llm.engine.drafter
+    chain = DraftChain(d.model, d.cache, DecodeGraphs(d.model, d.cache, 4, 12), k, llm.spec.vocab_size,
+                       capture=False)
+    rounds = []
+    real = chain.run
+    chain.run = lambda works, alloc: rounds.append(len(works)) or real(works, alloc)
+    d.chain = chain
+    outs = llm.generate([llm.tokenizer.encode(p) for p in REPEATS], SamplingParams(max_tokens=14, temperature=0))
+    assert [o.token_ids for o in outs] == plain
+    assert rounds and max(rounds) > 1  # batched rounds went through the chain
+    assert llm.metrics.drafted == stepwise.metrics.drafted and llm.metrics.accepted == stepwise.metrics.accepted
+    assert llm.cache.allocator.pages_in_use == 0 and llm.cache.allocator.check_no_leaks()

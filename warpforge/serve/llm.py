@@ -11,6 +11,7 @@ from ..errors import WarpforgeInputError, check_int
 from ..ops import paged
 from . import models
 from .cuda_graphs import DecodeGraphs
+from .draft_chain import DraftChain
 from .engine import Engine
 from .kv_cache import PagedKVCache, check_kv_format
 from .loader import load_weights, read_spec
@@ -113,8 +114,9 @@ class LLM:
         if graphs is None:
             return DraftModelDrafter(model, cache, self.spec.vocab_size)
         max_batch, max_pages, max_feed = graphs
-        return DraftModelDrafter(model, cache, self.spec.vocab_size, DecodeGraphs(model, cache, max_batch, max_pages),
-                                 max_feed)
+        draft_graphs = DecodeGraphs(model, cache, max_batch, max_pages)
+        chain = DraftChain(model, cache, draft_graphs, max_feed - 1, self.spec.vocab_size)
+        return DraftModelDrafter(model, cache, self.spec.vocab_size, draft_graphs, max_feed, chain)
 
     @property
     def metrics(self):

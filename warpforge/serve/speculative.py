@@ -103,12 +103,46 @@ class DraftModelDrafter:
     feeds what it has not seen (the tokens accepted since, and the pending one), then its own drafts one at a time,
     all requests batched."""
 
-    def __init__(self, model, cache, vocab_size: int, graphs=None, max_feed: int = 1):
+    def __init__(self, model, cache, vocab_size: int, graphs=None, max_feed: int = 1, chain=None):
         self.model, self.cache, self.vocab_size = model, cache, vocab_size
         self.graphs, self.max_feed = graphs, max_feed  # a DecodeGraphs of the draft model; tokens a graph feeds
+        self.chain = chain  # a DraftChain: a greedy round's k steps in one replay
         self.fed: dict = {}
 
+    def _unseen(self, r) -> int:
+        """How many of r's tokens the draft cache holds, at most all but the pending one (a cache ahead of the
+        request holds drafts it never took: it feeds its pending token again at least)."""
+        if self.fed.get(r.id, 0) >= len(r.tokens):
+            self.rollback(r, len(r.tokens) - 1)
+        return self.fed.get(r.id, 0)
+
+    def _chained(self, requests: list, ks: list):
+        """The round through the DraftChain (every request greedy, drafting its k), or None."""
+        k = self.chain.k
+        if not all(r.params.greedy for r in requests) or any(x != k for x in ks):
+            return None
+        alloc = self.cache.allocator
+        works = []
+        for r in requests:
+            fed = self._unseen(r)
+            try:
+                alloc.reserve(r.id, len(r.tokens) + k - 1)  # the round writes up to the (k - 1)-th draft
+            except OutOfPages:
+                return None
+            works.append(SeqWork(r.id, r.tokens[fed:], fed, "last"))
+        drafts = self.chain.run(works, alloc)
+        if drafts is None:
+            return None
+        for r, w in zip(requests, works):
+            self.fed[r.id] = w.start + len(w.tokens) + k - 1
+            alloc.set_length(r.id, self.fed[r.id])
+        return [(d, None) for d in drafts]
+
     def propose(self, requests: list, ks: list) -> list:
+        if self.chain is not None:
+            got = self._chained(requests, ks)
+            if got is not None:
+                return got
         alloc = self.cache.allocator
         out = [([], None if r.params.greedy else []) for r in requests]
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -117,11 +151,7 @@ class DraftModelDrafter:
             works, live = [], []
             for i in active:
                 r = requests[i]
-                fed = self.fed.get(r.id, 0)
-                if step == 0 and fed >= len(r.tokens):
-                    # ahead of the request (drafts it never took): feed its pending token again at least
-                    self.rollback(r, len(r.tokens) - 1)
-                    fed = self.fed[r.id]
+                fed = self._unseen(r) if step == 0 else self.fed.get(r.id, 0)
                 seq = r.tokens + out[i][0]
                 new = seq[fed:]
                 try:
