@@ -58,12 +58,15 @@ for step in "$@"; do
                 timeout 100 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
                   --max-steps 300 --max-minutes 1.1 --lr=1e-3 --warmup_steps=30 --eval_every=300 --ckpt-every 300 \
                   --out "$w/target" > "$w/target.log" 2>&1
-                timeout 60 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --max-minutes 0.6 \
-                  --out "$w/draft" > "$w/draft.log" 2>&1
-                timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft" --k 4 \
-                  --json "$w/spec-draft-chain-k4.json" 2>&1 | tail -1
-                grep -E "val" "$w/target.log" "$w/draft.log" | tail -4
-                rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft/*.pt "$w"/draft/*.safetensors ;;
+                # drafts of 4 layers (the tiny preset) and of 2 (the fewest that copy in context: half the chain's kernels)
+                for nl in 4 2; do
+                  timeout 60 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --n_layer=$nl \
+                    --max-minutes 0.6 --out "$w/draft$nl" > "$w/draft$nl.log" 2>&1
+                  for k in 4 6; do
+                    timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft$nl" --k $k \
+                      --json "$w/spec-draft$nl-chain-k$k.json" 2>&1 | tail -1; done; done
+                grep -E "done" "$w"/target.log "$w"/draft*.log
+                rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft*/*.pt "$w"/draft*/*.safetensors ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
