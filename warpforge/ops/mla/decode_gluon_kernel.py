@@ -51,7 +51,14 @@ HALF = D_V // 2
 #               between operations on different barriers): 3 fewer bar.syncs per pair of pages, same schedule
 #   quarters:   each 256-column half is loaded as two 64 x 128 boxes on two barriers, and the score GEMM runs its
 #               first 128 columns while the second 128 stream in (FlashMLA waits per 64-column tile)
-DEFAULT_KNOBS = dict(split_bars=False, quarters=False)
+#   remat_desc: the loops address every wgmma operand (Q, the pages, the P slots) through a loop-variant index that
+#               is always 0 (p >> 30), so LLVM cannot hoist the 72 shared-memory descriptors of the score GEMM out of
+#               the loop and ptxas rebuilds them at their use (UIADD3.64) instead of spilling them (session 11's SASS:
+#               21 LDL.64 of Q's descriptors per pair in WG0, 360 B of spills)
+#   two_max:    WG0 publishes each pair's max in a slot of its own (WG1's stays in s_m): neither warpgroup then
+#               overwrites the slot it has just read, and each loop loses its read-before-overwrite bar.sync; the
+#               values and the math order are unchanged
+DEFAULT_KNOBS = dict(split_bars=False, quarters=False, remat_desc=False, two_max=False)
 KNOBS_ENV = "WARPFORGE_MLA_GLUON_KNOBS"
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
@@ -156,11 +163,27 @@ def _build():
             return gl.full([64], 0, gl.int32, ROW_S) + end
 
     @gluon.jit
-    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _mma_views(q_half, q_rope, kn, kr, p):
+        """The loop's wgmma operands (Q halves, Q rope, the four page halves, the two rope / P slots). With the
+        remat_desc knob (kr then has a third slot, Q's rope: the shape is the static switch, because the knobs reach
+        a partition as i1 values, not constexprs) each is indexed by z = p >> 30, 0 for every real pair count but
+        loop-variant to LLVM and ptxas, so the wgmma descriptors are rebuilt from a base address at their use
+        instead of hoisted out of the loop (and spilled across it)."""
+        if kr.shape[0] == 3:
+            z = p >> 30
+            return (q_half.index(z), q_half.index(z + 1), kr.index(z + 2), kn.index(z), kn.index(z + 1),
+                    kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1))
+        else:
+            return (q_half.index(0), q_half.index(1), q_rope, kn.index(0), kn.index(1), kn.index(2), kn.index(3),
+                    kr.index(0), kr.index(1))
+
+    @gluon.jit
+    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
              QUARTERS: gl.constexpr):
+        s_m = s_max[0]   # the running max (WG1's after each pair); with two_max, s_max[1] holds WG0's
         # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rq = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
@@ -196,6 +219,7 @@ def _build():
             ph = p & 1
             n0 = start + 2 * p * 64
             more = p + 1 < n_pairs
+            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1 = _mma_views(q_half, q_rope, kn, kr, p)
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the even page against the running max; publish the new max and the rescale
@@ -205,9 +229,14 @@ def _build():
             scale0 = gl.exp2(m_old - m0)
             p0 = gl.exp2(s - m0[:, None])
             l_i = l_i * scale0 + gl.sum(p0, axis=1)
-            gl.thread_barrier()   # every thread has read the old max before any writes the new one
+            # (the flags reach a partition as i1 values, not constexprs: the tuple's length is the static switch)
+            if len(s_max) == 1:   # (two_max: the new max goes to a slot of its own, s_max[1])
+                gl.thread_barrier()   # every thread has read the old max before any writes the new one
             s_sc0.store(scale0)
-            s_m.store(m0)
+            if len(s_max) == 2:
+                s_max[1].store(m0)
+            else:
+                s_m.store(m0)
             gl.thread_barrier()
             mbarrier.arrive(sync[0], count=1)
             acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
@@ -216,7 +245,7 @@ def _build():
                 _zero_rows(kn.index(0), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), kn.index(0), acc, is_async=True)
+            tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), vk0, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(tok, ))
             # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
             mbarrier.wait(sync[1], ph)
@@ -236,16 +265,16 @@ def _build():
                 _zero_rows(kn.index(2), n_valid1)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(kr.index(1), kn.index(2), acc, is_async=True)
+            tok = warpgroup_mma(vr1, vk2, acc, is_async=True)
             if more:
-                s_tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, (p + 1) & 1, s0, False, QUARTERS)
+                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, QUARTERS)
                 if QUARTERS:   # P1·V1_L retired (the score groups issued after it may run on)
                     acc = warpgroup_mma_wait(2, deps=(tok, ))
                 else:
                     acc = warpgroup_mma_wait(1, deps=(tok, ))
                 _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0, QUARTERS)
-                s_tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, (p + 1) & 1, s_tok, True, QUARTERS)
-                s_tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), s_tok, is_async=True)
+                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, QUARTERS)
+                s_tok = warpgroup_mma(vqr, vr0.permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
                 acc = warpgroup_mma_wait(0, deps=(tok, ))
@@ -260,11 +289,12 @@ def _build():
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
 
     @gluon.jit
-    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
              QUARTERS: gl.constexpr):
+        s_m = s_max[0]   # the running max (WG1's after each pair); with two_max, s_max[1] holds WG0's
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
         n_pairs = (n_steps + 1) // 2
         l_i = gl.zeros([64], gl.float32, ROW_S)
@@ -284,11 +314,15 @@ def _build():
             ph = p & 1
             n1 = start + (2 * p + 1) * 64
             more = p + 1 < n_pairs
+            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1 = _mma_views(q_half, q_rope, kn, kr, p)
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the odd page against WG0's new max
             mbarrier.wait(sync[0], ph)
-            m0 = s_m.load(ROW_S)
+            if len(s_max) == 2:
+                m0 = s_max[1].load(ROW_S)
+            else:
+                m0 = s_m.load(ROW_S)
             scale0 = s_sc0.load(ROW_S)
             s = _masked(s1, n1, limit, qk_scale)
             m1 = gl.maximum(m0, gl.max(s, axis=1))
@@ -296,7 +330,8 @@ def _build():
             p1 = gl.exp2(s - m1[:, None])
             both = scale0 * scale1
             l_i = l_i * both + gl.sum(p1, axis=1)
-            gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
+            if len(s_max) == 1:   # (two_max: WG0's max is in a slot of its own, s_max[1])
+                gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
             s_sc1.store(scale1)
             s_m.store(m1)
             gl.thread_barrier()
@@ -309,7 +344,7 @@ def _build():
                 _zero_rows(kn.index(3), n_valid1)
             fence_async_shared()
             gl.thread_barrier()
-            tok = warpgroup_mma(gl.convert_layout(p1b, P_OPERAND), kn.index(3), acc, is_async=True)
+            tok = warpgroup_mma(gl.convert_layout(p1b, P_OPERAND), vk3, acc, is_async=True)
             # P0 (rescaled to m1) from WG0
             mbarrier.wait(sync[2], ph)
             n_valid0 = n_valid1 + 64
@@ -317,16 +352,16 @@ def _build():
                 _zero_rows(kn.index(1), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(kr.index(0), kn.index(1), tok, is_async=True)
+            tok = warpgroup_mma(vr0, vk1, tok, is_async=True)
             mbarrier.arrive(sync[3], count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
                 _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C, QUARTERS)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
                 _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1, next0, HALF_C, QUARTERS)
-                s_tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, (p + 1) & 1, s1, False, QUARTERS)
-                s_tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
-                s_tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), s_tok, is_async=True)
+                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, QUARTERS)
+                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
+                s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
                 acc = warpgroup_mma_wait(0, deps=(tok, ))
@@ -371,7 +406,8 @@ def _build():
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
         H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        WG1_REGS: gl.constexpr, SPLIT_BARS: gl.constexpr, QUARTERS: gl.constexpr, num_warps: gl.constexpr,
+        WG1_REGS: gl.constexpr, SPLIT_BARS: gl.constexpr, QUARTERS: gl.constexpr, REMAT: gl.constexpr,
+        TWO_MAX: gl.constexpr, num_warps: gl.constexpr,
     ):
         # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
@@ -388,14 +424,23 @@ def _build():
         rope_layout: gl.constexpr = kr_desc.layout
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
-        q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
-        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
-        kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_layout)     # page rope; then that page's P
-        s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        if REMAT:   # Q's rope tile is kr's slot 2, so the loops can index it like the others (_mma_views)
+            kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)
+            kr = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], rope_layout)
+            q_rope = kr.index(2)
+        else:
+            q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
+            kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
+            kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_layout)     # page rope; then that page's P
+        s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the running max (WG1's after each pair)
         s_sc0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
         s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
+        if TWO_MAX:   # WG0's max of each pair in a slot of its own: no read-before-overwrite barrier in either loop
+            s_max = (s_m, gl.allocate_shared_memory(gl.float32, [64], vec_layout))
+        else:   # (passing s_m twice, or any buffer, as the second slot changes the membar pass's barriers)
+            s_max = (s_m, )
         # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
         # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
         if SPLIT_BARS:   # one allocation per barrier: the membar pass sees no hazard between different barriers
@@ -419,7 +464,7 @@ def _build():
         mbarrier.init(sync[5], count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+        args = (q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
                 H_Q, S_Q, CAUSAL, FINAL, QUARTERS)
@@ -482,7 +527,8 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0))
     meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS,
-                SPLIT_BARS=kn["split_bars"], QUARTERS=kn["quarters"], num_warps=4)
+                SPLIT_BARS=kn["split_bars"], QUARTERS=kn["quarters"], REMAT=kn["remat_desc"],
+                TWO_MAX=kn["two_max"], num_warps=4)
     return kernel, grid, args, meta
 
 
