@@ -67,6 +67,10 @@ for step in "$@"; do
                       --json "$w/spec-draft$nl-chain-k$k.json" 2>&1 | tail -1; done; done
                 grep -E "done" "$w"/target.log "$w"/draft*.log
                 rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft*/*.pt "$w"/draft*/*.safetensors ;;
+    mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \
+                 > "$w/check_remat.log" 2>&1; tail -8 "$w/check_remat.log"
+               timeout 90 python3 scripts/bench_mla_gluon.py --out "$w/bench_remat.json" --hq 128 --variant-lens 1024,8192,32768 \
+                 --variants "base=;remat=remat_desc=1;remat_tm=remat_desc=1,two_max=1" > "$w/bench_remat.log" 2>&1; tail -12 "$w/bench_remat.log" ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
