@@ -74,11 +74,15 @@ def _load_tile(src, blk, start, offs_rows, offs_d, stride, limit, D: tl.constexp
 @triton.jit
 def _query_tile(cu_q, cu_k, seqlen_q, seqlen_k, total_q, total_k, H_Q: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_M: tl.constexpr, VARLEN: tl.constexpr):
-    """This program's (batch, head, kv head) in int64, (q start, s_q, k start, s_k) and first query row. Causal
-    row blocks get heavier with their index, so the grid hands out the heaviest first."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1) // H_Q
-    h = tl.program_id(1) % H_Q
+    """This program's (batch, head, kv head) in int64, (q start, s_q, k start, s_k) and first query row. Grid
+    (b · H_Q · row blocks,): the (batch, head) pairs and their row blocks share axis 0 (axis 1 stops at 65535), a
+    pair's blocks adjacent (they read the same keys). Causal row blocks get heavier with their index, so the grid
+    hands out the heaviest first."""
+    n_m = tl.cdiv(seqlen_q, BLOCK_M)
+    pid_m = n_m - 1 - tl.program_id(0) % n_m
+    bh = tl.program_id(0) // n_m
+    b = bh // H_Q
+    h = bh % H_Q
     q_start, s_q = seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
     k_start, s_k = seq_bounds(cu_k, b, seqlen_k, total_k, VARLEN)
     return (b.to(tl.int64), h.to(tl.int64), (h // GROUP).to(tl.int64), q_start, s_q, k_start, s_k,
@@ -334,9 +338,12 @@ def flash_bwd_dkdv_kernel(
     VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr, USE_TMA: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr,
 ):
-    """One program per (key block, kv head): dk/dv sum over the whole GQA group in-program (no atomics)."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """One program per (key block, kv head): dk/dv sum over the whole GQA group in-program (no atomics). Grid
+    (b · H_KV · key blocks,): the heads and their key blocks share axis 0 (axis 1 stops at 65535), a head's blocks
+    adjacent."""
+    n_n = tl.cdiv(seqlen_k, BLOCK_N)
+    pid_n = tl.program_id(0) % n_n
+    pid_bh = tl.program_id(0) // n_n
     b = pid_bh // H_KV
     kvh = pid_bh % H_KV
     q_start, s_q = seq_bounds(cu_q, b, seqlen_q, total_q, VARLEN)
@@ -531,7 +538,7 @@ def _query_pass(q, k, v, out, lse, do, delta, cu_q, cu_k, batch, max_q, max_k, s
     varlen = cu_q is not None
     h_q, d, dv = q.shape[-2], q.shape[-1], v.shape[-1]
     stride_lb, stride_lh = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    flash_query_kernel[(triton.cdiv(max_q, cfg.block_m), batch * h_q)](
+    flash_query_kernel[(triton.cdiv(max_q, cfg.block_m) * batch * h_q,)](
         q, k, v, out, lse, do, delta, cu_q if varlen else q, cu_k if varlen else q, mod.pointer(lse),
         *_layout(q, varlen), *_layout(out, varlen), *_layout(do, varlen), *_layout(k, varlen), *_layout(v, varlen),
         stride_lb, stride_lh, *mod.strides,
@@ -572,7 +579,7 @@ def flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, sm_scale, 
     # fp32 accumulator for the atomic dq path (a dummy otherwise); contiguous like q
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if atomic_dq else dq
     slopes = mod.pointer(delta)
-    flash_bwd_dkdv_kernel[(triton.cdiv(max_k, cfg_dkdv.block_n), batch * h_kv)](
+    flash_bwd_dkdv_kernel[(triton.cdiv(max_k, cfg_dkdv.block_n) * batch * h_kv,)](
         q, k, v, do, lse, delta, dk, dv, dq_acc, cu_q_arg, cu_k_arg, slopes,
         *_layout(q, varlen), *_layout(k, varlen), *_layout(v, varlen), *_layout(do, varlen),
         *_layout(dk, varlen), *_layout(dv, varlen), *_layout(dq_acc, varlen), stride_lb, stride_lh, *mod.strides,

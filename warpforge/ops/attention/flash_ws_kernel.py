@@ -33,9 +33,12 @@ def flash_fwd_ws_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # causal row blocks get heavier: the heaviest first
-    b = (tl.program_id(1) // H_Q).to(tl.int64)
-    h = (tl.program_id(1) % H_Q).to(tl.int64)
+    # grid (b · H_Q · row blocks,): one axis (axis 1 stops at 65535), a head's row blocks adjacent
+    n_m = tl.cdiv(s_q, BLOCK_M)
+    pid_m = n_m - 1 - tl.program_id(0) % n_m  # causal row blocks get heavier: the heaviest first
+    bh = tl.program_id(0) // n_m
+    b = (bh // H_Q).to(tl.int64)
+    h = (bh % H_Q).to(tl.int64)
     kvh = h // GROUP
     m_lo = pid_m * BLOCK_M
     rows = m_lo + tl.arange(0, BLOCK_M)
@@ -93,7 +96,7 @@ def flash_fwd_ws(q, k, v, batch, s_q, s_k, sm_scale, left, right, cfg):
     ensure_tma_allocator(q.device)
     # masked unless every query sees every key of whole blocks
     masked = (left < s_k or right < s_k) or s_k % cfg.block_n != 0
-    flash_fwd_ws_kernel[(triton.cdiv(s_q, cfg.block_m), batch * h_q)](
+    flash_fwd_ws_kernel[(triton.cdiv(s_q, cfg.block_m) * batch * h_q,)](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),

@@ -56,10 +56,13 @@ def flash_fp8_fwd_kernel(
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, INT8_QK: tl.constexpr,
 ):
-    """A program owns BLOCK_M query rows of one head (heaviest causal tiles first) and walks their band of keys."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    b64 = (tl.program_id(1) // H_Q).to(tl.int64)
-    h64 = (tl.program_id(1) % H_Q).to(tl.int64)
+    """A program owns BLOCK_M query rows of one head (heaviest causal tiles first) and walks their band of keys.
+    Grid (b · H_Q · row blocks,): one axis (axis 1 stops at 65535), a head's row blocks adjacent."""
+    n_m = tl.cdiv(s_q, BLOCK_M)
+    pid_m = n_m - 1 - tl.program_id(0) % n_m
+    bh = tl.program_id(0) // n_m
+    b64 = (bh // H_Q).to(tl.int64)
+    h64 = (bh % H_Q).to(tl.int64)
     kvh = h64 // GROUP
     m_lo = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -116,7 +119,7 @@ def flash_fp8_fwd(qkv, sm_scale, left, right, cfg, out, lse):
     q, k, vt = qkv.q, qkv.k, qkv.v_t
     b, s_q, h_q, d = q.shape
     s_k, h_kv, dv = k.shape[1], k.shape[2], vt.shape[2]
-    flash_fp8_fwd_kernel[(triton.cdiv(s_q, cfg.block_m), b * h_q)](
+    flash_fp8_fwd_kernel[(triton.cdiv(s_q, cfg.block_m) * b * h_q,)](
         q, qkv.q_scale, k, qkv.k_scale, vt, qkv.v_scale, out, lse,
         *q.stride()[:3], *qkv.q_scale.stride(), *k.stride()[:3], *qkv.k_scale.stride(),
         *vt.stride()[:3], *qkv.v_scale.stride()[:2], *out.stride()[:3], *lse.stride()[:2],

@@ -58,9 +58,9 @@ def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, st
                       H: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """A [BLOCK_S tokens, d_v] tile of one head divided by its channel scales, written channel-major (zeros for the
     padding tokens past s_k). V's channel stride is 1 (quantize_v sees to it); VS is contiguous [b, h, d_v]."""
-    b = (tl.program_id(1) // H).to(tl.int64)
-    h = (tl.program_id(1) % H).to(tl.int64)
-    toks = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    b = (tl.program_id(0) // H).to(tl.int64)  # grid (b · H, token tiles): axis 1 stops at 65535, axis 0 doesn't
+    h = (tl.program_id(0) % H).to(tl.int64)
+    toks = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     ch = tl.arange(0, BLOCK_D)
     ch_ok = ch < DV
     v = tl.load(V + b * stride_vb + h * stride_vh + toks[:, None].to(tl.int64) * stride_vs + ch[None, :],
@@ -107,7 +107,7 @@ def quantize_v(v, v_scale, s_pad):
     v_t = torch.empty((b, h, dv, s_pad), device=v.device, dtype=torch.float8_e4m3fn)
     block_s = 64
     if v_t.numel():
-        quantize_v_kernel[(triton.cdiv(s_pad, block_s), b * h)](
+        quantize_v_kernel[(b * h, triton.cdiv(s_pad, block_s))](
             v, v_scale, v_t, s_k, s_pad, v.stride(0), v.stride(1), v.stride(2), *v_t.stride()[:3], H=h, DV=dv,
             BLOCK_S=block_s, BLOCK_D=triton.next_power_of_2(dv), num_warps=4)
     return v_t
