@@ -93,10 +93,15 @@ def _program_bsh(bsh, S, H: tl.constexpr):
 
 
 @triton.jit
-def _slice(bsh, S, H: tl.constexpr, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h):
-    """(the element offset of (b, s, h) in q's layout, each bias's pointer at (b, s, h)) for the row bsh."""
+def _slice(BLOCK: tl.constexpr, S, H: tl.constexpr, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s,
+           b2_h):
+    """This program's row bsh (int64), the first residue of its BLOCK-residue tile, the element offset of (b, s, h)
+    in q's layout and each bias's pointer at (b, s, h). Grid (B · S · H, tiles): the rows on axis 0, which takes
+    2^31 - 1 programs (axis 1 stops at 65535, which 2 x 5120 extra-MSA rows x 8 heads pass)."""
+    bsh = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * BLOCK
     b, s, h = _program_bsh(bsh, S, H)
-    return (b * stride_b + s * stride_s + h * stride_h, B1 + (b * b1_b + s * b1_s + h * b1_h),
+    return (bsh, start, b * stride_b + s * stride_s + h * stride_h, B1 + (b * b1_b + s * b1_s + h * b1_h),
             B2 + (b * b2_b + s * b2_s + h * b2_h))
 
 
@@ -111,10 +116,10 @@ def evo_fwd_kernel(
     HAS_GATE: tl.constexpr,
 ):
     """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q)."""
-    bsh = tl.program_id(1).to(tl.int64)
-    base, B1, B2 = _slice(bsh, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h)
+    bsh, m0, base, B1, B2 = _slice(BLOCK_M, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b,
+                                   b2_s, b2_h)
     qk_scale = scale * 1.4426950408889634
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q = _rows_tile(Q + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -229,14 +234,15 @@ def evo_bwd_kernel(
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     DQ_PASS: tl.constexpr,
 ):
-    """Program (block, b · s · h). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
+    """Program (b · s · h, block). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
     query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics."""
-    bsh = tl.program_id(1).to(tl.int64)
-    base, B1, B2 = _slice(bsh, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h)
+    BLOCK: tl.constexpr = BLOCK_M if DQ_PASS else BLOCK_N
+    bsh, start, base, B1, B2 = _slice(BLOCK, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b,
+                                      b2_s, b2_h)
     qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     if DQ_PASS:
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows = start + tl.arange(0, BLOCK_M)
         q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M,
                                         EVEN_D)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -249,7 +255,7 @@ def evo_bwd_kernel(
             dq = dot(ds.to(k.dtype), k, dq)
         _store_rows(DQ + base, dq * scale, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
     else:
-        n0 = tl.program_id(0) * BLOCK_N
+        n0 = start
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
@@ -273,8 +279,8 @@ def evo_bwd_fused_kernel(
     computes every score twice). Key blocks outside, their dk and dv in registers; query blocks inside, each
     block's dq summed over the key blocks in DQ_ACC (fp32, laid out as q), which only this program touches, so the
     sum is in a fixed order (deterministic) and stays in L1/L2; at the end dq · scale goes to DQ."""
-    bsh = tl.program_id(0).to(tl.int64)
-    base, B1, B2 = _slice(bsh, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s, b2_h)
+    bsh, _, base, B1, B2 = _slice(0, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s,
+                                  b2_h)
     qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(0, R, BLOCK_N):
@@ -363,7 +369,7 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
     if q.numel():
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
-        evo_fwd_kernel[(triton.cdiv(R, cfg.block_m), B * S * H)](
+        evo_fwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m))](
             q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
             q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
@@ -406,7 +412,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     for cfg, dq_pass in (() if fused else ((tiles.dkdv, False), (tiles.dq, True))):
-        evo_bwd_kernel[(triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n), B * S * H)](
+        evo_bwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n))](
             q, k, v, do, lse, delta, dq, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, num_warps=cfg.warps, num_stages=cfg.stages)
