@@ -10,6 +10,10 @@ import torch
 
 import warpforge as wf
 from warpforge.ops import shared_kernels
+from warpforge.ops.attention import flash_kernel, flash_ws_kernel, fp8_api, fp8_kernel, fp8_quantize_kernel
+from warpforge.ops.attention.configs import KernelCfg as AttnCfg
+from warpforge.ops.evoformer import evoformer_kernel as evo_kernels
+from warpforge.ops.evoformer.configs import EvoCfg, EvoformerTiles
 from warpforge.ops.mla import decode_kernel as mla_kernels
 from warpforge.ops.paged import decode_kernel as paged_kernels
 from warpforge.ops.rope import rope_kernel as rope_kernels
@@ -146,3 +150,85 @@ def test_paged_decode_batch_past_65535_fits_the_grid(monkeypatch, num_splits):
     wf.paged_decode(q, cache, cache, table, lens, num_splits=num_splits, backend="triton")
     assert_within_limits(stubs)
     assert [programs(g) for g in stubs["paged_decode_split_kernel"].grids] == [BIG * num_splits]
+
+
+# -------------------------------------------------------------------------------------------- attention
+ATTN_CFG = AttnCfg(16, 16, 1, 1)
+
+
+def _expanded(*shape, dtype=torch.float16):
+    """A shape-only input: one element seen at every index (the stubbed kernels never read it)."""
+    return torch.empty((1,) * len(shape), dtype=dtype).expand(*shape)
+
+
+def test_attention_512_sequences_x_128_heads_fit_the_grid(monkeypatch):
+    """Batched forward and backward (dk/dv, delta and dq passes), 512 x 128 = 65536 (sequence, head) pairs: the
+    pairs and their row (key) blocks together on axis 0."""
+    stubs = stub_kernels(monkeypatch, flash_kernel, "flash_query_kernel", "flash_bwd_dkdv_kernel",
+                         "softmax_delta_kernel")
+    batch, heads, seq, d = 512, 128, 32, 16
+    q = _expanded(batch, seq, heads, d)
+    out, lse = flash_kernel.flash_fwd(q, q, q, None, None, batch, seq, seq, 0.25, 1 << 30, 0, ATTN_CFG)
+    flash_kernel.flash_bwd(q, q, q, q, q, lse, None, None, batch, seq, seq, 0.25, 1 << 30, 0, ATTN_CFG, ATTN_CFG)
+    assert_within_limits(stubs)
+    tiles = batch * heads * (seq // 16)
+    assert [programs(g) for g in stubs["flash_query_kernel"].grids] == [tiles, tiles]  # forward, dq
+    assert [programs(g) for g in stubs["flash_bwd_dkdv_kernel"].grids] == [tiles]
+
+
+def test_attention_varlen_65536_sequences_fit_the_grid(monkeypatch):
+    """Packed (varlen) forward over 65536 one-token sequences of one head."""
+    stubs = stub_kernels(monkeypatch, flash_kernel, "flash_query_kernel")
+    n = BIG
+    q = _expanded(n, 1, 16)
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    flash_kernel.flash_fwd(q, q, q, cu, cu, n, 1, 1, 0.25, 1 << 30, 0, ATTN_CFG)
+    assert_within_limits(stubs)
+    assert [programs(g) for g in stubs["flash_query_kernel"].grids] == [n]
+
+
+def test_attention_warp_specialized_forward_512_x_128_fits_the_grid(monkeypatch):
+    """Hopper's warp-specialized forward, 512 sequences x 128 heads: the heads and row blocks on axis 0."""
+    stubs = stub_kernels(monkeypatch, flash_ws_kernel, "flash_fwd_ws_kernel")
+    batch, heads, seq = 512, 128, 32
+    q = _expanded(batch, seq, heads, 64)
+    flash_ws_kernel.flash_fwd_ws(q, q, q, batch, seq, seq, 0.125, 1 << 30, 0, AttnCfg(16, 16, 4, 1, ws=True))
+    assert_within_limits(stubs)
+    assert [programs(g) for g in stubs["flash_fwd_ws_kernel"].grids] == [batch * heads * 2]
+
+
+def test_attention_fp8_512_sequences_x_128_heads_fit_the_grid(monkeypatch):
+    """FP8 attention, 512 x 128: quantize_qkv's row and v passes, then the forward kernel (heads and row blocks on
+    axis 0; v's (sequence, head) pairs on axis 0, its token tiles on axis 1)."""
+    stubs = stub_kernels(monkeypatch, fp8_quantize_kernel, "quantize_rows_kernel", "quantize_v_kernel")
+    stubs.update(stub_kernels(monkeypatch, fp8_kernel, "flash_fp8_fwd_kernel"))
+    batch, heads, seq, d = 512, 128, 16, 32
+    x = torch.zeros(batch, seq, heads, d, dtype=torch.bfloat16)
+    qkv = fp8_api.quantize_qkv(x, x, x, qk_format="fp8", backend="triton")
+    fp8_api.flash_attention_quantized(qkv, causal=True, backend="triton")
+    assert_within_limits(stubs)
+    assert stubs["quantize_v_kernel"].grids == [(batch * heads, 1, 1)]
+    assert [programs(g) for g in stubs["flash_fp8_fwd_kernel"].grids] == [batch * heads]
+
+
+# -------------------------------------------------------------------------------------------- evoformer
+@pytest.mark.parametrize("fused", [False, True], ids=["two-pass backward", "fused backward"])
+def test_evoformer_2_x_5120_rows_x_8_heads_fit_the_grid(monkeypatch, fused):
+    """Evoformer forward and backward over a batch of 2 x 5120 extra-MSA rows x 8 heads (81920 (b, s, h) rows):
+    the rows on axis 0, their residue tiles on axis 1."""
+    stubs = stub_kernels(monkeypatch, evo_kernels, "evo_fwd_kernel", "evo_bwd_prep_kernel", "evo_bwd_dbias_kernel",
+                         "evo_bwd_fused_kernel" if fused else "evo_bwd_kernel")
+    B, S, R, H, D = 2, 5120, 32, 8, 8
+    q = torch.empty(B, S, R, H, D, dtype=torch.float16)
+    pair = _expanded(B, 1, H, R, R).expand(B, S, H, R, R)
+    cfg = EvoCfg(16, 16, 1, 1)
+    out, lse = evo_kernels.evoformer_fwd(q, q, q, (pair,), None, 0.25, cfg)
+    evo_kernels.evoformer_bwd(q, q, q, q, out, lse, (pair,), None, 0.25, True, EvoformerTiles(cfg, cfg, cfg, cfg),
+                              fused=fused)
+    assert_within_limits(stubs)
+    rows = B * S * H
+    assert stubs["evo_fwd_kernel"].grids == [(rows, R // 16, 1)]
+    if fused:
+        assert stubs["evo_bwd_fused_kernel"].grids == [(rows, 1, 1)]
+    else:
+        assert stubs["evo_bwd_kernel"].grids == [(rows, R // 16, 1)] * 2  # dk/dv, dq
