@@ -24,7 +24,7 @@ from ..ops.paged import MAX_S_Q
 from .batch import DecodeGroup, StepBatch
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
-_SCRATCH = "__cuda_graph_scratch__"
+_SCRATCH = ("cuda graph scratch",)  # not a string: no request id (a str, maybe user-named) can take its page
 
 
 class DecodeGraphs:
@@ -76,19 +76,26 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(x for x in self.buckets if x >= n)
 
+    def holds(self, works: list, alloc, s_q: int) -> bool:
+        """Whether every sequence's pages, and its length padded to s_q, fit the graphs' block table (checked before
+        a capture too: its warm-up rows are s_q long, more than the table holds when s_q > max_pages x page)."""
+        page = self.page_size
+        return all(len(alloc.tables[w.seq_id]) <= self.max_pages and -(-(w.start + s_q) // page) <= self.max_pages
+                   for w in works)
+
     def fill(self, st, works: list, alloc) -> bool:
         """Copies a decode step of len(works) <= bucket sequences, each with 1 to st.s_q new tokens, into st's
         buffers (rows past them, and tokens past a sequence's own: padding, slot -1); False (nothing copied) if a
         sequence is longer than the graphs were sized for."""
         b, s_q = st.decode_groups[0].block_table.shape[0], st.s_q
+        if not self.holds(works, alloc, s_q):
+            return False
         page = self.page_size
         ids, pos, slots, lens = [], [], [], []
         tables = []
         for w in works:
             t = alloc.tables[w.seq_id]
             n = len(w.tokens)
-            if -(-(w.start + s_q) // page) > self.max_pages:
-                return False
             ids += w.tokens + [0] * (s_q - n)
             last = w.start + n - 1
             pos += list(range(w.start, last + 1)) + [last] * (s_q - n)  # padding: a position the rotary table has
@@ -114,7 +121,7 @@ class DecodeGraphs:
         by replay (captured on the (bucket, s_q)'s first use); None when a sequence is longer than the graphs were
         sized for (the eager path takes it)."""
         n = len(works)
-        if any(len(alloc.tables[w.seq_id]) > self.max_pages for w in works):
+        if not self.holds(works, alloc, s_q):
             return None
         key = (self.bucket(n), s_q)
         st = self.graphs.get(key)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.paged import MAX_S_Q
+from . import cuda_graphs
 from .cuda_graphs import DecodeGraphs
 
 
@@ -26,6 +28,8 @@ class DraftChain:
         self.model, self.cache, self.graphs = model, cache, graphs
         self.k, self.vocab, self.capture = k, vocab, capture
         self.chains: dict = {}
+        # step 0 attends through paged_decode at s_q = k + 1 (the step-by-step loop takes k >= 16 the varlen way)
+        self.usable = k + 1 <= MAX_S_Q and cuda_graphs.paged_ok(model, cache)
 
     def _buffers(self, b: int) -> dict:
         g = self.graphs
@@ -92,7 +96,8 @@ class DraftChain:
     def run(self, works: list, alloc):
         """The k drafts of each work (a SeqWork feeding a sequence's unseen tokens, at most k + 1, whose pages hold
         k - 1 more), or None when the graphs do not fit the step (the caller drafts step by step)."""
-        if not self.graphs.fits(len(works)) or any(len(w.tokens) > self.k + 1 for w in works):
+        if (not self.usable or not self.graphs.fits(len(works)) or any(len(w.tokens) > self.k + 1 for w in works)
+                or not self.graphs.holds(works, alloc, self.k + 1)):
             return None
         b = self.graphs.bucket(len(works))
         ch = self.chains.get(b)

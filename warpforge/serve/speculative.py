@@ -116,10 +116,18 @@ class DraftModelDrafter:
             self.rollback(r, len(r.tokens) - 1)
         return self.fed.get(r.id, 0)
 
+    def _draft_ids(self, tokens: list) -> list:
+        """tokens as the draft model's embedding takes them: a target id past the draft's vocabulary (a larger
+        padded vocabulary, or a prompt's id there) becomes 0. The draft never proposes such ids; feeding 0 instead
+        only makes its next guesses worse, which verification rejects, where the raw id would index past its
+        embedding (a device-side assert under CUDA)."""
+        n = self.model.spec.vocab_size
+        return [t if t < n else 0 for t in tokens]
+
     def _chained(self, requests: list, ks: list):
         """The round through the DraftChain (every request greedy, drafting its k), or None."""
         k = self.chain.k
-        if not all(r.params.greedy for r in requests) or any(x != k for x in ks):
+        if not self.chain.usable or not all(r.params.greedy for r in requests) or any(x != k for x in ks):
             return None
         alloc = self.cache.allocator
         works = []
@@ -128,15 +136,27 @@ class DraftModelDrafter:
             try:
                 alloc.reserve(r.id, len(r.tokens) + k - 1)  # the round writes up to the (k - 1)-th draft
             except OutOfPages:
-                return None
-            works.append(SeqWork(r.id, r.tokens[fed:], fed, "last"))
+                return self._unreserve(works)
+            works.append(SeqWork(r.id, self._draft_ids(r.tokens[fed:]), fed, "last"))
         drafts = self.chain.run(works, alloc)
         if drafts is None:
-            return None
+            return self._unreserve(works)
         for r, w in zip(requests, works):
             self.fed[r.id] = w.start + len(w.tokens) + k - 1
             alloc.set_length(r.id, self.fed[r.id])
         return [(d, None) for d in drafts]
+
+    def _unreserve(self, works: list) -> None:
+        """Gives back the pages a chain round reserved past what each sequence holds, before the step-by-step
+        round takes over: kept, they would starve the requests after them of drafts (each step reserves only its
+        own token)."""
+        alloc = self.cache.allocator
+        for w in works:
+            if alloc.lengths[w.seq_id]:
+                alloc.truncate(w.seq_id, alloc.lengths[w.seq_id])
+            else:  # a sequence new to the draft cache: as before the round
+                alloc.release(w.seq_id)
+        return None
 
     def propose(self, requests: list, ks: list) -> list:
         if self.chain is not None:
@@ -153,7 +173,7 @@ class DraftModelDrafter:
                 r = requests[i]
                 fed = self._unseen(r) if step == 0 else self.fed.get(r.id, 0)
                 seq = r.tokens + out[i][0]
-                new = seq[fed:]
+                new = self._draft_ids(seq[fed:])
                 try:
                     alloc.reserve(r.id, len(seq))
                 except OutOfPages:
