@@ -18,6 +18,11 @@ import torch
 from ..ops import paged
 
 
+def cache_slots(table: list, positions, page: int) -> list:
+    """Flat cache slots (page id x page size + offset) of a sequence's positions, through its block table."""
+    return [table[t // page] * page + t % page for t in positions]
+
+
 @dataclass
 class SeqWork:
     """What a step does for one sequence: feed `tokens` at positions start.. (start: the tokens already in its
@@ -63,7 +68,7 @@ class StepBatch:
             ids.extend(w.tokens)
             p = range(w.start, w.start + n)
             pos.extend(p)
-            slots.extend(table[t // page] * page + t % page for t in p)
+            slots.extend(cache_slots(table, p, page))
             first = len(logit_rows)
             if w.logits == "all":
                 logit_rows.extend(range(offsets[-1], offsets[-1] + n))
@@ -101,7 +106,7 @@ class StepBatch:
                 ctx = []
                 for i, n in zip(varlen, k_lens):
                     table = allocator.tables[works[i].seq_id]
-                    ctx.extend(table[t // page] * page + t % page for t in range(n))
+                    ctx.extend(cache_slots(table, range(n), page))
                 ctx = torch.tensor(ctx, dtype=torch.long, device=device)
             cu_q = torch.tensor([0] + _cumsum(q_lens), dtype=torch.int32, device=device)
             cu_k = cu_q if fresh else torch.tensor([0] + _cumsum(k_lens), dtype=torch.int32, device=device)

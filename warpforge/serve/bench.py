@@ -73,11 +73,14 @@ def copy_bandwidth(device) -> float:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
-def _profile(eng, steps: int) -> None:
+PROFILE_STEPS = 8
+
+
+def _profile(eng) -> None:
     """Where a step's time goes: the top GPU kernels, and the GPU's busy time per step beside the step's wall time
     (the rest is host work the GPU waits for)."""
     from torch.profiler import ProfilerActivity, profile
-    n = min(8, steps)
+    n = PROFILE_STEPS
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
@@ -104,7 +107,8 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     device = torch.device("cuda")
     page = 16
-    max_len = a.context + a.steps + 16
+    extra = PROFILE_STEPS if a.profile else 0  # the profiled steps come after the timed ones: room for them
+    max_len = a.context + a.steps + 16 + extra
     spec, model, weight_bytes = random_model(a.shape, torch.bfloat16, device, max_len)
     pages = a.batch * -(-max_len // page) + 2
     cache = PagedKVCache(spec.num_layers, pages, page, spec.num_kv_heads, spec.head_dim, a.kv_format,
@@ -112,7 +116,7 @@ def main(argv=None) -> dict:
     graphs = None if a.no_graphs else DecodeGraphs(model, cache, a.batch, -(-max_len // page))
     eng = Engine(model, cache, None, max_model_len=max_len, max_num_seqs=a.batch,
                  max_num_batched_tokens=max(a.context, 512) * a.batch, graphs=graphs)
-    params = SamplingParams(max_tokens=a.steps + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=a.steps + 8 + extra, temperature=0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     for _ in range(a.batch):
         eng.add_request(None, params, prompt_token_ids=torch.randint(0, spec.vocab_size, (a.context,),
@@ -131,7 +135,7 @@ def main(argv=None) -> dict:
     kv_bytes = (2 * spec.num_layers * spec.num_kv_heads * kv_fmt.width(spec.head_dim) * cache.k.element_size()
                 * a.batch * (a.context + a.steps // 2 + 4))
     if a.profile:
-        _profile(eng, a.steps)
+        _profile(eng)
     bw = copy_bandwidth(device)
     out = {"shape": a.shape, "batch": a.batch, "context": a.context, "kv_format": a.kv_format,
            "graphs": graphs is not None, "step_ms": step_s * 1e3, "tokens_per_s": a.batch / step_s,

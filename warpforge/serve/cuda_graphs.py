@@ -21,7 +21,7 @@ import torch
 
 from ..ops import paged
 from ..ops.paged import MAX_S_Q
-from .batch import DecodeGroup, StepBatch
+from .batch import DecodeGroup, StepBatch, cache_slots
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 _SCRATCH = ("cuda graph scratch",)  # not a string: no request id (a str, maybe user-named) can take its page
@@ -58,19 +58,25 @@ class DecodeGraphs:
                                logits_index=torch.arange(n, device=dev),
                                decode_groups=[DecodeGroup(s_q, list(range(b)), None, bt, lens)])
 
-    def _static(self, b: int, s_q: int):
-        st = self.static_batch(b, s_q)
+    def capture(self, fn):
+        """(graph, fn's output): fn run twice off the capturing stream (plans, autotuning, allocations), then
+        captured into the pool every graph of this object shares (a draft chain's too)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (plans, autotuning, allocations) off the capturing stream
+        with torch.cuda.stream(side):
             for _ in range(2):
-                self.model.forward(st, self.cache)
+                fn()
         torch.cuda.current_stream().wait_stream(side)
-        st.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(st.graph, pool=self.pool):
-            st.logits = self.model.forward(st, self.cache)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
+
+    def _static(self, b: int, s_q: int):
+        st = self.static_batch(b, s_q)
+        st.graph, st.logits = self.capture(lambda: self.model.forward(st, self.cache))
         return st
 
     def bucket(self, n: int) -> int:
@@ -99,7 +105,7 @@ class DecodeGraphs:
             ids += w.tokens + [0] * (s_q - n)
             last = w.start + n - 1
             pos += list(range(w.start, last + 1)) + [last] * (s_q - n)  # padding: a position the rotary table has
-            slots += [t[p // page] * page + p % page for p in range(w.start, last + 1)] + [-1] * (s_q - n)
+            slots += cache_slots(t, range(w.start, last + 1), page) + [-1] * (s_q - n)
             lens.append(w.start + s_q)  # the step's s_q tokens are the sequence's last: padding past its pages
             tables.append(t + [self.scratch] * (self.max_pages - len(t)))
         pad = b - len(works)

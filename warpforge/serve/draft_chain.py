@@ -11,7 +11,7 @@ drafts.
 Only greedy requests that all draft the same k take it (the per-step loop of DraftModelDrafter takes the rest: a
 sampled draft needs its request's generator and keeps its distributions). Positions, cache slots and lengths of
 every step are known before the round (step j writes position start + n + j - 1) and are filled into each step's
-static buffers; the block tables are the same for all steps. On a device without CUDA graphs (`capture=False`, the
+static buffers; all steps read the first step's block table. On a device without CUDA graphs (`capture=False`, the
 CPU tests) the same steps run eagerly.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 from ..ops.paged import MAX_S_Q
 from . import cuda_graphs
+from .batch import cache_slots
 from .cuda_graphs import DecodeGraphs
 
 
@@ -34,9 +35,10 @@ class DraftChain:
     def _buffers(self, b: int) -> dict:
         g = self.graphs
         first = g.static_batch(b, self.k + 1)
-        dev = self.model.device
-        return {"first": first, "steps": [g.static_batch(b, 1) for _ in range(self.k - 1)],
-                "last_row": torch.arange(b, device=dev) * (self.k + 1)}
+        steps = [g.static_batch(b, 1) for _ in range(self.k - 1)]
+        for st in steps:  # every step reads the first's block table: filled once a round
+            st.decode_groups[0].block_table = first.decode_groups[0].block_table
+        return {"first": first, "steps": steps, "last_row": torch.arange(b, device=self.model.device) * (self.k + 1)}
 
     def _steps(self, ch: dict) -> torch.Tensor:
         """The round on the static buffers: [b, k] draft ids (argmax over the target's vocabulary)."""
@@ -51,20 +53,8 @@ class DraftChain:
 
     def _chain(self, b: int) -> dict:
         ch = self._buffers(b)
-        if not self.capture:
-            return ch
-        g = self.graphs
-        if g.pool is None:
-            g.pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up (plans, allocations) off the capturing stream
-            for _ in range(2):
-                self._steps(ch)
-        torch.cuda.current_stream().wait_stream(side)
-        ch["graph"] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(ch["graph"], pool=g.pool):
-            ch["out"] = self._steps(ch)
+        if self.capture:
+            ch["graph"], ch["out"] = self.graphs.capture(lambda: self._steps(ch))
         return ch
 
     def _fill(self, ch: dict, works: list, alloc) -> bool:
@@ -74,7 +64,6 @@ class DraftChain:
         b = ch["first"].decode_groups[0].block_table.shape[0]
         rows = [i * (self.k + 1) + len(w.tokens) - 1 for i, w in enumerate(works)]
         ch["last_row"].copy_(torch.tensor(rows + [0] * (b - len(works))), non_blocking=True)
-        table = ch["first"].decode_groups[0].block_table
         for j, st in enumerate(ch["steps"], start=1):
             pos, slots, lens = [], [], []
             for w in works:
@@ -83,14 +72,12 @@ class DraftChain:
                 if p // page >= len(t):
                     return False
                 pos.append(p)
-                slots.append(t[p // page] * page + p % page)
+                slots += cache_slots(t, (p,), page)
                 lens.append(p + 1)
             pad = b - len(works)
             st.positions.copy_(torch.tensor(pos + [0] * pad), non_blocking=True)
             st.slots.copy_(torch.tensor(slots + [-1] * pad), non_blocking=True)
-            grp = st.decode_groups[0]
-            grp.block_table.copy_(table)
-            grp.seqlens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+            st.decode_groups[0].seqlens.copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         return True
 
     def run(self, works: list, alloc):

@@ -184,7 +184,8 @@ class DraftModelDrafter:
                 break
             logits, slices = forward_step(self.model, self.cache, works, self.graphs, self.max_feed)
             last = _fit_vocab(logits[[sl.stop - 1 for sl in slices]], self.vocab_size)
-            best = last.argmax(-1).tolist()  # one read back for the round
+            # the greedy requests' drafts in one read back for the round
+            best = last.argmax(-1).tolist() if any(requests[i].params.greedy for i in live) else None
             next_active = []
             for row, (i, w) in enumerate(zip(live, works)):
                 r = requests[i]
