@@ -12,6 +12,15 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 [ -f COMMIT ] && export WARPFORGE_GIT_COMMIT=$(cat COMMIT)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee "$w/gpu.txt"
 par=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+# issue 19's speculation: a target of GPT-2 small's shape on the plays' bytes (the issue's example), STEPS steps or
+# MINUTES; a draft of the tiny preset with NL layers at seq 1024 (the bench prompt is ~600 bytes)
+spec_target() { timeout $3 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
+                  --max-steps $1 --max-minutes $2 --lr=1e-3 --warmup_steps=$(( $1 / 10 )) --eval_every=$(( $1 / 2 )) \
+                  --ckpt-every $1 --out "$w/target" > "$w/target.log" 2>&1; }
+spec_draft() { timeout $3 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --n_layer=$1 \
+                 --max-minutes $2 --out "$w/draft$1" > "$w/draft$1.log" 2>&1; }
+spec_cleanup() { grep -E "done" "$w"/target.log "$w"/draft*.log
+                 rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft*/*.pt "$w"/draft*/*.safetensors; }
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
@@ -42,31 +51,21 @@ for step in "$@"; do
                              > "$w/attention-gluon-tests.log" 2>&1; tail -n 15 "$w/attention-gluon-tests.log" ;;
     serve-prefill) timeout 240 python3 -m warpforge.serve.prefill_bench --shape llama3-8b --tokens 8192 \
                      --json "$w/serve-prefill-8k.json" > "$w/serve-prefill.log" 2>&1; tail -1 "$w/serve-prefill.log" ;;
-    serve-spec) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # target: gpt2-124m shape; draft: tiny
-                # target: GPT-2 small's shape on the plays' bytes (the issue's example), 500 steps
-                timeout 200 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
-                  --max-steps 500 --max-minutes 2 --lr=1e-3 --warmup_steps=50 --eval_every=250 --ckpt-every 500 \
-                  --compile=on \
-                  --out "$w/target" > "$w/target.log" 2>&1
-                timeout 120 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --max-minutes 1 --out "$w/draft" > "$w/draft.log" 2>&1
-                for run in "ngram 4" "ngram 8" "$w/draft 4"; do set -- $run
+    serve-spec) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache
+                spec_target 500 2 200; spec_draft 4 1 120
+                for run in "ngram 4" "ngram 8" "$w/draft4 4"; do set -- $run
                   timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$1" --k $2 \
                     --json "$w/spec-$(basename "$1")-k$2.json" 2>&1 | tail -1; done
-                grep -E "val|done" "$w/target.log" | tail -3
-                rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft/*.pt "$w"/draft/*.safetensors ;;
+                spec_cleanup ;;
     serve-spec-draft) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # the draft-model line alone, shorter runs
-                timeout 100 python3 -m warpforge gpt train --preset gpt2-124m --data shakespeare --vocab_size=256 \
-                  --max-steps 300 --max-minutes 1.1 --lr=1e-3 --warmup_steps=30 --eval_every=300 --ckpt-every 300 \
-                  --out "$w/target" > "$w/target.log" 2>&1
+                spec_target 300 1.1 100
                 # drafts of 4 layers (the tiny preset) and of 2 (the fewest that copy in context: half the chain's kernels)
                 for nl in 4 2; do
-                  timeout 60 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --n_layer=$nl \
-                    --max-minutes 0.6 --out "$w/draft$nl" > "$w/draft$nl.log" 2>&1
+                  spec_draft $nl 0.6 60
                   for k in 4 6; do
                     timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft$nl" --k $k \
                       --json "$w/spec-draft$nl-chain-k$k.json" 2>&1 | tail -1; done; done
-                grep -E "done" "$w"/target.log "$w"/draft*.log
-                rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft*/*.pt "$w"/draft*/*.safetensors ;;
+                spec_cleanup ;;
     mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \
                  > "$w/check_remat.log" 2>&1; tail -8 "$w/check_remat.log"
                timeout 90 python3 scripts/bench_mla_gluon.py --out "$w/bench_remat.json" --hq 128 --variant-lens 1024,8192,32768 \
@@ -104,7 +103,7 @@ for step in "$@"; do
                  grep -E "norm fwd" "$w/bench-norms.log" | tail -n 30 ;;
     norms-eager-profile) timeout 110 python3 -m warpforge tune norm --eager-profile > "$w/eager_profile2.log" 2>&1
                          head -n 80 "$w/eager_profile2.log"; grep -A 31 "torch.profiler, rms_norm" "$w/eager_profile2.log" ;;
-    attention-gqa-window) timeout 120 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_window.py > "$w/window_tests.log" 2>&1; tail -n 15 "$w/window_tests.log"
+    attention-gqa-window) timeout 200 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_window.py > "$w/window_tests.log" 2>&1; tail -n 15 "$w/window_tests.log"
                           timeout 115 python3 scripts/bench_attention_gluon.py --gqa-window --json "$w/attention_gqa_window.json" > "$w/gqa_window.log" 2>&1; cat "$w/gqa_window.log" ;;
     paged-fp8mma) timeout 70 python3 -m pytest -q tests/paged/test_paged_decode.py -k "fp8_mma or quantised_cache or look_ahead" > "$w/paged-fp8mma-tests.log" 2>&1; tail -n 3 "$w/paged-fp8mma-tests.log"
                   timeout 130 python3 -m warpforge tune paged --L 16384 --formats bf16,fp8,fp8mma --bf16-tiles 2 --out "$w/tune_paged_fp8mma_16k.json" > "$w/tune_paged_fp8mma_16k.log" 2>&1
