@@ -81,6 +81,13 @@ def assert_grads_match(fn, ref, inputs, dtype):
         assert rel_l2(a, b) <= (2e-2 if dtype != torch.float32 else 1e-4)
 
 
+def assert_qkv_grads_close(got, want, tol: float, what: str = "") -> None:
+    """Attention gradients (dq, dk, dv) against a reference's: finite, and each within tol in relative L2."""
+    for name, g, w in zip("qkv", got, want):
+        assert torch.isfinite(g).all(), f"d{name}"
+        assert rel_l2(g, w) <= tol, f"d{name} {what}".rstrip()
+
+
 def triton_version() -> str:
     import triton
     return triton.__version__

@@ -49,11 +49,15 @@ def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Opt
                      ScoreMod(scale, softcap, slopes))
 
 
-def _switch(env: str, default: bool) -> bool:
-    """A Gluon kernel's switch: env "1" on, "0" off, unset `default`; and a Triton whose Gluon API the kernels were
-    written for. Read on the host (the ops are opaque to torch.compile)."""
+def _flag(env: str, default: bool) -> bool:
+    """env "0" off, any other value on, unset `default`. Read on the host (the ops are opaque to torch.compile)."""
     flag = os.environ.get(env)
-    if (default if flag is None else flag != "0") is False:
+    return default if flag is None else flag != "0"
+
+
+def _switch(env: str, default: bool) -> bool:
+    """A Gluon kernel's switch (_flag), and a Triton whose Gluon API the kernels were written for."""
+    if not _flag(env, default):
         return False
     import triton
     return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
@@ -80,8 +84,7 @@ def causal_or_unmasked(s_q: int, s_k: int, left: int, right: int) -> bool:
 def _gluon_window_switch() -> bool:
     """WARPFORGE_ATTN_GLUON_WINDOW ("0": left windows go to the portable kernels), default
     configs.GLUON_WINDOW_DEFAULT."""
-    flag = os.environ.get(configs.GLUON_WINDOW_ENV)
-    return configs.GLUON_WINDOW_DEFAULT if flag is None else flag != "0"
+    return _flag(configs.GLUON_WINDOW_ENV, configs.GLUON_WINDOW_DEFAULT)
 
 
 def _gluon_left(k, left: int):
@@ -146,10 +149,9 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if plain and gluon_bwd_gate(q, k, v, out, do, left, right, deterministic):  # Hopper, Gluon: FA3's schedule
         from . import flash_gluon_bwd_kernel
         knobs = gluon_bwd_knobs(q.shape[-1], right == 0)
+        split = gluon_bwd_group_split(q.shape[-1], q.shape[-2] // k.shape[-2], *knobs)
         return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0, *knobs,
-                                                      group_split=gluon_bwd_group_split(q.shape[-1], q.shape[-2] // k.shape[-2],
-                                                                                        *knobs),
-                                                      left=_gluon_left(k, left))
+                                                      group_split=split, left=_gluon_left(k, left))
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
                      cfg_dq, ScoreMod(scale, softcap, slopes))
 
