@@ -105,6 +105,10 @@ for step in "$@"; do
                          head -n 80 "$w/eager_profile2.log"; grep -A 31 "torch.profiler, rms_norm" "$w/eager_profile2.log" ;;
     attention-gqa-window) timeout 200 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_window.py > "$w/window_tests.log" 2>&1; tail -n 15 "$w/window_tests.log"
                           timeout 115 python3 scripts/bench_attention_gluon.py --gqa-window --json "$w/attention_gqa_window.json" > "$w/gqa_window.log" 2>&1; cat "$w/gqa_window.log" ;;
+    window-d64) timeout 200 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_window.py -k "group_split and 64" \
+                  > "$w/window_d64_tests.log" 2>&1; tail -n 15 "$w/window_d64_tests.log" ;;
+    gpu-tests-*) timeout 240 python3 -m pytest -q -m gpu $par $(echo "${step#gpu-tests-}" | tr ',' '\n' | sed 's|^|tests/|') \
+                   > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1; tail -n 15 "$w/$(echo "$step" | tr '/,' '__').log" ;;
     paged-fp8mma) timeout 70 python3 -m pytest -q tests/paged/test_paged_decode.py -k "fp8_mma or quantised_cache or look_ahead" > "$w/paged-fp8mma-tests.log" 2>&1; tail -n 3 "$w/paged-fp8mma-tests.log"
                   timeout 130 python3 -m warpforge tune paged --L 16384 --formats bf16,fp8,fp8mma --bf16-tiles 2 --out "$w/tune_paged_fp8mma_16k.json" > "$w/tune_paged_fp8mma_16k.log" 2>&1
                   tail -n 30 "$w/tune_paged_fp8mma_16k.log" ;;
