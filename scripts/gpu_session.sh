@@ -57,11 +57,13 @@ for step in "$@"; do
                   timeout 120 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$1" --k $2 \
                     --json "$w/spec-$(basename "$1")-k$2.json" 2>&1 | tail -1; done
                 spec_cleanup ;;
-    serve-spec-draft) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # the draft-model line alone, shorter runs
-                spec_target 300 1.1 100
-                # drafts of 4 layers (the tiny preset) and of 2 (the fewest that copy in context: half the chain's kernels)
-                for nl in 4 2; do
-                  spec_draft $nl 0.6 60
+    serve-spec-draft) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # the draft-model line alone
+                # a target of 500 steps and drafts of a minute copy the repeating prompt (acceptance 1.0, session 12);
+                # 300 steps and 0.6 minutes did not (0.5, session 13)
+                spec_target 500 2 200
+                # drafts of 2 layers (the fewest that copy in context: half the chain's kernels) and of 4 (the tiny preset)
+                for nl in 2 4; do
+                  spec_draft $nl 1 100
                   for k in 4 6; do
                     timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft$nl" --k $k \
                       --json "$w/spec-draft$nl-chain-k$k.json" 2>&1 | tail -1; done; done

@@ -317,7 +317,9 @@ def test_gpu_selection_and_attention_capture_in_a_cuda_graph():
     def step():
         out = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=bs, topk=3)
         return (out,) + torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    want = step()
+    # detached: an output that keeps its graph keeps q/k/v's AccumulateGrad nodes, made on the default stream, and
+    # the captured backward would then sync with that stream (torch 2.11 refuses: cudaErrorStreamCaptureImplicit)
+    want = tuple(t.detach() for t in step())
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
