@@ -68,6 +68,14 @@ for step in "$@"; do
                     timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft$nl" --k $k \
                       --json "$w/spec-draft$nl-chain-k$k.json" 2>&1 | tail -1; done; done
                 spec_cleanup ;;
+    spec-diag) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # acceptance / identity every way (scripts/spec_diag.py)
+               spec_target 300 1.1 100; spec_draft 4 0.6 60
+               timeout 220 python3 scripts/spec_diag.py --model "$w/target" --draft "$w/draft4" --json "$w/spec_diag.json" \
+                 > "$w/spec_diag.log" 2>&1; cat "$w/spec_diag.log" | grep name
+               if [ -d .before ]; then for k in 4 6; do  # the same models through an earlier commit's engine
+                 (cd .before && PYTHONPATH=$PWD timeout 60 python3 -m warpforge.serve.spec_bench --model "$w/target" \
+                   --speculative "$w/draft4" --k $k --json "$w/spec-before-k$k.json" 2>&1 | tail -1); done; fi
+               spec_cleanup ;;
     mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \
                  > "$w/check_remat.log" 2>&1; tail -8 "$w/check_remat.log"
                timeout 90 python3 scripts/bench_mla_gluon.py --out "$w/bench_remat.json" --hq 128 --variant-lens 1024,8192,32768 \
