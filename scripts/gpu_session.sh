@@ -18,7 +18,10 @@ spec_target() { timeout $3 python3 -m warpforge gpt train --preset gpt2-124m --d
                   --max-steps $1 --max-minutes $2 --lr=1e-3 --warmup_steps=$(( $1 / 10 )) --eval_every=$(( $1 / 2 )) \
                   --ckpt-every $1 --out "$w/target" > "$w/target.log" 2>&1; }
 spec_draft() { timeout $3 python3 -m warpforge gpt train --preset tiny --seq_len=1024 --batch_size=16 --n_layer=$1 \
-                 --max-minutes $2 ${4:+--max-steps $4} --out "$w/draft$1" > "$w/draft$1.log" 2>&1; }
+                 --max-minutes $2 ${4:+--max-steps $4} ${5:-} --out "$w/draft$1" > "$w/draft$1.log" 2>&1; }
+spec_bench() { timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/$1" --k $2 \
+                 --json "$w/spec-$1-k$2.json" 2>&1 | tail -1
+               tar czf "$out/all.tgz" -C "$w" --exclude='./target' --exclude='./draft[0-9]' .; }
 spec_cleanup() { grep -E "done" "$w"/target.log "$w"/draft*.log
                  rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft*/*.pt "$w"/draft*/*.safetensors; }
 for step in "$@"; do
@@ -64,10 +67,13 @@ for step in "$@"; do
                 # drafts of 2 layers (the fewest that copy in context: half the chain's kernels) and of 4 (the tiny preset)
                 for nl in 2 4; do
                   spec_draft $nl 2.5 170 1500
-                  for k in 4 6; do
-                    timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/target" --speculative "$w/draft$nl" --k $k \
-                      --json "$w/spec-draft$nl-chain-k$k.json" 2>&1 | tail -1
-                    tar czf "$out/all.tgz" -C "$w" --exclude='./target' --exclude='./draft*' .; done; done
+                  for k in 4 6; do spec_bench draft$nl $k; done; done
+                spec_cleanup ;;
+    serve-spec-distill) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # drafts distilled from the target
+                spec_target 500 2 200
+                for nl in 2 4; do
+                  spec_draft $nl 2.5 170 1500 --teacher="$w/target"
+                  for k in 4 6 8; do [ $nl = 4 ] && [ $k = 8 ] || spec_bench draft$nl $k; done; done
                 spec_cleanup ;;
     spec-diag) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # acceptance / identity every way (scripts/spec_diag.py)
                spec_target 300 1.1 100; spec_draft 4 0.6 60

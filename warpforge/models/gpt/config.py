@@ -102,6 +102,9 @@ class TrainConfig:
                                      # torch.compile one graph split (DDPOptimizer), so fewer buckets fuse more
     ddp_bf16_grads: bool = False     # DDP: all-reduce gradients in bf16 (half the bytes; rounded once a step)
     seed: int = 1337
+    teacher: str = ""                # a trained run's folder (or its ckpt.pt): train to its next-token distributions
+                                     # (KL(teacher || model) per token, not the data's cross-entropy): a draft model
+                                     # for speculative decoding that agrees with its target; "": off
     wandb: str = ""                  # a Weights & Biases project to log to (rank 0; needs `pip install wandb`); "": off
 
 

@@ -146,6 +146,8 @@ def _check(tcfg: TrainConfig) -> None:
             raise TrainError(f"{name}: expected a positive integer, got {getattr(tcfg, name)!r}")
     if tcfg.max_minutes is not None and not (math.isfinite(tcfg.max_minutes) and tcfg.max_minutes > 0):
         raise TrainError(f"max_minutes: expected a positive number of minutes or None, got {tcfg.max_minutes!r}")
+    if tcfg.teacher and not Path(tcfg.teacher).exists():
+        raise TrainError(f"teacher: expected a trained run's folder or its ckpt.pt, got {tcfg.teacher!r}")
     if tcfg.data not in ("shakespeare", "random") and not Path(tcfg.data).is_dir():
         raise TrainError(f"data: expected 'shakespeare', 'random' or a folder of train.bin / val.bin (uint16 "
                          f"tokens, nanoGPT's format), got {tcfg.data!r}")
@@ -188,6 +190,34 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer]:
     optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
                               fused=env.device.type == "cuda")
     return model, optim
+
+
+def _teacher(tcfg: TrainConfig, mcfg: GPTConfig, env: Env) -> GPT | None:
+    """The frozen model a distilled run learns from (tcfg.teacher), checked against the model it teaches."""
+    if not tcfg.teacher:
+        return None
+    if mcfg.moe_experts or mcfg.attention == "sparse":  # their auxiliary losses live in the data loss's path
+        raise TrainError("teacher: distilling into MoE or sparse-attention models is not supported (their auxiliary "
+                         "losses are added to the data's cross-entropy); train a dense model")
+    from .sample import load
+    try:
+        teacher = load(ckpt=tcfg.teacher, device=env.device)
+    except (FileNotFoundError, CheckpointError) as exc:
+        raise TrainError(f"teacher: {exc}") from None
+    tc = teacher.cfg
+    if (tc.vocab_size, tc.tokenizer) != (mcfg.vocab_size, mcfg.tokenizer):
+        raise TrainError(f"teacher: its vocabulary ({tc.vocab_size} {tc.tokenizer}) is not the model's "
+                         f"({mcfg.vocab_size} {mcfg.tokenizer})")
+    if tc.seq_len < mcfg.seq_len:
+        raise TrainError(f"teacher: its seq_len ({tc.seq_len}) is shorter than the model's ({mcfg.seq_len})")
+    return teacher.requires_grad_(False)
+
+
+def distill_loss(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of KL(teacher || model) in nats, from both models' logits [..., vocab] (computed in fp32)."""
+    s = logits.float().reshape(-1, logits.shape[-1]).log_softmax(-1)
+    t = teacher_logits.float().reshape(-1, teacher_logits.shape[-1]).log_softmax(-1)
+    return torch.nn.functional.kl_div(s, t, log_target=True, reduction="batchmean")
 
 
 def _shard(model: GPT) -> None:
@@ -302,6 +332,7 @@ class Trainer:
         train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size, run.model_cfg.tokenizer)
         _check_out(run, env)
         self.model, self.optim = _build(run, env)
+        self.teacher = _teacher(self.cfg, run.model_cfg, env)
         mcfg = run.model_cfg
         self.batches = Batches(train_data, mcfg.seq_len, self.cfg.batch_size // env.world,
                                seed=self.cfg.seed + env.rank, vocab_size=mcfg.vocab_size)
@@ -348,6 +379,9 @@ class Trainer:
         log.info(f"{self.run.preset}: {self.model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step} "
                  f"tokens/step, device {self.env.device}, {self.env.world} process(es)")
         log.info(f"steps {self.step} -> {self.cfg.max_steps}; time limit {limit}")
+        if self.teacher is not None:
+            log.info(f"distilling from {self.cfg.teacher}: the loss is KL(teacher || model) per token, the "
+                     f"validation the data's cross-entropy")
 
     def _loop(self, stop: _StopRequest, bar: "_Progress") -> str | None:
         """Steps until max_steps (None) or a stop: "stop_at_step", "time limit", "interrupted"."""
@@ -395,7 +429,12 @@ class Trainer:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast():
-            loss = self.net(x, y)
+            if self.teacher is None:
+                loss = self.net(x, y)
+            else:
+                with torch.no_grad():
+                    want = self.teacher(x)
+                loss = distill_loss(self.net(x), want)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optim.step()
