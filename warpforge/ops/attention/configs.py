@@ -91,7 +91,8 @@ GLUON_BWD = {
 # 0 = one query head per program, 1 = the whole group in one program). Why: a program over the whole group re-reads 8
 # heads' Q / dO / dQ (64 MB per kv head at s 8192, d 128) across its lifetime, which does not stay in the 50 MB L2
 # (benchmarks/NOTES.md, "Attention GQA and window (session 11)"). H200, GQA 8:1 b4 h32 s8192 d128 causal fwd+bwd, same
-# process as cuDNN (session 12): split 1 0.818x, 2 0.880x, 4 0.896x, 8 0.959x. d 64: its GPU test has not run whole yet.
+# process as cuDNN (session 12): split 1 0.818x, 2 0.880x, 4 0.896x, 8 0.959x. d 64: its GPU test passed (session 13), not
+# yet timed against no split.
 GLUON_BWD_GROUP_SPLIT = {128: 0, 64: 1}
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
