@@ -95,3 +95,31 @@ def test_bench_finds_a_new_cases_module(tmp_path, monkeypatch):
         path.unlink()
         sys.modules.pop("warpforge.bench.zz_probe_cases", None)
         cases.REGISTRY[:] = [c for c in cases.REGISTRY if c.family != "zzprobe"]
+
+
+def test_a_step_that_cannot_be_captured_is_timed_eagerly_and_labelled(monkeypatch):
+    """graphed() falls back to eager calls when a capture raises, and its label says so (the runner writes it into
+    the row): an eager row must not pass for a graph-replayed one beside the others."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from warpforge.bench import cases
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def graph(g, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    rot = cases.Rotation(lambda: torch.ones(2), 8, torch.device("cpu"))
+    calls = []
+    fn = cases.graphed(lambda x: calls.append(1) or x * 2, rot, torch.device("cuda"))
+    assert fn.timer.startswith("eager (capture failed: RuntimeError: operation not permitted")
+    assert torch.equal(fn(), torch.full((2,), 2.0)) and calls
+    assert cases.graphed(lambda x: x, rot, torch.device("cpu")).timer == "eager (no CUDA)"

@@ -8,6 +8,7 @@ implementation (ours is "warpforge"), and how to score each output against the f
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 import pkgutil
@@ -17,6 +18,8 @@ from typing import Any, Callable
 import torch
 
 from ..runtime import device_spec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,12 +74,19 @@ class Rotation:
         self.i = 0
 
 
+def timed_as(fn: Callable[[], Any], timer: str) -> Callable[[], Any]:
+    """fn, labelled with how it runs ("cuda graph replay", or eager and why): the runner writes the label into the
+    row, so that a row whose capture failed is not read as graph-timed beside rows that were."""
+    fn.timer = timer
+    return fn
+
+
 def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> Callable[[], Any]:
     """A callable that replays `step(set)` for the next rotated set from a CUDA graph captured per set: how
     serving runs decode (launch costs gone, host-side value checks skipped inside the capture). Off CUDA,
-    or for steps that cannot be captured, it calls step directly."""
+    or for steps that cannot be captured, it calls step directly (its `timer` label says so)."""
     if device.type != "cuda":
-        return lambda: step(rot())
+        return timed_as(lambda: step(rot()), "eager (no CUDA)")
     graphs = []
     for s in rot.sets:
         # compile and validate once, outside the capture, on a side stream as PyTorch's graph docs warm up (so that
@@ -90,9 +100,11 @@ def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> 
         try:
             with torch.cuda.graph(g):
                 out = step(s)
-        except RuntimeError:  # not capturable (a host sync, say): time it as it is
+        except RuntimeError as exc:  # not capturable (a host sync, say): time it as it is, and say so
             torch.cuda.synchronize()
-            return lambda: step(rot())
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            log.warning(f"bench: a step could not be captured, timed eagerly ({why})")
+            return timed_as(lambda: step(rot()), f"eager (capture failed: {why})")
         graphs.append((g, out))
 
     def replay():
@@ -100,7 +112,7 @@ def graphed(step: Callable[[Any], Any], rot: Rotation, device: torch.device) -> 
         rot.i += 1  # the same round-robin as rot(): reset() still means "set 0 next"
         g.replay()
         return out
-    return replay
+    return timed_as(replay, "cuda graph replay")
 
 
 def peak_memory(impls, rot, device) -> str:

@@ -59,6 +59,10 @@ def table(result: dict) -> str:
     lines += ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in body]
     wrong = [r for r in result["rows"] if r.get("ok") is False]
     lines.append(f"{len(wrong)} output(s) outside tolerance" if wrong else "every output within tolerance")
+    uncaptured = [r for r in result["rows"] if str(r.get("timer", "")).startswith("eager (capture failed")]
+    if uncaptured:  # the others of their case replayed graphs: these rows carry launch costs the others do not
+        lines.append(f"{len(uncaptured)} row(s) timed eagerly, their capture failed: "
+                     + "; ".join(f"{r['case']} / {r['impl']}" for r in uncaptured))
     return "\n".join(lines)
 
 

@@ -84,6 +84,8 @@ def run_case(case: Case, device, machine: dict, log=print) -> list[dict]:
     for impl, fn in setup.impls.items():
         row = dict(family=case.family, case=case.name, impl=impl, ran=setup.ran, err_kind=setup.err_kind,
                    tol=setup.tol)
+        if getattr(fn, "timer", None):  # graphed() labels its callables: replayed, or eager and why
+            row["timer"] = fn.timer
         try:
             err = None
             if setup.score is not None:
