@@ -75,6 +75,7 @@ for step in "$@"; do
                   spec_draft $nl 2.5 170 1500 --teacher="$w/target"
                   for k in 4 6 8; do [ $nl = 4 ] && [ $k = 8 ] || spec_bench draft$nl $k; done; done
                 spec_cleanup ;;
+    row-invariance) timeout 90 python3 scripts/row_invariance.py > "$w/row_invariance.log" 2>&1; cat "$w/row_invariance.log" ;;
     spec-diag) export SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache  # acceptance / identity every way (scripts/spec_diag.py)
                spec_target 300 1.1 100; spec_draft 4 0.6 60
                timeout 220 python3 scripts/spec_diag.py --model "$w/target" --draft "$w/draft4" --json "$w/spec_diag.json" \
