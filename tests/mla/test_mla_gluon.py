@@ -51,6 +51,11 @@ COMPILE_CASES = [
     dict(h_q=128, s_q=1, causal=False, num_splits=1, knob_overrides=dict(split_bars=True, quarters=True)),
     dict(h_q=128, s_q=1, causal=False, num_splits=1, knob_overrides=dict(remat_desc=True, two_max=True)),
     dict(h_q=64, s_q=2, causal=True, num_splits=3, knob_overrides=dict(remat_desc=True, two_max=True)),
+    dict(h_q=128, s_q=1, causal=False, num_splits=1, knob_overrides=dict(p1_slot=True)),
+    dict(h_q=64, s_q=2, causal=True, num_splits=3,
+         knob_overrides=dict(p1_slot=True, early_pages=True, split_bars=True)),
+    dict(h_q=96, s_q=1, causal=False, num_splits=2, knob_overrides=dict(early_pages=True)),
+    dict(h_q=128, s_q=1, causal=False, num_splits=1, knob_overrides=dict(p1_slot=True, quarters=True, split_bars=True)),
 ]
 # ptxas spills a little of the default warpgroup's state (mostly outside the page loop; a few reloads per pair in
 # it). Measured at 25a9ad1: 344 / 336 B. This bound catches a change that makes it worse.
@@ -71,7 +76,7 @@ def test_compiles_for_sm90(case):
     assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["mbarrier"]
     assert r["warp_specialize"] and r["num_warps"] == 8  # two warpgroups, no producer warp
     assert r["ptxas_rc"] == 0 and r["spill_stores"] <= MAX_SPILL_BYTES, r["ptxas_log"]
-    if case.get("knob_overrides", {}).get("remat_desc"):   # the descriptors rebuilt in the loops: nothing spills
+    if dg.knobs(case.get("knob_overrides"))["remat_desc"]:   # the descriptors rebuilt in the loops: nothing spills
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
     assert r["shared_bytes"] <= SMEM_MAX
     assert min(r["setmaxnreg_values"]) >= 232  # both warpgroups hold a 64 x 256 fp32 accumulator
@@ -162,6 +167,14 @@ def test_gpu_cuda_graph_capture(gluon_calls):
     want, _ = mla_decode_reference(q.float(), cache.float(), table, seqlens)
     assert 1 - cosine(g_out, want) <= 1e-5
     assert len(gluon_calls) == 2
+
+
+def test_knobs_p1_slot_needs_remat_desc():
+    """On any machine: P1's own slot is indexed like the remat_desc operands, so the knobs refuse it without them."""
+    assert not dg.knobs()["p1_slot"] and not dg.knobs()["early_pages"]   # new variants stay off by default
+    assert dg.knobs(dict(p1_slot=True))["p1_slot"]
+    with pytest.raises(ValueError, match="p1_slot needs remat_desc"):
+        dg.knobs(dict(p1_slot=True, remat_desc=False))
 
 
 def test_plan_carries_the_flag_to_the_op():

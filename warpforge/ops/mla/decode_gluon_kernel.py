@@ -58,8 +58,16 @@ HALF = D_V // 2
 #   two_max:    WG0 publishes each pair's max in a slot of its own (WG1's stays in s_m): neither warpgroup then
 #               overwrites the slot it has just read, and each loop loses its read-before-overwrite bar.sync; the
 #               values and the math order are unchanged
+#   p1_slot:    P1 gets a shared slot of its own (kr's fourth, 8 KB of the ~9.5 KB left) instead of page 1's rope slot,
+#               so page 1's rope is reloaded with its right half by WG1 once P1·V1_R retires, and the reload WG0 issues
+#               after P1·V1_L (the pair's last MMA: the load the next S1 waits for longest) shrinks from 40 to 32 KB;
+#               S1 runs its right half and rope (20 wgmmas) before it waits for the late left half (16). Needs
+#               remat_desc (the slot is indexed like the others)
+#   early_pages: both warpgroups issue their first two pages' TMA loads before WG0 loads Q (through registers) instead
+#               of after it, so the first pages' latency overlaps Q's instead of following it (the prologue: L 1k)
 # remat_desc is on: spill-free, it ran 1.22-1.33x the kernel without it on the H200 (NOTES, "MLA decode (session 13)")
-DEFAULT_KNOBS = dict(split_bars=False, quarters=False, remat_desc=True, two_max=False)
+DEFAULT_KNOBS = dict(split_bars=False, quarters=False, remat_desc=True, two_max=False, p1_slot=False,
+                     early_pages=False)
 KNOBS_ENV = "WARPFORGE_MLA_GLUON_KNOBS"
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
@@ -169,14 +177,44 @@ def _build():
         remat_desc knob (kr then has a third slot, Q's rope: the shape is the static switch, because the knobs reach
         a partition as i1 values, not constexprs) each is indexed by z = p >> 30, 0 for every real pair count but
         loop-variant to LLVM and ptxas, so the wgmma descriptors are rebuilt from a base address at their use
-        instead of hoisted out of the loop (and spilled across it)."""
-        if kr.shape[0] == 3:
+        instead of hoisted out of the loop (and spilled across it). The last view is P1's slot: page 1's rope slot,
+        or with p1_slot (kr has a fourth slot) a slot of its own."""
+        if kr.shape[0] == 4:
             z = p >> 30
             return (q_half.index(z), q_half.index(z + 1), kr.index(z + 2), kn.index(z), kn.index(z + 1),
-                    kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1))
+                    kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1), kr.index(z + 3))
+        elif kr.shape[0] == 3:
+            z = p >> 30
+            return (q_half.index(z), q_half.index(z + 1), kr.index(z + 2), kn.index(z), kn.index(z + 1),
+                    kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1), kr.index(z + 1))
         else:
             return (q_half.index(0), q_half.index(1), q_rope, kn.index(0), kn.index(1), kn.index(2), kn.index(3),
-                    kr.index(0), kr.index(1))
+                    kr.index(0), kr.index(1), kr.index(1))
+
+    @gluon.jit
+    def _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS):
+        """WG0's halves of the first two pages: page 0's left half, page 1's left half (and rope)."""
+        _load_half(kn_desc, kn.index(0), kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0,
+                   QUARTERS)
+        if kr.shape[0] == 4:   # (p1_slot: page 1's rope comes with its right half, WG1's load)
+            _load_half(kn_desc, kn.index(2), kbar, 2, _page_row(bt_row, first_page, 1, n_steps, last_page), 0,
+                       QUARTERS)
+        else:
+            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2,
+                            _page_row(bt_row, first_page, 1, n_steps, last_page), 0, QUARTERS)
+
+    @gluon.jit
+    def _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS):
+        """WG1's halves of the first two pages: page 0's right half and rope, page 1's right half (p1_slot: and
+        rope)."""
+        _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1,
+                        _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C, QUARTERS)
+        if kr.shape[0] == 4:
+            _load_half_rope(kn_desc, kr_desc, kn.index(3), kr.index(1), kbar, 3,
+                            _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C, QUARTERS)
+        else:
+            _load_half(kn_desc, kn.index(3), kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C,
+                       QUARTERS)
 
     @gluon.jit
     def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
@@ -185,6 +223,9 @@ def _build():
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
              QUARTERS: gl.constexpr):
         s_m = s_max[0]   # the running max (WG1's after each pair); with two_max, s_max[1] holds WG0's
+        if len(sync) == 7:   # (early_pages: the first pages' loads go out before Q's; sync's length is the switch)
+            if n_steps > 0:
+                _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
         # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rq = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
@@ -208,10 +249,8 @@ def _build():
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         if n_pairs > 0:
-            _load_half(kn_desc, kn.index(0), kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0,
-                       QUARTERS)
-            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2,
-                            _page_row(bt_row, first_page, 1, n_steps, last_page), 0, QUARTERS)
+            if len(sync) == 6:
+                _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
             tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, QUARTERS)
             tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, QUARTERS)
             tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
@@ -220,7 +259,7 @@ def _build():
             ph = p & 1
             n0 = start + 2 * p * 64
             more = p + 1 < n_pairs
-            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1 = _mma_views(q_half, q_rope, kn, kr, p)
+            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1, vp1 = _mma_views(q_half, q_rope, kn, kr, p)
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the even page against the running max; publish the new max and the rescale
@@ -266,14 +305,17 @@ def _build():
                 _zero_rows(kn.index(2), n_valid1)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(vr1, vk2, acc, is_async=True)
+            tok = warpgroup_mma(vp1, vk2, acc, is_async=True)
             if more:
                 s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, QUARTERS)
                 if QUARTERS:   # P1·V1_L retired (the score groups issued after it may run on)
                     acc = warpgroup_mma_wait(2, deps=(tok, ))
                 else:
                     acc = warpgroup_mma_wait(1, deps=(tok, ))
-                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0, QUARTERS)
+                if kr.shape[0] == 4:   # (p1_slot: page 1's rope went with WG1's reload of its right half)
+                    _load_half(kn_desc, kn.index(2), kbar, 2, next1, 0, QUARTERS)
+                else:
+                    _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0, QUARTERS)
                 s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, QUARTERS)
                 s_tok = warpgroup_mma(vqr, vr0.permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -301,21 +343,27 @@ def _build():
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
+        if len(sync) == 7:   # (early_pages: before Q is in place; WG1 touches Q only in its S GEMM)
+            if n_pairs > 0:
+                _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
         mbarrier.wait(sync[4], 0)
         if n_pairs > 0:
-            _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1,
-                            _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C, QUARTERS)
-            _load_half(kn_desc, kn.index(3), kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C,
-                       QUARTERS)
-            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, QUARTERS)
-            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, QUARTERS)
-            tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
+            if len(sync) == 6:
+                _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
+            if kr.shape[0] == 4:   # (p1_slot: page 1's rope came with its right half; S1's rope before the left half)
+                tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, QUARTERS)
+                tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
+                tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, QUARTERS)
+            else:
+                tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, QUARTERS)
+                tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, QUARTERS)
+                tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
             s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n1 = start + (2 * p + 1) * 64
             more = p + 1 < n_pairs
-            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1 = _mma_views(q_half, q_rope, kn, kr, p)
+            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1, vp1 = _mma_views(q_half, q_rope, kn, kr, p)
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the odd page against WG0's new max
@@ -339,7 +387,10 @@ def _build():
             mbarrier.arrive(sync[1], count=1)
             acc = acc * gl.convert_layout(both, ROW_O)[:, None]
             p1b = p1.to(gl.bfloat16)
-            kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
+            if kr.shape[0] == 4:
+                kr.index(3).store(p1b)   # for WG0's P1·V1_L (p1_slot: a slot of its own)
+            else:
+                kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
             n_valid1 = end - n1
             if n_valid1 < 64:
                 _zero_rows(kn.index(3), n_valid1)
@@ -357,12 +408,19 @@ def _build():
             mbarrier.arrive(sync[3], count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
-                _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C, QUARTERS)
+                if kr.shape[0] == 4:   # (p1_slot: and page 1's rope, dead since S1)
+                    _load_half_rope(kn_desc, kr_desc, kn.index(3), kr.index(1), kbar, 3, next1, HALF_C, QUARTERS)
+                else:
+                    _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C, QUARTERS)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
                 _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1, next0, HALF_C, QUARTERS)
                 s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, QUARTERS)
-                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
-                s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
+                if kr.shape[0] == 4:   # the rope has landed with the right half: only the left half is left to wait for
+                    s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
+                    s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
+                else:
+                    s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
+                    s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
                 acc = warpgroup_mma_wait(0, deps=(tok, ))
@@ -408,7 +466,7 @@ def _build():
         rows_total, qk_scale, capacity, last_page,
         H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
         WG1_REGS: gl.constexpr, SPLIT_BARS: gl.constexpr, QUARTERS: gl.constexpr, REMAT: gl.constexpr,
-        TWO_MAX: gl.constexpr, num_warps: gl.constexpr,
+        TWO_MAX: gl.constexpr, P1_SLOT: gl.constexpr, EARLY_PAGES: gl.constexpr, num_warps: gl.constexpr,
     ):
         # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
@@ -427,7 +485,8 @@ def _build():
         q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
         if REMAT:   # Q's rope tile is kr's slot 2, so the loops can index it like the others (_mma_views)
             kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)
-            kr = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], rope_layout)
+            # (P1_SLOT: slot 3 holds P1; the partitions see it as kr's shape, the static switch)
+            kr = gl.allocate_shared_memory(gl.bfloat16, [4 if P1_SLOT else 3, 64, 64], rope_layout)
             q_rope = kr.index(2)
         else:
             q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
@@ -463,6 +522,10 @@ def _build():
         for i in gl.static_range(5):
             mbarrier.init(sync[i], count=1)
         mbarrier.init(sync[5], count=2)
+        if EARLY_PAGES:
+            # the first TMA loads may now go out before any other fence: make the inits visible to the async proxy
+            fence_async_shared()
+            sync = sync + (sync[5], )   # (a seventh entry, never used: the partitions' static switch)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
         args = (q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
@@ -509,6 +572,8 @@ def knobs(overrides=None) -> dict:
         if name not in out:
             raise ValueError(f"unknown knob {name!r} (known: {sorted(out)})")
         out[name] = bool(value)
+    if out["p1_slot"] and not out["remat_desc"]:
+        raise ValueError("knob p1_slot needs remat_desc (P1's slot is indexed like the other wgmma operands)")
     return out
 
 
@@ -529,7 +594,8 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
             max(kv_cache.shape[0] - 1, 0))
     meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS,
                 SPLIT_BARS=kn["split_bars"], QUARTERS=kn["quarters"], REMAT=kn["remat_desc"],
-                TWO_MAX=kn["two_max"], num_warps=4)
+                TWO_MAX=kn["two_max"], P1_SLOT=kn["p1_slot"],
+                EARLY_PAGES=kn["early_pages"], num_warps=4)
     return kernel, grid, args, meta
 
 
