@@ -178,6 +178,39 @@ def moe():
         hidden = torch.randn(t, h, dtype=torch.bfloat16)
         ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
         api._experts_fwd_impl(hidden, w13, w2, torch.rand(t, 2), ids, False)
+    moe_sorted()
+
+
+def moe_sorted():
+    """The training-size path (ops/moe/sorted_kernel.py), forward and backward, as the table has it and with every
+    tile warp-specialized (4 warps), whatever the table's default (WARPFORGE_MOE_SORTED=1)."""
+    from warpforge.ops.moe import api, configs
+    e, h, i, t = 8, 1024, 512, 4096
+    w13 = torch.randn(e, 2 * i, h, dtype=torch.bfloat16)
+    w2 = torch.randn(e, h, i, dtype=torch.bfloat16)
+    hidden = torch.randn(t, h, dtype=torch.bfloat16)
+    ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
+    weights = torch.rand(t, 2)
+    table, switch = configs.SORTED, os.environ.get("WARPFORGE_MOE_SORTED")
+    os.environ["WARPFORGE_MOE_SORTED"] = "1"
+
+    def ws(cfg):  # 4 warps (specialization happens only there); the wgrad's 128 x 256 tiles fit 2 stages
+        tiles = {f: getattr(cfg, f) for f in ("up", "down", "dact", "wgrad")} if cfg else {}
+        return cfg and cfg._replace(**{f: t._replace(warps=4, stages=2 if f == "wgrad" else 3, ws=True)
+                                       for f, t in tiles.items() if t is not None})
+    try:
+        for variant in (table, table.map(ws)):
+            configs.SORTED = variant
+            out, act, pre, sorted_ids, expert_ids, num_post = api._experts_fwd_impl(hidden, w13, w2, weights, ids,
+                                                                                     True)
+            api._experts_bwd_impl(torch.randn_like(out), hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids,
+                                  num_post, 2)
+    finally:
+        configs.SORTED = table
+        if switch is None:
+            os.environ.pop("WARPFORGE_MOE_SORTED")
+        else:
+            os.environ["WARPFORGE_MOE_SORTED"] = switch
 
 
 def norm():
@@ -216,6 +249,7 @@ def sparse():
 
 
 FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
+            "moe_sorted": moe_sorted,
             "norm": norm, "paged": paged, "evoformer": evoformer, "monarch": monarch,
             "sparse": sparse}
 

@@ -7,6 +7,7 @@ GEMMs plus a per-expert weight-gradient kernel.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -63,10 +64,17 @@ def _experts_fwd_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """(out, act, pre, sorted_ids, expert_ids, num_post); act/pre are what the backward needs (pre is empty
     when not training)."""
     from .moe_kernel import fused_experts
-    cfg = _config(hidden.device, hidden.shape[0], w13)
-    sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], cfg.block_m, backend="triton")
-    out, act, pre = fused_experts(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post, ids.shape[1], cfg,
-                                  save_pre=train)
+    scfg = _sorted_config(hidden.device, hidden.shape[0], w13)
+    if scfg is not None:
+        from .sorted_kernel import fused_experts_sorted
+        sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], scfg.block_m, backend="triton")
+        out, act, pre = fused_experts_sorted(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post,
+                                             ids.shape[1], scfg, save_pre=train)
+    else:
+        cfg = _config(hidden.device, hidden.shape[0], w13)
+        sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], cfg.block_m, backend="triton")
+        out, act, pre = fused_experts(hidden, w13, w2, weights, sorted_ids, expert_ids, num_post, ids.shape[1], cfg,
+                                      save_pre=train)
     if pre is None:
         pre = hidden.new_empty(0, w13.shape[1])
     return out, act, pre, sorted_ids, expert_ids, num_post
@@ -76,9 +84,11 @@ def _experts_fwd_fake(hidden, w13, w2, weights, ids, train):
     t, k = ids.shape
     n = t * k
     e, two_i, _ = w13.shape
-    bm = _config(hidden.device, t, w13).block_m
+    scfg = _sorted_config(hidden.device, t, w13)
+    bm = (scfg or _config(hidden.device, t, w13)).block_m
     cap = capacity(n, e, bm)
-    return (torch.empty_like(hidden), hidden.new_empty(n, two_i // 2), hidden.new_empty(n if train else 0, two_i),
+    rows = cap if scfg is not None else n  # the sorted path keeps act and pre in align's sorted order
+    return (torch.empty_like(hidden), hidden.new_empty(rows, two_i // 2), hidden.new_empty(rows if train else 0, two_i),
             ids.new_empty(cap), ids.new_empty(cap // bm), ids.new_empty(1))
 
 
@@ -87,6 +97,11 @@ def _experts_bwd_impl(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tens
                       expert_ids: torch.Tensor, num_post: torch.Tensor,
                       topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .moe_kernel import fused_experts_backward
+    scfg = _sorted_config(hidden.device, hidden.shape[0], w13)
+    if scfg is not None:
+        from .sorted_kernel import fused_experts_sorted_backward
+        return fused_experts_sorted_backward(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids,
+                                             num_post, topk, scfg)
     cfg = _config(hidden.device, hidden.shape[0], w13)
     return fused_experts_backward(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids, num_post,
                                   topk, cfg)
@@ -133,6 +148,22 @@ def _config(device: torch.device, tokens: int, w13: torch.Tensor) -> configs.MoE
         if cfg is not None:
             return cfg
     return configs.GEMMS.lookup(device, "fp32" if w13.dtype == torch.float32 else tuple(w13.shape), tokens)
+
+
+def _sorted_config(device: torch.device, tokens: int, w13: torch.Tensor) -> Optional[configs.SortedCfg]:
+    """The training-size path's tiles (sorted_kernel.py) where it runs, else None. configs.SORTED's entry for
+    this arch, shape and token count decides (None below its token threshold), `on` whether it is the default;
+    WARPFORGE_MOE_SORTED=1 runs it wherever an entry exists, =0 never. A function of shapes and the environment
+    only: forward, fake and backward must agree (the path sets act's and pre's row count and align's block_m).
+    Rows must be 16-byte multiples for the tensor descriptors."""
+    switch = os.environ.get("WARPFORGE_MOE_SORTED", "")
+    if switch == "0" or w13.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    from .sorted_kernel import dims_fit
+    scfg = configs.SORTED.lookup(device, "fp32" if w13.dtype == torch.float32 else tuple(w13.shape), tokens)
+    if scfg is None or not (scfg.on or switch == "1") or not dims_fit(w13.shape[2], w13.shape[1] // 2, w13.dtype):
+        return None
+    return scfg
 
 
 def route(router_logits, topk, *, renormalize=True, scoring="softmax", num_expert_group=None, topk_group=None,

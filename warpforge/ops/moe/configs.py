@@ -51,6 +51,38 @@ GEMMS = TileTable({
 })
 
 
+class SortedTile(NamedTuple):
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    ws: bool = False  # tl.range(warp_specialize=True): takes effect over descriptor loads at warps 4 only
+
+
+class SortedCfg(NamedTuple):
+    """The training-size path (sorted_kernel.py): activations copied once into align's sorted order, so that
+    every GEMM reads contiguous rows of one expert per row block through tensor descriptors, in persistent
+    tile loops."""
+    block_m: int        # align's block_m for this path
+    up: SortedTile      # gate/up GEMM (two accumulators: the output tile is block_n wide, B is read 2x)
+    down: SortedTile    # down GEMM and the backward's d_hidden GEMM
+    wgrad: SortedTile   # block_n x block_k tiles of dW, reduced over the expert's rows block_m at a time
+    dact: SortedTile | None = None  # backward d act GEMM with the SwiGLU-gradient epilogue (None: up's tile)
+    on: bool = False    # the default path where the entry applies; WARPFORGE_MOE_SORTED=1 / 0 overrides
+
+
+S, ST = SortedCfg, SortedTile
+# Token thresholds: None below (decode and small prefill keep moe_kernel.py's gathered-row kernels). The sm90
+# tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), not yet tuned or timed:
+# every entry is off until a GPU session measures it (benchmarks/NOTES.md, "Fused MoE training path").
+_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 8, 2), ST(128, 64, 8, 3))
+SORTED = TileTable({
+    "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
+    "default": {"any": {0: None}},
+    "sm90": {"fp32": {0: None}, "any": {0: None, 2048: _SM90_SORTED}},
+})
+
+
 class RoutingCfg(NamedTuple):
     # inference routing (route_kernel.py) and `align` (align_kernel.py, decode sizes) as one Triton launch each,
     # instead of ~25 small torch kernels; on per arch once their GPU tests have passed there
