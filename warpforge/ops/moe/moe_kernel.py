@@ -60,6 +60,36 @@ def _load_b(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride
 
 
 @triton.jit
+def swiglu_bwd_epilogue(acc, w, rows, slots, ok, omask, offs_n, pid_n, OUT, PRE, ACT, ACT_W, DW_PART, stride_o,
+                        stride_pre, stride_act, stride_dwp, N):
+    """The backward's epilogue (acc = d act of `rows`, int64 row indices of OUT / PRE / ACT; w [BLOCK_M, 1] the
+    rows' routed weights; slots their slot ids): DW_PART[slot, pid_n] = Σ_n act · acc (router-weight gradient
+    partials), ACT_W = w · act (the w2 weight gradient's operand), OUT = [d gate | d up] of w · acc through
+    SiLU(gate) ⊙ up with PRE's [gate | up]."""
+    act = tl.load(ACT + rows[:, None] * stride_act + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
+    tl.store(DW_PART + slots * stride_dwp + pid_n, tl.sum(act * acc, 1), mask=ok)
+    # the weight gradient reads w · act as a plain operand, which its loads can then stream through shared
+    # memory asynchronously (scaling rows there put the loads in registers, synchronous)
+    tl.store(ACT_W + rows[:, None] * stride_act + offs_n[None, :], (w * act).to(ACT_W.dtype.element_ty), mask=omask)
+    pre = PRE + rows[:, None] * stride_pre + offs_n[None, :]
+    d_gate, d_up = swiglu_grads(acc * w, tl.load(pre, mask=omask, other=0.0).to(tl.float32),
+                                tl.load(pre + N, mask=omask, other=0.0).to(tl.float32))
+    out = OUT + rows[:, None] * stride_o + offs_n[None, :]
+    tl.store(out, d_gate.to(OUT.dtype.element_ty), mask=omask)
+    tl.store(out + N, d_up.to(OUT.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def swiglu_fwd_epilogue(acc, acc_up, rows, omask, offs_n, PRE, stride_pre, N, SAVE_PRE: tl.constexpr):
+    """SiLU(gate) ⊙ up of the forward's two accumulators; SAVE_PRE keeps [gate | up] in PRE's `rows` (training)."""
+    if SAVE_PRE:
+        pre = PRE + rows[:, None] * stride_pre + offs_n[None, :]
+        tl.store(pre, acc.to(PRE.dtype.element_ty), mask=omask)
+        tl.store(pre + N, acc_up.to(PRE.dtype.element_ty), mask=omask)
+    return acc * tl.sigmoid(acc) * acc_up
+
+
+@triton.jit
 def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST,
                     stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
                     stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N,
@@ -104,27 +134,12 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
             acc = acc * tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
         tl.atomic_add(OUT + tokens[:, None] * stride_o + offs_n[None, :], acc, mask=omask, sem="relaxed")
     elif SWIGLU_BWD:
-        rows = slots[:, None]
-        act = tl.load(ACT + rows * stride_act + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
-        tl.store(DW_PART + slots * stride_dwp + pid_n, tl.sum(act * acc, 1), mask=ok)
         w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
-        # the weight gradient reads w · act as a plain operand, which its loads can then stream through shared
-        # memory asynchronously (scaling rows there put the loads in registers, synchronous)
-        tl.store(ACT_W + rows * stride_act + offs_n[None, :], (w * act).to(ACT_W.dtype.element_ty), mask=omask)
-        pre = PRE + rows * stride_pre + offs_n[None, :]
-        d_gate, d_up = swiglu_grads(acc * w,
-                                    tl.load(pre, mask=omask, other=0.0).to(tl.float32),
-                                    tl.load(pre + N, mask=omask, other=0.0).to(tl.float32))
-        out = OUT + rows * stride_o + offs_n[None, :]
-        tl.store(out, d_gate.to(OUT.dtype.element_ty), mask=omask)
-        tl.store(out + N, d_up.to(OUT.dtype.element_ty), mask=omask)
+        swiglu_bwd_epilogue(acc, w, slots, slots, ok, omask, offs_n, pid_n, OUT, PRE, ACT, ACT_W, DW_PART, stride_o,
+                            stride_pre, stride_act, stride_dwp, N)
     else:
         if SWIGLU:
-            if SAVE_PRE:
-                pre = PRE + slots[:, None] * stride_pre + offs_n[None, :]
-                tl.store(pre, acc.to(PRE.dtype.element_ty), mask=omask)
-                tl.store(pre + N, acc_up.to(PRE.dtype.element_ty), mask=omask)
-            acc = acc * tl.sigmoid(acc) * acc_up
+            acc = swiglu_fwd_epilogue(acc, acc_up, slots, omask, offs_n, PRE, stride_pre, N, SAVE_PRE)
         tl.store(OUT + slots[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
 
 

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
-from ..shared_kernels import dot, swiglu_grads
-from .moe_kernel import _grouped_tile
+from ..shared_kernels import dot
+from .moe_kernel import _grouped_tile, swiglu_bwd_epilogue, swiglu_fwd_epilogue
 
 
 @triton.jit
@@ -117,23 +117,11 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
             ok = slots < n_slots
             w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]  # 0 on padding rows
         if SWIGLU_BWD:
-            act = tl.load(ACT + rows[:, None] * stride_act + offs_n[None, :], mask=omask, other=0.0).to(tl.float32)
-            tl.store(DW_PART + slots.to(tl.int64) * stride_dwp + pid_n, tl.sum(act * acc, 1), mask=ok)
-            tl.store(ACT_W + rows[:, None] * stride_act + offs_n[None, :], (w * act).to(ACT_W.dtype.element_ty),
-                     mask=omask)
-            pre = PRE + rows[:, None] * stride_pre + offs_n[None, :]
-            d_gate, d_up = swiglu_grads(acc * w, tl.load(pre, mask=omask, other=0.0).to(tl.float32),
-                                        tl.load(pre + N, mask=omask, other=0.0).to(tl.float32))
-            out = OUT + rows[:, None] * stride_o + offs_n[None, :]
-            tl.store(out, d_gate.to(OUT.dtype.element_ty), mask=omask)
-            tl.store(out + N, d_up.to(OUT.dtype.element_ty), mask=omask)
+            swiglu_bwd_epilogue(acc, w, rows, slots.to(tl.int64), ok, omask, offs_n, pid_n, OUT, PRE, ACT, ACT_W,
+                                DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
         else:
             if SWIGLU:
-                if SAVE_PRE:
-                    pre = PRE + rows[:, None] * stride_pre + offs_n[None, :]
-                    tl.store(pre, acc.to(PRE.dtype.element_ty), mask=omask)
-                    tl.store(pre + N, acc_up.to(PRE.dtype.element_ty), mask=omask)
-                acc = acc * tl.sigmoid(acc) * acc_up
+                acc = swiglu_fwd_epilogue(acc, acc_up, rows, omask, offs_n, PRE, stride_pre, N, SAVE_PRE)
             if HAS_W:
                 acc = acc * w
             tl.store(OUT + rows[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
