@@ -6,9 +6,11 @@ bar.syncs, wgmma groups and waits, mbarrier waits / arrives, TMA issues, spill r
 
 "hot" counts one trip along the steady state (every page full, more pages to come): blocks a forward branch skips
 that hold no HGMMA and no UTMALDG (the rows-past-the-end zeroing, the last pair's tail) and blocks only reached
-by a jump (the else of `if more`) are left out; "all" counts the whole loop body. The loop holding the
-m64n256 P·V wgmma from registers that follows the score GEMM's waits is told apart by the setmaxnreg before it:
-the worker (WG1) decreases to WG1_REGS, the default partition (WG0) increases.
+by a jump (the else of `if more`) are left out; "all" counts the whole loop body. "EX2 before arrive": the MUFU.EX2
+issued before the loop's first mbarrier arrive (each warpgroup's publish of its max and scale: sync0 / sync1; 2 are
+the scale's, the rest P's). The loop holding the m64n256 P·V wgmma from registers that follows the score GEMM's
+waits is told apart by the setmaxnreg before it: the worker (WG1) decreases to WG1_REGS, the default partition
+(WG0) increases.
 """
 import argparse
 import collections
@@ -23,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OP = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)")
 BRA = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 KEYS = ("BAR.SYNC", "WARPGROUP.ARRIVE", "WARPGROUP.DEPBAR", "HGMMA", "mbar wait", "mbar arrive", "UTMALDG", "LDL",
-        "LDL.64", "STL", "LDS", "STS", "R2UR", "MUFU.EX2", "instr")
+        "LDL.64", "STL", "LDS", "STS", "R2UR", "MUFU.EX2", "EX2 before arrive", "instr")
 
 
 def sass_of(cubin: bytes) -> str:
@@ -37,6 +39,7 @@ def sass_of(cubin: bytes) -> str:
 
 def _count(lines):
     c = collections.Counter()
+    arrived = False
     for line in lines:
         m = OP.match(line)
         if not m:
@@ -52,12 +55,15 @@ def _count(lines):
             c["mbar wait"] += 1
         elif op == "SYNCS" and "ARRIVE" in mods:
             c["mbar arrive"] += 1
+            arrived = True
         elif full.startswith("LDL"):
             c["LDL"] += 1
             if ".64" in mods:
                 c["LDL.64"] += 1
         elif full in ("MUFU.EX2",):
             c[full] += 1
+            if not arrived:   # the softmax's EX2 issued before its publish (the loop's first arrive: sync0 / sync1)
+                c["EX2 before arrive"] += 1
         if op in ("HGMMA", "UTMALDG", "STL", "LDS", "STS", "R2UR"):
             c[op] += 1
     return c

@@ -65,9 +65,16 @@ HALF = D_V // 2
 #               remat_desc (the slot is indexed like the others)
 #   early_pages: both warpgroups issue their first two pages' TMA loads before WG0 loads Q (through registers) instead
 #               of after it, so the first pages' latency overlaps Q's instead of following it (the prologue: L 1k)
+#   early_max:  each warpgroup publishes its new max and scale (and arrives on sync0 / sync1) right after the scale's
+#               exp2, before the 32 exp2 of its P, so the other warpgroup's softmax (WG1's on sync0) or P0 handoff
+#               (WG0's on sync1) need not wait for them; P's exp2 take m back through a shared load after the arrive
+#               (ptxas otherwise hoists them above it). Same barriers, same values (_publish)
+#   early_max1: WG1's publish only (sync1: WG0's P0 handoff waits on it). With early_max WG1's softmax runs beside WG0's
+#               P exp2s and both share the MUFU (one warp of each warpgroup per sub-partition); WG1's early publish
+#               costs no MUFU overlap (early_max wins if both are set)
 # remat_desc is on: spill-free, it ran 1.22-1.33x the kernel without it on the H200 (NOTES, "MLA decode (session 13)")
 DEFAULT_KNOBS = dict(split_bars=False, quarters=False, remat_desc=True, two_max=False, p1_slot=False,
-                     early_pages=False)
+                     early_pages=False, early_max=False, early_max1=False)
 KNOBS_ENV = "WARPFORGE_MLA_GLUON_KNOBS"
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
@@ -172,6 +179,30 @@ def _build():
             return gl.full([64], 0, gl.int32, ROW_S) + end
 
     @gluon.jit
+    def _publish(s_max, SLOT: gl.constexpr, m, s_sc, scale, bar):
+        """A warpgroup's softmax hands over its new max and rescale: m to the running max (s_max[0]; with two_max and
+        SLOT 1, WG0's own slot s_max[1]), scale to s_sc, then one arrive on bar. The values are whole in registers
+        before any store; the bar.sync after the stores orders every thread's STS before thread 0's arrive (its
+        release), so a reader that has waited on bar never sees half of them. The bar.sync before them keeps the
+        read of the old max (this warpgroup's own, and the other's) ahead of the overwrite."""
+        if len(s_max) == 1:
+            gl.thread_barrier()   # every thread has read the old max before any writes the new one
+        s_sc.store(scale)
+        if len(s_max) == 2:
+            s_max[SLOT].store(m)
+        else:
+            s_max[0].store(m)
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)
+        # m again, through a shared load after the arrive: ptxas moves MUFU freely across BAR.SYNC, the arrive and
+        # branches, and left alone it hoists the 32 EX2 of P that use m above the stores and the arrive; the load
+        # stays behind the bar.sync the membar pass puts before it. s_sc is written by this warpgroup only (its next
+        # write is a pair later), so the load returns what was stored; scale = exp2(m_old - m) <= 1 (m >= m_old), so
+        # the select always picks m: the same bits, the same math
+        back = s_sc.load(ROW_S)
+        return gl.where(back > 2.0, back, m)
+
+    @gluon.jit
     def _mma_views(q_half, q_rope, kn, kr, p):
         """The loop's wgmma operands (Q halves, Q rope, the four page halves, the two rope / P slots). With the
         remat_desc knob (kr then has a third slot, Q's rope: the shape is the static switch, because the knobs reach
@@ -267,18 +298,21 @@ def _build():
             m_old = s_m.load(ROW_S)
             m0 = gl.maximum(m_old, gl.max(s, axis=1))
             scale0 = gl.exp2(m_old - m0)
+            if len(kbar) == 9:   # (early_max: publish before P0's exp2s; kbar's length is the switch, 10: early_max1)
+                m0 = _publish(s_max, 1, m0, s_sc0, scale0, sync[0])
             p0 = gl.exp2(s - m0[:, None])
             l_i = l_i * scale0 + gl.sum(p0, axis=1)
-            # (the flags reach a partition as i1 values, not constexprs: the tuple's length is the static switch)
-            if len(s_max) == 1:   # (two_max: the new max goes to a slot of its own, s_max[1])
-                gl.thread_barrier()   # every thread has read the old max before any writes the new one
-            s_sc0.store(scale0)
-            if len(s_max) == 2:
-                s_max[1].store(m0)
-            else:
-                s_m.store(m0)
-            gl.thread_barrier()
-            mbarrier.arrive(sync[0], count=1)
+            if len(kbar) != 9:   # (no early_max, or early_max1: WG1 only)
+                # (the flags reach a partition as i1 values, not constexprs: the tuple's length is the static switch)
+                if len(s_max) == 1:   # (two_max: the new max goes to a slot of its own, s_max[1])
+                    gl.thread_barrier()   # every thread has read the old max before any writes the new one
+                s_sc0.store(scale0)
+                if len(s_max) == 2:
+                    s_max[1].store(m0)
+                else:
+                    s_m.store(m0)
+                gl.thread_barrier()
+                mbarrier.arrive(sync[0], count=1)
             acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
             n_valid0 = end - n0
             if n_valid0 < 64:
@@ -376,15 +410,18 @@ def _build():
             s = _masked(s1, n1, limit, qk_scale)
             m1 = gl.maximum(m0, gl.max(s, axis=1))
             scale1 = gl.exp2(m0 - m1)
+            if len(kbar) >= 9:   # (early_max, early_max1: publish before P1's exp2s)
+                m1 = _publish(s_max, 0, m1, s_sc1, scale1, sync[1])
             p1 = gl.exp2(s - m1[:, None])
             both = scale0 * scale1
             l_i = l_i * both + gl.sum(p1, axis=1)
-            if len(s_max) == 1:   # (two_max: WG0's max is in a slot of its own, s_max[1])
-                gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
-            s_sc1.store(scale1)
-            s_m.store(m1)
-            gl.thread_barrier()
-            mbarrier.arrive(sync[1], count=1)
+            if len(kbar) == 8:
+                if len(s_max) == 1:   # (two_max: WG0's max is in a slot of its own, s_max[1])
+                    gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
+                s_sc1.store(scale1)
+                s_m.store(m1)
+                gl.thread_barrier()
+                mbarrier.arrive(sync[1], count=1)
             acc = acc * gl.convert_layout(both, ROW_O)[:, None]
             p1b = p1.to(gl.bfloat16)
             if kr.shape[0] == 4:
@@ -466,7 +503,8 @@ def _build():
         rows_total, qk_scale, capacity, last_page,
         H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
         WG1_REGS: gl.constexpr, SPLIT_BARS: gl.constexpr, QUARTERS: gl.constexpr, REMAT: gl.constexpr,
-        TWO_MAX: gl.constexpr, P1_SLOT: gl.constexpr, EARLY_PAGES: gl.constexpr, num_warps: gl.constexpr,
+        TWO_MAX: gl.constexpr, P1_SLOT: gl.constexpr, EARLY_PAGES: gl.constexpr, EARLY_MAX: gl.constexpr,
+        EARLY_MAX1: gl.constexpr, num_warps: gl.constexpr,
     ):
         # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
@@ -526,6 +564,10 @@ def _build():
             # the first TMA loads may now go out before any other fence: make the inits visible to the async proxy
             fence_async_shared()
             sync = sync + (sync[5], )   # (a seventh entry, never used: the partitions' static switch)
+        if EARLY_MAX:
+            kbar = kbar + (kbar[0], )   # (a ninth entry, never used: the partitions' static switch)
+        elif EARLY_MAX1:
+            kbar = kbar + (kbar[0], kbar[0])   # (and a tenth: WG1's publish only)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
         args = (q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
@@ -595,7 +637,8 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS,
                 SPLIT_BARS=kn["split_bars"], QUARTERS=kn["quarters"], REMAT=kn["remat_desc"],
                 TWO_MAX=kn["two_max"], P1_SLOT=kn["p1_slot"],
-                EARLY_PAGES=kn["early_pages"], num_warps=4)
+                EARLY_PAGES=kn["early_pages"], EARLY_MAX=kn["early_max"],
+                EARLY_MAX1=kn["early_max1"], num_warps=4)
     return kernel, grid, args, meta
 
 
