@@ -84,8 +84,8 @@ for step in "$@"; do
                  (cd .before && PYTHONPATH=$PWD timeout 60 python3 -m warpforge.serve.spec_bench --model "$w/target" \
                    --speculative "$w/draft4" --k $k --json "$w/spec-before-k$k.json" 2>&1 | tail -1); done; fi
                spec_cleanup ;;
-    mla-variants-s13) timeout 200 python3 scripts/bench_mla_gluon.py --out "$w/mla-s13-variants.json" --hq 128 \
-                        --variant-lens 1024,8192,32768 --diag-l2 --variants "base=;p1=p1_slot=1;early=early_pages=1;p1e=p1_slot=1,early_pages=1;qs=quarters=1,split_bars=1;p1qs=p1_slot=1,quarters=1,split_bars=1;p1sbm=p1_slot=1,split_bars=1,two_max=1" \
+    mla-variants-s13) timeout 300 python3 scripts/bench_mla_gluon.py --out "$w/mla-s13-variants.json" --hq 128 \
+                        --variant-lens 1024,8192,32768 --diag-l2 --variants "base=;p1=p1_slot=1;early=early_pages=1;p1e=p1_slot=1,early_pages=1;qs=quarters=1,split_bars=1;p1qs=p1_slot=1,quarters=1,split_bars=1;p1sbm=p1_slot=1,split_bars=1,two_max=1;em=early_max=1;em1=early_max1=1;p1em1=p1_slot=1,early_max1=1" \
                         > "$w/mla-s13-variants.log" 2>&1; grep -E "variant|wrote" "$w/mla-s13-variants.log" | tail -30 ;;
     moe-sorted) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
                 for sw in 0 1; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
