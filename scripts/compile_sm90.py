@@ -178,6 +178,17 @@ def moe():
         hidden = torch.randn(t, h, dtype=torch.bfloat16)
         ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
         api._experts_fwd_impl(hidden, w13, w2, torch.rand(t, 2), ids, False)
+    # FP8 weights (e4m3 bytes, a scale per 128 x 128 block), dequantised through fp32 and (WARPFORGE_MOE_FP8_FP16)
+    # to fp16 with the MMA in fp16
+    q13, q2 = (torch.zeros(w.shape, dtype=torch.uint8) for w in (w13, w2))
+    s13, s2 = (torch.ones(e, -(-w.shape[1] // 128), -(-w.shape[2] // 128)) for w in (w13, w2))
+    for fp16 in ("0", "1"):
+        os.environ["WARPFORGE_MOE_FP8_FP16"] = fp16
+        for t in (1, 128):
+            hidden = torch.randn(t, h, dtype=torch.bfloat16)
+            ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
+            api._experts_fp8_impl(hidden, q13, q2, s13, s2, torch.rand(t, 2), ids)
+    del os.environ["WARPFORGE_MOE_FP8_FP16"]
     moe_sorted()
 
 

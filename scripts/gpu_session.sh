@@ -90,7 +90,10 @@ for step in "$@"; do
     moe-sorted) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
                 for sw in 0 1; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
                   --match "T8192 fwd\+bwd" --json "$w/moe-sorted$sw.json" > "$w/moe-sorted$sw.log" 2>&1
-                  grep -E "fwd\+bwd" "$w/moe-sorted$sw.log" | tail -n 8; done ;;
+                  grep -E "fwd\+bwd" "$w/moe-sorted$sw.log" | tail -n 8; done
+                for sw in 0 1; do WARPFORGE_MOE_FP8_FP16=$sw timeout 150 python3 -m warpforge bench --family moe \
+                  --match "fp8" --json "$w/moe-fp8-fp16math$sw.json" > "$w/moe-fp8-fp16math$sw.log" 2>&1
+                  grep -E "fp8" "$w/moe-fp8-fp16math$sw.log" | tail -n 12; done ;;
     mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \
                  > "$w/check_remat.log" 2>&1; tail -8 "$w/check_remat.log"
                timeout 90 python3 scripts/bench_mla_gluon.py --out "$w/bench_remat.json" --hq 128 --variant-lens 1024,8192,32768 \

@@ -234,8 +234,12 @@ def test_nn_moe_module():
     assert mod.router.weight.grad is not None and mod.w13.grad is not None and x.grad is not None
 
 
+@pytest.mark.parametrize("fp16_math", ["0", "1"])
 @pytest.mark.parametrize("t,e,k,h,i", [(5, 8, 2, 160, 96), (1, 4, 2, 64, 200)])
-def test_fp8_weights(t, e, k, h, i):
+def test_fp8_weights(t, e, k, h, i, fp16_math, monkeypatch):
+    """Both dequantisations (to the activations' dtype through fp32, or to fp16 with the MMA in fp16) within the
+    kernel's own error of the dequantised weights."""
+    monkeypatch.setenv("WARPFORGE_MOE_FP8_FP16", fp16_math)
     hidden = torch.randn(t, h, device=DEV, dtype=DTYPE)
     logits = torch.randn(t, e, device=DEV)
     w13, w2 = _weights(e, h, i)
@@ -254,3 +258,15 @@ def test_fp8_weights(t, e, k, h, i):
         wf.fused_moe(hidden, q13, q2, logits, k, w_format="fp8", w_scales=(s13, s2[1:]), backend="triton")
     with pytest.raises(WarpforgeInputError, match="^w13"):
         wf.fused_moe(hidden, w13, q2, logits, k, w_format="fp8", w_scales=(s13, s2), backend="triton")
+
+
+def test_fp8_fp16_math_switch(monkeypatch):
+    from warpforge.ops.moe import configs
+    from warpforge.ops.moe.moe_kernel import fp16_math
+    cfg = configs.MoECfg(16, configs.GemmTile(32, 32, 1, 1), configs.GemmTile(32, 32, 1, 1))
+    monkeypatch.delenv("WARPFORGE_MOE_FP8_FP16", raising=False)
+    assert not fp16_math(cfg) and fp16_math(cfg._replace(fp8_fp16_math=True))
+    monkeypatch.setenv("WARPFORGE_MOE_FP8_FP16", "0")
+    assert not fp16_math(cfg._replace(fp8_fp16_math=True))
+    monkeypatch.setenv("WARPFORGE_MOE_FP8_FP16", "1")
+    assert fp16_math(cfg)

@@ -23,6 +23,7 @@ class MoECfg(NamedTuple):
     down: GemmTile  # down GEMM with the scatter epilogue (and d_hidden)
     split_k: int = 1  # down GEMM only: K cut into this many ranges, summed by the scatter's atomics
     wgrad: GemmTile | None = None  # weight-gradient kernel (None: `up`'s tile)
+    fp8_fp16_math: bool = False  # FP8 weights: dequantise to fp16 and run the MMA in fp16 (moe_kernel.fp16_math)
 
 
 C, G = MoECfg, GemmTile

@@ -9,6 +9,8 @@ One GEMM kernel serves forward and backward, B's layout given by strides, with t
 and the weight gradient: dW[e] = Σ over e's slots of Gᵀ A, one program per (expert, tile), no atomics.
 slot = token · topk + k. Expert and token offsets are int64 (E · 2I · H passes 2^31 for DeepSeek-V3).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -53,7 +55,12 @@ def _load_b(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride
         codes = tl.load(ptrs, mask=mask, other=0)
         scale = tl.load(SCALE + e.to(tl.int64) * stride_se + (k0 // 128) * stride_sk + (offs_n // 128) * stride_sn,
                         mask=n_ok, other=0.0)
-        tile = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(OUT_DTYPE)
+        if OUT_DTYPE == tl.float16:
+            # e4m3 -> fp16 is one cvt per pair, the scale one packed multiply: no fp32 round trip (the fp16
+            # math of the paged kernel's FP8 cache; the operands' other side is fp16 too, FP16_MATH)
+            tile = codes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * scale[None, :].to(tl.float16)
+        else:
+            tile = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[None, :]).to(OUT_DTYPE)
     else:
         tile = tl.load(ptrs, mask=mask, other=0.0)
     return tile
@@ -95,7 +102,7 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
                     stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N,
                     TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
                     SAVE_PRE: tl.constexpr, SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    FP16_MATH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then one of
     - OUT[slot] = acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
       [gate | up] (forward);
@@ -121,6 +128,8 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        if FP16_MATH:  # FP8 weights dequantised to fp16 (cheaper than to bf16): the MMA runs in fp16
+            a = a.to(tl.float16)
         b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
         bmask = k_ok[:, None] & n_ok[None, :]
         acc = dot(a, _load_b(b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
@@ -214,8 +223,16 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         row_stride(act), row_stride(dw_part), n_slots, k, n,
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
         SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
-        HAS_W=row_w is not None, FP8_B=scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-        num_stages=stages)
+        HAS_W=row_w is not None, FP8_B=scale is not None, FP16_MATH=scale is not None and fp16_math(cfg),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def fp16_math(cfg) -> bool:
+    """FP8 weights dequantised to fp16 and multiplied with the activations cast to fp16 (cfg.fp8_fp16_math, or
+    WARPFORGE_MOE_FP8_FP16=1 / 0 for the GPU sessions' A/B). Activations past fp16's range (65504) would
+    overflow: on only where a table entry says so, after its GPU test."""
+    switch = os.environ.get("WARPFORGE_MOE_FP8_FP16", "")
+    return switch == "1" or (switch != "0" and cfg.fp8_fp16_math)
 
 
 def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_post, topk, cfg, save_pre=False,
