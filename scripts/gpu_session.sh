@@ -94,6 +94,8 @@ for step in "$@"; do
                 for sw in 0 1; do WARPFORGE_MOE_FP8_FP16=$sw timeout 150 python3 -m warpforge bench --family moe \
                   --match "fp8" --json "$w/moe-fp8-fp16math$sw.json" > "$w/moe-fp8-fp16math$sw.log" 2>&1
                   grep -E "fp8" "$w/moe-fp8-fp16math$sw.log" | tail -n 12; done ;;
+    tune-moe-sorted) timeout 280 python3 -m warpforge tune moe-sorted --models ${MOE_MODELS:-mixtral} \
+                       --out "$w/tune_moe_sorted.json" > "$w/tune_moe_sorted.log" 2>&1; tail -n 12 "$w/tune_moe_sorted.log" ;;
     mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \
                  > "$w/check_remat.log" 2>&1; tail -8 "$w/check_remat.log"
                timeout 90 python3 scripts/bench_mla_gluon.py --out "$w/bench_remat.json" --hq 128 --variant-lens 1024,8192,32768 \

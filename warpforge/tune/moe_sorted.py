@@ -1,0 +1,91 @@
+"""Sweep the MoE training path's tiles (ops/moe/sorted_kernel.py, configs.SORTED) on this GPU: one MoE layer's
+forward + backward at a training token count, each candidate SortedCfg against the gathered-row path and
+`torch._grouped_mm` in the same process, and print the table entries.
+
+    warpforge tune moe-sorted [--models mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--out tune.json]
+
+Candidates: the table's entry, every GEMM warp-specialized at 4 warps (the weight gradient at 2 stages: its 3
+would not fit), the SwiGLU-gradient GEMM 64 columns wide (its 128 spill 92 B), 4 stages for gate/up, block_m 64. The winner
+goes into configs.SORTED (with `on=True` for a shape where it beats the gathered path), numbers into NOTES.md.
+"""
+import argparse
+import time
+
+import torch
+
+from warpforge.bench import baselines
+from warpforge.bench.moe_cases import MODELS, _expert_weights, _logits
+from warpforge.bench.report import write_json
+from warpforge.ops.moe import api, configs, fused_moe, route_reference
+from warpforge.tune.timing import time_candidate
+
+
+def candidates(base: configs.SortedCfg) -> dict:
+    ws = lambda t, stages=None: t._replace(warps=4, ws=True, stages=stages or t.stages)  # noqa: E731
+    return {
+        "table": base,
+        "ws": base._replace(up=ws(base.up), down=ws(base.down), wgrad=ws(base.wgrad, 2),
+                            dact=ws(base.dact or base.up)),
+        "dact_n64": base._replace(dact=configs.SortedTile(64, 64, 8, 3)),  # half the accumulator: no spill
+        "up4": base._replace(up=base.up._replace(stages=4)),
+        "bm64": base._replace(block_m=64),
+    }
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="warpforge tune moe-sorted")
+    ap.add_argument("--models", default="mixtral,qwen3-30b-a3b,deepseek-v3")
+    ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("warpforge tune moe-sorted: needs a CUDA GPU")
+    dev = torch.device("cuda")
+    results = []
+    t0 = time.time()
+    for model in args.models.split(","):
+        e, k, h, i, route_kw = MODELS[model]
+        w13, w2 = (w.detach().requires_grad_() for w in _expert_weights(model, e, h, i, dev, torch.bfloat16))
+        for t in map(int, args.tokens.split(",")):
+            logits = _logits(t, e, False, dev, torch.Generator().manual_seed(t)).requires_grad_()
+            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+            flops = 3 * 2.0 * t * k * 3 * h * i
+
+            def step(path):
+                return lambda: torch.autograd.grad(path(), (x, w13, w2, logits), grad)
+            base = configs.SORTED.lookup(dev, tuple(w13.shape), t)
+            if base is None:
+                print(f"{model} T{t}: no configs.SORTED entry on this GPU", flush=True)
+                continue
+            real = api._sorted_config
+            rows = {}
+            try:
+                api._sorted_config = lambda *a: None  # the gathered-row kernels
+                rows["gathered"] = time_candidate(step(lambda: fused_moe(x, w13, w2, logits, k, backend="triton",
+                                                                           **route_kw)), rep=40)
+                for name, cfg in candidates(base).items():
+                    api._sorted_config = lambda *a, cfg=cfg: cfg
+                    rows[name] = time_candidate(step(lambda: fused_moe(x, w13, w2, logits, k, backend="triton",
+                                                                         **route_kw)), rep=40)
+            finally:
+                api._sorted_config = real
+
+            def grouped():
+                weights, ids = route_reference(logits, k, **route_kw)
+                return baselines.grouped_mm_experts(x, w13, w2, weights, ids)
+            rows["torch._grouped_mm"] = time_candidate(step(grouped), rep=40)
+            ref = rows["torch._grouped_mm"]
+            for name, ms in rows.items():
+                if ms is not None:
+                    print(f"{model} T{t} {name:18s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
+                          + (f"  {ref / ms:.3f}x grouped_mm" if ref else ""), flush=True)
+                results.append(dict(model=model, tokens=t, candidate=name, ms=ms))
+            del x, grad, logits
+    print(f"[{time.time() - t0:.0f} s]")
+    if args.out:
+        write_json({"sweep": "moe-sorted", "rows": results}, args.out)
+
+
+if __name__ == "__main__":
+    main()
