@@ -37,19 +37,21 @@ def main(argv=None):
     ap.add_argument("--models", default="mixtral,qwen3-30b-a3b,deepseek-v3")
     ap.add_argument("--tokens", default="8192")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # the CPU smoke test's interpreter run
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("warpforge tune moe-sorted: needs a CUDA GPU")
-    dev = torch.device("cuda")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
     results = []
     t0 = time.time()
     for model in args.models.split(","):
         e, k, h, i, route_kw = MODELS[model]
-        w13, w2 = (w.detach().requires_grad_() for w in _expert_weights(model, e, h, i, dev, torch.bfloat16))
+        w13, w2 = (w.detach().requires_grad_() for w in _expert_weights(model, e, h, i, dev, dtype))
         for t in map(int, args.tokens.split(",")):
             logits = _logits(t, e, False, dev, torch.Generator().manual_seed(t)).requires_grad_()
-            x = torch.randn(t, h, device=dev, dtype=torch.bfloat16, requires_grad=True)
-            grad = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
+            x = torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
+            grad = torch.randn(t, h, device=dev, dtype=dtype)
             flops = 3 * 2.0 * t * k * 3 * h * i
 
             def step(path):
