@@ -144,7 +144,8 @@ def streamed_grads_error(grads, hidden, w13, w2, logits, k, route_kw, grad) -> f
     inter = w2.shape[2]
     dx = torch.zeros_like(x)
     dweights = torch.zeros_like(weights)
-    sq = {"w13": [0.0, 0.0], "w2": [0.0, 0.0]}  # [error², reference²] summed over experts
+    # [error², reference²] summed over experts on the device: read back once, not once per expert
+    sq = {name: torch.zeros(2, dtype=torch.float64, device=x.device) for name in ("w13", "w2")}
     for e in range(w13.shape[0]):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         w13e, w2e = w13[e].detach().float().requires_grad_(), w2[e].detach().float().requires_grad_()
@@ -159,15 +160,15 @@ def streamed_grads_error(grads, hidden, w13, w2, logits, k, route_kw, grad) -> f
         else:  # no token: the reference gradients are zero
             ref13, ref2 = torch.zeros_like(w13e), torch.zeros_like(w2e)
         for name, ref, got in (("w13", ref13, grads[1][e]), ("w2", ref2, grads[2][e])):
-            sq[name][0] += (got.double() - ref.double()).square().sum().item()
-            sq[name][1] += ref.double().square().sum().item()
+            sq[name] += torch.stack(((got.double() - ref.double()).square().sum(), ref.double().square().sum()))
     dlogits, = torch.autograd.grad(weights, lg, dweights)
 
     def streamed(err2, ref2):
         return err2 ** 0.5 / ref2 ** 0.5 if ref2 > 0 else err2 ** 0.5
     if not all(torch.isfinite(t).all() for t in grads[1:3]):
         return float("inf")
-    return max(rel_l2(grads[0], dx), streamed(*sq["w13"]), streamed(*sq["w2"]), rel_l2(grads[3], dlogits))
+    return max(rel_l2(grads[0], dx), streamed(*sq["w13"].tolist()), streamed(*sq["w2"].tolist()),
+               rel_l2(grads[3], dlogits))
 
 
 def _register_fp8():

@@ -5,8 +5,9 @@ forward + backward at a training token count, each candidate SortedCfg against t
     warpforge tune moe-sorted [--models mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--out tune.json]
 
 Candidates: the table's entry, every GEMM warp-specialized at 4 warps (the weight gradient at 2 stages: its 3
-would not fit), the SwiGLU-gradient GEMM 64 columns wide (its 128 spill 92 B), 4 stages for gate/up, block_m 64. The winner
-goes into configs.SORTED (with `on=True` for a shape where it beats the gathered path), numbers into NOTES.md.
+would not fit), the SwiGLU-gradient GEMM 64 columns wide (its 128 spill 92 B), 4 stages for gate/up, block_m 64.
+The winner goes into configs.SORTED (with `on=True` for a shape where it beats the gathered path), numbers into
+NOTES.md.
 """
 import argparse
 import time
@@ -20,8 +21,13 @@ from warpforge.ops.moe import api, configs, fused_moe, route_reference
 from warpforge.tune.timing import time_candidate
 
 
+def _specialized(tile: configs.SortedTile, stages=None) -> configs.SortedTile:
+    """tile warp-specialized: 4 warps, the only count at which Triton 3.6 specializes (HOPPER-PIPELINE.md)."""
+    return tile._replace(warps=4, ws=True, stages=stages or tile.stages)
+
+
 def candidates(base: configs.SortedCfg) -> dict:
-    ws = lambda t, stages=None: t._replace(warps=4, ws=True, stages=stages or t.stages)  # noqa: E731
+    ws = _specialized
     return {
         "table": base,
         "ws": base._replace(up=ws(base.up), down=ws(base.down), wgrad=ws(base.wgrad, 2),

@@ -194,6 +194,16 @@ def _scale_args(b, scale, b_strides):
     return scale, scale.stride(0), scale.stride(1), scale.stride(2)
 
 
+def or_stand_in(t, stand_in):
+    """t, or a tensor to pass in its place for a kernel argument the chosen mode never reads."""
+    return t if t is not None else stand_in
+
+
+def row_stride(t) -> int:
+    """t's row stride, 0 for an argument that is not there."""
+    return t.stride(0) if t is not None else 0
+
+
 def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
               pre=None, row_w=None, scale=None, swiglu_bwd=None):
     """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side.
@@ -212,11 +222,8 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
     if swiglu_bwd is not None:
         act, act_w, pre, dw_part = swiglu_bwd  # pre is read here (the forward's pre-activations), not written
 
-    def ptr(t):  # a pointer for arguments the chosen mode never reads
-        return t if t is not None else out
-
-    def row_stride(t):
-        return t.stride(0) if t is not None else 0
+    def ptr(t):
+        return or_stand_in(t, out)
     moe_gemm_kernel[(sorted_ids.numel() // bm * triton.cdiv(n, bn), 1, split_k)](
         a, b, sc, out, ptr(pre), ptr(row_w), ptr(act), ptr(act_w), ptr(dw_part), sorted_ids, expert_ids, num_post,
         a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0), row_stride(pre),

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
 from ..shared_kernels import dot
-from .moe_kernel import _grouped_tile, swiglu_bwd_epilogue, swiglu_fwd_epilogue
+from .moe_kernel import _grouped_tile, or_stand_in, row_stride, swiglu_bwd_epilogue, swiglu_fwd_epilogue
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def moe_sorted_wgrad_kernel(G, A, DW, BLOCK_START, BLOCK_COUNT, cap, num_e, N, K
 def dims_fit(h: int, inter_dim: int, dtype: torch.dtype) -> bool:
     """Whether tensor descriptors can address this model's rows: every row length (H, I, 2I) a multiple of 16
     bytes. A shape question only, so that the forward, its fake and the backward agree on the path."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     return h * size % 16 == 0 and inter_dim * size % 16 == 0
 
 
@@ -186,10 +186,7 @@ def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=N
     nb = w.shape[1] if b_kmajor else w.shape[2]
 
     def ptr(t):
-        return t if t is not None else out
-
-    def row_stride(t):
-        return t.stride(0) if t is not None else 0
+        return or_stand_in(t, out)
     moe_sorted_gemm_kernel[(programs,)](
         a, w, out, ptr(pre), ptr(row_w), ptr(act), ptr(act_w), ptr(dw_part), sorted_ids, expert_ids, num_post,
         cap, w.shape[0], nb, out.stride(0), row_stride(pre), row_stride(act), row_stride(dw_part), n_slots, k, n,
