@@ -94,6 +94,13 @@ for step in "$@"; do
                 for sw in 0 1; do WARPFORGE_MOE_FP8_FP16=$sw timeout 150 python3 -m warpforge bench --family moe \
                   --match "fp8" --json "$w/moe-fp8-fp16math$sw.json" > "$w/moe-fp8-fp16math$sw.log" 2>&1
                   grep -E "fp8" "$w/moe-fp8-fp16math$sw.log" | tail -n 12; done ;;
+    moe-default) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
+                 for sw in 0 ""; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
+                   --match "T(2048|8192) uniform" --json "$w/moe-fwd-sorted${sw:-default}.json" \
+                   > "$w/moe-fwd-sorted${sw:-default}.log" 2>&1; grep -E "warpforge " "$w/moe-fwd-sorted${sw:-default}.log"; done ;;
+    tune-moe-fp8) timeout 420 python3 -m warpforge tune moe --w-format fp8 --models ${MOE_MODELS:-mixtral,deepseek-v3} \
+                    --tokens ${MOE_TOKENS:-128,16,1} --budget-s 330 --out "$w/tune_moe_fp8.json" > "$w/tune_moe_fp8.log" 2>&1
+                  grep -E "BEST|math" "$w/tune_moe_fp8.log" ;;
     tune-moe-sorted) timeout 280 python3 -m warpforge tune moe-sorted --models ${MOE_MODELS:-mixtral} \
                        --out "$w/tune_moe_sorted.json" > "$w/tune_moe_sorted.log" 2>&1; tail -n 12 "$w/tune_moe_sorted.log" ;;
     mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \

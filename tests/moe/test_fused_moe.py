@@ -270,3 +270,21 @@ def test_fp8_fp16_math_switch(monkeypatch):
     assert not fp16_math(cfg._replace(fp8_fp16_math=True))
     monkeypatch.setenv("WARPFORGE_MOE_FP8_FP16", "1")
     assert fp16_math(cfg)
+
+
+def test_fp8_weights_take_their_own_tiles(monkeypatch):
+    """An entry's `fp8=` tiles (warpforge tune moe --w-format fp8) run FP8 weights; bf16 weights keep the entry's."""
+    from warpforge.ops.moe import api, configs
+    tile = configs.GemmTile(32, 32, 4, 2) if DEV.type == "cuda" else configs.GemmTile(32, 32, 1, 1)
+    entry = configs.MoECfg(16, tile, tile, fp8=configs.MoECfg(32, tile, tile, 2))
+    monkeypatch.setattr(api, "config_source", lambda *a: entry)
+    seen = []
+    real_align = api.align_unchecked
+    monkeypatch.setattr(api, "align_unchecked",
+                        lambda ids, e, bm, **kw: seen.append(bm) or real_align(ids, e, bm, **kw))
+    hidden, logits = torch.randn(6, 64, device=DEV, dtype=DTYPE), torch.randn(6, 4, device=DEV)
+    w13, w2 = _weights(4, 64, 32)
+    (q13, s13), (q2, s2) = wf.moe.quantize_weights(w13), wf.moe.quantize_weights(w2)
+    out = wf.fused_moe(hidden, q13, q2, logits, 2, w_format="fp8", w_scales=(s13, s2), backend="triton")
+    ref = wf.fused_moe(hidden.float(), q13, q2, logits, 2, w_format="fp8", w_scales=(s13, s2), backend="reference")
+    assert seen[-1] == 32 and rel_l2(out, ref) <= REL_L2[DTYPE]

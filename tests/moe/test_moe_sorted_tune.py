@@ -1,5 +1,6 @@
 """`warpforge tune moe-sorted` end to end at a tiny shape through the interpreter: every candidate config runs a
 forward and backward (the timer replaced by one call: the sweep's own timer needs a GPU)."""
+import pytest
 import torch
 
 from warpforge.bench import baselines
@@ -7,6 +8,8 @@ from warpforge.ops.moe import configs, experts_reference
 from warpforge.tune import moe_sorted
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter smoke test; on a GPU `warpforge tune "
+                    "moe-sorted` itself runs every candidate")
 def test_every_candidate_runs(monkeypatch, capsys):
     ran = []
 

@@ -45,6 +45,7 @@ def _experts_fp8_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Inference with FP8 expert weights (dequantised tile by tile inside the GEMMs); no backward."""
     from .moe_kernel import fused_experts
     cfg = _config(hidden.device, hidden.shape[0], w13)
+    cfg = cfg.fp8 or cfg
     sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], cfg.block_m, backend="triton")
     return fused_experts(hidden, w13.view(torch.uint8), w2.view(torch.uint8), weights, sorted_ids, expert_ids,
                          num_post, ids.shape[1], cfg, scales=(s13, s2))[0]

@@ -24,6 +24,9 @@ class MoECfg(NamedTuple):
     split_k: int = 1  # down GEMM only: K cut into this many ranges, summed by the scatter's atomics
     wgrad: GemmTile | None = None  # weight-gradient kernel (None: `up`'s tile)
     fp8_fp16_math: bool = False  # FP8 weights: dequantise to fp16 and run the MMA in fp16 (moe_kernel.fp16_math)
+    # FP8 weights' own tiles at this entry (warpforge tune moe --w-format fp8), None: these. Their k is at most
+    # 128 (one scale block) and the dequantisation changes what hides under the loads, so their best differs.
+    fp8: "MoECfg | None" = None
 
 
 C, G = MoECfg, GemmTile
@@ -74,9 +77,9 @@ class SortedCfg(NamedTuple):
 
 S, ST = SortedCfg, SortedTile
 # Token thresholds: None below (decode and small prefill keep moe_kernel.py's gathered-row kernels). The sm90
-# tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), not yet tuned or timed:
-# every entry is off until a GPU session measures it (benchmarks/NOTES.md, "Fused MoE training path").
-_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 8, 2), ST(128, 64, 8, 3))
+# tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md); on by default since
+# session 14 measured them past the gathered path at T 8192 fwd+bwd (benchmarks/NOTES.md, "Session 14").
+_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 8, 2), ST(128, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
     "default": {"any": {0: None}},
