@@ -7,11 +7,6 @@ Cases: b 128, s_q 1, page 64, cache_seqlens L + 2i (request i), pages shuffled, 
 1k..32k. Per case: ms of each path (its planned split count), TFLOP/s (2 · h_q · s_q · Σ s_k · 1088) and
 1 − cos against the fp32 reference (over the first REF_REQUESTS requests, which see the same inputs).
 --sweep: at L 8k, the Gluon kernel's split counts 1-6, called directly. --sweep-only skips the cases.
---variants "name=knobs;...": the Gluon kernel's schedule knobs (decode_gluon_kernel.DEFAULT_KNOBS), each variant
-called directly with the planned split count, side by side in this process, e.g.
-    --variants "base=;split=split_bars=1;quarters=quarters=1;both=split_bars=1,quarters=1"
---diag-l2 (with --variants): also time each variant with every request's block table pointing into the same 8
-pages (the cache then lives in L2): the gap between the two timings is what DRAM traffic and TMA latency cost.
 """
 import argparse
 import json
@@ -115,60 +110,6 @@ def run_case(h_q, L):
     return row
 
 
-def parse_variants(text):
-    """ "base=;q=quarters=1,split_bars=1" -> [("base", {}), ("q", {"quarters": True, "split_bars": True})]"""
-    out = []
-    for item in filter(None, (x.strip() for x in text.split(";"))):
-        name, _, knobs = item.partition("=")
-        kv = {}
-        for pair in filter(None, (x.strip() for x in knobs.split(","))):
-            k, _, v = pair.partition("=")
-            kv[k.strip()] = v.strip().lower() in ("1", "true", "yes", "on")
-        dg.knobs(kv)  # unknown knob names fail here, before anything runs
-        out.append((name.strip(), kv))
-    return out
-
-
-def run_variants(h_q, L, variants, diag_l2=False):
-    """Each Gluon variant on the same inputs, the planned split count, CUDA-graph replay (and again L2-resident)."""
-    t0 = time.time()
-    q, cache, table, seqlens, total = problem(h_q, L)
-    flops = 2 * h_q * S_Q * total * 1088
-    set_gluon(True)
-    splits = wf.mla.plan(q, cache, table).num_splits
-    tables = [("hbm", table)]
-    if diag_l2:  # every request reads the same 8 pages: the cache stays in L2
-        tables.append(("l2", (torch.arange(table.shape[1], device=q.device, dtype=torch.int32) % 8)
-                       .expand(table.shape[0], -1).contiguous()))
-    rows = []
-    for where, tab in tables:
-        for name, kv in variants:
-            r = {"h_q": h_q, "L": L, "variant": name, "knobs": dg.knobs(kv), "cache": where, "splits": splits}
-            try:
-                ms, out = graph_ms(lambda: dg.mla_decode_gluon(q, cache, tab, seqlens, 576 ** -0.5, False, splits,
-                                                              kv)[0])
-                r.update(ms=ms, tflops=flops / ms / 1e9, one_minus_cos=one_minus_cos(out, q, cache, tab, seqlens))
-            except Exception as e:  # noqa: BLE001 - report and go on
-                r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append(r)
-    base = {r["cache"]: r.get("ms") for r in rows if r["variant"] == variants[0][0]}
-    fm = FLASHMLA_HQ128_MS.get(L) if h_q == 128 else None
-    for r in rows:
-        if "ms" in r:
-            rel = base.get(r["cache"]) / r["ms"] if base.get(r["cache"]) else float("nan")
-            r["vs_first"] = rel
-            r["vs_flashmla_table"] = fm / r["ms"] if fm else None
-            print(f"variant h_q {h_q:3d} L {L:6d} {r['cache']:3s} {r['variant']:10s} {r['ms']:7.3f} ms "
-                  f"{r['tflops']:6.1f} TF/s s{splits} 1-cos {r['one_minus_cos']:.1e} | {rel:.3f}x {variants[0][0]}"
-                  + (f", {fm / r['ms']:.2f}x FlashMLA table" if fm else ""), flush=True)
-        else:
-            print(f"variant h_q {h_q} L {L} {r['cache']} {r['variant']}: {r['error']}", flush=True)
-    print(f"  [{time.time() - t0:.0f} s]", flush=True)
-    del q, cache, table, seqlens
-    torch.cuda.empty_cache()
-    return rows
-
-
 def sweep(h_q, L=8192):
     q, cache, table, seqlens, total = problem(h_q, L)
     flops = 2 * h_q * S_Q * total * 1088
@@ -194,23 +135,14 @@ def main():
     ap.add_argument("--lens", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--sweep", action="store_true", help="also try the Gluon kernel's split counts at L 8k")
     ap.add_argument("--sweep-only", action="store_true")
-    ap.add_argument("--variants", default=None, help='"name=knob=1,knob=0;name2=..." (see the docstring)')
-    ap.add_argument("--diag-l2", action="store_true", help="with --variants: also time an L2-resident cache")
-    ap.add_argument("--variant-lens", default=None, help="L values for --variants (default: --lens)")
     args = ap.parse_args()
     import triton
     dev = torch.cuda.get_device_name()
     print(f"{dev} sm_{''.join(map(str, torch.cuda.get_device_capability()))} torch {torch.__version__} "
           f"triton {triton.__version__}; Gluon available: {dg.available()}", flush=True)
     t0 = time.time()
-    result = {"device": dev, "triton": triton.__version__, "torch": torch.__version__, "cases": [], "sweep": [],
-              "variants": []}
-    if args.variants:
-        variants = parse_variants(args.variants)
-        for h_q in map(int, args.hq.split(",")):
-            for L in map(int, (args.variant_lens or args.lens).split(",")):
-                result["variants"] += run_variants(h_q, L, variants, args.diag_l2)
-    elif not args.sweep_only:
+    result = {"device": dev, "triton": triton.__version__, "torch": torch.__version__, "cases": [], "sweep": []}
+    if not args.sweep_only:
         for h_q in map(int, args.hq.split(",")):
             for L in map(int, args.lens.split(",")):
                 result["cases"].append(run_case(h_q, L))

@@ -2,7 +2,7 @@
 H200's) and count, per warpgroup, what one trip of its page loop (= one pair of pages) executes in SASS: warpgroup
 bar.syncs, wgmma groups and waits, mbarrier waits / arrives, TMA issues, spill reloads / stores (LDL / STL), R2UR.
 
-    PYTHONPATH=$PWD /work/venv36/bin/python scripts/sass_mla_gluon.py [--knobs remat_desc=1] [--dump out.sass]
+    PYTHONPATH=$PWD /work/venv36/bin/python scripts/sass_mla_gluon.py [--h-q 128] [--dump out.sass]
 
 "hot" counts one trip along the steady state (every page full, more pages to come): blocks a forward branch skips
 that hold no HGMMA and no UTMALDG (the rows-past-the-end zeroing, the last pair's tail) and blocks only reached
@@ -106,22 +106,19 @@ def page_loops(sass: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--knobs", default="", help='"remat_desc=1,split_bars=1" (decode_gluon_kernel.DEFAULT_KNOBS)')
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--dump", default=None, help="write the SASS here")
     args = ap.parse_args()
     from warpforge.ops import _gluon
     from warpforge.ops.mla import decode_gluon_kernel as dg
-    kv = {k.strip(): v.strip().lower() in ("1", "true", "yes", "on")
-          for k, _, v in (p.partition("=") for p in filter(None, args.knobs.split(",")))}
-    r = dg.compile_sm90(h_q=args.h_q, knob_overrides=kv)
+    r = dg.compile_sm90(h_q=args.h_q)
     kernel = r.pop("kernel")
     use = _gluon.ptxas_usage(kernel.asm["ptx"])
     sass = sass_of(kernel.asm["cubin"])
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(sass)
-    print(f"knobs {dg.knobs(kv)}: ptxas {use['registers']} registers, spills {use['spill_stores']}/"
+    print(f"h_q {args.h_q}: ptxas {use['registers']} registers, spills {use['spill_stores']}/"
           f"{use['spill_loads']} B, stack {use['stack_bytes']} B, shared {r['shared_bytes']} B, "
           f"{sum(1 for x in sass.splitlines() if OP.match(x))} SASS instructions")
     for role, counts in page_loops(sass):

@@ -23,6 +23,12 @@ Every buffer half is reloaded by the one warpgroup that read it last, as soon as
 no empty barriers are needed; the cross-warpgroup handshakes are four mbarriers used once per pair (phase = p & 1).
 Shared memory: Q (64 KB + 8 KB rope) + two pages (2 × 72 KB) = 216 KB; P lives in the pages' rope slots.
 
+Every wgmma operand in the page loops is addressed through an index that is always 0 but loop-variant to the
+compilers (_mma_views): LLVM then cannot hoist the 72 shared-memory descriptors of the score GEMM out of the loop,
+and ptxas rebuilds each at its use instead of spilling them across it (0 spills; hoisted, they spilled 360 B and the
+kernel ran 1.22-1.31x slower on the H200). benchmarks/NOTES.md ("MLA decode", sessions 11-14) records the schedule
+variants tried and their H200 times.
+
 Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
 again, every score masked, its V rows zeroed); the request's last page has its rows past the length zeroed in
 shared memory before its P·V (they may hold NaN, and 0 · NaN is NaN).
@@ -33,7 +39,6 @@ gate (api.py) only dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIO
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -46,36 +51,6 @@ GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file wa
 # (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
 
 HALF = D_V // 2
-# Schedule variants behind constexpr knobs, for A/B runs on the H200 (benchmarks/NOTES.md, "MLA decode (session 11)"):
-#   split_bars: one shared-memory allocation per mbarrier (Triton's membar pass then puts no warpgroup bar.sync
-#               between operations on different barriers): 3 fewer bar.syncs per pair of pages, same schedule
-#   quarters:   each 256-column half is loaded as two 64 x 128 boxes on two barriers, and the score GEMM runs its
-#               first 128 columns while the second 128 stream in (FlashMLA waits per 64-column tile)
-#   remat_desc: the loops address every wgmma operand (Q, the pages, the P slots) through a loop-variant index that
-#               is always 0 (p >> 30), so LLVM cannot hoist the 72 shared-memory descriptors of the score GEMM out of
-#               the loop and ptxas rebuilds them at their use (UIADD3.64) instead of spilling them (session 11's SASS:
-#               21 LDL.64 of Q's descriptors per pair in WG0, 360 B of spills)
-#   two_max:    WG0 publishes each pair's max in a slot of its own (WG1's stays in s_m): neither warpgroup then
-#               overwrites the slot it has just read, and each loop loses its read-before-overwrite bar.sync; the
-#               values and the math order are unchanged
-#   p1_slot:    P1 gets a shared slot of its own (kr's fourth, 8 KB of the ~9.5 KB left) instead of page 1's rope slot,
-#               so page 1's rope is reloaded with its right half by WG1 once P1·V1_R retires, and the reload WG0 issues
-#               after P1·V1_L (the pair's last MMA: the load the next S1 waits for longest) shrinks from 40 to 32 KB;
-#               S1 runs its right half and rope (20 wgmmas) before it waits for the late left half (16). Needs
-#               remat_desc (the slot is indexed like the others)
-#   early_pages: both warpgroups issue their first two pages' TMA loads before WG0 loads Q (through registers) instead
-#               of after it, so the first pages' latency overlaps Q's instead of following it (the prologue: L 1k)
-#   early_max:  each warpgroup publishes its new max and scale (and arrives on sync0 / sync1) right after the scale's
-#               exp2, before the 32 exp2 of its P, so the other warpgroup's softmax (WG1's on sync0) or P0 handoff
-#               (WG0's on sync1) need not wait for them; P's exp2 take m back through a shared load after the arrive
-#               (ptxas otherwise hoists them above it). Same barriers, same values (_publish)
-#   early_max1: WG1's publish only (sync1: WG0's P0 handoff waits on it). With early_max WG1's softmax runs beside WG0's
-#               P exp2s and both share the MUFU (one warp of each warpgroup per sub-partition); WG1's early publish
-#               costs no MUFU overlap (early_max wins if both are set)
-# remat_desc is on: spill-free, it ran 1.22-1.33x the kernel without it on the H200 (NOTES, "MLA decode (session 13)")
-DEFAULT_KNOBS = dict(split_bars=False, quarters=False, remat_desc=True, two_max=False, p1_slot=False,
-                     early_pages=False, early_max=False, early_max1=False)
-KNOBS_ENV = "WARPFORGE_MLA_GLUON_KNOBS"
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
@@ -98,61 +73,31 @@ def _build():
     MAX_INIT_C = gl.constexpr(MAX_INIT)
 
     @gluon.jit
-    def _bar():
-        return gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-
-    @gluon.jit
     def _page_row(bt_row, first_page, blk, n_steps, last_page):
         """Cache row of block blk of this split (a phantom block past the split reloads its last page)."""
         page = gl.load(bt_row + first_page + gl.minimum(blk, n_steps - 1))
         return gl.minimum(gl.maximum(page, 0), last_page) * 64
 
+    # (H and USE_ACC below arrive as literals, which Triton passes on as constexprs; a `gl.constexpr` annotation
+    # would not resolve: `from __future__ import annotations` leaves it a string, and these bodies never name gl)
     @gluon.jit
-    def _load_half(kn_desc, kn_dst, kbar, H: gl.constexpr, row, col, QUARTERS: gl.constexpr):
-        """256 latent columns of a page → shared memory, on kbar[H] (QUARTERS: columns 0-127 on kbar[H], 128-255 on
-        kbar[4 + H], two 64 x 128 boxes)."""
-        QC: gl.constexpr = gl.constexpr(128)   # columns per quarter box
-        if QUARTERS:
-            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst.slice(0, QC, dim=1))
-            mbarrier.expect(kbar[4 + H], kn_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, col + QC], kbar[4 + H], kn_dst.slice(QC, QC, dim=1))
-        else:
-            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
+    def _load_half(kn_desc, kn_dst, kbar, H, row, col):
+        """256 latent columns of a page → shared memory, on kbar[H]."""
+        mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
 
     @gluon.jit
-    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, kbar, H: gl.constexpr, row, col, QUARTERS: gl.constexpr):
-        """256 latent columns and the 64 rope columns of a page → shared memory, on kbar[H] (QUARTERS: the rope
-        travels with the second quarter, on kbar[4 + H])."""
-        QC: gl.constexpr = gl.constexpr(128)
-        if QUARTERS:
-            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst.slice(0, QC, dim=1))
-            mbarrier.expect(kbar[4 + H], kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, col + QC], kbar[4 + H], kn_dst.slice(QC, QC, dim=1))
-            tma.async_copy_global_to_shared(kr_desc, [row, 512], kbar[4 + H], kr_dst)
-        else:
-            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
-            tma.async_copy_global_to_shared(kr_desc, [row, 512], kbar[H], kr_dst)
+    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, kbar, H, row, col):
+        """256 latent columns and the 64 rope columns of a page → shared memory, on kbar[H]."""
+        mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
+        tma.async_copy_global_to_shared(kr_desc, [row, 512], kbar[H], kr_dst)
 
     @gluon.jit
-    def _s_half(q, k, kbar, H: gl.constexpr, phase, acc, USE_ACC: gl.constexpr, QUARTERS: gl.constexpr):
-        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed (QUARTERS: as two 128-column
-        wgmma groups, the second once kbar[4 + H] has landed: the first runs while the second quarter streams in)."""
-        QC: gl.constexpr = gl.constexpr(128)
-        if QUARTERS:
-            mbarrier.wait(kbar[H], phase)
-            tok = warpgroup_mma(q.slice(0, QC, dim=1), k.slice(0, QC, dim=1).permute((1, 0)), acc,
-                                use_acc=USE_ACC, is_async=True)
-            mbarrier.wait(kbar[4 + H], phase)
-            tok = warpgroup_mma(q.slice(QC, QC, dim=1), k.slice(QC, QC, dim=1).permute((1, 0)), tok,
-                                is_async=True)
-        else:
-            mbarrier.wait(kbar[H], phase)
-            tok = warpgroup_mma(q, k.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
-        return tok
+    def _s_half(q, k, kbar, H, phase, acc, USE_ACC):
+        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed."""
+        mbarrier.wait(kbar[H], phase)
+        return warpgroup_mma(q, k.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
 
     @gluon.jit
     def _zero_rows(v, n_valid):
@@ -179,84 +124,34 @@ def _build():
             return gl.full([64], 0, gl.int32, ROW_S) + end
 
     @gluon.jit
-    def _publish(s_max, SLOT: gl.constexpr, m, s_sc, scale, bar):
-        """A warpgroup's softmax hands over its new max and rescale: m to the running max (s_max[0]; with two_max and
-        SLOT 1, WG0's own slot s_max[1]), scale to s_sc, then one arrive on bar. The values are whole in registers
-        before any store; the bar.sync after the stores orders every thread's STS before thread 0's arrive (its
-        release), so a reader that has waited on bar never sees half of them. The bar.sync before them keeps the
-        read of the old max (this warpgroup's own, and the other's) ahead of the overwrite."""
-        if len(s_max) == 1:
-            gl.thread_barrier()   # every thread has read the old max before any writes the new one
-        s_sc.store(scale)
-        if len(s_max) == 2:
-            s_max[SLOT].store(m)
-        else:
-            s_max[0].store(m)
-        gl.thread_barrier()
-        mbarrier.arrive(bar, count=1)
-        # m again, through a shared load after the arrive: ptxas moves MUFU freely across BAR.SYNC, the arrive and
-        # branches, and left alone it hoists the 32 EX2 of P that use m above the stores and the arrive; the load
-        # stays behind the bar.sync the membar pass puts before it. s_sc is written by this warpgroup only (its next
-        # write is a pair later), so the load returns what was stored; scale = exp2(m_old - m) <= 1 (m >= m_old), so
-        # the select always picks m: the same bits, the same math
-        back = s_sc.load(ROW_S)
-        return gl.where(back > 2.0, back, m)
+    def _mma_views(q_half, kn, kr, p):
+        """The loop's wgmma operands: Q's halves, Q's rope (kr's slot 2), the four page halves, the two pages' rope
+        slots (each then holds that page's P), each indexed by z = p >> 30: 0 for every real pair count, but
+        loop-variant to LLVM and ptxas, so the wgmma descriptors are rebuilt from a base address at their use instead
+        of hoisted out of the loop (and spilled across it)."""
+        z = p >> 30
+        return (q_half.index(z), q_half.index(z + 1), kr.index(z + 2), kn.index(z), kn.index(z + 1),
+                kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1))
 
     @gluon.jit
-    def _mma_views(q_half, q_rope, kn, kr, p):
-        """The loop's wgmma operands (Q halves, Q rope, the four page halves, the two rope / P slots). With the
-        remat_desc knob (kr then has a third slot, Q's rope: the shape is the static switch, because the knobs reach
-        a partition as i1 values, not constexprs) each is indexed by z = p >> 30, 0 for every real pair count but
-        loop-variant to LLVM and ptxas, so the wgmma descriptors are rebuilt from a base address at their use
-        instead of hoisted out of the loop (and spilled across it). The last view is P1's slot: page 1's rope slot,
-        or with p1_slot (kr has a fourth slot) a slot of its own."""
-        if kr.shape[0] == 4:
-            z = p >> 30
-            return (q_half.index(z), q_half.index(z + 1), kr.index(z + 2), kn.index(z), kn.index(z + 1),
-                    kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1), kr.index(z + 3))
-        elif kr.shape[0] == 3:
-            z = p >> 30
-            return (q_half.index(z), q_half.index(z + 1), kr.index(z + 2), kn.index(z), kn.index(z + 1),
-                    kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1), kr.index(z + 1))
-        else:
-            return (q_half.index(0), q_half.index(1), q_rope, kn.index(0), kn.index(1), kn.index(2), kn.index(3),
-                    kr.index(0), kr.index(1), kr.index(1))
+    def _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page):
+        """WG0's halves of the first two pages: page 0's left half, page 1's left half and rope."""
+        _load_half(kn_desc, kn.index(0), kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
+        _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2,
+                        _page_row(bt_row, first_page, 1, n_steps, last_page), 0)
 
     @gluon.jit
-    def _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS):
-        """WG0's halves of the first two pages: page 0's left half, page 1's left half (and rope)."""
-        _load_half(kn_desc, kn.index(0), kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0,
-                   QUARTERS)
-        if kr.shape[0] == 4:   # (p1_slot: page 1's rope comes with its right half, WG1's load)
-            _load_half(kn_desc, kn.index(2), kbar, 2, _page_row(bt_row, first_page, 1, n_steps, last_page), 0,
-                       QUARTERS)
-        else:
-            _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2,
-                            _page_row(bt_row, first_page, 1, n_steps, last_page), 0, QUARTERS)
-
-    @gluon.jit
-    def _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS):
-        """WG1's halves of the first two pages: page 0's right half and rope, page 1's right half (p1_slot: and
-        rope)."""
+    def _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page):
+        """WG1's halves of the first two pages: page 0's right half and rope, page 1's right half."""
         _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1,
-                        _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C, QUARTERS)
-        if kr.shape[0] == 4:
-            _load_half_rope(kn_desc, kr_desc, kn.index(3), kr.index(1), kbar, 3,
-                            _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C, QUARTERS)
-        else:
-            _load_half(kn_desc, kn.index(3), kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C,
-                       QUARTERS)
+                        _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C)
+        _load_half(kn_desc, kn.index(3), kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C)
 
     @gluon.jit
-    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
-             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-             QUARTERS: gl.constexpr):
-        s_m = s_max[0]   # the running max (WG1's after each pair); with two_max, s_max[1] holds WG0's
-        if len(sync) == 7:   # (early_pages: the first pages' loads go out before Q's; sync's length is the switch)
-            if n_steps > 0:
-                _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
         # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rq = tile * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, blk))
@@ -280,17 +175,16 @@ def _build():
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         if n_pairs > 0:
-            if len(sync) == 6:
-                _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
-            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, QUARTERS)
-            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, QUARTERS)
+            _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page)
+            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False)
+            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True)
             tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
             s0 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n0 = start + 2 * p * 64
             more = p + 1 < n_pairs
-            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1, vp1 = _mma_views(q_half, q_rope, kn, kr, p)
+            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1 = _mma_views(q_half, kn, kr, p)
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the even page against the running max; publish the new max and the rescale
@@ -298,21 +192,13 @@ def _build():
             m_old = s_m.load(ROW_S)
             m0 = gl.maximum(m_old, gl.max(s, axis=1))
             scale0 = gl.exp2(m_old - m0)
-            if len(kbar) == 9:   # (early_max: publish before P0's exp2s; kbar's length is the switch, 10: early_max1)
-                m0 = _publish(s_max, 1, m0, s_sc0, scale0, sync[0])
             p0 = gl.exp2(s - m0[:, None])
             l_i = l_i * scale0 + gl.sum(p0, axis=1)
-            if len(kbar) != 9:   # (no early_max, or early_max1: WG1 only)
-                # (the flags reach a partition as i1 values, not constexprs: the tuple's length is the static switch)
-                if len(s_max) == 1:   # (two_max: the new max goes to a slot of its own, s_max[1])
-                    gl.thread_barrier()   # every thread has read the old max before any writes the new one
-                s_sc0.store(scale0)
-                if len(s_max) == 2:
-                    s_max[1].store(m0)
-                else:
-                    s_m.store(m0)
-                gl.thread_barrier()
-                mbarrier.arrive(sync[0], count=1)
+            gl.thread_barrier()   # every thread has read the old max before any writes the new one
+            s_sc0.store(scale0)
+            s_m.store(m0)
+            gl.thread_barrier()
+            mbarrier.arrive(sync[0], count=1)
             acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
             n_valid0 = end - n0
             if n_valid0 < 64:
@@ -324,7 +210,7 @@ def _build():
             # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
             mbarrier.wait(sync[1], ph)
             if more:
-                _load_half(kn_desc, kn.index(0), kbar, 0, next0, 0, QUARTERS)
+                _load_half(kn_desc, kn.index(0), kbar, 0, next0, 0)
             scale1 = s_sc1.load(ROW_S)
             kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
             fence_async_shared()
@@ -339,18 +225,12 @@ def _build():
                 _zero_rows(kn.index(2), n_valid1)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(vp1, vk2, acc, is_async=True)
+            tok = warpgroup_mma(vr1, vk2, acc, is_async=True)   # P1·V1_L
             if more:
-                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, QUARTERS)
-                if QUARTERS:   # P1·V1_L retired (the score groups issued after it may run on)
-                    acc = warpgroup_mma_wait(2, deps=(tok, ))
-                else:
-                    acc = warpgroup_mma_wait(1, deps=(tok, ))
-                if kr.shape[0] == 4:   # (p1_slot: page 1's rope went with WG1's reload of its right half)
-                    _load_half(kn_desc, kn.index(2), kbar, 2, next1, 0, QUARTERS)
-                else:
-                    _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0, QUARTERS)
-                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, QUARTERS)
+                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False)
+                acc = warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_L retired (S0's first half may run on)
+                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0)
+                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True)
                 s_tok = warpgroup_mma(vqr, vr0.permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -366,68 +246,47 @@ def _build():
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
 
     @gluon.jit
-    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
-             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-             QUARTERS: gl.constexpr):
-        s_m = s_max[0]   # the running max (WG1's after each pair); with two_max, s_max[1] holds WG0's
+             H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
         n_pairs = (n_steps + 1) // 2
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
-        if len(sync) == 7:   # (early_pages: before Q is in place; WG1 touches Q only in its S GEMM)
-            if n_pairs > 0:
-                _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
         mbarrier.wait(sync[4], 0)
         if n_pairs > 0:
-            if len(sync) == 6:
-                _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page, QUARTERS)
-            if kr.shape[0] == 4:   # (p1_slot: page 1's rope came with its right half; S1's rope before the left half)
-                tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, QUARTERS)
-                tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
-                tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, QUARTERS)
-            else:
-                tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, QUARTERS)
-                tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, QUARTERS)
-                tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
+            _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page)
+            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False)
+            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True)
+            tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
             s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n1 = start + (2 * p + 1) * 64
             more = p + 1 < n_pairs
-            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1, vp1 = _mma_views(q_half, q_rope, kn, kr, p)
+            vq0, vq1, vqr, vk0, vk1, vk2, vk3, vr0, vr1 = _mma_views(q_half, kn, kr, p)
             next0 = _page_row(bt_row, first_page, 2 * p + 2, n_steps, last_page)  # early: off the reload's path
             next1 = _page_row(bt_row, first_page, 2 * p + 3, n_steps, last_page)
             # softmax of the odd page against WG0's new max
             mbarrier.wait(sync[0], ph)
-            if len(s_max) == 2:
-                m0 = s_max[1].load(ROW_S)
-            else:
-                m0 = s_m.load(ROW_S)
+            m0 = s_m.load(ROW_S)
             scale0 = s_sc0.load(ROW_S)
             s = _masked(s1, n1, limit, qk_scale)
             m1 = gl.maximum(m0, gl.max(s, axis=1))
             scale1 = gl.exp2(m0 - m1)
-            if len(kbar) >= 9:   # (early_max, early_max1: publish before P1's exp2s)
-                m1 = _publish(s_max, 0, m1, s_sc1, scale1, sync[1])
             p1 = gl.exp2(s - m1[:, None])
             both = scale0 * scale1
             l_i = l_i * both + gl.sum(p1, axis=1)
-            if len(kbar) == 8:
-                if len(s_max) == 1:   # (two_max: WG0's max is in a slot of its own, s_max[1])
-                    gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
-                s_sc1.store(scale1)
-                s_m.store(m1)
-                gl.thread_barrier()
-                mbarrier.arrive(sync[1], count=1)
+            gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
+            s_sc1.store(scale1)
+            s_m.store(m1)
+            gl.thread_barrier()
+            mbarrier.arrive(sync[1], count=1)
             acc = acc * gl.convert_layout(both, ROW_O)[:, None]
             p1b = p1.to(gl.bfloat16)
-            if kr.shape[0] == 4:
-                kr.index(3).store(p1b)   # for WG0's P1·V1_L (p1_slot: a slot of its own)
-            else:
-                kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
+            kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
             n_valid1 = end - n1
             if n_valid1 < 64:
                 _zero_rows(kn.index(3), n_valid1)
@@ -445,19 +304,12 @@ def _build():
             mbarrier.arrive(sync[3], count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
-                if kr.shape[0] == 4:   # (p1_slot: and page 1's rope, dead since S1)
-                    _load_half_rope(kn_desc, kr_desc, kn.index(3), kr.index(1), kbar, 3, next1, HALF_C, QUARTERS)
-                else:
-                    _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C, QUARTERS)
+                _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
-                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1, next0, HALF_C, QUARTERS)
-                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, QUARTERS)
-                if kr.shape[0] == 4:   # the rope has landed with the right half: only the left half is left to wait for
-                    s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
-                    s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
-                else:
-                    s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, QUARTERS)
-                    s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
+                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1, next0, HALF_C)
+                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False)
+                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True)
+                s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
                 acc = warpgroup_mma_wait(0, deps=(tok, ))
@@ -502,9 +354,7 @@ def _build():
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
         H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        WG1_REGS: gl.constexpr, SPLIT_BARS: gl.constexpr, QUARTERS: gl.constexpr, REMAT: gl.constexpr,
-        TWO_MAX: gl.constexpr, P1_SLOT: gl.constexpr, EARLY_PAGES: gl.constexpr, EARLY_MAX: gl.constexpr,
-        EARLY_MAX1: gl.constexpr, num_warps: gl.constexpr,
+        WG1_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
@@ -521,59 +371,33 @@ def _build():
         rope_layout: gl.constexpr = kr_desc.layout
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
-        if REMAT:   # Q's rope tile is kr's slot 2, so the loops can index it like the others (_mma_views)
-            kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)
-            # (P1_SLOT: slot 3 holds P1; the partitions see it as kr's shape, the static switch)
-            kr = gl.allocate_shared_memory(gl.bfloat16, [4 if P1_SLOT else 3, 64, 64], rope_layout)
-            q_rope = kr.index(2)
-        else:
-            q_rope = gl.allocate_shared_memory(gl.bfloat16, [64, 64], rope_layout)
-            kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
-            kr = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], rope_layout)     # page rope; then that page's P
+        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
+        # page 0's rope, page 1's rope (each then holds that page's P), Q's rope: one buffer, so the loops index
+        # Q's rope like the other wgmma operands (_mma_views)
+        kr = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], rope_layout)
+        q_rope = kr.index(2)
         s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the running max (WG1's after each pair)
         s_sc0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
         s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
-        if TWO_MAX:   # WG0's max of each pair in a slot of its own: no read-before-overwrite barrier in either loop
-            s_max = (s_m, gl.allocate_shared_memory(gl.float32, [64], vec_layout))
-        else:   # (passing s_m twice, or any buffer, as the second slot changes the membar pass's barriers)
-            s_max = (s_m, )
         # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
         # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
-        if SPLIT_BARS:   # one allocation per barrier: the membar pass sees no hazard between different barriers
-            kbar = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar(), _bar())
-            sync = (_bar(), _bar(), _bar(), _bar(), _bar(), _bar())
-        else:
-            sall = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
-            if QUARTERS:
-                kall = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
-                kbar = (kall.index(0), kall.index(1), kall.index(2), kall.index(3), kall.index(4), kall.index(5),
-                        kall.index(6), kall.index(7))
-            else:   # session 10's kernel exactly: four barriers (4-7 are never used)
-                kall = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-                kbar = (kall.index(0), kall.index(1), kall.index(2), kall.index(3), kall.index(0), kall.index(1),
-                        kall.index(2), kall.index(3))
-            sync = (sall.index(0), sall.index(1), sall.index(2), sall.index(3), sall.index(4), sall.index(5))
-        for i in gl.static_range(8 if QUARTERS else 4):   # 4-7: the second quarters
+        sall = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
+        kall = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        kbar = (kall.index(0), kall.index(1), kall.index(2), kall.index(3))
+        sync = (sall.index(0), sall.index(1), sall.index(2), sall.index(3), sall.index(4), sall.index(5))
+        for i in gl.static_range(4):
             mbarrier.init(kbar[i], count=1)
         for i in gl.static_range(5):
             mbarrier.init(sync[i], count=1)
         mbarrier.init(sync[5], count=2)
-        if EARLY_PAGES:
-            # the first TMA loads may now go out before any other fence: make the inits visible to the async proxy
-            fence_async_shared()
-            sync = sync + (sync[5], )   # (a seventh entry, never used: the partitions' static switch)
-        if EARLY_MAX:
-            kbar = kbar + (kbar[0], )   # (a ninth entry, never used: the partitions' static switch)
-        elif EARLY_MAX1:
-            kbar = kbar + (kbar[0], kbar[0])   # (and a tenth: WG1's publish only)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        args = (q_half, q_rope, kn, kr, kbar, sync, s_max, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
-                H_Q, S_Q, CAUSAL, FINAL, QUARTERS)
+                H_Q, S_Q, CAUSAL, FINAL)
         gl.warp_specialize([(_wg0, args), (_wg1, args)], [4], [WG1_REGS])
 
     return mla_decode_gluon_kernel, gl
@@ -590,60 +414,34 @@ def tma_ok(kv_cache: torch.Tensor) -> bool:
     return kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
 
 
-def _descriptors(kv_cache, gl, quarters=False):
+def _descriptors(kv_cache, gl):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
-    box = HALF // 2 if quarters else HALF
-    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, box], gl.bfloat16)
+    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
     rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
     shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
-    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, box], half_layout),
+    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout),
             TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout))
 
 
-def knobs(overrides=None) -> dict:
-    """The kernel's schedule knobs: DEFAULT_KNOBS, then KNOBS_ENV ("split_bars=1,quarters=0"), then overrides."""
-    out = dict(DEFAULT_KNOBS)
-    env = os.environ.get(KNOBS_ENV, "").strip()
-    for item in filter(None, (x.strip() for x in env.split(","))):
-        name, _, value = item.partition("=")
-        if name not in out:
-            raise ValueError(f"{KNOBS_ENV}: unknown knob {name!r} (known: {sorted(out)})")
-        out[name] = value.strip().lower() in ("1", "true", "yes", "on")
-    for name, value in (overrides or {}).items():
-        if name not in out:
-            raise ValueError(f"unknown knob {name!r} (known: {sorted(out)})")
-        out[name] = bool(value)
-    if out["p1_slot"] and not out["remat_desc"]:
-        raise ValueError("knob p1_slot needs remat_desc (P1's slot is indexed like the other wgmma operands)")
-    return out
-
-
-def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final,
-                knob_overrides=None):
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_gluon and the compile check."""
     kernel, gl = _build()
-    kn = knobs(knob_overrides)
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     num_splits = o_part.shape[0]
-    kn_desc, kr_desc = _descriptors(kv_cache, gl, kn["quarters"])
+    kn_desc, kr_desc = _descriptors(kv_cache, gl)
     grid = (-(-rows // BLOCK_M), num_splits, b)
     args = (q, kn_desc, kr_desc, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0))
-    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS,
-                SPLIT_BARS=kn["split_bars"], QUARTERS=kn["quarters"], REMAT=kn["remat_desc"],
-                TWO_MAX=kn["two_max"], P1_SLOT=kn["p1_slot"],
-                EARLY_PAGES=kn["early_pages"], EARLY_MAX=kn["early_max"],
-                EARLY_MAX1=kn["early_max1"], num_warps=4)
+    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS, num_warps=4)
     return kernel, grid, args, meta
 
 
-def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits,
-                     knob_overrides=None):
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits):
     """The Gluon path of mla_decode_fwd (bf16 cache, dense, page 64, rows >= 64): (out, lse) as the portable
     launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
@@ -660,7 +458,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
-                                           lse_part, final, knob_overrides)
+                                           lse_part, final)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -668,7 +466,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, knob_overrides=None):
+def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
     """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
     from .._gluon import compile_report
     b, pages, max_pages = 2, 8, 4
@@ -681,6 +479,5 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, knob_overr
         o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
-    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final,
-                                           knob_overrides)
+    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
     return compile_report(kernel, args, grid, meta, arch)
