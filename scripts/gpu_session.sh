@@ -84,16 +84,6 @@ for step in "$@"; do
                  (cd .before && PYTHONPATH=$PWD timeout 60 python3 -m warpforge.serve.spec_bench --model "$w/target" \
                    --speculative "$w/draft4" --k $k --json "$w/spec-before-k$k.json" 2>&1 | tail -1); done; fi
                spec_cleanup ;;
-    mla-variants-s13) timeout 300 python3 scripts/bench_mla_gluon.py --out "$w/mla-s13-variants.json" --hq 128 \
-                        --variant-lens 1024,8192,32768 --diag-l2 --variants "base=;p1=p1_slot=1;early=early_pages=1;p1e=p1_slot=1,early_pages=1;qs=quarters=1,split_bars=1;p1qs=p1_slot=1,quarters=1,split_bars=1;p1sbm=p1_slot=1,split_bars=1,two_max=1;em=early_max=1;em1=early_max1=1;p1em1=p1_slot=1,early_max1=1" \
-                        > "$w/mla-s13-variants.log" 2>&1; grep -E "variant|wrote" "$w/mla-s13-variants.log" | tail -30 ;;
-    moe-sorted) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
-                for sw in 0 1; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
-                  --match "T8192 fwd\+bwd" --json "$w/moe-sorted$sw.json" > "$w/moe-sorted$sw.log" 2>&1
-                  grep -E "fwd\+bwd" "$w/moe-sorted$sw.log" | tail -n 8; done
-                for sw in 0 1; do WARPFORGE_MOE_FP8_FP16=$sw timeout 150 python3 -m warpforge bench --family moe \
-                  --match "fp8" --json "$w/moe-fp8-fp16math$sw.json" > "$w/moe-fp8-fp16math$sw.log" 2>&1
-                  grep -E "fp8" "$w/moe-fp8-fp16math$sw.log" | tail -n 12; done ;;
     moe-default) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
                  for sw in 0 ""; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
                    --match "T(2048|8192) uniform" --json "$w/moe-fwd-sorted${sw:-default}.json" \
@@ -103,10 +93,6 @@ for step in "$@"; do
                   grep -E "BEST|math" "$w/tune_moe_fp8.log" ;;
     tune-moe-sorted) timeout 280 python3 -m warpforge tune moe-sorted --models ${MOE_MODELS:-mixtral} \
                        --out "$w/tune_moe_sorted.json" > "$w/tune_moe_sorted.log" 2>&1; tail -n 12 "$w/tune_moe_sorted.log" ;;
-    mla-remat) timeout 70 python3 scripts/check_mla_gluon.py --out "$w/check_remat.json" --knobs "remat_desc=1,two_max=1" --skip-base \
-                 > "$w/check_remat.log" 2>&1; tail -8 "$w/check_remat.log"
-               timeout 90 python3 scripts/bench_mla_gluon.py --out "$w/bench_remat.json" --hq 128 --variant-lens 1024,8192,32768 \
-                 --variants "base=;remat=remat_desc=1;remat_tm=remat_desc=1,two_max=1" > "$w/bench_remat.log" 2>&1; tail -12 "$w/bench_remat.log" ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
@@ -122,10 +108,6 @@ for step in "$@"; do
                tail -14 "$w/mla_gluon.log" ;;
     mla-gluon-before) (cd .before && PYTHONPATH=$PWD timeout 120 python3 scripts/bench_mla_gluon.py --out "$w/mla_gluon_before.json" \
                         > "$w/mla_gluon_before.log" 2>&1); tail -13 "$w/mla_gluon_before.log" ;;
-    mla-variants) timeout 65 python3 scripts/check_mla_gluon.py --out "$w/mla_check_knobs.json" --knobs "split_bars=1,quarters=1" --skip-base > "$w/mla_check_knobs.log" 2>&1
-                  timeout 80 python3 scripts/bench_mla_gluon.py --out "$w/mla_variants.json" --hq 128 --variant-lens 1024,8192,32768 \
-                    --variants "base=;split=split_bars=1;quarters=quarters=1;both=split_bars=1,quarters=1" --diag-l2 > "$w/mla_variants.log" 2>&1
-                  tail -3 "$w/mla_check_knobs.log"; tail -20 "$w/mla_variants.log" ;;
     attention-bwd-knobs) timeout 70 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py -k knobs > "$w/bwd_knob_tests.log" 2>&1; tail -n 15 "$w/bwd_knob_tests.log"
                          timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
     evoformer-bench) SKIP_TESTS=1 MATCH='row|triangle' timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
@@ -167,7 +149,8 @@ for step in "$@"; do
            timeout 60 python3 -m warpforge tune norm --shapes 16384x768 --budget 45 --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1
            tail -20 "$w/bench-norms.log" ;;
     gpt) timeout 200 python3 -m warpforge bench --family gpt --quick --json "$w/gpt.json" > "$w/gpt.log" 2>&1 ;;
-    bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout 240 bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
+    mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
+    bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout ${BENCH_TIMEOUT:-240} bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
     *) echo "unknown step $step" ;;
   esac
   echo "$step: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$w/steps.txt"

@@ -23,7 +23,7 @@ def sorted_path(monkeypatch):
     """The sorted path on at every size, with small tiles; yields the list of calls that took it."""
     tile = ST(32, 32, 4, 2) if DEV.type == "cuda" else ST(32, 32, 1, 1)
     monkeypatch.setattr(configs, "SORTED", _tiles(S(16, tile, tile, tile, on=True)))
-    monkeypatch.delenv("WARPFORGE_MOE_SORTED", raising=False)
+    monkeypatch.setenv("WARPFORGE_MOE_SORTED", "1")  # inference forwards too (`on` alone: training only)
     calls = []
     fwd, bwd = sorted_kernel.fused_experts_sorted, sorted_kernel.fused_experts_sorted_backward
     monkeypatch.setattr(sorted_kernel, "fused_experts_sorted", lambda *a, **k: calls.append("fwd") or fwd(*a, **k))
@@ -118,25 +118,29 @@ def test_sorted_path_trusted_ids_out_of_range(sorted_path):
 
 
 def test_path_choice(monkeypatch):
-    """Off below the threshold; `on` or WARPFORGE_MOE_SORTED=1 turns it on where an entry exists, =0 off; rows
-    that are not 16-byte multiples keep the gathered path."""
+    """Off below the threshold; `on` turns it on for training (a forward that saves for the backward) where an entry
+    exists, WARPFORGE_MOE_SORTED=1 for inference too, =0 off; rows that are not 16-byte multiples keep the
+    gathered path."""
     cfg = S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))
     monkeypatch.setattr(configs, "SORTED", configs.TileTable({"cpu": {"any": {0: None, 100: cfg}},
                                                               "default": {"any": None}}))
     cpu = torch.device("cpu")
     w13 = torch.empty(4, 64, 32, dtype=torch.float16)
     monkeypatch.delenv("WARPFORGE_MOE_SORTED", raising=False)
-    assert api._sorted_config(cpu, 200, w13) is None  # off by default
+    assert api._sorted_config(cpu, 200, w13, True) is None  # off by default
     monkeypatch.setenv("WARPFORGE_MOE_SORTED", "1")
-    assert api._sorted_config(cpu, 200, w13) == cfg
-    assert api._sorted_config(cpu, 99, w13) is None  # below the threshold
-    assert api._sorted_config(cpu, 200, torch.empty(4, 60, 32, dtype=torch.float16)) is None  # I = 30: 60 B rows
-    assert api._sorted_config(cpu, 200, torch.empty(4, 64, 36, dtype=torch.float16)) is None  # H = 36: 72 B rows
+    assert api._sorted_config(cpu, 200, w13, True) == cfg
+    assert api._sorted_config(cpu, 99, w13, True) is None  # below the threshold
+    for rows in ((4, 60, 32), (4, 64, 36)):  # I = 30: 60 B rows; H = 36: 72 B rows
+        assert api._sorted_config(cpu, 200, torch.empty(rows, dtype=torch.float16), True) is None
     monkeypatch.setattr(configs, "SORTED", configs.SORTED.map(lambda c: c and c._replace(on=True)))
     monkeypatch.setenv("WARPFORGE_MOE_SORTED", "0")
-    assert api._sorted_config(cpu, 200, w13) is None
+    assert api._sorted_config(cpu, 200, w13, True) is None
     monkeypatch.delenv("WARPFORGE_MOE_SORTED")
-    assert api._sorted_config(cpu, 200, w13) == cfg._replace(on=True)
+    assert api._sorted_config(cpu, 200, w13, True) == cfg._replace(on=True)
+    assert api._sorted_config(cpu, 200, w13, False) is None  # inference keeps the gathered path
+    monkeypatch.setenv("WARPFORGE_MOE_SORTED", "1")
+    assert api._sorted_config(cpu, 200, w13, False) == cfg._replace(on=True)
 
 
 def test_fake_agrees_with_impl(sorted_path):

@@ -65,7 +65,7 @@ def _experts_fwd_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """(out, act, pre, sorted_ids, expert_ids, num_post); act/pre are what the backward needs (pre is empty
     when not training)."""
     from .moe_kernel import fused_experts
-    scfg = _sorted_config(hidden.device, hidden.shape[0], w13)
+    scfg = _sorted_config(hidden.device, hidden.shape[0], w13, train)
     if scfg is not None:
         from .sorted_kernel import fused_experts_sorted
         sorted_ids, expert_ids, num_post = align_unchecked(ids, w13.shape[0], scfg.block_m, backend="triton")
@@ -85,7 +85,7 @@ def _experts_fwd_fake(hidden, w13, w2, weights, ids, train):
     t, k = ids.shape
     n = t * k
     e, two_i, _ = w13.shape
-    scfg = _sorted_config(hidden.device, t, w13)
+    scfg = _sorted_config(hidden.device, t, w13, train)
     bm = (scfg or _config(hidden.device, t, w13)).block_m
     cap = capacity(n, e, bm)
     rows = cap if scfg is not None else n  # the sorted path keeps act and pre in align's sorted order
@@ -98,7 +98,7 @@ def _experts_bwd_impl(d_out: torch.Tensor, hidden: torch.Tensor, w13: torch.Tens
                       expert_ids: torch.Tensor, num_post: torch.Tensor,
                       topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .moe_kernel import fused_experts_backward
-    scfg = _sorted_config(hidden.device, hidden.shape[0], w13)
+    scfg = _sorted_config(hidden.device, hidden.shape[0], w13, True)  # a backward: its forward trained
     if scfg is not None:
         from .sorted_kernel import fused_experts_sorted_backward
         return fused_experts_sorted_backward(d_out, hidden, w13, w2, weights, act, pre, sorted_ids, expert_ids,
@@ -151,18 +151,22 @@ def _config(device: torch.device, tokens: int, w13: torch.Tensor) -> configs.MoE
     return configs.GEMMS.lookup(device, "fp32" if w13.dtype == torch.float32 else tuple(w13.shape), tokens)
 
 
-def _sorted_config(device: torch.device, tokens: int, w13: torch.Tensor) -> Optional[configs.SortedCfg]:
+def _sorted_config(device: torch.device, tokens: int, w13: torch.Tensor,
+                   train: bool) -> Optional[configs.SortedCfg]:
     """The training-size path's tiles (sorted_kernel.py) where it runs, else None. configs.SORTED's entry for
-    this arch, shape and token count decides (None below its token threshold), `on` whether it is the default;
-    WARPFORGE_MOE_SORTED=1 runs it wherever an entry exists, =0 never. A function of shapes and the environment
-    only: forward, fake and backward must agree (the path sets act's and pre's row count and align's block_m).
-    Rows must be 16-byte multiples for the tensor descriptors."""
+    this arch, shape and token count decides (None below its token threshold), `on` whether it is the default
+    for training (a forward that saves for the backward: without one, the gathered path was faster on the H200,
+    session 14); WARPFORGE_MOE_SORTED=1 runs it wherever an entry exists, =0 never. A function of shapes, train
+    and the environment only: forward, fake and backward must agree (the path sets act's and pre's row count and
+    align's block_m). Rows must be 16-byte multiples for the tensor descriptors."""
     switch = os.environ.get("WARPFORGE_MOE_SORTED", "")
     if switch == "0" or w13.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     from .sorted_kernel import dims_fit
     scfg = configs.SORTED.lookup(device, "fp32" if w13.dtype == torch.float32 else tuple(w13.shape), tokens)
-    if scfg is None or not (scfg.on or switch == "1") or not dims_fit(w13.shape[2], w13.shape[1] // 2, w13.dtype):
+    if scfg is None or not ((scfg.on and train) or switch == "1"):
+        return None
+    if not dims_fit(w13.shape[2], w13.shape[1] // 2, w13.dtype):
         return None
     return scfg
 
@@ -261,6 +265,9 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_
     """out [T, H] = Σ_k weight_k · W2_e (SiLU(gate) ⊙ up) with [gate; up] = W13_e · hidden.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].
+    w_format="fp8": w13 / w2 from quantize_weights, w_scales their scales; inference only. Where a tuned entry
+    says so (configs.py, `fp8_fp16_math`) the GEMMs run in fp16: hidden and SiLU(gate) ⊙ up must then stay
+    within fp16's range (|x| < 65504), as they do after a norm.
     """
     backend = _check_experts(hidden, w13, w2, w_format, w_scales, backend)
     check_routing(router_logits, topk, scoring, num_expert_group, topk_group, renormalize, routed_scaling_factor)

@@ -32,25 +32,42 @@ class MoECfg(NamedTuple):
 C, G = MoECfg, GemmTile
 WGRAD = G(128, 256, 8, 2)  # the weight-gradient kernel at training sizes (warpforge tune moe-wgrad)
 _FP32 = {0: C(16, G(32, 64, 4, 2), G(32, 64, 4, 2))}  # fp32 activations (full-precision matmuls): small tiles
+# untuned shapes on sm90: the patterns the tuned shapes share
+_SM90_ANY = {0: C(16, G(32, 256, 4, 4), G(64, 128, 4, 3), 2), 16: C(16, G(32, 128, 4, 4), G(64, 128, 4, 3)),
+             128: C(16, G(128, 128, 4, 3), G(64, 128, 4, 3)), 512: C(64, G(128, 64, 8, 3), G(128, 64, 8, 3)),
+             2048: C(128, G(128, 64, 8, 4), G(256, 64, 8, 4), wgrad=WGRAD)}
+
+
+def _fp8(block_m, up, down, split_k=1):
+    """FP8 weights' tiles (warpforge tune moe --w-format fp8, session 14): fp16 math won at every entry tuned."""
+    return C(block_m, up, down, split_k, fp8_fp16_math=True)
+
+
 GEMMS = TileTable({
     "cpu": {"any": {0: C(16, G(32, 32, 1, 1), G(32, 32, 1, 1))}},
     "default": {"any": {0: C(16, G(64, 64, 4, 3), G(64, 64, 4, 3)), 256: C(64, G(64, 64, 4, 3), G(64, 64, 4, 3))},
                 "fp32": _FP32},
     "sm90": {
         "fp32": _FP32,
-        # untuned shapes (DeepSeek-V3's among them): the patterns the tuned shapes share
-        "any": {0: C(16, G(32, 256, 4, 4), G(64, 128, 4, 3), 2), 16: C(16, G(32, 128, 4, 4), G(64, 128, 4, 3)),
-                128: C(16, G(128, 128, 4, 3), G(64, 128, 4, 3)), 512: C(64, G(128, 64, 8, 3), G(128, 64, 8, 3)),
-                2048: C(128, G(128, 64, 8, 4), G(256, 64, 8, 4), wgrad=WGRAD)},
+        "any": _SM90_ANY,
         (8, 28672, 4096): {  # Mixtral-8x7B
-            0: C(16, G(32, 256, 4, 5), G(128, 128, 4, 3), 4), 16: C(16, G(32, 256, 4, 5), G(64, 128, 4, 5), 4),
-            64: C(32, G(64, 128, 4, 3), G(128, 128, 4, 3)), 128: C(64, G(64, 128, 4, 4), G(128, 128, 4, 4)),
+            0: C(16, G(32, 256, 4, 5), G(128, 128, 4, 3), 4,
+                 fp8=_fp8(16, G(128, 128, 4, 3), G(128, 128, 4, 4), 4)),
+            16: C(16, G(32, 256, 4, 5), G(64, 128, 4, 5), 4, fp8=_fp8(16, G(128, 128, 4, 3), G(128, 128, 4, 5))),
+            64: C(32, G(64, 128, 4, 3), G(128, 128, 4, 3)),
+            128: C(64, G(64, 128, 4, 4), G(128, 128, 4, 4), fp8=_fp8(64, G(64, 64, 4, 4), G(128, 128, 4, 3))),
             # T 512: a row block per expert (uniform routing), each weight tile read once
             512: C(128, G(128, 64, 8, 4), G(128, 128, 8, 3)),
             2048: C(128, G(128, 64, 8, 4), G(256, 64, 8, 4), wgrad=WGRAD)},
         (128, 1536, 2048): {  # Qwen3-30B-A3B
             0: C(16, G(32, 256, 4, 3), G(128, 64, 4, 3), 2), 16: C(16, G(32, 128, 4, 4), G(64, 128, 4, 3)),
-            128: C(16, G(128, 128, 4, 3), G(64, 128, 4, 3)), 2048: C(128, G(128, 64, 8, 4), G(256, 64, 8, 4), wgrad=WGRAD)},
+            128: C(16, G(128, 128, 4, 3), G(64, 128, 4, 3)),
+            2048: C(128, G(128, 64, 8, 4), G(256, 64, 8, 4), wgrad=WGRAD)},
+        (256, 4096, 7168): {  # DeepSeek-V3: the untuned bf16 tiles, tuned FP8 ones
+            **_SM90_ANY,
+            0: _SM90_ANY[0]._replace(fp8=_fp8(16, G(128, 128, 4, 4), G(64, 128, 4, 4))),
+            16: _SM90_ANY[16]._replace(fp8=_fp8(16, G(128, 128, 4, 5), G(128, 128, 4, 3))),
+            128: _SM90_ANY[128]._replace(fp8=_fp8(16, G(128, 128, 4, 3), G(128, 128, 4, 4)))},
     },
 })
 
