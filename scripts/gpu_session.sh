@@ -88,6 +88,9 @@ for step in "$@"; do
                  for sw in 0 ""; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
                    --match "T(2048|8192) uniform" --json "$w/moe-fwd-sorted${sw:-default}.json" \
                    > "$w/moe-fwd-sorted${sw:-default}.log" 2>&1; grep -E "warpforge " "$w/moe-fwd-sorted${sw:-default}.log"; done ;;
+    moe-train) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
+               timeout 200 python3 -m warpforge bench --family moe --match "fwd\+bwd" --json "$w/moe-train.json" \
+                 > "$w/moe-train.log" 2>&1; grep -E "fwd\+bwd|within" "$w/moe-train.log" ;;
     tune-moe-fp8) timeout 420 python3 -m warpforge tune moe --w-format fp8 --models ${MOE_MODELS:-mixtral,deepseek-v3} \
                     --tokens ${MOE_TOKENS:-128,16,1} --budget-s 330 --out "$w/tune_moe_fp8.json" > "$w/tune_moe_fp8.log" 2>&1
                   grep -E "BEST|math" "$w/tune_moe_fp8.log" ;;

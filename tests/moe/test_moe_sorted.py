@@ -18,10 +18,11 @@ def _tiles(arch_cfg):
     return configs.TileTable({"cpu": {"any": arch_cfg}, "default": {"any": arch_cfg}})
 
 
-@pytest.fixture
-def sorted_path(monkeypatch):
-    """The sorted path on at every size, with small tiles; yields the list of calls that took it."""
-    tile = ST(32, 32, 4, 2) if DEV.type == "cuda" else ST(32, 32, 1, 1)
+@pytest.fixture(params=[False, True] if DEV.type == "cuda" else [False], ids=lambda ws: "ws" if ws else "plain")
+def sorted_path(monkeypatch, request):
+    """The sorted path on at every size, with small tiles (on a GPU also warp-specialized, as sm90's table runs
+    them); yields the list of calls that took it."""
+    tile = ST(32, 32, 4, 2, ws=request.param) if DEV.type == "cuda" else ST(32, 32, 1, 1)
     monkeypatch.setattr(configs, "SORTED", _tiles(S(16, tile, tile, tile, on=True)))
     monkeypatch.setenv("WARPFORGE_MOE_SORTED", "1")  # inference forwards too (`on` alone: training only)
     calls = []

@@ -5,8 +5,8 @@ forward + backward at a training token count, each candidate SortedCfg against t
     warpforge tune moe-sorted [--models mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--out tune.json]
 
 Candidates: the table's entry, every GEMM warp-specialized at 4 warps (the weight gradient at 2 stages: its 3
-would not fit), the SwiGLU-gradient GEMM 64 columns wide (its 128 spill 92 B), 4 stages for gate/up, block_m 64.
-The winner goes into configs.SORTED (with `on=True` for a shape where it beats the gathered path), numbers into
+would not fit; session 14's winner, now the sm90 entry), the SwiGLU-gradient GEMM 64 columns wide, 4 stages for
+gate/up, block_m 64, each GEMM at 8 warps without specialization. The winner goes into configs.SORTED, numbers into
 NOTES.md.
 """
 import argparse
@@ -32,9 +32,11 @@ def candidates(base: configs.SortedCfg) -> dict:
         "table": base,
         "ws": base._replace(up=ws(base.up), down=ws(base.down), wgrad=ws(base.wgrad, 2),
                             dact=ws(base.dact or base.up)),
-        "dact_n64": base._replace(dact=configs.SortedTile(64, 64, 8, 3)),  # half the accumulator: no spill
+        "dact_n64": base._replace(dact=(base.dact or base.up)._replace(block_n=64)),  # half the accumulator
         "up4": base._replace(up=base.up._replace(stages=4)),
         "bm64": base._replace(block_m=64),
+        "warps8": base._replace(**{name: getattr(base, name)._replace(warps=8, ws=False)
+                                   for name in ("up", "down", "wgrad") + (("dact",) if base.dact else ())}),
     }
 
 
