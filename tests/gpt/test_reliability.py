@@ -21,6 +21,15 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="bitwise compari
 TINY = dict(data="random", max_steps=6)
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_not_ignored():
+    """A process started in the background by a non-interactive shell (`cmd &`) inherits SIGINT ignored, and train
+    then rightly leaves Ctrl-C alone; these tests need the interactive default, so they set it for themselves."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _weights(run_dir):
     return torch.load(run_dir / "ckpt.pt", weights_only=True)["model"]
 
