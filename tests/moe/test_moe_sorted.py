@@ -175,3 +175,29 @@ def test_sorted_path_compiles_for_sm90():
         assert "'wgmma'" in line and "'tma'" in line, line
     for line in lines[6:]:  # the warp-specialized variant
         assert "warp-specialized" in line and "'setmaxnreg'" in line, line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [
+    "table",
+    pytest.param("ws", marks=pytest.mark.xfail(reason="warp-specialized tiles returned inf gradients at T 8192 on "
+                                                       "the H200 (session 14); the small-tile ws tests pass")),
+])
+def test_sorted_path_table_tiles(variant, monkeypatch):
+    """This GPU's own configs.SORTED entry (and `tune moe-sorted`'s warp-specialized candidate of it), whole tiles
+    at a training size: the small-tile tests above cannot see a fault of the real tiles (session 14's ws tiles
+    passed those and failed the bench)."""
+    from warpforge.tune.moe_sorted import candidates
+    t, e, k, h, i = 4096, 8, 2, 1024, 512
+    base = configs.SORTED.lookup(DEV, (e, 2 * i, h), t)
+    if base is None:
+        pytest.skip("no configs.SORTED entry at this size on this GPU")
+    cfg = candidates(base)[variant]
+    monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
+    calls = []
+    fwd, bwd = sorted_kernel.fused_experts_sorted, sorted_kernel.fused_experts_sorted_backward
+    monkeypatch.setattr(sorted_kernel, "fused_experts_sorted", lambda *a, **kw: calls.append("fwd") or fwd(*a, **kw))
+    monkeypatch.setattr(sorted_kernel, "fused_experts_sorted_backward",
+                        lambda *a, **kw: calls.append("bwd") or bwd(*a, **kw))
+    _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
+                 calls)

@@ -18,6 +18,7 @@ from warpforge.bench import baselines
 from warpforge.bench.moe_cases import MODELS, _expert_weights, _logits
 from warpforge.bench.report import write_json
 from warpforge.ops.moe import api, configs, fused_moe, route_reference
+from warpforge.testing import rel_l2
 from warpforge.tune.timing import time_candidate
 
 
@@ -69,17 +70,24 @@ def main(argv=None):
                 print(f"{model} T{t}: no configs.SORTED entry on this GPU", flush=True)
                 continue
             real = api._sorted_config
-            rows = {}
+            rows, errors = {}, {}
+
+            def run(name, cfg):
+                """Time the path with cfg; its gradients' largest relative L2 error against the gathered path's."""
+                api._sorted_config = lambda *a: cfg
+                fn = step(lambda: fused_moe(x, w13, w2, logits, k, backend="triton", **route_kw))
+                grads = fn()
+                if name != "gathered":
+                    errors[name] = max(rel_l2(g, r) for g, r in zip(grads, reference))
+                rows[name] = time_candidate(fn, rep=40)
+                return grads
             try:
-                api._sorted_config = lambda *a: None  # the gathered-row kernels
-                rows["gathered"] = time_candidate(step(lambda: fused_moe(x, w13, w2, logits, k, backend="triton",
-                                                                           **route_kw)), rep=40)
+                reference = run("gathered", None)  # the gathered-row kernels
                 for name, cfg in candidates(base).items():
-                    api._sorted_config = lambda *a, cfg=cfg: cfg
-                    rows[name] = time_candidate(step(lambda: fused_moe(x, w13, w2, logits, k, backend="triton",
-                                                                         **route_kw)), rep=40)
+                    run(name, cfg)
             finally:
                 api._sorted_config = real
+            del reference
 
             def grouped():
                 weights, ids = route_reference(logits, k, **route_kw)
@@ -87,10 +95,15 @@ def main(argv=None):
             rows["torch._grouped_mm"] = time_candidate(step(grouped), rep=40)
             ref = rows["torch._grouped_mm"]
             for name, ms in rows.items():
+                err = errors.get(name)
+                if err is not None and not err <= 2e-2:  # a fast wrong candidate must not win (session 14's ws)
+                    print(f"{model} T{t} {name:18s} WRONG: gradients {err:.1e} from the gathered path's", flush=True)
+                    ms = None
                 if ms is not None:
                     print(f"{model} T{t} {name:18s} {ms:8.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s"
-                          + (f"  {ref / ms:.3f}x grouped_mm" if ref else ""), flush=True)
-                results.append(dict(model=model, tokens=t, candidate=name, ms=ms))
+                          + (f"  {ref / ms:.3f}x grouped_mm" if ref else "")
+                          + (f"  err {err:.1e}" if err is not None else ""), flush=True)
+                results.append(dict(model=model, tokens=t, candidate=name, ms=ms, grad_error=err))
             del x, grad, logits
     print(f"[{time.time() - t0:.0f} s]")
     if args.out:

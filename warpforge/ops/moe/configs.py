@@ -94,11 +94,10 @@ class SortedCfg(NamedTuple):
 
 S, ST = SortedCfg, SortedTile
 # Token thresholds: None below (decode and small prefill keep moe_kernel.py's gathered-row kernels). The sm90
-# tiles: every GEMM warp-specialized at 4 warps (the weight gradient at 2 stages), `warpforge tune moe-sorted`'s
-# winner in session 14 (Mixtral T8192 fwd+bwd 29.8 ms vs 33.0 with the 8-warp tiles, DeepSeek-V3 41.2 vs 47.0;
-# benchmarks/NOTES.md, "Session 14"). On for training; inference keeps the gathered path.
-_SM90_SORTED = S(128, ST(128, 64, 4, 3, True), ST(256, 64, 4, 3, True), ST(128, 256, 4, 2, True),
-                 ST(128, 64, 4, 3, True), on=True)
+# tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), on for training since
+# session 14 measured them past the gathered path at T 8192 fwd+bwd. The same tiles warp-specialized at 4 warps ran
+# 10-14% faster but returned inf gradients at T 8192 (benchmarks/NOTES.md, "Session 14"): not until that is found.
+_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 8, 2), ST(128, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
     "default": {"any": {0: None}},
