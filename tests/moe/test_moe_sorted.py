@@ -25,6 +25,11 @@ def sorted_path(monkeypatch, request):
     tile = ST(32, 32, 4, 2, ws=request.param) if DEV.type == "cuda" else ST(32, 32, 1, 1)
     monkeypatch.setattr(configs, "SORTED", _tiles(S(16, tile, tile, tile, on=True)))
     monkeypatch.setenv("WARPFORGE_MOE_SORTED", "1")  # inference forwards too (`on` alone: training only)
+    return _sorted_calls(monkeypatch)
+
+
+def _sorted_calls(monkeypatch):
+    """The list the sorted path's forward and backward append to when they run."""
     calls = []
     fwd, bwd = sorted_kernel.fused_experts_sorted, sorted_kernel.fused_experts_sorted_backward
     monkeypatch.setattr(sorted_kernel, "fused_experts_sorted", lambda *a, **k: calls.append("fwd") or fwd(*a, **k))
@@ -194,10 +199,5 @@ def test_sorted_path_table_tiles(variant, monkeypatch):
         pytest.skip("no configs.SORTED entry at this size on this GPU")
     cfg = candidates(base)[variant]
     monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
-    calls = []
-    fwd, bwd = sorted_kernel.fused_experts_sorted, sorted_kernel.fused_experts_sorted_backward
-    monkeypatch.setattr(sorted_kernel, "fused_experts_sorted", lambda *a, **kw: calls.append("fwd") or fwd(*a, **kw))
-    monkeypatch.setattr(sorted_kernel, "fused_experts_sorted_backward",
-                        lambda *a, **kw: calls.append("bwd") or bwd(*a, **kw))
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
-                 calls)
+                 _sorted_calls(monkeypatch))
