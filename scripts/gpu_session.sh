@@ -84,10 +84,6 @@ for step in "$@"; do
                  (cd .before && PYTHONPATH=$PWD timeout 60 python3 -m warpforge.serve.spec_bench --model "$w/target" \
                    --speculative "$w/draft4" --k $k --json "$w/spec-before-k$k.json" 2>&1 | tail -1); done; fi
                spec_cleanup ;;
-    moe-default) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
-                 for sw in 0 ""; do WARPFORGE_MOE_SORTED=$sw timeout 200 python3 -m warpforge bench --family moe \
-                   --match "T(2048|8192) uniform" --json "$w/moe-fwd-sorted${sw:-default}.json" \
-                   > "$w/moe-fwd-sorted${sw:-default}.log" 2>&1; grep -E "warpforge " "$w/moe-fwd-sorted${sw:-default}.log"; done ;;
     moe-train) timeout 150 python3 -m pytest -q $par tests/moe > "$w/moe-tests.log" 2>&1; tail -n 3 "$w/moe-tests.log"
                timeout 200 python3 -m warpforge bench --family moe --match "fwd\+bwd" --json "$w/moe-train.json" \
                  > "$w/moe-train.log" 2>&1; grep -E "fwd\+bwd|within" "$w/moe-train.log" ;;

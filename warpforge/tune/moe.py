@@ -13,6 +13,7 @@ winner with fp16 math off and on (moe_kernel.fp16_math): the entry's `fp8=` fiel
 """
 import argparse
 import itertools
+import os
 import time
 
 import torch
@@ -30,7 +31,7 @@ def candidates(tokens, fp8=False):
     """(block_ms, up tiles, down tiles, split_ks) worth trying at this token count (fp8: k at most 128)."""
     if fp8:
         bms, tiles, _, split_ks = candidates(tokens)
-        tiles = sorted({(n, min(k, 128), w, s) for n, k, w, s in tiles} | {(n, 128, w, s) for n, _, w, s in tiles})
+        tiles = sorted({(n, k, w, s) for n, _, w, s in tiles for k in (64, 128)})
         return bms, tiles, tiles, split_ks
     if tokens <= 64:
         # BLOCK_N 16 at T <= 4: more programs over the few experts touched (Qwen3 T1: 192 programs at 32, 1.5 waves)
@@ -63,6 +64,9 @@ def main(argv=None):
     ap.add_argument("--skew", action="store_true", help="Zipf(1.2) routing, as the bench's zipf cases")
     ap.add_argument("--w-format", choices=("bf16", "fp8"), default="bf16")
     args = ap.parse_args(argv)
+    if args.w_format == "fp8" and os.environ.get("WARPFORGE_MOE_FP8_FP16"):
+        raise SystemExit("warpforge tune moe --w-format fp8: unset WARPFORGE_MOE_FP8_FP16 (it would override the "
+                         "fp16 / bf16 math this sweep compares)")
     t0 = time.time()
     results = []
     for model in args.models.split(","):
@@ -104,7 +108,7 @@ def main(argv=None):
                 total = up_ms + down_ms
                 print(f"{model} T{t} bm{bm}: up {up_tile} {up_ms * 1e3:.1f} us, down {down_tile} split {sk} "
                       f"{down_ms * 1e3:.1f} us", flush=True)
-                fp16 = fp8
+                fp16 = False
                 if fp8:  # the winners again with fp16 math off: kept on only where it is faster
                     bf16_ms = up(up_tile, False) + down(down_tile, sk, False)
                     print(f"{model} T{t} bm{bm}: bf16 math {bf16_ms * 1e3:.1f} us", flush=True)
