@@ -92,6 +92,9 @@ for step in "$@"; do
                   grep -E "BEST|math" "$w/tune_moe_fp8.log" ;;
     tune-moe-sorted) timeout 280 python3 -m warpforge tune moe-sorted --models ${MOE_MODELS:-mixtral} \
                        --out "$w/tune_moe_sorted.json" > "$w/tune_moe_sorted.log" 2>&1; tail -n 12 "$w/tune_moe_sorted.log" ;;
+    moe-decode-profile) timeout 150 python3 scripts/profile_case.py --family moe --impl '^warpforge$' --iters 50 \
+                          --match "${MOE_MATCH:-(qwen3-30b-a3b T(1|4) uniform$|mixtral T1 uniform|deepseek-v3 T1 uniform)}" \
+                          > "$w/moe-decode-profile.log" 2>&1; grep -E "a call" "$w/moe-decode-profile.log" ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
