@@ -382,13 +382,13 @@ def test_compiles_for_sm90(case):
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {fb.GLUON_TRITON_VERSIONS} "
                     f"(installed: {triton_version()}); its API differs between releases")
 def test_dq_split_compiles_for_sm90():
-    """The DQ_SPLIT knob (off by default): compiles and keeps the pipeline; at d 128 ptxas spills ~100 B of loop scalars
-    (benchmarks/NOTES.md), bounded here so that a regression shows."""
+    """The DQ_SPLIT knob: compiles, keeps the pipeline and spills nothing (it spilled ~100-260 B of hoisted wgmma
+    descriptors at d 128 until session 15 rebuilt them at use)."""
     r = compile_in_subprocess("warpforge.ops.attention.flash_gluon_bwd_kernel", dict(d=128, causal=True, dq_split=True),
                               ROOT)
     print(f"\ndq_split d128: spills {r['spill_stores']}/{r['spill_loads']} B, {r['wgmma_count']} wgmma")
     assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["red"] and r["ptxas_rc"] == 0
-    assert r["spill_stores"] <= 256 and not r["wgmma_serialized"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and not r["wgmma_serialized"], r["ptxas_log"]
 
 
 DQ_TMA_CASES = [  # dQ by TMA reduce-adds from shared memory (DQ_TMA), with and without DQ_SPLIT
@@ -406,7 +406,7 @@ DQ_TMA_CASES = [  # dQ by TMA reduce-adds from shared memory (DQ_TMA), with and 
 @pytest.mark.parametrize("case", DQ_TMA_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_dq_tma_compiles_for_sm90(case):
     """DQ_TMA: the PTX reduces dQ with cp.reduce.async.bulk.tensor (no per-thread atomics), keeps the pipeline, and
-    spills nothing except loop scalars at d 128 with DQ_SPLIT or the full-width dQ (bounded, as above)."""
+    spills nothing."""
     r = compile_in_subprocess("warpforge.ops.attention.flash_gluon_bwd_kernel", case, ROOT)
     print(f"\n{case}: spills {r['spill_stores']}/{r['spill_loads']} B, shared {r['shared_bytes']} B, "
           f"{r['wgmma_count']} wgmma")
@@ -414,10 +414,7 @@ def test_dq_tma_compiles_for_sm90(case):
     assert r["tma_reduce"] and not r["red"]
     assert r["warp_specialize"] and r["num_warps"] == 12 and not r["wgmma_serialized"]
     assert r["shared_bytes"] <= fg.SMEM_MAX
-    # measured (Triton 3.6), B stored / loaded: split at d 128, 2 stages 128 / 116, 3 stages 264 / 256;
-    # dq_n 128: 180 / 172
-    spilly = case["d"] == 128 and (case.get("dq_split") or case.get("dq_n") == 128)
-    assert r["spill_stores"] <= (320 if spilly else 0), r["ptxas_log"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
 
 
 # ------------------------------------------------------------------------------------------ GPU numerics

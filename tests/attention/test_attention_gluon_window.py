@@ -159,11 +159,11 @@ def test_forward_window_compiles_for_sm90(case):
     assert not r["wgmma_serialized"] and r["shared_bytes"] <= fg.SMEM_MAX
 
 
-BWD_CASES = [  # measured (Triton 3.6), spill B stored / loaded: the defaults' d128 split + TMA 3 stages 300 / 304
-    dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, left=100),                  # 284 / 288
-    dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, h_q=32, h_kv=4, group_split=8),  # 104 / 108
-    dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, h_q=32, h_kv=4, group_split=2),  # 260 / 272
-    dict(d=64, causal=True, stages=4, dq_n=64, dq_tma=True, left=100, h_q=8, h_kv=1, group_split=8),  # 0 / 0
+BWD_CASES = [  # none spills since the loop's wgmma descriptors are rebuilt at use (session 15; d 128 spilled 100-300 B)
+    dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, left=100),
+    dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, h_q=32, h_kv=4, group_split=8),
+    dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, h_q=32, h_kv=4, group_split=2),
+    dict(d=64, causal=True, stages=4, dq_n=64, dq_tma=True, left=100, h_q=8, h_kv=1, group_split=8),
     dict(d=64, causal=False, stages=4, dq_n=64, dq_tma=True, left=100, dtype="float16"),
 ]
 
@@ -177,7 +177,7 @@ def test_backward_window_and_group_split_compile_for_sm90(case):
     assert r["tma_reduce"] and not r["red"]
     assert r["warp_specialize"] and r["num_warps"] == 12 and not r["wgmma_serialized"]
     assert r["shared_bytes"] <= fg.SMEM_MAX
-    assert r["spill_stores"] <= (320 if case["d"] == 128 else 0), r["ptxas_log"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
 
 
 # ------------------------------------------------------------------------------------------------ GPU numerics

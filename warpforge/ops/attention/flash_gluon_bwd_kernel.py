@@ -264,10 +264,6 @@ def _build():
                                                            instr_shape=[16, DQ_N, 16])
         dtype: gl.constexpr = q_bufs.dtype
         key_lo = gl.program_id(0) * 128 + WG * 64
-        k = k_bufs.index(WG).reshape([64, D])
-        v = v_bufs.index(WG).reshape([64, D])
-        p_smem = p_bufs.index(WG)                           # [BLOCK_M, 64 keys]
-        ds_smem = ds_bufs.index(WG)
         s_zero = gl.zeros([BLOCK_M, 64], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, q_layout)
         dk = gl.zeros([64, D], gl.float32, o_layout)
@@ -288,6 +284,14 @@ def _build():
         g = first * 0                                       # (head of the group, query tile) of step it, carried:
         i = first                                           # a division here would land amid the exp2 registers
         for it in range(GROUP * n_i):
+            # this warpgroup's fixed tiles, indexed by z = it >> 30: 0 for every real step count but loop-variant to
+            # LLVM and ptxas, so their wgmma descriptors are rebuilt at each use instead of hoisted out of the loop
+            # and held (spilled) across it (the MLA decode's remat_desc, benchmarks/NOTES.md)
+            z = it >> 30
+            k = k_bufs.index(WG + z).reshape([64, D])
+            v = v_bufs.index(WG + z).reshape([64, D])
+            p_smem = p_bufs.index(WG + z)                   # [BLOCK_M, 64 keys]
+            ds_smem = ds_bufs.index(WG + z)
             m0 = i * BLOCK_M
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
@@ -334,10 +338,10 @@ def _build():
                 # one [BLOCK_M, D / 2] partial per tile pair instead of two [BLOCK_M, D] ones (half the atomics)
                 mbarrier.arrive(ds_full)
                 mbarrier.wait(ds_full, it & 1)
-                k0 = k_bufs.index(0).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
-                k1 = k_bufs.index(1).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
-                dq_tok = warpgroup_mma(ds_bufs.index(0), k0, dq_zero, use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(ds_bufs.index(1), k1, dq_tok, is_async=True)
+                k0 = k_bufs.index(z).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
+                k1 = k_bufs.index(1 + z).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
+                dq_tok = warpgroup_mma(ds_bufs.index(z), k0, dq_zero, use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds_bufs.index(1 + z), k1, dq_tok, is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
                 if DQ_TMA:
                     dq_bufs.index(WG).store(dq)
@@ -415,6 +419,8 @@ def _build():
             tma.store_wait(0)
         else:
             # epilogue: dK (scaled) and dV through this warpgroup's own K / V slices, one TMA store each
+            k = k_bufs.index(WG).reshape([64, D])
+            v = v_bufs.index(WG).reshape([64, D])
             k.store((dk * sm_scale).to(dtype))
             v.store(dv.to(dtype))
             fence_async_shared()
