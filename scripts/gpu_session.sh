@@ -95,6 +95,9 @@ for step in "$@"; do
     moe-decode-profile) timeout 150 python3 scripts/profile_case.py --family moe --impl '^warpforge$' --iters 50 \
                           --match "${MOE_MATCH:-(qwen3-30b-a3b T(1|4) uniform$|mixtral T1 uniform|deepseek-v3 T1 uniform)}" \
                           > "$w/moe-decode-profile.log" 2>&1; grep -E "a call" "$w/moe-decode-profile.log" ;;
+    attention-bwd-window-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon_bwd.py \
+                                 tests/attention/test_attention_gluon_window.py -k "not knobs" > "$w/bwd_window_tests.log" 2>&1
+                               tail -n 5 "$w/bwd_window_tests.log" ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
