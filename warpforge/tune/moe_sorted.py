@@ -42,6 +42,9 @@ def candidates(base: configs.SortedCfg) -> dict:
         "ws_down": base._replace(down=ws(base.down)),
         "ws_wgrad": base._replace(wgrad=ws(base.wgrad, 2)),
         "ws_dact": base._replace(dact=ws(base.dact or base.up)),
+        # every GEMM but gate/up specialized (gate/up's returned inf in sessions 14-15)
+        "ws_not_up": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2), dact=ws(base.dact or base.up)),
+        "ws_wgrad_down": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2)),
     }
 
 

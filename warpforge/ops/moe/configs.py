@@ -95,9 +95,11 @@ class SortedCfg(NamedTuple):
 S, ST = SortedCfg, SortedTile
 # Token thresholds: None below (decode and small prefill keep moe_kernel.py's gathered-row kernels). The sm90
 # tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), on for training since
-# session 14 measured them past the gathered path at T 8192 fwd+bwd. The same tiles warp-specialized at 4 warps ran
-# 10-14% faster but returned inf gradients at T 8192 (benchmarks/NOTES.md, "Session 14"): not until that is found.
-_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 8, 2), ST(128, 64, 8, 3), on=True)
+# session 14 measured them past the gathered path at T 8192 fwd+bwd. The weight gradient is warp-specialized (4 warps,
+# 2 stages): +5% / +10% / +5% fwd+bwd for Mixtral / DeepSeek-V3 / Qwen3 at T 8192, gradients right (session 15,
+# `warpforge tune moe-sorted`). Gate/up warp-specialized returns inf gradients (two accumulators over one A tile: not
+# yet understood, benchmarks/NOTES.md); down and the SwiGLU-gradient GEMM specialized help DeepSeek-V3 alone.
+_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 4, 2, ws=True), ST(128, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
     "default": {"any": {0: None}},
