@@ -77,7 +77,8 @@ GLUON_BWD_DEFAULT = True                    # on (sm_90, Triton 3.6): faster tha
 # (head dim, causal) -> (BLOCK_M query rows per ring slot, STAGES ring slots, DQ_N dq columns per wgmma chunk, DQ_SPLIT,
 # DQ_TMA); 128 keys per program (two 64-key consumer warpgroups). DQ_SPLIT: each warpgroup computes half of dQ's
 # columns over both warpgroups' dS (half the fp32 reduction traffic, a barrier pair between the warpgroups per tile);
-# it compiles with ~100-260 B of spilled scalars at d 128 (Triton 3.6). DQ_TMA: dQ staged in shared memory and added by
+# it compiled with ~100-260 B of spills at d 128 until session 15 rebuilt the loop's wgmma descriptors at use (none
+# now). DQ_TMA: dQ staged in shared memory and added by
 # one TMA reduce-add per tile (cp.reduce.async.bulk.tensor, FA3's way) instead of per-thread fp32 atomics. The H200
 # sweep of session 11 (benchmarks/runs/2026-12-02-s11/call3/bwd_sweep.log, fwd+bwd vs cuDNN in one process): d128
 # split + TMA at 3 stages 0.984x at b4 h16 s8192 causal (the old per-thread atomics 0.723x, the portable bwd 0.826x),
@@ -97,6 +98,6 @@ GLUON_BWD_GROUP_SPLIT = {128: 0, 64: 1}
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
 # kernels. On: the window GPU tests pass on the H200, and b2 h16 s16384 d128 window 4096 fwd+bwd is 1.157x Flex against
-# the portable kernels' 1.059x (session 12, same process).
+# the portable kernels' 1.059x (session 12, same process); 1.28x since the backward stopped spilling (session 15).
 GLUON_WINDOW_ENV = "WARPFORGE_ATTN_GLUON_WINDOW"
 GLUON_WINDOW_DEFAULT = True
