@@ -23,7 +23,8 @@ def sorted_path(monkeypatch, request):
     """The sorted path on at every size, with small tiles (on a GPU also warp-specialized, as sm90's table runs
     them); yields the list of calls that took it."""
     tile = ST(32, 32, 4, 2, ws=request.param) if DEV.type == "cuda" else ST(32, 32, 1, 1)
-    monkeypatch.setattr(configs, "SORTED", _tiles(S(16, tile, tile, tile, on=True)))
+    up = tile._replace(ws=False)  # gate/up is never specialized (sorted_kernel._gemm)
+    monkeypatch.setattr(configs, "SORTED", _tiles(S(16, up, tile, tile, on=True)))
     monkeypatch.setenv("WARPFORGE_MOE_SORTED", "1")  # inference forwards too (`on` alone: training only)
     return _sorted_calls(monkeypatch)
 
@@ -178,7 +179,8 @@ def test_sorted_path_compiles_for_sm90():
     assert run.returncode == 0 and len(lines) == 12, run.stdout[-2000:] + run.stderr[-2000:]
     for line in lines:
         assert "'wgmma'" in line and "'tma'" in line, line
-    for line in lines[6:]:  # the warp-specialized variant
+    assert "warp-specialized" not in lines[6], lines[6]  # the specialized variant's gate/up: never (sorted_kernel)
+    for line in lines[7:]:  # the rest of the warp-specialized variant
         assert "warp-specialized" in line and "'setmaxnreg'" in line, line
 
 
@@ -186,8 +188,6 @@ def test_sorted_path_compiles_for_sm90():
 @pytest.mark.parametrize("variant", [
     "table",
     "ws_not_up",
-    pytest.param("ws", marks=pytest.mark.xfail(reason="warp-specialized gate/up tiles return inf gradients at T 8192 "
-                                                       "on the H200 (sessions 14-15); the small-tile ws tests pass")),
 ])
 def test_sorted_path_table_tiles(variant, monkeypatch):
     """This GPU's own configs.SORTED entry (and `tune moe-sorted`'s warp-specialized candidate of it), whole tiles
@@ -202,3 +202,13 @@ def test_sorted_path_table_tiles(variant, monkeypatch):
     monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
                  _sorted_calls(monkeypatch))
+
+
+def test_gate_up_is_never_warp_specialized():
+    """Triton 3.6 cannot specialize the gate/up GEMM's one-accumulator epilogue: refused at the launch, clearly."""
+    from warpforge.ops.moe.sorted_kernel import _gemm
+    tile = ST(32, 32, 4, 2, ws=True)
+    x = torch.zeros(16, 32)
+    with pytest.raises(ValueError, match="gate/up"):
+        _gemm(x, torch.zeros(1, 64, 32), x, (None, None, None), 32, 32, tile, S(16, tile, tile, tile), b_kmajor=True,
+              swiglu=True, n_slots=16)

@@ -91,6 +91,13 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
     else:
         b_desc = tl.make_tensor_descriptor(B, shape=[num_e, K, NB], strides=[K * NB, NB, 1],
                                            block_shape=[1, BLOCK_K, BLOCK_N])
+    if SWIGLU:
+        # w13 [E, 2N, K] seen as [E, 2, N, K]: one box holds the gate rows and the up rows of the same n range, so
+        # one MMA [BLOCK_M, 2 · BLOCK_N] serves both, and a box past N's end is zero-filled in each half rather than
+        # read from the other. Two accumulators (one MMA each) made ptxas serialize the wgmma pipeline (C7515: the
+        # flattened loop re-zeroes an accumulator between them): 482 TFLOP/s at Mixtral T 8192 against down's 743
+        gu_desc = tl.make_tensor_descriptor(B, shape=[num_e, 2, N, K], strides=[NB * K, N * K, K, 1],
+                                            block_shape=[1, 2, BLOCK_N, BLOCK_K])
     used = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -101,13 +108,19 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
         e = tl.load(EXPERT_IDS + pid_m)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kk in range(k_tiles):
-            a = a_desc.load([off_m, kk * BLOCK_K])
-            acc = dot(a, _b_tile(b_desc, e, off_n, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc)
-            if SWIGLU:
-                acc_up = dot(a, _b_tile(b_desc, e, off_n + N, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc_up)
+        if SWIGLU:
+            acc_gu = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
+            for kk in range(k_tiles):
+                a = a_desc.load([off_m, kk * BLOCK_K])
+                b = tl.trans(gu_desc.load([e, 0, off_n, kk * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K))
+                acc_gu = dot(a, b, acc_gu)
+            # columns [0, BLOCK_N) are gate, [BLOCK_N, 2 · BLOCK_N) up
+            acc, acc_up = tl.split(tl.permute(tl.reshape(acc_gu, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for kk in range(k_tiles):
+                a = a_desc.load([off_m, kk * BLOCK_K])
+                acc = dot(a, _b_tile(b_desc, e, off_n, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc)
         rows = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -175,6 +188,10 @@ def _programs(device, tiles: int) -> int:
 def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=None, row_w=None, n_slots,
           swiglu_bwd=None):
     """One persistent launch of moe_sorted_gemm_kernel over the sorted rows a [cap, k]; w the 3-d weight."""
+    if swiglu and tile.ws:
+        # Triton 3.6's warp specialization aborts on the gate/up split of the one [BLOCK_M, 2 BLOCK_N] accumulator
+        # (WSDataPartition: tt.split unsupported); the two-accumulator form it did compile returned inf gradients
+        raise ValueError("moe sorted path: the gate/up GEMM cannot be warp-specialized (configs.SortedCfg.up.ws)")
     sorted_ids, expert_ids, num_post = schedule
     cap = a.shape[0]
     act = act_w = dw_part = None
