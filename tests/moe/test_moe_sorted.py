@@ -67,7 +67,9 @@ def _check_grads(hidden, w13, w2, logits, k, calls, **kw):
     (7, 4, 4, 32, 64, False),    # topk = E: every token in every expert
     (40, 4, 2, 96, 48, False),   # several row blocks per expert: the weight gradient walks them
 ])
-def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew):
+@pytest.mark.parametrize("one_mma", [False, True], ids=["gate_up_2mma", "gate_up_1mma"])
+def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew, one_mma, monkeypatch):
+    monkeypatch.setenv("WARPFORGE_MOE_GATE_UP_ONE_MMA", "1" if one_mma else "0")
     torch.manual_seed(1)
     logits = torch.randn(t, e, device=DEV)
     if skew:
@@ -189,7 +191,8 @@ def test_sorted_path_compiles_for_sm90():
     "table",
     "ws_not_up",
 ])
-def test_sorted_path_table_tiles(variant, monkeypatch):
+@pytest.mark.parametrize("one_mma", ["0", "1"], ids=["gate_up_2mma", "gate_up_1mma"])
+def test_sorted_path_table_tiles(variant, one_mma, monkeypatch):
     """This GPU's own configs.SORTED entry (and `tune moe-sorted`'s warp-specialized candidate of it), whole tiles
     at a training size: the small-tile tests above cannot see a fault of the real tiles (session 14's ws tiles
     passed those and failed the bench)."""
@@ -200,6 +203,7 @@ def test_sorted_path_table_tiles(variant, monkeypatch):
         pytest.skip("no configs.SORTED entry at this size on this GPU")
     cfg = candidates(base)[variant]
     monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
+    monkeypatch.setenv("WARPFORGE_MOE_GATE_UP_ONE_MMA", one_mma)
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
                  _sorted_calls(monkeypatch))
 

@@ -12,6 +12,8 @@ the GEMMs (benchmarks/NOTES.md, "Fused MoE training path"), and with it:
 - the top-k combine is a gather-sum over each token's k sorted rows (no atomics: deterministic).
 Rows past align's used length are never read nor written. Expert offsets are int64 inside the descriptors.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -76,7 +78,7 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
                            B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr,
                            SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
-                           WS: tl.constexpr):
+                           WS: tl.constexpr, GATE_UP_ONE_MMA: tl.constexpr):
     """acc[r, n] = Σ_k A[r, k] · B[e][k, n] for the sorted rows r of each used row block (expert e), A [cap, K]
     contiguous, B's weight [E, NB, K] (B_KMAJOR) or [E, K, NB]. Persistent: PROGRAMS programs walk the tiles of
     the used blocks. Epilogues as moe_kernel's, rows in sorted order:
@@ -91,11 +93,11 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
     else:
         b_desc = tl.make_tensor_descriptor(B, shape=[num_e, K, NB], strides=[K * NB, NB, 1],
                                            block_shape=[1, BLOCK_K, BLOCK_N])
-    if SWIGLU:
+    if SWIGLU and GATE_UP_ONE_MMA:
         # w13 [E, 2N, K] seen as [E, 2, N, K]: one box holds the gate rows and the up rows of the same n range, so
         # one MMA [BLOCK_M, 2 · BLOCK_N] serves both, and a box past N's end is zero-filled in each half rather than
-        # read from the other. Two accumulators (one MMA each) made ptxas serialize the wgmma pipeline (C7515: the
-        # flattened loop re-zeroes an accumulator between them): 482 TFLOP/s at Mixtral T 8192 against down's 743
+        # read from the other. With two accumulators (one MMA each) ptxas serializes the wgmma pipeline (C7515:
+        # 482 TFLOP/s at Mixtral T 8192 against down's 743); this form compiles without (not yet timed: gate_up_one_mma)
         gu_desc = tl.make_tensor_descriptor(B, shape=[num_e, 2, N, K], strides=[NB * K, N * K, K, 1],
                                             block_shape=[1, 2, BLOCK_N, BLOCK_K])
     used = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
@@ -108,7 +110,7 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
         e = tl.load(EXPERT_IDS + pid_m)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        if SWIGLU:
+        if SWIGLU and GATE_UP_ONE_MMA:
             acc_gu = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
             for kk in range(k_tiles):
                 a = a_desc.load([off_m, kk * BLOCK_K])
@@ -118,9 +120,12 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
             acc, acc_up = tl.split(tl.permute(tl.reshape(acc_gu, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kk in range(k_tiles):
                 a = a_desc.load([off_m, kk * BLOCK_K])
                 acc = dot(a, _b_tile(b_desc, e, off_n, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc)
+                if SWIGLU:
+                    acc_up = dot(a, _b_tile(b_desc, e, off_n + N, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc_up)
         rows = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -185,12 +190,18 @@ def _programs(device, tiles: int) -> int:
     return max(1, min(sm_count(device), tiles))
 
 
+def gate_up_one_mma() -> bool:
+    """WARPFORGE_MOE_GATE_UP_ONE_MMA=1: the gate/up GEMM as one MMA over both halves of w13 (see the kernel), off
+    until its GPU tests and the family bench have run on the H200 (written in session 15, after the last call)."""
+    return os.environ.get("WARPFORGE_MOE_GATE_UP_ONE_MMA", "0") == "1"
+
+
 def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=None, row_w=None, n_slots,
           swiglu_bwd=None):
     """One persistent launch of moe_sorted_gemm_kernel over the sorted rows a [cap, k]; w the 3-d weight."""
     if swiglu and tile.ws:
-        # Triton 3.6's warp specialization aborts on the gate/up split of the one [BLOCK_M, 2 BLOCK_N] accumulator
-        # (WSDataPartition: tt.split unsupported); the two-accumulator form it did compile returned inf gradients
+        # the two-accumulator form warp-specialized returned inf gradients (sessions 14-15); Triton 3.6's
+        # specialization aborts on the one-MMA form's gate/up split (WSDataPartition: tt.split unsupported)
         raise ValueError("moe sorted path: the gate/up GEMM cannot be warp-specialized (configs.SortedCfg.up.ws)")
     sorted_ids, expert_ids, num_post = schedule
     cap = a.shape[0]
@@ -209,7 +220,8 @@ def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=N
         cap, w.shape[0], nb, out.stride(0), row_stride(pre), row_stride(act), row_stride(dw_part), n_slots, k, n,
         B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None and swiglu_bwd is None,
         SWIGLU_BWD=swiglu_bwd is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, num_warps=tile.warps, num_stages=tile.stages)
+        BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, GATE_UP_ONE_MMA=swiglu and gate_up_one_mma(),
+        num_warps=tile.warps, num_stages=tile.stages)
 
 
 def _permute(x, schedule, topk, n_slots):
