@@ -57,7 +57,6 @@ def main():
     d_pre = torch.randn(cap, 2 * i, device=dev, dtype=dt)
     out_i, out_h, out_2i = (torch.empty(cap, n, device=dev, dtype=dt) for n in (i, h, 2 * i))
     act_w = torch.empty_like(act)
-    dw_part = torch.zeros(n_slots, triton.cdiv(i, 64), device=dev, dtype=torch.float32)
     blocks = expert_blocks(expert_ids, e)
 
     def gemm(name, tile):
@@ -69,7 +68,8 @@ def main():
             return lambda: sk._gemm(act, w2, out_h, schedule, h, i, tile, c, b_kmajor=True, row_w=wflat,
                                     n_slots=n_slots)
         if name == "dact":
-            part = torch.zeros(n_slots, triton.cdiv(i, tile.block_n), device=dev, dtype=torch.float32)
+            parts = triton.cdiv(i, tile.block_n) * (2 if sk.dact_halves(tile) else 1)
+            part = torch.zeros(n_slots, parts, device=dev, dtype=torch.float32)
             return lambda: sk._gemm(dos, w2, out_2i, schedule, i, h, tile, c, b_kmajor=False, row_w=wflat,
                                     n_slots=n_slots, swiglu_bwd=(act, act_w, pre, part))
         if name == "dhidden":

@@ -61,15 +61,19 @@ def _check_grads(hidden, w13, w2, logits, k, calls, **kw):
     return got
 
 
+SWITCHES = ("WARPFORGE_MOE_GATE_UP_ONE_MMA", "WARPFORGE_MOE_DACT_HALVES")  # sorted_kernel's A/B forms, off by default
+
+
 @pytest.mark.parametrize("t,e,k,h,i,skew", [
     (13, 8, 2, 48, 40, False),   # H and I not multiples of the tiles (descriptor edges zero-filled)
     (30, 16, 4, 32, 32, True),   # skewed: uneven experts, several with no tokens
     (7, 4, 4, 32, 64, False),    # topk = E: every token in every expert
     (40, 4, 2, 96, 48, False),   # several row blocks per expert: the weight gradient walks them
 ])
-@pytest.mark.parametrize("one_mma", [False, True], ids=["gate_up_2mma", "gate_up_1mma"])
-def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew, one_mma, monkeypatch):
-    monkeypatch.setenv("WARPFORGE_MOE_GATE_UP_ONE_MMA", "1" if one_mma else "0")
+@pytest.mark.parametrize("switch", ["0", "1"], ids=["default", "one_mma+dact_halves"])
+def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew, switch, monkeypatch):
+    for name in SWITCHES:
+        monkeypatch.setenv(name, switch)
     torch.manual_seed(1)
     logits = torch.randn(t, e, device=DEV)
     if skew:
@@ -191,8 +195,8 @@ def test_sorted_path_compiles_for_sm90():
     "table",
     "ws_not_up",
 ])
-@pytest.mark.parametrize("one_mma", ["0", "1"], ids=["gate_up_2mma", "gate_up_1mma"])
-def test_sorted_path_table_tiles(variant, one_mma, monkeypatch):
+@pytest.mark.parametrize("switch", ["0", "1"], ids=["default", "one_mma+dact_halves"])
+def test_sorted_path_table_tiles(variant, switch, monkeypatch):
     """This GPU's own configs.SORTED entry (and `tune moe-sorted`'s warp-specialized candidate of it), whole tiles
     at a training size: the small-tile tests above cannot see a fault of the real tiles (session 14's ws tiles
     passed those and failed the bench)."""
@@ -203,7 +207,8 @@ def test_sorted_path_table_tiles(variant, one_mma, monkeypatch):
         pytest.skip("no configs.SORTED entry at this size on this GPU")
     cfg = candidates(base)[variant]
     monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
-    monkeypatch.setenv("WARPFORGE_MOE_GATE_UP_ONE_MMA", one_mma)
+    for name in SWITCHES:
+        monkeypatch.setenv(name, switch)
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
                  _sorted_calls(monkeypatch))
 

@@ -78,7 +78,7 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
                            B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr,
                            SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
-                           WS: tl.constexpr, GATE_UP_ONE_MMA: tl.constexpr):
+                           WS: tl.constexpr, GATE_UP_ONE_MMA: tl.constexpr, DACT_HALVES: tl.constexpr):
     """acc[r, n] = Σ_k A[r, k] · B[e][k, n] for the sorted rows r of each used row block (expert e), A [cap, K]
     contiguous, B's weight [E, NB, K] (B_KMAJOR) or [E, K, NB]. Persistent: PROGRAMS programs walk the tiles of
     the used blocks. Epilogues as moe_kernel's, rows in sorted order:
@@ -134,7 +134,20 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
             slots = tl.load(SORTED_IDS + rows)
             ok = slots < n_slots
             w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]  # 0 on padding rows
-        if SWIGLU_BWD:
+        if SWIGLU_BWD and DACT_HALVES:
+            # the epilogue on one column half, then the other: its act / gate / up tiles at half width (whole 128 x
+            # 128 tiles at 8 warps spilled 92 B); DW_PART then has a column per half tile
+            HALF: tl.constexpr = BLOCK_N // 2
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+            offs0 = off_n + tl.arange(0, HALF)
+            mask0 = (rows < cap)[:, None] & (offs0 < N)[None, :]
+            swiglu_bwd_epilogue(acc0, w, rows, slots.to(tl.int64), ok, mask0, offs0, 2 * pid_n, OUT, PRE, ACT, ACT_W,
+                                DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
+            offs1 = offs0 + HALF
+            mask1 = (rows < cap)[:, None] & (offs1 < N)[None, :]
+            swiglu_bwd_epilogue(acc1, w, rows, slots.to(tl.int64), ok, mask1, offs1, 2 * pid_n + 1, OUT, PRE, ACT,
+                                ACT_W, DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
+        elif SWIGLU_BWD:
             swiglu_bwd_epilogue(acc, w, rows, slots.to(tl.int64), ok, omask, offs_n, pid_n, OUT, PRE, ACT, ACT_W,
                                 DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
         else:
@@ -196,6 +209,12 @@ def gate_up_one_mma() -> bool:
     return os.environ.get("WARPFORGE_MOE_GATE_UP_ONE_MMA", "0") == "1"
 
 
+def dact_halves(tile) -> bool:
+    """WARPFORGE_MOE_DACT_HALVES=1: the d act GEMM's SwiGLU-gradient epilogue one column half at a time (see the
+    kernel), for tiles at least 32 wide; off until the H200 has run it (written in session 15 after the last call)."""
+    return os.environ.get("WARPFORGE_MOE_DACT_HALVES", "0") == "1" and tile.block_n >= 32
+
+
 def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=None, row_w=None, n_slots,
           swiglu_bwd=None):
     """One persistent launch of moe_sorted_gemm_kernel over the sorted rows a [cap, k]; w the 3-d weight."""
@@ -221,6 +240,7 @@ def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=N
         B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None and swiglu_bwd is None,
         SWIGLU_BWD=swiglu_bwd is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, GATE_UP_ONE_MMA=swiglu and gate_up_one_mma(),
+        DACT_HALVES=swiglu_bwd is not None and dact_halves(tile),
         num_warps=tile.warps, num_stages=tile.stages)
 
 
@@ -301,8 +321,9 @@ def fused_experts_sorted_backward(d_out, hidden, w13, w2, topk_weights, act, pre
     schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
     dact_tile = cfg.dact or cfg.up
-    dw_part = torch.zeros((n_slots, triton.cdiv(inter_dim, dact_tile.block_n)), device=hidden.device,
-                          dtype=torch.float32)
+    # a column per column tile of the d act GEMM (two per tile with DACT_HALVES: a half past I's end adds 0)
+    parts = triton.cdiv(inter_dim, dact_tile.block_n) * (2 if dact_halves(dact_tile) else 1)
+    dw_part = torch.zeros((n_slots, parts), device=hidden.device, dtype=torch.float32)
     if t == 0 or cap == 0:
         return (torch.zeros_like(hidden), torch.zeros_like(w13), torch.zeros_like(w2),
                 dw_part.sum(1).view(t, topk))
