@@ -74,7 +74,9 @@ def _ptxas(ptx: str) -> str:
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
     return (f"regs {regs.group(1) if regs else '?'}"
-            + (f", spills {spill.group(1)}/{spill.group(2)} B" if spill else ""))
+            + (f", spills {spill.group(1)}/{spill.group(2)} B" if spill else "")
+            # C7515 / C7510 and kin: ptxas serialized the wgmma pipeline (a large loss; see benchmarks/NOTES.md)
+            + (", WGMMA SERIALIZED" if "wgmma.mma_async instructions are serialized" in out.stderr else ""))
 
 
 def attention():
