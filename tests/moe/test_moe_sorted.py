@@ -205,7 +205,7 @@ def test_sorted_path_table_tiles(variant, switch, monkeypatch):
     base = configs.SORTED.lookup(DEV, (e, 2 * i, h), t)
     if base is None:
         pytest.skip("no configs.SORTED entry at this size on this GPU")
-    cfg = candidates(base)[variant]
+    cfg = candidates(base)[variant]  # (a plain SortedCfg for these variants)
     monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
     for name in SWITCHES:
         monkeypatch.setenv(name, switch)

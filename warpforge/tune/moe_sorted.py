@@ -6,11 +6,14 @@ forward + backward at a training token count, each candidate SortedCfg against t
 
 Candidates: the table's entry, each GEMM but gate/up warp-specialized at 4 warps alone (the weight gradient at 2
 stages: its 3 would not fit) and together, the SwiGLU-gradient GEMM 64 columns wide, 4 stages for gate/up, block_m 64.
-Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not timed
-(session 14's all-specialized tiles were 10-14% faster and returned inf). The winner goes into configs.SORTED,
+With them, sorted_kernel's switched forms (WARPFORGE_MOE_GATE_UP_ONE_MMA, WARPFORGE_MOE_DACT_HALVES), set only while
+they run. Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not
+timed (session 14's all-specialized tiles were 10-14% faster and returned inf). The winner goes into configs.SORTED,
 numbers into NOTES.md.
 """
 import argparse
+import contextlib
+import os
 import time
 
 import torch
@@ -28,7 +31,23 @@ def _specialized(tile: configs.SortedTile, stages=None) -> configs.SortedTile:
     return tile._replace(warps=4, ws=True, stages=stages or tile.stages)
 
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    """os.environ with env's variables set inside the block, restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def candidates(base: configs.SortedCfg) -> dict:
+    """name -> a SortedCfg, or (SortedCfg, environment variables set while it runs)."""
     ws = _specialized
     return {
         "table": base,
@@ -42,6 +61,10 @@ def candidates(base: configs.SortedCfg) -> dict:
         # every GEMM that can be specialized
         "ws_not_up": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2), dact=ws(base.dact or base.up)),
         "ws_wgrad_down": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2)),
+        # sorted_kernel's forms behind switches (session 15, not yet measured): (the table's tiles, the environment)
+        "one_mma+halves": (base, {"WARPFORGE_MOE_GATE_UP_ONE_MMA": "1", "WARPFORGE_MOE_DACT_HALVES": "1"}),
+        "one_mma+halves+dact4": (base._replace(dact=(base.dact or base.up)._replace(stages=4)),
+                                 {"WARPFORGE_MOE_GATE_UP_ONE_MMA": "1", "WARPFORGE_MOE_DACT_HALVES": "1"}),
     }
 
 
@@ -80,11 +103,14 @@ def main(argv=None):
                 api._sorted_config = lambda *a: None  # the gathered-row kernels: the reference and the first row
                 reference = layer()
                 rows["gathered"] = time_candidate(layer, rep=40)
-                for name, cfg in candidates(base).items():
+                for name, cand in candidates(base).items():
+                    cfg, env = (cand, {}) if isinstance(cand, configs.SortedCfg) else cand
                     api._sorted_config = lambda *a, cfg=cfg: cfg
-                    # timed only once its gradients are within 2e-2 of the gathered path's (and not held meanwhile)
-                    errors[name] = max(rel_l2(g, r) for g, r in zip(layer(), reference))
-                    rows[name] = time_candidate(layer, rep=40) if errors[name] <= 2e-2 else None
+                    with _environment(env):
+                        # timed only once its gradients are within 2e-2 of the gathered path's (and not held
+                        # meanwhile)
+                        errors[name] = max(rel_l2(g, r) for g, r in zip(layer(), reference))
+                        rows[name] = time_candidate(layer, rep=40) if errors[name] <= 2e-2 else None
             finally:
                 api._sorted_config = real
             del reference
