@@ -97,8 +97,8 @@ S, ST = SortedCfg, SortedTile
 # tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), on for training since
 # session 14 measured them past the gathered path at T 8192 fwd+bwd. The weight gradient is warp-specialized (4 warps,
 # 2 stages): +5% / +10% / +5% fwd+bwd for Mixtral / DeepSeek-V3 / Qwen3 at T 8192, gradients right (session 15,
-# `warpforge tune moe-sorted`). Gate/up warp-specialized returns inf gradients (two accumulators over one A tile: not
-# yet understood, benchmarks/NOTES.md); down and the SwiGLU-gradient GEMM specialized help DeepSeek-V3 alone.
+# `warpforge tune moe-sorted`). Down and d act specialized: no consistent gain; gate/up: inf gradients, and the launch
+# refuses it (sorted_kernel._gemm; benchmarks/NOTES.md, "Session 15").
 _SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 4, 2, ws=True), ST(128, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
