@@ -78,8 +78,8 @@ GLUON_BWD_DEFAULT = True                    # on (sm_90, Triton 3.6): faster tha
 # DQ_TMA); 128 keys per program (two 64-key consumer warpgroups). DQ_SPLIT: each warpgroup computes half of dQ's
 # columns over both warpgroups' dS (half the fp32 reduction traffic, a barrier pair between the warpgroups per tile);
 # it compiled with ~100-260 B of spills at d 128 until session 15 rebuilt the loop's wgmma descriptors at use (none
-# now). DQ_TMA: dQ staged in shared memory and added by one TMA reduce-add per tile (cp.reduce.async.bulk.tensor, FA3's way) instead of per-thread fp32 atomics. The H200
-# sweep of session 11 (benchmarks/runs/2026-12-02-s11/call3/bwd_sweep.log, fwd+bwd vs cuDNN in one process): d128
+# now). DQ_TMA: dQ staged in shared memory and added by one TMA reduce-add per tile (cp.reduce.async.bulk.tensor,
+# FA3's way) instead of per-thread fp32 atomics. The H200 sweep of session 11 (benchmarks/runs/2026-12-02-s11/call3/bwd_sweep.log, fwd+bwd vs cuDNN in one process): d128
 # split + TMA at 3 stages 0.984x at b4 h16 s8192 causal (the old per-thread atomics 0.723x, the portable bwd 0.826x),
 # 0.879x at b32 s1024; d64 TMA alone 0.937x at b8 h32 s4096 (split + TMA 0.879x).
 GLUON_BWD = {
