@@ -75,13 +75,14 @@ GLUON_FWD = {
 GLUON_BWD_ENV = "WARPFORGE_ATTN_GLUON_BWD"  # "1" on, "0" off, unset: GLUON_BWD_DEFAULT
 GLUON_BWD_DEFAULT = True                    # on (sm_90, Triton 3.6): faster than the portable backward on every case
 # (head dim, causal) -> (BLOCK_M query rows per ring slot, STAGES ring slots, DQ_N dq columns per wgmma chunk, DQ_SPLIT,
-# DQ_TMA); 128 keys per program (two 64-key consumer warpgroups). DQ_SPLIT: each warpgroup computes half of dQ's
-# columns over both warpgroups' dS (half the fp32 reduction traffic, a barrier pair between the warpgroups per tile);
-# it compiled with ~100-260 B of spills at d 128 until session 15 rebuilt the loop's wgmma descriptors at use (none
-# now). DQ_TMA: dQ staged in shared memory and added by one TMA reduce-add per tile (cp.reduce.async.bulk.tensor,
-# FA3's way) instead of per-thread fp32 atomics. The H200 sweep of session 11 (benchmarks/runs/2026-12-02-s11/call3/bwd_sweep.log, fwd+bwd vs cuDNN in one process): d128
-# split + TMA at 3 stages 0.984x at b4 h16 s8192 causal (the old per-thread atomics 0.723x, the portable bwd 0.826x),
-# 0.879x at b32 s1024; d64 TMA alone 0.937x at b8 h32 s4096 (split + TMA 0.879x).
+# DQ_TMA); 128 keys per program (two 64-key consumer warpgroups). DQ_SPLIT: each warpgroup computes half of dQ's columns
+# over both warpgroups' dS (half the fp32 reduction traffic, a barrier pair between the warpgroups per tile); it
+# compiled with ~100-260 B of spills at d 128 until session 15 rebuilt the loop's wgmma descriptors at use (none now).
+# DQ_TMA: dQ staged in shared memory and added by one TMA reduce-add per tile (cp.reduce.async.bulk.tensor, FA3's way)
+# instead of per-thread fp32 atomics. The H200 sweep of session 11 (benchmarks/runs/2026-12-02-s11/call3/bwd_sweep.log,
+# fwd+bwd vs cuDNN in one process): d128 split + TMA at 3 stages 0.984x at b4 h16 s8192 causal (the old per-thread
+# atomics 0.723x, the portable bwd 0.826x), 0.879x at b32 s1024; d64 TMA alone 0.937x at b8 h32 s4096 (split + TMA
+# 0.879x).
 GLUON_BWD = {
     (64, False): (64, 4, 64, False, True), (64, True): (64, 4, 64, False, True),
     (128, False): (64, 3, 64, True, True), (128, True): (64, 3, 64, True, True),
