@@ -15,8 +15,8 @@ _REL_L2_CHUNK = 1 << 26  # elements converted to float64 at a time (DeepSeek-V3'
 
 
 def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere in out gives inf. Large tensors go through in chunks, so that
-    no float64 copy of the whole pair is made."""
+    """‖out − ref‖ / ‖ref‖ in float64; NaN anywhere in out gives inf. Large tensors go through in chunks, so
+    that no float64 copy of the whole pair is made."""
     out, ref = torch.broadcast_tensors(out.detach(), ref.detach())
     out, ref = out.reshape(-1), ref.reshape(-1)
     num = den = 0.0
