@@ -97,19 +97,35 @@ def swiglu_fwd_epilogue(acc, acc_up, rows, omask, offs_n, PRE, stride_pre, N, SA
 
 
 @triton.jit
-def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST,
+def _zero_slice(ZERO, numel, ZERO_BLOCK: tl.constexpr):
+    """This program's share of ZERO[0 : numel] (fp32) set to 0: the next GEMM's scatter target, zeroed by the
+    programs of this one (which runs before it in stream order) instead of by a fill launch of its own."""
+    programs = tl.num_programs(0)
+    chunk = tl.cdiv(tl.cdiv(numel, programs), ZERO_BLOCK) * ZERO_BLOCK
+    lo = tl.program_id(0).to(tl.int64) * chunk
+    for z0 in range(lo, tl.minimum(lo + chunk, numel), ZERO_BLOCK):
+        offs = z0 + tl.arange(0, ZERO_BLOCK)
+        tl.store(ZERO + offs, tl.zeros([ZERO_BLOCK], tl.float32), mask=offs < numel)
+
+
+@triton.jit
+def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST, ZERO,
                     stride_a, stride_be, stride_bk, stride_bn, stride_se, stride_sk, stride_sn,
-                    stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N,
+                    stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N, zero_numel,
                     TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
                     SAVE_PRE: tl.constexpr, SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr,
-                    FP16_MATH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    FP16_MATH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ZERO_BLOCK: tl.constexpr):
     """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then one of
     - OUT[slot] = acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
       [gate | up] (forward);
     - SWIGLU_BWD: acc is d act; DW_PART[slot, tile] = Σ_n act · acc (router-weight gradient partials),
       OUT = [d gate | d up] of w[slot] · acc through SiLU(gate) ⊙ up with PRE's [gate | up], and ACT_W =
       w[slot] · act, the w2 weight gradient's operand (backward);
-    - SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine."""
+    - SCATTER: OUT[token] += (w[slot] ·) acc by fp32 atomics, the top-k combine.
+    ZERO_BLOCK > 0: first, every program (used or not) zeroes its share of ZERO [zero_numel] fp32 (_zero_slice)."""
+    if ZERO_BLOCK > 0:
+        _zero_slice(ZERO, zero_numel, ZERO_BLOCK)
     # the grid covers align's static capacity; only the row blocks in use get tiles
     used_blocks = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -205,11 +221,11 @@ def row_stride(t) -> int:
 
 
 def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
-              pre=None, row_w=None, scale=None, swiglu_bwd=None):
+              pre=None, row_w=None, scale=None, swiglu_bwd=None, zero=None):
     """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side.
     Scatter GEMMs take cfg.down's tiles and cfg.split_k, per-slot ones cfg.up's. swiglu_bwd: (act, act_w,
     pre, dw_part) for the backward epilogue (act_w written like act; dw_part [slots, cdiv(n, cfg.up BLOCK_N)]
-    fp32)."""
+    fp32). zero: a contiguous fp32 tensor this launch zeroes (the next scatter GEMM's output)."""
     sorted_ids, expert_ids, num_post = schedule
     bm = cfg.block_m
     bn, bk, warps, stages = cfg.down if scatter else cfg.up
@@ -224,14 +240,19 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
 
     def ptr(t):
         return or_stand_in(t, out)
+    assert zero is None or (split_k == 1 and zero.dtype == torch.float32 and zero.is_contiguous())
     moe_gemm_kernel[(sorted_ids.numel() // bm * triton.cdiv(n, bn), 1, split_k)](
         a, b, sc, out, ptr(pre), ptr(row_w), ptr(act), ptr(act_w), ptr(dw_part), sorted_ids, expert_ids, num_post,
-        a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0), row_stride(pre),
-        row_stride(act), row_stride(dw_part), n_slots, k, n,
+        ptr(zero), a.stride(0), b.stride(0), b_strides[0], b_strides[1], *sc_strides, out.stride(0), row_stride(pre),
+        row_stride(act), row_stride(dw_part), n_slots, k, n, zero.numel() if zero is not None else 0,
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
         SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, FP16_MATH=scale is not None and fp16_math(cfg),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ZERO_BLOCK=ZERO_BLOCK if zero is not None else 0, num_warps=warps,
+        num_stages=stages)
+
+
+ZERO_BLOCK = 1024  # elements a program zeroes per store when a launch zeroes the next scatter GEMM's output
 
 
 def fp16_math(cfg) -> bool:
@@ -253,15 +274,16 @@ def fused_experts(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, num_pos
     n_slots = t * topk
     act = torch.empty((n_slots, inter_dim), device=hidden.device, dtype=hidden.dtype)
     pre = torch.empty((n_slots, 2 * inter_dim), device=hidden.device, dtype=hidden.dtype) if save_pre else None
-    out = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
+    # the down GEMM's scatter target, zeroed by the gate/up launch (one launch fewer at decode)
+    out = torch.empty((t, h), device=hidden.device, dtype=torch.float32)
     if t == 0 or sorted_ids.numel() == 0:
-        return out.to(hidden.dtype), act, pre
+        return out.zero_().to(hidden.dtype), act, pre
     schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
     # gate_up: B[e][k=h, n] = w13[e, n, h]
     s13, s2 = scales if scales is not None else (None, None)
     _moe_gemm(hidden, w13, act, (w13.stride(2), w13.stride(1)), schedule, topk, inter_dim, h, cfg,
-              a_by_token=True, swiglu=True, pre=pre, scale=s13)
+              a_by_token=True, swiglu=True, pre=pre, scale=s13, zero=out)
     # down: B[e][k=i, n=h] = w2[e, h, i]
     _moe_gemm(act, w2, out, (w2.stride(2), w2.stride(1)), schedule, topk, h, inter_dim, cfg, a_by_token=False,
               scatter=True, row_w=weights, scale=s2)
@@ -309,11 +331,11 @@ def fused_experts_backward(d_out, hidden, w13, w2, topk_weights, act, pre, sorte
     d_pre = torch.empty((n_slots, two_i), device=hidden.device, dtype=hidden.dtype)
     dw_part = torch.zeros((n_slots, triton.cdiv(inter_dim, cfg.up[0])), device=hidden.device, dtype=torch.float32)
     act_w = torch.empty_like(act)
+    d_hidden = torch.empty((t, h), device=hidden.device, dtype=torch.float32)  # zeroed by the d act launch
     _moe_gemm(d_out, w2, d_pre, (w2.stride(1), w2.stride(2)), schedule, topk, inter_dim, h, cfg, a_by_token=True,
-              row_w=weights, swiglu_bwd=(act, act_w, pre, dw_part))
+              row_w=weights, swiglu_bwd=(act, act_w, pre, dw_part), zero=d_hidden)
     d_weights = dw_part.sum(1).view(t, topk)
     # d_hidden[token] += d_pre[slot] · w13[e]  (B[e][k=n2, n=h] = w13[e, n2, h])
-    d_hidden = torch.zeros((t, h), device=hidden.device, dtype=torch.float32)
     _moe_gemm(d_pre, w13, d_hidden, (w13.stride(1), w13.stride(2)), schedule, topk, h, two_i, cfg,
               a_by_token=False, scatter=True)
     blocks = expert_blocks(expert_ids, e_count)
