@@ -70,15 +70,23 @@ SWITCHES = ("WARPFORGE_MOE_GATE_UP_ONE_MMA", "WARPFORGE_MOE_DACT_HALVES")  # sor
     (7, 4, 4, 32, 64, False),    # topk = E: every token in every expert
     (40, 4, 2, 96, 48, False),   # several row blocks per expert: the weight gradient walks them
 ])
-@pytest.mark.parametrize("switch", ["0", "1"], ids=["default", "one_mma+dact_halves"])
-def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew, switch, monkeypatch):
-    for name in SWITCHES:
-        monkeypatch.setenv(name, switch)
+def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew):
     torch.manual_seed(1)
     logits = torch.randn(t, e, device=DEV)
     if skew:
         logits[:, :2] += 5.0
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), logits, k, sorted_path)
+
+
+@pytest.mark.parametrize("t,e,k,h,i", [(13, 8, 2, 48, 40), (40, 4, 2, 96, 48)])
+def test_switched_forms_match_reference(sorted_path, t, e, k, h, i, monkeypatch):
+    """sorted_kernel's one-MMA gate/up and half-width d act epilogue (off by default): ragged H / I, several row
+    blocks per expert."""
+    for name in SWITCHES:
+        monkeypatch.setenv(name, "1")
+    torch.manual_seed(1)
+    _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
+                 sorted_path)
 
 
 def test_sorted_path_grouped_sigmoid(sorted_path):
