@@ -220,6 +220,9 @@ def row_stride(t) -> int:
     return t.stride(0) if t is not None else 0
 
 
+ZERO_BLOCK = 1024  # elements a program zeroes per store when a launch zeroes the next scatter GEMM's output
+
+
 def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, scatter=False, swiglu=False,
               pre=None, row_w=None, scale=None, swiglu_bwd=None, zero=None):
     """One launch of moe_gemm_kernel over the aligned schedule; n_slots is the rows of the per-slot side.
@@ -250,9 +253,6 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         HAS_W=row_w is not None, FP8_B=scale is not None, FP16_MATH=scale is not None and fp16_math(cfg),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ZERO_BLOCK=ZERO_BLOCK if zero is not None else 0, num_warps=warps,
         num_stages=stages)
-
-
-ZERO_BLOCK = 1024  # elements a program zeroes per store when a launch zeroes the next scatter GEMM's output
 
 
 def fp16_math(cfg) -> bool:
