@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from warpforge.bench.moe_cases import MODELS, _logits  # noqa: E402
+from warpforge.bench.moe_cases import MODELS, _expert_weights, _logits  # noqa: E402
 from warpforge.ops.moe import configs, route_reference  # noqa: E402
 from warpforge.ops.moe import sorted_kernel as sk  # noqa: E402
 from warpforge.ops.moe.align import align_unchecked  # noqa: E402
@@ -41,9 +41,7 @@ def main():
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float16
     e, k, h, i, route_kw = MODELS[args.model] if dev.type == "cuda" else (4, 2, 32, 48, {})
     t = args.tokens
-    torch.manual_seed(0)
-    w13 = torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h ** -0.5
-    w2 = torch.randn(e, h, i, device=dev, dtype=dt) * i ** -0.5
+    w13, w2 = _expert_weights(args.model, e, h, i, dev, dt)  # the bench's own weights
     weights, ids = route_reference(_logits(t, e, False, dev, torch.Generator().manual_seed(t)), k, **route_kw)
     cfg = configs.SORTED.lookup(dev, tuple(w13.shape), t)
     schedule = align_unchecked(ids, e, cfg.block_m, backend="triton")

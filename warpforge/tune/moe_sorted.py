@@ -12,9 +12,9 @@ timed (session 14's all-specialized tiles were 10-14% faster and returned inf). 
 numbers into NOTES.md.
 """
 import argparse
-import contextlib
 import os
 import time
+from unittest import mock
 
 import torch
 
@@ -29,21 +29,6 @@ from warpforge.tune.timing import time_candidate
 def _specialized(tile: configs.SortedTile, stages=None) -> configs.SortedTile:
     """tile warp-specialized: 4 warps, the only count at which Triton 3.6 specializes (HOPPER-PIPELINE.md)."""
     return tile._replace(warps=4, ws=True, stages=stages or tile.stages)
-
-
-@contextlib.contextmanager
-def _environment(env: dict):
-    """os.environ with env's variables set inside the block, restored after."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def candidates(base: configs.SortedCfg) -> dict:
@@ -106,7 +91,7 @@ def main(argv=None):
                 for name, cand in candidates(base).items():
                     cfg, env = (cand, {}) if isinstance(cand, configs.SortedCfg) else cand
                     api._sorted_config = lambda *a, cfg=cfg: cfg
-                    with _environment(env):
+                    with mock.patch.dict(os.environ, env):  # set only while this candidate runs
                         # timed only once its gradients are within 2e-2 of the gathered path's (and not held
                         # meanwhile)
                         errors[name] = max(rel_l2(g, r) for g, r in zip(layer(), reference))
