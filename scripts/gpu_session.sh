@@ -98,6 +98,8 @@ for step in "$@"; do
     attention-bwd-window-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon_bwd.py \
                                  tests/attention/test_attention_gluon_window.py -k "not knobs" > "$w/bwd_window_tests.log" 2>&1
                                tail -n 5 "$w/bwd_window_tests.log" ;;
+    moe-decode) timeout 200 python3 -m warpforge bench --family moe --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode.json" \
+                  > "$w/moe-decode.log" 2>&1; grep -E " T(1|4|16) " "$w/moe-decode.log" | head -40 ;;
     # sorted_kernel's one-MMA gate/up and half-width d act epilogue, off (0) and on (1)
     moe-sorted-ab) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
                  tail -n 3 "$w/moe-sorted-gpu-tests.log"
