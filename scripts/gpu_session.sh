@@ -100,13 +100,13 @@ for step in "$@"; do
                                tail -n 5 "$w/bwd_window_tests.log" ;;
     moe-decode) timeout 200 python3 -m warpforge bench --family moe --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode.json" \
                   > "$w/moe-decode.log" 2>&1; grep -E " T(1|4|16) " "$w/moe-decode.log" | head -40 ;;
-    # sorted_kernel's one-MMA gate/up and half-width d act epilogue, off (0) and on (1)
-    moe-sorted-ab) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
+    # the sorted path's GPU tests, the per-GEMM table (d act also at 4 stages), the family fwd+bwd bench
+    moe-sorted-check) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
                  tail -n 3 "$w/moe-sorted-gpu-tests.log"
-                 for v in 0 1; do WARPFORGE_MOE_GATE_UP_ONE_MMA=$v WARPFORGE_MOE_DACT_HALVES=$v timeout 60 python3 scripts/bench_moe_gemms.py --model mixtral \
-                   --tiles dact=128x64x8x4 > "$w/moe_gemms_$v.log" 2>&1; grep -E "^(up|dact)" "$w/moe_gemms_$v.log"; done
-                 WARPFORGE_MOE_GATE_UP_ONE_MMA=1 WARPFORGE_MOE_DACT_HALVES=1 timeout 150 python3 -m warpforge bench --family moe --match "fwd\+bwd" \
-                   --json "$w/moe-train-1mma.json" > "$w/moe-train-1mma.log" 2>&1; grep -E "fwd\+bwd" "$w/moe-train-1mma.log" ;;
+                 timeout 60 python3 scripts/bench_moe_gemms.py --model mixtral --tiles dact=128x64x8x4 > "$w/moe_gemms.log" 2>&1
+                 grep -E "^(up|dact)" "$w/moe_gemms.log"
+                 timeout 150 python3 -m warpforge bench --family moe --match "fwd\+bwd" --json "$w/moe-train.json" \
+                   > "$w/moe-train.log" 2>&1; grep -E "fwd\+bwd" "$w/moe-train.log" ;;
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;

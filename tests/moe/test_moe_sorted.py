@@ -61,9 +61,6 @@ def _check_grads(hidden, w13, w2, logits, k, calls, **kw):
     return got
 
 
-SWITCHES = ("WARPFORGE_MOE_GATE_UP_ONE_MMA", "WARPFORGE_MOE_DACT_HALVES")  # sorted_kernel's A/B forms, off by default
-
-
 @pytest.mark.parametrize("t,e,k,h,i,skew", [
     (13, 8, 2, 48, 40, False),   # H and I not multiples of the tiles (descriptor edges zero-filled)
     (30, 16, 4, 32, 32, True),   # skewed: uneven experts, several with no tokens
@@ -76,17 +73,6 @@ def test_sorted_path_matches_reference(sorted_path, t, e, k, h, i, skew):
     if skew:
         logits[:, :2] += 5.0
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), logits, k, sorted_path)
-
-
-@pytest.mark.parametrize("t,e,k,h,i", [(13, 8, 2, 48, 40), (40, 4, 2, 96, 48)])
-def test_switched_forms_match_reference(sorted_path, t, e, k, h, i, monkeypatch):
-    """sorted_kernel's one-MMA gate/up and half-width d act epilogue (off by default): ragged H / I, several row
-    blocks per expert."""
-    for name in SWITCHES:
-        monkeypatch.setenv(name, "1")
-    torch.manual_seed(1)
-    _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
-                 sorted_path)
 
 
 def test_sorted_path_grouped_sigmoid(sorted_path):
@@ -193,18 +179,17 @@ def test_sorted_path_compiles_for_sm90():
     assert run.returncode == 0 and len(lines) == 12, run.stdout[-2000:] + run.stderr[-2000:]
     for line in lines:
         assert "'wgmma'" in line and "'tma'" in line, line
-    assert "warp-specialized" not in lines[6], lines[6]  # the specialized variant's gate/up: never (sorted_kernel)
-    for line in lines[7:]:  # the rest of the warp-specialized variant
-        assert "warp-specialized" in line and "'setmaxnreg'" in line, line
+    # the specialized variant, launch by launch: gate/up, down, d act, d hidden (down's tile), the two weight gradients
+    for line, specialized in zip(lines[6:], (False, True, False, True, True, True)):  # gate/up, d act: never
+        assert ("warp-specialized" in line and "'setmaxnreg'" in line) == specialized, line
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [
     "table",
-    "ws_not_up",
+    "ws_wgrad_down",
 ])
-@pytest.mark.parametrize("switch", ["0", "1"], ids=["default", "one_mma+dact_halves"])
-def test_sorted_path_table_tiles(variant, switch, monkeypatch):
+def test_sorted_path_table_tiles(variant, monkeypatch):
     """This GPU's own configs.SORTED entry (and `tune moe-sorted`'s warp-specialized candidate of it), whole tiles
     at a training size: the small-tile tests above cannot see a fault of the real tiles (session 14's ws tiles
     passed those and failed the bench)."""
@@ -213,19 +198,21 @@ def test_sorted_path_table_tiles(variant, switch, monkeypatch):
     base = configs.SORTED.lookup(DEV, (e, 2 * i, h), t)
     if base is None:
         pytest.skip("no configs.SORTED entry at this size on this GPU")
-    cfg = candidates(base)[variant]  # (a plain SortedCfg for these variants)
+    cfg = candidates(base)[variant]
     monkeypatch.setattr(api, "_sorted_config", lambda *a: cfg)
-    for name in SWITCHES:
-        monkeypatch.setenv(name, switch)
     _check_grads(torch.randn(t, h, device=DEV, dtype=DTYPE), *_weights(e, h, i), torch.randn(t, e, device=DEV), k,
                  _sorted_calls(monkeypatch))
 
 
-def test_gate_up_is_never_warp_specialized():
-    """Triton 3.6 cannot specialize the gate/up GEMM's one-accumulator epilogue: refused at the launch, clearly."""
+def test_split_epilogues_are_never_warp_specialized():
+    """Triton 3.6 cannot specialize the split of the gate/up accumulator or of the d act epilogue's halves: both
+    refused at the launch, clearly."""
     from warpforge.ops.moe.sorted_kernel import _gemm
     tile = ST(32, 32, 4, 2, ws=True)
     x = torch.zeros(16, 32)
     with pytest.raises(ValueError, match="gate/up"):
         _gemm(x, torch.zeros(1, 64, 32), x, (None, None, None), 32, 32, tile, S(16, tile, tile, tile), b_kmajor=True,
               swiglu=True, n_slots=16)
+    with pytest.raises(ValueError, match="d act"):
+        _gemm(x, torch.zeros(1, 32, 32), x, (None, None, None), 32, 32, tile, S(16, tile, tile, tile), b_kmajor=False,
+              swiglu_bwd=(x, x, x, x), n_slots=16)

@@ -4,17 +4,14 @@ forward + backward at a training token count, each candidate SortedCfg against t
 
     warpforge tune moe-sorted [--models mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--out tune.json]
 
-Candidates: the table's entry, each GEMM but gate/up warp-specialized at 4 warps alone (the weight gradient at 2
-stages: its 3 would not fit) and together, the SwiGLU-gradient GEMM 64 columns wide, 4 stages for gate/up, block_m 64.
-With them, sorted_kernel's switched forms (WARPFORGE_MOE_GATE_UP_ONE_MMA, WARPFORGE_MOE_DACT_HALVES), set only while
-they run. Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not
+Candidates: the table's entry, the down GEMM and the weight gradient warp-specialized at 4 warps alone (the weight
+gradient at 2 stages: its 3 would not fit) and together (gate/up and d act cannot be: sorted_kernel._gemm), the
+SwiGLU-gradient GEMM 64 columns wide or at 4 stages, 4 stages for gate/up, block_m 64. Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not
 timed (session 14's all-specialized tiles were 10-14% faster and returned inf). The winner goes into configs.SORTED,
 numbers into NOTES.md.
 """
 import argparse
-import os
 import time
-from unittest import mock
 
 import torch
 
@@ -32,24 +29,18 @@ def _specialized(tile: configs.SortedTile, stages=None) -> configs.SortedTile:
 
 
 def candidates(base: configs.SortedCfg) -> dict:
-    """name -> a SortedCfg, or (SortedCfg, environment variables set while it runs)."""
+    """name -> a SortedCfg."""
     ws = _specialized
     return {
         "table": base,
         "dact_n64": base._replace(dact=(base.dact or base.up)._replace(block_n=64)),  # half the accumulator
         "up4": base._replace(up=base.up._replace(stages=4)),
         "bm64": base._replace(block_m=64),
-        # one GEMM specialized at a time (gate/up cannot be: sorted_kernel._gemm)
+        "dact4": base._replace(dact=(base.dact or base.up)._replace(stages=4)),
+        # one GEMM specialized at a time, then both (gate/up and d act cannot be: sorted_kernel._gemm)
         "ws_down": base._replace(down=ws(base.down)),
         "ws_wgrad": base._replace(wgrad=ws(base.wgrad, 2)),
-        "ws_dact": base._replace(dact=ws(base.dact or base.up)),
-        # every GEMM that can be specialized
-        "ws_not_up": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2), dact=ws(base.dact or base.up)),
         "ws_wgrad_down": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2)),
-        # sorted_kernel's forms behind switches (session 15, not yet measured): (the table's tiles, the environment)
-        "one_mma+halves": (base, {"WARPFORGE_MOE_GATE_UP_ONE_MMA": "1", "WARPFORGE_MOE_DACT_HALVES": "1"}),
-        "one_mma+halves+dact4": (base._replace(dact=(base.dact or base.up)._replace(stages=4)),
-                                 {"WARPFORGE_MOE_GATE_UP_ONE_MMA": "1", "WARPFORGE_MOE_DACT_HALVES": "1"}),
     }
 
 
@@ -88,14 +79,11 @@ def main(argv=None):
                 api._sorted_config = lambda *a: None  # the gathered-row kernels: the reference and the first row
                 reference = layer()
                 rows["gathered"] = time_candidate(layer, rep=40)
-                for name, cand in candidates(base).items():
-                    cfg, env = (cand, {}) if isinstance(cand, configs.SortedCfg) else cand
+                for name, cfg in candidates(base).items():
                     api._sorted_config = lambda *a, cfg=cfg: cfg
-                    with mock.patch.dict(os.environ, env):  # set only while this candidate runs
-                        # timed only once its gradients are within 2e-2 of the gathered path's (and not held
-                        # meanwhile)
-                        errors[name] = max(rel_l2(g, r) for g, r in zip(layer(), reference))
-                        rows[name] = time_candidate(layer, rep=40) if errors[name] <= 2e-2 else None
+                    # timed only once its gradients are within 2e-2 of the gathered path's (and not held meanwhile)
+                    errors[name] = max(rel_l2(g, r) for g, r in zip(layer(), reference))
+                    rows[name] = time_candidate(layer, rep=40) if errors[name] <= 2e-2 else None
             finally:
                 api._sorted_config = real
             del reference

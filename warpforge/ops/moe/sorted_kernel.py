@@ -12,8 +12,6 @@ the GEMMs (benchmarks/NOTES.md, "Fused MoE training path"), and with it:
 - the top-k combine is a gather-sum over each token's k sorted rows (no atomics: deterministic).
 Rows past align's used length are never read nor written. Expert offsets are int64 inside the descriptors.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -78,14 +76,14 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
                            B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr,
                            SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
-                           WS: tl.constexpr, GATE_UP_ONE_MMA: tl.constexpr, DACT_HALVES: tl.constexpr):
+                           WS: tl.constexpr):
     """acc[r, n] = Σ_k A[r, k] · B[e][k, n] for the sorted rows r of each used row block (expert e), A [cap, K]
     contiguous, B's weight [E, NB, K] (B_KMAJOR) or [E, K, NB]. Persistent: PROGRAMS programs walk the tiles of
     the used blocks. Epilogues as moe_kernel's, rows in sorted order:
     - OUT[r] = (ROW_W[slot] ·) acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE
       keeps [gate | up] (forward);
     - SWIGLU_BWD: acc is d act; DW_PART[slot, tile] = Σ_n act · acc, OUT = [d gate | d up] of w · acc through
-      PRE's [gate | up], ACT_W = w · act (backward)."""
+      PRE's [gate | up], ACT_W = w · act (backward); DW_PART has a column per half column tile."""
     a_desc = tl.make_tensor_descriptor(A, shape=[cap, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_KMAJOR:
         b_desc = tl.make_tensor_descriptor(B, shape=[num_e, NB, K], strides=[NB * K, K, 1],
@@ -93,11 +91,11 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
     else:
         b_desc = tl.make_tensor_descriptor(B, shape=[num_e, K, NB], strides=[K * NB, NB, 1],
                                            block_shape=[1, BLOCK_K, BLOCK_N])
-    if SWIGLU and GATE_UP_ONE_MMA:
+    if SWIGLU:
         # w13 [E, 2N, K] seen as [E, 2, N, K]: one box holds the gate rows and the up rows of the same n range, so
         # one MMA [BLOCK_M, 2 · BLOCK_N] serves both, and a box past N's end is zero-filled in each half rather than
-        # read from the other. With two accumulators (one MMA each) ptxas serializes the wgmma pipeline (C7515:
-        # 482 TFLOP/s at Mixtral T 8192 against down's 743); this form compiles without (not yet timed: gate_up_one_mma)
+        # read from the other. With two accumulators (one MMA each) ptxas serialized the wgmma pipeline (C7515):
+        # 482 -> 700 TFLOP/s at Mixtral T 8192 (benchmarks/NOTES.md, session 16)
         gu_desc = tl.make_tensor_descriptor(B, shape=[num_e, 2, N, K], strides=[NB * K, N * K, K, 1],
                                             block_shape=[1, 2, BLOCK_N, BLOCK_K])
     used = tl.cdiv(tl.load(NUM_POST), BLOCK_M)
@@ -110,7 +108,7 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
         e = tl.load(EXPERT_IDS + pid_m)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        if SWIGLU and GATE_UP_ONE_MMA:
+        if SWIGLU:
             acc_gu = tl.zeros([BLOCK_M, 2 * BLOCK_N], tl.float32)
             for kk in range(k_tiles):
                 a = a_desc.load([off_m, kk * BLOCK_K])
@@ -120,12 +118,9 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
             acc, acc_up = tl.split(tl.permute(tl.reshape(acc_gu, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for kk in range(k_tiles):
                 a = a_desc.load([off_m, kk * BLOCK_K])
                 acc = dot(a, _b_tile(b_desc, e, off_n, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc)
-                if SWIGLU:
-                    acc_up = dot(a, _b_tile(b_desc, e, off_n + N, kk * BLOCK_K, B_KMAJOR, BLOCK_N, BLOCK_K), acc_up)
         rows = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
@@ -134,9 +129,9 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
             slots = tl.load(SORTED_IDS + rows)
             ok = slots < n_slots
             w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]  # 0 on padding rows
-        if SWIGLU_BWD and DACT_HALVES:
+        if SWIGLU_BWD:
             # the epilogue on one column half, then the other: its act / gate / up tiles at half width (whole 128 x
-            # 128 tiles at 8 warps spilled 92 B); DW_PART then has a column per half tile
+            # 128 tiles at 8 warps spilled 92 B; 377 -> 415 TFLOP/s at Mixtral); DW_PART has a column per half tile
             HALF: tl.constexpr = BLOCK_N // 2
             acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
             offs0 = off_n + tl.arange(0, HALF)
@@ -147,9 +142,6 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
             mask1 = (rows < cap)[:, None] & (offs1 < N)[None, :]
             swiglu_bwd_epilogue(acc1, w, rows, slots.to(tl.int64), ok, mask1, offs1, 2 * pid_n + 1, OUT, PRE, ACT,
                                 ACT_W, DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
-        elif SWIGLU_BWD:
-            swiglu_bwd_epilogue(acc, w, rows, slots.to(tl.int64), ok, omask, offs_n, pid_n, OUT, PRE, ACT, ACT_W,
-                                DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
         else:
             if SWIGLU:
                 acc = swiglu_fwd_epilogue(acc, acc_up, rows, omask, offs_n, PRE, stride_pre, N, SAVE_PRE)
@@ -203,25 +195,14 @@ def _programs(device, tiles: int) -> int:
     return max(1, min(sm_count(device), tiles))
 
 
-def gate_up_one_mma() -> bool:
-    """WARPFORGE_MOE_GATE_UP_ONE_MMA=1: the gate/up GEMM as one MMA over both halves of w13 (see the kernel), off
-    until its GPU tests and the family bench have run on the H200 (written in session 15, after the last call)."""
-    return os.environ.get("WARPFORGE_MOE_GATE_UP_ONE_MMA", "0") == "1"
-
-
-def dact_halves(tile) -> bool:
-    """WARPFORGE_MOE_DACT_HALVES=1: the d act GEMM's SwiGLU-gradient epilogue one column half at a time (see the
-    kernel), for tiles at least 32 wide; off until the H200 has run it (written in session 15 after the last call)."""
-    return os.environ.get("WARPFORGE_MOE_DACT_HALVES", "0") == "1" and tile.block_n >= 32
-
-
 def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=None, row_w=None, n_slots,
           swiglu_bwd=None):
     """One persistent launch of moe_sorted_gemm_kernel over the sorted rows a [cap, k]; w the 3-d weight."""
-    if swiglu and tile.ws:
-        # the two-accumulator form warp-specialized returned inf gradients (sessions 14-15); Triton 3.6's
-        # specialization aborts on the one-MMA form's gate/up split (WSDataPartition: tt.split unsupported)
-        raise ValueError("moe sorted path: the gate/up GEMM cannot be warp-specialized (configs.SortedCfg.up.ws)")
+    if (swiglu or swiglu_bwd is not None) and tile.ws:
+        # Triton 3.6's specialization aborts on the split of the gate/up accumulator and of the d act epilogue's
+        # halves (WSDataPartition: tt.split unsupported); the old two-accumulator gate/up gave inf gradients
+        raise ValueError("moe sorted path: the gate/up and d act GEMMs cannot be warp-specialized "
+                         "(configs.SortedCfg.up.ws / dact.ws)")
     sorted_ids, expert_ids, num_post = schedule
     cap = a.shape[0]
     act = act_w = dw_part = None
@@ -239,9 +220,7 @@ def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=N
         cap, w.shape[0], nb, out.stride(0), row_stride(pre), row_stride(act), row_stride(dw_part), n_slots, k, n,
         B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None and swiglu_bwd is None,
         SWIGLU_BWD=swiglu_bwd is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, GATE_UP_ONE_MMA=swiglu and gate_up_one_mma(),
-        DACT_HALVES=swiglu_bwd is not None and dact_halves(tile),
-        num_warps=tile.warps, num_stages=tile.stages)
+        BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, num_warps=tile.warps, num_stages=tile.stages)
 
 
 def _permute(x, schedule, topk, n_slots):
@@ -321,8 +300,8 @@ def fused_experts_sorted_backward(d_out, hidden, w13, w2, topk_weights, act, pre
     schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
     dact_tile = cfg.dact or cfg.up
-    # a column per column tile of the d act GEMM (two per tile with DACT_HALVES: a half past I's end adds 0)
-    parts = triton.cdiv(inter_dim, dact_tile.block_n) * (2 if dact_halves(dact_tile) else 1)
+    # a column per half column tile of the d act GEMM (a half past I's end adds 0)
+    parts = triton.cdiv(inter_dim, dact_tile.block_n) * 2
     dw_part = torch.zeros((n_slots, parts), device=hidden.device, dtype=torch.float32)
     if t == 0 or cap == 0:
         return (torch.zeros_like(hidden), torch.zeros_like(w13), torch.zeros_like(w2),
