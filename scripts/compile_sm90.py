@@ -191,6 +191,12 @@ def moe():
             ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
             api._experts_fp8_impl(hidden, q13, q2, s13, s2, torch.rand(t, 2), ids)
     del os.environ["WARPFORGE_MOE_FP8_FP16"]
+    # the one-launch decode kernel (decode_kernel.py) at its A/B tile, bf16 and FP8 weights
+    os.environ["WARPFORGE_MOE_DECODE"] = "1"
+    hidden, ids = torch.randn(1, h, dtype=torch.bfloat16), torch.randint(0, e, (1, 2), dtype=torch.int32)
+    api._experts_decode_impl(hidden, w13, w2, torch.rand(1, 2), ids, None, None)
+    api._experts_decode_impl(hidden, q13, q2, torch.rand(1, 2), ids, s13, s2)
+    del os.environ["WARPFORGE_MOE_DECODE"]
     moe_sorted()
 
 

@@ -100,6 +100,12 @@ for step in "$@"; do
                                tail -n 5 "$w/bwd_window_tests.log" ;;
     moe-decode) timeout 200 python3 -m warpforge bench --family moe --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode.json" \
                   > "$w/moe-decode.log" 2>&1; grep -E " T(1|4|16) " "$w/moe-decode.log" | head -40 ;;
+    # the one-launch decode kernel: its GPU tests, then the family's decode rows without it (0) and with it (1)
+    moe-decode-ab) timeout 120 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py > "$w/moe-decode-gpu-tests.log" 2>&1
+                 tail -n 3 "$w/moe-decode-gpu-tests.log"
+                 for v in 0 1; do WARPFORGE_MOE_DECODE=$v timeout 150 python3 -m warpforge bench --family moe \
+                   --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode-$v.json" > "$w/moe-decode-$v.log" 2>&1
+                   grep -E "warpforge  " "$w/moe-decode-$v.log"; done ;;
     # the sorted path's GPU tests, the per-GEMM table (d act also at 4 stages), the family fwd+bwd bench
     moe-sorted-check) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
                  tail -n 3 "$w/moe-sorted-gpu-tests.log"

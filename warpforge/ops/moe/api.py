@@ -58,6 +58,36 @@ def _experts_fp8_fake(hidden, w13, w2, s13, s2, weights, ids):
 _experts_fp8 = kernel_op("moe_experts_fp8", _experts_fp8_impl, _experts_fp8_fake)
 
 
+def _decode_tile(device: torch.device, tokens: int, w13: torch.Tensor) -> Optional[configs.DecodeTile]:
+    """The one-launch decode kernel's tile where inference takes it (configs.DECODE), else None.
+    WARPFORGE_MOE_DECODE=1 takes it at every T <= 16 (the table's tile, or DECODE_TRY), =0 never."""
+    switch = os.environ.get("WARPFORGE_MOE_DECODE", "")
+    if switch == "0" or tokens == 0:
+        return None
+    tile = configs.DECODE.lookup(device, tuple(w13.shape), tokens)
+    if switch == "1" and tile is None and tokens <= 16:
+        tile = configs.DECODE_TRY
+    return tile
+
+
+def _experts_decode_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor, s13: Optional[torch.Tensor], s2: Optional[torch.Tensor]) -> torch.Tensor:
+    """Inference at decode sizes in one launch after the router (decode_kernel.py); FP8 when s13 / s2 are given."""
+    from .decode_kernel import fused_experts_decode
+    fp8 = s13 is not None
+    if fp8:
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
+    return fused_experts_decode(hidden, w13, w2, weights.float().contiguous(), ids.contiguous(),
+                                _decode_tile(hidden.device, hidden.shape[0], w13), scales=(s13, s2) if fp8 else None)
+
+
+def _experts_decode_fake(hidden, w13, w2, weights, ids, s13, s2):
+    return torch.empty_like(hidden)
+
+
+_experts_decode = kernel_op("moe_experts_decode", _experts_decode_impl, _experts_decode_fake)
+
+
 def _experts_fwd_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor,
                       train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -347,9 +377,14 @@ def _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend):
         if backend == "reference":
             return experts_reference(hidden, *(dequantize_weights_reference(w, sc).to(hidden.dtype)
                                                for w, sc in ((w13, w_scales[0]), (w2, w_scales[1]))), weights, ids)
-        return _experts_fp8(hidden.contiguous(), w13.contiguous(), w2.contiguous(), w_scales[0].contiguous(),
-                            w_scales[1].contiguous(), weights, ids)
+        args = (hidden.contiguous(), w13.contiguous(), w2.contiguous())
+        scales = (w_scales[0].contiguous(), w_scales[1].contiguous())
+        if _decode_tile(hidden.device, hidden.shape[0], w13):
+            return _experts_decode(*args, weights, ids, *scales)
+        return _experts_fp8(*args, *scales, weights, ids)
     if backend == "reference":
         return experts_reference(hidden, w13, w2, weights, ids)
     train = torch.is_grad_enabled() and any(x.requires_grad for x in (hidden, w13, w2, weights))
+    if not train and _decode_tile(hidden.device, hidden.shape[0], w13):
+        return _experts_decode(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids, None, None)
     return _experts_fwd(hidden.contiguous(), w13.contiguous(), w2.contiguous(), weights, ids, train)[0]

@@ -72,6 +72,28 @@ GEMMS = TileTable({
 })
 
 
+class DecodeTile(NamedTuple):
+    """The one-launch decode kernel (decode_kernel.py): a program's I columns, its gate/up k step, its down GEMM's
+    H step."""
+    block_n: int
+    block_k: int
+    block_h: int
+    warps: int
+    stages: int
+    fp8_fp16_math: bool = True  # FP8 weights: dequantised to fp16, the MMAs in fp16 (as the gathered path's FP8)
+
+
+# Tokens below which inference takes the one-launch decode kernel: None for none. Off on sm90 until the H200 has run
+# it (its GPU tests and the family bench, A/B by WARPFORGE_MOE_DECODE=1); on in the interpreter, where CI's decode
+# shapes then run it.
+DECODE = TileTable({
+    "cpu": {"any": {0: DecodeTile(16, 32, 32, 1, 1), 4: None}},
+    "default": {"any": {0: None}},
+    "sm90": {"any": {0: None}},
+})
+DECODE_TRY = DecodeTile(32, 128, 256, 4, 4)  # WARPFORGE_MOE_DECODE=1 where the table has no tile (the A/B's)
+
+
 class SortedTile(NamedTuple):
     block_n: int
     block_k: int
@@ -85,7 +107,7 @@ class SortedCfg(NamedTuple):
     every GEMM reads contiguous rows of one expert per row block through tensor descriptors, in persistent
     tile loops."""
     block_m: int        # align's block_m for this path
-    up: SortedTile      # gate/up GEMM (two accumulators: the output tile is block_n wide, B is read 2x)
+    up: SortedTile      # gate/up GEMM (one MMA over [gate | up] rows: the output tile is block_n wide, B's 2x)
     down: SortedTile    # down GEMM and the backward's d_hidden GEMM
     wgrad: SortedTile   # block_n x block_k tiles of dW, reduced over the expert's rows block_m at a time
     dact: SortedTile | None = None  # backward d act GEMM with the SwiGLU-gradient epilogue (None: up's tile)
@@ -97,8 +119,8 @@ S, ST = SortedCfg, SortedTile
 # tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), on for training since
 # session 14 measured them past the gathered path at T 8192 fwd+bwd. The weight gradient is warp-specialized (4 warps,
 # 2 stages): +5% / +10% / +5% fwd+bwd for Mixtral / DeepSeek-V3 / Qwen3 at T 8192, gradients right (session 15,
-# `warpforge tune moe-sorted`). Down and d act specialized: no consistent gain; gate/up: inf gradients, and the launch
-# refuses it (sorted_kernel._gemm; benchmarks/NOTES.md, "Session 15").
+# `warpforge tune moe-sorted`). Down specialized: no consistent gain; gate/up and d act cannot be (their accumulator
+# splits abort Triton 3.6's specialization), and the launch refuses them (sorted_kernel._gemm; NOTES.md, sessions 15-16).
 _SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 4, 2, ws=True), ST(128, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
