@@ -106,6 +106,9 @@ for step in "$@"; do
                  for v in 0 1; do WARPFORGE_MOE_DECODE=$v timeout 150 python3 -m warpforge bench --family moe \
                    --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode-$v.json" > "$w/moe-decode-$v.log" 2>&1
                    grep -E "warpforge  " "$w/moe-decode-$v.log"; done ;;
+    tune-moe-decode) timeout 420 python3 -m warpforge tune moe-decode --models ${MOE_MODELS:-qwen3-30b-a3b,mixtral,deepseek-v3} \
+                       --tokens ${MOE_TOKENS:-1,4,16} --out "$w/tune_moe_decode.json" > "$w/tune_moe_decode.log" 2>&1
+                     grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
     # the sorted path's GPU tests, the per-GEMM table (d act also at 4 stages), the family fwd+bwd bench
     moe-sorted-check) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
                  tail -n 3 "$w/moe-sorted-gpu-tests.log"

@@ -3,5 +3,5 @@ each timing candidate configs on this GPU at its family's benchmark shapes and w
 (`--out FILE.json`). Winners go into the family's configs.py by hand, with the numbers in benchmarks/NOTES.md.
 Each module's main(argv) is one sweep; they need a CUDA GPU."""
 SWEEPS = {"attention": "attention", "mla": "mla", "moe": "moe", "moe-wgrad": "moe_wgrad", "moe-sorted": "moe_sorted",
-          "paged": "paged", "monarch": "monarch", "lce": "lce", "sparse": "sparse",
+          "moe-decode": "moe_decode", "paged": "paged", "monarch": "monarch", "lce": "lce", "sparse": "sparse",
           "evoformer": "evoformer", "norm": "norm"}
