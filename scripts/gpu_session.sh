@@ -101,9 +101,9 @@ for step in "$@"; do
     moe-decode) timeout 200 python3 -m warpforge bench --family moe --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode.json" \
                   > "$w/moe-decode.log" 2>&1; grep -E " T(1|4|16) " "$w/moe-decode.log" | head -40 ;;
     # the one-launch decode kernel: its GPU tests, then the family's decode rows without it (0) and with it (1)
-    moe-decode-ab) timeout 120 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py > "$w/moe-decode-gpu-tests.log" 2>&1
-                 tail -n 3 "$w/moe-decode-gpu-tests.log"
-                 for v in 0 1; do WARPFORGE_MOE_DECODE=$v timeout 150 python3 -m warpforge bench --family moe \
+    moe-decode-tests) timeout 120 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py tests/moe/test_fused_moe.py \
+                        > "$w/moe-decode-gpu-tests.log" 2>&1; tail -n 3 "$w/moe-decode-gpu-tests.log" ;;
+    moe-decode-ab) for v in 0 1; do WARPFORGE_MOE_DECODE=$v timeout 150 python3 -m warpforge bench --family moe \
                    --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode-$v.json" > "$w/moe-decode-$v.log" 2>&1
                    grep -E "warpforge  " "$w/moe-decode-$v.log"; done ;;
     tune-moe-decode) timeout 420 python3 -m warpforge tune moe-decode --models ${MOE_MODELS:-qwen3-30b-a3b,mixtral,deepseek-v3} \
