@@ -202,7 +202,7 @@ def moe():
 
 def moe_sorted():
     """The training-size path (ops/moe/sorted_kernel.py), forward and backward, as the table has it and with the
-    down and weight-gradient tiles warp-specialized (4 warps; gate/up and d act cannot be), whatever the table's
+    down, d act and weight-gradient tiles warp-specialized (4 warps; gate/up cannot be), whatever the table's
     default (WARPFORGE_MOE_SORTED=1)."""
     from warpforge.ops.moe import api, configs
     e, h, i, t = 8, 1024, 512, 4096
@@ -215,7 +215,7 @@ def moe_sorted():
     os.environ["WARPFORGE_MOE_SORTED"] = "1"
 
     def ws(cfg):  # 4 warps (specialization happens only there); the wgrad's 128 x 256 tiles fit 2 stages
-        tiles = {f: getattr(cfg, f) for f in ("down", "wgrad")} if cfg else {}  # gate/up, d act: never
+        tiles = {f: getattr(cfg, f) for f in ("down", "dact", "wgrad")} if cfg else {}  # gate/up: never
         return cfg and cfg._replace(**{f: t._replace(warps=4, stages=2 if f == "wgrad" else 3, ws=True)
                                        for f, t in tiles.items() if t is not None})
     try:

@@ -4,9 +4,9 @@ forward + backward at a training token count, each candidate SortedCfg against t
 
     warpforge tune moe-sorted [--models mixtral,qwen3-30b-a3b,deepseek-v3] [--tokens 8192] [--out tune.json]
 
-Candidates: the table's entry, the down GEMM and the weight gradient warp-specialized at 4 warps alone (the weight
-gradient at 2 stages: its 3 would not fit) and together (gate/up and d act cannot be: sorted_kernel._gemm), the
-SwiGLU-gradient GEMM 64 columns wide or at 4 stages, 4 stages for gate/up, block_m 64. Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not
+Candidates: the table's entry, each GEMM but gate/up warp-specialized at 4 warps alone (the weight gradient at 2
+stages: its 3 would not fit) and together (gate/up cannot be: sorted_kernel._gemm), the d act GEMM 64 columns wide or
+at 4 stages, 4 stages for gate/up, block_m 64. Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not
 timed (session 14's all-specialized tiles were 10-14% faster and returned inf). The winner goes into configs.SORTED,
 numbers into NOTES.md.
 """
@@ -37,10 +37,11 @@ def candidates(base: configs.SortedCfg) -> dict:
         "up4": base._replace(up=base.up._replace(stages=4)),
         "bm64": base._replace(block_m=64),
         "dact4": base._replace(dact=(base.dact or base.up)._replace(stages=4)),
-        # one GEMM specialized at a time, then both (gate/up and d act cannot be: sorted_kernel._gemm)
+        # one GEMM specialized at a time, then all that can be (gate/up cannot: sorted_kernel._gemm)
         "ws_down": base._replace(down=ws(base.down)),
         "ws_wgrad": base._replace(wgrad=ws(base.wgrad, 2)),
-        "ws_wgrad_down": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2)),
+        "ws_dact": base._replace(dact=ws(base.dact or base.up)),
+        "ws_not_up": base._replace(down=ws(base.down), wgrad=ws(base.wgrad, 2), dact=ws(base.dact or base.up)),
     }
 
 

@@ -110,7 +110,7 @@ class SortedCfg(NamedTuple):
     up: SortedTile      # gate/up GEMM (one MMA over [gate | up] rows: the output tile is block_n wide, B's 2x)
     down: SortedTile    # down GEMM and the backward's d_hidden GEMM
     wgrad: SortedTile   # block_n x block_k tiles of dW, reduced over the expert's rows block_m at a time
-    dact: SortedTile | None = None  # backward d act GEMM with the SwiGLU-gradient epilogue (None: up's tile)
+    dact: SortedTile | None = None  # backward d act GEMM (None: up's tile); the SwiGLU gradient is a pass of its own
     on: bool = False    # the default path where the entry applies; WARPFORGE_MOE_SORTED=1 / 0 overrides
 
 
@@ -119,8 +119,8 @@ S, ST = SortedCfg, SortedTile
 # tiles are the Hopper probe's persistent-descriptor shapes (shared/HOPPER-PIPELINE.md), on for training since
 # session 14 measured them past the gathered path at T 8192 fwd+bwd. The weight gradient is warp-specialized (4 warps,
 # 2 stages): +5% / +10% / +5% fwd+bwd for Mixtral / DeepSeek-V3 / Qwen3 at T 8192, gradients right (session 15,
-# `warpforge tune moe-sorted`). Down specialized: no consistent gain; gate/up and d act cannot be (their accumulator
-# splits abort Triton 3.6's specialization), and the launch refuses them (sorted_kernel._gemm; NOTES.md, sessions 15-16).
+# `warpforge tune moe-sorted`). Down specialized: no consistent gain; gate/up cannot be (its accumulator split aborts
+# Triton 3.6's specialization), and the launch refuses it (sorted_kernel._gemm; NOTES.md, sessions 15-16).
 _SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 4, 2, ws=True), ST(128, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},

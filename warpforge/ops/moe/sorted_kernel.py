@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
-from ..shared_kernels import dot
-from .moe_kernel import _grouped_tile, or_stand_in, row_stride, swiglu_bwd_epilogue, swiglu_fwd_epilogue
+from ..shared_kernels import dot, swiglu_grads
+from .moe_kernel import _grouped_tile, or_stand_in, row_stride, swiglu_fwd_epilogue
 
 
 @triton.jit
@@ -71,19 +71,17 @@ def _b_tile(b_desc, e, off_n, k0, B_KMAJOR: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_IDS, EXPERT_IDS, NUM_POST,
-                           cap, num_e, NB, stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N,
+def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, SORTED_IDS, EXPERT_IDS, NUM_POST,
+                           cap, num_e, NB, stride_o, stride_pre, n_slots, K, N,
                            B_KMAJOR: tl.constexpr, SWIGLU: tl.constexpr, SAVE_PRE: tl.constexpr,
-                           SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                           HAS_W: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROGRAMS: tl.constexpr,
                            WS: tl.constexpr):
     """acc[r, n] = Σ_k A[r, k] · B[e][k, n] for the sorted rows r of each used row block (expert e), A [cap, K]
     contiguous, B's weight [E, NB, K] (B_KMAJOR) or [E, K, NB]. Persistent: PROGRAMS programs walk the tiles of
-    the used blocks. Epilogues as moe_kernel's, rows in sorted order:
-    - OUT[r] = (ROW_W[slot] ·) acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE
-      keeps [gate | up] (forward);
-    - SWIGLU_BWD: acc is d act; DW_PART[slot, tile] = Σ_n act · acc, OUT = [d gate | d up] of w · acc through
-      PRE's [gate | up], ACT_W = w · act (backward); DW_PART has a column per half column tile."""
+    the used blocks. Epilogue, rows in sorted order: OUT[r] = (ROW_W[slot] ·) acc; SWIGLU: B's columns n and N + n
+    are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps [gate | up] (forward). The backward's SwiGLU gradient is a
+    kernel of its own (moe_swiglu_grad_kernel), not this epilogue."""
     a_desc = tl.make_tensor_descriptor(A, shape=[cap, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
     if B_KMAJOR:
         b_desc = tl.make_tensor_descriptor(B, shape=[num_e, NB, K], strides=[NB * K, K, 1],
@@ -125,29 +123,45 @@ def moe_sorted_gemm_kernel(A, B, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_ID
         offs_n = off_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         omask = (rows < cap)[:, None] & n_ok[None, :]
-        if HAS_W or SWIGLU_BWD:
+        if SWIGLU:
+            acc = swiglu_fwd_epilogue(acc, acc_up, rows, omask, offs_n, PRE, stride_pre, N, SAVE_PRE)
+        if HAS_W:
             slots = tl.load(SORTED_IDS + rows)
-            ok = slots < n_slots
-            w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]  # 0 on padding rows
-        if SWIGLU_BWD:
-            # the epilogue on one column half, then the other: its act / gate / up tiles at half width (whole 128 x
-            # 128 tiles at 8 warps spilled 92 B; 377 -> 415 TFLOP/s at Mixtral); DW_PART has a column per half tile
-            HALF: tl.constexpr = BLOCK_N // 2
-            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
-            offs0 = off_n + tl.arange(0, HALF)
-            mask0 = (rows < cap)[:, None] & (offs0 < N)[None, :]
-            swiglu_bwd_epilogue(acc0, w, rows, slots.to(tl.int64), ok, mask0, offs0, 2 * pid_n, OUT, PRE, ACT, ACT_W,
-                                DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
-            offs1 = offs0 + HALF
-            mask1 = (rows < cap)[:, None] & (offs1 < N)[None, :]
-            swiglu_bwd_epilogue(acc1, w, rows, slots.to(tl.int64), ok, mask1, offs1, 2 * pid_n + 1, OUT, PRE, ACT,
-                                ACT_W, DW_PART, stride_o, stride_pre, stride_act, stride_dwp, N)
-        else:
-            if SWIGLU:
-                acc = swiglu_fwd_epilogue(acc, acc_up, rows, omask, offs_n, PRE, stride_pre, N, SAVE_PRE)
-            if HAS_W:
-                acc = acc * w
-            tl.store(OUT + rows[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
+            acc = acc * tl.load(ROW_W + slots, mask=slots < n_slots, other=0.0)[:, None]  # 0 on padding rows
+        tl.store(OUT + rows[:, None] * stride_o + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def moe_swiglu_grad_kernel(DACT, ACT, PRE, ROW_W, SORTED_IDS, NUM_POST, D_PRE, ACT_W, D_W, cap, n_slots, I,
+                           BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    """The backward through SwiGLU and the routed weight, rows in sorted order (all [cap, ·] contiguous): D_PRE =
+    [d gate | d up] of w · DACT through PRE's [gate | up], ACT_W = w · ACT (the w2 gradient's operand), and
+    D_W[slot] = Σ_i ACT · DACT (the routed weight's gradient), w the row's routed weight (0 on padding rows, whose
+    outputs are then zero as the weight gradient needs). Rows past the used length are left alone."""
+    r0 = tl.program_id(0) * BLOCK_R
+    if r0 >= tl.load(NUM_POST):
+        return
+    rows = r0 + tl.arange(0, BLOCK_R)
+    r_ok = rows < cap
+    slots = tl.load(SORTED_IDS + rows, mask=r_ok, other=n_slots)
+    ok = slots < n_slots
+    w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
+    rows64 = rows.to(tl.int64)[:, None]
+    dw = tl.zeros([BLOCK_R], tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        cols = i0 + tl.arange(0, BLOCK_I)
+        m = r_ok[:, None] & (cols < I)[None, :]
+        dact = tl.load(DACT + rows64 * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        act = tl.load(ACT + rows64 * I + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        pre = PRE + rows64 * (2 * I) + cols[None, :]
+        d_gate, d_up = swiglu_grads(dact * w, tl.load(pre, mask=m, other=0.0).to(tl.float32),
+                                    tl.load(pre + I, mask=m, other=0.0).to(tl.float32))
+        dw += tl.sum(act * dact, 1)
+        tl.store(ACT_W + rows64 * I + cols[None, :], (w * act).to(ACT_W.dtype.element_ty), mask=m)
+        d_pre = D_PRE + rows64 * (2 * I) + cols[None, :]
+        tl.store(d_pre, d_gate.to(D_PRE.dtype.element_ty), mask=m)
+        tl.store(d_pre + I, d_up.to(D_PRE.dtype.element_ty), mask=m)
+    tl.store(D_W + slots, dw, mask=ok)
 
 
 @triton.jit
@@ -195,19 +209,14 @@ def _programs(device, tiles: int) -> int:
     return max(1, min(sm_count(device), tiles))
 
 
-def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=None, row_w=None, n_slots,
-          swiglu_bwd=None):
+def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=None, row_w=None, n_slots):
     """One persistent launch of moe_sorted_gemm_kernel over the sorted rows a [cap, k]; w the 3-d weight."""
-    if (swiglu or swiglu_bwd is not None) and tile.ws:
-        # Triton 3.6's specialization aborts on the split of the gate/up accumulator and of the d act epilogue's
-        # halves (WSDataPartition: tt.split unsupported); the old two-accumulator gate/up gave inf gradients
-        raise ValueError("moe sorted path: the gate/up and d act GEMMs cannot be warp-specialized "
-                         "(configs.SortedCfg.up.ws / dact.ws)")
+    if swiglu and tile.ws:
+        # Triton 3.6's specialization aborts on the split of the gate/up accumulator (WSDataPartition: tt.split
+        # unsupported); the old two-accumulator gate/up gave inf gradients
+        raise ValueError("moe sorted path: the gate/up GEMM cannot be warp-specialized (configs.SortedCfg.up.ws)")
     sorted_ids, expert_ids, num_post = schedule
     cap = a.shape[0]
-    act = act_w = dw_part = None
-    if swiglu_bwd is not None:
-        act, act_w, pre, dw_part = swiglu_bwd
     w = _aligned(w)
     ensure_tma_allocator(a.device)
     programs = _programs(a.device, cap // cfg.block_m * triton.cdiv(n, tile.block_n))
@@ -216,10 +225,9 @@ def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=N
     def ptr(t):
         return or_stand_in(t, out)
     moe_sorted_gemm_kernel[(programs,)](
-        a, w, out, ptr(pre), ptr(row_w), ptr(act), ptr(act_w), ptr(dw_part), sorted_ids, expert_ids, num_post,
-        cap, w.shape[0], nb, out.stride(0), row_stride(pre), row_stride(act), row_stride(dw_part), n_slots, k, n,
-        B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None and swiglu_bwd is None,
-        SWIGLU_BWD=swiglu_bwd is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
+        a, w, out, ptr(pre), ptr(row_w), sorted_ids, expert_ids, num_post,
+        cap, w.shape[0], nb, out.stride(0), row_stride(pre), n_slots, k, n,
+        B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, num_warps=tile.warps, num_stages=tile.stages)
 
 
@@ -299,22 +307,25 @@ def fused_experts_sorted_backward(d_out, hidden, w13, w2, topk_weights, act, pre
     cap = sorted_ids.numel()
     schedule = (sorted_ids, expert_ids, num_post)
     weights = topk_weights.reshape(-1).float().contiguous()
-    dact_tile = cfg.dact or cfg.up
-    # a column per half column tile of the d act GEMM (a half past I's end adds 0)
-    parts = triton.cdiv(inter_dim, dact_tile.block_n) * 2
-    dw_part = torch.zeros((n_slots, parts), device=hidden.device, dtype=torch.float32)
+    # zero for slots that trusted ids out of range left out of the schedule (experts(check_ids=False))
+    d_weights = torch.zeros(n_slots, device=hidden.device, dtype=torch.float32)
     if t == 0 or cap == 0:
-        return (torch.zeros_like(hidden), torch.zeros_like(w13), torch.zeros_like(w2),
-                dw_part.sum(1).view(t, topk))
+        return torch.zeros_like(hidden), torch.zeros_like(w13), torch.zeros_like(w2), d_weights.view(t, topk)
     # the permuted copies again (cheaper than keeping them from the forward: bandwidth, not memory)
     xs = _permute(hidden, schedule, topk, n_slots)
     dos = _permute(d_out.contiguous(), schedule, topk, n_slots)
-    # d act = d_out · w2[e] (B[e][k=h, n=i] = w2[e, h, i]), through the SwiGLU gradient in the epilogue
+    # d act = d_out · w2[e] (B[e][k=h, n=i] = w2[e, h, i]) as a plain GEMM, then the SwiGLU and routed-weight
+    # gradients in a pass of their own: in the GEMM's epilogue they held it at 415 TFLOP/s against ~700 for the
+    # path's other GEMMs (benchmarks/NOTES.md, session 16)
+    dact = torch.empty_like(act)
+    _gemm(dos, w2, dact, schedule, inter_dim, h, cfg.dact or cfg.up, cfg, b_kmajor=False, n_slots=n_slots)
     d_pre = torch.empty((cap, two_i), device=hidden.device, dtype=hidden.dtype)
     act_w = torch.empty_like(act)
-    _gemm(dos, w2, d_pre, schedule, inter_dim, h, dact_tile, cfg, b_kmajor=False, row_w=weights, n_slots=n_slots,
-          swiglu_bwd=(act, act_w, pre, dw_part))
-    d_weights = dw_part.sum(1).view(t, topk)
+    block_r, block_i = 16, min(256, triton.next_power_of_2(inter_dim))
+    moe_swiglu_grad_kernel[(triton.cdiv(cap, block_r),)](
+        dact, act, pre, weights, sorted_ids, num_post, d_pre, act_w, d_weights, cap, n_slots, inter_dim,
+        BLOCK_R=block_r, BLOCK_I=block_i)
+    del dact
     # d_hidden = Σ over the token's rows of d_pre · w13[e] (B[e][k=n2, n=h] = w13[e, n2, h])
     dx = torch.empty((cap, h), device=hidden.device, dtype=hidden.dtype)
     _gemm(d_pre, w13, dx, schedule, h, two_i, cfg.down, cfg, b_kmajor=False, n_slots=n_slots)
@@ -322,4 +333,4 @@ def fused_experts_sorted_backward(d_out, hidden, w13, w2, topk_weights, act, pre
     blocks = expert_blocks(expert_ids, e_count)
     d_w13 = _weight_grad(d_pre, xs, torch.empty_like(w13), blocks, cfg)
     d_w2 = _weight_grad(dos, act_w, torch.empty_like(w2), blocks, cfg)
-    return d_hidden, d_w13, d_w2, d_weights
+    return d_hidden, d_w13, d_w2, d_weights.view(t, topk)
