@@ -53,7 +53,7 @@ def main():
     pre = torch.randn(cap, 2 * i, device=dev, dtype=dt)
     dos = torch.randn(cap, h, device=dev, dtype=dt)
     d_pre = torch.randn(cap, 2 * i, device=dev, dtype=dt)
-    out_i, out_h, out_2i = (torch.empty(cap, n, device=dev, dtype=dt) for n in (i, h, 2 * i))
+    out_i, out_h = (torch.empty(cap, n, device=dev, dtype=dt) for n in (i, h))
     act_w = torch.empty_like(act)
     blocks = expert_blocks(expert_ids, e)
 
@@ -65,11 +65,10 @@ def main():
         if name == "down":
             return lambda: sk._gemm(act, w2, out_h, schedule, h, i, tile, c, b_kmajor=True, row_w=wflat,
                                     n_slots=n_slots)
-        if name == "dact":
-            parts = triton.cdiv(i, tile.block_n) * (2 if sk.dact_halves(tile) else 1)
-            part = torch.zeros(n_slots, parts, device=dev, dtype=torch.float32)
-            return lambda: sk._gemm(dos, w2, out_2i, schedule, i, h, tile, c, b_kmajor=False, row_w=wflat,
-                                    n_slots=n_slots, swiglu_bwd=(act, act_w, pre, part))
+        if name == "dact":  # the GEMM, then the SwiGLU-gradient pass (sorted_kernel.swiglu_grad), as the backward
+            d_w = torch.zeros(n_slots, device=dev, dtype=torch.float32)
+            return lambda: (sk._gemm(dos, w2, out_i, schedule, i, h, tile, c, b_kmajor=False, n_slots=n_slots),
+                            sk.swiglu_grad(out_i, act, pre, wflat, schedule, d_w))
         if name == "dhidden":
             return lambda: sk._gemm(d_pre, w13, out_h, schedule, h, 2 * i, tile, c, b_kmajor=False, n_slots=n_slots)
         dw13, dw2 = torch.empty_like(w13), torch.empty_like(w2)

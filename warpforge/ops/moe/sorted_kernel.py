@@ -283,6 +283,20 @@ def fused_experts_sorted(hidden, w13, w2, topk_weights, sorted_ids, expert_ids, 
     return _combine(y, _positions(sorted_ids, n_slots), t, topk, hidden.dtype), act, pre
 
 
+def swiglu_grad(dact, act, pre, weights, schedule, d_weights):
+    """(d_pre [cap, 2I], act_w [cap, I]) from d act, sorted rows; d_weights [n_slots] fp32 gets Σ_i act · d act per
+    scheduled slot (moe_swiglu_grad_kernel)."""
+    sorted_ids, _, num_post = schedule
+    cap, inter_dim = act.shape
+    d_pre = torch.empty((cap, 2 * inter_dim), device=act.device, dtype=act.dtype)
+    act_w = torch.empty_like(act)
+    block_r, block_i = 16, min(256, triton.next_power_of_2(inter_dim))
+    moe_swiglu_grad_kernel[(triton.cdiv(cap, block_r),)](
+        dact, act, pre, weights, sorted_ids, num_post, d_pre, act_w, d_weights, cap, d_weights.numel(), inter_dim,
+        BLOCK_R=block_r, BLOCK_I=block_i)
+    return d_pre, act_w
+
+
 def _weight_grad(g, a, dw, blocks, cfg):
     first, count = blocks
     e_count, n, k = dw.shape
@@ -319,12 +333,7 @@ def fused_experts_sorted_backward(d_out, hidden, w13, w2, topk_weights, act, pre
     # path's other GEMMs (benchmarks/NOTES.md, session 16)
     dact = torch.empty_like(act)
     _gemm(dos, w2, dact, schedule, inter_dim, h, cfg.dact or cfg.up, cfg, b_kmajor=False, n_slots=n_slots)
-    d_pre = torch.empty((cap, two_i), device=hidden.device, dtype=hidden.dtype)
-    act_w = torch.empty_like(act)
-    block_r, block_i = 16, min(256, triton.next_power_of_2(inter_dim))
-    moe_swiglu_grad_kernel[(triton.cdiv(cap, block_r),)](
-        dact, act, pre, weights, sorted_ids, num_post, d_pre, act_w, d_weights, cap, n_slots, inter_dim,
-        BLOCK_R=block_r, BLOCK_I=block_i)
+    d_pre, act_w = swiglu_grad(dact, act, pre, weights, schedule, d_weights)
     del dact
     # d_hidden = Σ over the token's rows of d_pre · w13[e] (B[e][k=n2, n=h] = w13[e, n2, h])
     dx = torch.empty((cap, h), device=hidden.device, dtype=hidden.dtype)
