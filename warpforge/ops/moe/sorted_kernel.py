@@ -22,16 +22,23 @@ from .moe_kernel import _grouped_tile, or_stand_in, row_stride, swiglu_fwd_epilo
 
 
 @triton.jit
+def _sorted_rows(SORTED_IDS, r0, cap, n_slots, BLOCK_R: tl.constexpr):
+    """Sorted rows [r0, r0 + BLOCK_R): (rows, which are within cap, their slots (n_slots past cap), which are real
+    slots rather than padding)."""
+    rows = r0 + tl.arange(0, BLOCK_R)
+    r_ok = rows < cap
+    slots = tl.load(SORTED_IDS + rows, mask=r_ok, other=n_slots)
+    return rows, r_ok, slots, slots < n_slots
+
+
+@triton.jit
 def moe_permute_kernel(X, XS, SORTED_IDS, NUM_POST, stride_x, stride_xs, cap, n_slots, H, TOPK: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """XS[r] = X[token of sorted slot r], zero for padding rows; rows past the used length are left alone."""
     r0 = tl.program_id(0) * BLOCK_R
     if r0 >= tl.load(NUM_POST):
         return
-    rows = r0 + tl.arange(0, BLOCK_R)
-    r_ok = rows < cap
-    slots = tl.load(SORTED_IDS + rows, mask=r_ok, other=n_slots)
-    ok = slots < n_slots
+    rows, r_ok, slots, ok = _sorted_rows(SORTED_IDS, r0, cap, n_slots, BLOCK_R)
     tokens = tl.where(ok, slots // TOPK, 0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
@@ -141,10 +148,7 @@ def moe_swiglu_grad_kernel(DACT, ACT, PRE, ROW_W, SORTED_IDS, NUM_POST, D_PRE, A
     r0 = tl.program_id(0) * BLOCK_R
     if r0 >= tl.load(NUM_POST):
         return
-    rows = r0 + tl.arange(0, BLOCK_R)
-    r_ok = rows < cap
-    slots = tl.load(SORTED_IDS + rows, mask=r_ok, other=n_slots)
-    ok = slots < n_slots
+    rows, r_ok, slots, ok = _sorted_rows(SORTED_IDS, r0, cap, n_slots, BLOCK_R)
     w = tl.load(ROW_W + slots, mask=ok, other=0.0)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
     dw = tl.zeros([BLOCK_R], tl.float32)
