@@ -112,7 +112,7 @@ for step in "$@"; do
     # the sorted path's GPU tests, the per-GEMM table (d act also at 4 stages), the family fwd+bwd bench
     moe-sorted-check) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
                  tail -n 3 "$w/moe-sorted-gpu-tests.log"
-                 timeout 60 python3 scripts/bench_moe_gemms.py --model mixtral --tiles dact=128x64x8x4 > "$w/moe_gemms.log" 2>&1
+                 timeout 80 python3 scripts/bench_moe_gemms.py --model mixtral --tiles dact=128x64x8x4,dact=128x64x4x3xws,dact=256x64x8x3 > "$w/moe_gemms.log" 2>&1
                  grep -E "^(up|dact)" "$w/moe_gemms.log"
                  timeout 150 python3 -m warpforge bench --family moe --match "fwd\+bwd" --json "$w/moe-train.json" \
                    > "$w/moe-train.log" 2>&1; grep -E "fwd\+bwd" "$w/moe-train.log" ;;
