@@ -109,6 +109,13 @@ for step in "$@"; do
     tune-moe-decode) timeout 420 python3 -m warpforge tune moe-decode --models ${MOE_MODELS:-qwen3-30b-a3b,mixtral,deepseek-v3} \
                        --tokens ${MOE_TOKENS:-1,4,16} --out "$w/tune_moe_decode.json" > "$w/tune_moe_decode.log" 2>&1
                      grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
+    # the MoE tables as committed: decode kernel tests and rows, the sorted path's tests and fwd+bwd rows
+    moe-final) timeout 60 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py tests/moe/test_moe_sorted.py \
+                 > "$w/moe-final-tests.log" 2>&1; tail -n 4 "$w/moe-final-tests.log"
+               timeout 70 python3 -m warpforge bench --family moe --match "${MOE_MATCH:-T(1|4) }" --json "$w/moe-decode.json" \
+                 > "$w/moe-decode.log" 2>&1; grep -E "warpforge  " "$w/moe-decode.log"
+               timeout 80 python3 -m warpforge bench --family moe --match "fwd\+bwd" --json "$w/moe-train.json" \
+                 > "$w/moe-train.log" 2>&1; grep -E "fwd\+bwd" "$w/moe-train.log" ;;
     # the sorted path's GPU tests, the per-GEMM table (d act also at 4 stages), the family fwd+bwd bench
     moe-sorted-check) timeout 90 python3 -m pytest -q -m gpu tests/moe/test_moe_sorted.py > "$w/moe-sorted-gpu-tests.log" 2>&1
                  tail -n 3 "$w/moe-sorted-gpu-tests.log"

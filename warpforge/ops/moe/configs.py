@@ -83,13 +83,19 @@ class DecodeTile(NamedTuple):
     fp8_fp16_math: bool = True  # FP8 weights: dequantised to fp16, the MMAs in fp16 (as the gathered path's FP8)
 
 
-# Tokens below which inference takes the one-launch decode kernel: None for none. Off on sm90 until the H200 has run
-# it (its GPU tests and the family bench, A/B by WARPFORGE_MOE_DECODE=1); on in the interpreter, where CI's decode
-# shapes then run it.
+# Inference takes the one-launch decode kernel where an entry has a tile (None: the gathered path). sm90 from `warpforge
+# tune moe-decode` (session 16, bench cases, graph replay, ms vs the gathered path): Qwen3-30B-A3B T1 0.0362 vs 0.0444
+# (64 wide), T4 0.0883 vs 0.0909; Mixtral T1 0.1840 vs 0.1847, FP8 0.1124 vs 0.1145 (128 wide); DeepSeek-V3 T1 0.1797
+# vs 0.1910, FP8 0.1161 vs 0.1223. From T 4 (T 5 for Qwen3) the gathered path won: each slot reads its expert's weights
+# itself and the last program's conversion grows with T · H. The interpreter runs it below T 4 (CI's decode shapes).
+D = DecodeTile
 DECODE = TileTable({
-    "cpu": {"any": {0: DecodeTile(16, 32, 32, 1, 1), 4: None}},
+    "cpu": {"any": {0: D(16, 32, 32, 1, 1), 4: None}},
     "default": {"any": {0: None}},
-    "sm90": {"any": {0: None}},
+    "sm90": {"any": {0: None},
+             (8, 28672, 4096): {0: D(128, 128, 256, 4, 3), 2: None},
+             (128, 1536, 2048): {0: D(64, 128, 256, 4, 4), 5: None},
+             (256, 4096, 7168): {0: D(128, 128, 256, 4, 3), 2: None}},
 })
 DECODE_TRY = DecodeTile(32, 128, 256, 4, 4)  # WARPFORGE_MOE_DECODE=1 where the table has no tile (the A/B's)
 
@@ -121,7 +127,8 @@ S, ST = SortedCfg, SortedTile
 # 2 stages): +5% / +10% / +5% fwd+bwd for Mixtral / DeepSeek-V3 / Qwen3 at T 8192, gradients right (session 15,
 # `warpforge tune moe-sorted`). Down specialized: no consistent gain; gate/up cannot be (its accumulator split aborts
 # Triton 3.6's specialization), and the launch refuses it (sorted_kernel._gemm; NOTES.md, sessions 15-16).
-_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 4, 2, ws=True), ST(128, 64, 8, 3), on=True)
+# d act 256 wide since it is a plain GEMM: 4.434 -> 3.632 ms with its SwiGLU-gradient pass (Mixtral, session 16).
+_SM90_SORTED = S(128, ST(128, 64, 8, 3), ST(256, 64, 8, 3), ST(128, 256, 4, 2, ws=True), ST(256, 64, 8, 3), on=True)
 SORTED = TileTable({
     "cpu": {"any": {0: None, 4096: S(16, ST(32, 32, 1, 1), ST(32, 32, 1, 1), ST(32, 32, 1, 1))}},
     "default": {"any": {0: None}},

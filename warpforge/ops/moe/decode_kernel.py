@@ -10,8 +10,8 @@ two slots of one expert read its weights twice, which costs nothing at T ≤ a f
 second read comes from L2). Rows of the MMA past the first are zero (16 is the smallest MMA tile).
 
 The workspace then has to become the output and be zero again for the next call without a launch of its own: every
-program counts itself done on a counter (after a barrier: its atomics are then ordered before the count, acq_rel),
-and the last one converts the workspace into OUT, zeroes it and resets the counter. Workspace and counter are kept
+program counts itself done on a counter once its threads' atomics are performed (each thread's last one acq_rel, then
+a barrier, then the count, acq_rel), and the last one converts the workspace into OUT, zeroes it and resets the counter. Workspace and counter are kept
 per (device, stream, size) by the launcher, made zero once; calls on one stream run in order, so they never
 overlap. A slot whose expert id is out of range adds nothing (the gathered path's rule), but still counts.
 """
@@ -21,6 +21,16 @@ import triton.language as tl
 
 from ..shared_kernels import dot
 from .moe_kernel import _load_b, _scale_args, fp16_math
+
+
+@triton.jit
+def _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, k0, stride_2h, stride_s2e, stride_s2k, stride_s2n, H,
+                FP8_B: tl.constexpr):
+    """The token's row of act · B over columns offs_h, B[k, n] = w2[e, offs_h[n], k0 + k] (FP8: times its scale)."""
+    h_ok = offs_h < H
+    b = _load_b(w2_cols + offs_h[None, :].to(tl.int64) * stride_2h, n_ok[:, None] & h_ok[None, :], h_ok, S2, e, k0,
+                offs_h, stride_s2e, stride_s2k, stride_s2n, FP8_B, act.dtype)
+    return tl.sum(tl.where(row0[:, None], dot(act, b), 0.0), 0)  # row 0, the token's
 
 
 @triton.jit
@@ -67,14 +77,23 @@ def moe_decode_kernel(HIDDEN, W13, W2, S13, S2, ROW_W, IDS, WORK, COUNT, OUT,
             act = act.to(tl.float16)
         # down, this tile's share: B[k=i, n=h] = w2[e, h, i] over the program's I columns
         w2_cols = W2 + e.to(tl.int64) * stride_2e + offs_n[:, None]
-        for h0 in range(0, H, BLOCK_H):
+        work_row = WORK + token * H
+        last_h0 = (tl.cdiv(H, BLOCK_H) - 1) * BLOCK_H
+        for h0 in range(0, last_h0, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
-            h_ok = offs_h < H
-            b = _load_b(w2_cols + offs_h[None, :].to(tl.int64) * stride_2h, n_ok[:, None] & h_ok[None, :], h_ok, S2,
-                        e, pid_n * BLOCK_N, offs_h, stride_s2e, stride_s2k, stride_s2n, FP8_B, act.dtype)
-            y = tl.sum(tl.where(row0[:, None], dot(act, b), 0.0), 0)  # row 0, the token's
-            tl.atomic_add(WORK + token * H + offs_h, y * w, mask=h_ok, sem="relaxed")
-    # every thread's atomics before the count (the barrier), the count released to the last program (acq_rel)
+            y = _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, pid_n * BLOCK_N, stride_2h, stride_s2e,
+                            stride_s2k, stride_s2n, H, FP8_B)
+            tl.atomic_add(work_row + offs_h, y * w, mask=offs_h < H, sem="relaxed")
+        # The last share acq_rel, from every thread that adds (out-of-range columns add 0 to column H - 1): its
+        # release fence waits until the thread's earlier atomics are performed, its acquire until this one is. A
+        # barrier waits for no memory operation, and the count below is one thread's: without this, the last program
+        # read sums that other warps' atomics had not reached yet (wrong outputs at T 16 on the H200, session 16).
+        offs_h = last_h0 + tl.arange(0, BLOCK_H)
+        y = _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, pid_n * BLOCK_N, stride_2h, stride_s2e, stride_s2k,
+                        stride_s2n, H, FP8_B)
+        tl.atomic_add(work_row + tl.minimum(offs_h, H - 1), tl.where(offs_h < H, y * w, 0.0), sem="acq_rel")
+    # every thread's atomics performed before the count (above, then the barrier), the count released to the last
+    # program (acq_rel)
     tl.debug_barrier()
     if tl.atomic_add(COUNT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         total = (n_slots // TOPK) * H
