@@ -34,6 +34,14 @@ def _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, k0, stride_2h, stride_s
 
 
 @triton.jit
+def _add_share(work_row, h0, y, H, SEM: tl.constexpr):
+    """work_row[h0 + j] += y[j] atomically; columns past H add 0 to column H - 1 (no mask: every owner thread
+    issues the atomic, which matters for the acq_rel one)."""
+    offs_h = h0 + tl.arange(0, y.shape[0])
+    tl.atomic_add(work_row + tl.minimum(offs_h, H - 1), tl.where(offs_h < H, y, 0.0), sem=SEM)
+
+
+@triton.jit
 def moe_decode_kernel(HIDDEN, W13, W2, S13, S2, ROW_W, IDS, WORK, COUNT, OUT,
                       stride_h, stride_13e, stride_13n, stride_2e, stride_2h,
                       stride_s13e, stride_s13k, stride_s13n, stride_s2e, stride_s2k, stride_s2n,
@@ -77,21 +85,18 @@ def moe_decode_kernel(HIDDEN, W13, W2, S13, S2, ROW_W, IDS, WORK, COUNT, OUT,
             act = act.to(tl.float16)
         # down, this tile's share: B[k=i, n=h] = w2[e, h, i] over the program's I columns
         w2_cols = W2 + e.to(tl.int64) * stride_2e + offs_n[:, None]
-        work_row = WORK + token * H
         last_h0 = (tl.cdiv(H, BLOCK_H) - 1) * BLOCK_H
         for h0 in range(0, last_h0, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            y = _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, pid_n * BLOCK_N, stride_2h, stride_s2e,
-                            stride_s2k, stride_s2n, H, FP8_B)
-            tl.atomic_add(work_row + offs_h, y * w, mask=offs_h < H, sem="relaxed")
-        # The last share acq_rel, from every thread that adds (out-of-range columns add 0 to column H - 1): its
-        # release fence waits until the thread's earlier atomics are performed, its acquire until this one is. A
-        # barrier waits for no memory operation, and the count below is one thread's: without this, the last program
-        # read sums that other warps' atomics had not reached yet (wrong outputs at T 16 on the H200, session 16).
-        offs_h = last_h0 + tl.arange(0, BLOCK_H)
-        y = _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, pid_n * BLOCK_N, stride_2h, stride_s2e, stride_s2k,
-                        stride_s2n, H, FP8_B)
-        tl.atomic_add(work_row + tl.minimum(offs_h, H - 1), tl.where(offs_h < H, y * w, 0.0), sem="acq_rel")
+            y = _down_share(act, w2_cols, h0 + tl.arange(0, BLOCK_H), n_ok, row0, S2, e, pid_n * BLOCK_N, stride_2h,
+                            stride_s2e, stride_s2k, stride_s2n, H, FP8_B)
+            _add_share(WORK + token * H, h0, y * w, H, "relaxed")
+        # The last share acq_rel: its release fence waits until the thread's earlier atomics are performed, its
+        # acquire until this one is. A barrier waits for no memory operation, and the count below is one thread's.
+        # The same _add_share form every time, so that the same threads (the layout's owners of y, duplicates
+        # masked) issue every share, the last one included.
+        y = _down_share(act, w2_cols, last_h0 + tl.arange(0, BLOCK_H), n_ok, row0, S2, e, pid_n * BLOCK_N,
+                        stride_2h, stride_s2e, stride_s2k, stride_s2n, H, FP8_B)
+        _add_share(WORK + token * H, last_h0, y * w, H, "acq_rel")
     # every thread's atomics performed before the count (above, then the barrier), the count released to the last
     # program (acq_rel)
     tl.debug_barrier()
