@@ -62,7 +62,8 @@ def main(argv=None):
                 for cand, tile in CANDIDATES.items():
                     ms, err, tol = _time_case(dev, model, t, fp8, tile)
                     if ms is None:
-                        print(f"{name:24s} {cand:9s} WRONG or failed: error {err:.1e} (tolerance {tol:.0e})", flush=True)
+                        print(f"{name:24s} {cand:9s} WRONG or failed: error {err:.1e} (tolerance {tol:.0e})",
+                              flush=True)
                     else:
                         print(f"{name:24s} {cand:9s} {ms:8.4f} ms  {base / ms if base else 0:.3f}x gathered  "
                               f"err {err:.1e}", flush=True)

@@ -6,8 +6,8 @@ forward + backward at a training token count, each candidate SortedCfg against t
 
 Candidates: the table's entry, each GEMM but gate/up warp-specialized at 4 warps alone (the weight gradient at 2
 stages: its 3 would not fit) and together (gate/up cannot be: sorted_kernel._gemm), the d act GEMM 64 columns wide or
-at 4 stages, 4 stages for gate/up, block_m 64. Every candidate's gradients are checked against the gathered path's first: a wrong one is reported and not
-timed (session 14's all-specialized tiles were 10-14% faster and returned inf). The winner goes into configs.SORTED,
+at 4 stages, 4 stages for gate/up, block_m 64. Every candidate's gradients are checked against the gathered path's
+first: a wrong one is reported and not timed (session 14's all-specialized tiles were 10-14% faster and returned inf). The winner goes into configs.SORTED,
 numbers into NOTES.md.
 """
 import argparse

@@ -10,10 +10,11 @@ two slots of one expert read its weights twice, which costs nothing at T ≤ a f
 second read comes from L2). Rows of the MMA past the first are zero (16 is the smallest MMA tile).
 
 The workspace then has to become the output and be zero again for the next call without a launch of its own: every
-program counts itself done on a counter once its threads' atomics are performed (each thread's last one acq_rel, then
-a barrier, then the count, acq_rel), and the last one converts the workspace into OUT, zeroes it and resets the counter. Workspace and counter are kept
-per (device, stream, size) by the launcher, made zero once; calls on one stream run in order, so they never
-overlap. A slot whose expert id is out of range adds nothing (the gathered path's rule), but still counts.
+program counts itself done on its token's counter once its threads' atomics are performed (each thread's last one
+acq_rel, then a barrier, then the count, acq_rel), and the token's last program converts its row into OUT, zeroes it
+and resets the counter. Workspace and counters are kept per (device, stream, T, H) by the launcher, made zero once;
+calls on one stream run in order, so they never overlap. A slot whose expert id is out of range adds nothing (the
+gathered path's rule), but still counts.
 """
 import torch
 import triton
@@ -50,7 +51,7 @@ def moe_decode_kernel(HIDDEN, W13, W2, S13, S2, ROW_W, IDS, WORK, COUNT, OUT,
                       BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BLOCK: tl.constexpr):
     """Program pid: slot pid % n_slots, I columns [BLOCK_N · (pid // n_slots), + BLOCK_N). w13 [E, 2I, H] and w2
     [E, H, I] with unit stride along H and I; FP8_B: e4m3 bytes and fp32 scales per 128 x 128 block (BLOCK_N then
-    divides 128: a tile's I range lies in one scale block). WORK [T · H] fp32 and COUNT [1] int32, zero on entry
+    divides 128: a tile's I range lies in one scale block). WORK [T · H] fp32 and COUNT [T] int32, zero on entry
     and again on exit; OUT [T, H] in hidden's dtype."""
     ROWS: tl.constexpr = 16
     pid = tl.program_id(0)
@@ -97,30 +98,33 @@ def moe_decode_kernel(HIDDEN, W13, W2, S13, S2, ROW_W, IDS, WORK, COUNT, OUT,
         y = _down_share(act, w2_cols, last_h0 + tl.arange(0, BLOCK_H), n_ok, row0, S2, e, pid_n * BLOCK_N,
                         stride_2h, stride_s2e, stride_s2k, stride_s2n, H, FP8_B)
         _add_share(WORK + token * H, last_h0, y * w, H, "acq_rel")
-    # every thread's atomics performed before the count (above, then the barrier), the count released to the last
-    # program (acq_rel)
+    # every thread's atomics performed before the count (above, then the barrier), the count released to the token's
+    # last program (acq_rel), which converts the token's row: T rows finish in parallel, each in one step at the
+    # model shapes (H <= OUT_BLOCK)
     tl.debug_barrier()
-    if tl.atomic_add(COUNT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        total = (n_slots // TOPK) * H
-        for o0 in range(0, total, OUT_BLOCK):
-            offs = o0 + tl.arange(0, OUT_BLOCK)
-            ok = offs < total
-            v = tl.load(WORK + offs, mask=ok, other=0.0, cache_modifier=".cg")  # from L2, where the atomics landed
-            tl.store(OUT + (offs // H).to(tl.int64) * stride_o + offs % H, v.to(OUT.dtype.element_ty), mask=ok)
-            tl.store(WORK + offs, tl.zeros([OUT_BLOCK], tl.float32), mask=ok)
-        tl.atomic_xchg(COUNT, 0, sem="relaxed")
+    contributors = TOPK * (tl.num_programs(0) // n_slots)  # the token's slots times the I tiles
+    if tl.atomic_add(COUNT + token, 1, sem="acq_rel") == contributors - 1:
+        # not software-pipelined (num_stages 1): nothing to overlap, and the loads must not move
+        for h0 in tl.range(0, H, OUT_BLOCK, num_stages=1):
+            offs = h0 + tl.arange(0, OUT_BLOCK)
+            ok = offs < H
+            # from L2, where the atomics landed
+            v = tl.load(WORK + token * H + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(OUT + token * stride_o + offs, v.to(OUT.dtype.element_ty), mask=ok)
+            tl.store(WORK + token * H + offs, tl.zeros([OUT_BLOCK], tl.float32), mask=ok)
+        tl.atomic_xchg(COUNT + token, 0, sem="relaxed")
 
 
 # ------------------------------------------------------------------------------------------ launch
-_WORKSPACES = {}  # (device, stream, T · H) -> (fp32 workspace, int32 counter), zero between calls
+_WORKSPACES = {}  # (device, stream, T, H) -> (fp32 workspace [T · H], int32 counters [T]), zero between calls
 
 
-def _workspace(device: torch.device, numel: int):
+def _workspace(device: torch.device, t: int, h: int):
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (device, stream, numel)
+    key = (device, stream, t, h)
     if key not in _WORKSPACES:  # never freed: a captured CUDA graph may hold its address
-        _WORKSPACES[key] = (torch.zeros(numel, device=device, dtype=torch.float32),
-                            torch.zeros(1, device=device, dtype=torch.int32))
+        _WORKSPACES[key] = (torch.zeros(t * h, device=device, dtype=torch.float32),
+                            torch.zeros(t, device=device, dtype=torch.int32))
     return _WORKSPACES[key]
 
 
@@ -135,7 +139,7 @@ def fused_experts_decode(hidden, w13, w2, topk_weights, topk_ids, tile, scales=N
     n_slots = topk_ids.numel()
     if n_slots == 0:
         return out.zero_()
-    work, count = _workspace(hidden.device, t * h)
+    work, count = _workspace(hidden.device, t, h)
     s13, s2 = scales if scales is not None else (None, None)
     fp8 = scales is not None
     block_n = min(tile.block_n, 128) if fp8 else tile.block_n
@@ -148,5 +152,5 @@ def fused_experts_decode(hidden, w13, w2, topk_weights, topk_ids, tile, scales=N
         out.stride(0), n_slots, e_count, h, inter_dim,
         TOPK=topk_ids.shape[1], FP8_B=fp8, FP16_MATH=fp8 and fp16_math(tile), BLOCK_N=block_n,
         BLOCK_K=min(tile.block_k, 128) if fp8 else tile.block_k, BLOCK_H=tile.block_h,
-        OUT_BLOCK=min(8192, triton.next_power_of_2(t * h)), num_warps=tile.warps, num_stages=tile.stages)
+        OUT_BLOCK=min(8192, triton.next_power_of_2(h)), num_warps=tile.warps, num_stages=tile.stages)
     return out

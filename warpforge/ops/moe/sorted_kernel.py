@@ -231,8 +231,9 @@ def _gemm(a, w, out, schedule, n, k, tile, cfg, *, b_kmajor, swiglu=False, pre=N
     moe_sorted_gemm_kernel[(programs,)](
         a, w, out, ptr(pre), ptr(row_w), sorted_ids, expert_ids, num_post,
         cap, w.shape[0], nb, out.stride(0), row_stride(pre), n_slots, k, n,
-        B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, num_warps=tile.warps, num_stages=tile.stages)
+        B_KMAJOR=b_kmajor, SWIGLU=swiglu, SAVE_PRE=pre is not None, HAS_W=row_w is not None, BLOCK_M=cfg.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PROGRAMS=programs, WS=tile.ws, num_warps=tile.warps,
+        num_stages=tile.stages)
 
 
 def _permute(x, schedule, topk, n_slots):
