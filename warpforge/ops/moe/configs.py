@@ -84,8 +84,8 @@ class DecodeTile(NamedTuple):
 
 
 # Inference takes the one-launch decode kernel where an entry has a tile (None: the gathered path). Off on sm90: on the
-# H200 (session 16) some T > 1 runs returned wrong sums (rel L2 0.1-0.3; never at T 1), a race the kernel's ordering
-# fix has not yet been checked against there. Its speed when right (`warpforge tune moe-decode`, bench cases, graph
+# H200 (session 16) some T > 1 runs returned wrong sums (rel L2 0.05-0.3; never at T 1); the kernel has changed since
+# (a counter per token) and not yet run there. Its speed when right (`warpforge tune moe-decode`, bench cases, graph
 # replay, ms vs the gathered path): Qwen3-30B-A3B T1 0.0362 vs 0.0444 (64 wide), T4 0.0883 vs 0.0909; Mixtral T1
 # 0.1840 vs 0.1847, FP8 0.1124 vs 0.1145 (128 wide); DeepSeek-V3 T1 0.1797 vs 0.1910, FP8 0.1161 vs 0.1223; from T 4
 # (T 5 for Qwen3) the gathered path won. The tiles to enable once the GPU tests pass: DECODE_H200 below.
