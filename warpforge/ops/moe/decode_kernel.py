@@ -20,18 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import dot
-from .moe_kernel import _load_b, _scale_args, fp16_math
+from .moe_kernel import _dot_b, _scale_args, fp16_math
 
 
 @triton.jit
 def _down_share(act, w2_cols, offs_h, n_ok, row0, S2, e, k0, stride_2h, stride_s2e, stride_s2k, stride_s2n, H,
                 FP8_B: tl.constexpr):
-    """The token's row of act · B over columns offs_h, B[k, n] = w2[e, offs_h[n], k0 + k] (FP8: times its scale)."""
+    """The token's row of act · B over columns offs_h, B[k, n] = w2[e, offs_h[n], k0 + k] (FP8: times its scale,
+    applied to the product)."""
     h_ok = offs_h < H
-    b = _load_b(w2_cols + offs_h[None, :].to(tl.int64) * stride_2h, n_ok[:, None] & h_ok[None, :], h_ok, S2, e, k0,
-                offs_h, stride_s2e, stride_s2k, stride_s2n, FP8_B, act.dtype)
-    return tl.sum(tl.where(row0[:, None], dot(act, b), 0.0), 0)  # row 0, the token's
+    y = _dot_b(act, tl.zeros([act.shape[0], offs_h.shape[0]], tl.float32),
+               w2_cols + offs_h[None, :].to(tl.int64) * stride_2h, n_ok[:, None] & h_ok[None, :], h_ok, S2, e, k0,
+               offs_h, stride_s2e, stride_s2k, stride_s2n, FP8_B, True)
+    return tl.sum(tl.where(row0[:, None], y, 0.0), 0)  # row 0, the token's
 
 
 @triton.jit
@@ -77,10 +78,11 @@ def moe_decode_kernel(HIDDEN, W13, W2, S13, S2, ROW_W, IDS, WORK, COUNT, OUT,
                 a = a.to(tl.float16)
             b_ptrs = b_cols + offs_k[:, None]
             bmask = k_ok[:, None] & n_ok[None, :]
-            acc = dot(a, _load_b(b_ptrs, bmask, n_ok, S13, e, k0, offs_n, stride_s13e, stride_s13k, stride_s13n,
-                                 FP8_B, a.dtype), acc)
-            acc_up = dot(a, _load_b(b_ptrs + I * stride_13n, bmask, n_ok, S13, e, k0, offs_n + I, stride_s13e,
-                                    stride_s13k, stride_s13n, FP8_B, a.dtype), acc_up)
+            # FP8: the scales on the [16, BLOCK_N] products, not the [BLOCK_K, BLOCK_N] tiles (_dot_b)
+            acc = _dot_b(a, acc, b_ptrs, bmask, n_ok, S13, e, k0, offs_n, stride_s13e, stride_s13k, stride_s13n,
+                         FP8_B, True)
+            acc_up = _dot_b(a, acc_up, b_ptrs + I * stride_13n, bmask, n_ok, S13, e, k0, offs_n + I, stride_s13e,
+                            stride_s13k, stride_s13n, FP8_B, True)
         act = (acc * tl.sigmoid(acc) * acc_up).to(HIDDEN.dtype.element_ty)  # as the gathered path stores it
         if FP16_MATH:
             act = act.to(tl.float16)
