@@ -98,8 +98,6 @@ for step in "$@"; do
     attention-bwd-window-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon_bwd.py \
                                  tests/attention/test_attention_gluon_window.py -k "not knobs" > "$w/bwd_window_tests.log" 2>&1
                                tail -n 5 "$w/bwd_window_tests.log" ;;
-    moe-decode) timeout 200 python3 -m warpforge bench --family moe --match "${MOE_MATCH:-T(1|4|16) }" --json "$w/moe-decode.json" \
-                  > "$w/moe-decode.log" 2>&1; grep -E " T(1|4|16) " "$w/moe-decode.log" | head -40 ;;
     # the one-launch decode kernel: its GPU tests, then the family's decode rows without it (0) and with it (1)
     moe-decode-tests) timeout 120 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py tests/moe/test_fused_moe.py \
                         > "$w/moe-decode-gpu-tests.log" 2>&1; tail -n 3 "$w/moe-decode-gpu-tests.log" ;;

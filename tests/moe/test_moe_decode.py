@@ -7,17 +7,12 @@ import warpforge as wf
 from warpforge.ops.moe import (api, configs, decode_kernel, dequantize_weights_reference, experts_reference,
                                route_reference)
 
-from .test_fused_moe import check_fp8_weights
+from .test_fused_moe import _weights, check_fp8_weights
 from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, rel_l2
 
 DEV = device_under_test()
 DTYPE = dtypes_under_test()[-1]
 TILE = configs.DecodeTile(16, 32, 32, 1, 1) if DEV.type != "cuda" else configs.DecodeTile(32, 64, 64, 4, 3)
-
-
-def _weights(e, h, i, dtype=DTYPE):
-    return (torch.randn(e, 2 * i, h, device=DEV, dtype=dtype) / h ** 0.5,
-            torch.randn(e, h, i, device=DEV, dtype=dtype) / i ** 0.5)
 
 
 @pytest.fixture
