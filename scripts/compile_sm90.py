@@ -190,10 +190,7 @@ def moe():
             hidden = torch.randn(t, h, dtype=torch.bfloat16)
             ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
             api._experts_fp8_impl(hidden, q13, q2, s13, s2, torch.rand(t, 2), ids)
-    os.environ["WARPFORGE_MOE_FP8_SCALE_AFTER"] = "1"  # the scales on the MMA's product (moe_kernel._dot_b)
-    api._experts_fp8_impl(torch.randn(1, h, dtype=torch.bfloat16), q13, q2, s13, s2, torch.rand(1, 2),
-                          torch.randint(0, e, (1, 2), dtype=torch.int32))
-    del os.environ["WARPFORGE_MOE_FP8_FP16"], os.environ["WARPFORGE_MOE_FP8_SCALE_AFTER"]
+    del os.environ["WARPFORGE_MOE_FP8_FP16"]
     # the one-launch decode kernel (decode_kernel.py) at its A/B tile, bf16 and FP8 weights
     os.environ["WARPFORGE_MOE_DECODE"] = "1"
     hidden, ids = torch.randn(1, h, dtype=torch.bfloat16), torch.randint(0, e, (1, 2), dtype=torch.int32)

@@ -270,15 +270,6 @@ def test_fp8_weights(t, e, k, h, i, fp16_math, monkeypatch):
         wf.fused_moe(hidden, w13, q2, logits, k, w_format="fp8", w_scales=(s13, s2), backend="triton")
 
 
-@pytest.mark.parametrize("fp16_math", ["0", "1"])
-def test_fp8_scales_after_the_mma(fp16_math, monkeypatch):
-    """WARPFORGE_MOE_FP8_SCALE_AFTER=1: the gathered GEMMs multiply the MMA's product by the scales instead of the
-    tile (moe_kernel._dot_b), within the same error."""
-    monkeypatch.setenv("WARPFORGE_MOE_FP8_FP16", fp16_math)
-    monkeypatch.setenv("WARPFORGE_MOE_FP8_SCALE_AFTER", "1")
-    check_fp8_weights(5, 8, 2, 160, 96)
-
-
 def test_fp8_fp16_math_switch(monkeypatch):
     from warpforge.ops.moe import configs
     from warpforge.ops.moe.moe_kernel import fp16_math

@@ -83,21 +83,21 @@ class DecodeTile(NamedTuple):
     fp8_fp16_math: bool = True  # FP8 weights: dequantised to fp16, the MMAs in fp16 (as the gathered path's FP8)
 
 
-# Inference takes the one-launch decode kernel where an entry has a tile (None: the gathered path). Off on sm90: on the
-# H200 (session 16) some T > 1 runs returned wrong sums (rel L2 0.05-0.3; never at T 1); the kernel has changed since
-# (a counter per token) and not yet run there. Its speed when right (`warpforge tune moe-decode`, bench cases, graph
-# replay, ms vs the gathered path): Qwen3-30B-A3B T1 0.0362 vs 0.0444 (64 wide), T4 0.0883 vs 0.0909; Mixtral T1
-# 0.1840 vs 0.1847, FP8 0.1124 vs 0.1145 (128 wide); DeepSeek-V3 T1 0.1797 vs 0.1910, FP8 0.1161 vs 0.1223; from T 4
-# (T 5 for Qwen3) the gathered path won. The tiles to enable once the GPU tests pass: DECODE_H200 below.
+# Inference takes the one-launch decode kernel where an entry has a tile (None: the gathered path). sm90: the tiles
+# `warpforge tune moe-decode` chose on the H200 (session 16, bench cases, graph replay, ms vs the gathered path):
+# Qwen3-30B-A3B T1 0.0362 vs 0.0444 (64 wide), T4 0.0883 vs 0.0909; Mixtral T1 0.1840 vs 0.1847, FP8 0.1124 vs
+# 0.1145 (128 wide); DeepSeek-V3 T1 0.1797 vs 0.1910, FP8 0.1161 vs 0.1223; from T 2 (T 5 for Qwen3) the gathered
+# path wins. On since session 17, whose GPU tests passed at T 1 / 4 / 16 with a counter per token (session 16's
+# kernel summed wrongly at some T > 1 when one program converted several tokens' rows). Other shapes: gathered.
 # The interpreter runs it below T 4 (CI's decode shapes).
 D = DecodeTile
-DECODE_H200 = {(8, 28672, 4096): {0: D(128, 128, 256, 4, 3), 2: None},
-               (128, 1536, 2048): {0: D(64, 128, 256, 4, 4), 5: None},
-               (256, 4096, 7168): {0: D(128, 128, 256, 4, 3), 2: None}}
 DECODE = TileTable({
     "cpu": {"any": {0: D(16, 32, 32, 1, 1), 4: None}},
     "default": {"any": {0: None}},
-    "sm90": {"any": {0: None}},
+    "sm90": {"any": {0: None},
+             (8, 28672, 4096): {0: D(128, 128, 256, 4, 3), 2: None},  # Mixtral-8x7B
+             (128, 1536, 2048): {0: D(64, 128, 256, 4, 4), 5: None},  # Qwen3-30B-A3B
+             (256, 4096, 7168): {0: D(128, 128, 256, 4, 3), 2: None}},  # DeepSeek-V3
 })
 DECODE_TRY = DecodeTile(32, 128, 256, 4, 4)  # WARPFORGE_MOE_DECODE=1 where the table has no tile (the A/B's)
 

@@ -84,8 +84,9 @@ def _fp8_tile(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stri
 def _dot_b(a, acc, ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B: tl.constexpr,
            SCALE_AFTER: tl.constexpr):
     """acc + a · B, B's [BLOCK_K, BLOCK_N] tile as _load_b reads it. SCALE_AFTER (FP8): the MMA on the raw e4m3
-    values, the columns' scales applied to its [rows, BLOCK_N] product rather than to the [BLOCK_K, BLOCK_N] tile:
-    at decode sizes (16 rows against BLOCK_K 128) an eighth of the multiplies."""
+    values, the columns' scales applied to its [rows, BLOCK_N] product rather than to the [BLOCK_K, BLOCK_N] tile
+    (an eighth of the multiplies at 16 rows against BLOCK_K 128). The decode kernel's form; in the gathered GEMMs
+    it bought nothing on the H200 (session 17: Mixtral T1 FP8 0.111 -> 0.112 ms, DeepSeek-V3 0.120 -> 0.127)."""
     if FP8_B and SCALE_AFTER:
         vals, scale = _fp8_tile(ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, a.dtype)
         out = acc + dot(a, vals) * scale[None, :]
@@ -143,7 +144,7 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
                     stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N, zero_numel,
                     TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
                     SAVE_PRE: tl.constexpr, SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr,
-                    FP16_MATH: tl.constexpr, SCALE_AFTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    FP16_MATH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ZERO_BLOCK: tl.constexpr):
     """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then one of
     - OUT[slot] = acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
@@ -178,10 +179,10 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
         b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
         bmask = k_ok[:, None] & n_ok[None, :]
         acc = _dot_b(a, acc, b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
-                     SCALE_AFTER)
+                     False)
         if SWIGLU:
             acc_up = _dot_b(a, acc_up, b_ptrs + N * stride_bn, bmask, n_ok, B_SCALE, e, k0, offs_n + N, stride_se,
-                            stride_sk, stride_sn, FP8_B, SCALE_AFTER)
+                            stride_sk, stride_sn, FP8_B, False)
     omask = ok[:, None] & n_ok[None, :]
     if SCATTER:
         if HAS_W:
@@ -280,15 +281,8 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
         SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, FP16_MATH=scale is not None and fp16_math(cfg),
-        SCALE_AFTER=scale is not None and fp8_scale_after(),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ZERO_BLOCK=ZERO_BLOCK if zero is not None else 0, num_warps=warps,
         num_stages=stages)
-
-
-def fp8_scale_after() -> bool:
-    """WARPFORGE_MOE_FP8_SCALE_AFTER=1: FP8 weights' scales applied to the MMA's product, not the tile (_dot_b). Off
-    until the H200 has run it (written in session 16 after its last call; the decode kernel does it always)."""
-    return os.environ.get("WARPFORGE_MOE_FP8_SCALE_AFTER", "0") == "1"
 
 
 def fp16_math(cfg) -> bool:
