@@ -24,6 +24,20 @@ def dot(a, b, acc=None):
 
 
 @triton.jit
+def e4m3_pair(x):
+    """x [rows, k] as two e4m3 operands with one fp32 scale per row: x ≈ (hi + lo) · scale, hi = x / scale rounded to
+    e4m3 (|hi| <= 448), lo its rounding error rounded again (~7 mantissa bits together, bf16's 8 nearly). Feeds fp8
+    tensor-core dots on unquantised activations: dot(w, hi) + dot(w, lo) keeps bf16-like accuracy. Rows of zeros get
+    scale 1."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.abs(xf), 1)
+    scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
+    xf = xf / scale[:, None]
+    hi = xf.to(tl.float8e4nv)
+    return hi, (xf - hi.to(tl.float32)).to(tl.float8e4nv), scale
+
+
+@triton.jit
 def tanh(x):
     """tanh from exp2 (portable: no libdevice), saturating to ±1. Near 0 the exp2 form keeps only absolute
     precision (~1e-7), which a large softcap multiplies back up, so small |x| takes tanh's odd series (relative

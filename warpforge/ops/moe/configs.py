@@ -24,6 +24,7 @@ class MoECfg(NamedTuple):
     split_k: int = 1  # down GEMM only: K cut into this many ranges, summed by the scatter's atomics
     wgrad: GemmTile | None = None  # weight-gradient kernel (None: `up`'s tile)
     fp8_fp16_math: bool = False  # FP8 weights: dequantise to fp16 and run the MMA in fp16 (moe_kernel.fp16_math)
+    fp8_mma: bool = False  # FP8 weights: no dequantisation, e4m3 dots with the weights as M (moe_kernel.fp8_mma)
     # FP8 weights' own tiles at this entry (warpforge tune moe --w-format fp8), None: these. Their k is at most
     # 128 (one scale block) and the dequantisation changes what hides under the loads, so their best differs.
     fp8: "MoECfg | None" = None

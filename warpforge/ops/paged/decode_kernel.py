@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import combine_splits, dot, e2m1_to_float, online_softmax, tanh
+from ..shared_kernels import combine_splits, dot, e2m1_to_float, e4m3_pair, online_softmax, tanh
 
 LOG2E = 1.4426950408889634
 
@@ -201,12 +201,7 @@ def paged_decode_split_kernel(
     q_scale = tl.full([BLOCK_H], 1.0, tl.float32)
     q_lo = q
     if FP8_MMA > 0:  # q as e4m3 with one fp32 scale per row (and, FP8_MMA 2, the rounding error as a second e4m3)
-        qf = q.to(tl.float32)
-        amax = tl.max(tl.abs(qf), 1)
-        q_scale = tl.where(amax > 0.0, amax / 448.0, 1.0)
-        qf = qf / q_scale[:, None]
-        q = qf.to(tl.float8e4nv)
-        q_lo = (qf - q.to(tl.float32)).to(tl.float8e4nv)
+        q, q_lo, q_scale = e4m3_pair(q)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, WIDTH], tl.float32)
