@@ -191,18 +191,6 @@ def moe():
             ids = torch.randint(0, e, (t, 2), dtype=torch.int32)
             api._experts_fp8_impl(hidden, q13, q2, s13, s2, torch.rand(t, 2), ids)
     del os.environ["WARPFORGE_MOE_FP8_FP16"]
-    # FP8 codes straight into e4m3 wgmma (moe_kernel.fp8_mma) at the tuned FP8 tiles' shapes (128 / 64 weight rows as
-    # M, 16 / 64 slots as N): the PTX must show e4m3 wgmma and no cvt of the weights
-    from warpforge.ops.moe import configs
-    os.environ["WARPFORGE_MOE_FP8_MMA"] = "1"
-    g = configs.GemmTile
-    for t, cfg in ((1, configs.MoECfg(16, g(128, 128, 4, 3), g(64, 128, 4, 4), 4)),
-                   (128, configs.MoECfg(64, g(64, 64, 4, 4), g(128, 128, 4, 3)))):
-        api.config_source = lambda *a, cfg=cfg: cfg
-        hidden = torch.randn(t, h, dtype=torch.bfloat16)
-        api._experts_fp8_impl(hidden, q13, q2, s13, s2, torch.rand(t, 2), torch.randint(0, e, (t, 2), dtype=torch.int32))
-    api.config_source = None
-    del os.environ["WARPFORGE_MOE_FP8_MMA"]
     # the one-launch decode kernel (decode_kernel.py) at its A/B tile, bf16 and FP8 weights
     os.environ["WARPFORGE_MOE_DECODE"] = "1"
     hidden, ids = torch.randn(1, h, dtype=torch.bfloat16), torch.randint(0, e, (1, 2), dtype=torch.int32)

@@ -107,12 +107,6 @@ for step in "$@"; do
     tune-moe-decode) timeout 420 python3 -m warpforge tune moe-decode --models ${MOE_MODELS:-qwen3-30b-a3b,mixtral,deepseek-v3} \
                        --tokens ${MOE_TOKENS:-1,4,16} --out "$w/tune_moe_decode.json" > "$w/tune_moe_decode.log" 2>&1
                      grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
-    # FP8 weights' codes on e4m3 tensor cores (WARPFORGE_MOE_FP8_MMA) off / on, the gathered GEMMs (decode kernel off)
-    moe-fp8mma-ab) timeout 90 python3 -m pytest -q tests/moe/test_fused_moe.py -k "tensor_cores or fp8_weights" \
-                     > "$w/moe-fp8mma-tests.log" 2>&1; tail -n 3 "$w/moe-fp8mma-tests.log"
-                   for v in 0 1; do WARPFORGE_MOE_DECODE=0 WARPFORGE_MOE_FP8_MMA=$v timeout 90 python3 -m warpforge bench \
-                     --family moe --match "fp8" --json "$w/moe-fp8mma-$v.json" > "$w/moe-fp8mma-$v.log" 2>&1
-                     grep -E "warpforge  " "$w/moe-fp8mma-$v.log"; done ;;
     # the MoE tables as committed: decode kernel tests and rows, the sorted path's tests and fwd+bwd rows
     moe-final) timeout 60 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py tests/moe/test_moe_sorted.py \
                  > "$w/moe-final-tests.log" 2>&1; tail -n 4 "$w/moe-final-tests.log"

@@ -270,20 +270,6 @@ def test_fp8_weights(t, e, k, h, i, fp16_math, monkeypatch):
         wf.fused_moe(hidden, w13, q2, logits, k, w_format="fp8", w_scales=(s13, s2), backend="triton")
 
 
-@pytest.mark.parametrize("t,e,k,h,i", [(5, 8, 2, 160, 96), (1, 4, 2, 64, 200), (40, 8, 2, 256, 192)])
-def test_fp8_on_the_tensor_cores(t, e, k, h, i, monkeypatch):
-    """FP8_MMA: the e4m3 codes straight into fp8 dots, the activations as e4m3 value + rounding error
-    (moe_kernel._dot_fp8_mma), within the kernel's own error of the dequantised weights (the gathered GEMMs: the
-    decode kernel off)."""
-    monkeypatch.setenv("WARPFORGE_MOE_FP8_MMA", "1")
-    monkeypatch.setenv("WARPFORGE_MOE_DECODE", "0")
-    if DEV.type == "cuda":  # the tuned FP8 tiles' shape: 64+ weight rows, so that sm_90 runs e4m3 wgmma
-        from warpforge.ops.moe import api, configs
-        tile = configs.GemmTile(64, 128, 4, 3)
-        monkeypatch.setattr(api, "config_source", lambda *a: configs.MoECfg(16 if t <= 16 else 64, tile, tile, 2))
-    check_fp8_weights(t, e, k, h, i)
-
-
 def test_fp8_fp16_math_switch(monkeypatch):
     from warpforge.ops.moe import configs
     from warpforge.ops.moe.moe_kernel import fp16_math

@@ -85,6 +85,13 @@ def test_switch_on_takes_the_try_tile(monkeypatch):
     assert api._decode_tile(DEV, 16, w13) == configs.DECODE_TRY and api._decode_tile(DEV, 17, w13) is None
 
 
+def test_fp8_weights_skip_a_bf16_only_tile(monkeypatch):
+    """A tile with fp8=False (DeepSeek-V3's on sm90) serves bf16 weights only; FP8 ones keep the gathered path."""
+    monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda _: TILE._replace(fp8=False)))
+    w13 = torch.empty(4, 64, 32)
+    assert api._decode_tile(DEV, 1, w13) is not None and api._decode_tile(DEV, 1, w13, fp8=True) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 4, 16])
 @pytest.mark.parametrize("fp8", [False, True])

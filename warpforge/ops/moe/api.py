@@ -58,16 +58,18 @@ def _experts_fp8_fake(hidden, w13, w2, s13, s2, weights, ids):
 _experts_fp8 = kernel_op("moe_experts_fp8", _experts_fp8_impl, _experts_fp8_fake)
 
 
-def _decode_tile(device: torch.device, tokens: int, w13: torch.Tensor) -> Optional[configs.DecodeTile]:
-    """The one-launch decode kernel's tile where inference takes it (configs.DECODE), else None.
-    WARPFORGE_MOE_DECODE=1 takes it at every T <= 16 (the table's tile, or DECODE_TRY), =0 never."""
+def _decode_tile(device: torch.device, tokens: int, w13: torch.Tensor,
+                 fp8: bool = False) -> Optional[configs.DecodeTile]:
+    """The one-launch decode kernel's tile where inference takes it (configs.DECODE; FP8 weights only where the tile
+    says fp8), else None. WARPFORGE_MOE_DECODE=1 takes it at every T <= 16 (the table's tile, or DECODE_TRY), =0
+    never."""
     switch = os.environ.get("WARPFORGE_MOE_DECODE", "")
     if switch == "0" or tokens == 0:
         return None
     tile = configs.DECODE.lookup(device, tuple(w13.shape), tokens)
-    if switch == "1" and tile is None and tokens <= 16:
-        tile = configs.DECODE_TRY
-    return tile
+    if switch == "1":
+        return tile if tile is not None or tokens > 16 else configs.DECODE_TRY
+    return tile if tile is not None and (tile.fp8 or not fp8) else None
 
 
 def _experts_decode_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -78,7 +80,7 @@ def _experts_decode_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     if fp8:
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     return fused_experts_decode(hidden, w13, w2, weights.float().contiguous(), ids.contiguous(),
-                                _decode_tile(hidden.device, hidden.shape[0], w13), scales=(s13, s2) if fp8 else None)
+                                _decode_tile(hidden.device, hidden.shape[0], w13, fp8), scales=(s13, s2) if fp8 else None)
 
 
 def _experts_decode_fake(hidden, w13, w2, weights, ids, s13, s2):
@@ -379,7 +381,7 @@ def _run_experts(hidden, w13, w2, weights, ids, w_format, w_scales, backend):
                                                for w, sc in ((w13, w_scales[0]), (w2, w_scales[1]))), weights, ids)
         args = (hidden.contiguous(), w13.contiguous(), w2.contiguous())
         scales = (w_scales[0].contiguous(), w_scales[1].contiguous())
-        if _decode_tile(hidden.device, hidden.shape[0], w13):
+        if _decode_tile(hidden.device, hidden.shape[0], w13, fp8=True):
             return _experts_decode(*args, weights, ids, *scales)
         return _experts_fp8(*args, *scales, weights, ids)
     if backend == "reference":

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import dot, e4m3_pair, swiglu_grads
+from ..shared_kernels import dot, swiglu_grads
 
 
 @triton.jit
@@ -97,20 +97,6 @@ def _dot_b(a, acc, ptrs, mask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk,
 
 
 @triton.jit
-def _dot_fp8_mma(acc_t, w_ptrs, wmask, n_ok, SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, a_hi, a_lo,
-                 a_scale):
-    """acc_t + W · Aᵀ as [BLOCK_N, rows] with W's e4m3 codes [BLOCK_N, BLOCK_K] straight on the tensor cores (FP8_MMA):
-    the weights are the MMA's M side (sm_90 runs fp8 dots as wgmma, M >= 64; a decode block's 16 rows are its N),
-    A as e4m3_pair's value + rounding error (two dots, one accumulator), then W's block scale per row of the product
-    and A's per column. No dequantisation: the codes go from shared memory into the MMA."""
-    codes = tl.load(w_ptrs, mask=wmask, other=0).to(tl.float8e4nv, bitcast=True)
-    w_scale = tl.load(SCALE + e.to(tl.int64) * stride_se + (k0 // 128) * stride_sk + (offs_n // 128) * stride_sn,
-                      mask=n_ok, other=0.0)
-    prod = dot(codes, tl.trans(a_lo), dot(codes, tl.trans(a_hi)))
-    return acc_t + prod * (w_scale[:, None] * a_scale[None, :])
-
-
-@triton.jit
 def swiglu_bwd_epilogue(acc, w, rows, slots, ok, omask, offs_n, pid_n, OUT, PRE, ACT, ACT_W, DW_PART, stride_o,
                         stride_pre, stride_act, stride_dwp, N):
     """The backward's epilogue (acc = d act of `rows`, int64 row indices of OUT / PRE / ACT; w [BLOCK_M, 1] the
@@ -158,8 +144,7 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
                     stride_o, stride_pre, stride_act, stride_dwp, n_slots, K, N, zero_numel,
                     TOPK: tl.constexpr, A_BY_TOKEN: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr,
                     SAVE_PRE: tl.constexpr, SWIGLU_BWD: tl.constexpr, HAS_W: tl.constexpr, FP8_B: tl.constexpr,
-                    FP16_MATH: tl.constexpr, FP8_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr,
+                    FP16_MATH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ZERO_BLOCK: tl.constexpr):
     """acc[slot, n] = Σ_k A[row, k] · B[e][k, n], row = the slot's token (A_BY_TOKEN) or the slot. Then one of
     - OUT[slot] = acc; SWIGLU: B's columns n and N + n are gate and up, OUT = SiLU(gate) ⊙ up, PRE keeps
@@ -180,13 +165,8 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
     e, slots, ok, tokens = _block_rows(SORTED_IDS, EXPERT_IDS, pid_m, n_slots, TOPK, BLOCK_M)
     offs_n, n_ok, b_cols = _b_columns(B, e, pid_n, stride_be, stride_bn, N, BLOCK_N)
     a_rows = A + (tokens if A_BY_TOKEN else slots)[:, None] * stride_a
-    if FP8_MMA:  # transposed accumulators: the weights' rows are the MMA's M (see _dot_fp8_mma)
-        acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        w_rows = B + e.to(tl.int64) * stride_be + offs_n[:, None].to(tl.int64) * stride_bn  # b_cols as a column
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # split-K (SCATTER only, whose atomics sum the ranges): program_id(2) owns a BLOCK_K-aligned range of K
     k_chunk = tl.cdiv(tl.cdiv(K, tl.num_programs(2)), BLOCK_K) * BLOCK_K
     k_lo = tl.program_id(2) * k_chunk
@@ -194,28 +174,15 @@ def moe_gemm_kernel(A, B, B_SCALE, OUT, PRE, ROW_W, ACT, ACT_W, DW_PART, SORTED_
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(a_rows + offs_k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8_MMA:
-            a_hi, a_lo, a_scale = e4m3_pair(a)
-            w_ptrs = w_rows + offs_k[None, :].to(tl.int64) * stride_bk
-            wmask = n_ok[:, None] & k_ok[None, :]
-            acc_t = _dot_fp8_mma(acc_t, w_ptrs, wmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn,
-                                 a_hi, a_lo, a_scale)
-            if SWIGLU:
-                acc_up_t = _dot_fp8_mma(acc_up_t, w_ptrs + N * stride_bn, wmask, n_ok, B_SCALE, e, k0, offs_n + N,
-                                        stride_se, stride_sk, stride_sn, a_hi, a_lo, a_scale)
-        else:
-            if FP16_MATH:  # FP8 weights dequantised to fp16 (cheaper than to bf16): the MMA runs in fp16
-                a = a.to(tl.float16)
-            b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
-            bmask = k_ok[:, None] & n_ok[None, :]
-            acc = _dot_b(a, acc, b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
-                         False)
-            if SWIGLU:
-                acc_up = _dot_b(a, acc_up, b_ptrs + N * stride_bn, bmask, n_ok, B_SCALE, e, k0, offs_n + N,
-                                stride_se, stride_sk, stride_sn, FP8_B, False)
-    if FP8_MMA:
-        acc = tl.trans(acc_t)
-        acc_up = tl.trans(acc_up_t)
+        if FP16_MATH:  # FP8 weights dequantised to fp16 (cheaper than to bf16): the MMA runs in fp16
+            a = a.to(tl.float16)
+        b_ptrs = b_cols + offs_k[:, None].to(tl.int64) * stride_bk
+        bmask = k_ok[:, None] & n_ok[None, :]
+        acc = _dot_b(a, acc, b_ptrs, bmask, n_ok, B_SCALE, e, k0, offs_n, stride_se, stride_sk, stride_sn, FP8_B,
+                     False)
+        if SWIGLU:
+            acc_up = _dot_b(a, acc_up, b_ptrs + N * stride_bn, bmask, n_ok, B_SCALE, e, k0, offs_n + N, stride_se,
+                            stride_sk, stride_sn, FP8_B, False)
     omask = ok[:, None] & n_ok[None, :]
     if SCATTER:
         if HAS_W:
@@ -314,16 +281,8 @@ def _moe_gemm(a, b, out, b_strides, schedule, topk, n, k, cfg, *, a_by_token, sc
         TOPK=topk, A_BY_TOKEN=a_by_token, SCATTER=scatter, SWIGLU=swiglu,
         SAVE_PRE=pre is not None and swiglu_bwd is None, SWIGLU_BWD=swiglu_bwd is not None,
         HAS_W=row_w is not None, FP8_B=scale is not None, FP16_MATH=scale is not None and fp16_math(cfg),
-        FP8_MMA=scale is not None and fp8_mma(cfg),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, ZERO_BLOCK=ZERO_BLOCK if zero is not None else 0, num_warps=warps,
         num_stages=stages)
-
-
-def fp8_mma(cfg) -> bool:
-    """FP8 weights' codes straight into fp8 tensor-core dots, the activations as e4m3 value + rounding error
-    (cfg.fp8_mma, or WARPFORGE_MOE_FP8_MMA=1 / 0 for the GPU sessions' A/B). Inference only (FP8 weights are)."""
-    switch = os.environ.get("WARPFORGE_MOE_FP8_MMA", "")
-    return switch == "1" or (switch != "0" and cfg.fp8_mma)
 
 
 def fp16_math(cfg) -> bool:
