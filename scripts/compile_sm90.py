@@ -129,6 +129,15 @@ def mla():
         from warpforge.ops.mla.api import _mla_decode_impl
         _mla_decode_impl(q, cache, table, torch.full((4,), 100, dtype=torch.int32), scale, plan.softmax_scale,
                          False, fmt, plan.num_splits, list(plan.config))
+    # quantized caches at 64+ rows on sm_90: their pages dequantised into bf16 scratch (the Gluon kernel then runs;
+    # it compiles in tests/mla/test_mla_gluon.py)
+    from warpforge.ops.mla import dequant_kernel
+    for fmt in ("fp8", "nvfp4", "mxfp4"):
+        f = mla_ops.KV_FORMATS[fmt]
+        cache = torch.zeros(8, 64, 1, f.width, dtype=torch.uint8)
+        dequant_kernel.mla_decode_dequantized(torch.zeros(4, 1, 128, 576, dtype=torch.bfloat16), cache,
+                                              torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
+                                              torch.ones(1), f, lambda *a: (None, None), 4)
 
 
 def evoformer():

@@ -107,6 +107,14 @@ for step in "$@"; do
     tune-moe-decode) timeout 420 python3 -m warpforge tune moe-decode --models ${MOE_MODELS:-qwen3-30b-a3b,mixtral,deepseek-v3} \
                        --tokens ${MOE_TOKENS:-1,4,16} --out "$w/tune_moe_decode.json" > "$w/tune_moe_decode.log" 2>&1
                      grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
+    # quantized MLA caches at 64+ rows through dequantised pages on the Gluon kernel (dequant_kernel.py): GPU tests,
+    # then the h_q 128 rows of every format, and the portable kernel's FP8 (WARPFORGE_MLA_GLUON_DEQUANT=0) beside it
+    mla-dequant) timeout 150 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
+                   > "$w/mla-dequant-tests.log" 2>&1; tail -n 3 "$w/mla-dequant-tests.log"
+                 timeout 150 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) ' --json "$w/mla-h128.json" \
+                   > "$w/mla-h128.log" 2>&1; grep -E "warpforge  " "$w/mla-h128.log"
+                 WARPFORGE_MLA_GLUON_DEQUANT=0 timeout 60 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) fp8' \
+                   --json "$w/mla-h128-fp8-portable.json" > "$w/mla-h128-fp8-portable.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp8-portable.log" ;;
     # the MoE tables as committed: decode kernel tests and rows, the sorted path's tests and fwd+bwd rows
     moe-final) timeout 60 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py tests/moe/test_moe_sorted.py \
                  > "$w/moe-final-tests.log" 2>&1; tail -n 4 "$w/moe-final-tests.log"

@@ -358,3 +358,34 @@ def test_flash_mla_compatible_heads_and_conventions():
         assert 1 - cosine(out[:1, :, heads], ref[:1]) <= 1e-5
         assert torch.allclose(lse[:1, heads], ref_lse[:1], rtol=1e-4, atol=1e-4)
     assert torch.all(out[1] == 0) and torch.all(lse[1] == float("inf"))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("page", [16, 64])
+def test_dequantised_pages_on_a_bf16_kernel(fmt, page, monkeypatch):
+    """dequant_kernel.py: the quantized pages of a slice of requests as bf16 scratch pages (page 64, their own
+    table), handed to a bf16 decode (here the reference), slice by slice: the reference's answer on the quantized
+    cache. The GPU runs it with the Gluon kernel (test_mla_gluon.py)."""
+    from warpforge.ops.mla import KV_FORMATS, dequant_kernel
+    lens = [70, 5, 0, 130, 64]
+    q, _, cache, table, seqlens, kv_scale = _problem(len(lens), 1, 16, page, lens, fmt)
+    per_request = -(-table.shape[1] * page // 64) * 64 * 576 * 2
+    monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", 2 * per_request)
+    per_slice = dequant_kernel.slice_requests(len(lens), table.shape[1] * page)
+    slices = []
+
+    def run_bf16(q_, cache_, table_, seqlens_):
+        assert cache_.dtype == torch.bfloat16 and cache_.shape[1] == 64
+        slices.append(q_.shape[0])
+        return mla_decode_reference(q_.float(), cache_.float(), table_, seqlens_)
+    out, lse = dequant_kernel.mla_decode_dequantized(q, cache, table, seqlens, kv_scale, KV_FORMATS[fmt], run_bf16,
+                                                     per_slice)
+    assert per_slice == 2 and slices == [2, 2, 1]
+    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format=fmt, kv_scale=kv_scale)
+    assert 1 - cosine(out, ref) <= 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    # NVFP4's values times its cache-wide fp32 scale are rounded to bf16 once (the portable kernel keeps that scale in
+    # fp32): ~2^-9 of each score, a few 1e-3 of an lse of ~5; FP8's and MXFP4's values are exact in bf16
+    tol = 5e-3 if fmt == "nvfp4" else 1e-5
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)

@@ -32,14 +32,18 @@ def test_gate_constants_agree_and_import_is_lazy():
     assert not import_loads_gluon(("warpforge.ops.mla.decode_gluon_kernel",), ROOT)
 
 
-def test_gate_off_where_it_does_not_apply():
+def test_gate_off_where_it_does_not_apply(monkeypatch):
     q, _, cache, table, _, _ = _problem(2, 1, 64, 64, [70, 5], "bf16")
     plan = wf.mla.plan(q, cache, table)
     if not _on_h200_gate() or q.dtype != torch.bfloat16:
         assert not plan.gluon
     small = wf.mla.plan(q[:, :, :16].contiguous(), cache, table)  # 16 rows < 64
     assert not small.gluon
+    # quantized caches: dequantised pages on the Gluon kernel where the gate holds (dequant_kernel.py), unless off
     fp8 = wf.mla.quantize_kv(torch.randn(4, 64, 1, 576, device=q.device), "fp8")
+    on = _on_h200_gate() and q.dtype == torch.bfloat16
+    assert wf.mla.plan(q, fp8, table[:, :1].contiguous(), kv_format="fp8").gluon == on
+    monkeypatch.setenv(configs.GLUON_DEQUANT_ENV, "0")
     assert not wf.mla.plan(q, fp8, table[:, :1].contiguous(), kv_format="fp8").gluon
 
 
@@ -90,6 +94,30 @@ def test_gpu_matches_reference(h_q, s_q, causal, splits, gluon_calls):
     q, _, cache, table, seqlens, _ = _problem(len(LENS), s_q, h_q, 64, LENS, "bf16", torch.bfloat16)
     _check(q, cache, table, seqlens, "bf16", causal, splits)
     assert len(gluon_calls) == 1  # the gated path ran, not the portable kernel
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("page,h_q,s_q,causal", [(64, 128, 1, False), (32, 64, 2, True)])
+@pytest.mark.parametrize("slices", [1, 3])
+def test_gpu_quantized_caches_on_dequantised_pages(fmt, page, h_q, s_q, causal, slices, gluon_calls, monkeypatch):
+    """Quantized caches at 64+ rows: pages dequantised to bf16 scratch (dequant_kernel.py), then the Gluon kernel,
+    in `slices` launches; against the fp32 reference on the quantized cache."""
+    from warpforge.ops.mla import dequant_kernel
+    lens = [0, 1, 63, 64, 65, 1000, 129]
+    q, _, cache, table, seqlens, kv_scale = _problem(len(lens), s_q, h_q, page, lens, fmt, torch.bfloat16)
+    per_request = -(-table.shape[1] * page // 64) * 64 * 576 * 2
+    monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", per_request * -(-len(lens) // slices))
+    out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale)
+    assert len(gluon_calls) == slices
+    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, causal=causal, kv_format=fmt,
+                                        kv_scale=kv_scale)
+    assert 1 - cosine(out, ref) <= 1e-5
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    tol = 5e-3 if fmt == "nvfp4" else 1e-5  # NVFP4: its fp32 cache scale rounded into bf16 values (test_mla_decode)
+    assert torch.allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
 
 
 @pytest.mark.gpu

@@ -37,8 +37,16 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
                      indices: Optional[torch.Tensor] = None,
                      topk_length: Optional[torch.Tensor] = None,
                      gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16, dense, page 64, rows >= 64)
+    if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16 q, dense, rows >= 64; see gluon_gate)
         from . import decode_gluon_kernel as dg
+        if dg.available() and kv_format != "bf16":  # quantized: dequantised pages on the bf16 kernel
+            from .dequant_kernel import mla_decode_dequantized, slice_requests
+
+            def run_bf16(q_, cache_, table_, seqlens_):
+                return dg.mla_decode_gluon(q_, cache_, table_, seqlens_, scale, causal, num_splits)
+            per_slice = slice_requests(q.shape[0], block_table.shape[1] * kv_cache.shape[1])
+            return mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, KV_FORMATS[kv_format],
+                                          run_bf16, per_slice)
         if dg.available() and dg.tma_ok(kv_cache):
             return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits)
     from .decode_kernel import mla_decode_fwd
@@ -104,8 +112,10 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
                   what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
     gluon = gluon_gate(q, kv_cache, kv_format, sparse)
     if num_splits is None:
-        if gluon:  # one 64-row program fills an SM (224 KB of shared memory)
-            num_splits = plan_num_splits(b, rows, max_tokens, configs.GLUON_BLOCK_H, sm_count(q.device),
+        if gluon:  # one 64-row program fills an SM (224 KB of shared memory); quantized caches run in slices
+            from .dequant_kernel import slice_requests
+            per_launch = b if kv_format == "bf16" else slice_requests(b, max_tokens)
+            num_splits = plan_num_splits(per_launch, rows, max_tokens, configs.GLUON_BLOCK_H, sm_count(q.device),
                                          waves=configs.GLUON_WAVES)
         else:
             num_splits = plan_num_splits(b * s_q if sparse else b, rows, max_tokens, cfg.block_h, sm_count(q.device),
@@ -128,14 +138,19 @@ def _gluon_switch() -> bool:
 
 def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     """Whether a plan for these shapes takes the Hopper Gluon kernel: an sm_90 device, a Triton in
-    configs.GLUON_TRITON_VERSIONS, bf16 q and cache, dense (block table, no indices), page size 64,
-    h_q · s_q >= 64 query rows, and WARPFORGE_MLA_GLUON not "0". Everything else runs the portable kernel (so
-    does a run whose cache is not 16-byte aligned for TMA, checked at run time)."""
+    configs.GLUON_TRITON_VERSIONS, bf16 q, dense (block table, no indices), h_q · s_q >= 64 query rows,
+    WARPFORGE_MLA_GLUON not "0", and either a bf16 cache of page size 64 or a quantized cache (any page size:
+    its pages are dequantised into bf16 scratch pages first, dequant_kernel.py, unless WARPFORGE_MLA_GLUON_DEQUANT
+    is "0"). Everything else runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for
+    TMA, checked at run time)."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90":
         return False
     b, s_q, h_q, _ = q.shape
-    return (not sparse and kv_format == "bf16" and q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
-            and kv_cache.shape[1] == configs.GLUON_PAGE and s_q * h_q >= configs.GLUON_MIN_ROWS and _gluon_switch())
+    if sparse or q.dtype != torch.bfloat16 or s_q * h_q < configs.GLUON_MIN_ROWS or not _gluon_switch():
+        return False
+    if kv_format != "bf16":
+        return os.environ.get(configs.GLUON_DEQUANT_ENV, "1") != "0"
+    return kv_cache.dtype == torch.bfloat16 and kv_cache.shape[1] == configs.GLUON_PAGE
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],
