@@ -80,7 +80,8 @@ def _experts_decode_impl(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     if fp8:
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     return fused_experts_decode(hidden, w13, w2, weights.float().contiguous(), ids.contiguous(),
-                                _decode_tile(hidden.device, hidden.shape[0], w13, fp8), scales=(s13, s2) if fp8 else None)
+                                _decode_tile(hidden.device, hidden.shape[0], w13, fp8),
+                                scales=(s13, s2) if fp8 else None)
 
 
 def _experts_decode_fake(hidden, w13, w2, weights, ids, s13, s2):

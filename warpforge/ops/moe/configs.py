@@ -86,10 +86,13 @@ class DecodeTile(NamedTuple):
 
 # Inference takes the one-launch decode kernel where an entry has a tile (None: the gathered path). sm90: the tiles
 # `warpforge tune moe-decode` chose on the H200 (session 16, bench cases, graph replay, ms vs the gathered path):
-# Qwen3-30B-A3B T1 0.0362 vs 0.0444 (64 wide), T4 0.0883 vs 0.0909; Mixtral T1 0.1840 vs 0.1847, FP8 0.1124 vs
-# 0.1145 (128 wide); DeepSeek-V3 T1 0.1797 vs 0.1910, FP8 0.1161 vs 0.1223; from T 2 (T 5 for Qwen3) the gathered
-# path wins. On since session 17, whose GPU tests passed at T 1 / 4 / 16 with a counter per token (session 16's
-# kernel summed wrongly at some T > 1 when one program converted several tokens' rows). Other shapes: gathered.
+# Qwen3-30B-A3B T1 0.0362 vs 0.0444 (64 wide), T4 0.0883 vs 0.0909 (uniform routing); Mixtral T1 0.1840 vs
+# 0.1847, FP8 0.1124 vs 0.1145 (128 wide); DeepSeek-V3 T1 0.1797 vs 0.1910, FP8 0.1161 vs 0.1223; from T 2 (T 5
+# for Qwen3) the gathered path wins. On since session 17, whose GPU tests passed at T 1 / 4 / 16 with a counter per
+# token (session 16's kernel summed wrongly at some T > 1 when one program converted several tokens' rows). T1
+# only: at T4 the kernel reads an expert's weights once per slot, and with skewed routing (the bench's zipf case,
+# tokens sharing experts) Qwen3 T4 took 0.0696 ms against the gathered path's 0.062 (session 17, call3). Other
+# shapes: gathered.
 # The interpreter runs it below T 4 (CI's decode shapes).
 D = DecodeTile
 DECODE = TileTable({
@@ -97,7 +100,7 @@ DECODE = TileTable({
     "default": {"any": {0: None}},
     "sm90": {"any": {0: None},
              (8, 28672, 4096): {0: D(128, 128, 256, 4, 3), 2: None},  # Mixtral-8x7B
-             (128, 1536, 2048): {0: D(64, 128, 256, 4, 4), 5: None},  # Qwen3-30B-A3B
+             (128, 1536, 2048): {0: D(64, 128, 256, 4, 4), 2: None},  # Qwen3-30B-A3B (T4: see above)
              # DeepSeek-V3's FP8 weights: gathered (session 17: 0.119-0.120 ms in three runs vs the kernel's 0.128)
              (256, 4096, 7168): {0: D(128, 128, 256, 4, 3, fp8=False), 2: None}},  # DeepSeek-V3
 })
