@@ -57,7 +57,7 @@ def mla_dequant_pages_kernel(CACHE, BLOCK_TABLE, SEQLENS, KV_SCALE, OUT, req0, r
 def slice_requests(batch: int, max_tokens: int) -> int:
     """Requests per slice: as many as SCRATCH_BYTES of bf16 pages hold (at least one)."""
     per_request = triton.cdiv(max_tokens, SCRATCH_PAGE) * SCRATCH_PAGE * D_QK * 2
-    return max(1, min(batch, SCRATCH_BYTES // per_request))
+    return max(1, batch if per_request == 0 else min(batch, SCRATCH_BYTES // per_request))
 
 
 def mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fmt, run_bf16, per_slice):
@@ -67,13 +67,15 @@ def mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fm
     page = kv_cache.shape[1]
     max_tokens = block_table.shape[1] * page
     scratch_pages = triton.cdiv(max_tokens, SCRATCH_PAGE)
-    n = min(per_slice, b)
+    n = max(1, min(per_slice, b))
     scratch = torch.empty((n * scratch_pages, SCRATCH_PAGE, 1, D_QK), device=q.device, dtype=torch.bfloat16)
     table = torch.arange(n * scratch_pages, device=q.device, dtype=torch.int32).view(n, scratch_pages)
     cache = kv_cache.view(torch.uint8)
     # lengths past the table's tokens are clamped as the portable kernel clamps them (the scratch's last page may
     # reach further, and its rows there are never written)
     lens = cache_seqlens.clamp(0, max_tokens)
+    if b == 0 or scratch_pages == 0:  # nothing to dequantise: the bf16 kernel's own answer for empty requests
+        return run_bf16(q, scratch, table[:b], lens)
     outs, lses = [], []
     for r0 in range(0, b, n):
         r1 = min(r0 + n, b)
