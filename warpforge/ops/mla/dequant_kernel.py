@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .decode_kernel import _latent_chunk, _rope_block
-from .kv_format import D_QK
 
+D_QK = 576                    # a latent row: 512 "nope" values, then 64 rope
 SCRATCH_PAGE = 64             # the bf16 kernel's page
 SCRATCH_BYTES = 1 << 30       # the scratch cache's ceiling: requests run in slices that fit
 
