@@ -137,7 +137,8 @@ def mla():
         cache = torch.zeros(8, 64, 1, f.width, dtype=torch.uint8)
         dequant_kernel.mla_decode_dequantized(torch.zeros(4, 1, 128, 576, dtype=torch.bfloat16), cache,
                                               torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, dtype=torch.int32),
-                                              torch.ones(1), f, lambda *a: (None, None), 4)
+                                              torch.ones(1), f, lambda *a: (None, None), 4,
+                                              mla_ops.configs.DequantCfg(2, 8))
 
 
 def evoformer():

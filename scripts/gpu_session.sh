@@ -118,6 +118,9 @@ for step in "$@"; do
     # Qwen3 at T4 / T2048 twice (call3 read T2048 uniform 1.548 ms against moe.json's earlier 0.736, unchanged code)
     qwen3-check) for r in 1 2; do timeout 60 python3 -m warpforge bench --family moe --match "qwen3-30b-a3b T(4|2048) " \
                    --json "$w/qwen3-check-$r.json" > "$w/qwen3-check-$r.log" 2>&1; grep -E "warpforge  " "$w/qwen3-check-$r.log"; done ;;
+    # the dequantisation pass of quantized MLA caches (configs.DEQUANT) alone, every candidate, L 8k
+    tune-mla-dequant) timeout 150 python3 -m warpforge tune mla --dequant --out "$w/tune_mla_dequant.json" \
+                        > "$w/tune_mla_dequant.log" 2>&1; cat "$w/tune_mla_dequant.log" ;;
     # the MoE tables as committed: decode kernel tests and rows, the sorted path's tests and fwd+bwd rows
     moe-final) timeout 60 python3 -m pytest -q -m gpu tests/moe/test_moe_decode.py tests/moe/test_moe_sorted.py \
                  > "$w/moe-final-tests.log" 2>&1; tail -n 4 "$w/moe-final-tests.log"

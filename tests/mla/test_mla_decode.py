@@ -361,12 +361,12 @@ def test_flash_mla_compatible_heads_and_conventions():
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
-@pytest.mark.parametrize("page", [16, 64])
-def test_dequantised_pages_on_a_bf16_kernel(fmt, page, monkeypatch):
+@pytest.mark.parametrize("page,pages", [(16, 1), (64, 1), (16, 2), (64, 3)])
+def test_dequantised_pages_on_a_bf16_kernel(fmt, page, pages, monkeypatch):
     """dequant_kernel.py: the quantized pages of a slice of requests as bf16 scratch pages (page 64, their own
     table), handed to a bf16 decode (here the reference), slice by slice: the reference's answer on the quantized
     cache. The GPU runs it with the Gluon kernel (test_mla_gluon.py)."""
-    from warpforge.ops.mla import KV_FORMATS, dequant_kernel
+    from warpforge.ops.mla import KV_FORMATS, configs, dequant_kernel
     lens = [70, 5, 0, 130, 64]
     q, _, cache, table, seqlens, kv_scale = _problem(len(lens), 1, 16, page, lens, fmt)
     per_request = -(-table.shape[1] * page // 64) * 64 * 576 * 2
@@ -378,8 +378,9 @@ def test_dequantised_pages_on_a_bf16_kernel(fmt, page, monkeypatch):
         assert cache_.dtype == torch.bfloat16 and cache_.shape[1] == 64
         slices.append(q_.shape[0])
         return mla_decode_reference(q_.float(), cache_.float(), table_, seqlens_)
+    cfg = configs.DequantCfg(pages, 1)  # scratch pages per program: 3 leaves the last program part-filled
     out, lse = dequant_kernel.mla_decode_dequantized(q, cache, table, seqlens, kv_scale, KV_FORMATS[fmt], run_bf16,
-                                                     per_slice)
+                                                     per_slice, cfg)
     assert per_slice == 2 and slices == [2, 2, 1]
     ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format=fmt, kv_scale=kv_scale)
     assert 1 - cosine(out, ref) <= 1e-5

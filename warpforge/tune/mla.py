@@ -34,7 +34,11 @@ def main(argv=None):
     ap.add_argument("--L", type=int, default=8192)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only", default=None, help="e.g. 16:fp8,128:bf16 (h_q:format) to sweep only those entries of the plan")
+    ap.add_argument("--dequant", action="store_true",
+                    help="sweep the quantized caches' dequantisation pass (configs.DEQUANT) instead of the decode tiles")
     args = ap.parse_args(argv)
+    if args.dequant:
+        return sweep_dequant(args.L, args.out)
     sms = sm_count(torch.device("cuda"))
     plans = {
         # a 7th field True: index_ahead (page ids a step early, so the tile copies run stages - 1 steps ahead)
@@ -80,6 +84,32 @@ def main(argv=None):
         torch.cuda.empty_cache()
     if args.out:
         write_json(results, args.out)
+
+
+def sweep_dequant(L, out_path):
+    """dequant_kernel.py's pass alone (the bf16 kernel after it skipped) at b 128, h_q 128, each format: every
+    DequantCfg candidate, GB/s over the bytes it reads and writes."""
+    from warpforge.ops.mla.configs import DequantCfg
+    from warpforge.ops.mla.dequant_kernel import mla_decode_dequantized, slice_requests
+    results = []
+    for fmt in ("fp8", "nvfp4", "mxfp4"):
+        q, cache, table, lens, tokens, kv_scale = problem(128, L, 128, fmt)
+        per_slice = slice_requests(128, table.shape[1] * 64)
+        moved = tokens * (KV_FORMATS[fmt].row_bytes + 2 * 576)
+        for pages, warps in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (1, 2)):
+            cfg = DequantCfg(pages, warps)
+
+            def run():
+                return mla_decode_dequantized(q, cache, table, lens, kv_scale, KV_FORMATS[fmt],
+                                              lambda *a: (None, None), per_slice, cfg)
+            run()
+            ms = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
+            results.append(dict(fmt=fmt, cfg=tuple(cfg), ms=ms, tbps=moved / ms / 1e9))
+            print(f"dequant {fmt} {tuple(cfg)}: {ms:.3f} ms {moved / ms / 1e9:.2f} TB/s", flush=True)
+        q = cache = table = None
+        torch.cuda.empty_cache()
+    if out_path:
+        write_json(results, out_path)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
                 return dg.mla_decode_gluon(q_, cache_, table_, seqlens_, scale, causal, num_splits)
             per_slice = slice_requests(q.shape[0], block_table.shape[1] * kv_cache.shape[1])
             return mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, KV_FORMATS[kv_format],
-                                          run_bf16, per_slice)
+                                          run_bf16, per_slice, configs.DEQUANT.lookup(q.device, kv_format))
         if dg.available() and dg.tma_ok(kv_cache):
             return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits)
     from .decode_kernel import mla_decode_fwd

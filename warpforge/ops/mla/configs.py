@@ -35,6 +35,16 @@ DECODE = TileTable({
              "mxfp4": {0: C(16, 32, 4, 2), MANY_ROWS: C(64, 64, 8, 2)}},
 })
 
+class DequantCfg(NamedTuple):
+    """The dequantisation pass of quantized caches onto bf16 scratch pages (dequant_kernel.py)."""
+    pages: int  # 64-token scratch pages per program
+    warps: int
+
+
+# session 17's first form (one page, 4 warps) everywhere until `warpforge tune mla --dequant` has run on the H200
+# (it read ~2.4 TB/s there for FP8 inside the h_q 128 bench row: benchmarks/NOTES.md)
+DEQUANT = TileTable({"cpu": {"any": DequantCfg(1, 1)}, "default": {"any": DequantCfg(1, 4)}})
+
 # The Hopper Gluon kernel (decode_gluon_kernel.py; api.gluon_gate decides): its fixed tile and gate constants.
 GLUON_ENV = "WARPFORGE_MLA_GLUON"       # "0" turns the Gluon path off (the portable kernel then runs everywhere)
 GLUON_DEQUANT_ENV = "WARPFORGE_MLA_GLUON_DEQUANT"  # "0": quantized caches keep the portable kernel at 64+ rows

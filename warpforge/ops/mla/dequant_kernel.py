@@ -25,33 +25,35 @@ SCRATCH_BYTES = 1 << 30       # the scratch cache's ceiling: requests run in sli
 def mla_dequant_pages_kernel(CACHE, BLOCK_TABLE, SEQLENS, KV_SCALE, OUT, req0, row_stride, stride_bt, scratch_pages,
                              capacity, last_page, KV_FMT: tl.constexpr, GROUP: tl.constexpr,
                              SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, PAGE: tl.constexpr,
-                             OUT_PAGE: tl.constexpr):
-    """Program (i, p): scratch page p of request req0 + i = its tokens [p · OUT_PAGE, (p + 1) · OUT_PAGE) as bf16
-    rows of OUT [.., OUT_PAGE, 576] at page i · scratch_pages + p, read from the quantized CACHE through the
-    request's block table (any source page size). Pages past the request's length are left as they are."""
-    i = tl.program_id(0) // scratch_pages
-    p = tl.program_id(0) % scratch_pages
+                             OUT_PAGE: tl.constexpr, PAGES: tl.constexpr):
+    """Program (i, j): scratch pages p = j · PAGES .. j · PAGES + PAGES - 1 of request req0 + i, each its tokens
+    [p · OUT_PAGE, (p + 1) · OUT_PAGE) as bf16 rows of OUT [.., OUT_PAGE, 576] at page i · scratch_pages + p, read
+    from the quantized CACHE through the request's block table (any source page size). Pages past the request's
+    length (or the table) are left as they are: their loads and stores are masked off."""
+    per_request = tl.cdiv(scratch_pages, PAGES)
+    i = tl.program_id(0) // per_request
     req = (req0 + i).to(tl.int64)
     length = tl.minimum(tl.maximum(tl.load(SEQLENS + req), 0), capacity)
-    if p * OUT_PAGE >= length:
-        return
-    tok = p * OUT_PAGE + tl.arange(0, OUT_PAGE)
-    tok_ok = tok < capacity
-    page = tl.load(BLOCK_TABLE + req * stride_bt + tok // PAGE, mask=tok_ok, other=0)
-    rows64 = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64) * PAGE + tok % PAGE
     if KV_FMT == 2:
         latent_scale = tl.load(KV_SCALE)
     else:
         latent_scale = 1.0
-    out_rows = OUT + (tl.program_id(0).to(tl.int64) * OUT_PAGE + tl.arange(0, OUT_PAGE))[:, None] * 576
     cols = tl.arange(0, 128)[None, :]
-    for c in tl.static_range(4):
-        vals, scale = _latent_chunk(CACHE, rows64, tok_ok, row_stride, c, KV_FMT, GROUP, SCALE_OFF, tl.float32)
-        if KV_FMT == 1:
-            vals = vals * scale[:, None]
-        tl.store(out_rows + c * 128 + cols, (vals * latent_scale).to(tl.bfloat16), mask=tok_ok[:, None])
-    rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, ROPE_OFF, 64, tl.bfloat16)
-    tl.store(out_rows + 512 + tl.arange(0, 64)[None, :], rope, mask=tok_ok[:, None])
+    for k in tl.static_range(PAGES):
+        p = (tl.program_id(0) % per_request) * PAGES + k
+        tok = p * OUT_PAGE + tl.arange(0, OUT_PAGE)
+        end = tl.where((p * OUT_PAGE < length) & (p < scratch_pages), capacity, 0)  # 0: a page left as it is
+        tok_ok = tok < end
+        page = tl.load(BLOCK_TABLE + req * stride_bt + tok // PAGE, mask=tok_ok, other=0)
+        rows64 = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64) * PAGE + tok % PAGE
+        out_rows = OUT + ((i * scratch_pages + p).to(tl.int64) * OUT_PAGE + tl.arange(0, OUT_PAGE))[:, None] * 576
+        for c in tl.static_range(4):
+            vals, scale = _latent_chunk(CACHE, rows64, tok_ok, row_stride, c, KV_FMT, GROUP, SCALE_OFF, tl.float32)
+            if KV_FMT == 1:
+                vals = vals * scale[:, None]
+            tl.store(out_rows + c * 128 + cols, (vals * latent_scale).to(tl.bfloat16), mask=tok_ok[:, None])
+        rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, ROPE_OFF, 64, tl.bfloat16)
+        tl.store(out_rows + 512 + tl.arange(0, 64)[None, :], rope, mask=tok_ok[:, None])
 
 
 def slice_requests(batch: int, max_tokens: int) -> int:
@@ -60,9 +62,9 @@ def slice_requests(batch: int, max_tokens: int) -> int:
     return max(1, batch if per_request == 0 else min(batch, SCRATCH_BYTES // per_request))
 
 
-def mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fmt, run_bf16, per_slice):
+def mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fmt, run_bf16, per_slice, cfg):
     """(out, lse) of a quantized-cache decode through run_bf16(q, cache, table, seqlens) -> (out, lse) on bf16
-    scratch pages, per_slice requests at a time (slice_requests)."""
+    scratch pages, per_slice requests at a time (slice_requests); cfg a configs.DequantCfg."""
     b = q.shape[0]
     page = kv_cache.shape[1]
     max_tokens = block_table.shape[1] * page
@@ -79,11 +81,11 @@ def mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fm
     outs, lses = [], []
     for r0 in range(0, b, n):
         r1 = min(r0 + n, b)
-        mla_dequant_pages_kernel[((r1 - r0) * scratch_pages,)](
+        mla_dequant_pages_kernel[((r1 - r0) * triton.cdiv(scratch_pages, cfg.pages),)](
             cache, block_table, cache_seqlens, kv_scale if kv_scale is not None else cache_seqlens, scratch, r0,
             kv_cache.stride(1), block_table.stride(0), scratch_pages, max_tokens, max(kv_cache.shape[0] - 1, 0),
             KV_FMT=fmt.code, GROUP=max(fmt.group, 1), SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, PAGE=page,
-            OUT_PAGE=SCRATCH_PAGE, num_warps=4)
+            OUT_PAGE=SCRATCH_PAGE, PAGES=cfg.pages, num_warps=cfg.warps)
         out, lse = run_bf16(q[r0:r1], scratch, table[: r1 - r0], lens[r0:r1])
         outs.append(out)
         lses.append(lse)
