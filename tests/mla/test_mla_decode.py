@@ -382,11 +382,17 @@ def test_dequantised_pages_on_a_bf16_kernel(fmt, page, pages, monkeypatch):
     out, lse = dequant_kernel.mla_decode_dequantized(q, cache, table, seqlens, kv_scale, KV_FORMATS[fmt], run_bf16,
                                                      per_slice, cfg)
     assert per_slice == 2 and slices == [2, 2, 1]
-    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format=fmt, kv_scale=kv_scale)
+    check_dequantised(out, lse, q, cache, table, seqlens, fmt, False, kv_scale)
+
+
+def check_dequantised(out, lse, q, cache, table, seqlens, fmt, causal, kv_scale):
+    """A decode through dequantised bf16 pages against the fp32 reference on the quantized cache. NVFP4's values
+    times its cache-wide fp32 scale are rounded to bf16 once (the portable kernel keeps that scale in fp32): ~2^-9 of
+    each score, a few 1e-3 of an lse of ~5; FP8's and MXFP4's values are exact in bf16."""
+    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, causal=causal, kv_format=fmt,
+                                        kv_scale=kv_scale)
     assert 1 - cosine(out, ref) <= 1e-5
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
-    # NVFP4's values times its cache-wide fp32 scale are rounded to bf16 once (the portable kernel keeps that scale in
-    # fp32): ~2^-9 of each score, a few 1e-3 of an lse of ~5; FP8's and MXFP4's values are exact in bf16
     tol = 5e-3 if fmt == "nvfp4" else 1e-5
     assert torch.allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)

@@ -12,7 +12,7 @@ from warpforge.ops.mla import decode_gluon_kernel as dg
 from warpforge.ops.mla import mla_decode_reference
 from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
 
-from .test_mla_decode import _check, _problem
+from .test_mla_decode import _check, _problem, check_dequantised
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,13 +111,7 @@ def test_gpu_quantized_caches_on_dequantised_pages(fmt, page, h_q, s_q, causal, 
     monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", per_request * -(-len(lens) // slices))
     out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale)
     assert len(gluon_calls) == slices
-    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, causal=causal, kv_format=fmt,
-                                        kv_scale=kv_scale)
-    assert 1 - cosine(out, ref) <= 1e-5
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    tol = 5e-3 if fmt == "nvfp4" else 1e-5  # NVFP4: its fp32 cache scale rounded into bf16 values (test_mla_decode)
-    assert torch.allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
+    check_dequantised(out, lse, q, cache, table, seqlens, fmt, causal, kv_scale)
 
 
 @pytest.mark.gpu

@@ -88,7 +88,7 @@ def main(argv=None):
 
 def sweep_dequant(L, out_path):
     """dequant_kernel.py's pass alone (the bf16 kernel after it skipped) at b 128, h_q 128, each format: every
-    DequantCfg candidate, GB/s over the bytes it reads and writes."""
+    DequantCfg candidate, TB/s over the bytes it reads and writes."""
     from warpforge.ops.mla.configs import DequantCfg
     from warpforge.ops.mla.dequant_kernel import mla_decode_dequantized, slice_requests
     results = []
@@ -100,8 +100,9 @@ def sweep_dequant(L, out_path):
             cfg = DequantCfg(pages, warps)
 
             def run():
+                # the bf16 kernel skipped: empty results, which the slices' concatenation takes
                 return mla_decode_dequantized(q, cache, table, lens, kv_scale, KV_FORMATS[fmt],
-                                              lambda *a: (None, None), per_slice, cfg)
+                                              lambda q_, *a: (q_.new_empty(0), q_.new_empty(0)), per_slice, cfg)
             run()
             ms = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
             results.append(dict(fmt=fmt, cfg=tuple(cfg), ms=ms, tbps=moved / ms / 1e9))
