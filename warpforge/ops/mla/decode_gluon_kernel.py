@@ -51,12 +51,13 @@ GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file wa
 # (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
 
 HALF = D_V // 2
+SCALE_COL = 128  # FP8 rows (kv_format.py): the four fp32 scales at byte 512, fp32 element 128 of the row
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
 
 @functools.lru_cache(maxsize=None)
-def _build():
+def _build(fp8: bool = False):
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -71,6 +72,12 @@ def _build():
     ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
     HALF_C = gl.constexpr(HALF)
     MAX_INIT_C = gl.constexpr(MAX_INIT)
+    SCALE_COL_C = gl.constexpr(SCALE_COL)
+    # the cache format is fixed per build: flags passed through warp_specialize's arguments arrive in the partitions
+    # as runtime values (Triton 3.6), and FP8 must choose code at compile time
+    FP8 = gl.constexpr(fp8)
+    ROPE_COL = gl.constexpr(FP8_ROW_BYTES // 2 - D_R if fp8 else D_V)   # the rope's column in the rope view's rows
+    RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv))
 
     @gluon.jit
     def _page_row(bt_row, first_page, blk, n_steps, last_page):
@@ -81,22 +88,60 @@ def _build():
     # (H and USE_ACC below arrive as literals, which Triton passes on as constexprs; a `gl.constexpr` annotation
     # would not resolve: `from __future__ import annotations` leaves it a string, and these bodies never name gl)
     @gluon.jit
-    def _load_half(kn_desc, kn_dst, kbar, H, row, col):
+    def _load_latent(kn_desc, ks_desc, kn_dst, ks, kbar, H, row, col, extra_bytes):
+        """256 latent columns of a page → kn_dst on kbar[H] (FP8: the e4m3 bytes into the buffer's first half, and
+        the row's four scales into ks[H], for _dequant_half), expecting extra_bytes more from the caller's copies."""
+        if FP8:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + ks_desc.block_type.nbytes + extra_bytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H],
+                                            kn_dst._reinterpret(gl.float8e4nv, [64, HALF_C], RAW_LAYOUT))
+            tma.async_copy_global_to_shared(ks_desc, [row, SCALE_COL_C], kbar[H], ks.index(H))
+        else:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + extra_bytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
+
+    @gluon.jit
+    def _load_half(kn_desc, ks_desc, kn_dst, ks, kbar, H, row, col):
         """256 latent columns of a page → shared memory, on kbar[H]."""
-        mbarrier.expect(kbar[H], kn_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
+        _load_latent(kn_desc, ks_desc, kn_dst, ks, kbar, H, row, col, 0)
 
     @gluon.jit
-    def _load_half_rope(kn_desc, kr_desc, kn_dst, kr_dst, kbar, H, row, col):
+    def _load_half_rope(kn_desc, kr_desc, ks_desc, kn_dst, kr_dst, ks, kbar, H, row, col):
         """256 latent columns and the 64 rope columns of a page → shared memory, on kbar[H]."""
-        mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H], kn_dst)
-        tma.async_copy_global_to_shared(kr_desc, [row, 512], kbar[H], kr_dst)
+        _load_latent(kn_desc, ks_desc, kn_dst, ks, kbar, H, row, col, kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], kbar[H], kr_dst)
 
     @gluon.jit
-    def _s_half(q, k, kbar, H, phase, acc, USE_ACC):
-        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed."""
+    def _dequant_half(k, ks, H):
+        """The FP8 half page in k (e4m3 bytes in its first 16 KB, its rows' scales in ks[H]) → bf16 values · scale,
+        in place. Every thread reads all its bytes before any writes (the bf16 rows overlay the bytes)."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
+        raw = k._reinterpret(gl.float8e4nv, [64, HALF_C], RAW_LAYOUT)
+        r0 = raw.slice(0, 64, dim=1).load(blk)
+        r1 = raw.slice(64, 64, dim=1).load(blk)
+        r2 = raw.slice(128, 64, dim=1).load(blk)
+        r3 = raw.slice(192, 64, dim=1).load(blk)
+        sc_layout: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+        sc = ks.index(H).load(sc_layout)
+        c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_layout))[None, :]
+        first = (H % 2) * 2   # the left half's chunks are 0, 1; the right half's 2, 3
+        s_lo = gl.convert_layout(gl.sum(gl.where(c4 == first, sc, 0.0), axis=1), gl.SliceLayout(1, blk))[:, None]
+        s_hi = gl.convert_layout(gl.sum(gl.where(c4 == first + 1, sc, 0.0), axis=1), gl.SliceLayout(1, blk))[:, None]
+        gl.thread_barrier()
+        k.slice(0, 64, dim=1).store((r0.to(gl.float32) * s_lo).to(gl.bfloat16))
+        k.slice(64, 64, dim=1).store((r1.to(gl.float32) * s_lo).to(gl.bfloat16))
+        k.slice(128, 64, dim=1).store((r2.to(gl.float32) * s_hi).to(gl.bfloat16))
+        k.slice(192, 64, dim=1).store((r3.to(gl.float32) * s_hi).to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _s_half(q, k, kbar, H, phase, acc, USE_ACC, ks):
+        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed (FP8: and k is dequantised, by
+        the warpgroup that computes this page's scores: the one that reads it first)."""
         mbarrier.wait(kbar[H], phase)
+        if FP8:
+            _dequant_half(k, ks, H)
         return warpgroup_mma(q, k.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
 
     @gluon.jit
@@ -134,21 +179,22 @@ def _build():
                 kn.index(z + 2), kn.index(z + 3), kr.index(z), kr.index(z + 1))
 
     @gluon.jit
-    def _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page):
+    def _wg0_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page):
         """WG0's halves of the first two pages: page 0's left half, page 1's left half and rope."""
-        _load_half(kn_desc, kn.index(0), kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
-        _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2,
+        _load_half(kn_desc, ks_desc, kn.index(0), ks, kbar, 0, _page_row(bt_row, first_page, 0, n_steps, last_page), 0)
+        _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(2), kr.index(1), ks, kbar, 2,
                         _page_row(bt_row, first_page, 1, n_steps, last_page), 0)
 
     @gluon.jit
-    def _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page):
+    def _wg1_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page):
         """WG1's halves of the first two pages: page 0's right half and rope, page 1's right half."""
-        _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1,
+        _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(1), kr.index(0), ks, kbar, 1,
                         _page_row(bt_row, first_page, 0, n_steps, last_page), HALF_C)
-        _load_half(kn_desc, kn.index(3), kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page), HALF_C)
+        _load_half(kn_desc, ks_desc, kn.index(3), ks, kbar, 3, _page_row(bt_row, first_page, 1, n_steps, last_page),
+                   HALF_C)
 
     @gluon.jit
-    def _wg0(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg0(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -175,9 +221,9 @@ def _build():
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         if n_pairs > 0:
-            _wg0_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page)
-            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False)
-            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True)
+            _wg0_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page)
+            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, ks)
+            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, ks)
             tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
             s0 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
@@ -210,7 +256,7 @@ def _build():
             # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
             mbarrier.wait(sync[1], ph)
             if more:
-                _load_half(kn_desc, kn.index(0), kbar, 0, next0, 0)
+                _load_half(kn_desc, ks_desc, kn.index(0), ks, kbar, 0, next0, 0)
             scale1 = s_sc1.load(ROW_S)
             kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
             fence_async_shared()
@@ -227,10 +273,10 @@ def _build():
                 gl.thread_barrier()
             tok = warpgroup_mma(vr1, vk2, acc, is_async=True)   # P1·V1_L
             if more:
-                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False)
+                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, ks)
                 acc = warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_L retired (S0's first half may run on)
-                _load_half_rope(kn_desc, kr_desc, kn.index(2), kr.index(1), kbar, 2, next1, 0)
-                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True)
+                _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(2), kr.index(1), ks, kbar, 2, next1, 0)
+                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, ks)
                 s_tok = warpgroup_mma(vqr, vr0.permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -246,7 +292,7 @@ def _build():
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
 
     @gluon.jit
-    def _wg1(q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+    def _wg1(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -257,9 +303,9 @@ def _build():
         s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         mbarrier.wait(sync[4], 0)
         if n_pairs > 0:
-            _wg1_first_loads(kn_desc, kr_desc, kn, kr, kbar, bt_row, first_page, n_steps, last_page)
-            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False)
-            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True)
+            _wg1_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page)
+            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, ks)
+            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, ks)
             tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
             s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
@@ -304,11 +350,11 @@ def _build():
             mbarrier.arrive(sync[3], count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
-                _load_half(kn_desc, kn.index(3), kbar, 3, next1, HALF_C)
+                _load_half(kn_desc, ks_desc, kn.index(3), ks, kbar, 3, next1, HALF_C)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
-                _load_half_rope(kn_desc, kr_desc, kn.index(1), kr.index(0), kbar, 1, next0, HALF_C)
-                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False)
-                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True)
+                _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(1), kr.index(0), ks, kbar, 1, next0, HALF_C)
+                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, ks)
+                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, ks)
                 s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -349,12 +395,12 @@ def _build():
 
     @gluon.jit
     def mla_decode_gluon_kernel(
-        Q, kn_desc, kr_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+        Q, kn_desc, kr_desc, ks_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
         stride_qb, stride_qs, stride_qh, stride_bt,
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
         H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        WG1_REGS: gl.constexpr, num_warps: gl.constexpr,
+        HALF_LAYOUT: gl.constexpr, WG1_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         # the row tiles of one (request, split) are neighbours in launch order: the second reads the pages from L2
         tile = gl.program_id(0)
@@ -367,15 +413,18 @@ def _build():
         end = gl.minimum(start + per_split, length)
         n_steps = gl.maximum(gl.cdiv(end - start, 64), 0)
 
-        half_layout: gl.constexpr = kn_desc.layout
         rope_layout: gl.constexpr = kr_desc.layout
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], half_layout)
-        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], half_layout)   # page (0|1) x half (L|R)
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], HALF_LAYOUT)
+        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], HALF_LAYOUT)   # page (0|1) x half (L|R)
         # page 0's rope, page 1's rope (each then holds that page's P), Q's rope: one buffer, so the loops index
         # Q's rope like the other wgmma operands (_mma_views)
         kr = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], rope_layout)
         q_rope = kr.index(2)
+        if FP8:   # each half's rows' four scales (fp32), beside its bytes
+            ks = gl.allocate_shared_memory(gl.float32, [4, 64, 4], ks_desc.layout)
+        else:
+            ks = kr
         s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the running max (WG1's after each pair)
         s_sc0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
@@ -394,7 +443,7 @@ def _build():
         mbarrier.init(sync[5], count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        args = (q_half, q_rope, kn, kr, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, Q,
+        args = (q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
                 H_Q, S_Q, CAUSAL, FINAL)
@@ -409,40 +458,64 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def tma_ok(kv_cache: torch.Tensor) -> bool:
-    """The cache can be read through a TMA descriptor over its rows: 16-byte aligned base and row stride."""
-    return kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
+FP8_ROW_BYTES = 656  # kv_format.KV_FORMATS["fp8"].width: 512 e4m3, 4 fp32 scales, 64 bf16 rope
 
 
-def _descriptors(kv_cache, gl):
+def tma_ok(kv_cache: torch.Tensor, fp8: bool = False) -> bool:
+    """The cache can be read through TMA descriptors over its rows: 16-byte aligned base and row stride, pages of
+    64 rows (FP8: byte rows of 656, as kv_format lays them out)."""
+    if fp8 and (kv_cache.element_size() != 1 or kv_cache.shape[3] != FP8_ROW_BYTES):
+        return False
+    return (kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
+            and kv_cache.shape[1] == PAGE and kv_cache.stride(3) == 1 and kv_cache.stride(0) == PAGE * kv_cache.stride(1))
+
+
+def _descriptors(kv_cache, gl, fp8):
+    """(latent halves, rope, scales) descriptors over the cache's rows; bf16: the scales' is the rope's (unused).
+    FP8 rows are read through three views of their bytes: e4m3 (the latent), fp32 (the scales), bf16 (the rope)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
-    half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
     rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
-    shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
-    return (TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout),
-            TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout))
+    if not fp8:
+        shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
+        half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
+        rope = TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout)
+        return TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout), rope, rope
+
+    def view(dtype):
+        v = kv_cache.view(dtype)
+        return v, [rows, v.shape[3]], [v.stride(1), 1]
+    raw, raw_shape, raw_strides = view(torch.float8_e4m3fn)
+    sc, sc_shape, sc_strides = view(torch.float32)
+    bf, bf_shape, bf_strides = view(torch.bfloat16)
+    raw_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv)
+    sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return (TensorDescriptor(raw, raw_shape, raw_strides, [PAGE, HALF], raw_layout),
+            TensorDescriptor(bf, bf_shape, bf_strides, [PAGE, D_R], rope_layout),
+            TensorDescriptor(sc, sc_shape, sc_strides, [PAGE, 4], sc_layout))
 
 
-def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final):
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, fp8=False):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_gluon and the compile check."""
-    kernel, gl = _build()
+    kernel, gl = _build(bool(fp8))
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     num_splits = o_part.shape[0]
-    kn_desc, kr_desc = _descriptors(kv_cache, gl)
+    kn_desc, kr_desc, ks_desc = _descriptors(kv_cache, gl, fp8)
     grid = (-(-rows // BLOCK_M), num_splits, b)
-    args = (q, kn_desc, kr_desc, block_table, cache_seqlens, o_part, lse_part,
+    args = (q, kn_desc, kr_desc, ks_desc, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0))
-    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final), WG1_REGS=WG1_REGS, num_warps=4)
+    meta = dict(H_Q=h_q, S_Q=s_q, CAUSAL=bool(causal), FINAL=bool(final),
+                HALF_LAYOUT=gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16), WG1_REGS=WG1_REGS,
+                num_warps=4)
     return kernel, grid, args, meta
 
 
-def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits):
-    """The Gluon path of mla_decode_fwd (bf16 cache, dense, page 64, rows >= 64): (out, lse) as the portable
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, fp8=False):
+    """The Gluon path of mla_decode_fwd (bf16 or FP8 cache, dense, page 64, rows >= 64): (out, lse) as the portable
     launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
     b, s_q, h_q, _ = q.shape
@@ -458,7 +531,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
-                                           lse_part, final)
+                                           lse_part, final, fp8)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -466,12 +539,15 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
+def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, fp8=False):
     """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
     from .._gluon import compile_report
     b, pages, max_pages = 2, 8, 4
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
-    cache = torch.empty(pages, PAGE, 1, 576, dtype=torch.bfloat16)
+    if fp8:
+        cache = torch.empty(pages, PAGE, 1, FP8_ROW_BYTES, dtype=torch.uint8)
+    else:
+        cache = torch.empty(pages, PAGE, 1, 576, dtype=torch.bfloat16)
     table = torch.zeros(b, max_pages, dtype=torch.int32)
     lens = torch.zeros(b, dtype=torch.int32)
     final = num_splits == 1
@@ -479,5 +555,5 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90):
         o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
-    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final)
+    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final, fp8)
     return compile_report(kernel, args, grid, meta, arch)
