@@ -1,6 +1,6 @@
 """MLA decode for Hopper (sm_90) in Gluon with FlashMLA's "seesaw" schedule: two warpgroups, no producer warp.
 
-The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 cache, dense block table, page 64,
+The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 or FP8 cache, dense block table, page 64,
 query rows h_q · s_q >= 64): program (64-row tile, split, request) walks its split's pages and writes either the
 split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows] in log2 units, for
 combine_splits) or, with one split, the final out / lse. Splits are cut as the portable kernel cuts them.
@@ -28,6 +28,11 @@ compilers (_mma_views): LLVM then cannot hoist the 72 shared-memory descriptors 
 and ptxas rebuilds each at its use instead of spilling them across it (0 spills; hoisted, they spilled 360 B and the
 kernel ran 1.22-1.31x slower on the H200). benchmarks/NOTES.md ("MLA decode", sessions 11-14) records the schedule
 variants tried and their H200 times.
+
+FP8 caches (page 64; `_build(fp8=True)`, the same schedule): each half page comes in by TMA as 16 KB of e4m3 in
+the first half of its bf16 buffer, with its rows' four fp32 scales beside it; the warpgroup that computes the page's
+scores (the first to read it) converts it in place to bf16 (e4m3 · scale: exact, the scales are powers of two) before
+its score wgmma, and the other warpgroup reads the same bf16 as V. The cache is read once, 656 bytes a token.
 
 Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
 again, every score masked, its V rows zeroed); the request's last page has its rows past the length zeroed in
