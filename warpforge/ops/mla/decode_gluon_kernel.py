@@ -83,11 +83,6 @@ def _build(fp8: bool = False):
     FP8 = gl.constexpr(fp8)
     ROPE_COL = gl.constexpr(FP8_ROW_BYTES // 2 - D_R if fp8 else D_V)   # the rope's column in the rope view's rows
     RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv))
-    ROPE_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16))
-    # the MMA operands' type: FP8 values (times power-of-two ratios) are exact in f16, which converts from e4m3 in one
-    # instruction a pair (bf16 takes four: through f32)
-    DT = gl.constexpr(gl.float16 if fp8 else gl.bfloat16)
-    G_INIT = gl.constexpr(2.0 ** -126)   # the running page-scale reference's start (FP8; every scale is above it)
 
     @gluon.jit
     def _page_row(bt_row, first_page, blk, n_steps, last_page):
@@ -122,25 +117,9 @@ def _build(fp8: bool = False):
         tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], kbar[H], kr_dst)
 
     @gluon.jit
-    def _pow2_inv(x):
-        """1 / x, exactly, for normal powers of two (by the exponent bits: no division)."""
-        return ((254 << 23) - x.to(gl.int32, bitcast=True)).to(gl.float32, bitcast=True)
-
-    @gluon.jit
-    def _page_scale(ks, kbar, H, phase, n_valid):
-        """FP8: the page's largest scale over its first n_valid rows (rows past the request's end hold anything), once
-        kbar[H] has landed: its values are held in f16 relative to it. A power of two, at least G_INIT."""
-        mbarrier.wait(kbar[H], phase)
-        sc_layout: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, sc_layout))
-        row_max = gl.max(ks.index(H).load(sc_layout), axis=1)
-        return gl.maximum(gl.max(gl.where(rows < n_valid, row_max, 0.0), axis=0), G_INIT)
-
-    @gluon.jit
-    def _dequant_half(k, ks, H, gp):
-        """The FP8 half page in k (e4m3 bytes in its first 16 KB, its rows' scales in ks[H]) → f16 values times
-        scale / gp (a power of two <= 1: exact, or a denormal far below the page's largest values), in place. Every
-        thread reads all its bytes before any writes (the f16 rows overlay the bytes)."""
+    def _dequant_half(k, ks, H):
+        """The FP8 half page in k (e4m3 bytes in its first 16 KB, its rows' scales in ks[H]) → bf16 values · scale,
+        in place. Every thread reads all its bytes before any writes (the bf16 rows overlay the bytes)."""
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
         raw = k._reinterpret(gl.float8e4nv, [64, HALF_C], RAW_LAYOUT)
         r0 = raw.slice(0, 64, dim=1).load(blk)
@@ -148,45 +127,27 @@ def _build(fp8: bool = False):
         r2 = raw.slice(128, 64, dim=1).load(blk)
         r3 = raw.slice(192, 64, dim=1).load(blk)
         sc_layout: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
-        sc = ks.index(H).load(sc_layout) * _pow2_inv(gp)
+        sc = ks.index(H).load(sc_layout)
         c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, sc_layout))[None, :]
         first = (H % 2) * 2   # the left half's chunks are 0, 1; the right half's 2, 3
-        s_lo = gl.convert_layout(gl.sum(gl.where(c4 == first, sc, 0.0), axis=1), gl.SliceLayout(1, blk))
-        s_hi = gl.convert_layout(gl.sum(gl.where(c4 == first + 1, sc, 0.0), axis=1), gl.SliceLayout(1, blk))
-        s_lo = s_lo.to(DT)[:, None]
-        s_hi = s_hi.to(DT)[:, None]
+        s_lo = gl.convert_layout(gl.sum(gl.where(c4 == first, sc, 0.0), axis=1), gl.SliceLayout(1, blk))[:, None]
+        s_hi = gl.convert_layout(gl.sum(gl.where(c4 == first + 1, sc, 0.0), axis=1), gl.SliceLayout(1, blk))[:, None]
         gl.thread_barrier()
-        k.slice(0, 64, dim=1).store(r0.to(DT) * s_lo)
-        k.slice(64, 64, dim=1).store(r1.to(DT) * s_lo)
-        k.slice(128, 64, dim=1).store(r2.to(DT) * s_hi)
-        k.slice(192, 64, dim=1).store(r3.to(DT) * s_hi)
+        k.slice(0, 64, dim=1).store((r0.to(gl.float32) * s_lo).to(gl.bfloat16))
+        k.slice(64, 64, dim=1).store((r1.to(gl.float32) * s_lo).to(gl.bfloat16))
+        k.slice(128, 64, dim=1).store((r2.to(gl.float32) * s_hi).to(gl.bfloat16))
+        k.slice(192, 64, dim=1).store((r3.to(gl.float32) * s_hi).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
 
     @gluon.jit
-    def _s_half(q, k, kbar, H, phase, acc, USE_ACC, ks, gp):
+    def _s_half(q, k, kbar, H, phase, acc, USE_ACC, ks):
         """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed (FP8: and k is dequantised, by
         the warpgroup that computes this page's scores: the one that reads it first)."""
         mbarrier.wait(kbar[H], phase)
         if FP8:
-            _dequant_half(k, ks, H, gp)
+            _dequant_half(k, ks, H)
         return warpgroup_mma(q, k.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
-
-    @gluon.jit
-    def _s_rope(s_tok, q_rope, k_rope, gp, q_scale):
-        """The page's scores: the rope product joins the latent halves' (FP8: once those are back in true units,
-        times gp and the Q rows' scales: the rope is bf16 as stored)."""
-        if FP8:
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
-            s_tok = warpgroup_mma(q_rope, k_rope.permute((1, 0)), s * (q_scale * gp)[:, None], is_async=True)
-        else:
-            s_tok = warpgroup_mma(q_rope, k_rope.permute((1, 0)), s_tok, is_async=True)
-        return warpgroup_mma_wait(0, deps=(s_tok, ))
-
-    @gluon.jit
-    def _p_slot(rope_slot):
-        """A page's rope slot as P's buffer (dead after the page's scores): P is in the MMA operands' type."""
-        return rope_slot._reinterpret(DT, [64, 64], ROPE_LAYOUT)
 
     @gluon.jit
     def _zero_rows(v, n_valid):
@@ -238,9 +199,9 @@ def _build(fp8: bool = False):
                    HALF_C)
 
     @gluon.jit
-    def _wg0(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, s_g, s_qs, kn_desc, kr_desc,
-             ks_desc, Q, O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page,
-             rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+    def _wg0(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
+             O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
+             qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
         # Q rows of this tile → shared memory (rows past the request's are zeros and never stored); WG1 waits on it
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -250,50 +211,26 @@ def _build(fp8: bool = False):
             (rq % H_Q).to(gl.int64) * stride_qh
         c64 = gl.arange(0, 64, layout=gl.SliceLayout(0, blk))
         q_mask = rq_ok[:, None] & (c64 >= 0)[None, :]   # Gluon does not broadcast masks
-        if FP8:
-            # f16 Q: each row times a power of two that puts its largest value near 2^13 (exact; S takes it back)
-            amax = gl.full([64], 1.0e-30, gl.float32, gl.SliceLayout(1, blk))
-            for c in gl.static_range(8):
-                t = gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0).to(gl.float32)
-                amax = gl.maximum(amax, gl.max(gl.abs(t), axis=1))
-            e_bits = amax.to(gl.int32, bitcast=True) & 0x7F800000
-            q_scale = (e_bits - (12 << 23)).to(gl.float32, bitcast=True)
-            q_inv = ((254 << 23) - e_bits + (12 << 23)).to(gl.float32, bitcast=True)
-            for c in gl.static_range(8):
-                t = gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0).to(gl.float32)
-                q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1).store((t * q_inv[:, None]).to(DT))
-            s_qs.store(gl.convert_layout(q_scale, ROW_S))
-            s_g.store(gl.full([64], G_INIT, gl.float32, ROW_S))
-        else:
-            for c in gl.static_range(8):
-                half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
-                half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
+        for c in gl.static_range(8):
+            half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
+            half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
         q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=q_mask, other=0.0))
         s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(sync[4], count=1)   # Q and the running max are in place
-        if FP8:
-            q_scale = s_qs.load(ROW_S)
-        else:
-            q_scale = 1.0
 
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
         n_pairs = (n_steps + 1) // 2
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
-        g_cur = gl.full([64], G_INIT, gl.float32, ROW_S)   # FP8: the running page-scale reference (acc: O / g_cur)
-        gp0 = 1.0        # FP8: the even page's largest scale (a 0-d tensor)
-        if FP8:
-            gp0 = gl.max(g_cur, axis=0)
         if n_pairs > 0:
             _wg0_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page)
-            if FP8:
-                gp0 = _page_scale(ks, kbar, 0, 0, end - start)
-            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, ks, gp0)
-            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, ks, gp0)
-            s0 = _s_rope(tok, q_rope, kr.index(0), gp0, q_scale)
+            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, ks)
+            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, ks)
+            tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
+            s0 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n0 = start + 2 * p * 64
@@ -308,43 +245,29 @@ def _build(fp8: bool = False):
             scale0 = gl.exp2(m_old - m0)
             p0 = gl.exp2(s - m0[:, None])
             l_i = l_i * scale0 + gl.sum(p0, axis=1)
-            acc_scale0 = scale0
-            if FP8:   # P and acc move to the reference max(g, gp0): P's values stay <= 1 in f16
-                g_old = s_g.load(ROW_S)
-                g0 = gl.maximum(g_old, gp0)
-                g0_inv = _pow2_inv(g0)
-                acc_scale0 = scale0 * g_old * g0_inv
-                p0 = p0 * (g0_inv * gp0)[:, None]
             gl.thread_barrier()   # every thread has read the old max before any writes the new one
             s_sc0.store(scale0)
             s_m.store(m0)
-            if FP8:
-                s_g.store(g0)
             gl.thread_barrier()
             mbarrier.arrive(sync[0], count=1)
-            acc = acc * gl.convert_layout(acc_scale0, ROW_O)[:, None]
+            acc = acc * gl.convert_layout(scale0, ROW_O)[:, None]
             n_valid0 = end - n0
             if n_valid0 < 64:
                 _zero_rows(kn.index(0), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(gl.convert_layout(p0.to(DT), P_OPERAND), vk0, acc, is_async=True)
+            tok = warpgroup_mma(gl.convert_layout(p0.to(gl.bfloat16), P_OPERAND), vk0, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(tok, ))
             # WG1 has the odd page's max: rescale P0 to it and hand it over through page 0's rope slot
             mbarrier.wait(sync[1], ph)
             if more:
                 _load_half(kn_desc, ks_desc, kn.index(0), ks, kbar, 0, next0, 0)
             scale1 = s_sc1.load(ROW_S)
-            acc_scale1 = scale1
-            if FP8:
-                g1 = s_g.load(ROW_S)
-                acc_scale1 = scale1 * g0 * _pow2_inv(g1)
-                g_cur = g1
-            _p_slot(kr.index(0)).store((p0 * acc_scale1[:, None]).to(DT))
+            kr.index(0).store((p0 * scale1[:, None]).to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
             mbarrier.arrive(sync[2], count=1)
-            acc = acc * gl.convert_layout(acc_scale1, ROW_O)[:, None]
+            acc = acc * gl.convert_layout(scale1, ROW_O)[:, None]
             l_i = l_i * scale1
             # P1 is in page 1's rope slot once WG1 has issued its P0·V0_R
             mbarrier.wait(sync[3], ph)
@@ -353,15 +276,14 @@ def _build(fp8: bool = False):
                 _zero_rows(kn.index(2), n_valid1)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(_p_slot(vr1), vk2, acc, is_async=True)   # P1·V1_L
+            tok = warpgroup_mma(vr1, vk2, acc, is_async=True)   # P1·V1_L
             if more:
-                if FP8:
-                    gp0 = _page_scale(ks, kbar, 0, (p + 1) & 1, n_valid1 - 64)
-                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, ks, gp0)
+                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, ks)
                 acc = warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_L retired (S0's first half may run on)
                 _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(2), kr.index(1), ks, kbar, 2, next1, 0)
-                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, ks, gp0)
-                s0 = _s_rope(s_tok, vqr, vr0, gp0, q_scale)
+                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, ks)
+                s_tok = warpgroup_mma(vqr, vr0.permute((1, 0)), s_tok, is_async=True)
+                s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
                 acc = warpgroup_mma_wait(0, deps=(tok, ))
 
@@ -371,13 +293,13 @@ def _build(fp8: bool = False):
         mbarrier.arrive(sync[5], count=1)
         mbarrier.wait(sync[5], 0)
         l_all = l_i + s_l1.load(ROW_S)
-        _epilogue(acc, l_all, s_m.load(ROW_S), g_cur, O_PART, LSE_PART, b, split, tile, rows_total, 0,
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, 0,
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, False)
 
     @gluon.jit
-    def _wg1(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, s_g, s_qs, kn_desc, kr_desc,
-             ks_desc, Q, O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page,
-             rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
+    def _wg1(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
+             O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
+             qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
         n_pairs = (n_steps + 1) // 2
@@ -385,22 +307,12 @@ def _build(fp8: bool = False):
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s1 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         mbarrier.wait(sync[4], 0)
-        if FP8:
-            q_scale = s_qs.load(ROW_S)
-            g_prev = gl.full([64], G_INIT, gl.float32, ROW_S)   # the reference acc is held against
-        else:
-            q_scale = 1.0
-        g_cur = gl.full([64], G_INIT, gl.float32, ROW_S)
-        gp1 = 1.0        # FP8: the odd page's largest scale (a 0-d tensor)
-        if FP8:
-            gp1 = gl.max(g_cur, axis=0)
         if n_pairs > 0:
             _wg1_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page)
-            if FP8:
-                gp1 = _page_scale(ks, kbar, 3, 0, end - start - 64)
-            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, ks, gp1)
-            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, ks, gp1)
-            s1 = _s_rope(tok, q_rope, kr.index(1), gp1, q_scale)
+            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, ks)
+            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, ks)
+            tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
+            s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
             ph = p & 1
             n1 = start + (2 * p + 1) * 64
@@ -418,24 +330,14 @@ def _build(fp8: bool = False):
             p1 = gl.exp2(s - m1[:, None])
             both = scale0 * scale1
             l_i = l_i * both + gl.sum(p1, axis=1)
-            acc_both = both
-            if FP8:
-                g1 = gl.maximum(s_g.load(ROW_S), gp1)
-                g1_inv = _pow2_inv(g1)
-                acc_both = both * g_prev * g1_inv
-                p1 = p1 * (g1_inv * gp1)[:, None]
-                g_prev = g1
-                g_cur = g1
             gl.thread_barrier()   # every thread has read WG0's max before any writes the new one
             s_sc1.store(scale1)
             s_m.store(m1)
-            if FP8:
-                s_g.store(g1)
             gl.thread_barrier()
             mbarrier.arrive(sync[1], count=1)
-            acc = acc * gl.convert_layout(acc_both, ROW_O)[:, None]
-            p1b = p1.to(DT)
-            _p_slot(kr.index(1)).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
+            acc = acc * gl.convert_layout(both, ROW_O)[:, None]
+            p1b = p1.to(gl.bfloat16)
+            kr.index(1).store(p1b)   # for WG0's P1·V1_L (page 1's rope slot is dead after S1)
             n_valid1 = end - n1
             if n_valid1 < 64:
                 _zero_rows(kn.index(3), n_valid1)
@@ -449,18 +351,17 @@ def _build(fp8: bool = False):
                 _zero_rows(kn.index(1), n_valid0)
                 fence_async_shared()
                 gl.thread_barrier()
-            tok = warpgroup_mma(_p_slot(vr0), vk1, tok, is_async=True)
+            tok = warpgroup_mma(vr0, vk1, tok, is_async=True)
             mbarrier.arrive(sync[3], count=1)
             if more:
                 warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_R retired: page 1's right half is free
                 _load_half(kn_desc, ks_desc, kn.index(3), ks, kbar, 3, next1, HALF_C)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
                 _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(1), kr.index(0), ks, kbar, 1, next0, HALF_C)
-                if FP8:
-                    gp1 = _page_scale(ks, kbar, 3, (p + 1) & 1, n_valid1 - 128)
-                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, ks, gp1)
-                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, ks, gp1)
-                s1 = _s_rope(s_tok, vqr, vr1, gp1, q_scale)
+                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, ks)
+                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, ks)
+                s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
+                s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
                 acc = warpgroup_mma_wait(0, deps=(tok, ))
 
@@ -469,18 +370,16 @@ def _build(fp8: bool = False):
         mbarrier.arrive(sync[5], count=1)
         mbarrier.wait(sync[5], 0)
         l_all = l_i + s_l0.load(ROW_S)
-        _epilogue(acc, l_all, s_m.load(ROW_S), g_cur, O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
+        _epilogue(acc, l_all, s_m.load(ROW_S), O_PART, LSE_PART, b, split, tile, rows_total, HALF_C,
                   stride_ps, stride_pb, stride_ls, stride_lb, H_Q, S_Q, FINAL, True)
 
     @gluon.jit
-    def _epilogue(acc, l_all, m_final, g, O_PART, LSE_PART, b, split, tile, rows_total, col0,
+    def _epilogue(acc, l_all, m_final, O_PART, LSE_PART, b, split, tile, rows_total, col0,
                   stride_ps, stride_pb, stride_ls, stride_lb,
                   H_Q: gl.constexpr, S_Q: gl.constexpr, FINAL: gl.constexpr, WRITES_LSE: gl.constexpr):
         empty_row = l_all == 0.0
         l_safe = gl.where(empty_row, 1.0, l_all)
         norm = gl.convert_layout(1.0 / l_safe, ROW_O)
-        if FP8:   # acc holds O / g
-            norm = norm * gl.convert_layout(g, ROW_O)
         ro = tile * 64 + gl.arange(0, 64, layout=ROW_O)
         cols = col0 + gl.arange(0, HALF_C, layout=gl.SliceLayout(0, O_LAYOUT))
         o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b.to(gl.int64) * stride_pb + \
@@ -521,8 +420,8 @@ def _build(fp8: bool = False):
 
         rope_layout: gl.constexpr = kr_desc.layout
         vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-        q_half = gl.allocate_shared_memory(DT, [2, 64, HALF_C], HALF_LAYOUT)
-        kn = gl.allocate_shared_memory(DT, [4, 64, HALF_C], HALF_LAYOUT)   # page (0|1) x half (L|R)
+        q_half = gl.allocate_shared_memory(gl.bfloat16, [2, 64, HALF_C], HALF_LAYOUT)
+        kn = gl.allocate_shared_memory(gl.bfloat16, [4, 64, HALF_C], HALF_LAYOUT)   # page (0|1) x half (L|R)
         # page 0's rope, page 1's rope (each then holds that page's P), Q's rope: one buffer, so the loops index
         # Q's rope like the other wgmma operands (_mma_views)
         kr = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], rope_layout)
@@ -536,8 +435,6 @@ def _build(fp8: bool = False):
         s_sc1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
         s_l0 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the row sums of WG0 and WG1, at the end
         s_l1 = gl.allocate_shared_memory(gl.float32, [64], vec_layout)
-        s_g = gl.allocate_shared_memory(gl.float32, [64], vec_layout)    # FP8: the running page-scale reference
-        s_qs = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # FP8: the Q rows' power-of-two scales
         # kbar: page 0 left (WG0 loads), page 0 right + rope (WG1), page 1 left + rope (WG0), page 1 right (WG1)
         # sync: 0 scale0 ready, 1 scale1 ready, 2 P0 ready, 3 P0·V0_R issued (P1 stored), 4 Q ready, 5 row sums
         sall = gl.allocate_shared_memory(gl.int64, [6, 1], mbarrier.MBarrierLayout())
@@ -551,7 +448,7 @@ def _build(fp8: bool = False):
         mbarrier.init(sync[5], count=2)
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
-        args = (q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, s_g, s_qs, kn_desc, kr_desc, ks_desc, Q,
+        args = (q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
                 H_Q, S_Q, CAUSAL, FINAL)
