@@ -117,13 +117,13 @@ for step in "$@"; do
                  WARPFORGE_MLA_GLUON_DEQUANT=0 timeout 60 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) fp8' \
                    --json "$w/mla-h128-fp8-portable.json" > "$w/mla-h128-fp8-portable.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp8-portable.log" ;;
     # FP8 MLA caches read by the Gluon kernel itself (in-place dequantisation in shared memory): GPU tests, the
-    # h_q 128 rows, then FP8 through the dequantisation pass (WARPFORGE_MLA_GLUON_FP8=0) beside them
-    mla-fp8) timeout 200 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "fp8 or quantized or gated or gate_off" \
+    # h_q 128 rows, then FP8 through the dequantisation pass (WARPFORGE_MLA_GLUON_IN_KERNEL=0) beside them
+    mla-fp8) timeout 250 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
                > "$w/mla-fp8-tests.log" 2>&1; tail -n 3 "$w/mla-fp8-tests.log"
              timeout 150 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) ' --json "$w/mla-h128.json" \
                > "$w/mla-h128.log" 2>&1; grep -E "warpforge  " "$w/mla-h128.log"
-             WARPFORGE_MLA_GLUON_FP8=0 timeout 60 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) fp8' \
-               --json "$w/mla-h128-fp8-pass.json" > "$w/mla-h128-fp8-pass.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp8-pass.log" ;;
+             WARPFORGE_MLA_GLUON_IN_KERNEL=0 timeout 90 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) (fp8|nvfp4|mxfp4)' \
+               --json "$w/mla-h128-pass.json" > "$w/mla-h128-pass.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-pass.log" ;;
     # Qwen3 at T4 / T2048 twice (call3 read T2048 uniform 1.548 ms against moe.json's earlier 0.736, unchanged code)
     qwen3-check) for r in 1 2; do timeout 60 python3 -m warpforge bench --family moe --match "qwen3-30b-a3b T(4|2048) " \
                    --json "$w/qwen3-check-$r.json" > "$w/qwen3-check-$r.log" 2>&1; grep -E "warpforge  " "$w/qwen3-check-$r.log"; done ;;

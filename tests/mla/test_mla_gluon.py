@@ -10,6 +10,7 @@ from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess, import_loads_g
 from warpforge.ops.mla import api, configs
 from warpforge.ops.mla import decode_gluon_kernel as dg
 from warpforge.ops.mla import mla_decode_reference
+from warpforge.ops.mla.kv_format import KV_FORMATS
 from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
 
 from .test_mla_decode import _check, _problem, check_dequantised
@@ -52,10 +53,12 @@ COMPILE_CASES = [
     dict(h_q=128, s_q=1, causal=False, num_splits=1),
     dict(h_q=64, s_q=2, causal=True, num_splits=3),
     dict(h_q=96, s_q=1, causal=False, num_splits=2),
-    dict(h_q=128, s_q=1, causal=False, num_splits=1, fp8=True),
-    dict(h_q=64, s_q=2, causal=True, num_splits=3, fp8=True),
+    dict(h_q=128, s_q=1, causal=False, num_splits=1, fmt=KV_FORMATS["fp8"]._asdict()),
+    dict(h_q=64, s_q=2, causal=True, num_splits=3, fmt=KV_FORMATS["fp8"]._asdict()),
+    dict(h_q=128, s_q=1, causal=False, num_splits=1, fmt=KV_FORMATS["nvfp4"]._asdict()),
+    dict(h_q=64, s_q=2, causal=True, num_splits=3, fmt=KV_FORMATS["mxfp4"]._asdict()),
 ]
-FP8_SPILL_BYTES = 64  # the FP8 build spills a few registers, outside its page loop (prologue and epilogue)
+QUANT_SPILL_BYTES = 64  # the quantized builds spill a few registers, outside their page loop (prologue, epilogue)
 
 def _compile_in_subprocess(case):
     return compile_in_subprocess("warpforge.ops.mla.decode_gluon_kernel", case, ROOT)
@@ -63,7 +66,8 @@ def _compile_in_subprocess(case):
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {dg.GLUON_TRITON_VERSIONS} "
                     f"(installed: {triton_version()}); its API differs between releases")
-@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v['name'] if k == 'fmt' else v}"
+                                                                       for k, v in c.items()))
 def test_compiles_for_sm90(case):
     r = _compile_in_subprocess(case)
     print(f"\n{case}: {r['registers']} registers/thread (ptxas cap; setmaxnreg {r['setmaxnreg_values']}), "
@@ -72,7 +76,7 @@ def test_compiles_for_sm90(case):
     assert r["warp_specialize"] and r["num_warps"] == 8  # two warpgroups, no producer warp
     assert r["ptxas_rc"] == 0, r["ptxas_log"]
     # the wgmma descriptors are rebuilt at their use in the loops (_mma_views): nothing spills
-    limit = FP8_SPILL_BYTES if case.get("fp8") else 0
+    limit = QUANT_SPILL_BYTES if case.get("fmt") else 0
     assert r["spill_stores"] <= limit and r["spill_loads"] <= limit, r["ptxas_log"]
     assert r["shared_bytes"] <= SMEM_MAX
     assert min(r["setmaxnreg_values"]) >= 232  # both warpgroups hold a 64 x 256 fp32 accumulator
@@ -110,7 +114,7 @@ def test_gpu_quantized_caches_on_dequantised_pages(fmt, page, h_q, s_q, causal, 
     in `slices` launches; against the fp32 reference on the quantized cache. (FP8 at page 64 is read by the kernel
     itself unless switched off, as here.)"""
     from warpforge.ops.mla import dequant_kernel
-    monkeypatch.setenv(configs.GLUON_FP8_ENV, "0")
+    monkeypatch.setenv(configs.GLUON_IN_KERNEL_ENV, "0")
     lens = [0, 1, 63, 64, 65, 1000, 129]
     q, _, cache, table, seqlens, kv_scale = _problem(len(lens), s_q, h_q, page, lens, fmt, torch.bfloat16)
     per_request = -(-table.shape[1] * page // 64) * 64 * 576 * 2
@@ -122,23 +126,25 @@ def test_gpu_quantized_caches_on_dequantised_pages(fmt, page, h_q, s_q, causal, 
 
 @pytest.mark.gpu
 @needs_gate
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("h_q,s_q,causal", [(128, 1, False), (64, 2, True), (96, 1, False)])
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_gpu_fp8_cache_read_by_the_kernel(h_q, s_q, causal, splits, gluon_calls, monkeypatch):
-    """An FP8 cache of page 64 at 64+ rows: the Gluon kernel reads its e4m3 bytes, scales and rope itself (no
-    dequantisation pass), against the fp32 reference on the quantized cache, with NaN in every byte past the
-    requests' ends (whole pages come in through TMA)."""
+def test_gpu_quantized_cache_read_by_the_kernel(fmt, h_q, s_q, causal, splits, gluon_calls, monkeypatch):
+    """A quantized cache of page 64 at 64+ rows: the Gluon kernel reads its codes, scales and rope itself (no
+    dequantisation pass), against the fp32 reference on the quantized cache, with 0x7F (e4m3 NaN) in every byte
+    past the requests' ends (whole pages come in through TMA)."""
     from warpforge.ops.mla import dequant_kernel
     passes = spy_launches(monkeypatch, dequant_kernel, "mla_decode_dequantized", lambda args: 1)
-    q, _, cache, table, seqlens, _ = _problem(len(LENS), s_q, h_q, 64, LENS, "fp8", torch.bfloat16)
+    q, _, cache, table, seqlens, kv_scale = _problem(len(LENS), s_q, h_q, 64, LENS, fmt, torch.bfloat16)
     valid = torch.zeros(cache.shape[0], 64, dtype=torch.bool, device=cache.device)
     for i, n in enumerate(LENS):
         for p in range(-(-n // 64)):
             valid[table[i, p], : min(64, n - 64 * p)] = True
     cache[~valid] = 0x7F  # e4m3 NaN, and NaN scales and rope
-    out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format="fp8", num_splits=splits)
+    out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,
+                             num_splits=splits)
     assert len(gluon_calls) == 1 and not passes
-    check_dequantised(out, lse, q, cache, table, seqlens, "fp8", causal, None)
+    check_dequantised(out, lse, q, cache, table, seqlens, fmt, causal, kv_scale)
 
 
 @pytest.mark.gpu

@@ -119,8 +119,6 @@ def _register():
     for h_q in (16, 128):
         for fmt in ("bf16", "fp8", "nvfp4", "mxfp4"):
             for L in (1024, 2048, 4096, 8192, 16384, 32768):
-                if h_q == 128 and fmt in ("nvfp4", "mxfp4"):
-                    continue  # the FP4 bar is at h_q 16
                 register("mla", f"b128 h{h_q} s_q1 L{L // 1024}k {fmt}", quick=(L == 8192 and (h_q == 16 or fmt == "bf16")),
                          h_q=h_q, fmt=fmt, L=L)(
                     lambda dev, tiny, L=L, h_q=h_q, fmt=fmt: mla_setup(dev, tiny, L=L, h_q=h_q, fmt=fmt))

@@ -39,10 +39,12 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
                      gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16 q, dense, rows >= 64; see gluon_gate)
         from . import decode_gluon_kernel as dg
-        if (dg.available() and kv_format == "fp8" and dg.tma_ok(kv_cache, fp8=True)
-                and os.environ.get(configs.GLUON_FP8_ENV, "1") != "0"):  # FP8 pages of 64: read by the kernel itself
-            return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits, fp8=True)
-        if dg.available() and kv_format != "bf16":  # other quantized caches: dequantised pages on the bf16 kernel
+        fmt = KV_FORMATS[kv_format]
+        if (dg.available() and fmt.quantized and dg.tma_ok(kv_cache, fmt)
+                and os.environ.get(configs.GLUON_IN_KERNEL_ENV, "1") != "0"):  # pages of 64: read by the kernel itself
+            return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits, fmt,
+                                       kv_scale)
+        if dg.available() and fmt.quantized:  # other pages: dequantised into bf16 pages for the bf16 kernel
             from .dequant_kernel import mla_decode_dequantized, slice_requests
 
             def run_bf16(q_, cache_, table_, seqlens_):
@@ -144,7 +146,8 @@ def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     configs.GLUON_TRITON_VERSIONS, bf16 q, dense (block table, no indices), h_q · s_q >= 64 query rows,
     WARPFORGE_MLA_GLUON not "0", and either a bf16 cache of page size 64 or a quantized cache (any page size:
     its pages are dequantised into bf16 scratch pages first, dequant_kernel.py, unless WARPFORGE_MLA_GLUON_DEQUANT
-    is "0"; an FP8 cache of page size 64 is read by the kernel itself unless WARPFORGE_MLA_GLUON_FP8 is "0"). Everything else runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for
+    is "0"; a quantized cache of page size 64 is read by the kernel itself unless WARPFORGE_MLA_GLUON_IN_KERNEL is
+    "0"). Everything else runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for
     TMA, checked at run time)."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90":
         return False

@@ -56,13 +56,14 @@ GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file wa
 # (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
 
 HALF = D_V // 2
-SCALE_COL = 128  # FP8 rows (kv_format.py): the four fp32 scales at byte 512, fp32 element 128 of the row
 WG1_REGS = 240   # the worker warpgroup; the default warpgroup gets the rest of the 64K registers
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
 
 @functools.lru_cache(maxsize=None)
-def _build(fp8: bool = False):
+def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_V):
+    """The kernel for one cache format (kv_format.py's code; group, and the scales' and the rope's columns in the
+    views the descriptors read them through: see _format_key)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -77,12 +78,20 @@ def _build(fp8: bool = False):
     ROW_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT.value))
     HALF_C = gl.constexpr(HALF)
     MAX_INIT_C = gl.constexpr(MAX_INIT)
-    SCALE_COL_C = gl.constexpr(SCALE_COL)
     # the cache format is fixed per build: flags passed through warp_specialize's arguments arrive in the partitions
-    # as runtime values (Triton 3.6), and FP8 must choose code at compile time
-    FP8 = gl.constexpr(fp8)
-    ROPE_COL = gl.constexpr(FP8_ROW_BYTES // 2 - D_R if fp8 else D_V)   # the rope's column in the rope view's rows
-    RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv))
+    # as runtime values (Triton 3.6), and the format must choose code at compile time
+    FP8 = gl.constexpr(code == 1)
+    FP4 = gl.constexpr(code >= 2)
+    NVFP4 = gl.constexpr(code == 2)
+    GROUP_C = gl.constexpr(group)
+    SCALE_COL_C = gl.constexpr(scale_col)   # FP8: in the fp32 view of the rows; FP4: in their bytes
+    ROPE_COL = gl.constexpr(rope_col)       # in the bf16 view of the rows
+    # a half page's raw bytes in the first half (FP8) or quarter (FP4) of its bf16 buffer: [64, 256] e4m3 or [64, 128]
+    # bytes of e2m1 pairs
+    if code >= 2:
+        RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF // 2], gl.uint8))
+    else:
+        RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv))
 
     @gluon.jit
     def _page_row(bt_row, first_page, blk, n_steps, last_page):
@@ -95,8 +104,17 @@ def _build(fp8: bool = False):
     @gluon.jit
     def _load_latent(kn_desc, ks_desc, kn_dst, ks, kbar, H, row, col, extra_bytes):
         """256 latent columns of a page → kn_dst on kbar[H] (FP8: the e4m3 bytes into the buffer's first half, and
-        the row's four scales into ks[H], for _dequant_half), expecting extra_bytes more from the caller's copies."""
-        if FP8:
+        the row's four scales into ks[H], for _dequant_half; FP4: the e2m1 bytes into its first quarter and the
+        half's 16 scale bytes, all 16 of the row for MXFP4), expecting extra_bytes more from the caller's copies."""
+        if FP4:
+            mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + ks_desc.block_type.nbytes + extra_bytes)
+            tma.async_copy_global_to_shared(kn_desc, [row, col // 2], kbar[H],
+                                            kn_dst._reinterpret(gl.uint8, [64, HALF_C // 2], RAW_LAYOUT))
+            if NVFP4:
+                tma.async_copy_global_to_shared(ks_desc, [row, SCALE_COL_C + 16 * (H % 2)], kbar[H], ks.index(H))
+            else:
+                tma.async_copy_global_to_shared(ks_desc, [row, SCALE_COL_C], kbar[H], ks.index(H))
+        elif FP8:
             mbarrier.expect(kbar[H], kn_desc.block_type.nbytes + ks_desc.block_type.nbytes + extra_bytes)
             tma.async_copy_global_to_shared(kn_desc, [row, col], kbar[H],
                                             kn_dst._reinterpret(gl.float8e4nv, [64, HALF_C], RAW_LAYOUT))
@@ -117,9 +135,59 @@ def _build(fp8: bool = False):
         tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], kbar[H], kr_dst)
 
     @gluon.jit
-    def _dequant_half(k, ks, H):
+    def _e2m1(code):
+        """e2m1 codes (sign in bit 3) → fp32 values / 16384 (shared_kernels.e2m1_to_float without its last scaling:
+        the three magnitude bits at fp16's exponent/mantissa boundary)."""
+        c = code.to(gl.uint16)
+        return (((c & 7) << 9) | ((c & 8) << 12)).to(gl.float16, bitcast=True).to(gl.float32)
+
+    @gluon.jit
+    def _dequant_fp4_piece(x, ks, H, p, kv_scale, L3: gl.constexpr, BPB: gl.constexpr, NB: gl.constexpr):
+        """Bytes p · 64 .. p · 64 + 63 of a half page's rows, x [64, 64] (BPB-byte blocks, one scale each), → their
+        low and high nibbles' values times the block scales (the even and the odd elements), [64, 64] fp32 each."""
+        # MXFP4: the row's 16 scale bytes, 8 for each half
+        first: gl.constexpr = p * NB if NVFP4 else p * NB + 8 * (H % 2)
+        sb = ks.index(H).slice(first, NB, dim=1).load(gl.SliceLayout(2, L3))
+        if NVFP4:
+            sc = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * (kv_scale * 16384.0)
+        else:
+            sc = (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True) * 16384.0   # e8m0: 2^(byte - 127)
+        x3 = gl.convert_layout(gl.reshape(x, [64, NB, BPB]), L3)
+        sc3 = gl.expand_dims(sc, 2)
+        lo = gl.reshape(_e2m1(x3 & 15) * sc3, [64, 64])
+        hi = gl.reshape(_e2m1(x3 >> 4) * sc3, [64, 64])
+        return lo, hi
+
+    @gluon.jit
+    def _dequant_half(k, ks, H, kv_scale):
+        """The quantized half page in k → bf16 values in place, read by TMA into the buffer's first bytes with its
+        rows' scales in ks[H]. Every thread reads all its bytes before any writes (the bf16 rows overlay them).
+        FP8: e4m3 · its 128-column chunk's scale. FP4: e2m1 · its block's scale (· kv_scale for NVFP4), the even
+        elements into columns 0-127 and the odd into 128-255 (Q and the output are permuted to match: _latent_col)."""
+        if FP4:
+            BPB: gl.constexpr = GROUP_C // 2   # bytes per scale block: NVFP4 8, MXFP4 16
+            NB: gl.constexpr = 64 // BPB       # blocks per 64 bytes
+            L2: gl.constexpr = gl.BlockedLayout([1, BPB], [32 // NB, NB], [4, 1], [1, 0])
+            L3: gl.constexpr = gl.BlockedLayout([1, 1, BPB], [32 // NB, NB, 1], [4, 1, 1], [2, 1, 0])
+            raw = k._reinterpret(gl.uint8, [64, HALF_C // 2], RAW_LAYOUT)
+            x0 = raw.slice(0, 64, dim=1).load(L2)
+            x1 = raw.slice(64, 64, dim=1).load(L2)
+            gl.thread_barrier()
+            lo, hi = _dequant_fp4_piece(x0, ks, H, 0, kv_scale, L3, BPB, NB)
+            k.slice(0, 64, dim=1).store(lo.to(gl.bfloat16))
+            k.slice(128, 64, dim=1).store(hi.to(gl.bfloat16))
+            lo, hi = _dequant_fp4_piece(x1, ks, H, 1, kv_scale, L3, BPB, NB)
+            k.slice(64, 64, dim=1).store(lo.to(gl.bfloat16))
+            k.slice(192, 64, dim=1).store(hi.to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+        else:
+            _dequant_fp8_half(k, ks, H)
+
+    @gluon.jit
+    def _dequant_fp8_half(k, ks, H):
         """The FP8 half page in k (e4m3 bytes in its first 16 KB, its rows' scales in ks[H]) → bf16 values · scale,
-        in place. Every thread reads all its bytes before any writes (the bf16 rows overlay the bytes)."""
+        in place."""
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0])
         raw = k._reinterpret(gl.float8e4nv, [64, HALF_C], RAW_LAYOUT)
         r0 = raw.slice(0, 64, dim=1).load(blk)
@@ -141,13 +209,32 @@ def _build(fp8: bool = False):
         gl.thread_barrier()
 
     @gluon.jit
-    def _s_half(q, k, kbar, H, phase, acc, USE_ACC, ks):
-        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed (FP8: and k is dequantised, by
-        the warpgroup that computes this page's scores: the one that reads it first)."""
+    def _s_half(q, k, kbar, H, phase, acc, USE_ACC, ks, kv_scale):
+        """acc (+)= q · kᵀ over one 256-column half, issued once kbar[H] has landed (a quantized cache: and k is
+        dequantised, by the warpgroup that computes this page's scores: the one that reads it first)."""
         mbarrier.wait(kbar[H], phase)
-        if FP8:
-            _dequant_half(k, ks, H)
+        if FP8 or FP4:
+            _dequant_half(k, ks, H, kv_scale)
         return warpgroup_mma(q, k.permute((1, 0)), acc, use_acc=USE_ACC, is_async=True)
+
+    @gluon.jit
+    def _kv_scale(KV_SCALE):
+        """NVFP4's cache-wide fp32 scale (its values are e2m1 · block scale · it); 1 for the other formats."""
+        if NVFP4:
+            return gl.load(KV_SCALE)
+        else:
+            return 1.0
+
+    @gluon.jit
+    def _latent_col(c):
+        """The latent column held in column c (0-511) of the Q / K / V / output halves: c itself, or for FP4 caches
+        (whose halves are stored even elements first, _dequant_half) the even element 2j for c = 256h + j, j < 128,
+        and the odd element 2j + 1 for c = 256h + 128 + j."""
+        if FP4:
+            j = c % 256
+            return c - j + gl.where(j < 128, 2 * j, 2 * (j - 128) + 1)
+        else:
+            return c
 
     @gluon.jit
     def _zero_rows(v, n_valid):
@@ -200,6 +287,7 @@ def _build(fp8: bool = False):
 
     @gluon.jit
     def _wg0(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
+             KV_SCALE,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
@@ -213,7 +301,7 @@ def _build(fp8: bool = False):
         q_mask = rq_ok[:, None] & (c64 >= 0)[None, :]   # Gluon does not broadcast masks
         for c in gl.static_range(8):
             half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
-            half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
+            half.store(gl.load(q_rows[:, None] + _latent_col(c * 64 + c64)[None, :], mask=q_mask, other=0.0))
         q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=q_mask, other=0.0))
         s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
         fence_async_shared()
@@ -221,14 +309,15 @@ def _build(fp8: bool = False):
         mbarrier.arrive(sync[4], count=1)   # Q and the running max are in place
 
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
+        kv_scale = _kv_scale(KV_SCALE)
         n_pairs = (n_steps + 1) // 2
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
         s0 = gl.zeros([64, 64], gl.float32, S_LAYOUT)
         if n_pairs > 0:
             _wg0_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page)
-            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, ks)
-            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, ks)
+            tok = _s_half(q_half.index(0), kn.index(0), kbar, 0, 0, s0, False, ks, kv_scale)
+            tok = _s_half(q_half.index(1), kn.index(1), kbar, 1, 0, tok, True, ks, kv_scale)
             tok = warpgroup_mma(q_rope, kr.index(0).permute((1, 0)), tok, is_async=True)
             s0 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
@@ -278,10 +367,10 @@ def _build(fp8: bool = False):
                 gl.thread_barrier()
             tok = warpgroup_mma(vr1, vk2, acc, is_async=True)   # P1·V1_L
             if more:
-                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, ks)
+                s_tok = _s_half(vq0, vk0, kbar, 0, (p + 1) & 1, s0, False, ks, kv_scale)
                 acc = warpgroup_mma_wait(1, deps=(tok, ))   # P1·V1_L retired (S0's first half may run on)
                 _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(2), kr.index(1), ks, kbar, 2, next1, 0)
-                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, ks)
+                s_tok = _s_half(vq1, vk1, kbar, 1, (p + 1) & 1, s_tok, True, ks, kv_scale)
                 s_tok = warpgroup_mma(vqr, vr0.permute((1, 0)), s_tok, is_async=True)
                 s0 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -298,10 +387,12 @@ def _build(fp8: bool = False):
 
     @gluon.jit
     def _wg1(q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
+             KV_SCALE,
              O_PART, LSE_PART, bt_row, first_page, b, split, tile, start, end, length, n_steps, last_page, rows_total,
              qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
              H_Q: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr):
         limit = _limit(tile, length, end, H_Q, S_Q, CAUSAL)
+        kv_scale = _kv_scale(KV_SCALE)
         n_pairs = (n_steps + 1) // 2
         l_i = gl.zeros([64], gl.float32, ROW_S)
         acc = gl.zeros([64, HALF_C], gl.float32, O_LAYOUT)
@@ -309,8 +400,8 @@ def _build(fp8: bool = False):
         mbarrier.wait(sync[4], 0)
         if n_pairs > 0:
             _wg1_first_loads(kn_desc, kr_desc, ks_desc, kn, kr, ks, kbar, bt_row, first_page, n_steps, last_page)
-            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, ks)
-            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, ks)
+            tok = _s_half(q_half.index(1), kn.index(3), kbar, 3, 0, s1, False, ks, kv_scale)
+            tok = _s_half(q_half.index(0), kn.index(2), kbar, 2, 0, tok, True, ks, kv_scale)
             tok = warpgroup_mma(q_rope, kr.index(1).permute((1, 0)), tok, is_async=True)
             s1 = warpgroup_mma_wait(0, deps=(tok, ))
         for p in range(n_pairs):
@@ -358,8 +449,8 @@ def _build(fp8: bool = False):
                 _load_half(kn_desc, ks_desc, kn.index(3), ks, kbar, 3, next1, HALF_C)
                 acc = warpgroup_mma_wait(0, deps=(tok, ))   # P0·V0_R retired: page 0's right half and rope
                 _load_half_rope(kn_desc, kr_desc, ks_desc, kn.index(1), kr.index(0), ks, kbar, 1, next0, HALF_C)
-                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, ks)
-                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, ks)
+                s_tok = _s_half(vq1, vk3, kbar, 3, (p + 1) & 1, s1, False, ks, kv_scale)
+                s_tok = _s_half(vq0, vk2, kbar, 2, (p + 1) & 1, s_tok, True, ks, kv_scale)
                 s_tok = warpgroup_mma(vqr, vr1.permute((1, 0)), s_tok, is_async=True)
                 s1 = warpgroup_mma_wait(0, deps=(s_tok, ))
             else:
@@ -383,7 +474,7 @@ def _build(fp8: bool = False):
         ro = tile * 64 + gl.arange(0, 64, layout=ROW_O)
         cols = col0 + gl.arange(0, HALF_C, layout=gl.SliceLayout(0, O_LAYOUT))
         o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b.to(gl.int64) * stride_pb + \
-            ro.to(gl.int64)[:, None] * 512 + cols[None, :]
+            ro.to(gl.int64)[:, None] * 512 + _latent_col(cols)[None, :]
         o_mask = (ro < rows_total)[:, None] & (cols >= 0)[None, :]   # Gluon does not broadcast masks
         gl.store(o_ptrs, (acc * norm[:, None]).to(O_PART.dtype.element_ty), mask=o_mask)
         if WRITES_LSE:
@@ -400,7 +491,7 @@ def _build(fp8: bool = False):
 
     @gluon.jit
     def mla_decode_gluon_kernel(
-        Q, kn_desc, kr_desc, ks_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+        Q, kn_desc, kr_desc, ks_desc, KV_SCALE, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
         stride_qb, stride_qs, stride_qh, stride_bt,
         stride_ps, stride_pb, stride_ls, stride_lb,
         rows_total, qk_scale, capacity, last_page,
@@ -428,6 +519,8 @@ def _build(fp8: bool = False):
         q_rope = kr.index(2)
         if FP8:   # each half's rows' four scales (fp32), beside its bytes
             ks = gl.allocate_shared_memory(gl.float32, [4, 64, 4], ks_desc.layout)
+        elif FP4:   # each half's 16 scale bytes (MXFP4: the row's 16)
+            ks = gl.allocate_shared_memory(gl.uint8, [4, 64, 16], ks_desc.layout)
         else:
             ks = kr
         s_m = gl.allocate_shared_memory(gl.float32, [64], vec_layout)   # the running max (WG1's after each pair)
@@ -449,6 +542,7 @@ def _build(fp8: bool = False):
 
         bt_row = BLOCK_TABLE + b.to(gl.int64) * stride_bt
         args = (q_half, q_rope, kn, kr, ks, kbar, sync, s_m, s_sc0, s_sc1, s_l0, s_l1, kn_desc, kr_desc, ks_desc, Q,
+                KV_SCALE,
                 O_PART, LSE_PART, bt_row, start // 64, b, split, tile, start, end, length, n_steps, last_page,
                 rows_total, qk_scale, stride_qb, stride_qs, stride_qh, stride_ps, stride_pb, stride_ls, stride_lb,
                 H_Q, S_Q, CAUSAL, FINAL)
@@ -463,52 +557,60 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-FP8_ROW_BYTES = 656  # kv_format.KV_FORMATS["fp8"].width: 512 e4m3, 4 fp32 scales, 64 bf16 rope
+def _format_key(fmt) -> tuple:
+    """_build's arguments for a cache format (a kv_format.KVFormat, or None for bf16): its code, group, and the
+    scales' column in the view they are read through (FP8: fp32, FP4: bytes) and the rope's in the bf16 view."""
+    if fmt is None or fmt.code == 0:
+        return (0, 0, 0, D_V)
+    return (fmt.code, fmt.group, fmt.scale_offset // 4 if fmt.code == 1 else fmt.scale_offset, fmt.rope_offset // 2)
 
 
-def tma_ok(kv_cache: torch.Tensor, fp8: bool = False) -> bool:
+def tma_ok(kv_cache: torch.Tensor, fmt=None) -> bool:
     """The cache can be read through TMA descriptors over its rows: 16-byte aligned base and row stride, pages of
-    64 rows (FP8: byte rows of 656, as kv_format lays them out)."""
-    if fp8 and (kv_cache.element_size() != 1 or kv_cache.shape[3] != FP8_ROW_BYTES):
+    64 contiguous rows; a quantized cache (fmt a kv_format.KVFormat) in bytes, fmt.width of them a row."""
+    if fmt is not None and fmt.code != 0 and (kv_cache.element_size() != 1 or kv_cache.shape[3] != fmt.width):
         return False
     return (kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
             and kv_cache.shape[1] == PAGE and kv_cache.stride(3) == 1 and kv_cache.stride(0) == PAGE * kv_cache.stride(1))
 
 
-def _descriptors(kv_cache, gl, fp8):
+def _descriptors(kv_cache, gl, code):
     """(latent halves, rope, scales) descriptors over the cache's rows; bf16: the scales' is the rope's (unused).
-    FP8 rows are read through three views of their bytes: e4m3 (the latent), fp32 (the scales), bf16 (the rope)."""
+    Quantized rows are read through views of their bytes: the latent as e4m3 (FP8) or bytes (FP4), the scales as
+    fp32 (FP8) or bytes, the rope as bf16."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     rope_layout = gl.NVMMASharedLayout.get_default_for([PAGE, D_R], gl.bfloat16)
-    if not fp8:
+    if code == 0:
         shape, strides = [rows, kv_cache.shape[3]], [kv_cache.stride(1), 1]
         half_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.bfloat16)
         rope = TensorDescriptor(kv_cache, shape, strides, [PAGE, D_R], rope_layout)
         return TensorDescriptor(kv_cache, shape, strides, [PAGE, HALF], half_layout), rope, rope
 
-    def view(dtype):
+    def view(dtype, box, layout):
         v = kv_cache.view(dtype)
-        return v, [rows, v.shape[3]], [v.stride(1), 1]
-    raw, raw_shape, raw_strides = view(torch.float8_e4m3fn)
-    sc, sc_shape, sc_strides = view(torch.float32)
-    bf, bf_shape, bf_strides = view(torch.bfloat16)
-    raw_layout = gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv)
-    sc_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return (TensorDescriptor(raw, raw_shape, raw_strides, [PAGE, HALF], raw_layout),
-            TensorDescriptor(bf, bf_shape, bf_strides, [PAGE, D_R], rope_layout),
-            TensorDescriptor(sc, sc_shape, sc_strides, [PAGE, 4], sc_layout))
+        return TensorDescriptor(v, [rows, v.shape[3]], [v.stride(1), 1], box, layout)
+    rope = view(torch.bfloat16, [PAGE, D_R], rope_layout)
+    if code == 1:
+        return (view(torch.float8_e4m3fn, [PAGE, HALF], gl.NVMMASharedLayout.get_default_for([PAGE, HALF],
+                                                                                            gl.float8e4nv)),
+                rope, view(torch.float32, [PAGE, 4], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32,
+                                                                          rank=2)))
+    return (view(torch.uint8, [PAGE, HALF // 2], gl.NVMMASharedLayout.get_default_for([PAGE, HALF // 2], gl.uint8)),
+            rope, view(torch.uint8, [PAGE, 16], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)))
 
 
-def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, fp8=False):
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, fmt=None,
+                kv_scale=None):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_gluon and the compile check."""
-    kernel, gl = _build(bool(fp8))
+    key = _format_key(fmt)
+    kernel, gl = _build(*key)
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     num_splits = o_part.shape[0]
-    kn_desc, kr_desc, ks_desc = _descriptors(kv_cache, gl, fp8)
+    kn_desc, kr_desc, ks_desc = _descriptors(kv_cache, gl, key[0])
     grid = (-(-rows // BLOCK_M), num_splits, b)
-    args = (q, kn_desc, kr_desc, ks_desc, block_table, cache_seqlens, o_part, lse_part,
+    args = (q, kn_desc, kr_desc, ks_desc, kv_scale if kv_scale is not None else cache_seqlens, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
@@ -519,9 +621,11 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     return kernel, grid, args, meta
 
 
-def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, fp8=False):
-    """The Gluon path of mla_decode_fwd (bf16 or FP8 cache, dense, page 64, rows >= 64): (out, lse) as the portable
-    launcher returns them, through the same partials + combine_splits when num_splits > 1."""
+def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, fmt=None,
+                     kv_scale=None):
+    """The Gluon path of mla_decode_fwd (dense, page 64, rows >= 64; a bf16 cache, or a quantized one, fmt its
+    kv_format.KVFormat, with NVFP4's kv_scale): (out, lse) as the portable launcher returns them, through the same
+    partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
@@ -536,7 +640,7 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
         o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
-                                           lse_part, final, fp8)
+                                           lse_part, final, fmt, kv_scale)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -544,13 +648,17 @@ def mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, cau
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, fp8=False):
-    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
+def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, fmt=None):
+    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel. fmt: a
+    quantized format's kv_format.KVFormat fields as a dict (the tests pass KV_FORMATS[name]._asdict())."""
+    from types import SimpleNamespace
     from .._gluon import compile_report
     b, pages, max_pages = 2, 8, 4
     q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
-    if fp8:
-        cache = torch.empty(pages, PAGE, 1, FP8_ROW_BYTES, dtype=torch.uint8)
+    fmt = SimpleNamespace(**fmt) if fmt else None
+    kv_scale = torch.ones(1)
+    if fmt is not None:
+        cache = torch.empty(pages, PAGE, 1, fmt.width, dtype=torch.uint8)
     else:
         cache = torch.empty(pages, PAGE, 1, 576, dtype=torch.bfloat16)
     table = torch.zeros(b, max_pages, dtype=torch.int32)
@@ -560,5 +668,6 @@ def compile_sm90(h_q=128, s_q=1, causal=False, num_splits=1, arch=90, fp8=False)
         o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
-    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final, fp8)
+    kernel, grid, args, meta = launch_args(q, cache, table, lens, 576 ** -0.5, causal, o_part, lse_part, final, fmt,
+                                           kv_scale)
     return compile_report(kernel, args, grid, meta, arch)
