@@ -124,6 +124,10 @@ for step in "$@"; do
                > "$w/mla-h128.log" 2>&1; grep -E "warpforge  " "$w/mla-h128.log"
              WARPFORGE_MLA_GLUON_IN_KERNEL=0 timeout 90 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) (fp8|nvfp4|mxfp4)' \
                --json "$w/mla-h128-pass.json" > "$w/mla-h128-pass.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-pass.log" ;;
+    # FP4 MLA caches at h_q 128, every L, read by the kernel and through the dequantisation pass (the crossover)
+    mla-fp4-sweep) for v in 1 0; do WARPFORGE_MLA_GLUON_IN_KERNEL=$v timeout 120 python3 -m warpforge bench --family mla \
+                     --match 'h128 s_q1 L[0-9]+k (nvfp4|mxfp4)' --json "$w/mla-h128-fp4-inkernel$v.json" \
+                     > "$w/mla-h128-fp4-inkernel$v.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp4-inkernel$v.log"; done ;;
     # Qwen3 at T4 / T2048 twice (call3 read T2048 uniform 1.548 ms against moe.json's earlier 0.736, unchanged code)
     qwen3-check) for r in 1 2; do timeout 60 python3 -m warpforge bench --family moe --match "qwen3-30b-a3b T(4|2048) " \
                    --json "$w/qwen3-check-$r.json" > "$w/qwen3-check-$r.log" 2>&1; grep -E "warpforge  " "$w/qwen3-check-$r.log"; done ;;
