@@ -135,6 +135,7 @@ def test_gpu_quantized_cache_read_by_the_kernel(fmt, h_q, s_q, causal, splits, g
     past the requests' ends (whole pages come in through TMA)."""
     from warpforge.ops.mla import dequant_kernel
     passes = spy_launches(monkeypatch, dequant_kernel, "mla_decode_dequantized", lambda args: 1)
+    monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", 1)  # FP4 takes the kernel where the pass would slice
     q, _, cache, table, seqlens, kv_scale = _problem(len(LENS), s_q, h_q, 64, LENS, fmt, torch.bfloat16)
     valid = torch.zeros(cache.shape[0], 64, dtype=torch.bool, device=cache.device)
     for i, n in enumerate(LENS):
@@ -210,6 +211,16 @@ def test_gpu_cuda_graph_capture(gluon_calls):
     want, _ = mla_decode_reference(q.float(), cache.float(), table, seqlens)
     assert 1 - cosine(g_out, want) <= 1e-5
     assert len(gluon_calls) == 2
+
+
+def test_which_quantized_caches_the_kernel_reads(monkeypatch):
+    """On any machine: FP8 always; FP4 only where the dequantisation pass would slice the batch; none when off."""
+    fp8, nvfp4, mxfp4 = (KV_FORMATS[n] for n in ("fp8", "nvfp4", "mxfp4"))
+    assert api.quantized_in_kernel(fp8, 128, 128) and api.quantized_in_kernel(fp8, 128, 64)
+    for fmt in (nvfp4, mxfp4):
+        assert not api.quantized_in_kernel(fmt, 128, 128) and api.quantized_in_kernel(fmt, 128, 93)
+    monkeypatch.setenv(configs.GLUON_IN_KERNEL_ENV, "0")
+    assert not api.quantized_in_kernel(fp8, 128, 64) and not api.quantized_in_kernel(nvfp4, 128, 1)
 
 
 def test_plan_carries_the_flag_to_the_op():

@@ -40,16 +40,15 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
     if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16 q, dense, rows >= 64; see gluon_gate)
         from . import decode_gluon_kernel as dg
         fmt = KV_FORMATS[kv_format]
-        if (dg.available() and fmt.quantized and dg.tma_ok(kv_cache, fmt)
-                and os.environ.get(configs.GLUON_IN_KERNEL_ENV, "1") != "0"):  # pages of 64: read by the kernel itself
-            return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits, fmt,
-                                       kv_scale)
-        if dg.available() and fmt.quantized:  # other pages: dequantised into bf16 pages for the bf16 kernel
+        if dg.available() and fmt.quantized:
             from .dequant_kernel import mla_decode_dequantized, slice_requests
-
-            def run_bf16(q_, cache_, table_, seqlens_):
-                return dg.mla_decode_gluon(q_, cache_, table_, seqlens_, scale, causal, num_splits)
             per_slice = slice_requests(q.shape[0], block_table.shape[1] * kv_cache.shape[1])
+            if dg.tma_ok(kv_cache, fmt) and quantized_in_kernel(fmt, q.shape[0], per_slice):
+                return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits, fmt,
+                                           kv_scale)
+
+            def run_bf16(q_, cache_, table_, seqlens_):  # dequantised into bf16 pages for the bf16 kernel
+                return dg.mla_decode_gluon(q_, cache_, table_, seqlens_, scale, causal, num_splits)
             return mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, KV_FORMATS[kv_format],
                                           run_bf16, per_slice, configs.DEQUANT.lookup(q.device, kv_format))
         if dg.available() and dg.tma_ok(kv_cache):
@@ -57,6 +56,18 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
     from .decode_kernel import mla_decode_fwd
     return mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, scale, causal, KV_FORMATS[kv_format], kv_scale,
                           num_splits, configs.MLACfg(*cfg), indices, topk_length)
+
+
+def quantized_in_kernel(fmt, batch: int, per_slice: int) -> bool:
+    """Whether the Gluon kernel reads a quantized cache of page 64 itself (else its pages are dequantised into bf16
+    scratch first, dequant_kernel.py). FP8: always (H200, h_q 128: 0.142 / 0.725 ms at L 1k / 8k against 0.198 /
+    1.324). FP4: only where the dequantisation pass would run the batch in slices (per_slice < batch requests in its
+    scratch): its e2m1 decode costs the kernel ~10 instructions a value, so the pass is 10-25% faster where one
+    slice holds the batch (L 1k-4k at b 128) and the kernel 5-14% faster where slices start (L 8k+;
+    benchmarks/NOTES.md, session 18). WARPFORGE_MLA_GLUON_IN_KERNEL=0 always takes the pass."""
+    if os.environ.get(configs.GLUON_IN_KERNEL_ENV, "1") == "0":
+        return False
+    return fmt.name == "fp8" or per_slice < batch
 
 
 def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits, cfg,
@@ -146,8 +157,7 @@ def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     configs.GLUON_TRITON_VERSIONS, bf16 q, dense (block table, no indices), h_q · s_q >= 64 query rows,
     WARPFORGE_MLA_GLUON not "0", and either a bf16 cache of page size 64 or a quantized cache (any page size:
     its pages are dequantised into bf16 scratch pages first, dequant_kernel.py, unless WARPFORGE_MLA_GLUON_DEQUANT
-    is "0"; a quantized cache of page size 64 is read by the kernel itself unless WARPFORGE_MLA_GLUON_IN_KERNEL is
-    "0"). Everything else runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for
+    is "0"; a quantized cache of page size 64 may be read by the kernel itself instead: quantized_in_kernel). Everything else runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for
     TMA, checked at run time)."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90":
         return False

@@ -49,7 +49,7 @@ DEQUANT = TileTable({"cpu": {"any": DequantCfg(1, 1)}, "default": {"any": Dequan
 GLUON_ENV = "WARPFORGE_MLA_GLUON"       # "0" turns the Gluon path off (the portable kernel then runs everywhere)
 GLUON_DEQUANT_ENV = "WARPFORGE_MLA_GLUON_DEQUANT"  # "0": quantized caches keep the portable kernel at 64+ rows
 GLUON_IN_KERNEL_ENV = "WARPFORGE_MLA_GLUON_IN_KERNEL"  # "0": quantized caches of page 64 take the dequantised pages
-#                                                        too (they are read by the kernel itself otherwise)
+#                                                        too (api.quantized_in_kernel decides otherwise)
 GLUON_TRITON_VERSIONS = ("3.6",)        # Triton releases whose Gluon API the kernel was written and checked on
 GLUON_BLOCK_H = 64                      # query rows per program
 GLUON_MIN_ROWS = 64                     # h_q · s_q from which a request's rows fill its tile
