@@ -1,6 +1,6 @@
 """MLA decode for Hopper (sm_90) in Gluon with FlashMLA's "seesaw" schedule: two warpgroups, no producer warp.
 
-The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 or FP8 cache, dense block table, page 64,
+The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 or quantized cache, dense block table, page 64,
 query rows h_q · s_q >= 64): program (64-row tile, split, request) walks its split's pages and writes either the
 split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows] in log2 units, for
 combine_splits) or, with one split, the final out / lse. Splits are cut as the portable kernel cuts them.
@@ -29,10 +29,14 @@ and ptxas rebuilds each at its use instead of spilling them across it (0 spills;
 kernel ran 1.22-1.31x slower on the H200). benchmarks/NOTES.md ("MLA decode", sessions 11-14) records the schedule
 variants tried and their H200 times.
 
-FP8 caches (page 64; `_build(fp8=True)`, the same schedule): each half page comes in by TMA as 16 KB of e4m3 in
-the first half of its bf16 buffer, with its rows' four fp32 scales beside it; the warpgroup that computes the page's
-scores (the first to read it) converts it in place to bf16 (e4m3 · scale: exact, the scales are powers of two) before
-its score wgmma, and the other warpgroup reads the same bf16 as V. The cache is read once, 656 bytes a token.
+Quantized caches (page 64; `_build(code, ...)` per format, the same schedule): each half page comes in by TMA as its
+raw bytes at the start of its bf16 buffer (FP8: 16 KB of e4m3; FP4: 8 KB of e2m1 pairs), with its rows' scales
+beside it; the warpgroup that computes the page's scores (the first to read it) converts it in place to bf16 before
+its score wgmma, and the other warpgroup reads the same bf16 as V. FP8 values are e4m3 · a power of two (exact);
+FP4 halves are stored even elements first (Q's columns and the output's are permuted to match, _latent_col). The
+cache is read once (656 / 416 / 400 bytes a token). The in-place pass adds shared-memory traffic (16 KB in, 32 KB out
+per FP8 half page) to a kernel whose score GEMM is bound by it: FP8 runs at 0.74x the bf16 cache at h_q 128
+(benchmarks/NOTES.md, session 18); api.quantized_in_kernel chooses between this and dequant_kernel.py.
 
 Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
 again, every score masked, its V rows zeroed); the request's last page has its rows past the length zeroed in

@@ -5,9 +5,9 @@ Why: at h_q · s_q >= 64 on sm_90 the bf16 cache runs on the Gluon kernel (decod
 compute-bound there, while the portable kernel dequantises inside its loop at a fifth of that speed (benchmarks/
 NOTES.md, MLA). A pass that reads the quantized rows once and writes bf16 rows (656 + 1152 bytes a token for FP8)
 costs less than that gap. It is not the FP8 kernel issue 13 asks for (which reads 656 bytes a token, nothing more):
-it holds the scratch (at most SCRATCH_BYTES, so long batches run in slices) and moves 2.8x the FP8 bytes. FP8 caches
-of page 64 skip it: the Gluon kernel reads those itself (decode_gluon_kernel.py); this pass serves NVFP4, MXFP4 and
-FP8 of other page sizes.
+it holds the scratch (at most SCRATCH_BYTES, so long batches run in slices) and moves 2.8x the FP8 bytes. Caches of
+page 64 may skip it: the Gluon kernel reads FP8 itself, and FP4 where this pass would run the batch in slices
+(api.quantized_in_kernel); this pass serves the rest, and every other page size.
 
 Every format's values come out exact in bf16 (e4m3 or e2m1 times a power of two or an e4m3 scale), except NVFP4's
 cache-wide fp32 scale, which is applied before the rounding to bf16 (one rounding, ~2^-9 of a value).
