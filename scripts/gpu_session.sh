@@ -108,18 +108,10 @@ for step in "$@"; do
     tune-moe-decode) timeout 420 python3 -m warpforge tune moe-decode --models ${MOE_MODELS:-qwen3-30b-a3b,mixtral,deepseek-v3} \
                        --tokens ${MOE_TOKENS:-1,4,16} --out "$w/tune_moe_decode.json" > "$w/tune_moe_decode.log" 2>&1
                      grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
-    # quantized MLA caches at 64+ rows through dequantised pages on the Gluon kernel (dequant_kernel.py): GPU tests,
-    # then the h_q 128 rows of every format, and the portable kernel's FP8 (WARPFORGE_MLA_GLUON_DEQUANT=0) beside it
-    mla-dequant) timeout 150 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
-                   > "$w/mla-dequant-tests.log" 2>&1; tail -n 3 "$w/mla-dequant-tests.log"
-                 timeout 150 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) ' --json "$w/mla-h128.json" \
-                   > "$w/mla-h128.log" 2>&1; grep -E "warpforge  " "$w/mla-h128.log"
-                 WARPFORGE_MLA_GLUON_DEQUANT=0 timeout 60 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) fp8' \
-                   --json "$w/mla-h128-fp8-portable.json" > "$w/mla-h128-fp8-portable.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp8-portable.log" ;;
     # FP8 MLA caches read by the Gluon kernel itself (in-place dequantisation in shared memory): GPU tests, the
     # h_q 128 rows, then FP8 through the dequantisation pass (WARPFORGE_MLA_GLUON_IN_KERNEL=0) beside them
-    mla-fp8) timeout 250 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
-               > "$w/mla-fp8-tests.log" 2>&1; tail -n 3 "$w/mla-fp8-tests.log"
+    mla-quant) timeout 250 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
+               > "$w/mla-quant-tests.log" 2>&1; tail -n 3 "$w/mla-quant-tests.log"
              timeout 150 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) ' --json "$w/mla-h128.json" \
                > "$w/mla-h128.log" 2>&1; grep -E "warpforge  " "$w/mla-h128.log"
              WARPFORGE_MLA_GLUON_IN_KERNEL=0 timeout 90 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) (fp8|nvfp4|mxfp4)' \
