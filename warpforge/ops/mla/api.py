@@ -49,8 +49,8 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
 
             def run_bf16(q_, cache_, table_, seqlens_):  # dequantised into bf16 pages for the bf16 kernel
                 return dg.mla_decode_gluon(q_, cache_, table_, seqlens_, scale, causal, num_splits)
-            return mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, KV_FORMATS[kv_format],
-                                          run_bf16, per_slice, configs.DEQUANT.lookup(q.device, kv_format))
+            return mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fmt, run_bf16, per_slice,
+                                          configs.DEQUANT.lookup(q.device, kv_format))
         if dg.available() and dg.tma_ok(kv_cache):
             return dg.mla_decode_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits)
     from .decode_kernel import mla_decode_fwd
@@ -157,8 +157,9 @@ def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     configs.GLUON_TRITON_VERSIONS, bf16 q, dense (block table, no indices), h_q · s_q >= 64 query rows,
     WARPFORGE_MLA_GLUON not "0", and either a bf16 cache of page size 64 or a quantized cache (any page size:
     its pages are dequantised into bf16 scratch pages first, dequant_kernel.py, unless WARPFORGE_MLA_GLUON_DEQUANT
-    is "0"; a quantized cache of page size 64 may be read by the kernel itself instead: quantized_in_kernel). Everything else runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for
-    TMA, checked at run time)."""
+    is "0"; one of page size 64 may be read by the kernel itself instead: quantized_in_kernel). Everything else
+    runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for TMA, checked at run
+    time)."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90":
         return False
     b, s_q, h_q, _ = q.shape

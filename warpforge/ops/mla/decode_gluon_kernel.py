@@ -1,8 +1,8 @@
 """MLA decode for Hopper (sm_90) in Gluon with FlashMLA's "seesaw" schedule: two warpgroups, no producer warp.
 
-The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 or quantized cache, dense block table, page 64,
-query rows h_q · s_q >= 64): program (64-row tile, split, request) walks its split's pages and writes either the
-split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows] in log2 units, for
+The same problem and outputs as decode_kernel.mla_decode_split_kernel (bf16 or quantized cache, dense block table,
+page 64, query rows h_q · s_q >= 64): program (64-row tile, split, request) walks its split's pages and writes either
+the split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows] in log2 units, for
 combine_splits) or, with one split, the final out / lse. Splits are cut as the portable kernel cuts them.
 
 Why this schedule: session 9's Gluon kernel (a producer warp, a 2-slot ring, both warpgroups splitting every
@@ -574,8 +574,9 @@ def tma_ok(kv_cache: torch.Tensor, fmt=None) -> bool:
     64 contiguous rows; a quantized cache (fmt a kv_format.KVFormat) in bytes, fmt.width of them a row."""
     if fmt is not None and fmt.code != 0 and (kv_cache.element_size() != 1 or kv_cache.shape[3] != fmt.width):
         return False
+    rows_contiguous = kv_cache.stride(3) == 1 and kv_cache.stride(0) == PAGE * kv_cache.stride(1)  # one [rows, w] view
     return (kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0
-            and kv_cache.shape[1] == PAGE and kv_cache.stride(3) == 1 and kv_cache.stride(0) == PAGE * kv_cache.stride(1))
+            and kv_cache.shape[1] == PAGE and rows_contiguous)
 
 
 def _descriptors(kv_cache, gl, code):
@@ -614,7 +615,8 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     num_splits = o_part.shape[0]
     kn_desc, kr_desc, ks_desc = _descriptors(kv_cache, gl, key[0])
     grid = (-(-rows // BLOCK_M), num_splits, b)
-    args = (q, kn_desc, kr_desc, ks_desc, kv_scale if kv_scale is not None else cache_seqlens, block_table, cache_seqlens, o_part, lse_part,
+    kv_scale = kv_scale if kv_scale is not None else cache_seqlens   # a pointer NVFP4's build alone reads
+    args = (q, kn_desc, kr_desc, ks_desc, kv_scale, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             rows, softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
