@@ -223,6 +223,25 @@ def test_which_quantized_caches_the_kernel_reads(monkeypatch):
     assert not api.quantized_in_kernel(fp8, 128, 64) and not api.quantized_in_kernel(nvfp4, 128, 1)
 
 
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_gpu_cuda_graph_capture_quantized_in_kernel(fmt, gluon_calls, monkeypatch):
+    """A quantized cache read by the kernel itself, captured once and replayed with longer requests."""
+    from warpforge.ops.mla import dequant_kernel
+    monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", 1)  # FP4 takes the kernel where the pass would slice
+    q, _, cache, table, seqlens, kv_scale = _problem(4, 1, 128, 64, [300, 1000, 5, 64], fmt, torch.bfloat16)
+    plan = wf.mla.plan(q, cache, table, kv_format=fmt)
+    plan.run(q, cache, table, seqlens, kv_scale=kv_scale)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = plan.run(q, cache, table, seqlens, kv_scale=kv_scale)
+    seqlens.add_(7)
+    graph.replay()
+    check_dequantised(g_out, g_lse, q, cache, table, seqlens, fmt, False, kv_scale)
+    assert len(gluon_calls) == 2
+
+
 def test_plan_carries_the_flag_to_the_op():
     """On any machine: a plan's gluon flag reaches the op (the op's schema takes it)."""
     assert "gluon" in str(api._mla_decode.op._schema)
