@@ -88,6 +88,16 @@ needs_gate = pytest.mark.skipif(not _on_h200_gate(), reason="the Gluon path runs
 LENS = [0, 1, 63, 64, 65, 1000, 129, 2047]
 
 
+def _past_the_ends(cache, table, lens):
+    """[num_pages, 64] True for every cache row no request reads (page tails past the lengths, unused and spare
+    pages): the rows the Gluon kernel loads with whole pages and must keep out of S and P·V."""
+    used = torch.zeros(cache.shape[0], 64, dtype=torch.bool, device=cache.device)
+    for i, n in enumerate(lens):
+        for p in range(-(-n // 64)):
+            used[table[i, p], : min(64, n - 64 * p)] = True
+    return ~used
+
+
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """Records num_splits of each Gluon launch made through api's dispatch."""
@@ -111,8 +121,8 @@ def test_gpu_matches_reference(h_q, s_q, causal, splits, gluon_calls):
 @pytest.mark.parametrize("slices", [1, 3])
 def test_gpu_quantized_caches_on_dequantised_pages(fmt, page, h_q, s_q, causal, slices, gluon_calls, monkeypatch):
     """Quantized caches at 64+ rows: pages dequantised to bf16 scratch (dequant_kernel.py), then the Gluon kernel,
-    in `slices` launches; against the fp32 reference on the quantized cache. (FP8 at page 64 is read by the kernel
-    itself unless switched off, as here.)"""
+    in `slices` launches; against the fp32 reference on the quantized cache. (Quantized caches of page 64 may be read
+    by the kernel itself instead, api.quantized_in_kernel: switched off here.)"""
     from warpforge.ops.mla import dequant_kernel
     monkeypatch.setenv(configs.GLUON_IN_KERNEL_ENV, "0")
     lens = [0, 1, 63, 64, 65, 1000, 129]
@@ -137,11 +147,7 @@ def test_gpu_quantized_cache_read_by_the_kernel(fmt, h_q, s_q, causal, splits, g
     passes = spy_launches(monkeypatch, dequant_kernel, "mla_decode_dequantized", lambda args: 1)
     monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", 1)  # FP4 takes the kernel where the pass would slice
     q, _, cache, table, seqlens, kv_scale = _problem(len(LENS), s_q, h_q, 64, LENS, fmt, torch.bfloat16)
-    valid = torch.zeros(cache.shape[0], 64, dtype=torch.bool, device=cache.device)
-    for i, n in enumerate(LENS):
-        for p in range(-(-n // 64)):
-            valid[table[i, p], : min(64, n - 64 * p)] = True
-    cache[~valid] = 0x7F  # e4m3 NaN, and NaN scales and rope
+    cache[_past_the_ends(cache, table, LENS)] = 0x7F  # e4m3 NaN (FP8's codes, scales and rope; NVFP4's scales)
     out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,
                              num_splits=splits)
     assert len(gluon_calls) == 1 and not passes
@@ -173,11 +179,7 @@ def test_gpu_garbage_past_the_end_stays_out(splits, gluon_calls):
     kernel reads whole pages through TMA, so it must keep them out of both S and P·V."""
     lens = [65, 1000, 1, 127]
     q, _, cache, table, seqlens, _ = _problem(len(lens), 1, 128, 64, lens, "bf16", torch.bfloat16)
-    valid = torch.zeros(cache.shape[0], 64, dtype=torch.bool, device=cache.device)
-    for i, n in enumerate(lens):
-        for p in range(-(-n // 64)):
-            valid[table[i, p], : min(64, n - 64 * p)] = True
-    cache[~valid] = float("nan")
+    cache[_past_the_ends(cache, table, lens)] = float("nan")
     _check(q, cache, table, seqlens, "bf16", False, splits)
     assert len(gluon_calls) == 1
 

@@ -41,8 +41,8 @@ class DequantCfg(NamedTuple):
     warps: int
 
 
-# session 17's first form (one page, 4 warps) everywhere until `warpforge tune mla --dequant` has run on the H200
-# (it read ~2.4 TB/s there for FP8 inside the h_q 128 bench row: benchmarks/NOTES.md)
+# one page, 4 warps: `warpforge tune mla --dequant` on the H200 (session 18, b 128, h_q 128, L 8k) found it best for
+# FP8 (~3.1 TB/s) and NVFP4, and MXFP4's best (1, 8) within noise of it (benchmarks/NOTES.md)
 DEQUANT = TileTable({"cpu": {"any": DequantCfg(1, 1)}, "default": {"any": DequantCfg(1, 4)}})
 
 # The Hopper Gluon kernel (decode_gluon_kernel.py; api.gluon_gate decides): its fixed tile and gate constants.
