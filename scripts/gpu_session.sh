@@ -110,6 +110,7 @@ for step in "$@"; do
                      grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
     # FP8 MLA caches read by the Gluon kernel itself (in-place dequantisation in shared memory): GPU tests, the
     # h_q 128 rows, then FP8 through the dequantisation pass (WARPFORGE_MLA_GLUON_IN_KERNEL=0) beside them
+    mla-graph-q) timeout 120 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "graph_capture" > "$w/mla-graph-q.log" 2>&1; tail -n 3 "$w/mla-graph-q.log" ;;
     mla-quant) timeout 250 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
                > "$w/mla-quant-tests.log" 2>&1; tail -n 3 "$w/mla-quant-tests.log"
              timeout 150 python3 -m warpforge bench --family mla --match 'h128 s_q1 L(1k|8k) ' --json "$w/mla-h128.json" \
@@ -175,6 +176,10 @@ for step in "$@"; do
                   > "$w/window_d64_tests.log" 2>&1; tail -n 15 "$w/window_d64_tests.log" ;;
     gpu-tests-*) timeout 240 python3 -m pytest -q -m gpu $par $(echo "${step#gpu-tests-}" | tr ',' '\n' | sed 's|^|tests/|') \
                    > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1; tail -n 15 "$w/$(echo "$step" | tr '/,' '__').log" ;;
+    paged-gluon) timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or gluon or graph or portable or helper)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 5 "$w/paged-gluon-tests.log"
+                 timeout 150 python3 -m warpforge tune paged --L 16384 --formats fp8gluon,fp8,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_16k.json" > "$w/tune_paged_gluon_16k.log" 2>&1
+                 timeout 80 python3 -m warpforge tune paged --L 4096 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_4k.json" > "$w/tune_paged_gluon_4k.log" 2>&1
+                 tail -n 50 "$w"/tune_paged_gluon_16k.log "$w"/tune_paged_gluon_4k.log ;;
     paged-fp8mma) timeout 70 python3 -m pytest -q tests/paged/test_paged_decode.py -k "fp8_mma or quantised_cache or look_ahead" > "$w/paged-fp8mma-tests.log" 2>&1; tail -n 3 "$w/paged-fp8mma-tests.log"
                   timeout 130 python3 -m warpforge tune paged --L 16384 --formats bf16,fp8,fp8mma --bf16-tiles 2 --out "$w/tune_paged_fp8mma_16k.json" > "$w/tune_paged_fp8mma_16k.log" 2>&1
                   tail -n 30 "$w/tune_paged_fp8mma_16k.log" ;;

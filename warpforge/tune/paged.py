@@ -1,7 +1,7 @@
 """Sweep paged GQA decode tiles and split counts on this GPU (issue 18's shape: b 64, h_q 32, h_kv 8, d 128,
 page 16, pages shuffled) at one cache length, each from a CUDA graph.
 
-    warpforge tune paged [--L 4096] [--formats bf16,fp8,fp8mma] [--out tune_paged.json]
+    warpforge tune paged [--L 4096] [--formats bf16,fp8,fp8mma,fp8gluon] [--out tune_paged.json]
 
 Prints each result as it lands; winners go into warpforge/ops/paged/configs.py's DECODE table with the numbers
 in benchmarks/NOTES.md.
@@ -24,13 +24,18 @@ TILES = [(16, 64, 4, 3, False), (16, 64, 4, 2, False), (16, 32, 4, 3, False), (1
 FP8_TILES = [(16, 128, 4, 2, False, 2, True), (16, 64, 4, 2, False, 2, True), (16, 128, 8, 2, False, 2, True),
              (16, 64, 4, 2, False, 2, True, True), (16, 64, 4, 1, False, 2, True, True),
              (16, 32, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True)]
-# fp8 on fp8 tensor cores (fp8_mma, fp8_tokens_m: PagedCfg's last two fields): sm_90 compiles (Triton 3.6, GQA 4)
+# fp8 on fp8 tensor cores (PagedCfg's fp8_mma and fp8_tokens_m, the tuples' last two fields): sm_90 compiles (Triton 3.6, GQA 4)
 # 168 regs at 128-token steps, 126 at 64 (3 stages, page ids ahead: K copies two steps ahead), 223 with V
 # prefetched in registers (128-token steps with the prefetch spill); fp8_mma 1 is the speed of one e4m3 per q / p
 # (its accuracy misses the bar on random data: 1 - cos 1.2e-3 emulated)
 FP8_MMA_TILES = [(16, 128, 4, 2, False, 8, False, False, 2, True), (16, 128, 4, 3, True, 8, False, False, 2, True),
                  (16, 64, 4, 3, True, 8, False, False, 2, True), (16, 64, 4, 3, True, 8, False, True, 2, True),
                  (16, 64, 8, 3, True, 8, False, True, 2, True), (16, 128, 4, 3, True, 8, False, False, 1, True)]
+# the Gluon kernel (decode_gluon_kernel.py; sm_90, Triton 3.6): block_n = 4 warps' tokens (64: 16 a warp, 128: 32),
+# stages = the cp.async ring's slots (64-token steps, 4 slots: 72 KB and 162 regs, three programs per SM)
+GLUON_TILES = [PagedCfg(16, 64, 4, 4, gluon=True), PagedCfg(16, 64, 4, 3, gluon=True),
+               PagedCfg(16, 64, 4, 6, gluon=True), PagedCfg(16, 128, 4, 3, gluon=True),
+               PagedCfg(16, 128, 4, 2, gluon=True)]
 FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 1, False, 2, True, True),
              (16, 64, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True),
              (16, 128, 8, 1, False, 2, True, True), (16, 32, 4, 2, False, 2, False, True)]
@@ -46,9 +51,10 @@ def main(argv=None):
     b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
     results = []
     for fmt in args.formats.split(","):
-        tiles = {"nvfp4": FP4_TILES, "mxfp4": FP4_TILES, "fp8": FP8_TILES, "fp8mma": FP8_MMA_TILES}.get(fmt, TILES)
+        tiles = {"nvfp4": FP4_TILES, "mxfp4": FP4_TILES, "fp8": FP8_TILES, "fp8mma": FP8_MMA_TILES,
+                 "fp8gluon": GLUON_TILES}.get(fmt, TILES)
         tiles = tiles[:args.bf16_tiles] if fmt == "bf16" and args.bf16_tiles else tiles
-        fmt = "fp8" if fmt == "fp8mma" else fmt  # "fp8mma": the fp8 cache with FP8_MMA_TILES
+        fmt = "fp8" if fmt.startswith("fp8") else fmt  # "fp8mma" / "fp8gluon": the fp8 cache with those tiles
         pages = b * (-(-L // page))
         # K and V separate tensors: one tensor for both would read V from L2 after K
         k_vals, v_vals = (torch.randn(pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -64,8 +70,8 @@ def main(argv=None):
         base = plan(q, k_cache, table, kv_format=fmt)
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
         for t in tiles:
-            cfg = PagedCfg(*t)
-            for splits in ((1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
+            cfg = t if isinstance(t, PagedCfg) else PagedCfg(*t)
+            for splits in ((1, 2, 4, 8) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():
@@ -76,8 +82,8 @@ def main(argv=None):
                 except Exception as exc:  # out of shared memory: not a candidate
                     print(f"{fmt} {t} splits {splits}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
                     continue
-                results.append(dict(fmt=fmt, cfg=t, splits=splits, ms=ms, tbps=kv_bytes / ms / 1e9))
-                print(f"{fmt} {t} splits {splits}: {ms:.4f} ms {kv_bytes / ms / 1e9:.2f} TB/s", flush=True)
+                results.append(dict(fmt=fmt, cfg=list(t), splits=splits, ms=ms, tbps=kv_bytes / ms / 1e9))
+                print(f"{fmt} {tuple(t)} splits {splits}: {ms:.4f} ms {kv_bytes / ms / 1e9:.2f} TB/s", flush=True)
         k_cache = v_cache = None
         torch.cuda.empty_cache()
     if args.out:

@@ -9,6 +9,7 @@ op. run() reads nothing back to the host when capturing, so one plan serves ever
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -46,9 +47,14 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_seqlens: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                  kv_format: str, softmax_scale: float, softcap: float, window: int, num_splits: int,
                  cfg: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = configs.PagedCfg(*cfg)
+    if cfg.gluon:  # plan()'s gluon_gate held (decode_gluon_kernel.py)
+        from .decode_gluon_kernel import paged_decode_gluon
+        return paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale,
+                                  num_splits, cfg.block_n // 4, cfg.stages)
     from .decode_kernel import paged_decode_fwd
     return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, KV_FORMATS[kv_format],
-                            softmax_scale, softcap, window if window >= 0 else None, num_splits, configs.PagedCfg(*cfg))
+                            softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg)
 
 
 def _decode_fake(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, kv_format, softmax_scale, softcap,
@@ -117,12 +123,27 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else kv_format, block_d)
     rows = (h_q // h_kv) * s_q
     cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
+    if gluon_gate(q, kv_format, d, rows, softcap, window):
+        cfg = configs.GLUON[kv_format]._replace(block_h=cfg.block_h)
     if num_splits is None:
         num_splits = plan_num_splits(b, h_kv, -(-rows // cfg.block_h), max_tokens, sm_count(q.device), waves=cfg.waves)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
     return PagedPlan(batch=b, s_q=s_q, h_q=h_q, page_size=k_cache.shape[1], kv_format=kv_format, softmax_scale=scale,
                      dtype=q.dtype, num_splits=num_splits, softcap=float(softcap) if softcap is not None else None,
                      window=window, h_kv=h_kv, head_dim=d, max_pages=block_table.shape[1], config=cfg)
+
+
+def gluon_gate(q, kv_format, d, rows, softcap, window) -> bool:
+    """Whether plan() takes the Hopper Gluon kernel (decode_gluon_kernel.py): an sm_90 GPU, a Triton in
+    configs.GLUON_TRITON_VERSIONS, WARPFORGE_PAGED_GLUON not "0", a format it reads (configs.GLUON), d 128, at most 16
+    query rows per kv head (GQA group · s_q), fp16 / bf16 q, no softcap or window."""
+    if (kv_format not in configs.GLUON or d != 128 or rows > 16 or softcap is not None or window is not None
+            or q.dtype not in (torch.float16, torch.bfloat16) or q.device.type != "cuda"
+            or os.environ.get(configs.GLUON_ENV, "1") == "0"):
+        return False
+    import triton
+    return (triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
+            and torch.cuda.get_device_capability(q.device) == (9, 0))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

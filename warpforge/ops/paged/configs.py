@@ -28,6 +28,8 @@ class PagedCfg(NamedTuple):
     #                   rounding error: two dots each, ~7 mantissa bits); 0 = dequantise in registers
     fp8_tokens_m: bool = False  # fp8_mma's dots transposed (Sᵀ = K·qᵀ, Oᵀ = Vᵀ·Pᵀ): the cache tokens are the MMA's
     #                             M, so sm_90's wgmma (M >= 64; Triton runs fp8 dots only there) pads no query rows
+    gluon: bool = False  # the Hopper Gluon kernel (decode_gluon_kernel.py): block_n = 4 warps' tokens per step,
+    #                      stages = its cp.async ring's slots; block_h, warps and the other knobs do not apply
 
 
 C = PagedCfg
@@ -47,6 +49,13 @@ DECODE = TileTable({
              "nvfp4": {0: C(64, 32, 4, 2, waves=8, prefetch=True), 256: C(64, 32, 4, 2)},
              "mxfp4": {0: C(64, 32, 4, 2, waves=8, prefetch=True), 256: C(64, 32, 4, 2)}},
 })
+
+
+# The Gluon kernel (decode_gluon_kernel.py), where api.gluon_gate holds: sm_90 and a Triton in GLUON_TRITON_VERSIONS,
+# an fp8 cache, d 128, GQA group · s_q <= 16, no softcap or window. WARPFORGE_PAGED_GLUON=0 turns it off.
+GLUON_ENV = "WARPFORGE_PAGED_GLUON"
+GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree
+GLUON = {"fp8": C(16, 64, 4, 4, waves=8, gluon=True)}
 
 
 class AppendCfg(NamedTuple):

@@ -1,0 +1,134 @@
+"""The Hopper Gluon paged decode (ops/paged/decode_gluon_kernel.py): the api gate, the column relabelling, compiled
+for sm_90 on CPU when the installed Triton is one its Gluon API was written for, and checked against the fp32
+reference on an sm_90 GPU (the family's other GPU tests take it too wherever the gate holds)."""
+import os
+
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess, import_loads_gluon
+from warpforge.ops.paged import api, configs
+from warpforge.ops.paged import decode_gluon_kernel as dg
+from warpforge.testing import REL_L2, cosine, gluon_triton, on_sm90_gluon, rel_l2, spy_launches, triton_version
+
+from .test_paged_decode import DEV, _check, _decode, _problem, _reference
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _on_h200_gate() -> bool:
+    return on_sm90_gluon(dg.GLUON_TRITON_VERSIONS) and os.environ.get(configs.GLUON_ENV, "1") != "0"
+
+
+def test_gate_constants_agree_and_import_is_lazy():
+    assert configs.GLUON_TRITON_VERSIONS == dg.GLUON_TRITON_VERSIONS
+    assert all(c.gluon and c.block_n % 4 == 0 and c.block_n // 4 in (16, 32) for c in configs.GLUON.values())
+    assert not import_loads_gluon(("warpforge.ops.paged.decode_gluon_kernel",), ROOT)
+
+
+def test_column_relabellings_are_permutations():
+    """The score dot reads cache column sigma_k(k) as its column k (q's loaded the same way), and P·V's column n is
+    cache column sigma_v(n) (stored back there): both permutations of 0..127."""
+    assert sorted(dg.sigma_k(k) for k in range(128)) == list(range(128))
+    assert sorted(dg.sigma_v(n) for n in range(128)) == list(range(128))
+
+
+def test_gate_off_where_it_does_not_apply(monkeypatch):
+    p = _problem(2, 1, 8, 2, 128, 16, [37, 5], "fp8", torch.float16)
+    on = _on_h200_gate()
+    plan = wf.paged.plan(p["q"], p["k_cache"], p["block_table"], kv_format="fp8")
+    assert plan.config.gluon == on
+    # not for: softcap, a window, d != 128, more than 16 rows per kv head, the switch off, other formats
+    assert not wf.paged.plan(p["q"], p["k_cache"], p["block_table"], kv_format="fp8", softcap=30.0).config.gluon
+    assert not wf.paged.plan(p["q"], p["k_cache"], p["block_table"], kv_format="fp8", window=8).config.gluon
+    q64 = p["q"][..., :64].contiguous()
+    assert not wf.paged.plan(q64, p["k_cache"][..., :64].contiguous(), p["block_table"], kv_format="fp8").config.gluon
+    q5 = p["q"].expand(2, 5, 8, 128).contiguous()   # GQA 4 · s_q 5 = 20 rows
+    assert not wf.paged.plan(q5, p["k_cache"], p["block_table"], kv_format="fp8").config.gluon
+    bf = _problem(2, 1, 8, 2, 128, 16, [37, 5], "fp16", torch.float16)
+    assert not wf.paged.plan(bf["q"], bf["k_cache"], bf["block_table"], kv_format="fp16").config.gluon
+    monkeypatch.setenv(configs.GLUON_ENV, "0")
+    assert not wf.paged.plan(p["q"], p["k_cache"], p["block_table"], kv_format="fp8").config.gluon
+
+
+# ------------------------------------------------------------------------------------ compile for sm_90
+COMPILE_CASES = [
+    dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1),
+    dict(group=8, s_q=2, num_splits=3, page=1, scale_mode=2),
+    dict(group=1, s_q=1, num_splits=2, page=64, scale_mode=0),
+]
+
+
+@pytest.mark.skipif(not gluon_triton(dg.GLUON_TRITON_VERSIONS), reason="the Gluon kernel is written for Triton "
+                    f"{dg.GLUON_TRITON_VERSIONS} (installed: {triton_version()}); its API differs between releases")
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_compiles_for_sm90(case):
+    cfg = configs.GLUON["fp8"]
+    r = compile_in_subprocess("warpforge.ops.paged.decode_gluon_kernel",
+                              dict(case, tpw=cfg.block_n // 4, stages=cfg.stages), ROOT)
+    print(f"\n{case}: {r['registers']} registers/thread, spills {r['spill_stores']}/{r['spill_loads']} B, "
+          f"shared {r['shared_bytes']} B, warps {r['num_warps']}")
+    assert r["ptxas_rc"] == 0, r["ptxas_log"]
+    assert r["num_warps"] == 4 and r["shared_bytes"] <= SMEM_MAX
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
+    # three programs per SM: 3 · 128 threads · registers <= 64K
+    assert r["registers"] <= 168 and 3 * r["shared_bytes"] <= SMEM_MAX
+
+
+# ------------------------------------------------------------------------------------------ GPU numerics
+needs_gate = pytest.mark.skipif(not _on_h200_gate(), reason="the Gluon path runs on sm_90 with Triton "
+                                f"{dg.GLUON_TRITON_VERSIONS} (and {configs.GLUON_ENV} != 0)")
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Records num_splits of each Gluon launch made through api's dispatch."""
+    return spy_launches(monkeypatch, dg, "paged_decode_gluon", lambda args: args[8])
+
+
+# (b, s_q, h_q, h_kv, page, lens, splits): GQA 4 / 8 / 1 / 16 rows, pages 16 / 1 / 64, lengths shorter than a step,
+# across steps and pages, == s_q; splits planned / 1 / 3 / more than the steps
+GPU_SHAPES = [
+    (3, 1, 32, 8, 16, [1000, 37, 1], None),
+    (2, 2, 16, 2, 1, [50, 2], 3),
+    (2, 1, 8, 8, 64, [300, 129], 1),
+    (2, 4, 32, 8, 16, [700, 4], 7),
+    (1, 1, 16, 1, 32, [4097], None),
+]
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "fp8-float"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,s_q,h_q,h_kv,page,lens,splits", GPU_SHAPES)
+def test_gpu_matches_reference(b, s_q, h_q, h_kv, page, lens, splits, fmt, q_dtype, gluon_calls):
+    """Against fp32 on the same cache (the unused slots hold e4m3 NaN codes): within fp16 dots' rounding."""
+    p = _problem(b, s_q, h_q, h_kv, 128, page, lens, fmt, q_dtype)
+    out, lse = _decode(p, num_splits=splits)
+    assert gluon_calls
+    ref, ref_lse = _reference(p)
+    assert rel_l2(out, ref) <= REL_L2[q_dtype] and 1 - cosine(out, ref) <= 1e-5
+    assert torch.isfinite(lse).all() and torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_same_answer_as_the_portable_kernel(monkeypatch, gluon_calls):
+    """The Gluon kernel and the Triton kernel on one problem (Llama-3-8B's heads, per-page scales)."""
+    p = _problem(4, 1, 32, 8, 128, 16, [4096, 3001, 17, 1], "fp8-page", torch.bfloat16)
+    out = _decode(p)[0]
+    assert gluon_calls
+    monkeypatch.setenv(configs.GLUON_ENV, "0")
+    portable = _decode(p)[0]
+    assert 1 - cosine(out, portable) <= 1e-5 and rel_l2(out, portable) <= REL_L2[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_check_helper_passes(gluon_calls):
+    """The family's own _check (fp16 q) on the Gluon path."""
+    _check(_problem(2, 1, 8, 2, 128, 16, [37, 5], "fp8", torch.float16))
+    assert gluon_calls
+    assert DEV.type == "cuda"

@@ -1,0 +1,332 @@
+"""Paged GQA decode over an FP8 cache for Hopper (sm_90) in Gluon: a deep cp.async ring, each warp its own tokens.
+
+The same problem and outputs as decode_kernel.paged_decode_split_kernel for the case the api gate sends here (an
+e4m3 cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window): program (request ·
+split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at a time and writes the split's partials, or with one
+split the final out / lse. Any page size: every token row is its own 16-byte-chunked cp.async.
+
+Why this kernel (benchmarks/NOTES.md, "Paged decode in Gluon", session 19): the portable kernel reads FP8 at 62-65%
+of the copy bandwidth. Its pipeliner waits for every copy at the top of each step (`cp.async.wait_group 0`), so a
+program never overlaps its own loads with its math, and V reaches the P·V MMA as one-byte shared-memory gathers (its
+reduction dim, the tokens, is strided). Here:
+- the raw bytes of STAGES - 1 steps are always in flight (the ring waits for the oldest group only);
+- each of the four warps owns TPW of a step's tokens and keeps its own running max, row sums and [16, 128]
+  accumulator (split-K inside the program: no cross-warp softmax per step, no shared P); the warps' partials are
+  combined once at the end;
+- K and V are read from shared memory as 16-byte vectors in layouts (LK, LV) whose registers, after e4m3 -> fp16
+  and a reshape that relabels the head dim, are exactly the mma.sync operand fragments (checked at compile time:
+  `convert_layout(..., assert_trivial=True)`). The relabelling permutes the head dim: q's columns are loaded
+  through SIGMA_K (the score dot runs over a permuted d, which changes nothing), and the output's columns are
+  stored through SIGMA_V (P·V's columns come out permuted).
+Dots run in fp16 (e4m3 -> fp16 is exact and one cvt per pair; q · softmax scale and the probabilities are rounded
+to fp16, finer than bf16), accumulate in fp32. Per-tensor scales multiply the scores and the output; per-page-head
+scales multiply each token's scores and probabilities.
+
+Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
+dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LOG2E = 1.4426950408889634
+D = 128             # the head dim this kernel is written for
+ROWS = 16           # query rows per program (GQA group · s_q, padded): one mma.sync M
+WARPS = 4
+GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
+# (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
+MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
+
+
+def sigma_k(k: int) -> int:
+    """The cache column the score dot's logical column k reads (LK's relabelling: see _layouts)."""
+    return (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)
+
+
+def sigma_v(n: int) -> int:
+    """The cache (and output) column P·V's logical column n holds (LV's relabelling)."""
+    return ((n & 7) << 4) | (n >> 3)
+
+
+def _layouts(gl, tpw: int):
+    """(MMA, A, B, LK, LV, CP, SMEM) for TPW tokens per warp. LK / LV hold a warp's [TPW, 128] K / V bytes with 16
+    (LV) or 32 (LK) consecutive cache columns of a token in one thread's registers; reshaped so that logical column
+    k is cache column sigma_k(k) (sigma_v for V), they are the mma.sync B fragments of Kᵀ [128, TPW] and V [TPW,
+    128] with no data movement."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    more = [[0, 16, 0]] if tpw == 32 else []
+    warps = [[1, 0, 0], [2, 0, 0]]
+    lk = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0]] + more,
+        lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
+        shape=[WARPS, tpw, D])
+    lv = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]] + more,
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
+        shape=[WARPS, tpw, D])
+    cp = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])   # one 16-byte cp.async per thread
+    # 16-byte chunks XOR-swizzled by the token row: the cp.async writes and LK / LV's reads are conflict-free
+    smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
+    return mma, a, b, lk, lv, cp, smem
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    MAX_INIT_C = gl.constexpr(MAX_INIT)
+
+    @gluon.jit
+    def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, bt_row, n0, end, last_page, kvh64,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+               PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr):
+        """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..) into the ring's
+        slot; tokens >= end are zero-filled, their page ids clamped."""
+        w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+        t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
+        d = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
+        tok = n0 + w[:, None] * TPW + t[None, :]
+        ok = tok < end
+        page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
+        page = gl.minimum(gl.maximum(page, 0), last_page).to(gl.int64)
+        row = (tok % PAGE).to(gl.int64)
+        mask = ok[:, :, None] & (d >= 0)[None, None, :]   # Gluon does not broadcast masks
+        k_off = page * stride_kp + row * stride_kt + kvh64 * stride_kh
+        v_off = page * stride_vp + row * stride_vt + kvh64 * stride_vh
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), K_CACHE + k_off[:, :, None] + d[None, None, :],
+                                               mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(slot), V_CACHE + v_off[:, :, None] + d[None, None, :],
+                                               mask=mask)
+
+    @gluon.jit
+    def _token_scale(SCALE, bt_row, tok, ok, last_page, kvh64, stride_sp, stride_sh, PAGE: gl.constexpr):
+        """Per-page-head fp32 scales of tokens tok (1 where not ok)."""
+        page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
+        page = gl.minimum(gl.maximum(page, 0), last_page).to(gl.int64)
+        return gl.load(SCALE + page * stride_sp + kvh64 * stride_sh, mask=ok, other=1.0)
+
+    @gluon.jit
+    def paged_decode_gluon_kernel(
+        Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
+        stride_qb, stride_qs, stride_qh,
+        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+        stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
+        stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
+        stride_ls, stride_lb,
+        qk_scale, capacity, last_page, n_splits,
+        H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
+        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
+        MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
+        SMEM: gl.constexpr,
+    ):
+        """Program (b · n_splits + split, kv head), as the portable kernel's grid. SCALE_MODE: 0 none, 1 per tensor
+        (K_SCALE / V_SCALE one element), 2 per page and head. Lengths are clamped to [0, capacity] and page ids to
+        [0, last_page] (unchecked values under a CUDA-graph capture must not read outside the tensors)."""
+        BLOCK_N: gl.constexpr = 4 * TPW
+        split = gl.program_id(0) % n_splits
+        b64 = (gl.program_id(0) // n_splits).to(gl.int64)
+        kvh = gl.program_id(1)
+        kvh64 = kvh.to(gl.int64)
+        length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
+        per_split = gl.cdiv(gl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = gl.minimum(start + per_split, length)
+        n_steps = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        bt_row = BLOCK_TABLE + b64 * stride_bt
+
+        k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+        v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+        for i in gl.static_range(STAGES - 1):
+            _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh64,
+                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP)
+            async_copy.commit_group()
+
+        # q · softmax scale (log2 units) as fp16, its columns through sigma_k, the same 16 rows in every warp
+        QL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
+        r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
+        k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
+        col = (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)   # sigma_k
+        r_ok = r < GROUP * S_Q
+        q_row = b64 * stride_qb + (r // GROUP).to(gl.int64) * stride_qs + (kvh * GROUP + r % GROUP).to(gl.int64) * \
+            stride_qh
+        w0 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
+        q_mask = (w0 >= 0)[:, None, None] & r_ok[None, :, None] & (k >= 0)[None, None, :]
+        q = gl.load(Q + q_row[None, :, None] + col[None, None, :] + 0 * w0[:, None, None], mask=q_mask, other=0.0)
+        qa = gl.convert_layout((q.to(gl.float32) * qk_scale).to(gl.float16), A)
+
+        ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
+        TOK: gl.constexpr = gl.SliceLayout(1, MMA)     # [4, TPW]: per warp and token
+        rs = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW))
+        pos = length - S_Q + rs // GROUP   # each query row's own position: it sees tokens <= pos
+        wt = gl.arange(0, 4, layout=gl.SliceLayout(1, TOK))
+        tt = gl.arange(0, TPW, layout=gl.SliceLayout(0, TOK))
+        k_s = 1.0
+        v_s = 1.0
+        if SCALE_MODE == 1:
+            k_s = gl.load(K_SCALE)
+            v_s = gl.load(V_SCALE)
+        m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
+        l_i = gl.zeros([4, 16], gl.float32, ROW)
+        acc = gl.zeros([4, 16, 128], gl.float32, MMA)
+        for i in range(n_steps):
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
+            _issue(K_CACHE, V_CACHE, k_ring, v_ring, (i + STAGES - 1) % STAGES, bt_row,
+                   start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh64,
+                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP)
+            async_copy.commit_group()
+            slot = i % STAGES
+            kx = k_ring.index(slot).load(LK).to(gl.float16)
+            kx = gl.reshape(gl.permute(gl.reshape(kx, [4, TPW, 4, 16, 2]), [0, 1, 3, 2, 4]), [4, TPW, 128])
+            kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
+            s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
+            tok = start + i * BLOCK_N + wt[:, None] * TPW + tt[None, :]
+            t_ok = tok < end
+            if SCALE_MODE == 1:
+                s = s * k_s
+            if SCALE_MODE == 2:
+                s = s * _token_scale(K_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_ksp, stride_ksh,
+                                     PAGE)[:, None, :]
+            seen = t_ok[:, None, :] & (tok[:, None, :] <= pos[None, :, None])
+            s = gl.where(seen, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=2))
+            p = gl.exp2(s - m_new[:, :, None])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=2)
+            m_i = m_new
+            if SCALE_MODE == 2:
+                p = p * _token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
+                                     PAGE)[:, None, :]
+            pa = gl.convert_layout(p.to(gl.float16), A, assert_trivial=True)
+            vx = v_ring.index(slot).load(LV).to(gl.float16)
+            vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
+            vb = gl.convert_layout(vx, B, assert_trivial=True)
+            acc = mma_v2(pa, vb, acc * alpha[:, :, None])
+        async_copy.wait_group(0)
+
+        # the four warps' partials -> one: the common max, each warp's rescale, the sums
+        m_all = gl.max(m_i, axis=0)
+        w_scale = gl.exp2(m_i - m_all[None, :])
+        l_all = gl.sum(l_i * w_scale, axis=0)
+        out = gl.sum(acc * w_scale[:, :, None], axis=0)   # [16, 128] in SliceLayout(0, MMA)
+        OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+        empty = l_all == 0.0
+        l_safe = gl.where(empty, 1.0, l_all)
+        norm = gl.convert_layout(v_s / l_safe, gl.SliceLayout(1, OUT))
+        out = out * norm[:, None]
+        ro = gl.arange(0, 16, layout=gl.SliceLayout(1, OUT))
+        n = gl.arange(0, 128, layout=gl.SliceLayout(0, OUT))
+        o_col = ((n & 7) << 4) | (n >> 3)   # sigma_v
+        j = ro // GROUP
+        h = kvh * GROUP + ro % GROUP
+        ro_ok = ro < GROUP * S_Q
+        if FINAL:
+            o_ptrs = O_PART + b64 * stride_ob + j[:, None].to(gl.int64) * stride_os + h[:, None].to(gl.int64) * \
+                stride_oh
+        else:
+            orow = (j * H_Q + h).to(gl.int64)
+            o_ptrs = O_PART + split.to(gl.int64) * stride_os + b64 * stride_ob + orow[:, None] * stride_oh
+        gl.store(o_ptrs + o_col[None, :], out.to(O_PART.dtype.element_ty),
+                 mask=ro_ok[:, None] & (n >= 0)[None, :])
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        lse2 = gl.convert_layout(gl.where(empty, float("-inf"), m_all + gl.log2(l_safe)), VEC)
+        rv = gl.arange(0, 16, layout=VEC)
+        jv = rv // GROUP
+        hv = kvh * GROUP + rv % GROUP
+        if FINAL:
+            gl.store(LSE_PART + b64 * stride_lb + hv * S_Q + jv, lse2 * 0.6931471805599453, mask=rv < GROUP * S_Q)
+        else:
+            gl.store(LSE_PART + split.to(gl.int64) * stride_ls + b64 * stride_lb + jv * H_Q + hv, lse2,
+                     mask=rv < GROUP * S_Q)
+
+    return paged_decode_gluon_kernel, gl
+
+
+def available() -> bool:
+    """This Triton's Gluon is one the kernel was written for (and imports)."""
+    from .._gluon import builds
+    return builds(_build, GLUON_TRITON_VERSIONS)
+
+
+def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, o_part, lse_part,
+                num_splits, tpw, stages):
+    """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
+    o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials."""
+    kernel, gl = _build()
+    b, s_q, h_q, _ = q.shape
+    h_kv = k_cache.shape[2]
+    final = num_splits == 1
+    if final:
+        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
+        l_strides = (0, lse_part.stride(0))
+    else:
+        o_strides = (o_part.stride(1), o_part.stride(0), o_part.stride(2))
+        l_strides = (lse_part.stride(0), lse_part.stride(1))
+    if k_scale is None:
+        mode, k_scale, v_scale = 0, cache_seqlens, cache_seqlens   # pointers the kernel does not read
+    else:
+        mode = 1 if k_scale.numel() == 1 else 2
+
+    def scale_strides(t):
+        return (0, 0) if mode != 2 else (t.stride(0), t.stride(1))
+    mma, a, bl, lk, lv, cp, smem = _layouts(gl, tpw)
+    args = (q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), block_table.stride(0), *scale_strides(k_scale), *scale_strides(v_scale),
+            *o_strides, *l_strides,
+            softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
+            max(k_cache.shape[0] - 1, 0), num_splits)
+    meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
+                STAGES=stages, MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem, num_warps=WARPS)
+    return kernel, (num_splits * b, h_kv), args, meta
+
+
+def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
+                       tpw, stages):
+    """The Gluon path of paged_decode_fwd (fp8 cache, d 128, GQA group · s_q <= 16, no softcap / window): (out,
+    lse) as the portable launcher returns them, through the same partials + combine_splits when num_splits > 1."""
+    from ..shared_kernels import combine_splits
+    b, s_q, h_q, d = q.shape
+    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if b == 0:
+        return out, lse
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = out, lse
+    else:
+        o_part = torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32)
+    kernel, grid, args, meta = launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
+                                           softmax_scale, o_part, lse_part, num_splits, tpw, stages)
+    kernel[grid](*args, **meta)
+    if not final:
+        combine_splits(o_part, lse_part, out, lse, h_q, s_q)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------ compile-only check
+def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, tpw=16, stages=4, arch=90):
+    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
+    from .._gluon import compile_report
+    b, h_kv, pages, max_pages = 2, 2, 8, 4
+    h_q = group * h_kv
+    q = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16)
+    kc = torch.empty(pages, page, h_kv, D, dtype=torch.float8_e4m3fn)
+    table = torch.zeros(b, max_pages, dtype=torch.int32)
+    lens = torch.zeros(b, dtype=torch.int32)
+    scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
+    if num_splits == 1:
+        o_part, lse_part = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
+    else:
+        o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D), torch.empty(num_splits, b, s_q * h_q)
+    kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
+                                           num_splits, tpw, stages)
+    return compile_report(kernel, args, grid, meta, arch)
