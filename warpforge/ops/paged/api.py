@@ -51,7 +51,7 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if cfg.gluon:  # plan()'s gluon_gate held (decode_gluon_kernel.py)
         from .decode_gluon_kernel import paged_decode_gluon
         return paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale,
-                                  num_splits, cfg.block_n // 4, cfg.stages)
+                                  num_splits, cfg)
     from .decode_kernel import paged_decode_fwd
     return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, KV_FORMATS[kv_format],
                             softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg)

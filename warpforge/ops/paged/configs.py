@@ -29,7 +29,10 @@ class PagedCfg(NamedTuple):
     fp8_tokens_m: bool = False  # fp8_mma's dots transposed (Sᵀ = K·qᵀ, Oᵀ = Vᵀ·Pᵀ): the cache tokens are the MMA's
     #                             M, so sm_90's wgmma (M >= 64; Triton runs fp8 dots only there) pads no query rows
     gluon: bool = False  # the Hopper Gluon kernel (decode_gluon_kernel.py): block_n = 4 warps' tokens per step,
-    #                      stages = its cp.async ring's slots; block_h, warps and the other knobs do not apply
+    #                      stages = its cp.async ring's slots; block_h, warps and the knobs above do not apply
+    maxnreg: int = 0     # Gluon: a register cap per thread (168: three 128-thread programs per SM), 0 none
+    heads_inner: bool = False  # Gluon: a request's kv heads are neighbours in launch order (they read the same
+    #                            token rows of the cache, h_kv · width bytes each, at about the same time)
 
 
 C = PagedCfg
@@ -55,7 +58,7 @@ DECODE = TileTable({
 # an fp8 cache, d 128, GQA group · s_q <= 16, no softcap or window. WARPFORGE_PAGED_GLUON=0 turns it off.
 GLUON_ENV = "WARPFORGE_PAGED_GLUON"
 GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree
-GLUON = {"fp8": C(16, 64, 4, 4, waves=8, gluon=True)}
+GLUON = {"fp8": C(16, 128, 4, 2, waves=2, gluon=True)}
 
 
 class AppendCfg(NamedTuple):

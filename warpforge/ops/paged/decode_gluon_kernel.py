@@ -18,8 +18,8 @@ reduction dim, the tokens, is strided). Here:
   `convert_layout(..., assert_trivial=True)`). The relabelling permutes the head dim: q's columns are loaded
   through SIGMA_K (the score dot runs over a permuted d, which changes nothing), and the output's columns are
   stored through SIGMA_V (P·V's columns come out permuted).
-Dots run in fp16 (e4m3 -> fp16 is exact and one cvt per pair; q · softmax scale and the probabilities are rounded
-to fp16, finer than bf16), accumulate in fp32. Per-tensor scales multiply the scores and the output; per-page-head
+Dots run in fp16 (e4m3 -> fp16 is exact and one cvt per pair; q converts exactly within fp16's range, the
+probabilities round to fp16, finer than bf16), accumulate in fp32; the softmax scale multiplies the fp32 scores. Per-tensor scales multiply the scores and the output; per-page-head
 scales multiply each token's scores and probabilities.
 
 Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
@@ -121,17 +121,24 @@ def _build():
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
+        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, HEADS_INNER: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
         SMEM: gl.constexpr,
     ):
-        """Program (b · n_splits + split, kv head), as the portable kernel's grid. SCALE_MODE: 0 none, 1 per tensor
-        (K_SCALE / V_SCALE one element), 2 per page and head. Lengths are clamped to [0, capacity] and page ids to
-        [0, last_page] (unchecked values under a CUDA-graph capture must not read outside the tensors)."""
+        """Program (b · n_splits + split, kv head) as the portable kernel's grid, or with HEADS_INNER one axis of
+        (b · n_splits + split) · h_kv + kv head. SCALE_MODE: 0 none, 1 per tensor (K_SCALE / V_SCALE one element), 2
+        per page and head. Lengths are clamped to [0, capacity] and page ids to [0, last_page] (unchecked values
+        under a CUDA-graph capture must not read outside the tensors)."""
         BLOCK_N: gl.constexpr = 4 * TPW
-        split = gl.program_id(0) % n_splits
-        b64 = (gl.program_id(0) // n_splits).to(gl.int64)
-        kvh = gl.program_id(1)
+        if HEADS_INNER:
+            H_KV: gl.constexpr = H_Q // GROUP
+            work = gl.program_id(0) // H_KV
+            kvh = gl.program_id(0) % H_KV
+        else:
+            work = gl.program_id(0)
+            kvh = gl.program_id(1)
+        split = work % n_splits
+        b64 = (work // n_splits).to(gl.int64)
         kvh64 = kvh.to(gl.int64)
         length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
         per_split = gl.cdiv(gl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
@@ -147,7 +154,8 @@ def _build():
                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP)
             async_copy.commit_group()
 
-        # q · softmax scale (log2 units) as fp16, its columns through sigma_k, the same 16 rows in every warp
+        # q as fp16 (exact from fp16; from bf16 too, in fp16's range), its columns through sigma_k, the same 16 rows
+        # in every warp; the softmax scale (log2 units) multiplies the fp32 scores
         QL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
         r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
         k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
@@ -158,7 +166,7 @@ def _build():
         w0 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
         q_mask = (w0 >= 0)[:, None, None] & r_ok[None, :, None] & (k >= 0)[None, None, :]
         q = gl.load(Q + q_row[None, :, None] + col[None, None, :] + 0 * w0[:, None, None], mask=q_mask, other=0.0)
-        qa = gl.convert_layout((q.to(gl.float32) * qk_scale).to(gl.float16), A)
+        qa = gl.convert_layout(q.to(gl.float16), A)
 
         ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
         TOK: gl.constexpr = gl.SliceLayout(1, MMA)     # [4, TPW]: per warp and token
@@ -166,10 +174,10 @@ def _build():
         pos = length - S_Q + rs // GROUP   # each query row's own position: it sees tokens <= pos
         wt = gl.arange(0, 4, layout=gl.SliceLayout(1, TOK))
         tt = gl.arange(0, TPW, layout=gl.SliceLayout(0, TOK))
-        k_s = 1.0
+        s_scale = qk_scale
         v_s = 1.0
         if SCALE_MODE == 1:
-            k_s = gl.load(K_SCALE)
+            s_scale = qk_scale * gl.load(K_SCALE)
             v_s = gl.load(V_SCALE)
         m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
         l_i = gl.zeros([4, 16], gl.float32, ROW)
@@ -188,8 +196,7 @@ def _build():
             s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
             tok = start + i * BLOCK_N + wt[:, None] * TPW + tt[None, :]
             t_ok = tok < end
-            if SCALE_MODE == 1:
-                s = s * k_s
+            s = s * s_scale
             if SCALE_MODE == 2:
                 s = s * _token_scale(K_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_ksp, stride_ksh,
                                      PAGE)[:, None, :]
@@ -255,9 +262,11 @@ def available() -> bool:
 
 
 def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, o_part, lse_part,
-                num_splits, tpw, stages):
+                num_splits, cfg):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
-    o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials."""
+    o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
+    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages, maxnreg, heads_inner)."""
+    tpw = cfg.block_n // 4
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
@@ -284,12 +293,16 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
             softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
             max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
-                STAGES=stages, MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem, num_warps=WARPS)
-    return kernel, (num_splits * b, h_kv), args, meta
+                STAGES=cfg.stages, HEADS_INNER=cfg.heads_inner, MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem,
+                num_warps=WARPS)
+    if cfg.maxnreg:
+        meta["maxnreg"] = cfg.maxnreg
+    grid = (num_splits * b * h_kv, ) if cfg.heads_inner else (num_splits * b, h_kv)
+    return kernel, grid, args, meta
 
 
 def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
-                       tpw, stages):
+                       cfg):
     """The Gluon path of paged_decode_fwd (fp8 cache, d 128, GQA group · s_q <= 16, no softcap / window): (out,
     lse) as the portable launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
@@ -305,7 +318,7 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
         o_part = torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
-                                           softmax_scale, o_part, lse_part, num_splits, tpw, stages)
+                                           softmax_scale, o_part, lse_part, num_splits, cfg)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -313,9 +326,12 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, tpw=16, stages=4, arch=90):
-    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
+def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=None, arch=90):
+    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel. cfg: a
+    configs.PagedCfg's fields as a list (None: the table's fp8 entry)."""
     from .._gluon import compile_report
+    from .configs import GLUON, PagedCfg
+    cfg = PagedCfg(*cfg) if cfg is not None else GLUON["fp8"]
     b, h_kv, pages, max_pages = 2, 2, 8, 4
     h_q = group * h_kv
     q = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16)
@@ -328,5 +344,5 @@ def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, tpw=16, st
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D), torch.empty(num_splits, b, s_q * h_q)
     kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
-                                           num_splits, tpw, stages)
+                                           num_splits, cfg)
     return compile_report(kernel, args, grid, meta, arch)
