@@ -83,22 +83,31 @@ def _build():
     MAX_INIT_C = gl.constexpr(MAX_INIT)
 
     @gluon.jit
-    def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, bt_row, n0, end, last_page, kvh64,
+    def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, bt_row, n0, end, last_page, kvh,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-               PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr):
+               PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr, OFF64: gl.constexpr,
+               KV_SAME_STRIDES: gl.constexpr):
         """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..) into the ring's
-        slot; tokens >= end are zero-filled, their page ids clamped."""
+        slot; tokens >= end are zero-filled, their page ids clamped. Element offsets in int32 unless OFF64 (a cache
+        of 2^31 elements or more); V's computed apart only if its strides differ from K's."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
         d = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         tok = n0 + w[:, None] * TPW + t[None, :]
         ok = tok < end
         page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
-        page = gl.minimum(gl.maximum(page, 0), last_page).to(gl.int64)
-        row = (tok % PAGE).to(gl.int64)
+        page = gl.minimum(gl.maximum(page, 0), last_page)
+        row = tok % PAGE
+        if OFF64:
+            page = page.to(gl.int64)
+            row = row.to(gl.int64)
+            kvh = kvh.to(gl.int64)
         mask = ok[:, :, None] & (d >= 0)[None, None, :]   # Gluon does not broadcast masks
-        k_off = page * stride_kp + row * stride_kt + kvh64 * stride_kh
-        v_off = page * stride_vp + row * stride_vt + kvh64 * stride_vh
+        k_off = page * stride_kp + row * stride_kt + kvh * stride_kh
+        if KV_SAME_STRIDES:
+            v_off = k_off
+        else:
+            v_off = page * stride_vp + row * stride_vt + kvh * stride_vh
         async_copy.async_copy_global_to_shared(k_ring.index(slot), K_CACHE + k_off[:, :, None] + d[None, None, :],
                                                mask=mask)
         async_copy.async_copy_global_to_shared(v_ring.index(slot), V_CACHE + v_off[:, :, None] + d[None, None, :],
@@ -112,6 +121,42 @@ def _build():
         return gl.load(SCALE + page * stride_sp + kvh64 * stride_sh, mask=ok, other=1.0)
 
     @gluon.jit
+    def _step(k_tile, v_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE, bt_row, last_page, kvh64,
+              stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
+              TPW: gl.constexpr, MASKED: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+              LK: gl.constexpr, LV: gl.constexpr):
+        """One step: each warp's scores for its TPW tokens (n0 + w · TPW ..), the online softmax, P·V into its
+        accumulator. MASKED: tokens past end or a query row's position are kept out (else all are seen)."""
+        kx = k_tile.load(LK).to(gl.float16)
+        kx = gl.reshape(gl.permute(gl.reshape(kx, [4, TPW, 4, 16, 2]), [0, 1, 3, 2, 4]), [4, TPW, 128])
+        kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
+        s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
+        TOK: gl.constexpr = gl.SliceLayout(1, MMA)     # [4, TPW]: per warp and token
+        wt = gl.arange(0, 4, layout=gl.SliceLayout(1, TOK))
+        tt = gl.arange(0, TPW, layout=gl.SliceLayout(0, TOK))
+        tok = n0 + wt[:, None] * TPW + tt[None, :]
+        t_ok = tok < end
+        s = s * s_scale
+        if SCALE_MODE == 2:
+            s = s * _token_scale(K_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_ksp, stride_ksh,
+                                 PAGE)[:, None, :]
+        if MASKED:
+            seen = t_ok[:, None, :] & (tok[:, None, :] <= pos[None, :, None])
+            s = gl.where(seen, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        p = gl.exp2(s - m_new[:, :, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=2)
+        if SCALE_MODE == 2:
+            p = p * _token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
+                                 PAGE)[:, None, :]
+        pa = gl.convert_layout(p.to(gl.float16), A, assert_trivial=True)
+        vx = v_tile.load(LV).to(gl.float16)
+        vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
+        vb = gl.convert_layout(vx, B, assert_trivial=True)
+        return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
+
+    @gluon.jit
     def paged_decode_gluon_kernel(
         Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
         stride_qb, stride_qs, stride_qh,
@@ -122,6 +167,7 @@ def _build():
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
         FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, HEADS_INNER: gl.constexpr,
+        OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
         SMEM: gl.constexpr,
     ):
@@ -150,8 +196,9 @@ def _build():
         k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
         v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
         for i in gl.static_range(STAGES - 1):
-            _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh64,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP)
+            _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
+                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
+                   KV_SAME_STRIDES)
             async_copy.commit_group()
 
         # q as fp16 (exact from fp16; from bf16 too, in fp16's range), its columns through sigma_k, the same 16 rows
@@ -169,11 +216,8 @@ def _build():
         qa = gl.convert_layout(q.to(gl.float16), A)
 
         ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
-        TOK: gl.constexpr = gl.SliceLayout(1, MMA)     # [4, TPW]: per warp and token
         rs = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW))
         pos = length - S_Q + rs // GROUP   # each query row's own position: it sees tokens <= pos
-        wt = gl.arange(0, 4, layout=gl.SliceLayout(1, TOK))
-        tt = gl.arange(0, TPW, layout=gl.SliceLayout(0, TOK))
         s_scale = qk_scale
         v_s = 1.0
         if SCALE_MODE == 1:
@@ -182,39 +226,27 @@ def _build():
         m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
         l_i = gl.zeros([4, 16], gl.float32, ROW)
         acc = gl.zeros([4, 16, 128], gl.float32, MMA)
+        # steps wholly before full_end need no mask: every token in the split, seen by every query row
+        full_end = gl.minimum(end, length - S_Q + 1)
         for i in range(n_steps):
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
             _issue(K_CACHE, V_CACHE, k_ring, v_ring, (i + STAGES - 1) % STAGES, bt_row,
-                   start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh64,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP)
+                   start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh,
+                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
+                   KV_SAME_STRIDES)
             async_copy.commit_group()
-            slot = i % STAGES
-            kx = k_ring.index(slot).load(LK).to(gl.float16)
-            kx = gl.reshape(gl.permute(gl.reshape(kx, [4, TPW, 4, 16, 2]), [0, 1, 3, 2, 4]), [4, TPW, 128])
-            kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
-            s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
-            tok = start + i * BLOCK_N + wt[:, None] * TPW + tt[None, :]
-            t_ok = tok < end
-            s = s * s_scale
-            if SCALE_MODE == 2:
-                s = s * _token_scale(K_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_ksp, stride_ksh,
-                                     PAGE)[:, None, :]
-            seen = t_ok[:, None, :] & (tok[:, None, :] <= pos[None, :, None])
-            s = gl.where(seen, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=2))
-            p = gl.exp2(s - m_new[:, :, None])
-            alpha = gl.exp2(m_i - m_new)
-            l_i = l_i * alpha + gl.sum(p, axis=2)
-            m_i = m_new
-            if SCALE_MODE == 2:
-                p = p * _token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
-                                     PAGE)[:, None, :]
-            pa = gl.convert_layout(p.to(gl.float16), A, assert_trivial=True)
-            vx = v_ring.index(slot).load(LV).to(gl.float16)
-            vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
-            vb = gl.convert_layout(vx, B, assert_trivial=True)
-            acc = mma_v2(pa, vb, acc * alpha[:, :, None])
+            n0 = start + i * BLOCK_N
+            k_tile = k_ring.index(i % STAGES)
+            v_tile = v_ring.index(i % STAGES)
+            if n0 + BLOCK_N <= full_end:
+                m_i, l_i, acc = _step(k_tile, v_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE,
+                                      bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
+                                      PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
+            else:
+                m_i, l_i, acc = _step(k_tile, v_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE,
+                                      bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
+                                      PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
         async_copy.wait_group(0)
 
         # the four warps' partials -> one: the common max, each warp's rescale, the sums
@@ -293,7 +325,9 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
             softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
             max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
-                STAGES=cfg.stages, HEADS_INNER=cfg.heads_inner, MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem,
+                STAGES=cfg.stages, HEADS_INNER=cfg.heads_inner,
+                OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
+                KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3], MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem,
                 num_warps=WARPS)
     if cfg.maxnreg:
         meta["maxnreg"] = cfg.maxnreg
