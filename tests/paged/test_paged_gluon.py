@@ -63,10 +63,13 @@ COMPILE_CASES = [
 ]
 
 
+def _case_id(c):
+    return "-".join(f"{k}{v}" for k, v in c.items() if k != "cfg") + ("-knobs" if "cfg" in c else "")
+
+
 @pytest.mark.skipif(not gluon_triton(dg.GLUON_TRITON_VERSIONS), reason="the Gluon kernel is written for Triton "
                     f"{dg.GLUON_TRITON_VERSIONS} (installed: {triton_version()}); its API differs between releases")
-@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()
-                                                                         if k != "cfg") + ("-knobs" if "cfg" in c else ""))
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=_case_id)
 def test_compiles_for_sm90(case):
     r = compile_in_subprocess("warpforge.ops.paged.decode_gluon_kernel", case, ROOT)
     print(f"\n{case}: {r['registers']} registers/thread, spills {r['spill_stores']}/{r['spill_loads']} B, "

@@ -24,8 +24,8 @@ TILES = [(16, 64, 4, 3, False), (16, 64, 4, 2, False), (16, 32, 4, 3, False), (1
 FP8_TILES = [(16, 128, 4, 2, False, 2, True), (16, 64, 4, 2, False, 2, True), (16, 128, 8, 2, False, 2, True),
              (16, 64, 4, 2, False, 2, True, True), (16, 64, 4, 1, False, 2, True, True),
              (16, 32, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True)]
-# fp8 on fp8 tensor cores (PagedCfg's fp8_mma and fp8_tokens_m, the tuples' last two fields): sm_90 compiles (Triton 3.6, GQA 4)
-# 168 regs at 128-token steps, 126 at 64 (3 stages, page ids ahead: K copies two steps ahead), 223 with V
+# fp8 on fp8 tensor cores (PagedCfg's fp8_mma and fp8_tokens_m, the tuples' last two fields): sm_90 compiles
+# (Triton 3.6, GQA 4) 168 regs at 128-token steps, 126 at 64 (3 stages, page ids ahead: K copies two steps ahead), 223 with V
 # prefetched in registers (128-token steps with the prefetch spill); fp8_mma 1 is the speed of one e4m3 per q / p
 # (its accuracy misses the bar on random data: 1 - cos 1.2e-3 emulated)
 FP8_MMA_TILES = [(16, 128, 4, 2, False, 8, False, False, 2, True), (16, 128, 4, 3, True, 8, False, False, 2, True),

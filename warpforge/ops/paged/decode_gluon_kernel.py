@@ -16,11 +16,12 @@ reduction dim, the tokens, is strided). Here:
 - K and V are read from shared memory as 16-byte vectors in layouts (LK, LV) whose registers, after e4m3 -> fp16
   and a reshape that relabels the head dim, are exactly the mma.sync operand fragments (checked at compile time:
   `convert_layout(..., assert_trivial=True)`). The relabelling permutes the head dim: q's columns are loaded
-  through SIGMA_K (the score dot runs over a permuted d, which changes nothing), and the output's columns are
-  stored through SIGMA_V (P·V's columns come out permuted).
+  through sigma_k (the score dot runs over a permuted d, which changes nothing), and the output's columns are
+  stored through sigma_v (P·V's columns come out permuted).
 Dots run in fp16 (e4m3 -> fp16 is exact and one cvt per pair; q converts exactly within fp16's range, the
-probabilities round to fp16, finer than bf16), accumulate in fp32; the softmax scale multiplies the fp32 scores. Per-tensor scales multiply the scores and the output; per-page-head
-scales multiply each token's scores and probabilities.
+probabilities round to fp16, finer than bf16), accumulate in fp32; the softmax scale multiplies the fp32 scores.
+Per-tensor scales multiply the scores and the output; per-page-head scales multiply each token's scores and
+probabilities. Steps wholly inside the split and before every query row's position skip the mask.
 
 Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
 dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
@@ -327,8 +328,8 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
                 STAGES=cfg.stages, HEADS_INNER=cfg.heads_inner,
                 OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
-                KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3], MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem,
-                num_warps=WARPS)
+                KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
+                MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem, num_warps=WARPS)
     if cfg.maxnreg:
         meta["maxnreg"] = cfg.maxnreg
     grid = (num_splits * b * h_kv, ) if cfg.heads_inner else (num_splits * b, h_kv)
