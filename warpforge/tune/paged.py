@@ -33,13 +33,12 @@ FP8_MMA_TILES = [(16, 128, 4, 2, False, 8, False, False, 2, True), (16, 128, 4, 
                  (16, 64, 8, 3, True, 8, False, True, 2, True), (16, 128, 4, 3, True, 8, False, False, 1, True)]
 # the Gluon kernel (decode_gluon_kernel.py; sm_90, Triton 3.6): block_n = 4 warps' tokens (64: 16 a warp, 128: 32),
 # stages = the cp.async ring's slots (64-token steps, 4 slots: 72 KB and 162 regs, three programs per SM)
-# (session 19, call2: 128-token steps, 2 slots, one split, the kv heads side by side: 0.144 ms at L 4k, 0.530 at 16k;
-# a register cap of 168 (three programs per SM) and 3 slots lost)
-GLUON_TILES = [PagedCfg(16, 128, 4, 2, gluon=True, heads_inner=True),
-               PagedCfg(16, 128, 4, 3, gluon=True, heads_inner=True),
+# session 19: 128-token steps, one split, the kv heads side by side (call3: 2 slots 0.146 / 0.530 ms at L 4k / 16k,
+# 3 slots 0.144 / 0.515); with the page ids loaded a step ahead 2 slots take 168 regs (three programs per SM)
+GLUON_TILES = [PagedCfg(16, 128, 4, 3, gluon=True, heads_inner=True),
+               PagedCfg(16, 128, 4, 2, gluon=True, heads_inner=True),
                PagedCfg(16, 64, 4, 4, gluon=True, heads_inner=True),
-               PagedCfg(16, 128, 4, 2, gluon=True, maxnreg=168, heads_inner=True),
-               PagedCfg(16, 128, 4, 2, gluon=True)]
+               PagedCfg(16, 64, 4, 6, gluon=True, heads_inner=True)]
 FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 1, False, 2, True, True),
              (16, 64, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True),
              (16, 128, 8, 1, False, 2, True, True), (16, 32, 4, 2, False, 2, False, True)]
@@ -75,7 +74,7 @@ def main(argv=None):
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
         for t in tiles:
             cfg = t if isinstance(t, PagedCfg) else PagedCfg(*t)
-            for splits in ((1, 2) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
+            for splits in ((1, 2, 3) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():

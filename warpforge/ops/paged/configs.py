@@ -58,7 +58,7 @@ DECODE = TileTable({
 # an fp8 cache, d 128, GQA group · s_q <= 16, no softcap or window. WARPFORGE_PAGED_GLUON=0 turns it off.
 GLUON_ENV = "WARPFORGE_PAGED_GLUON"
 GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree
-GLUON = {"fp8": C(16, 128, 4, 2, waves=2, gluon=True, heads_inner=True)}
+GLUON = {"fp8": C(16, 128, 4, 3, waves=2, gluon=True, heads_inner=True)}
 
 
 class AppendCfg(NamedTuple):
