@@ -34,11 +34,12 @@ FP8_MMA_TILES = [(16, 128, 4, 2, False, 8, False, False, 2, True), (16, 128, 4, 
 # the Gluon kernel (decode_gluon_kernel.py; sm_90, Triton 3.6): block_n = 4 warps' tokens (64: 16 a warp, 128: 32),
 # stages = the cp.async ring's slots (64-token steps, 4 slots: 72 KB and 162 regs, three programs per SM)
 # session 19: 128-token steps, one split, the kv heads side by side (call3: 2 slots 0.146 / 0.530 ms at L 4k / 16k,
-# 3 slots 0.144 / 0.515); with the page ids loaded a step ahead 2 slots take 168 regs (three programs per SM)
+# 3 slots 0.144 / 0.515; 64-token steps, a register cap of 168 (three programs per SM) and the page ids loaded a
+# step ahead of their copies lost: benchmarks/NOTES.md)
 GLUON_TILES = [PagedCfg(16, 128, 4, 3, gluon=True, heads_inner=True),
                PagedCfg(16, 128, 4, 2, gluon=True, heads_inner=True),
-               PagedCfg(16, 64, 4, 4, gluon=True, heads_inner=True),
-               PagedCfg(16, 64, 4, 6, gluon=True, heads_inner=True)]
+               PagedCfg(16, 128, 4, 2, gluon=True, maxnreg=168, heads_inner=True),
+               PagedCfg(16, 64, 4, 4, gluon=True, heads_inner=True)]
 FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 1, False, 2, True, True),
              (16, 64, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True),
              (16, 128, 8, 1, False, 2, True, True), (16, 32, 4, 2, False, 2, False, True)]

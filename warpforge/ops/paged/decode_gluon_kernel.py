@@ -84,34 +84,26 @@ def _build():
     MAX_INIT_C = gl.constexpr(MAX_INIT)
 
     @gluon.jit
-    def _pages(bt_row, n0, end, last_page, PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr):
-        """The page ids of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..), [4, TPW] in _issue's layout,
-        clamped to [0, last_page] (0 past end). Loaded a step before their copies, so that the copies wait on no
-        load."""
-        w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
-        t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
-        tok = n0 + w[:, None] * TPW + t[None, :]
-        page = gl.load(bt_row + tok // PAGE, mask=tok < end, other=0)
-        return gl.minimum(gl.maximum(page, 0), last_page)
-
-    @gluon.jit
-    def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, page, n0, end, kvh,
+    def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, bt_row, n0, end, last_page, kvh,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr, OFF64: gl.constexpr,
                KV_SAME_STRIDES: gl.constexpr):
-        """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..), on pages `page`
-        (_pages), into the ring's slot; tokens >= end are zero-filled. Element offsets in int32 unless OFF64 (a
-        cache of 2^31 elements or more); V's computed apart only if its strides differ from K's."""
+        """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..) into the ring's
+        slot; tokens >= end are zero-filled, their page ids clamped. Element offsets in int32 unless OFF64 (a cache
+        of 2^31 elements or more); V's computed apart only if its strides differ from K's."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
         d = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         tok = n0 + w[:, None] * TPW + t[None, :]
+        ok = tok < end
+        page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
+        page = gl.minimum(gl.maximum(page, 0), last_page)
         row = tok % PAGE
         if OFF64:
             page = page.to(gl.int64)
             row = row.to(gl.int64)
             kvh = kvh.to(gl.int64)
-        mask = (tok < end)[:, :, None] & (d >= 0)[None, None, :]   # Gluon does not broadcast masks
+        mask = ok[:, :, None] & (d >= 0)[None, None, :]   # Gluon does not broadcast masks
         k_off = page * stride_kp + row * stride_kt + kvh * stride_kh
         if KV_SAME_STRIDES:
             v_off = k_off
@@ -205,11 +197,10 @@ def _build():
         k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
         v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
         for i in gl.static_range(STAGES - 1):
-            pages = _pages(bt_row, start + i * BLOCK_N, end, last_page, PAGE, TPW, CP)
-            _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, pages, start + i * BLOCK_N, end, kvh, stride_kp, stride_kt,
-                   stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64, KV_SAME_STRIDES)
+            _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
+                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
+                   KV_SAME_STRIDES)
             async_copy.commit_group()
-        pages_next = _pages(bt_row, start + (STAGES - 1) * BLOCK_N, end, last_page, PAGE, TPW, CP)
 
         # q as fp16 (exact from fp16; from bf16 too, in fp16's range), its columns through sigma_k, the same 16 rows
         # in every warp; the softmax scale (log2 units) multiplies the fp32 scores
@@ -241,11 +232,11 @@ def _build():
         for i in range(n_steps):
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
-            _issue(K_CACHE, V_CACHE, k_ring, v_ring, (i + STAGES - 1) % STAGES, pages_next,
-                   start + (i + STAGES - 1) * BLOCK_N, end, kvh, stride_kp, stride_kt, stride_kh, stride_vp,
-                   stride_vt, stride_vh, PAGE, TPW, CP, OFF64, KV_SAME_STRIDES)
+            _issue(K_CACHE, V_CACHE, k_ring, v_ring, (i + STAGES - 1) % STAGES, bt_row,
+                   start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh,
+                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
+                   KV_SAME_STRIDES)
             async_copy.commit_group()
-            pages_next = _pages(bt_row, start + (i + STAGES) * BLOCK_N, end, last_page, PAGE, TPW, CP)
             n0 = start + i * BLOCK_N
             k_tile = k_ring.index(i % STAGES)
             v_tile = v_ring.index(i % STAGES)
