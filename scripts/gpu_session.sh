@@ -176,6 +176,9 @@ for step in "$@"; do
                   > "$w/window_d64_tests.log" 2>&1; tail -n 15 "$w/window_d64_tests.log" ;;
     gpu-tests-*) timeout 240 python3 -m pytest -q -m gpu $par $(echo "${step#gpu-tests-}" | tr ',' '\n' | sed 's|^|tests/|') \
                    > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1; tail -n 15 "$w/$(echo "$step" | tr '/,' '__').log" ;;
+    paged-fp4-gluon) timeout 300 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or fp4 or gluon or graph or portable or helper or quantised)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 8 "$w/paged-gluon-tests.log"
+                     for L in 4096; do timeout 90 python3 -m warpforge tune paged --L $L --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_$L.json" > "$w/tune_paged_fp4_gluon_$L.log" 2>&1; done
+                     tail -n 40 "$w"/tune_paged_fp4_gluon_*.log ;;
     paged-gluon-tests) timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or gluon or graph or portable or helper)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 5 "$w/paged-gluon-tests.log" ;;
     paged-gluon) timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or gluon or graph or portable or helper)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 5 "$w/paged-gluon-tests.log"
                  timeout 150 python3 -m warpforge tune paged --L 16384 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_16k.json" > "$w/tune_paged_gluon_16k.log" 2>&1

@@ -8,7 +8,7 @@ import torch
 
 import warpforge as wf
 from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess, import_loads_gluon
-from warpforge.ops.paged import api, configs
+from warpforge.ops.paged import configs
 from warpforge.ops.paged import decode_gluon_kernel as dg
 from warpforge.testing import REL_L2, cosine, gluon_triton, on_sm90_gluon, rel_l2, spy_launches, triton_version
 
@@ -48,6 +48,13 @@ def test_gate_off_where_it_does_not_apply(monkeypatch):
     assert not wf.paged.plan(q5, p["k_cache"], p["block_table"], kv_format="fp8").config.gluon
     bf = _problem(2, 1, 8, 2, 128, 16, [37, 5], "fp16", torch.float16)
     assert not wf.paged.plan(bf["q"], bf["k_cache"], bf["block_table"], kv_format="fp16").config.gluon
+    # FP4 too; MXFP4 only under bf16 q (its dots run in bf16)
+    nv = _problem(2, 1, 8, 2, 128, 16, [37, 5], "nvfp4", torch.float16)
+    assert wf.paged.plan(nv["q"], nv["k_cache"], nv["block_table"], kv_format="nvfp4").config.gluon == on
+    mx = _problem(2, 1, 8, 2, 128, 16, [37, 5], "mxfp4", torch.float16)
+    assert not wf.paged.plan(mx["q"], mx["k_cache"], mx["block_table"], kv_format="mxfp4").config.gluon
+    assert (wf.paged.plan(mx["q"].to(torch.bfloat16), mx["k_cache"], mx["block_table"], kv_format="mxfp4").config.gluon
+            == on)
     monkeypatch.setenv(configs.GLUON_ENV, "0")
     assert not wf.paged.plan(p["q"], p["k_cache"], p["block_table"], kv_format="fp8").config.gluon
 
@@ -57,6 +64,8 @@ COMPILE_CASES = [
     dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1),
     dict(group=8, s_q=2, num_splits=3, page=1, scale_mode=2),
     dict(group=1, s_q=1, num_splits=2, page=64, scale_mode=0),
+    dict(group=4, s_q=1, num_splits=1, page=16, fmt="nvfp4"),
+    dict(group=8, s_q=2, num_splits=3, page=1, fmt="mxfp4"),
     # the tune sweep's knobs: a register cap (three programs per SM), the kv heads side by side in launch order
     dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1,
          cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True, maxnreg=168, heads_inner=True))),
@@ -79,7 +88,7 @@ def test_compiles_for_sm90(case):
           f"shared {r['shared_bytes']} B, warps {r['num_warps']}")
     assert r["ptxas_rc"] == 0, r["ptxas_log"]
     assert r["num_warps"] == 4 and r["shared_bytes"] <= SMEM_MAX
-    cfg = configs.PagedCfg(*case["cfg"]) if "cfg" in case else configs.GLUON["fp8"]
+    cfg = configs.PagedCfg(*case["cfg"]) if "cfg" in case else configs.GLUON[case.get("fmt", "fp8")]
     # ptxas keeps some builds near 168 registers and spills a few bytes (8-16 B seen in session 19): more would
     # say the tiles no longer fit
     assert r["spill_stores"] <= SPILL_BYTES and r["spill_loads"] <= SPILL_BYTES, r["ptxas_log"]
@@ -112,11 +121,13 @@ GPU_SHAPES = [
 
 @pytest.mark.gpu
 @needs_gate
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "fp8-float"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "fp8-float", "nvfp4", "mxfp4"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b,s_q,h_q,h_kv,page,lens,splits", GPU_SHAPES)
 def test_gpu_matches_reference(b, s_q, h_q, h_kv, page, lens, splits, fmt, q_dtype, gluon_calls):
-    """Against fp32 on the same cache (the unused slots hold e4m3 NaN codes): within fp16 dots' rounding."""
+    """Against fp32 on the same cache (the unused slots hold NaN codes): within fp16 (MXFP4: bf16) dots' rounding."""
+    if fmt == "mxfp4" and q_dtype != torch.bfloat16:
+        pytest.skip("MXFP4 takes the Gluon kernel under bf16 q only")
     p = _problem(b, s_q, h_q, h_kv, 128, page, lens, fmt, q_dtype)
     out, lse = _decode(p, num_splits=splits)
     assert gluon_calls
@@ -144,3 +155,22 @@ def test_gpu_check_helper_passes(gluon_calls):
     _check(_problem(2, 1, 8, 2, 128, 16, [37, 5], "fp8", torch.float16))
     assert gluon_calls
     assert DEV.type == "cuda"
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_strided_fp4_cache_takes_the_portable_kernel(fmt, gluon_calls):
+    """An FP4 cache that is not contiguous (a view into a wider buffer) runs on the portable kernel, same answer."""
+    p = _problem(2, 1, 32, 8, 128, 16, [300, 17], fmt, torch.bfloat16)
+    ref = _decode(p)[0]
+    assert gluon_calls
+    gluon_calls.clear()
+    for name in ("k_cache", "v_cache"):
+        c = p[name]
+        wide = torch.zeros(*c.shape[:3], c.shape[3] + 8, dtype=c.dtype, device=c.device)
+        wide[..., :c.shape[3]] = c
+        p[name] = wide[..., :c.shape[3]]
+    out = _decode(p)[0]
+    assert not gluon_calls
+    assert 1 - cosine(out, ref) <= 1e-5

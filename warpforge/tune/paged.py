@@ -1,7 +1,7 @@
 """Sweep paged GQA decode tiles and split counts on this GPU (issue 18's shape: b 64, h_q 32, h_kv 8, d 128,
 page 16, pages shuffled) at one cache length, each from a CUDA graph.
 
-    warpforge tune paged [--L 4096] [--formats bf16,fp8,fp8mma,fp8gluon] [--out tune_paged.json]
+    warpforge tune paged [--L 4096] [--formats bf16,fp8,fp8mma,fp8gluon,nvfp4gluon] [--out tune_paged.json]
 
 Prints each result as it lands; winners go into warpforge/ops/paged/configs.py's DECODE table with the numbers
 in benchmarks/NOTES.md.
@@ -55,10 +55,11 @@ def main(argv=None):
     b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
     results = []
     for fmt in args.formats.split(","):
-        tiles = {"nvfp4": FP4_TILES, "mxfp4": FP4_TILES, "fp8": FP8_TILES, "fp8mma": FP8_MMA_TILES,
-                 "fp8gluon": GLUON_TILES}.get(fmt, TILES)
+        tiles = {"nvfp4": FP4_TILES, "mxfp4": FP4_TILES, "fp8": FP8_TILES, "fp8mma": FP8_MMA_TILES}.get(fmt, TILES)
+        tiles = GLUON_TILES if fmt.endswith("gluon") else tiles
         tiles = tiles[:args.bf16_tiles] if fmt == "bf16" and args.bf16_tiles else tiles
-        fmt = "fp8" if fmt.startswith("fp8") else fmt  # "fp8mma" / "fp8gluon": the fp8 cache with those tiles
+        # "fp8mma": the fp8 cache with FP8_MMA_TILES; "<format>gluon": that cache with GLUON_TILES
+        fmt = "fp8" if fmt == "fp8mma" else fmt[:-len("gluon")] if fmt.endswith("gluon") else fmt
         pages = b * (-(-L // page))
         # K and V separate tensors: one tensor for both would read V from L2 after K
         k_vals, v_vals = (torch.randn(pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -75,7 +76,7 @@ def main(argv=None):
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
         for t in tiles:
             cfg = t if isinstance(t, PagedCfg) else PagedCfg(*t)
-            for splits in ((1, 2, 3) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
+            for splits in ((1, 2) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():

@@ -48,13 +48,23 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  kv_format: str, softmax_scale: float, softcap: float, window: int, num_splits: int,
                  cfg: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = configs.PagedCfg(*cfg)
+    fmt = KV_FORMATS[kv_format]
     if cfg.gluon:  # plan()'s gluon_gate held (decode_gluon_kernel.py)
-        from .decode_gluon_kernel import paged_decode_gluon
-        return paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale,
-                                  num_splits, cfg)
+        from . import decode_gluon_kernel as dg
+        if not fmt.fp4 or dg.fp4_cache_ok(k_cache, v_cache):
+            return dg.paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
+                                         softmax_scale, num_splits, cfg, fmt.code)
+        cfg = _portable_cfg(q, fmt, k_cache.shape[2])  # a strided or unaligned FP4 cache: the portable kernel
     from .decode_kernel import paged_decode_fwd
-    return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, KV_FORMATS[kv_format],
+    return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt,
                             softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg)
+
+
+def _portable_cfg(q, fmt, h_kv) -> configs.PagedCfg:
+    """The portable kernel's tiles for q and a cache format, as plan() picks them."""
+    from .decode_kernel import block_d, plan_block_h
+    cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else fmt.name, block_d(q.shape[3], fmt))
+    return cfg._replace(block_h=plan_block_h(cfg.block_h, (q.shape[2] // h_kv) * q.shape[1]))
 
 
 def _decode_fake(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, kv_format, softmax_scale, softcap,
@@ -104,7 +114,7 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     """A PagedPlan for decode steps shaped like these tensors (only shapes, dtypes and device are read): q [b, s_q,
     h_q, d]; k_cache [num_pages, page_size, h_kv, width] in kv_format (see paged_decode); block_table int32 [b,
     max_pages]. num_splits: None plans it from the shapes, an int forces it."""
-    from .decode_kernel import block_d as padded_head_dim, plan_block_h, plan_num_splits
+    from .decode_kernel import plan_num_splits
     kv_format = _check_shapes(q, k_cache, block_table, kv_format)
     check_positive_float("softmax_scale", softmax_scale)
     check_positive_float("softcap", softcap)
@@ -119,10 +129,8 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     if num_splits is not None:
         check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
                   what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
-    block_d = padded_head_dim(d, KV_FORMATS[kv_format])
-    cfg = configs.DECODE.lookup(q.device, "fp32" if q.dtype == torch.float32 else kv_format, block_d)
     rows = (h_q // h_kv) * s_q
-    cfg = cfg._replace(block_h=plan_block_h(cfg.block_h, rows))
+    cfg = _portable_cfg(q, KV_FORMATS[kv_format], h_kv)
     if gluon_gate(q, kv_format, d, rows, softcap, window):
         cfg = configs.GLUON[kv_format]._replace(block_h=cfg.block_h)
     if num_splits is None:
@@ -136,9 +144,11 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
 def gluon_gate(q, kv_format, d, rows, softcap, window) -> bool:
     """Whether plan() takes the Hopper Gluon kernel (decode_gluon_kernel.py): an sm_90 GPU, a Triton in
     configs.GLUON_TRITON_VERSIONS, WARPFORGE_PAGED_GLUON not "0", a format it reads (configs.GLUON), d 128, at most 16
-    query rows per kv head (GQA group · s_q), fp16 / bf16 q, no softcap or window."""
+    query rows per kv head (GQA group · s_q), fp16 / bf16 q (bf16 for MXFP4: its dots run in bf16), no softcap or
+    window. (FP4 caches must also be contiguous: checked per call, _decode_impl.)"""
     if (kv_format not in configs.GLUON or d != 128 or rows > 16 or softcap is not None or window is not None
             or q.dtype not in (torch.float16, torch.bfloat16) or q.device.type != "cuda"
+            or (kv_format == "mxfp4" and q.dtype != torch.bfloat16)
             or os.environ.get(configs.GLUON_ENV, "1") == "0"):
         return False
     import triton

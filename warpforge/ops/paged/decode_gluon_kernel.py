@@ -51,16 +51,33 @@ def sigma_v(n: int) -> int:
     return ((n & 7) << 4) | (n >> 3)
 
 
-def _layouts(gl, tpw: int):
-    """(MMA, A, B, LK, LV, CP, SMEM) for TPW tokens per warp. LK / LV hold a warp's [TPW, 128] K / V bytes with 16
-    (LV) or 32 (LK) consecutive cache columns of a token in one thread's registers; reshaped so that logical column
-    k is cache column sigma_k(k) (sigma_v for V), they are the mma.sync B fragments of Kᵀ [128, TPW] and V [TPW,
-    128] with no data movement."""
+def _layouts(gl, tpw: int, code: int = 1):
+    """(MMA, A, B, LK, LV, CP, CPS, SMEM, SMEM_S) for TPW tokens per warp and a cache format (kv_format.py's code).
+    LK / LV hold a warp's [TPW, ·] K / V bytes with 32 (LK) or 16 (LV) consecutive head-dim values of a token in one
+    thread's registers (FP8: that many bytes; FP4: half as many, two values a byte); decoded to 16-bit values and
+    reshaped so that logical column k is head-dim column sigma_k(k) (sigma_v for V), they are the mma.sync B
+    fragments of Kᵀ [128, TPW] and V [TPW, 128] with no data movement. CP / CPS: the cp.async layouts of the values
+    and (FP4) the block scales; SMEM / SMEM_S their rings' layouts."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
     more = [[0, 16, 0]] if tpw == 32 else []
     warps = [[1, 0, 0], [2, 0, 0]]
+    if code >= 2:   # FP4: 64 bytes of packed e2m1 a token row, then its block scales
+        lk = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 8, 0]] + more,
+            lane_bases=[[0, 0, 16], [0, 0, 32], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
+            shape=[WARPS, tpw, D // 2])
+        lv = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0]] + more,
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]], warp_bases=warps, block_bases=[],
+            shape=[WARPS, tpw, D // 2])
+        vec = 8 if code == 2 else 4   # the rows (72 / 68 bytes) are 8- / 4-byte aligned
+        cp = gl.BlockedLayout([1, 1, vec], [1, 32 // (64 // vec), 64 // vec], [WARPS, 1, 1], [2, 1, 0])
+        n_scales = D // (16 if code == 2 else 32)
+        cps = gl.BlockedLayout([1, 1, n_scales], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])   # a token's scales a thread
+        smem = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        return mma, a, b, lk, lv, cp, cps, smem, smem
     lk = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0]] + more,
         lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
@@ -72,16 +89,25 @@ def _layouts(gl, tpw: int):
     cp = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])   # one 16-byte cp.async per thread
     # 16-byte chunks XOR-swizzled by the token row: the cp.async writes and LK / LV's reads are conflict-free
     smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
-    return mma, a, b, lk, lv, cp, smem
+    return mma, a, b, lk, lv, cp, cp, smem, smem
 
 
 @functools.lru_cache(maxsize=None)
-def _build():
+def _build(code: int = 1):
+    """The kernel for one cache format (kv_format.py's code: 1 fp8, 2 nvfp4, 3 mxfp4)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     MAX_INIT_C = gl.constexpr(MAX_INIT)
+    FP4 = gl.constexpr(code >= 2)
+    NVFP4 = gl.constexpr(code == 2)
+    BLK = gl.constexpr(16 if code == 2 else 32)      # FP4 values a block scale covers
+    N_SCALES = gl.constexpr(D // BLK.value)
+    WIDTH = gl.constexpr(D // 2 + D // BLK.value)    # FP4: a head's bytes in a token row
+    # the dots' operand type: fp16 (finer than bf16) unless MXFP4, whose power-of-two block scales may leave fp16's
+    # range
+    DOT = gl.constexpr(gl.bfloat16 if code == 3 else gl.float16)
 
     @gluon.jit
     def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, bt_row, n0, end, last_page, kvh,
@@ -115,6 +141,58 @@ def _build():
                                                mask=mask)
 
     @gluon.jit
+    def _fp4_rows(bt_row, n0, end, last_page, kvh, L: gl.constexpr, PAGE: gl.constexpr, TPW: gl.constexpr,
+                  H_KV: gl.constexpr, OFF64: gl.constexpr):
+        """(byte offsets of the tokens' FP4 rows of head kvh, tokens < end) in SliceLayout(2, L): a contiguous cache
+        of H_KV · WIDTH-byte token rows, the strides constexpr so that the copies' alignment (8 / 4 bytes) is known."""
+        w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        tok = n0 + w[:, None] * TPW + t[None, :]
+        ok = tok < end
+        page = gl.minimum(gl.maximum(gl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page)
+        slot = page * PAGE + tok % PAGE
+        if OFF64:
+            slot = slot.to(gl.int64)
+        return slot * (H_KV * WIDTH) + kvh * WIDTH, ok
+
+    @gluon.jit
+    def _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end, last_page, kvh,
+                   PAGE: gl.constexpr, TPW: gl.constexpr, H_KV: gl.constexpr, CP: gl.constexpr,
+                   CPS: gl.constexpr, OFF64: gl.constexpr):
+        """_issue for FP4 rows: their 64 value bytes and their block scales into the rings' slot (zeros past end)."""
+        off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
+        d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
+        mask = ok[:, :, None] & (d >= 0)[None, None, :]
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), K_CACHE + off[:, :, None] + d[None, None, :],
+                                               mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(slot), V_CACHE + off[:, :, None] + d[None, None, :],
+                                               mask=mask)
+        off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CPS, PAGE, TPW, H_KV, OFF64)
+        c = gl.arange(0, N_SCALES, layout=gl.SliceLayout(0, gl.SliceLayout(1, CPS)))
+        mask = ok[:, :, None] & (c >= 0)[None, None, :]
+        async_copy.async_copy_global_to_shared(ks_ring.index(slot), K_CACHE + (off + 64)[:, :, None] + c[None, None, :],
+                                               mask=mask)
+        async_copy.async_copy_global_to_shared(vs_ring.index(slot), V_CACHE + (off + 64)[:, :, None] + c[None, None, :],
+                                               mask=mask)
+
+    @gluon.jit
+    def _values(tile, s_tile, L: gl.constexpr, TPW: gl.constexpr):
+        """A warp tile's [4, TPW, 128] head-dim values in DOT, in L's registers (FP8: e4m3 · 1; FP4: e2m1 · its
+        block's scale, NVFP4's e4m3 or MXFP4's e8m0), the per-tensor / per-token scales left to the caller."""
+        if FP4:
+            x = gl.fp4_to_fp(tile.load(L), DOT, 2)   # byte i -> values 2i (low nibble), 2i + 1
+            x4 = gl.reshape(x, [4, TPW, N_SCALES, BLK])
+            L4: gl.constexpr = x4.type.layout
+            sb = s_tile.load(gl.SliceLayout(3, L4))
+            if NVFP4:
+                sc = sb.to(gl.float8e4nv, bitcast=True).to(DOT)
+            else:
+                sc = (sb.to(gl.uint16) << 7).to(gl.bfloat16, bitcast=True)   # e8m0: 2^(byte - 127)
+            return gl.reshape(x4 * gl.expand_dims(sc, 3), [4, TPW, 128])
+        else:
+            return tile.load(L).to(DOT)
+
+    @gluon.jit
     def _token_scale(SCALE, bt_row, tok, ok, last_page, kvh64, stride_sp, stride_sh, PAGE: gl.constexpr):
         """Per-page-head fp32 scales of tokens tok (1 where not ok)."""
         page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
@@ -122,13 +200,14 @@ def _build():
         return gl.load(SCALE + page * stride_sp + kvh64 * stride_sh, mask=ok, other=1.0)
 
     @gluon.jit
-    def _step(k_tile, v_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE, bt_row, last_page, kvh64,
+    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE, bt_row,
+              last_page, kvh64,
               stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
               TPW: gl.constexpr, MASKED: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
               LK: gl.constexpr, LV: gl.constexpr):
         """One step: each warp's scores for its TPW tokens (n0 + w · TPW ..), the online softmax, P·V into its
         accumulator. MASKED: tokens past end or a query row's position are kept out (else all are seen)."""
-        kx = k_tile.load(LK).to(gl.float16)
+        kx = _values(k_tile, ks_tile, LK, TPW)
         kx = gl.reshape(gl.permute(gl.reshape(kx, [4, TPW, 4, 16, 2]), [0, 1, 3, 2, 4]), [4, TPW, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
         s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
@@ -151,8 +230,8 @@ def _build():
         if SCALE_MODE == 2:
             p = p * _token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
                                  PAGE)[:, None, :]
-        pa = gl.convert_layout(p.to(gl.float16), A, assert_trivial=True)
-        vx = v_tile.load(LV).to(gl.float16)
+        pa = gl.convert_layout(p.to(DOT), A, assert_trivial=True)
+        vx = _values(v_tile, vs_tile, LV, TPW)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
         vb = gl.convert_layout(vx, B, assert_trivial=True)
         return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
@@ -170,15 +249,15 @@ def _build():
         FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, HEADS_INNER: gl.constexpr,
         OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
-        SMEM: gl.constexpr,
+        CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
     ):
         """Program (b · n_splits + split, kv head) as the portable kernel's grid, or with HEADS_INNER one axis of
         (b · n_splits + split) · h_kv + kv head. SCALE_MODE: 0 none, 1 per tensor (K_SCALE / V_SCALE one element), 2
         per page and head. Lengths are clamped to [0, capacity] and page ids to [0, last_page] (unchecked values
         under a CUDA-graph capture must not read outside the tensors)."""
         BLOCK_N: gl.constexpr = 4 * TPW
+        H_KV: gl.constexpr = H_Q // GROUP
         if HEADS_INNER:
-            H_KV: gl.constexpr = H_Q // GROUP
             work = gl.program_id(0) // H_KV
             kvh = gl.program_id(0) % H_KV
         else:
@@ -194,16 +273,28 @@ def _build():
         n_steps = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
         bt_row = BLOCK_TABLE + b64 * stride_bt
 
-        k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
-        v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+        if FP4:   # each token row's 64 value bytes, and its block scales in rings of their own
+            k_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, 64], SMEM)
+            v_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, 64], SMEM)
+            ks_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, N_SCALES], SMEM_S)
+            vs_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, N_SCALES], SMEM_S)
+        else:
+            k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+            v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+            ks_ring = k_ring
+            vs_ring = v_ring
         for i in gl.static_range(STAGES - 1):
-            _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
-                   KV_SAME_STRIDES)
+            if FP4:
+                _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, i, bt_row, start + i * BLOCK_N, end,
+                           last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+            else:
+                _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
+                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
+                       KV_SAME_STRIDES)
             async_copy.commit_group()
 
-        # q as fp16 (exact from fp16; from bf16 too, in fp16's range), its columns through sigma_k, the same 16 rows
-        # in every warp; the softmax scale (log2 units) multiplies the fp32 scores
+        # q in DOT (fp16: exact from fp16, and from bf16 in fp16's range; MXFP4: bf16 q as it is), its columns
+        # through sigma_k, the same 16 rows in every warp; the softmax scale (log2 units) multiplies the fp32 scores
         QL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
         r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
         k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
@@ -214,7 +305,7 @@ def _build():
         w0 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
         q_mask = (w0 >= 0)[:, None, None] & r_ok[None, :, None] & (k >= 0)[None, None, :]
         q = gl.load(Q + q_row[None, :, None] + col[None, None, :] + 0 * w0[:, None, None], mask=q_mask, other=0.0)
-        qa = gl.convert_layout(q.to(gl.float16), A)
+        qa = gl.convert_layout(q.to(DOT), A)
 
         ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
         rs = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW))
@@ -232,22 +323,29 @@ def _build():
         for i in range(n_steps):
             async_copy.wait_group(STAGES - 2)
             gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
-            _issue(K_CACHE, V_CACHE, k_ring, v_ring, (i + STAGES - 1) % STAGES, bt_row,
-                   start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
-                   KV_SAME_STRIDES)
+            ahead = (i + STAGES - 1) % STAGES
+            if FP4:
+                _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, ahead, bt_row,
+                           start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+            else:
+                _issue(K_CACHE, V_CACHE, k_ring, v_ring, ahead, bt_row, start + (i + STAGES - 1) * BLOCK_N, end,
+                       last_page, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW,
+                       CP, OFF64, KV_SAME_STRIDES)
             async_copy.commit_group()
             n0 = start + i * BLOCK_N
-            k_tile = k_ring.index(i % STAGES)
-            v_tile = v_ring.index(i % STAGES)
+            cur = i % STAGES
+            k_tile = k_ring.index(cur)
+            v_tile = v_ring.index(cur)
+            ks_tile = ks_ring.index(cur)
+            vs_tile = vs_ring.index(cur)
             if n0 + BLOCK_N <= full_end:
-                m_i, l_i, acc = _step(k_tile, v_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE,
-                                      bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
-                                      PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
+                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
+                                      K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
+                                      stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
             else:
-                m_i, l_i, acc = _step(k_tile, v_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE,
-                                      bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
-                                      PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
+                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
+                                      K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
+                                      stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
         async_copy.wait_group(0)
 
         # the four warps' partials -> one: the common max, each warp's rescale, the sums
@@ -294,13 +392,20 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
+def fp4_cache_ok(k_cache, v_cache) -> bool:
+    """FP4 caches the kernel reads: contiguous (its row strides are compile-time constants, so that the 8- / 4-byte
+    alignment of the 72- / 68-byte rows is known to the copies) and 16-byte aligned."""
+    return all(c.is_contiguous() and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+
+
 def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, o_part, lse_part,
-                num_splits, cfg):
+                num_splits, cfg, code=1):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
+    code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; FP4 caches contiguous, see fp4_cache_ok).
     o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
     configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages, maxnreg, heads_inner)."""
     tpw = cfg.block_n // 4
-    kernel, gl = _build()
+    kernel, gl = _build(code)
     b, s_q, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     final = num_splits == 1
@@ -317,7 +422,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
 
     def scale_strides(t):
         return (0, 0) if mode != 2 else (t.stride(0), t.stride(1))
-    mma, a, bl, lk, lv, cp, smem = _layouts(gl, tpw)
+    mma, a, bl, lk, lv, cp, cps, smem, smem_s = _layouts(gl, tpw, code)
     args = (q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -329,7 +434,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
                 STAGES=cfg.stages, HEADS_INNER=cfg.heads_inner,
                 OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
                 KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
-                MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, SMEM=smem, num_warps=WARPS)
+                MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPS=cps, SMEM=smem, SMEM_S=smem_s, num_warps=WARPS)
     if cfg.maxnreg:
         meta["maxnreg"] = cfg.maxnreg
     grid = (num_splits * b * h_kv, ) if cfg.heads_inner else (num_splits * b, h_kv)
@@ -337,7 +442,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
 
 
 def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
-                       cfg):
+                       cfg, code=1):
     """The Gluon path of paged_decode_fwd (fp8 cache, d 128, GQA group · s_q <= 16, no softcap / window): (out,
     lse) as the portable launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
@@ -353,7 +458,7 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
         o_part = torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32)
         lse_part = torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
-                                           softmax_scale, o_part, lse_part, num_splits, cfg)
+                                           softmax_scale, o_part, lse_part, num_splits, cfg, code)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -361,23 +466,27 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=None, arch=90):
+def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=None, fmt="fp8", arch=90):
     """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel. cfg: a
-    configs.PagedCfg's fields as a list (None: the table's fp8 entry)."""
+    configs.PagedCfg's fields as a list (None: the table's entry for fmt)."""
     from .._gluon import compile_report
     from .configs import GLUON, PagedCfg
-    cfg = PagedCfg(*cfg) if cfg is not None else GLUON["fp8"]
+    from .kv_format import KV_FORMATS
+    cfg = PagedCfg(*cfg) if cfg is not None else GLUON[fmt]
+    f = KV_FORMATS[fmt]
     b, h_kv, pages, max_pages = 2, 2, 8, 4
     h_q = group * h_kv
     q = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16)
-    kc = torch.empty(pages, page, h_kv, D, dtype=torch.float8_e4m3fn)
+    kc = torch.empty(pages, page, h_kv, f.width(D), dtype=f.storage)
+    if f.fp4:   # FP4 scales: NVFP4's per tensor, MXFP4 none
+        scale_mode = 1 if fmt == "nvfp4" else 0
     table = torch.zeros(b, max_pages, dtype=torch.int32)
     lens = torch.zeros(b, dtype=torch.int32)
-    scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
     if num_splits == 1:
         o_part, lse_part = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
     else:
         o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D), torch.empty(num_splits, b, s_q * h_q)
+    scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
     kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
-                                           num_splits, cfg)
+                                           num_splits, cfg, f.code)
     return compile_report(kernel, args, grid, meta, arch)
