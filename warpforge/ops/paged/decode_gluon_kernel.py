@@ -32,6 +32,8 @@ import functools
 
 import torch
 
+from .decode_kernel import decode_outputs, part_strides
+
 LOG2E = 1.4426950408889634
 D = 128             # the head dim this kernel is written for
 ROWS = 16           # query rows per program (GQA group · s_q, padded): one mma.sync M
@@ -409,12 +411,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
     b, s_q, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     final = num_splits == 1
-    if final:
-        o_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2))
-        l_strides = (0, lse_part.stride(0))
-    else:
-        o_strides = (o_part.stride(1), o_part.stride(0), o_part.stride(2))
-        l_strides = (lse_part.stride(0), lse_part.stride(1))
+    o_strides, l_strides = part_strides(o_part, lse_part, final)
     if k_scale is None:
         mode, k_scale, v_scale = 0, cache_seqlens, cache_seqlens   # pointers the kernel does not read
     else:
@@ -447,16 +444,10 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
     lse) as the portable launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
     b, s_q, h_q, d = q.shape
-    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    out, lse, o_part, lse_part = decode_outputs(q, num_splits)
     if b == 0:
         return out, lse
     final = num_splits == 1
-    if final:
-        o_part, lse_part = out, lse
-    else:
-        o_part = torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
                                            softmax_scale, o_part, lse_part, num_splits, cfg, code)
     kernel[grid](*args, **meta)
@@ -482,10 +473,7 @@ def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=None, 
         scale_mode = 1 if fmt == "nvfp4" else 0
     table = torch.zeros(b, max_pages, dtype=torch.int32)
     lens = torch.zeros(b, dtype=torch.int32)
-    if num_splits == 1:
-        o_part, lse_part = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
-    else:
-        o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D), torch.empty(num_splits, b, s_q * h_q)
+    _, _, o_part, lse_part = decode_outputs(q, num_splits)
     scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
     kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
                                            num_splits, cfg, f.code)

@@ -339,6 +339,27 @@ def plan_num_splits(batch, h_kv, row_tiles, max_tokens, sm_count, min_tokens_per
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
 
 
+def decode_outputs(q, num_splits):
+    """(out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] fp32, o_part, lse_part): what a split kernel writes:
+    out and lse themselves with one split, else fp32 partials [split, b, s_q · h_q, d] and [split, b, s_q · h_q]
+    (log2) for combine_splits."""
+    b, s_q, h_q, d = q.shape
+    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if num_splits == 1:
+        return out, lse, out, lse
+    return (out, lse, torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32),
+            torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32))
+
+
+def part_strides(o_part, lse_part, final):
+    """The split kernels' output strides: (b, s, h) of o_part and (split, b) of lse_part, as FINAL reads them (out
+    [b, s_q, h_q, d] with lse [b, h_q, s_q]) or not (the partials: s is the split, h the row)."""
+    if final:
+        return (o_part.stride(0), o_part.stride(1), o_part.stride(2)), (0, lse_part.stride(0))
+    return (o_part.stride(1), o_part.stride(0), o_part.stride(2)), (lse_part.stride(0), lse_part.stride(1))
+
+
 def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt, softmax_scale,
                      softcap, window, num_splits, cfg):
     """(out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] natural-log). k_scale / v_scale: fp32 tensors with
@@ -346,23 +367,14 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
-    out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    out, lse, o_part, lse_part = decode_outputs(q, num_splits)
     if b == 0:
         return out, lse
     rows = group * s_q
     block_h = plan_block_h(cfg.block_h, rows)
     tiles = triton.cdiv(rows, block_h)
     final = num_splits == 1
-    if final:
-        o_part, lse_part = out, lse
-        o_strides = (out.stride(0), out.stride(1), out.stride(2))
-        l_strides = (0, lse.stride(0))
-    else:
-        o_part = torch.empty((num_splits, b, s_q * h_q, d), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((num_splits, b, s_q * h_q), device=q.device, dtype=torch.float32)
-        o_strides = (o_part.stride(1), o_part.stride(0), o_part.stride(2))
-        l_strides = (lse_part.stride(0), lse_part.stride(1))
+    o_strides, l_strides = part_strides(o_part, lse_part, final)
     scaled = k_scale is not None
 
     def scale_strides(t):
