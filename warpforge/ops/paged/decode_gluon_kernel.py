@@ -1,11 +1,12 @@
-"""Paged GQA decode over an FP8 cache for Hopper (sm_90) in Gluon: a deep cp.async ring, each warp its own tokens.
+"""Paged GQA decode over FP8 / NVFP4 / MXFP4 caches for Hopper (sm_90) in Gluon: a deep cp.async ring, each warp
+its own tokens.
 
-The same problem and outputs as decode_kernel.paged_decode_split_kernel for the case the api gate sends here (an
-e4m3 cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window): program (request ·
-split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at a time and writes the split's partials, or with one
-split the final out / lse. Any page size: every token row is its own 16-byte-chunked cp.async.
+The same problem and outputs as decode_kernel.paged_decode_split_kernel for the case the api gate sends here (a
+quantised cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window; FP4 caches
+contiguous): program (request · split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at a time and writes the
+split's partials, or with one split the final out / lse. Any page size: every token row is its own cp.async.
 
-Why this kernel (benchmarks/NOTES.md, "Paged decode in Gluon", session 19): the portable kernel reads FP8 at 62-65%
+Why this kernel (benchmarks/NOTES.md, "Session 19 on the H200"): the portable kernel reads FP8 at 62-65%
 of the copy bandwidth. Its pipeliner waits for every copy at the top of each step (`cp.async.wait_group 0`), so a
 program never overlaps its own loads with its math, and V reaches the P·V MMA as one-byte shared-memory gathers (its
 reduction dim, the tokens, is strided). Here:
@@ -22,6 +23,12 @@ Dots run in fp16 (e4m3 -> fp16 is exact and one cvt per pair; q converts exactly
 probabilities round to fp16, finer than bf16), accumulate in fp32; the softmax scale multiplies the fp32 scores.
 Per-tensor scales multiply the scores and the output; per-page-head scales multiply each token's scores and
 probabilities. Steps wholly inside the split and before every query row's position skip the mask.
+
+FP4 (one kernel built per format): each token row's 64 value bytes and its block scales come in by cp.async of 8 /
+4 bytes (the 72 / 68-byte rows' alignment, known because a contiguous cache's strides are compile-time constants);
+Gluon's fp4_to_fp decodes the packed e2m1 bytes straight into the FP8 path's register layout (byte i holds values
+2i and 2i + 1), and the block scales multiply them there. MXFP4's dots run in bf16 (its power-of-two scales may
+leave fp16's range).
 
 Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
 dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
@@ -440,7 +447,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
 
 def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
                        cfg, code=1):
-    """The Gluon path of paged_decode_fwd (fp8 cache, d 128, GQA group · s_q <= 16, no softcap / window): (out,
+    """The Gluon path of paged_decode_fwd (see api.gluon_gate; code: the cache format's): (out,
     lse) as the portable launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
     b, s_q, h_q, d = q.shape
