@@ -34,6 +34,19 @@ def test_column_relabellings_are_permutations():
     assert sorted(dg.sigma_v(n) for n in range(128)) == list(range(128))
 
 
+def test_cache_layouts_the_kernel_reads():
+    """FP8: 16-byte aligned rows (16-byte copies), any strides else; FP4: contiguous caches (constexpr strides)."""
+    fp8 = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)
+    assert dg.cache_ok(fp8, fp8, 1)
+    assert dg.cache_ok(fp8[:, :, 1:], fp8[:, :, 1:], 1)   # one head of two: strided, rows still aligned
+    odd = torch.zeros(4, 16, 2, 136, dtype=torch.float8_e4m3fn)[..., :128]   # 136-byte head stride
+    assert not dg.cache_ok(odd, fp8, 1)
+    fp4 = torch.zeros(4, 16, 2, 72, dtype=torch.uint8)
+    assert dg.cache_ok(fp4, fp4, 2)
+    wide = torch.zeros(4, 16, 2, 80, dtype=torch.uint8)[..., :72]
+    assert not dg.cache_ok(fp4, wide, 2)
+
+
 def test_gate_off_where_it_does_not_apply(monkeypatch):
     p = _problem(2, 1, 8, 2, 128, 16, [37, 5], "fp8", torch.float16)
     on = _on_h200_gate()

@@ -51,10 +51,10 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     fmt = KV_FORMATS[kv_format]
     if cfg.gluon:  # plan()'s gluon_gate held (decode_gluon_kernel.py)
         from . import decode_gluon_kernel as dg
-        if not fmt.fp4 or dg.fp4_cache_ok(k_cache, v_cache):
+        if dg.cache_ok(k_cache, v_cache, fmt.code):
             return dg.paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
                                          softmax_scale, num_splits, cfg, fmt.code)
-        cfg = _portable_cfg(q, fmt, k_cache.shape[2])  # a strided or unaligned FP4 cache: the portable kernel
+        cfg = _portable_cfg(q, fmt, k_cache.shape[2])  # a cache laid out otherwise: the portable kernel
     from .decode_kernel import paged_decode_fwd
     return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt,
                             softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg)
@@ -145,7 +145,7 @@ def gluon_gate(q, kv_format, d, rows, softcap, window) -> bool:
     """Whether plan() takes the Hopper Gluon kernel (decode_gluon_kernel.py): an sm_90 GPU, a Triton in
     configs.GLUON_TRITON_VERSIONS, WARPFORGE_PAGED_GLUON not "0", a format it reads (configs.GLUON), d 128, at most 16
     query rows per kv head (GQA group · s_q), fp16 / bf16 q (bf16 for MXFP4: its dots run in bf16), no softcap or
-    window. (FP4 caches must also be contiguous: checked per call, _decode_impl.)"""
+    window. (The caches' layout is checked per call, decode_gluon_kernel.cache_ok.)"""
     if (kv_format not in configs.GLUON or d != 128 or rows > 16 or softcap is not None or window is not None
             or q.dtype not in (torch.float16, torch.bfloat16) or q.device.type != "cuda"
             or (kv_format == "mxfp4" and q.dtype != torch.bfloat16)

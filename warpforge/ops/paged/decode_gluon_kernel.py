@@ -401,16 +401,20 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def fp4_cache_ok(k_cache, v_cache) -> bool:
-    """FP4 caches the kernel reads: contiguous (its row strides are compile-time constants, so that the 8- / 4-byte
-    alignment of the 72- / 68-byte rows is known to the copies) and 16-byte aligned."""
-    return all(c.is_contiguous() and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+def cache_ok(k_cache, v_cache, code) -> bool:
+    """Caches the kernel reads (code: the format's): 16-byte aligned, and FP8 rows 16-byte aligned (its copies are 16
+    bytes), FP4 caches contiguous (their row strides are compile-time constants, so that the 8- / 4-byte alignment
+    of the 72- / 68-byte rows is known to the copies)."""
+    if code >= 2:
+        return all(c.is_contiguous() and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+    return all(c.data_ptr() % 16 == 0 and c.stride(3) == 1 and all(st % 16 == 0 for st in c.stride()[:3])
+               for c in (k_cache, v_cache))
 
 
 def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, o_part, lse_part,
                 num_splits, cfg, code=1):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
-    code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; FP4 caches contiguous, see fp4_cache_ok).
+    code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; the caches as cache_ok takes them).
     o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
     configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages, maxnreg, heads_inner)."""
     tpw = cfg.block_n // 4
