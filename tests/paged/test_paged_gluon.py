@@ -77,8 +77,8 @@ COMPILE_CASES = [
     dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1),
     dict(group=8, s_q=2, num_splits=3, page=1, scale_mode=2),
     dict(group=1, s_q=1, num_splits=2, page=64, scale_mode=0),
-    dict(group=4, s_q=1, num_splits=1, page=16, fmt="nvfp4"),
-    dict(group=8, s_q=2, num_splits=3, page=1, fmt="mxfp4"),
+    dict(group=4, s_q=1, num_splits=1, page=16, code=2),
+    dict(group=8, s_q=2, num_splits=3, page=1, code=3),
     # the tune sweep's knobs: a register cap (three programs per SM), the kv heads side by side in launch order
     dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1,
          cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True, maxnreg=168, heads_inner=True))),
@@ -96,12 +96,13 @@ def _case_id(c):
                     f"{dg.GLUON_TRITON_VERSIONS} (installed: {triton_version()}); its API differs between releases")
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=_case_id)
 def test_compiles_for_sm90(case):
-    r = compile_in_subprocess("warpforge.ops.paged.decode_gluon_kernel", case, ROOT)
+    fmt = {1: "fp8", 2: "nvfp4", 3: "mxfp4"}[case.get("code", 1)]
+    cfg = configs.PagedCfg(*case["cfg"]) if "cfg" in case else configs.GLUON[fmt]
+    r = compile_in_subprocess("warpforge.ops.paged.decode_gluon_kernel", dict(case, cfg=cfg._asdict()), ROOT)
     print(f"\n{case}: {r['registers']} registers/thread, spills {r['spill_stores']}/{r['spill_loads']} B, "
           f"shared {r['shared_bytes']} B, warps {r['num_warps']}")
     assert r["ptxas_rc"] == 0, r["ptxas_log"]
     assert r["num_warps"] == 4 and r["shared_bytes"] <= SMEM_MAX
-    cfg = configs.PagedCfg(*case["cfg"]) if "cfg" in case else configs.GLUON[case.get("fmt", "fp8")]
     # ptxas keeps some builds near 168 registers and spills a few bytes (8-16 B seen in session 19): more would
     # say the tiles no longer fit
     assert r["spill_stores"] <= SPILL_BYTES and r["spill_loads"] <= SPILL_BYTES, r["ptxas_log"]

@@ -468,24 +468,24 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
 
 
 # ------------------------------------------------------------------------------------ compile-only check
-def compile_sm90(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=None, fmt="fp8", arch=90):
+def compile_sm90(cfg, group=4, s_q=1, num_splits=1, page=16, scale_mode=1, code=1, arch=90):
     """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel. cfg: a
-    configs.PagedCfg's fields as a list (None: the table's entry for fmt)."""
+    configs.PagedCfg as a dict (its _asdict()); code: the cache format's (1 fp8, 2 nvfp4, 3 mxfp4)."""
+    from types import SimpleNamespace
+
     from .._gluon import compile_report
-    from .configs import GLUON, PagedCfg
-    from .kv_format import KV_FORMATS
-    cfg = PagedCfg(*cfg) if cfg is not None else GLUON[fmt]
-    f = KV_FORMATS[fmt]
+    cfg = SimpleNamespace(**cfg)
+    width, storage = (D, torch.float8_e4m3fn) if code == 1 else (D // 2 + D // (16 if code == 2 else 32), torch.uint8)
     b, h_kv, pages, max_pages = 2, 2, 8, 4
     h_q = group * h_kv
     q = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16)
-    kc = torch.empty(pages, page, h_kv, f.width(D), dtype=f.storage)
-    if f.fp4:   # FP4 scales: NVFP4's per tensor, MXFP4 none
-        scale_mode = 1 if fmt == "nvfp4" else 0
+    kc = torch.empty(pages, page, h_kv, width, dtype=storage)
+    if code >= 2:   # FP4 scales: NVFP4's per tensor, MXFP4 none
+        scale_mode = 1 if code == 2 else 0
     table = torch.zeros(b, max_pages, dtype=torch.int32)
     lens = torch.zeros(b, dtype=torch.int32)
     _, _, o_part, lse_part = decode_outputs(q, num_splits)
     scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
     kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
-                                           num_splits, cfg, f.code)
+                                           num_splits, cfg, code)
     return compile_report(kernel, args, grid, meta, arch)
