@@ -24,6 +24,9 @@ spec_bench() { timeout 70 python3 -m warpforge.serve.spec_bench --model "$w/targ
                tar czf "$out/all.tgz" -C "$w" --exclude='./target' --exclude='./draft[0-9]' .; }
 spec_cleanup() { grep -E "done" "$w"/target.log "$w"/draft*.log
                  rm -rf "$w"/target/*.pt "$w"/target/*.safetensors "$w"/draft*/*.pt "$w"/draft*/*.safetensors; }
+paged_gluon_tests() { timeout 300 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py \
+                        -k "gpu and (fp8 or fp4 or gluon or graph or portable or helper or quantised)" \
+                        > "$w/paged-gluon-tests.log" 2>&1; tail -n 8 "$w/paged-gluon-tests.log"; }
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
@@ -110,6 +113,7 @@ for step in "$@"; do
                      grep -E " ms|WRONG" "$w/tune_moe_decode.log" | head -120 ;;
     # FP8 MLA caches read by the Gluon kernel itself (in-place dequantisation in shared memory): GPU tests, the
     # h_q 128 rows, then FP8 through the dequantisation pass (WARPFORGE_MLA_GLUON_IN_KERNEL=0) beside them
+    # (mla-graph-q: the CUDA-graph tests alone, the in-kernel quantized path's among them)
     mla-graph-q) timeout 120 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "graph_capture" > "$w/mla-graph-q.log" 2>&1; tail -n 3 "$w/mla-graph-q.log" ;;
     mla-quant) timeout 250 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or gated or gate_off" \
                > "$w/mla-quant-tests.log" 2>&1; tail -n 3 "$w/mla-quant-tests.log"
@@ -176,11 +180,13 @@ for step in "$@"; do
                   > "$w/window_d64_tests.log" 2>&1; tail -n 15 "$w/window_d64_tests.log" ;;
     gpu-tests-*) timeout 240 python3 -m pytest -q -m gpu $par $(echo "${step#gpu-tests-}" | tr ',' '\n' | sed 's|^|tests/|') \
                    > "$w/$(echo "$step" | tr '/,' '__').log" 2>&1; tail -n 15 "$w/$(echo "$step" | tr '/,' '__').log" ;;
-    paged-fp4-gluon) timeout 300 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or fp4 or gluon or graph or portable or helper or quantised)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 8 "$w/paged-gluon-tests.log"
-                     for L in 4096; do timeout 90 python3 -m warpforge tune paged --L $L --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_$L.json" > "$w/tune_paged_fp4_gluon_$L.log" 2>&1; done
-                     tail -n 40 "$w"/tune_paged_fp4_gluon_*.log ;;
-    paged-gluon-tests) timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or gluon or graph or portable or helper)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 5 "$w/paged-gluon-tests.log" ;;
-    paged-gluon) timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py -k "gpu and (fp8 or gluon or graph or portable or helper)" > "$w/paged-gluon-tests.log" 2>&1; tail -n 5 "$w/paged-gluon-tests.log"
+    # the paged Gluon kernel (issue 18): its GPU tests and the family's quantised / graph ones (which take it on the
+    # H200), then sweeps: FP8 at 16k and 4k beside the bf16 anchor, FP4 at 4k (16k's quantiser needs ~56 GB)
+    paged-gluon-tests) paged_gluon_tests ;;
+    paged-fp4-gluon) paged_gluon_tests
+                     timeout 90 python3 -m warpforge tune paged --L 4096 --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_4k.json" > "$w/tune_paged_fp4_gluon_4k.log" 2>&1
+                     tail -n 40 "$w/tune_paged_fp4_gluon_4k.log" ;;
+    paged-gluon) paged_gluon_tests
                  timeout 150 python3 -m warpforge tune paged --L 16384 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_16k.json" > "$w/tune_paged_gluon_16k.log" 2>&1
                  timeout 80 python3 -m warpforge tune paged --L 4096 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_4k.json" > "$w/tune_paged_gluon_4k.log" 2>&1
                  tail -n 50 "$w"/tune_paged_gluon_16k.log "$w"/tune_paged_gluon_4k.log ;;

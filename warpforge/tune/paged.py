@@ -25,21 +25,18 @@ FP8_TILES = [(16, 128, 4, 2, False, 2, True), (16, 64, 4, 2, False, 2, True), (1
              (16, 64, 4, 2, False, 2, True, True), (16, 64, 4, 1, False, 2, True, True),
              (16, 32, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True)]
 # fp8 on fp8 tensor cores (PagedCfg's fp8_mma and fp8_tokens_m, the tuples' last two fields): sm_90 compiles
-# (Triton 3.6, GQA 4) 168 regs at 128-token steps, 126 at 64 (3 stages, page ids ahead: K copies two steps ahead), 223 with V
-# prefetched in registers (128-token steps with the prefetch spill); fp8_mma 1 is the speed of one e4m3 per q / p
-# (its accuracy misses the bar on random data: 1 - cos 1.2e-3 emulated)
+# (Triton 3.6, GQA 4) 168 regs at 128-token steps, 126 at 64 (3 stages, page ids ahead: K copies two steps ahead),
+# 223 with V prefetched in registers (128-token steps with the prefetch spill); fp8_mma 1 is the speed of one e4m3
+# per q / p (its accuracy misses the bar on random data: 1 - cos 1.2e-3 emulated)
 FP8_MMA_TILES = [(16, 128, 4, 2, False, 8, False, False, 2, True), (16, 128, 4, 3, True, 8, False, False, 2, True),
                  (16, 64, 4, 3, True, 8, False, False, 2, True), (16, 64, 4, 3, True, 8, False, True, 2, True),
                  (16, 64, 8, 3, True, 8, False, True, 2, True), (16, 128, 4, 3, True, 8, False, False, 1, True)]
 # the Gluon kernel (decode_gluon_kernel.py; sm_90, Triton 3.6): block_n = 4 warps' tokens (64: 16 a warp, 128: 32),
-# stages = the cp.async ring's slots (64-token steps, 4 slots: 72 KB and 162 regs, three programs per SM)
-# session 19: 128-token steps, one split, the kv heads side by side (call3: 2 slots 0.146 / 0.530 ms at L 4k / 16k,
-# 3 slots 0.144 / 0.515; 64-token steps, a register cap of 168 (three programs per SM) and the page ids loaded a
-# step ahead of their copies lost: benchmarks/NOTES.md)
-GLUON_TILES = [PagedCfg(16, 128, 4, 3, gluon=True, heads_inner=True),
-               PagedCfg(16, 128, 4, 2, gluon=True, heads_inner=True),
-               PagedCfg(16, 128, 4, 2, gluon=True, maxnreg=168, heads_inner=True),
-               PagedCfg(16, 64, 4, 4, gluon=True, heads_inner=True)]
+# stages = the cp.async ring's slots. Session 19 (call3, one split): 128 / 2 slots 0.146 / 0.530 ms at L 4k / 16k,
+# 128 / 3 slots 0.144 / 0.515; 64-token steps, a register cap of 168 (three programs per SM) and the page ids loaded
+# a step ahead of their copies lost (benchmarks/NOTES.md)
+GLUON_TILES = [PagedCfg(16, 128, 4, 3, gluon=True), PagedCfg(16, 128, 4, 2, gluon=True),
+               PagedCfg(16, 64, 4, 4, gluon=True)]
 FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 1, False, 2, True, True),
              (16, 64, 4, 1, False, 2, True, True), (16, 64, 8, 1, False, 2, True, True),
              (16, 128, 8, 1, False, 2, True, True), (16, 32, 4, 2, False, 2, False, True)]

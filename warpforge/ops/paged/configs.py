@@ -30,9 +30,6 @@ class PagedCfg(NamedTuple):
     #                             M, so sm_90's wgmma (M >= 64; Triton runs fp8 dots only there) pads no query rows
     gluon: bool = False  # the Hopper Gluon kernel (decode_gluon_kernel.py): block_n = 4 warps' tokens per step,
     #                      stages = its cp.async ring's slots; block_h, warps and the knobs above do not apply
-    maxnreg: int = 0     # Gluon: a register cap per thread (168: three 128-thread programs per SM), 0 none
-    heads_inner: bool = False  # Gluon: a request's kv heads are neighbours in launch order (they read the same
-    #                            token rows of the cache, h_kv · width bytes each, at about the same time)
 
 
 C = PagedCfg
@@ -60,9 +57,9 @@ DECODE = TileTable({
 # WARPFORGE_PAGED_GLUON=0 turns it off.
 GLUON_ENV = "WARPFORGE_PAGED_GLUON"
 GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree
-GLUON = {"fp8": C(16, 128, 4, 3, waves=2, gluon=True, heads_inner=True),
-         "nvfp4": C(16, 128, 4, 3, waves=2, gluon=True, heads_inner=True),
-         "mxfp4": C(16, 128, 4, 3, waves=2, gluon=True, heads_inner=True)}
+# 128-token steps, 3 slots, one split at b64 h_kv 8 (session 19's sweeps; FP4's 2 slots measured faster, not yet
+# GPU-tested as its default: benchmarks/NOTES.md)
+GLUON = dict.fromkeys(("fp8", "nvfp4", "mxfp4"), C(16, 128, 4, 3, waves=2, gluon=True))
 
 
 class AppendCfg(NamedTuple):

@@ -255,23 +255,20 @@ def _build(code: int = 1):
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, HEADS_INNER: gl.constexpr,
+        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
         OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
         CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
     ):
-        """Program (b · n_splits + split, kv head) as the portable kernel's grid, or with HEADS_INNER one axis of
-        (b · n_splits + split) · h_kv + kv head. SCALE_MODE: 0 none, 1 per tensor (K_SCALE / V_SCALE one element), 2
-        per page and head. Lengths are clamped to [0, capacity] and page ids to [0, last_page] (unchecked values
-        under a CUDA-graph capture must not read outside the tensors)."""
+        """Program (b · n_splits + split) · h_kv + kv head on one grid axis: a request's kv heads are neighbours in
+        launch order, so they read the same token rows of the cache (h_kv · width bytes each) at about the same time
+        (2-3% over the portable kernel's (b · n_splits + split, kv head) grid, session 19). SCALE_MODE: 0 none, 1 per
+        tensor (K_SCALE / V_SCALE one element), 2 per page and head. Lengths are clamped to [0, capacity] and page
+        ids to [0, last_page] (unchecked values under a CUDA-graph capture must not read outside the tensors)."""
         BLOCK_N: gl.constexpr = 4 * TPW
         H_KV: gl.constexpr = H_Q // GROUP
-        if HEADS_INNER:
-            work = gl.program_id(0) // H_KV
-            kvh = gl.program_id(0) % H_KV
-        else:
-            work = gl.program_id(0)
-            kvh = gl.program_id(1)
+        work = gl.program_id(0) // H_KV
+        kvh = gl.program_id(0) % H_KV
         split = work % n_splits
         b64 = (work // n_splits).to(gl.int64)
         kvh64 = kvh.to(gl.int64)
@@ -416,7 +413,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
     code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; the caches as cache_ok takes them).
     o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
-    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages, maxnreg, heads_inner)."""
+    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages)."""
     tpw = cfg.block_n // 4
     kernel, gl = _build(code)
     b, s_q, h_q, _ = q.shape
@@ -439,14 +436,11 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
             softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
             max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
-                STAGES=cfg.stages, HEADS_INNER=cfg.heads_inner,
+                STAGES=cfg.stages,
                 OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
                 KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
                 MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPS=cps, SMEM=smem, SMEM_S=smem_s, num_warps=WARPS)
-    if cfg.maxnreg:
-        meta["maxnreg"] = cfg.maxnreg
-    grid = (num_splits * b * h_kv, ) if cfg.heads_inner else (num_splits * b, h_kv)
-    return kernel, grid, args, meta
+    return kernel, (num_splits * b * h_kv, ), args, meta
 
 
 def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
