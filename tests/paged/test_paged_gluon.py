@@ -34,6 +34,27 @@ def test_column_relabellings_are_permutations():
     assert sorted(dg.sigma_v(n) for n in range(128)) == list(range(128))
 
 
+def test_nvfp4_word_decode():
+    """_e2m1_words' arithmetic, replayed in torch on a row of 16 random words: each nibble becomes the e4m3 byte of
+    its value times 2^-6, and the joins' column c holds head-dim value perm_c(c)."""
+    from warpforge.quant import e2m1_values
+    w = torch.randint(0, 2**32, (16,), dtype=torch.int64)
+    lo = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
+    hi = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
+
+    def byte(x, k):
+        return ((x >> (8 * k)) & 0xFF).to(torch.uint8)
+
+    join = lambda a, b: torch.stack([a, b], -1)   # gl.join: a new last dim
+    x = join(join(join(byte(lo, 0), byte(hi, 0)), join(byte(lo, 2), byte(hi, 2))),
+             join(join(byte(lo, 1), byte(hi, 1)), join(byte(lo, 3), byte(hi, 3))))
+    decoded = x.view(torch.float8_e4m3fn).float().reshape(128) * 64.0
+    packed = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).reshape(64)
+    values = e2m1_values(torch.stack([packed & 0xF, packed >> 4], -1).flatten())
+    assert sorted(dg.perm_c(c) for c in range(128)) == list(range(128))
+    assert torch.equal(decoded, values[[dg.perm_c(c) for c in range(128)]].float())
+
+
 def test_cache_layouts_the_kernel_reads():
     """FP8: 16-byte aligned rows (16-byte copies), any strides else; FP4: contiguous caches (constexpr strides)."""
     fp8 = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)

@@ -60,6 +60,12 @@ def sigma_v(n: int) -> int:
     return ((n & 7) << 4) | (n >> 3)
 
 
+def perm_c(c: int) -> int:
+    """NVFP4: the head-dim column that column c of the decoded words holds (_e2m1_words); sigma_k / sigma_v compose
+    with it."""
+    return (c & ~7) | ((c >> 2) & 1) | ((c & 1) << 1) | (((c >> 1) & 1) << 2)
+
+
 def _layouts(gl, tpw: int, code: int = 1):
     """(MMA, A, B, LK, LV, CP, CPS, SMEM, SMEM_S) for TPW tokens per warp and a cache format (kv_format.py's code).
     LK / LV hold a warp's [TPW, ·] K / V bytes with 32 (LK) or 16 (LV) consecutive head-dim values of a token in one
@@ -81,6 +87,15 @@ def _layouts(gl, tpw: int, code: int = 1):
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0]] + more,
             lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32]], warp_bases=warps, block_bases=[],
             shape=[WARPS, tpw, D // 2])
+        if code == 2:   # NVFP4: the same bytes as 32-bit words (_values decodes a word's eight values at once)
+            lk = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0]] + more,
+                lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
+                shape=[WARPS, tpw, D // 8])
+            lv = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 1, 0], [0, 8, 0]] + more,
+                lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]], warp_bases=warps, block_bases=[],
+                shape=[WARPS, tpw, D // 8])
         vec = 8 if code == 2 else 4   # the rows (72 / 68 bytes) are 8- / 4-byte aligned
         cp = gl.BlockedLayout([1, 1, vec], [1, 32 // (64 // vec), 64 // vec], [WARPS, 1, 1], [2, 1, 0])
         n_scales = D // (16 if code == 2 else 32)
@@ -185,16 +200,43 @@ def _build(code: int = 1):
                                                mask=mask)
 
     @gluon.jit
+    def _perm_c(c):
+        """perm_c on a tensor of columns."""
+        return (c & ~7) | ((c >> 2) & 1) | ((c & 1) << 1) | (((c >> 1) & 1) << 2)
+
+    @gluon.jit
+    def _byte(x, k: gl.constexpr):
+        return ((x >> (8 * k)) & 0xFF).to(gl.uint8)
+
+    @gluon.jit
+    def _e2m1_words(w):
+        """[4, TPW, 16] words of packed e2m1 (byte i of word j: values 8j + 2i, low nibble, and 8j + 2i + 1) -> fp16
+        [4, TPW, 128], value 8j + 4p + 2e + h at column 8j + 4h + 2p + e (perm_c). Each nibble s|ee|m becomes the
+        e4m3 byte s|0 0 e e|m 0 0, the same value times 2^-6 (subnormal m · 0.5 included): four bytes of a word with
+        one shift-and-mask pair, two at a time to fp16 by one cvt, where Triton's fp4_to_fp spends about three times
+        the instructions (benchmarks/NOTES.md, session 20); the 2^6 goes into the block scale."""
+        lo = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)   # byte i: value 8j + 2i
+        hi = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)          # byte i: value 8j + 2i + 1
+        # the last joined dim is the innermost register: bytes 2p, 2p + 1 of one word side by side, one cvt's pair
+        x = gl.join(gl.join(gl.join(_byte(lo, 0), _byte(hi, 0)), gl.join(_byte(lo, 2), _byte(hi, 2))),
+                    gl.join(gl.join(_byte(lo, 1), _byte(hi, 1)), gl.join(_byte(lo, 3), _byte(hi, 3))))
+        x = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        return gl.reshape(x, [x.shape[0], x.shape[1], 128])
+
+    @gluon.jit
     def _values(tile, s_tile, L: gl.constexpr, TPW: gl.constexpr):
         """A warp tile's [4, TPW, 128] head-dim values in DOT, in L's registers (FP8: e4m3 · 1; FP4: e2m1 · its
         block's scale, NVFP4's e4m3 or MXFP4's e8m0), the per-tensor / per-token scales left to the caller."""
         if FP4:
-            x = gl.fp4_to_fp(tile.load(L), DOT, 2)   # byte i -> values 2i (low nibble), 2i + 1
+            if NVFP4:   # values times 2^-6, the 2^6 put into the block scales
+                x = _e2m1_words(tile._reinterpret(gl.uint32, [4, TPW, 16], tile.type.layout).load(L))
+            else:
+                x = gl.fp4_to_fp(tile.load(L), DOT, 2)   # byte i -> values 2i (low nibble), 2i + 1
             x4 = gl.reshape(x, [4, TPW, N_SCALES, BLK])
             L4: gl.constexpr = x4.type.layout
             sb = s_tile.load(gl.SliceLayout(3, L4))
             if NVFP4:
-                sc = sb.to(gl.float8e4nv, bitcast=True).to(DOT)
+                sc = sb.to(gl.float8e4nv, bitcast=True).to(DOT) * 64.0
             else:
                 sc = (sb.to(gl.uint16) << 7).to(gl.bfloat16, bitcast=True)   # e8m0: 2^(byte - 127)
             return gl.reshape(x4 * gl.expand_dims(sc, 3), [4, TPW, 128])
@@ -305,6 +347,8 @@ def _build(code: int = 1):
         r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
         k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
         col = (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)   # sigma_k
+        if NVFP4:
+            col = _perm_c(col)
         r_ok = r < GROUP * S_Q
         q_row = b64 * stride_qb + (r // GROUP).to(gl.int64) * stride_qs + (kvh * GROUP + r % GROUP).to(gl.int64) * \
             stride_qh
@@ -367,6 +411,8 @@ def _build(code: int = 1):
         ro = gl.arange(0, 16, layout=gl.SliceLayout(1, OUT))
         n = gl.arange(0, 128, layout=gl.SliceLayout(0, OUT))
         o_col = ((n & 7) << 4) | (n >> 3)   # sigma_v
+        if NVFP4:
+            o_col = _perm_c(o_col)
         j = ro // GROUP
         h = kvh * GROUP + ro % GROUP
         ro_ok = ro < GROUP * S_Q
