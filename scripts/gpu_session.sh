@@ -186,6 +186,8 @@ for step in "$@"; do
     paged-fp4-gluon) paged_gluon_tests
                      timeout 90 python3 -m warpforge tune paged --L 4096 --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_4k.json" > "$w/tune_paged_fp4_gluon_4k.log" 2>&1
                      tail -n 40 "$w/tune_paged_fp4_gluon_4k.log" ;;
+    paged-fp8-4k) timeout 90 python3 -m warpforge tune paged --L 4096 --formats fp8gluon --out "$w/tune_paged_fp8_gluon_4k.json" > "$w/tune_paged_fp8_gluon_4k.log" 2>&1
+                  tail -n 20 "$w/tune_paged_fp8_gluon_4k.log" ;;
     paged-gluon) paged_gluon_tests
                  timeout 150 python3 -m warpforge tune paged --L 16384 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_16k.json" > "$w/tune_paged_gluon_16k.log" 2>&1
                  timeout 80 python3 -m warpforge tune paged --L 4096 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_4k.json" > "$w/tune_paged_gluon_4k.log" 2>&1

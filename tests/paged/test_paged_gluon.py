@@ -46,8 +46,9 @@ def test_nvfp4_word_decode():
         return ((x >> (8 * k)) & 0xFF).to(torch.uint8)
 
     join = lambda a, b: torch.stack([a, b], -1)   # gl.join: a new last dim
-    x = join(join(join(byte(lo, 0), byte(hi, 0)), join(byte(lo, 2), byte(hi, 2))),
-             join(join(byte(lo, 1), byte(hi, 1)), join(byte(lo, 3), byte(hi, 3))))
+    lo_up, hi_up = (lo * 65536) >> 32, (hi * 65536) >> 32   # umulhi(x, 2^16)
+    x = join(join(join(byte(lo, 0), byte(hi, 0)), join(byte(lo_up, 0), byte(hi_up, 0))),
+             join(join(byte(lo, 1), byte(hi, 1)), join(byte(lo_up, 1), byte(hi_up, 1))))
     decoded = x.view(torch.float8_e4m3fn).float().reshape(128) * 64.0
     packed = torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], -1).reshape(64)
     values = e2m1_values(torch.stack([packed & 0xF, packed >> 4], -1).flatten())

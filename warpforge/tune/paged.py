@@ -73,7 +73,7 @@ def main(argv=None):
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
         for t in tiles:
             cfg = t if isinstance(t, PagedCfg) else PagedCfg(*t)
-            for splits in ((1, 2) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
+            for splits in ((1, 2, 3) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():

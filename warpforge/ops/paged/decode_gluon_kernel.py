@@ -212,14 +212,19 @@ def _build(code: int = 1):
     def _e2m1_words(w):
         """[4, TPW, 16] words of packed e2m1 (byte i of word j: values 8j + 2i, low nibble, and 8j + 2i + 1) -> fp16
         [4, TPW, 128], value 8j + 4p + 2e + h at column 8j + 4h + 2p + e (perm_c). Each nibble s|ee|m becomes the
-        e4m3 byte s|0 0 e e|m 0 0, the same value times 2^-6 (subnormal m · 0.5 included): four bytes of a word with
-        one shift-and-mask pair, two at a time to fp16 by one cvt, where Triton's fp4_to_fp spends about three times
-        the instructions (benchmarks/NOTES.md, session 20); the 2^6 goes into the block scale."""
+        e4m3 byte s|0 0 e e|m 0 0, its value times 2^-6 (subnormal m · 0.5 included): a word's four low nibbles by
+        one shift-and-mask pair, its four high nibbles by another, then two bytes at a time to fp16 by one cvt (900
+        instructions a step against fp4_to_fp's 1283: benchmarks/NOTES.md, session 20). The 2^6 goes into the block
+        scales."""
         lo = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)   # byte i: value 8j + 2i
         hi = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)          # byte i: value 8j + 2i + 1
+        # bytes 2 and 3 moved down by umulhi(x, 2^16), not x >> 16: LLVM merges a shift into the byte extraction
+        # and rebuilds the pair byte by byte (four instructions a pair); the multiply's high half it leaves alone
+        lo_up = gl.umulhi(lo, 65536)
+        hi_up = gl.umulhi(hi, 65536)
         # the last joined dim is the innermost register: bytes 2p, 2p + 1 of one word side by side, one cvt's pair
-        x = gl.join(gl.join(gl.join(_byte(lo, 0), _byte(hi, 0)), gl.join(_byte(lo, 2), _byte(hi, 2))),
-                    gl.join(gl.join(_byte(lo, 1), _byte(hi, 1)), gl.join(_byte(lo, 3), _byte(hi, 3))))
+        x = gl.join(gl.join(gl.join(_byte(lo, 0), _byte(hi, 0)), gl.join(_byte(lo_up, 0), _byte(hi_up, 0))),
+                    gl.join(gl.join(_byte(lo, 1), _byte(hi, 1)), gl.join(_byte(lo_up, 1), _byte(hi_up, 1))))
         x = x.to(gl.float8e4nv, bitcast=True).to(gl.float16)
         return gl.reshape(x, [x.shape[0], x.shape[1], 128])
 
