@@ -4,9 +4,10 @@ slots of the paged caches, quantised to the cache's format, in one launch for K 
 A program owns BLOCK_T tokens of one kv head. Token t goes to slot s = slot_mapping[t] (page s // PAGE, row
 s % PAGE); a slot < 0 (vLLM's padding) or past the cache is skipped, so no value of slot_mapping writes outside
 the caches. Quantisation follows reference.quantize_kv_reference (quant.py) step for step in fp32 with
-round-to-nearest divisions: fp8 x / scale clamped to ±448; NVFP4 per block of 16 an e4m3 scale amax / 6 / tensor
-scale; MXFP4 per block of 32 the better of the two powers of two around amax / 6. FP4 tiles are the even and the
-odd elements of a row, loaded apart, so the two nibbles of a byte need no interleave.
+round-to-nearest divisions: fp8 x / scale clamped to ±448; NVFP4 per block of 16 the best of three e4m3 scales
+(amax / 6 / tensor scale and its two neighbours); MXFP4 per block of 32 the better of the two powers of two around
+amax / 6. FP4 tiles are the even and the odd elements of a row, loaded apart, so the two nibbles of a byte need
+no interleave.
 """
 import triton
 import triton.language as tl
@@ -43,6 +44,18 @@ def _pow2(e):
 
 
 @triton.jit
+def _nvfp4_try(e, o, code, ts):
+    """Even / odd elements [BLOCK_T, NB, PER] under e4m3 block-scale codes [BLOCK_T, NB] (int32) times ts: their
+    e2m1 codes and each block's squared error, as quant.quantize_fp4."""
+    eff = tl.maximum(code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * ts, 1e-30)
+    eff3 = tl.broadcast_to(eff[:, :, None], e.shape)
+    ce, ve = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(e, eff3), -6.0), 6.0))
+    co, vo = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, eff3), -6.0), 6.0))
+    de, do = ve * eff3 - e, vo * eff3 - o
+    return ce, co, tl.sum(de * de, axis=2) + tl.sum(do * do, axis=2)
+
+
+@triton.jit
 def _fp4_rows(xe, xo, SCALE, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
     """Even / odd elements [BLOCK_T, HALF] (fp32) -> (packed bytes [BLOCK_T, HALF], block-scale bytes [BLOCK_T,
     HALF * 2 / GROUP]), as quant.quantize_fp4."""
@@ -53,16 +66,23 @@ def _fp4_rows(xe, xo, SCALE, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
     e = tl.reshape(xe, [BLOCK_T, NB, PER])
     o = tl.reshape(xo, [BLOCK_T, NB, PER])
     amax = tl.maximum(tl.maximum(tl.max(tl.abs(e), axis=2), tl.max(tl.abs(o), axis=2)), 1e-30)
-    if KV_FMT == 2:  # nvfp4: e4m3 block scale under the fp32 tensor scale
+    if KV_FMT == 2:  # nvfp4: of amax / 6's e4m3 block scale (under the fp32 tensor scale) and the e4m3 either side
         ts = tl.load(SCALE)
         s = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)),
                                       tl.full(amax.shape, 1.0, tl.float32) * ts), 448.0)
-        s8 = _e4m3(s)
-        eff = tl.maximum(s8.to(tl.float32) * ts, 1e-30)
-        sbytes = s8.to(tl.uint8, bitcast=True)
-        eff3 = tl.broadcast_to(eff[:, :, None], [BLOCK_T, NB, PER])
-        ce, _ = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(e, eff3), -6.0), 6.0))
-        co, _ = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, eff3), -6.0), 6.0))
+        base = _e4m3(s).to(tl.uint8, bitcast=True).to(tl.int32)
+        code = base
+        ce, co, err = _nvfp4_try(e, o, code, ts)
+        for step in tl.static_range(-1, 2, 2):   # -1, then +1: taken only if strictly better, as quant.py
+            cand = tl.minimum(tl.maximum(base + step, 0), 126)
+            ce_c, co_c, err_c = _nvfp4_try(e, o, cand, ts)
+            take = err_c < err
+            take3 = tl.broadcast_to(take[:, :, None], [BLOCK_T, NB, PER])
+            ce = tl.where(take3, ce_c, ce)
+            co = tl.where(take3, co_c, co)
+            code = tl.where(take, cand, code)
+            err = tl.where(take, err_c, err)
+        sbytes = code.to(tl.uint8)
     else:  # mxfp4: of 2^hi (hi = ceil(log2(amax / 6)), from the bits) and 2^(hi - 1), the smaller block error
         y = tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
         bits = y.to(tl.int32, bitcast=True)
