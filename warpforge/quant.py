@@ -21,13 +21,6 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return (x.float().abs().amax() / (E2M1_MAX * E4M3_MAX)).clamp(min=1e-30).reshape(())
 
 
-def div_rn(a: torch.Tensor, b) -> torch.Tensor:
-    """a / b rounded once to fp32, as the kernels' div_rn: the float64 quotient of fp32 values rounded to fp32 is
-    the correctly rounded one (53 >= 2 · 24 + 2). torch's fp32 division on CUDA can be an ulp off, which flips an
-    e4m3 / e2m1 rounding near a tie (benchmarks/NOTES.md, session 20)."""
-    return (a.double() / (b.double() if isinstance(b, torch.Tensor) else float(b))).float()   # no host copy
-
-
 _E2M1_MIDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # the rounding boundaries between E2M1's magnitudes
 _TABLES: dict[tuple[tuple, torch.device], torch.Tensor] = {}
 
@@ -63,12 +56,12 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
     if fmt == "nvfp4":  # of amax / 6's e4m3 scale and the e4m3 either side of it, the smallest block error
         # (about 18% less squared error than amax / 6 alone on Gaussian values: benchmarks/NOTES.md, session 20)
         ts = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device)
-        code = div_rn(div_rn(amax, E2M1_MAX), ts).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).long()
+        code = (amax / E2M1_MAX / ts).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).long()
         best_code, best_err = code, None
         for step in (0, -1, 1):
             cand = (code + step).clamp(0, 126)
             eff = (cand.to(torch.uint8).view(torch.float8_e4m3fn).float() * ts).clamp(min=1e-30)
-            deq = e2m1_values(e2m1_codes(div_rn(blocks, eff).clamp(-6, 6))) * eff
+            deq = e2m1_values(e2m1_codes((blocks / eff).clamp(-6, 6))) * eff
             err = (deq - blocks).square().sum(-1, keepdim=True)
             if best_err is None:
                 best_err = err
@@ -78,7 +71,7 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
         scale_bytes = best_code.squeeze(-1).to(torch.uint8)
         eff = scale_bytes.unsqueeze(-1).view(torch.float8_e4m3fn).float() * ts
     else:  # mxfp4: of the two powers of two around amax / 6, the one with the smaller block error
-        hi = torch.ceil(torch.log2(div_rn(amax, E2M1_MAX))).clamp(-126, 127)
+        hi = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-126, 127)
         errs = []
         for exp in (hi, hi - 1):
             deq = e2m1_values(e2m1_codes((blocks / torch.exp2(exp)).clamp(-6, 6))) * torch.exp2(exp)
@@ -86,7 +79,7 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
         exp = torch.where(errs[1] < errs[0], hi - 1, hi)
         eff = torch.exp2(exp)
         scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)
-    codes = e2m1_codes(div_rn(blocks, eff.clamp(min=1e-30)).clamp(-6, 6)).flatten(-2)
+    codes = e2m1_codes((blocks / eff.clamp(min=1e-30)).clamp(-6, 6)).flatten(-2)
     return codes[..., 0::2] | (codes[..., 1::2] << 4), scale_bytes
 
 

@@ -47,7 +47,7 @@ def quantize_kv_reference(x: torch.Tensor, kv_format: str, scale=None) -> torch.
     if not fmt.quantized:
         return x.to(fmt.storage)
     if kv_format == "fp8":
-        scaled = quant.div_rn(x.float(), _scale_view(scale, x, x.dim() - 2))
+        scaled = x.float() / _scale_view(scale, x, x.dim() - 2)
         return scaled.clamp(-quant.E4M3_MAX, quant.E4M3_MAX).to(torch.float8_e4m3fn)
     packed, scale_bytes = quant.quantize_fp4(x, kv_format, scale)
     return torch.cat([packed, scale_bytes], -1)
