@@ -186,6 +186,8 @@ for step in "$@"; do
     paged-fp4-gluon) paged_gluon_tests
                      timeout 90 python3 -m warpforge tune paged --L 4096 --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_4k.json" > "$w/tune_paged_fp4_gluon_4k.log" 2>&1
                      tail -n 40 "$w/tune_paged_fp4_gluon_4k.log" ;;
+    probe-paged) timeout 200 python3 scripts/probe_paged_gluon.py ${PROBE_ARGS:-} > "$w/probe_paged.log" 2>&1; cat "$w/probe_paged.log" | tail -n 30 ;;
+    probe-slots) for f in fp8 nvfp4; do timeout 60 python3 scripts/probe_slots_bytes.py --fmt $f > "$w/probe_slots_$f.log" 2>&1; tail -n 8 "$w/probe_slots_$f.log"; done ;;
     paged-fp8-4k) timeout 90 python3 -m warpforge tune paged --L 4096 --formats fp8gluon --out "$w/tune_paged_fp8_gluon_4k.json" > "$w/tune_paged_fp8_gluon_4k.log" 2>&1
                   tail -n 20 "$w/tune_paged_fp8_gluon_4k.log" ;;
     paged-gluon) paged_gluon_tests

@@ -1,0 +1,62 @@
+"""Probe the Hopper Gluon paged decode kernel outside its tile table (issue 18; benchmarks/NOTES.md, session 20):
+one launch per (format, slots, register cap) at the tune's shape (b 64, h_q 32 / h_kv 8, d 128, page 16, one
+split), timed from a CUDA graph, with the compiled kernel's registers, spills and shared memory.
+
+    python scripts/probe_paged_gluon.py [--L 4096] [--formats nvfp4,fp8] [--slots 2,3,4] [--maxnreg 0,168]
+
+A register cap is a launch option here only (the kernel's tiles have none): this is for deciding whether one pays.
+"""
+import argparse
+
+import torch
+import triton.testing
+
+from warpforge.ops.paged import KV_FORMATS, quantize_kv
+from warpforge.ops.paged import decode_gluon_kernel as dg
+from warpforge.ops.paged.configs import PagedCfg
+from warpforge.ops.paged.decode_kernel import decode_outputs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--formats", default="nvfp4,fp8")
+    ap.add_argument("--slots", default="2,3,4")
+    ap.add_argument("--maxnreg", default="0,168")
+    ap.add_argument("--block-n", type=int, default=128)
+    args = ap.parse_args(argv)
+    b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
+    pages = b * (-(-L // page))
+    for fmt in args.formats.split(","):
+        code = KV_FORMATS[fmt].code
+        k_vals, v_vals = (torch.randn(pages, page, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        (k_cache, scale), (v_cache, _) = quantize_kv(k_vals, fmt), quantize_kv(v_vals, fmt)
+        del k_vals, v_vals
+        q = torch.randn(b, 1, h_q, d, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
+        seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
+        kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d)
+        _, _, o_part, lse_part = decode_outputs(q, 1)
+        for slots in map(int, args.slots.split(",")):
+            for cap in map(int, args.maxnreg.split(",")):
+                cfg = PagedCfg(16, args.block_n, 4, slots, gluon=True)
+                kernel, grid, kargs, meta = dg.launch_args(q, k_cache, v_cache, table, seqlens, scale, scale,
+                                                           d ** -0.5, o_part, lse_part, 1, cfg, code)
+                if cap:
+                    meta["maxnreg"] = cap
+                try:
+                    compiled = kernel[grid](*kargs, **meta)
+                    ms = triton.testing.do_bench_cudagraph(lambda: kernel[grid](*kargs, **meta), rep=30,
+                                                           return_mode="median")
+                except Exception as exc:   # out of shared memory, say
+                    print(f"{fmt} slots {slots} maxnreg {cap}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
+                    continue
+                print(f"{fmt} block_n {args.block_n} slots {slots} maxnreg {cap}: {ms:.4f} ms "
+                      f"{kv_bytes / ms / 1e9:.2f} TB/s, {compiled.n_regs} registers, {compiled.n_spills} spills, "
+                      f"{compiled.metadata.shared} B shared", flush=True)
+        k_cache = v_cache = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
