@@ -47,15 +47,6 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) > 0, -vals, vals)
 
 
-def block_error(y: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
-    """Squared error of blocks y [..., blocks, group] (values divided by their block scale eff [..., blocks, 1])
-    rounded to e2m1 (clipped to ±6): eff² · sum((e2m1(y) - y)²) in float64. The differences are exact and their
-    squares exact in float64, so a kernel summing in another order picks the same candidate scale (fp32 sums
-    flipped near-ties between torch and the compiled append kernels: benchmarks/NOTES.md, session 20)."""
-    d = e2m1_values(e2m1_codes(y.clamp(-6, 6))).double() - y.double()
-    return d.square().sum(-1, keepdim=True) * eff.double().square()
-
-
 def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] (n a multiple of the block) -> (packed codes uint8 [..., n/2], scale bytes uint8 [..., n/block]).
     nvfp4 needs the fp32 tensor scale (see nvfp4_tensor_scale)."""
@@ -70,7 +61,8 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
         for step in (0, -1, 1):
             cand = (code + step).clamp(0, 126)
             eff = (cand.to(torch.uint8).view(torch.float8_e4m3fn).float() * ts).clamp(min=1e-30)
-            err = block_error(blocks / eff, eff)
+            deq = e2m1_values(e2m1_codes((blocks / eff).clamp(-6, 6))) * eff
+            err = (deq - blocks).square().sum(-1, keepdim=True)
             if best_err is None:
                 best_err = err
             else:
@@ -82,7 +74,8 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
         hi = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-126, 127)
         errs = []
         for exp in (hi, hi - 1):
-            errs.append(block_error(blocks / torch.exp2(exp), torch.exp2(exp)))
+            deq = e2m1_values(e2m1_codes((blocks / torch.exp2(exp)).clamp(-6, 6))) * torch.exp2(exp)
+            errs.append((deq - blocks).square().sum(-1, keepdim=True))
         exp = torch.where(errs[1] < errs[0], hi - 1, hi)
         eff = torch.exp2(exp)
         scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)

@@ -238,9 +238,10 @@ def test_compiles_without_graph_break():
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "mxfp4"])
 def test_gpu_slots_bytes_equal_the_reference(fmt, d):
     """The compiled kernel (bf16 tokens, a decode-sized and a prefill-sized step) writes the reference writer's
-    bytes: e4m3 rounding, NVFP4 / MXFP4 block scales and codes. (MXFP4 picks between two exponents by comparing
-    fp32 error sums, whose summation order differs from torch's: a near-tie could flip a block; none is expected at
-    this size, and a failure here names how many bytes differ.)"""
+    bytes: e4m3 rounding (-0 included), NVFP4 / MXFP4 block scales and codes. FP4 picks each block's scale among
+    candidates by comparing fp32 error sums, whose summation order (and fused multiply-adds) differ from torch's, so
+    a near-tie may go the other way (session 20: 5 bytes of ~8M, one block): a differing block must be rare and its
+    error the reference block's to 1e-5."""
     group = wf.paged.KV_FORMATS[fmt].group
     if group and d % group:
         pytest.skip(f"{fmt} holds head dims that are multiples of {group}")
@@ -255,9 +256,25 @@ def test_gpu_slots_bytes_equal_the_reference(fmt, d):
         wf.paged.append_kv_slots(kc, vc, k, v, slots, kv_format=fmt, k_scale=scale, v_scale=scale)
         wf.paged.append_kv_slots(ref_k, ref_v, k, v, slots, kv_format=fmt, k_scale=scale, v_scale=scale,
                                  backend="reference")
-        for got, want in ((kc, ref_k), (vc, ref_v)):
+        for got, want, x in ((kc, ref_k, k), (vc, ref_v, v)):
             diff = int((got.view(torch.uint8) != want.view(torch.uint8)).sum())
-            assert diff == 0, f"{diff} bytes differ"
+            if group and diff:
+                _assert_near_ties(got, want, x, slots, fmt, scale, group)
+            else:
+                assert diff == 0, f"{diff} bytes differ"
+
+
+def _assert_near_ties(got, want, x, slots, fmt, scale, group):
+    """FP4 caches that differ only in blocks where the two scale choices' squared errors agree to 1e-5, in at most
+    1e-4 of the blocks."""
+    from warpforge.ops.paged.reference import dequantize_kv_reference
+    keep = slots >= 0
+    rows = [c.flatten(0, 1)[slots[keep]] for c in (got, want)]   # [tokens, h_kv, width]
+    errs = [(dequantize_kv_reference(r, fmt, scale).double() - x[keep].double()).unflatten(-1, (-1, group))
+            .square().sum(-1) for r in rows]
+    differ = (rows[0].view(torch.uint8) != rows[1].view(torch.uint8)).any(-1)   # per token and head
+    assert int(differ.sum()) <= max(1, differ.numel() // 10_000), f"{int(differ.sum())} rows differ"
+    assert torch.allclose(errs[0][differ], errs[1][differ], rtol=1e-5, atol=1e-12), "a differing block is worse"
 
 
 @pytest.mark.gpu

@@ -47,29 +47,15 @@ def _pow2(e):
 
 
 @triton.jit
-def _block_err(ye, ve, yo, vo, eff):
-    """Each block's squared error under block scale eff [BLOCK_T, NB], as quant.block_error: from the scaled values y
-    (not clipped) and their e2m1 values v, eff² · sum((v - y)²) in float64. v - y is exact (Sterbenz) and its square exact in
-    float64, so the sum differs from torch's only by float64 rounding in another order: two candidate scales flip
-    only on errors equal to ~1e-16, where the fp32 sums (rounded, fused or not, in each order) flipped near-ties
-    (the GPU byte test: benchmarks/NOTES.md, session 20)."""
-    de = ve.to(tl.float64) - ye.to(tl.float64)
-    do = vo.to(tl.float64) - yo.to(tl.float64)
-    eff64 = eff.to(tl.float64)
-    return (tl.sum(de * de, axis=2) + tl.sum(do * do, axis=2)) * (eff64 * eff64)
-
-
-@triton.jit
 def _nvfp4_try(e, o, code, ts):
     """Even / odd elements [BLOCK_T, NB, PER] under e4m3 block-scale codes [BLOCK_T, NB] (int32) times ts: their
     e2m1 codes and each block's squared error, as quant.quantize_fp4."""
     eff = tl.maximum(code.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32) * ts, 1e-30)
     eff3 = tl.broadcast_to(eff[:, :, None], e.shape)
-    ye = tl.math.div_rn(e, eff3)
-    yo = tl.math.div_rn(o, eff3)
-    ce, ve = _e2m1(tl.minimum(tl.maximum(ye, -6.0), 6.0))
-    co, vo = _e2m1(tl.minimum(tl.maximum(yo, -6.0), 6.0))
-    return ce, co, _block_err(ye, ve, yo, vo, eff)
+    ce, ve = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(e, eff3), -6.0), 6.0))
+    co, vo = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, eff3), -6.0), 6.0))
+    de, do = ve * eff3 - e, vo * eff3 - o
+    return ce, co, tl.sum(de * de, axis=2) + tl.sum(do * do, axis=2)
 
 
 @triton.jit
@@ -107,16 +93,14 @@ def _fp4_rows(xe, xo, SCALE, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
         hi = tl.minimum(tl.maximum(hi, -126), 127)
         p_hi = tl.broadcast_to(_pow2(hi)[:, :, None], [BLOCK_T, NB, PER])
         p_lo = tl.broadcast_to(_pow2(hi - 1)[:, :, None], [BLOCK_T, NB, PER])
-        ye_hi = tl.math.div_rn(e, p_hi)
-        yo_hi = tl.math.div_rn(o, p_hi)
-        ye_lo = tl.math.div_rn(e, p_lo)
-        yo_lo = tl.math.div_rn(o, p_lo)
-        ce_hi, ve_hi = _e2m1(tl.minimum(tl.maximum(ye_hi, -6.0), 6.0))
-        co_hi, vo_hi = _e2m1(tl.minimum(tl.maximum(yo_hi, -6.0), 6.0))
-        ce_lo, ve_lo = _e2m1(tl.minimum(tl.maximum(ye_lo, -6.0), 6.0))
-        co_lo, vo_lo = _e2m1(tl.minimum(tl.maximum(yo_lo, -6.0), 6.0))
-        err_hi = _block_err(ye_hi, ve_hi, yo_hi, vo_hi, _pow2(hi))
-        err_lo = _block_err(ye_lo, ve_lo, yo_lo, vo_lo, _pow2(hi - 1))
+        ce_hi, ve_hi = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(e, p_hi), -6.0), 6.0))
+        co_hi, vo_hi = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, p_hi), -6.0), 6.0))
+        ce_lo, ve_lo = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(e, p_lo), -6.0), 6.0))
+        co_lo, vo_lo = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, p_lo), -6.0), 6.0))
+        de_hi, do_hi = ve_hi * p_hi - e, vo_hi * p_hi - o
+        de_lo, do_lo = ve_lo * p_lo - e, vo_lo * p_lo - o
+        err_hi = tl.sum(de_hi * de_hi, axis=2) + tl.sum(do_hi * do_hi, axis=2)
+        err_lo = tl.sum(de_lo * de_lo, axis=2) + tl.sum(do_lo * do_lo, axis=2)
         take_lo = err_lo < err_hi
         sbytes = (tl.where(take_lo, hi - 1, hi) + 127).to(tl.uint8)
         lo3 = tl.broadcast_to(take_lo[:, :, None], [BLOCK_T, NB, PER])
