@@ -41,7 +41,8 @@ def main(argv=None):
                   f"torch cast {torch.tensor(x32, device='cuda').to(torch.float8_e4m3fn).float().item()} "
                   f"cpu cast {torch.tensor(x32).to(torch.float8_e4m3fn).float().item()}")
         else:
-            print(f"  token {t} head {h} byte {c}: kernel {got[t, h, c].item():#04x} reference {want[t, h, c].item():#04x}")
+            print(f"  token {t} head {h} byte {c}: kernel {got[t, h, c].item():#04x} "
+                  f"reference {want[t, h, c].item():#04x}")
 
 
 if __name__ == "__main__":

@@ -34,9 +34,7 @@ def _e4m3(y):
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade (subnormals: e4m3's 2^-6 one)
     magic = ((e - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)  # 2^23 quanta of 2^(e - 3)
     r = (a + magic) - magic
-    # -0.0 - r, not -r: Triton's negation is 0 - r, which turns a negative value rounded to zero into +0 where torch
-    # (and the reference writer) keep -0 (the GPU byte test: benchmarks/NOTES.md, session 20)
-    return tl.where(y < 0, -0.0 - r, r).to(tl.float8e4nv)
+    return tl.where(y < 0, -r, r).to(tl.float8e4nv)
 
 
 @triton.jit
