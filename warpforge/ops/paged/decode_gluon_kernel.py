@@ -25,10 +25,11 @@ Per-tensor scales multiply the scores and the output; per-page-head scales multi
 probabilities. Steps wholly inside the split and before every query row's position skip the mask.
 
 FP4 (one kernel built per format): each token row's 64 value bytes and its block scales come in by cp.async of 8 /
-4 bytes (the 72 / 68-byte rows' alignment, known because a contiguous cache's strides are compile-time constants);
-Gluon's fp4_to_fp decodes the packed e2m1 bytes straight into the FP8 path's register layout (byte i holds values
-2i and 2i + 1), and the block scales multiply them there. MXFP4's dots run in bf16 (its power-of-two scales may
-leave fp16's range).
+4 bytes (the 72 / 68-byte rows' alignment, known because a contiguous cache's strides are compile-time constants).
+NVFP4 reads them as 32-bit words and turns a word's eight e2m1 values into e4m3 bytes with two shift-and-mask pairs
+(_e2m1_words: one cvt a pair to fp16, the columns relabelled once more by perm_c); MXFP4 uses Gluon's fp4_to_fp
+(byte i holds values 2i and 2i + 1) and runs its dots in bf16 (its power-of-two scales may leave fp16's range). The
+block scales multiply the values in the same registers.
 
 Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
 dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
