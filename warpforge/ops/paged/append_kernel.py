@@ -34,7 +34,9 @@ def _e4m3(y):
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade (subnormals: e4m3's 2^-6 one)
     magic = ((e - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)  # 2^23 quanta of 2^(e - 3)
     r = (a + magic) - magic
-    return tl.where(y < 0, -r, r).to(tl.float8e4nv)
+    # r · -1, not -r: Triton lowers -r as 0 - r (and folds -0.0 to +0.0), which stores a negative value rounded to
+    # zero as +0 where torch keeps -0; a multiply by -1 is LLVM's fneg (benchmarks/NOTES.md, session 20)
+    return tl.where(y < 0, r * -1.0, r).to(tl.float8e4nv)
 
 
 @triton.jit
