@@ -26,16 +26,28 @@ def _e2m1(y):
 
 
 @triton.jit
-def _e4m3(y):
-    """y (fp32, within ±448) rounded to the nearest e4m3 (ties to even), as float8e4nv. The rounding is done in
+def _e4m3_magnitude(a):
+    """a (fp32, in [0, 448]) rounded to the nearest e4m3 magnitude (ties to even), in fp32. The rounding is done in
     fp32 (adding and taking away 2^23 quanta rounds to a quantum) and the cast then only changes the type: the
     Triton interpreter's fp32 -> fp8 cast drops the carry when rounding up crosses a power of two (127.2 -> 64)."""
-    a = tl.abs(y)
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade (subnormals: e4m3's 2^-6 one)
     magic = ((e - 3 + 23 + 127) << 23).to(tl.float32, bitcast=True)  # 2^23 quanta of 2^(e - 3)
-    r = (a + magic) - magic
-    # r · -1, not -r: Triton lowers -r as 0 - r (and folds -0.0 to +0.0), which stores a negative value rounded to
-    # zero as +0 where torch keeps -0; a multiply by -1 is LLVM's fneg (benchmarks/NOTES.md, session 20)
+    return (a + magic) - magic
+
+
+@triton.jit
+def _e4m3(y):
+    """y (fp32, within ±448) as the nearest e4m3 (ties to even), float8e4nv; a negative y that rounds to zero gives
+    +0 (Triton lowers -r as 0 - r). NVFP4's block scales (y >= 0) use this form as it is: on the H200 the sign-exact
+    forms below changed their bytes (benchmarks/NOTES.md, session 20, not understood)."""
+    r = _e4m3_magnitude(tl.abs(y))
+    return tl.where(y < 0, -r, r).to(tl.float8e4nv)
+
+
+@triton.jit
+def _e4m3_signed(y):
+    """_e4m3 keeping -0 as torch does: r · -1 is LLVM's fneg, where -r is 0 - r (and Triton folds -0.0 to +0.0)."""
+    r = _e4m3_magnitude(tl.abs(y))
     return tl.where(y < 0, r * -1.0, r).to(tl.float8e4nv)
 
 
@@ -124,7 +136,7 @@ def _write_rows(SRC, DST, t64, h64, ok, dst_row, stride_st, stride_sh, stride_dh
             xf = x.to(tl.float32)
             y = tl.math.div_rn(xf, tl.full(xf.shape, 1.0, tl.float32) * tl.load(SCALE))
             y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-            tl.store(dst + offs[None, :], _e4m3(y), mask=m)
+            tl.store(dst + offs[None, :], _e4m3_signed(y), mask=m)
         else:
             tl.store(dst + offs[None, :], x.to(DST.dtype.element_ty), mask=m)
     else:
