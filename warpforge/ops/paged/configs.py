@@ -57,7 +57,7 @@ DECODE = TileTable({
 # WARPFORGE_PAGED_GLUON=0 turns it off.
 GLUON_ENV = "WARPFORGE_PAGED_GLUON"
 GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree
-# 128-token steps, one split at b64 h_kv 8; FP8 3 slots, FP4 2 (session 19's sweeps: benchmarks/NOTES.md)
+# 128-token steps, one split at b64 h_kv 8; FP8 3 slots, FP4 2 (sessions 19-20's sweeps: benchmarks/NOTES.md)
 GLUON = {"fp8": C(16, 128, 4, 3, waves=2, gluon=True),
          **dict.fromkeys(("nvfp4", "mxfp4"), C(16, 128, 4, 2, waves=2, gluon=True))}
 
