@@ -47,6 +47,12 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) > 0, -vals, vals)
 
 
+def _block_error(blocks: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
+    """Squared error of each block [..., blocks, group] rounded to e2m1 under block scales eff [..., blocks, 1]."""
+    deq = e2m1_values(e2m1_codes((blocks / eff).clamp(-6, 6))) * eff
+    return (deq - blocks).square().sum(-1, keepdim=True)
+
+
 def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., n] (n a multiple of the block) -> (packed codes uint8 [..., n/2], scale bytes uint8 [..., n/block]).
     nvfp4 needs the fp32 tensor scale (see nvfp4_tensor_scale)."""
@@ -56,27 +62,22 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
     if fmt == "nvfp4":  # of amax / 6's e4m3 scale and the e4m3 either side of it, the smallest block error
         # (about 18% less squared error than amax / 6 alone on Gaussian values: benchmarks/NOTES.md, session 20)
         ts = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device)
-        code = (amax / E2M1_MAX / ts).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).long()
-        best_code, best_err = code, None
-        for step in (0, -1, 1):
-            cand = (code + step).clamp(0, 126)
-            eff = (cand.to(torch.uint8).view(torch.float8_e4m3fn).float() * ts).clamp(min=1e-30)
-            deq = e2m1_values(e2m1_codes((blocks / eff).clamp(-6, 6))) * eff
-            err = (deq - blocks).square().sum(-1, keepdim=True)
-            if best_err is None:
-                best_err = err
-            else:
-                take = err < best_err
-                best_code, best_err = torch.where(take, cand, best_code), torch.where(take, err, best_err)
-        scale_bytes = best_code.squeeze(-1).to(torch.uint8)
+        base = (amax / E2M1_MAX / ts).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8).long()
+
+        def eff_of(code):
+            return (code.to(torch.uint8).view(torch.float8_e4m3fn).float() * ts).clamp(min=1e-30)
+        code, err = base, _block_error(blocks, eff_of(base))
+        for step in (-1, 1):   # taken only if strictly better (ties keep the earlier), as the append kernels
+            cand = (base + step).clamp(0, 126)
+            cand_err = _block_error(blocks, eff_of(cand))
+            take = cand_err < err
+            code, err = torch.where(take, cand, code), torch.where(take, cand_err, err)
+        scale_bytes = code.squeeze(-1).to(torch.uint8)
         eff = scale_bytes.unsqueeze(-1).view(torch.float8_e4m3fn).float() * ts
     else:  # mxfp4: of the two powers of two around amax / 6, the one with the smaller block error
         hi = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-126, 127)
-        errs = []
-        for exp in (hi, hi - 1):
-            deq = e2m1_values(e2m1_codes((blocks / torch.exp2(exp)).clamp(-6, 6))) * torch.exp2(exp)
-            errs.append((deq - blocks).square().sum(-1, keepdim=True))
-        exp = torch.where(errs[1] < errs[0], hi - 1, hi)
+        take_lo = _block_error(blocks, torch.exp2(hi - 1)) < _block_error(blocks, torch.exp2(hi))
+        exp = torch.where(take_lo, hi - 1, hi)
         eff = torch.exp2(exp)
         scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)
     codes = e2m1_codes((blocks / eff.clamp(min=1e-30)).clamp(-6, 6)).flatten(-2)

@@ -11,6 +11,7 @@ import torch
 import warpforge as wf
 import warpforge.ops.paged.api as paged_api
 from warpforge import WarpforgeInputError
+from warpforge.ops.paged.reference import dequantize_kv_reference
 from warpforge.testing import device_under_test
 
 DEV = device_under_test()
@@ -267,7 +268,6 @@ def test_gpu_slots_bytes_equal_the_reference(fmt, d):
 def _assert_near_ties(got, want, x, slots, fmt, scale, group):
     """FP4 caches that differ only in blocks where the two scale choices' squared errors agree to 1e-5, in at most
     1e-4 of the blocks."""
-    from warpforge.ops.paged.reference import dequantize_kv_reference
     keep = slots >= 0
     rows = [c.flatten(0, 1)[slots[keep]] for c in (got, want)]   # [tokens, h_kv, width]
     errs = [(dequantize_kv_reference(r, fmt, scale).double() - x[keep].double()).unflatten(-1, (-1, group))

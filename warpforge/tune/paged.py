@@ -34,8 +34,8 @@ FP8_MMA_TILES = [(16, 128, 4, 2, False, 8, False, False, 2, True), (16, 128, 4, 
 # the Gluon kernel (decode_gluon_kernel.py; sm_90, Triton 3.6): block_n = 4 warps' tokens (64: 16 a warp, 128: 32),
 # stages = the cp.async ring's slots. Session 19 (call3, one split): 128 / 2 slots 0.146 / 0.530 ms at L 4k / 16k,
 # 128 / 3 slots 0.144 / 0.515; 64-token steps, a register cap of 168 (three programs per SM) and the page ids loaded
-# a step ahead of their copies lost (benchmarks/NOTES.md); session 20: FP4 2 slots 0.188 ms (3 slots 0.283; more
-# splits lose for FP8)
+# a step ahead of their copies lost (benchmarks/NOTES.md); session 20: FP4 2 slots 0.188 ms (3 slots 0.283), and 3
+# splits lost for both (FP8 0.174 vs 0.143), so the sweep stops at 2
 GLUON_TILES = [PagedCfg(16, 128, 4, 3, gluon=True), PagedCfg(16, 128, 4, 2, gluon=True),
                PagedCfg(16, 64, 4, 4, gluon=True)]
 FP4_TILES = [(16, 32, 4, 2, False), (16, 64, 4, 2, False, 2, True), (16, 32, 4, 1, False, 2, True, True),
@@ -74,7 +74,7 @@ def main(argv=None):
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d) * (1 if KV_FORMATS[fmt].quantized else 2)
         for t in tiles:
             cfg = t if isinstance(t, PagedCfg) else PagedCfg(*t)
-            for splits in ((1, 2, 3) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
+            for splits in ((1, 2) if cfg.gluon else (1, 2, 4) if fmt != "bf16" else (1, 2, 4, 8)):
                 p = dataclasses.replace(base, config=cfg, num_splits=splits)
 
                 def run():
