@@ -215,6 +215,14 @@ for step in "$@"; do
            timeout 60 python3 -m warpforge tune norm --shapes 16384x768 --budget 45 --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1
            tail -20 "$w/bench-norms.log" ;;
     gpt) timeout 200 python3 -m warpforge bench --family gpt --quick --json "$w/gpt.json" > "$w/gpt.log" 2>&1 ;;
+    # the Gluon kernel for <= 16 rows over FP8 caches: its GPU tests, then h_q 16 bf16 / fp8 at every L (the bar's
+    # ratio, one process), and fp8 at 4k / 16k on the portable kernel
+    mla-rows16) timeout 200 python3 -m pytest -q -m gpu tests/mla/test_mla_rows16.py > "$w/mla-rows16-tests.log" 2>&1
+                tail -n 3 "$w/mla-rows16-tests.log"
+                timeout 200 python3 -m warpforge bench --family mla --match 'h16 s_q1 L[0-9]+k (bf16|fp8)' \
+                  --json "$w/mla-h16.json" > "$w/mla-h16.log" 2>&1; grep -E "warpforge  " "$w/mla-h16.log"
+                WARPFORGE_MLA_GLUON_ROWS16=0 timeout 100 python3 -m warpforge bench --family mla --match 'h16 s_q1 L(4k|16k) fp8' \
+                  --json "$w/mla-h16-portable.json" > "$w/mla-h16-portable.log" 2>&1; grep -E "warpforge  " "$w/mla-h16-portable.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
     bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout ${BENCH_TIMEOUT:-240} bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
     *) echo "unknown step $step" ;;

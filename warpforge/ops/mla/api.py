@@ -36,7 +36,12 @@ def _mla_decode_impl(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optio
                      causal: bool, kv_format: str, num_splits: int, cfg: list[int],
                      indices: Optional[torch.Tensor] = None,
                      topk_length: Optional[torch.Tensor] = None,
-                     gluon: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     gluon: bool = False, rows16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if rows16:  # the plan's rows16 gate passed (sm_90, a Gluon Triton, bf16 q, dense FP8, rows <= 16)
+        from . import decode_rows16_gluon_kernel as d16
+        if d16.available() and d16.cache_ok(kv_cache):
+            return d16.mla_decode_rows16_gluon(q, kv_cache, block_table, cache_seqlens, scale, causal, num_splits,
+                                               configs.GLUON_ROWS16_STAGES)
     if gluon:  # the plan's gate passed (sm_90, a Gluon Triton, bf16 q, dense, rows >= 64; see gluon_gate)
         from . import decode_gluon_kernel as dg
         fmt = KV_FORMATS[kv_format]
@@ -71,7 +76,7 @@ def quantized_in_kernel(fmt, batch: int, per_slice: int) -> bool:
 
 
 def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, kv_scale, scale, causal, kv_format, num_splits, cfg,
-                     indices=None, topk_length=None, gluon=False):
+                     indices=None, topk_length=None, gluon=False, rows16=False):
     b, s_q, h_q, _ = q.shape
     return q.new_empty((b, s_q, h_q, D_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -88,6 +93,7 @@ class MLAPlan(DecodePlan):
     causal: bool
     config: configs.MLACfg
     gluon: bool = False    # run() takes the Hopper Gluon kernel (decode_gluon_kernel.py): see gluon_gate
+    rows16: bool = False   # run() takes the Gluon kernel for <= 16 rows (decode_rows16_gluon_kernel.py): rows16_gate
 
     @property
     def shapes(self) -> tuple:
@@ -106,7 +112,8 @@ class MLAPlan(DecodePlan):
                                         causal=self.causal, kv_format=self.kv_format, kv_scale=kv_scale,
                                         indices=indices, topk_length=topk_length)
         return _mla_decode(q, kv_cache, block_table, cache_seqlens, kv_scale, self.softmax_scale, self.causal,
-                           self.kv_format, self.num_splits, list(self.config), indices, topk_length, self.gluon)
+                           self.kv_format, self.num_splits, list(self.config), indices, topk_length, self.gluon,
+                           self.rows16)
 
 
 def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softmax_scale=None, causal=False,
@@ -127,8 +134,11 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
         check_int("num_splits", num_splits, lo=1, hi=max(max_tokens, 1),
                   what=f"None (planned) or an int from 1 to {max(max_tokens, 1)} (the tokens a request may see)")
     gluon = gluon_gate(q, kv_cache, kv_format, sparse)
+    rows16 = rows16_gate(q, kv_format, sparse)
     if num_splits is None:
-        if gluon:  # one 64-row program fills an SM (224 KB of shared memory); quantized caches run in slices
+        if rows16:
+            num_splits = plan_num_splits(b, rows, max_tokens, 16, sm_count(q.device), waves=configs.GLUON_ROWS16_WAVES)
+        elif gluon:  # one 64-row program fills an SM (224 KB of shared memory); quantized caches run in slices
             from .dequant_kernel import slice_requests
             per_launch = b if kv_format == "bf16" else slice_requests(b, max_tokens)
             num_splits = plan_num_splits(per_launch, rows, max_tokens, configs.GLUON_BLOCK_H, sm_count(q.device),
@@ -139,7 +149,7 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D_QK)
     return MLAPlan(batch=b, s_q=s_q, h_q=h_q, page_size=kv_cache.shape[1], kv_format=kv_format, softmax_scale=scale,
                    dtype=q.dtype, num_splits=num_splits, max_tokens=max_tokens, sparse=sparse, causal=causal,
-                   config=cfg, gluon=gluon)
+                   config=cfg, gluon=gluon, rows16=rows16)
 
 
 @torch.compiler.assume_constant_result
@@ -168,6 +178,19 @@ def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     if kv_format != "bf16":
         return os.environ.get(configs.GLUON_DEQUANT_ENV, "1") != "0"
     return kv_cache.dtype == torch.bfloat16 and kv_cache.shape[1] == configs.GLUON_PAGE
+
+
+def rows16_gate(q, kv_format, sparse) -> bool:
+    """Whether a plan for these shapes takes the Gluon kernel for few rows (decode_rows16_gluon_kernel.py): an sm_90
+    device, a Triton in configs.GLUON_TRITON_VERSIONS, bf16 q, dense, an FP8 cache, h_q · s_q <= 16 query rows,
+    WARPFORGE_MLA_GLUON_ROWS16 not "0" (a cache whose rows are not 16-byte aligned takes the portable kernel, checked
+    at run time)."""
+    if q.device.type != "cuda" or arch_key(q.device) != "sm90":
+        return False
+    b, s_q, h_q, _ = q.shape
+    if sparse or q.dtype != torch.bfloat16 or kv_format != "fp8" or s_q * h_q > configs.GLUON_ROWS16_MAX_ROWS:
+        return False
+    return os.environ.get(configs.GLUON_ROWS16_ENV, "1") != "0" and _gluon_switch()
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],

@@ -55,3 +55,10 @@ GLUON_BLOCK_H = 64                      # query rows per program
 GLUON_MIN_ROWS = 64                     # h_q · s_q from which a request's rows fill its tile
 GLUON_PAGE = 64                         # one cache page = one 64-token step
 GLUON_WAVES = 1                         # one program fills an SM's shared memory: split for one wave
+
+# The Gluon kernel for requests of at most 16 query rows over FP8 caches (decode_rows16_gluon_kernel.py; api.rows16_gate
+# decides): 168-176 registers and ~79 KB of shared memory at 3 slots, three programs an SM
+GLUON_ROWS16_ENV = "WARPFORGE_MLA_GLUON_ROWS16"  # "0": those requests keep the portable kernel
+GLUON_ROWS16_MAX_ROWS = 16
+GLUON_ROWS16_STAGES = 3   # cp.async ring slots of 32 tokens
+GLUON_ROWS16_WAVES = 3    # programs per SM the split count aims at

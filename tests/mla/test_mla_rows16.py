@@ -1,0 +1,151 @@
+"""The Gluon MLA decode for at most 16 query rows over FP8 caches (ops/mla/decode_rows16_gluon_kernel.py): compiled
+for sm_90 on CPU when the installed Triton is one its Gluon API was written for, and checked against the fp32
+reference on an sm_90 GPU."""
+import os
+
+import pytest
+import torch
+
+import warpforge as wf
+from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess, import_loads_gluon
+from warpforge.ops.mla import api, configs
+from warpforge.ops.mla import decode_rows16_gluon_kernel as d16
+from warpforge.ops.mla import mla_decode_reference
+from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
+
+from .test_mla_decode import _check, _problem
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _on_h200_gate() -> bool:
+    return on_sm90_gluon(d16.GLUON_TRITON_VERSIONS) and os.environ.get(configs.GLUON_ROWS16_ENV, "1") != "0" and \
+        os.environ.get(configs.GLUON_ENV, "1") != "0"
+
+
+def test_constants_agree_and_import_is_lazy():
+    assert configs.GLUON_TRITON_VERSIONS == d16.GLUON_TRITON_VERSIONS
+    assert configs.GLUON_ROWS16_MAX_ROWS == d16.ROWS
+    fp8 = api.KV_FORMATS["fp8"]
+    assert (fp8.scale_offset, fp8.rope_offset, fp8.group) == (d16.SCALE_OFF, d16.ROPE_OFF, 128)
+    assert not import_loads_gluon(("warpforge.ops.mla.decode_rows16_gluon_kernel",), ROOT)
+
+
+def test_gate(monkeypatch):
+    """Only FP8 caches, dense, at most 16 rows, on sm_90 with a Gluon Triton; the switch turns it off."""
+    q, _, cache, table, _, _ = _problem(2, 1, 16, 16, [70, 5], "fp8")
+    on = _on_h200_gate() and q.dtype == torch.bfloat16
+    assert wf.mla.plan(q, cache, table, kv_format="fp8").rows16 == on
+    assert not wf.mla.plan(torch.cat([q, q], 2), cache, table, kv_format="fp8").rows16   # 32 rows
+    bf16 = torch.randn(4, 16, 1, 576, device=q.device, dtype=q.dtype)
+    assert not wf.mla.plan(q, bf16, table).rows16
+    monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "0")
+    assert not wf.mla.plan(q, cache, table, kv_format="fp8").rows16
+
+
+def test_plan_carries_the_flag_to_the_op():
+    assert "rows16" in str(api._mla_decode.op._schema)
+
+
+# ------------------------------------------------------------------------------------ compile for sm_90
+COMPILE_CASES = [
+    dict(h_q=16, s_q=1, causal=False, num_splits=1, page=64),
+    dict(h_q=8, s_q=2, causal=True, num_splits=3, page=16),
+    dict(h_q=1, s_q=1, causal=False, num_splits=2, page=32),
+]
+
+
+@pytest.mark.skipif(not gluon_triton(d16.GLUON_TRITON_VERSIONS), reason=f"the Gluon kernel is written for Triton "
+                    f"{d16.GLUON_TRITON_VERSIONS} (installed: {triton_version()}); its API differs between releases")
+@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_compiles_for_sm90(case):
+    r = compile_in_subprocess("warpforge.ops.mla.decode_rows16_gluon_kernel", case, ROOT)
+    print(f"\n{case}: {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, shared "
+          f"{r['shared_bytes']} B, warps {r['num_warps']}")
+    assert r["ptxas_rc"] == 0, r["ptxas_log"]
+    assert r["num_warps"] == 4 and not r["wgmma"] and not r["tma"]
+    assert r["spill_stores"] <= 64 and r["spill_loads"] <= 64, r["ptxas_log"]   # the 168-register cap: a few words
+    assert r["registers"] <= d16.MAX_REGS == 168   # three programs an SM
+    assert 3 * r["shared_bytes"] <= 228 * 1024 and r["shared_bytes"] <= SMEM_MAX
+
+
+# ------------------------------------------------------------------------------------------ GPU numerics
+needs_gate = pytest.mark.skipif(not _on_h200_gate(), reason="the rows16 Gluon path runs on sm_90 with Triton "
+                                f"{d16.GLUON_TRITON_VERSIONS} (and {configs.GLUON_ROWS16_ENV} != 0)")
+LENS = [0, 1, 31, 32, 33, 1000, 129, 2047]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Records num_splits of each launch made through api's dispatch."""
+    return spy_launches(monkeypatch, d16, "mla_decode_rows16_gluon", lambda args: args[6])
+
+
+def _poison_past_the_ends(cache, table, lens):
+    """0x7F (e4m3 NaN; NaN in the scales' and rope's bytes too) in every cache row no request reads."""
+    used = torch.zeros(cache.shape[0], cache.shape[1], dtype=torch.bool, device=cache.device)
+    page = cache.shape[1]
+    for i, n in enumerate(lens):
+        for p in range(-(-n // page)):
+            used[table[i, p], : min(page, n - page * p)] = True
+    cache[~used] = 0x7F
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("h_q,s_q,causal,page", [(16, 1, False, 64), (16, 1, False, 16), (8, 2, True, 32),
+                                                 (4, 4, True, 16), (1, 1, False, 64), (5, 3, True, 64)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_gpu_matches_reference(h_q, s_q, causal, page, splits, calls):
+    q, _, cache, table, seqlens, _ = _problem(len(LENS), s_q, h_q, page, LENS, "fp8", torch.bfloat16)
+    _poison_past_the_ends(cache, table, LENS)
+    _check(q, cache, table, seqlens, "fp8", causal, splits)
+    assert len(calls) == 1  # the gated path ran, not the portable kernel
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_against_the_portable_kernel(calls, monkeypatch):
+    q, _, cache, table, seqlens, _ = _problem(8, 1, 16, 64, [4096, 5, 100, 3000, 1, 64, 65, 777], "fp8",
+                                              torch.bfloat16)
+    plan = wf.mla.plan(q, cache, table, kv_format="fp8")
+    assert plan.rows16
+    out, lse = plan.run(q, cache, table, seqlens)
+    assert calls == [plan.num_splits]
+    monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "0")
+    off = wf.mla.plan(q, cache, table, kv_format="fp8")
+    want, want_lse = off.run(q, cache, table, seqlens, backend="triton")
+    assert len(calls) == 1
+    assert 1 - cosine(out, want) <= 1e-5
+    assert torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_direct_call():
+    lens = [0, 63, 1000, 4096 + 3]
+    q, _, cache, table, seqlens, _ = _problem(len(lens), 1, 16, 64, lens, "fp8", torch.bfloat16)
+    with poisoned_outputs():
+        out, lse = d16.mla_decode_rows16_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 3,
+                                               configs.GLUON_ROWS16_STAGES)
+    want, want_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
+    assert 1 - cosine(out, want) <= 1e-5
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_cuda_graph_capture(calls):
+    q, _, cache, table, seqlens, _ = _problem(4, 1, 16, 64, [300, 1000, 5, 64], "fp8", torch.bfloat16)
+    plan = wf.mla.plan(q, cache, table, kv_format="fp8")
+    plan.run(q, cache, table, seqlens)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, _ = plan.run(q, cache, table, seqlens)
+    seqlens.add_(7)
+    graph.replay()
+    want, _ = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
+    assert 1 - cosine(g_out, want) <= 1e-5
+    assert len(calls) == 2

@@ -1,0 +1,348 @@
+"""MLA decode of at most 16 query rows a request (h_q · s_q <= 16: 16-head shards at s_q 1) over an FP8 cache, for
+Hopper (sm_90) in Gluon: each warp one 128-wide chunk of the latent, a cp.async ring of the raw rows, mma.sync.
+
+The same problem and outputs as decode_kernel.mla_decode_split_kernel for the case the api gate sends here (dense
+block table, an FP8 cache, bf16 q, rows <= 16, any page size): program (request · split) walks its split's tokens
+BLOCK_N = 32 at a time and writes the split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows]
+in log2 units, for combine_splits) or, with one split, the final out / lse.
+
+Why this kernel: at 16 rows decode is bound by reading the cache (656 bytes a token against bf16's 1152), but the
+64-row kernel (decode_gluon_kernel.py) pads 16 rows to 64 for wgmma and converts in shared memory, and the
+portable kernel waits for every copy at the top of each step. This is paged decode's Gluon design
+(ops/paged/decode_gluon_kernel.py, measured there) with the warps cutting the latent instead of the tokens:
+- warp w owns latent columns [128 w, 128 w + 128) (FP8's scale group w) and rope columns [16 w, 16 w + 16): it
+  copies those bytes of the step's 32 rows into the ring (16-byte cp.async; its scale, 4 bytes a row), reads them
+  once as Kᵀ and once as V in the two register layouts (LK, LV) whose e4m3 -> fp16 values are the mma.sync B
+  fragments (checked at compile time: `convert_layout(..., assert_trivial=True)`; the head dim relabelled through
+  sigma_k / sigma_v, composed into q's load and the output's store), and keeps O[:, its 128 columns] (fp32, 64
+  registers a thread);
+- scores: each warp's q_w · K_wᵀ times the rows' chunk-w scales, plus its rope slice (bf16 dot), summed over the
+  four warps (one cross-warp reduction through shared memory a step); every warp then runs the same online softmax;
+- P·V: p times the rows' chunk-w scales, in fp16, times the warp's V chunk into its accumulator.
+Dots in fp16 as the portable FP8 path runs them (e4m3 -> fp16 is one cvt a pair and exact; q rounds to fp16 within
+its range; the probabilities times a power-of-two scale round to fp16); the rope dot in bf16; fp32 accumulation.
+
+Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
+dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+LOG2E = 1.4426950408889634
+D_V = 512
+D_R = 64
+ROWS = 16           # query rows per program: one mma.sync M
+WARPS = 4           # one per 128-column chunk of the latent
+BLOCK_N = 32        # cache tokens per step
+SCALE_OFF = 512     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
+ROPE_OFF = 528
+GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
+MAX_REGS = 168    # three programs an SM (65536 registers / 384 threads, in units of 8)
+MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
+
+
+def sigma_k(k: int) -> int:
+    """The chunk column the score dot's logical column k reads (LK's relabelling, as in paged decode)."""
+    return (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)
+
+
+def sigma_v(n: int) -> int:
+    """The chunk (and output) column P·V's logical column n holds (LV's relabelling)."""
+    return ((n & 7) << 4) | (n >> 3)
+
+
+def _layouts(gl):
+    """(MMA, ALL, A, B, LK, LV, CP, CPR, CPS, SMEM, SMEM_R, SMEM_S). LK / LV hold each warp's chunk of the step's 32 rows,
+    [4, 32, 128] bytes with 32 (LK) or 16 (LV) consecutive columns of a row in one thread's registers: converted to
+    fp16 and reshaped so that logical column k is chunk column sigma_k(k) (sigma_v for V), they are the mma.sync B
+    fragments of K_wᵀ [128, 32] and V_w [32, 128] with no data movement. CP / CPR / CPS: the cp.async layouts of
+    the latent bytes, the rope bytes and the scales; SMEM / SMEM_R / SMEM_S their rings'."""
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # [4, 16, 32] with all four warps' partial scores in every warp, each [16, 32] at the accumulator's positions
+    # (m16n8 fragments: lane = 4 · row + col / 2, registers col + 1, row + 8, then the n tiles)
+    every = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [1, 0, 0], [2, 0, 0]],
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[[0, 0, 0], [0, 0, 0]],
+        block_bases=[], shape=[WARPS, ROWS, BLOCK_N])
+    warps = [[1, 0, 0], [2, 0, 0]]
+    lk = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0], [0, 16, 0]],
+        lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
+        shape=[WARPS, BLOCK_N, 128])
+    lv = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
+        shape=[WARPS, BLOCK_N, 128])
+    cp = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])    # 16 bytes a thread
+    cpr = gl.BlockedLayout([1, 1, 16], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])  # a warp's 32 rope bytes of 32 rows
+    cps = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])               # a row's chunk-w scale a thread
+    # 16-byte chunks XOR-swizzled by the row: the cp.async writes and LK / LV's reads are conflict-free
+    smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
+    smem_r = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    smem_s = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    return mma, every, a, b, lk, lv, cp, cpr, cps, smem, smem_r, smem_s
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+    MAX_INIT_C = gl.constexpr(MAX_INIT)
+    BN, NW, NR, DV = gl.constexpr(BLOCK_N), gl.constexpr(WARPS), gl.constexpr(ROWS), gl.constexpr(D_V)
+    ROPE_C, SCALE_C = gl.constexpr(ROPE_OFF), gl.constexpr(SCALE_OFF)
+
+    @gluon.jit
+    def _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t, L: gl.constexpr, PAGE: gl.constexpr,
+                     OFF64: gl.constexpr):
+        """(byte offsets of the cache rows of tokens n0 .. n0 + 31, tokens < end), [32] in L; page ids clamped."""
+        tok = n0 + gl.arange(0, BN, layout=L)
+        ok = tok < end
+        page = gl.minimum(gl.maximum(gl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page)
+        row = tok % PAGE
+        if OFF64:
+            page = page.to(gl.int64)
+            row = row.to(gl.int64)
+        return page * stride_p + row * stride_t, ok
+
+    @gluon.jit
+    def _issue(CACHE, ring, r_ring, s_ring, slot, bt_row, n0, end, last_page, stride_p, stride_t,
+               PAGE: gl.constexpr, OFF64: gl.constexpr, CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr):
+        """cp.async of tokens n0 .. n0 + 31's rows into the rings' slot, warp w its latent chunk, rope slice and
+        scale; tokens >= end are zero-filled."""
+        off, ok = _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t,
+                               gl.SliceLayout(0, gl.SliceLayout(2, CP)), PAGE, OFF64)
+        w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+        d = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
+        mask = (w >= 0)[:, None, None] & ok[None, :, None] & (d >= 0)[None, None, :]   # Gluon does not broadcast
+        async_copy.async_copy_global_to_shared(
+            ring.index(slot), CACHE + off[None, :, None] + (w * 128)[:, None, None] + d[None, None, :], mask=mask)
+        off, ok = _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t,
+                               gl.SliceLayout(0, gl.SliceLayout(2, CPR)), PAGE, OFF64)
+        w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, CPR)))
+        e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, CPR)))
+        mask = (w >= 0)[:, None, None] & ok[None, :, None] & (e >= 0)[None, None, :]
+        async_copy.async_copy_global_to_shared(
+            r_ring.index(slot), CACHE + (off + ROPE_C)[None, :, None] + (w * 32)[:, None, None] + e[None, None, :],
+            mask=mask)
+        off, ok = _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t, gl.SliceLayout(0, CPS), PAGE, OFF64)
+        w = gl.arange(0, NW, layout=gl.SliceLayout(1, CPS))
+        mask = (w >= 0)[:, None] & ok[None, :]
+        ptr = (CACHE + (off + SCALE_C)[None, :] + (w * 4)[:, None]).to(gl.pointer_type(gl.float32))
+        async_copy.async_copy_global_to_shared(s_ring.index(slot), ptr, mask=mask)
+
+    @gluon.jit
+    def _step(tile, r_tile, s_tile, s_buf, qa, qra, m_i, l_i, acc, n0, visible, qk_scale, MASKED: gl.constexpr,
+              MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
+        """One step of 32 tokens (n0 ..): scores summed over the warps, the online softmax, each warp's P·V.
+        MASKED: tokens at or past a row's visible count are kept out (else all are seen)."""
+        sc = s_tile.load(gl.SliceLayout(1, MMA))                      # [4, 32]: row t's chunk-w scale
+        kx = tile.load(LK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        kx = gl.reshape(gl.permute(gl.reshape(kx, [NW, BN, 4, 16, 2]), [0, 1, 3, 2, 4]),
+                        [NW, BN, 128])
+        kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
+        s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sc[:, None, :]
+        krb = r_tile._reinterpret(gl.bfloat16, [NW, BN, 16], r_tile.type.layout).permute([0, 2, 1]).load(B)
+        s = mma_v2(qra, krb, s)
+        # the four warps' partials summed: each stores its own, every warp reads all four at its own positions (one
+        # barrier; the loop's barrier orders the next step's stores after these loads)
+        s_buf.store(s)
+        gl.thread_barrier()
+        s = gl.sum(s_buf.load(ALL), axis=0)
+        s = gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(0, MMA), assert_trivial=True), 0) * qk_scale
+        # s: [1, 16, 32], the same in every warp
+        if MASKED:
+            tok = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+            seen = tok[None, None, :] < visible[None, :, None]
+            s = gl.where(seen, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        p = gl.exp2(s - m_new[:, :, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=2)
+        pa = gl.convert_layout((p * sc[:, None, :]).to(gl.float16), A, assert_trivial=True)
+        vx = tile.load(LV).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        vx = gl.reshape(gl.permute(gl.reshape(vx, [NW, BN, 8, 16]), [0, 1, 3, 2]), [NW, BN, 128])
+        vb = gl.convert_layout(vx, B, assert_trivial=True)
+        return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
+
+    @gluon.jit
+    def mla_decode_rows16_gluon_kernel(
+        Q, CACHE, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+        stride_qb, stride_qs, stride_qh, stride_p, stride_t, stride_bt,
+        stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]; FINAL: out as [1, b, rows, 512]
+        stride_ls, stride_lb,
+        qk_scale, capacity, last_page, n_splits,
+        H_Q: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
+        STAGES: gl.constexpr, OFF64: gl.constexpr,
+        MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
+        CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_R: gl.constexpr, SMEM_S: gl.constexpr,
+    ):
+        """Program b · n_splits + split. Lengths are clamped to [0, capacity] and page ids to [0, last_page]
+        (unchecked values under a CUDA-graph capture must not read outside the tensors). Query row r = j · H_Q + h."""
+        split = gl.program_id(0) % n_splits
+        b64 = (gl.program_id(0) // n_splits).to(gl.int64)
+        length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
+        per_split = gl.cdiv(gl.cdiv(length, n_splits), BN) * BN
+        start = split * per_split
+        end = gl.minimum(start + per_split, length)
+        n_steps = gl.maximum(gl.cdiv(end - start, BN), 0)
+        bt_row = BLOCK_TABLE + b64 * stride_bt
+
+        ring = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, BN, 128], SMEM)
+        r_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, BN, 32], SMEM_R)
+        s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, NW, BN], SMEM_S)
+        # the warps' score partials: 2-float vectors XOR-swizzled by the row, so the accumulator fragments' stores
+        # and loads are conflict-free
+        s_buf = gl.allocate_shared_memory(gl.float32, [NW, NR, BN], gl.SwizzledSharedLayout(2, 1, 8, order=[2, 1, 0]))
+        for i in gl.static_range(STAGES - 1):
+            _issue(CACHE, ring, r_ring, s_ring, i, bt_row, start + i * BN, end, last_page, stride_p, stride_t,
+                   PAGE, OFF64, CP, CPR, CPS)
+            async_copy.commit_group()
+
+        # q: warp w's latent chunk in fp16 through sigma_k (exact from bf16 within fp16's range), its rope slice in
+        # bf16; the softmax scale (log2 units) multiplies the fp32 scores
+        # (loaded straight into the dot operand layout: a layout conversion would take 8 KB of shared memory)
+        w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
+        r = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
+        k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
+        col = (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)   # sigma_k
+        q_row = b64 * stride_qb + (r // H_Q).to(gl.int64) * stride_qs + (r % H_Q).to(gl.int64) * stride_qh
+        q_mask = (w >= 0)[:, None, None] & (r < H_Q * S_Q)[None, :, None] & (k >= 0)[None, None, :]
+        qa = gl.load(Q + q_row[None, :, None] + (w * 128)[:, None, None] + col[None, None, :], mask=q_mask,
+                     other=0.0).to(gl.float16)
+        k = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
+        q_mask = (w >= 0)[:, None, None] & (r < H_Q * S_Q)[None, :, None] & (k >= 0)[None, None, :]
+        qra = gl.load(Q + q_row[None, :, None] + (DV + w * 16)[:, None, None] + k[None, None, :], mask=q_mask,
+                      other=0.0).to(gl.bfloat16)
+
+        ROW: gl.constexpr = gl.SliceLayout(2, MMA)      # [1, 16]: per query row, the same in every warp
+        rs = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+        if CAUSAL:
+            visible = length - S_Q + 1 + rs // H_Q      # row r sees tokens < visible (bottom-right aligned)
+        else:
+            visible = length + 0 * rs
+        m_i = gl.full([1, NR], MAX_INIT_C, gl.float32, ROW)
+        l_i = gl.zeros([1, NR], gl.float32, ROW)
+        acc = gl.zeros([NW, NR, 128], gl.float32, MMA)
+        # steps wholly before full_end need no mask: every token in the split, seen by every row
+        if CAUSAL:
+            full_end = gl.minimum(end, length - S_Q + 1)
+        else:
+            full_end = end
+        for i in range(n_steps):
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
+            _issue(CACHE, ring, r_ring, s_ring, (i + STAGES - 1) % STAGES, bt_row, start + (i + STAGES - 1) * BN,
+                   end, last_page, stride_p, stride_t, PAGE, OFF64, CP, CPR, CPS)
+            async_copy.commit_group()
+            n0 = start + i * BN
+            cur = i % STAGES
+            if n0 + BN <= full_end:
+                m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
+                                      n0, visible, qk_scale, False, MMA, ALL, A, B, LK, LV)
+            else:
+                m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
+                                      n0, gl.minimum(visible, end), qk_scale, True, MMA, ALL, A, B, LK, LV)
+        async_copy.wait_group(0)
+
+        empty = l_i == 0.0
+        l_safe = gl.where(empty, 1.0, l_i)
+        out = acc * (1.0 / l_safe)[:, :, None]
+        wo = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+        ro = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+        n = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+        o_col = (wo * 128)[:, None, None] + (((n & 7) << 4) | (n >> 3))[None, None, :]   # sigma_v
+        o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b64 * stride_pb + (ro.to(gl.int64) * DV)[None, :, None]
+        o_mask = (wo >= 0)[:, None, None] & (ro < H_Q * S_Q)[None, :, None] & (n >= 0)[None, None, :]
+        gl.store(o_ptrs + o_col, out.to(O_PART.dtype.element_ty), mask=o_mask)
+        VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+        lse2 = gl.convert_layout(gl.sum(gl.where(empty, float("-inf"), m_i + gl.log2(l_safe)), axis=0), VEC)  # [1, 16] -> [16]
+        rv = gl.arange(0, NR, layout=VEC)
+        if FINAL:
+            gl.store(LSE_PART + b64 * stride_lb + (rv % H_Q) * S_Q + rv // H_Q, lse2 * 0.6931471805599453,
+                     mask=rv < H_Q * S_Q)
+        else:
+            gl.store(LSE_PART + split.to(gl.int64) * stride_ls + b64 * stride_lb + rv, lse2, mask=rv < H_Q * S_Q)
+
+    return mla_decode_rows16_gluon_kernel, gl
+
+
+def available() -> bool:
+    """This Triton's Gluon is one the kernel was written for (and imports)."""
+    from .._gluon import builds
+    return builds(_build, GLUON_TRITON_VERSIONS)
+
+
+def cache_ok(kv_cache: torch.Tensor) -> bool:
+    """An FP8 cache (656-byte rows) the kernel reads: one byte an element, 16-byte aligned base and strides (its
+    copies are 16 bytes), rows contiguous."""
+    return (kv_cache.element_size() == 1 and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(3) == 1
+            and kv_cache.stride(0) % 16 == 0 and kv_cache.stride(1) % 16 == 0)
+
+
+def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, stages):
+    """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_rows16_gluon and the compile
+    check. o_part / lse_part: out as [1, b, rows, 512] and lse [b, h_q, s_q] when final, else the partials."""
+    kernel, gl = _build()
+    b, s_q, h_q, _ = q.shape
+    num_splits = o_part.shape[0]
+    cache = kv_cache.view(torch.uint8)
+    mma, every, a, bl, lk, lv, cp, cpr, cps, smem, smem_r, smem_s = _layouts(gl)
+    args = (q, cache, block_table, cache_seqlens, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
+            o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
+            softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
+            max(kv_cache.shape[0] - 1, 0), num_splits)
+    meta = dict(H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages,
+                OFF64=cache.numel() >= 2 ** 31, MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPR=cpr, CPS=cps,
+                SMEM=smem, SMEM_R=smem_r, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
+    return kernel, (num_splits * b,), args, meta
+
+
+def mla_decode_rows16_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, stages):
+    """The path of mla_decode_fwd that api's rows16 gate sends here: (out, lse) as the portable launcher returns
+    them, through the same partials + combine_splits when num_splits > 1."""
+    from ..shared_kernels import combine_splits
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    out = torch.empty((b, s_q, h_q, D_V), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if b == 0:
+        return out, lse
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = out.view(1, b, rows, D_V), lse
+    else:
+        o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
+        lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
+    kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
+                                           lse_part, final, stages)
+    kernel[grid](*args, **meta)
+    if not final:
+        combine_splits(o_part, lse_part, out, lse, h_q, s_q)
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------ compile-only check
+def compile_sm90(h_q=16, s_q=1, causal=False, num_splits=1, page=64, stages=3, arch=90):
+    """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel."""
+    from .._gluon import compile_report
+    b, pages, max_pages = 2, 8, 4
+    q = torch.empty(b, s_q, h_q, D_V + D_R, dtype=torch.bfloat16)
+    cache = torch.empty(pages, page, 1, 656, dtype=torch.uint8)
+    table = torch.zeros(b, max_pages, dtype=torch.int32)
+    lens = torch.zeros(b, dtype=torch.int32)
+    final = num_splits == 1
+    if final:
+        o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
+    else:
+        o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
+    kernel, grid, args, meta = launch_args(q, cache, table, lens, (D_V + D_R) ** -0.5, causal, o_part, lse_part,
+                                           final, stages)
+    return compile_report(kernel, args, grid, meta, arch)
