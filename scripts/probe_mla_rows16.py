@@ -1,0 +1,60 @@
+"""Probe the Gluon MLA kernel for <= 16 rows (ops/mla/decode_rows16_gluon_kernel.py) outside its constants (issue
+13): one launch per (L, slots, register cap, splits) at the bench's shape (b 128, h_q 16, s_q 1, page 64, FP8),
+timed from a CUDA graph (the combine included when split), beside the bf16 cache through the planned kernel.
+
+    python scripts/probe_mla_rows16.py [--L 4096,16384] [--slots 2,3,4] [--maxnreg 168,0] [--splits 2,3,4]
+"""
+import argparse
+
+import torch
+import triton.testing
+
+import warpforge as wf
+from warpforge.ops.mla import decode_rows16_gluon_kernel as d16
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", default="4096,16384")
+    ap.add_argument("--slots", default="2,3,4")
+    ap.add_argument("--maxnreg", default="168,0")
+    ap.add_argument("--splits", default="2,3,4")
+    args = ap.parse_args(argv)
+    b, h_q, page = 128, 16, 64
+    for L in map(int, args.L.split(",")):
+        pages = b * (-(-L // page))
+        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
+        seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
+        q = torch.randn(b, 1, h_q, 576, device="cuda", dtype=torch.bfloat16)
+        cache = torch.empty(pages, page, 1, 656, device="cuda", dtype=torch.uint8)
+        for p0 in range(0, pages, 4096):
+            cache[p0:p0 + 4096] = wf.mla.quantize_kv(torch.randn(min(4096, pages - p0), page, 1, 576, device="cuda",
+                                                                 dtype=torch.bfloat16), "fp8")
+        bf16 = torch.randn(pages, page, 1, 576, device="cuda", dtype=torch.bfloat16)
+        plan = wf.mla.plan(q, bf16, table)
+        ms = triton.testing.do_bench_cudagraph(lambda: plan.run(q, bf16, table, seqlens), rep=30, return_mode="median")
+        print(f"L {L} bf16 (planned, splits {plan.num_splits}): {ms:.4f} ms {b * L * 1152 / ms / 1e9:.2f} TB/s",
+              flush=True)
+        bf16 = None
+        bf16_ms = ms
+        for slots in map(int, args.slots.split(",")):
+            for cap in map(int, args.maxnreg.split(",")):
+                d16.MAX_REGS = cap or None
+                for splits in map(int, args.splits.split(",")):
+                    def run():
+                        return d16.mla_decode_rows16_gluon(q, cache, table, seqlens, 576 ** -0.5, False, splits, slots)
+                    try:
+                        run()
+                        ms = triton.testing.do_bench_cudagraph(run, rep=30, return_mode="median")
+                    except Exception as exc:   # out of shared memory, say
+                        print(f"L {L} slots {slots} maxnreg {cap} splits {splits}: {type(exc).__name__} "
+                              f"{str(exc)[:120]}", flush=True)
+                        continue
+                    print(f"L {L} fp8 slots {slots} maxnreg {cap} splits {splits}: {ms:.4f} ms "
+                          f"{b * L * 656 / ms / 1e9:.2f} TB/s, {bf16_ms / ms:.3f}x bf16", flush=True)
+        cache = None
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
