@@ -2,7 +2,7 @@
 13): one launch per (L, slots, register cap, splits) at the bench's shape (b 128, h_q 16, s_q 1, page 64, FP8),
 timed from a CUDA graph (the combine included when split), beside the bf16 cache through the planned kernel.
 
-    python scripts/probe_mla_rows16.py [--L 4096,16384] [--slots 2,3,4] [--maxnreg 168,0] [--splits 2,3,4]
+    python scripts/probe_mla_rows16.py [--L 4096,16384] [--slots 2,3,4] [--maxnreg 168,0] [--splits 2,3,4] [--decode 0,3]
 """
 import argparse
 
@@ -19,6 +19,7 @@ def main(argv=None):
     ap.add_argument("--slots", default="2,3,4")
     ap.add_argument("--maxnreg", default="168,0")
     ap.add_argument("--splits", default="2,3,4")
+    ap.add_argument("--decode", default="3", help="e4m3 decode of K (1) / V (2) / both (3) by shifts and masks")
     args = ap.parse_args(argv)
     b, h_q, page = 128, 16, 64
     for L in map(int, args.L.split(",")):
@@ -37,7 +38,8 @@ def main(argv=None):
               flush=True)
         bf16 = None
         bf16_ms = ms
-        for slots in map(int, args.slots.split(",")):
+        for slots, decode in ((sl, de) for sl in map(int, args.slots.split(",")) for de in map(int, args.decode.split(","))):
+            d16.DECODE = decode
             for cap in map(int, args.maxnreg.split(",")):
                 d16.MAX_REGS = cap or None
                 for splits in map(int, args.splits.split(",")):
@@ -50,7 +52,7 @@ def main(argv=None):
                         print(f"L {L} slots {slots} maxnreg {cap} splits {splits}: {type(exc).__name__} "
                               f"{str(exc)[:120]}", flush=True)
                         continue
-                    print(f"L {L} fp8 slots {slots} maxnreg {cap} splits {splits}: {ms:.4f} ms "
+                    print(f"L {L} fp8 slots {slots} decode {decode} maxnreg {cap} splits {splits}: {ms:.4f} ms "
                           f"{b * L * 656 / ms / 1e9:.2f} TB/s, {bf16_ms / ms:.3f}x bf16", flush=True)
         cache = None
         torch.cuda.empty_cache()

@@ -40,6 +40,7 @@ BLOCK_N = 32        # cache tokens per step
 SCALE_OFF = 512     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
 ROPE_OFF = 528
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
+DECODE = 3       # e4m3 -> fp16 of K (bit 0) and V (bit 1) by shifts and masks (_gluon_codes.py), else by cvt
 MAX_REGS = 168    # three programs an SM (65536 registers / 384 threads, in units of 8)
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
@@ -70,22 +71,32 @@ def _layouts(gl):
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[[0, 0, 0], [0, 0, 0]],
         block_bases=[], shape=[WARPS, ROWS, BLOCK_N])
     warps = [[1, 0, 0], [2, 0, 0]]
-    lk = gl.DistributedLinearLayout(
+    lkb = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0], [0, 16, 0]],
         lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
         shape=[WARPS, BLOCK_N, 128])
-    lv = gl.DistributedLinearLayout(
+    lvb = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
         lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
         shape=[WARPS, BLOCK_N, 128])
+    # the same in 32-bit words of four codes: 8 (LK) or 4 (LV) consecutive words of a row in one thread's registers
+    lk = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0], [0, 16, 0]],
+        lane_bases=[[0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
+        shape=[WARPS, BLOCK_N, 32])
+    lv = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16]], warp_bases=warps, block_bases=[],
+        shape=[WARPS, BLOCK_N, 32])
     cp = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])    # 16 bytes a thread
     cpr = gl.BlockedLayout([1, 1, 16], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])  # a warp's 32 rope bytes of 32 rows
     cps = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])               # a row's chunk-w scale a thread
     # 16-byte chunks XOR-swizzled by the row: the cp.async writes and LK / LV's reads are conflict-free
     smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
+    smem_w = gl.SwizzledSharedLayout(4, 1, 8, order=[2, 1, 0])   # the same bytes as words (16-byte chunks)
     smem_r = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     smem_s = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    return mma, every, a, b, lk, lv, cp, cpr, cps, smem, smem_r, smem_s
+    return mma, every, a, b, (lkb, lk), (lvb, lv), cp, cpr, cps, smem, smem_w, smem_r, smem_s
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,7 +105,11 @@ def _build():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+    from .._gluon_codes import E4M3_F16_SCALE
+    from .._gluon_codes import build as build_codes
+    e4m3_words_to_f16, perm_e4m3 = build_codes()
     MAX_INIT_C = gl.constexpr(MAX_INIT)
+    E4M3_F16 = gl.constexpr(E4M3_F16_SCALE)
     BN, NW, NR, DV = gl.constexpr(BLOCK_N), gl.constexpr(WARPS), gl.constexpr(ROWS), gl.constexpr(D_V)
     ROPE_C, SCALE_C = gl.constexpr(ROPE_OFF), gl.constexpr(SCALE_OFF)
 
@@ -139,15 +154,21 @@ def _build():
 
     @gluon.jit
     def _step(tile, r_tile, s_tile, s_buf, qa, qra, m_i, l_i, acc, n0, visible, qk_scale, MASKED: gl.constexpr,
-              MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
+              MMA: gl.constexpr, ALL: gl.constexpr, SMEM_W: gl.constexpr, DECODE: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
         """One step of 32 tokens (n0 ..): scores summed over the warps, the online softmax, each warp's P·V.
         MASKED: tokens at or past a row's visible count are kept out (else all are seen)."""
         sc = s_tile.load(gl.SliceLayout(1, MMA))                      # [4, 32]: row t's chunk-w scale
-        kx = tile.load(LK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        words = tile._reinterpret(gl.uint32, [NW, BN, 32], SMEM_W)
+        if DECODE % 2 == 1:   # K by shifts and masks (its values times 2^-8)
+            kx = e4m3_words_to_f16(words.load(LK[1]))
+            sk = sc * E4M3_F16
+        else:
+            kx = tile.load(LK[0]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+            sk = sc
         kx = gl.reshape(gl.permute(gl.reshape(kx, [NW, BN, 4, 16, 2]), [0, 1, 3, 2, 4]),
                         [NW, BN, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
-        s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sc[:, None, :]
+        s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sk[:, None, :]
         krb = r_tile._reinterpret(gl.bfloat16, [NW, BN, 16], r_tile.type.layout).permute([0, 2, 1]).load(B)
         s = mma_v2(qra, krb, s)
         # the four warps' partials summed: each stores its own, every warp reads all four at its own positions (one
@@ -165,8 +186,13 @@ def _build():
         p = gl.exp2(s - m_new[:, :, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=2)
-        pa = gl.convert_layout((p * sc[:, None, :]).to(gl.float16), A, assert_trivial=True)
-        vx = tile.load(LV).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        if DECODE >= 2:   # V by shifts and masks
+            vx = e4m3_words_to_f16(words.load(LV[1]))
+            sv = sc * E4M3_F16
+        else:
+            vx = tile.load(LV[0]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+            sv = sc
+        pa = gl.convert_layout((p * sv[:, None, :]).to(gl.float16), A, assert_trivial=True)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [NW, BN, 8, 16]), [0, 1, 3, 2]), [NW, BN, 128])
         vb = gl.convert_layout(vx, B, assert_trivial=True)
         return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
@@ -179,9 +205,10 @@ def _build():
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        STAGES: gl.constexpr, OFF64: gl.constexpr,
+        STAGES: gl.constexpr, OFF64: gl.constexpr, DECODE: gl.constexpr,
         MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
-        CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_R: gl.constexpr, SMEM_S: gl.constexpr,
+        CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_W: gl.constexpr,
+        SMEM_R: gl.constexpr, SMEM_S: gl.constexpr,
     ):
         """Program b · n_splits + split. Lengths are clamped to [0, capacity] and page ids to [0, last_page]
         (unchecked values under a CUDA-graph capture must not read outside the tensors). Query row r = j · H_Q + h."""
@@ -212,6 +239,8 @@ def _build():
         r = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
         k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
         col = (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)   # sigma_k
+        if DECODE % 2 == 1:
+            col = perm_e4m3(col)   # then the shift-and-mask decode's order
         q_row = b64 * stride_qb + (r // H_Q).to(gl.int64) * stride_qs + (r % H_Q).to(gl.int64) * stride_qh
         q_mask = (w >= 0)[:, None, None] & (r < H_Q * S_Q)[None, :, None] & (k >= 0)[None, None, :]
         qa = gl.load(Q + q_row[None, :, None] + (w * 128)[:, None, None] + col[None, None, :], mask=q_mask,
@@ -245,10 +274,10 @@ def _build():
             cur = i % STAGES
             if n0 + BN <= full_end:
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
-                                      n0, visible, qk_scale, False, MMA, ALL, A, B, LK, LV)
+                                      n0, visible, qk_scale, False, MMA, ALL, SMEM_W, DECODE, A, B, LK, LV)
             else:
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
-                                      n0, gl.minimum(visible, end), qk_scale, True, MMA, ALL, A, B, LK, LV)
+                                      n0, gl.minimum(visible, end), qk_scale, True, MMA, ALL, SMEM_W, DECODE, A, B, LK, LV)
         async_copy.wait_group(0)
 
         empty = l_i == 0.0
@@ -257,7 +286,10 @@ def _build():
         wo = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         ro = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         n = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-        o_col = (wo * 128)[:, None, None] + (((n & 7) << 4) | (n >> 3))[None, None, :]   # sigma_v
+        n_col = ((n & 7) << 4) | (n >> 3)   # sigma_v
+        if DECODE >= 2:
+            n_col = perm_e4m3(n_col)
+        o_col = (wo * 128)[:, None, None] + n_col[None, None, :]
         o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b64 * stride_pb + (ro.to(gl.int64) * DV)[None, :, None]
         o_mask = (wo >= 0)[:, None, None] & (ro < H_Q * S_Q)[None, :, None] & (n >= 0)[None, None, :]
         gl.store(o_ptrs + o_col, out.to(O_PART.dtype.element_ty), mask=o_mask)
@@ -293,15 +325,16 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     b, s_q, h_q, _ = q.shape
     num_splits = o_part.shape[0]
     cache = kv_cache.view(torch.uint8)
-    mma, every, a, bl, lk, lv, cp, cpr, cps, smem, smem_r, smem_s = _layouts(gl)
+    mma, every, a, bl, lk, lv, cp, cpr, cps, smem, smem_w, smem_r, smem_s = _layouts(gl)
     args = (q, cache, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages,
+                DECODE=DECODE,
                 OFF64=cache.numel() >= 2 ** 31, MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPR=cpr, CPS=cps,
-                SMEM=smem, SMEM_R=smem_r, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
+                SMEM=smem, SMEM_W=smem_w, SMEM_R=smem_r, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
     return kernel, (num_splits * b,), args, meta
 
 
