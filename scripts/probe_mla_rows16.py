@@ -19,15 +19,24 @@ def main(argv=None):
     ap.add_argument("--slots", default="2,3,4")
     ap.add_argument("--maxnreg", default="168,0")
     ap.add_argument("--splits", default="2,3,4")
-    ap.add_argument("--decode", default="3", help="e4m3 decode of K (1) / V (2) / both (3) by shifts and masks")
+    ap.add_argument("--copy-only", default="0", help="1: the copies and waits alone")
+    ap.add_argument("--row-bytes", default="656", help="the cache's row stride (768: rows 128-byte aligned)")
+    ap.add_argument("--pages", default="random", help="random or sequential page ids")
+    ap.add_argument("--decode", default="0", help="e4m3 decode of K (1) / V (2) / both (3) by shifts and masks")
     args = ap.parse_args(argv)
     b, h_q, page = 128, 16, 64
     for L in map(int, args.L.split(",")):
         pages = b * (-(-L // page))
-        table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
+        if args.pages == "random":
+            table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, -1)
+        else:
+            table = torch.arange(pages, device="cuda", dtype=torch.int32).view(b, -1)
         seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
         q = torch.randn(b, 1, h_q, 576, device="cuda", dtype=torch.bfloat16)
-        cache = torch.empty(pages, page, 1, 656, device="cuda", dtype=torch.uint8)
+        caches = {}
+        for rb in map(int, args.row_bytes.split(",")):
+            caches[rb] = torch.zeros(pages, page, 1, rb, device="cuda", dtype=torch.uint8)[..., :656]
+        cache = caches[min(caches)]
         for p0 in range(0, pages, 4096):
             cache[p0:p0 + 4096] = wf.mla.quantize_kv(torch.randn(min(4096, pages - p0), page, 1, 576, device="cuda",
                                                                  dtype=torch.bfloat16), "fp8")
@@ -38,8 +47,14 @@ def main(argv=None):
               flush=True)
         bf16 = None
         bf16_ms = ms
-        for slots, decode in ((sl, de) for sl in map(int, args.slots.split(",")) for de in map(int, args.decode.split(","))):
+        for rb in caches:
+            caches[rb].copy_(cache)
+        for slots, decode, rb, copy_only in ((sl, de, rb, co) for sl in map(int, args.slots.split(","))
+                                             for de in map(int, args.decode.split(",")) for rb in caches
+                                             for co in map(int, args.copy_only.split(","))):
             d16.DECODE = decode
+            d16.COPY_ONLY = bool(copy_only)
+            cache = caches[rb]
             for cap in map(int, args.maxnreg.split(",")):
                 d16.MAX_REGS = cap or None
                 for splits in map(int, args.splits.split(",")):
@@ -52,9 +67,10 @@ def main(argv=None):
                         print(f"L {L} slots {slots} maxnreg {cap} splits {splits}: {type(exc).__name__} "
                               f"{str(exc)[:120]}", flush=True)
                         continue
-                    print(f"L {L} fp8 slots {slots} decode {decode} maxnreg {cap} splits {splits}: {ms:.4f} ms "
+                    print(f"L {L} fp8 {args.pages} row {rb} B copy-only {copy_only} slots {slots} decode {decode} "
+                          f"maxnreg {cap} splits {splits}: {ms:.4f} ms "
                           f"{b * L * 656 / ms / 1e9:.2f} TB/s, {bf16_ms / ms:.3f}x bf16", flush=True)
-        cache = None
+        cache = caches = None
         torch.cuda.empty_cache()
 
 

@@ -40,7 +40,8 @@ BLOCK_N = 32        # cache tokens per step
 SCALE_OFF = 512     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
 ROPE_OFF = 528
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
-DECODE = 3       # e4m3 -> fp16 of K (bit 0) and V (bit 1) by shifts and masks (_gluon_codes.py), else by cvt
+DECODE = 0       # e4m3 -> fp16 of K (bit 0) and V (bit 1) by shifts and masks (_gluon_codes.py), else by cvt
+COPY_ONLY = False  # probes only: skip the math (what the copies alone cost)
 MAX_REGS = 168    # three programs an SM (65536 registers / 384 threads, in units of 8)
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
@@ -205,7 +206,7 @@ def _build():
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        STAGES: gl.constexpr, OFF64: gl.constexpr, DECODE: gl.constexpr,
+        STAGES: gl.constexpr, OFF64: gl.constexpr, DECODE: gl.constexpr, COPY_ONLY: gl.constexpr,
         MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
         CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_W: gl.constexpr,
         SMEM_R: gl.constexpr, SMEM_S: gl.constexpr,
@@ -272,7 +273,9 @@ def _build():
             async_copy.commit_group()
             n0 = start + i * BN
             cur = i % STAGES
-            if n0 + BN <= full_end:
+            if COPY_ONLY:   # probes only (scripts/probe_mla_rows16.py): the copies and waits without the math
+                pass
+            elif n0 + BN <= full_end:
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
                                       n0, visible, qk_scale, False, MMA, ALL, SMEM_W, DECODE, A, B, LK, LV)
             else:
@@ -332,7 +335,7 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
             softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages,
-                DECODE=DECODE,
+                DECODE=DECODE, COPY_ONLY=COPY_ONLY,
                 OFF64=cache.numel() >= 2 ** 31, MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPR=cpr, CPS=cps,
                 SMEM=smem, SMEM_W=smem_w, SMEM_R=smem_r, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
     return kernel, (num_splits * b,), args, meta
