@@ -223,7 +223,6 @@ for step in "$@"; do
                   --json "$w/mla-h16.json" > "$w/mla-h16.log" 2>&1; grep -E "warpforge  " "$w/mla-h16.log"
                 WARPFORGE_MLA_GLUON_ROWS16=0 timeout 100 python3 -m warpforge bench --family mla --match 'h16 s_q1 L(4k|16k) fp8' \
                   --json "$w/mla-h16-portable.json" > "$w/mla-h16-portable.log" 2>&1; grep -E "warpforge  " "$w/mla-h16-portable.log" ;;
-    probe-paged-fp8) timeout 200 python3 scripts/probe_paged_gluon.py --formats fp8 $PROBE_PAGED_ARGS > "$w/probe-paged-fp8.log" 2>&1; cat "$w/probe-paged-fp8.log" ;;
     probe-rows16) timeout 240 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/probe-rows16.log" 2>&1; cat "$w/probe-rows16.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
     bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout ${BENCH_TIMEOUT:-240} bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;

@@ -2,7 +2,7 @@
 13): one launch per (L, slots, register cap, splits) at the bench's shape (b 128, h_q 16, s_q 1, page 64, FP8),
 timed from a CUDA graph (the combine included when split), beside the bf16 cache through the planned kernel.
 
-    python scripts/probe_mla_rows16.py [--L 4096,16384] [--slots 2,3,4] [--maxnreg 168,0] [--splits 2,3,4] [--decode 0,3]
+    python scripts/probe_mla_rows16.py [--L 4096,16384] [--slots 2,3,4] [--maxnreg 168,0] [--splits 2,3,4]
 """
 import argparse
 
@@ -22,7 +22,6 @@ def main(argv=None):
     ap.add_argument("--copy-only", default="0", help="1: the copies and waits alone")
     ap.add_argument("--row-bytes", default="656", help="the cache's row stride (768: rows 128-byte aligned)")
     ap.add_argument("--pages", default="random", help="random or sequential page ids")
-    ap.add_argument("--decode", default="0", help="e4m3 decode of K (1) / V (2) / both (3) by shifts and masks")
     args = ap.parse_args(argv)
     b, h_q, page = 128, 16, 64
     for L in map(int, args.L.split(",")):
@@ -49,10 +48,8 @@ def main(argv=None):
         bf16_ms = ms
         for rb in caches:
             caches[rb].copy_(cache)
-        for slots, decode, rb, copy_only in ((sl, de, rb, co) for sl in map(int, args.slots.split(","))
-                                             for de in map(int, args.decode.split(",")) for rb in caches
-                                             for co in map(int, args.copy_only.split(","))):
-            d16.DECODE = decode
+        for slots, rb, copy_only in ((sl, rb, co) for sl in map(int, args.slots.split(",")) for rb in caches
+                                     for co in map(int, args.copy_only.split(","))):
             d16.COPY_ONLY = bool(copy_only)
             cache = caches[rb]
             for cap in map(int, args.maxnreg.split(",")):
@@ -67,7 +64,7 @@ def main(argv=None):
                         print(f"L {L} slots {slots} maxnreg {cap} splits {splits}: {type(exc).__name__} "
                               f"{str(exc)[:120]}", flush=True)
                         continue
-                    print(f"L {L} fp8 {args.pages} row {rb} B copy-only {copy_only} slots {slots} decode {decode} "
+                    print(f"L {L} fp8 {args.pages} row {rb} B copy-only {copy_only} slots {slots} "
                           f"maxnreg {cap} splits {splits}: {ms:.4f} ms "
                           f"{b * L * 656 / ms / 1e9:.2f} TB/s, {bf16_ms / ms:.3f}x bf16", flush=True)
         cache = caches = None

@@ -2,7 +2,7 @@
 one launch per (format, slots, register cap) at the tune's shape (b 64, h_q 32 / h_kv 8, d 128, page 16, one
 split), timed from a CUDA graph, with the compiled kernel's registers, spills and shared memory.
 
-    python scripts/probe_paged_gluon.py [--L 4096] [--formats nvfp4,fp8] [--slots 2,3,4] [--maxnreg 0,168] [--decode 0,3]
+    python scripts/probe_paged_gluon.py [--L 4096] [--formats nvfp4,fp8] [--slots 2,3,4] [--maxnreg 0,168]
 
 A register cap is a launch option here only (the kernel's tiles have none): this is for deciding whether one pays.
 """
@@ -24,7 +24,6 @@ def main(argv=None):
     ap.add_argument("--slots", default="2,3,4")
     ap.add_argument("--maxnreg", default="0,168")
     ap.add_argument("--block-n", type=int, default=128)
-    ap.add_argument("--decode", default="0", help="FP8: e4m3 decode of K (1) / V (2) / both (3) by shifts and masks")
     args = ap.parse_args(argv)
     b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
     pages = b * (-(-L // page))
@@ -38,9 +37,7 @@ def main(argv=None):
         seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d)
         _, _, o_part, lse_part = decode_outputs(q, 1)
-        for slots, decode in ((sl, de) for sl in map(int, args.slots.split(",")) for de in map(int, args.decode.split(","))
-                              if de == 0 or fmt == "fp8"):
-            dg.FP8_DECODE = decode
+        for slots in map(int, args.slots.split(",")):
             for cap in map(int, args.maxnreg.split(",")):
                 cfg = PagedCfg(16, args.block_n, 4, slots, gluon=True)
                 kernel, grid, kargs, meta = dg.launch_args(q, k_cache, v_cache, table, seqlens, scale, scale,
@@ -54,7 +51,7 @@ def main(argv=None):
                 except Exception as exc:   # out of shared memory, say
                     print(f"{fmt} slots {slots} maxnreg {cap}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
                     continue
-                print(f"{fmt} block_n {args.block_n} slots {slots} decode {decode} maxnreg {cap}: {ms:.4f} ms "
+                print(f"{fmt} block_n {args.block_n} slots {slots} maxnreg {cap}: {ms:.4f} ms "
                       f"{kv_bytes / ms / 1e9:.2f} TB/s, {compiled.n_regs} registers, {compiled.n_spills} spills, "
                       f"{compiled.metadata.shared} B shared", flush=True)
         k_cache = v_cache = None

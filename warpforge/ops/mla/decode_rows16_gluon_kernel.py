@@ -1,18 +1,21 @@
 """MLA decode of at most 16 query rows a request (h_q · s_q <= 16: 16-head shards at s_q 1) over an FP8 cache, for
-Hopper (sm_90) in Gluon: each warp one 128-wide chunk of the latent, a cp.async ring of the raw rows, mma.sync.
+Hopper (sm_90) in Gluon: each warp one 128-wide chunk of the latent, a TMA ring of the raw rows, mma.sync.
 
 The same problem and outputs as decode_kernel.mla_decode_split_kernel for the case the api gate sends here (dense
-block table, an FP8 cache, bf16 q, rows <= 16, any page size): program (request · split) walks its split's tokens
-BLOCK_N = 32 at a time and writes the split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows]
+block table, an FP8 cache whose pages are contiguous rows, bf16 q, rows <= 16, page size 16 / 32 / 64): program
+(request · split) walks its split's tokens BLOCK_N = 32 at a time and writes the split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows]
 in log2 units, for combine_splits) or, with one split, the final out / lse.
 
 Why this kernel: at 16 rows decode is bound by reading the cache (656 bytes a token against bf16's 1152), but the
 64-row kernel (decode_gluon_kernel.py) pads 16 rows to 64 for wgmma and converts in shared memory, and the
 portable kernel waits for every copy at the top of each step. This is paged decode's Gluon design
 (ops/paged/decode_gluon_kernel.py, measured there) with the warps cutting the latent instead of the tokens:
+- a step's 32 rows come in by TMA (per 32 or 16 contiguous rows: the four 128-byte latent chunks, the rope, the
+  scales) into a ring slot with its mbarrier; per-thread 16-byte cp.async of the same bytes ran at 2.3-2.4 TB/s
+  with no math at all (benchmarks/NOTES.md, session 21);
 - warp w owns latent columns [128 w, 128 w + 128) (FP8's scale group w) and rope columns [16 w, 16 w + 16): it
-  copies those bytes of the step's 32 rows into the ring (16-byte cp.async; its scale, 4 bytes a row), reads them
-  once as Kᵀ and once as V in the two register layouts (LK, LV) whose e4m3 -> fp16 values are the mma.sync B
+  reads its chunk once as Kᵀ and once as V in the two register layouts (LK, LV) whose e4m3 -> fp16 values are the
+  mma.sync B
   fragments (checked at compile time: `convert_layout(..., assert_trivial=True)`; the head dim relabelled through
   sigma_k / sigma_v, composed into q's load and the output's store), and keeps O[:, its 128 columns] (fp32, 64
   registers a thread);
@@ -40,7 +43,6 @@ BLOCK_N = 32        # cache tokens per step
 SCALE_OFF = 512     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
 ROPE_OFF = 528
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
-DECODE = 0       # e4m3 -> fp16 of K (bit 0) and V (bit 1) by shifts and masks (_gluon_codes.py), else by cvt
 COPY_ONLY = False  # probes only: skip the math (what the copies alone cost)
 MAX_REGS = 168    # three programs an SM (65536 registers / 384 threads, in units of 8)
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
@@ -57,11 +59,12 @@ def sigma_v(n: int) -> int:
 
 
 def _layouts(gl):
-    """(MMA, ALL, A, B, LK, LV, CP, CPR, CPS, SMEM, SMEM_R, SMEM_S). LK / LV hold each warp's chunk of the step's 32 rows,
-    [4, 32, 128] bytes with 32 (LK) or 16 (LV) consecutive columns of a row in one thread's registers: converted to
-    fp16 and reshaped so that logical column k is chunk column sigma_k(k) (sigma_v for V), they are the mma.sync B
-    fragments of K_wᵀ [128, 32] and V_w [32, 128] with no data movement. CP / CPR / CPS: the cp.async layouts of
-    the latent bytes, the rope bytes and the scales; SMEM / SMEM_R / SMEM_S their rings'."""
+    """(MMA, ALL, A, B, LK, LV, SMEM, SMEM_TMA, SMEM_ROPE, SMEM_S). LK / LV hold each warp's chunk of the step's 32
+    rows, [4, 32, 128] bytes with 32 (LK) or 16 (LV) consecutive columns of a row in one thread's registers:
+    converted to fp16 and reshaped so that logical column k is chunk column sigma_k(k) (sigma_v for V), they are the
+    mma.sync B fragments of K_wᵀ [128, 32] and V_w [32, 128] with no data movement. SMEM: the latent ring as LK / LV
+    read it ([4, 32, 128] per slot, 16-byte chunks XOR-swizzled by the row, conflict-free), SMEM_TMA the same bytes
+    as TMA writes them (128-byte swizzle: the same placement); SMEM_ROPE / SMEM_S the rope's and scales' rings."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -72,105 +75,65 @@ def _layouts(gl):
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[[0, 0, 0], [0, 0, 0]],
         block_bases=[], shape=[WARPS, ROWS, BLOCK_N])
     warps = [[1, 0, 0], [2, 0, 0]]
-    lkb = gl.DistributedLinearLayout(
+    lk = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0], [0, 16, 0]],
         lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
         shape=[WARPS, BLOCK_N, 128])
-    lvb = gl.DistributedLinearLayout(
+    lv = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
         lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
         shape=[WARPS, BLOCK_N, 128])
-    # the same in 32-bit words of four codes: 8 (LK) or 4 (LV) consecutive words of a row in one thread's registers
-    lk = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
-        shape=[WARPS, BLOCK_N, 32])
-    lv = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16]], warp_bases=warps, block_bases=[],
-        shape=[WARPS, BLOCK_N, 32])
-    cp = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])    # 16 bytes a thread
-    cpr = gl.BlockedLayout([1, 1, 16], [1, 16, 2], [WARPS, 1, 1], [2, 1, 0])  # a warp's 32 rope bytes of 32 rows
-    cps = gl.BlockedLayout([1, 1], [1, 32], [WARPS, 1], [1, 0])               # a row's chunk-w scale a thread
-    # 16-byte chunks XOR-swizzled by the row: the cp.async writes and LK / LV's reads are conflict-free
     smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
-    smem_w = gl.SwizzledSharedLayout(4, 1, 8, order=[2, 1, 0])   # the same bytes as words (16-byte chunks)
-    smem_r = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    smem_s = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    return mma, every, a, b, (lkb, lk), (lvb, lv), cp, cpr, cps, smem, smem_w, smem_r, smem_s
+    smem_tma = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    smem_rope = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    smem_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return mma, every, a, b, lk, lv, smem, smem_tma, smem_rope, smem_s
 
 
 @functools.lru_cache(maxsize=None)
 def _build():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    from .._gluon_codes import E4M3_F16_SCALE
-    from .._gluon_codes import build as build_codes
-    e4m3_words_to_f16, perm_e4m3 = build_codes()
     MAX_INIT_C = gl.constexpr(MAX_INIT)
-    E4M3_F16 = gl.constexpr(E4M3_F16_SCALE)
     BN, NW, NR, DV = gl.constexpr(BLOCK_N), gl.constexpr(WARPS), gl.constexpr(ROWS), gl.constexpr(D_V)
-    ROPE_C, SCALE_C = gl.constexpr(ROPE_OFF), gl.constexpr(SCALE_OFF)
+    STEP_BYTES = gl.constexpr(BLOCK_N * (D_V + 16 + 2 * D_R))
+    ROPE_COL, SCALE_COL = gl.constexpr(ROPE_OFF // 2), gl.constexpr(SCALE_OFF // 4)   # in the bf16 / fp32 views
 
     @gluon.jit
-    def _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t, L: gl.constexpr, PAGE: gl.constexpr,
-                     OFF64: gl.constexpr):
-        """(byte offsets of the cache rows of tokens n0 .. n0 + 31, tokens < end), [32] in L; page ids clamped."""
-        tok = n0 + gl.arange(0, BN, layout=L)
-        ok = tok < end
-        page = gl.minimum(gl.maximum(gl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page)
-        row = tok % PAGE
-        if OFF64:
-            page = page.to(gl.int64)
-            row = row.to(gl.int64)
-        return page * stride_p + row * stride_t, ok
+    def _issue(kn_desc, kr_desc, ks_desc, ring, r_ring, s_ring, bars, slot, bt_row, n0, end, last_page,
+               PAGE: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+        """TMA of tokens n0 .. n0 + 31's rows into the rings' slot (BOX contiguous rows of one page at a time), on
+        bars[slot]; nothing when the step starts at or past end (it is never waited for)."""
+        if n0 < end:
+            mbarrier.expect(bars.index(slot), STEP_BYTES)
+            for part in gl.static_range(BN // BOX):
+                tok = n0 + part * BOX
+                page = gl.load(bt_row + gl.minimum(tok, end - 1) // PAGE)
+                row = gl.minimum(gl.maximum(page, 0), last_page) * PAGE + tok % PAGE
+                for w in gl.static_range(NW):
+                    tma.async_copy_global_to_shared(kn_desc, [row, w * 128], bars.index(slot),
+                                                    ring.index((slot * NW + w) * (BN // BOX) + part))
+                tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], bars.index(slot),
+                                                r_ring.index(slot * (BN // BOX) + part))
+                tma.async_copy_global_to_shared(ks_desc, [row, SCALE_COL], bars.index(slot),
+                                                s_ring.index(slot * (BN // BOX) + part))
 
     @gluon.jit
-    def _issue(CACHE, ring, r_ring, s_ring, slot, bt_row, n0, end, last_page, stride_p, stride_t,
-               PAGE: gl.constexpr, OFF64: gl.constexpr, CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr):
-        """cp.async of tokens n0 .. n0 + 31's rows into the rings' slot, warp w its latent chunk, rope slice and
-        scale; tokens >= end are zero-filled."""
-        off, ok = _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t,
-                               gl.SliceLayout(0, gl.SliceLayout(2, CP)), PAGE, OFF64)
-        w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
-        d = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
-        mask = (w >= 0)[:, None, None] & ok[None, :, None] & (d >= 0)[None, None, :]   # Gluon does not broadcast
-        async_copy.async_copy_global_to_shared(
-            ring.index(slot), CACHE + off[None, :, None] + (w * 128)[:, None, None] + d[None, None, :], mask=mask)
-        off, ok = _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t,
-                               gl.SliceLayout(0, gl.SliceLayout(2, CPR)), PAGE, OFF64)
-        w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, CPR)))
-        e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, CPR)))
-        mask = (w >= 0)[:, None, None] & ok[None, :, None] & (e >= 0)[None, None, :]
-        async_copy.async_copy_global_to_shared(
-            r_ring.index(slot), CACHE + (off + ROPE_C)[None, :, None] + (w * 32)[:, None, None] + e[None, None, :],
-            mask=mask)
-        off, ok = _row_offsets(bt_row, n0, end, last_page, stride_p, stride_t, gl.SliceLayout(0, CPS), PAGE, OFF64)
-        w = gl.arange(0, NW, layout=gl.SliceLayout(1, CPS))
-        mask = (w >= 0)[:, None] & ok[None, :]
-        ptr = (CACHE + (off + SCALE_C)[None, :] + (w * 4)[:, None]).to(gl.pointer_type(gl.float32))
-        async_copy.async_copy_global_to_shared(s_ring.index(slot), ptr, mask=mask)
-
-    @gluon.jit
-    def _step(tile, r_tile, s_tile, s_buf, qa, qra, m_i, l_i, acc, n0, visible, qk_scale, MASKED: gl.constexpr,
-              MMA: gl.constexpr, ALL: gl.constexpr, SMEM_W: gl.constexpr, DECODE: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr):
+    def _step(tile, r_tile, s_tile, s_buf, qa, qra, m_i, l_i, acc, n0, visible, ok_end, qk_scale,
+              MASKED: gl.constexpr, MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+              LK: gl.constexpr, LV: gl.constexpr):
         """One step of 32 tokens (n0 ..): scores summed over the warps, the online softmax, each warp's P·V.
-        MASKED: tokens at or past a row's visible count are kept out (else all are seen)."""
-        sc = s_tile.load(gl.SliceLayout(1, MMA))                      # [4, 32]: row t's chunk-w scale
-        words = tile._reinterpret(gl.uint32, [NW, BN, 32], SMEM_W)
-        if DECODE % 2 == 1:   # K by shifts and masks (its values times 2^-8)
-            kx = e4m3_words_to_f16(words.load(LK[1]))
-            sk = sc * E4M3_F16
-        else:
-            kx = tile.load(LK[0]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-            sk = sc
-        kx = gl.reshape(gl.permute(gl.reshape(kx, [NW, BN, 4, 16, 2]), [0, 1, 3, 2, 4]),
-                        [NW, BN, 128])
+        MASKED: tokens at or past a row's visible count are kept out, and rows at or past ok_end (whatever TMA
+        brought from past the split) are zeroed in V and the scales (else all are seen)."""
+        sc = s_tile.permute([1, 0]).load(gl.SliceLayout(1, MMA))   # [4, 32]: row t's chunk-w scale
+        kx = tile.load(LK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        kx = gl.reshape(gl.permute(gl.reshape(kx, [NW, BN, 4, 16, 2]), [0, 1, 3, 2, 4]), [NW, BN, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
-        s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sk[:, None, :]
-        krb = r_tile._reinterpret(gl.bfloat16, [NW, BN, 16], r_tile.type.layout).permute([0, 2, 1]).load(B)
+        s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sc[:, None, :]
+        krb = r_tile.reshape([BN, NW, 16]).permute([1, 2, 0]).load(B)   # warp w: rope columns 16 w ..
         s = mma_v2(qra, krb, s)
         # the four warps' partials summed: each stores its own, every warp reads all four at its own positions (one
         # barrier; the loop's barrier orders the next step's stores after these loads)
@@ -179,40 +142,38 @@ def _build():
         s = gl.sum(s_buf.load(ALL), axis=0)
         s = gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(0, MMA), assert_trivial=True), 0) * qk_scale
         # s: [1, 16, 32], the same in every warp
+        vx = tile.load(LV).to(gl.float8e4nv, bitcast=True).to(gl.float16)
         if MASKED:
             tok = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
             seen = tok[None, None, :] < visible[None, :, None]
             s = gl.where(seen, s, float("-inf"))
+            sc = gl.where((tok < ok_end)[None, :], sc, 0.0)
+            tv = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, LV)))
+            vx = gl.where((tv < ok_end)[None, :, None], vx, gl.zeros_like(vx))   # 0 · NaN would be NaN
         m_new = gl.maximum(m_i, gl.max(s, axis=2))
         p = gl.exp2(s - m_new[:, :, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=2)
-        if DECODE >= 2:   # V by shifts and masks
-            vx = e4m3_words_to_f16(words.load(LV[1]))
-            sv = sc * E4M3_F16
-        else:
-            vx = tile.load(LV[0]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
-            sv = sc
-        pa = gl.convert_layout((p * sv[:, None, :]).to(gl.float16), A, assert_trivial=True)
+        pa = gl.convert_layout((p * sc[:, None, :]).to(gl.float16), A, assert_trivial=True)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [NW, BN, 8, 16]), [0, 1, 3, 2]), [NW, BN, 128])
         vb = gl.convert_layout(vx, B, assert_trivial=True)
         return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
 
     @gluon.jit
     def mla_decode_rows16_gluon_kernel(
-        Q, CACHE, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
-        stride_qb, stride_qs, stride_qh, stride_p, stride_t, stride_bt,
+        Q, kn_desc, kr_desc, ks_desc, BLOCK_TABLE, SEQLENS, O_PART, LSE_PART,
+        stride_qb, stride_qs, stride_qh, stride_bt,
         stride_ps, stride_pb,  # partials: [split, b, rows, 512] and [split, b, rows]; FINAL: out as [1, b, rows, 512]
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        STAGES: gl.constexpr, OFF64: gl.constexpr, DECODE: gl.constexpr, COPY_ONLY: gl.constexpr,
+        STAGES: gl.constexpr, COPY_ONLY: gl.constexpr,
         MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
-        CP: gl.constexpr, CPR: gl.constexpr, CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_W: gl.constexpr,
-        SMEM_R: gl.constexpr, SMEM_S: gl.constexpr,
+        SMEM: gl.constexpr, SMEM_TMA: gl.constexpr, SMEM_ROPE: gl.constexpr, SMEM_S: gl.constexpr,
     ):
         """Program b · n_splits + split. Lengths are clamped to [0, capacity] and page ids to [0, last_page]
         (unchecked values under a CUDA-graph capture must not read outside the tensors). Query row r = j · H_Q + h."""
+        BOX: gl.constexpr = BN if PAGE >= BN else PAGE   # rows a TMA box takes: contiguous within a page
         split = gl.program_id(0) % n_splits
         b64 = (gl.program_id(0) // n_splits).to(gl.int64)
         length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
@@ -222,26 +183,31 @@ def _build():
         n_steps = gl.maximum(gl.cdiv(end - start, BN), 0)
         bt_row = BLOCK_TABLE + b64 * stride_bt
 
-        ring = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, BN, 128], SMEM)
-        r_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, BN, 32], SMEM_R)
-        s_ring = gl.allocate_shared_memory(gl.float32, [STAGES, NW, BN], SMEM_S)
+        # TMA writes [BOX, 128]-byte boxes (one per chunk) and the [BOX, 64] rope and [BOX, 4] scales; the step reads
+        # the same bytes as a [4, 32, 128] latent tile (LK / LV), [32, 64] rope, [32, 4] scales
+        ring_tma = gl.allocate_shared_memory(gl.uint8, [STAGES * NW * (BN // BOX), BOX, 128], SMEM_TMA)
+        ring = ring_tma._reinterpret(gl.uint8, [STAGES, NW, BN, 128], SMEM)
+        r_tma = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BN // BOX), BOX, 2 * NW * 16 // 2], SMEM_ROPE)
+        r_ring = r_tma._reinterpret(gl.bfloat16, [STAGES, BN, 64], SMEM_ROPE)
+        s_tma = gl.allocate_shared_memory(gl.float32, [STAGES * (BN // BOX), BOX, 4], SMEM_S)
+        s_ring = s_tma._reinterpret(gl.float32, [STAGES, BN, 4], SMEM_S)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(bars.index(i), count=1)
         # the warps' score partials: 2-float vectors XOR-swizzled by the row, so the accumulator fragments' stores
         # and loads are conflict-free
         s_buf = gl.allocate_shared_memory(gl.float32, [NW, NR, BN], gl.SwizzledSharedLayout(2, 1, 8, order=[2, 1, 0]))
         for i in gl.static_range(STAGES - 1):
-            _issue(CACHE, ring, r_ring, s_ring, i, bt_row, start + i * BN, end, last_page, stride_p, stride_t,
-                   PAGE, OFF64, CP, CPR, CPS)
-            async_copy.commit_group()
+            _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, i, bt_row, start + i * BN, end,
+                   last_page, PAGE, BOX, STAGES)
 
         # q: warp w's latent chunk in fp16 through sigma_k (exact from bf16 within fp16's range), its rope slice in
-        # bf16; the softmax scale (log2 units) multiplies the fp32 scores
-        # (loaded straight into the dot operand layout: a layout conversion would take 8 KB of shared memory)
+        # bf16, loaded straight into the dot operand layout (a layout conversion would take 8 KB of shared memory);
+        # the softmax scale (log2 units) multiplies the fp32 scores
         w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
         r = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
         k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
         col = (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)   # sigma_k
-        if DECODE % 2 == 1:
-            col = perm_e4m3(col)   # then the shift-and-mask decode's order
         q_row = b64 * stride_qb + (r // H_Q).to(gl.int64) * stride_qs + (r % H_Q).to(gl.int64) * stride_qh
         q_mask = (w >= 0)[:, None, None] & (r < H_Q * S_Q)[None, :, None] & (k >= 0)[None, None, :]
         qa = gl.load(Q + q_row[None, :, None] + (w * 128)[:, None, None] + col[None, None, :], mask=q_mask,
@@ -266,22 +232,22 @@ def _build():
         else:
             full_end = end
         for i in range(n_steps):
-            async_copy.wait_group(STAGES - 2)
-            gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
-            _issue(CACHE, ring, r_ring, s_ring, (i + STAGES - 1) % STAGES, bt_row, start + (i + STAGES - 1) * BN,
-                   end, last_page, stride_p, stride_t, PAGE, OFF64, CP, CPR, CPS)
-            async_copy.commit_group()
-            n0 = start + i * BN
             cur = i % STAGES
+            mbarrier.wait(bars.index(cur), (i // STAGES) & 1)
+            gl.thread_barrier()   # step i - 1's slot read by every warp before TMA overwrites it
+            _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, (i + STAGES - 1) % STAGES, bt_row,
+                   start + (i + STAGES - 1) * BN, end, last_page, PAGE, BOX, STAGES)
+            n0 = start + i * BN
             if COPY_ONLY:   # probes only (scripts/probe_mla_rows16.py): the copies and waits without the math
                 pass
             elif n0 + BN <= full_end:
-                m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
-                                      n0, visible, qk_scale, False, MMA, ALL, SMEM_W, DECODE, A, B, LK, LV)
+                m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i,
+                                      acc, n0, visible, end, qk_scale, False, MMA, ALL, A, B, LK, LV)
             else:
-                m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i, acc,
-                                      n0, gl.minimum(visible, end), qk_scale, True, MMA, ALL, SMEM_W, DECODE, A, B, LK, LV)
-        async_copy.wait_group(0)
+                m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i,
+                                      acc, n0, gl.minimum(visible, end), end, qk_scale, True, MMA, ALL, A, B, LK, LV)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(i))
 
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
@@ -289,15 +255,12 @@ def _build():
         wo = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         ro = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         n = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-        n_col = ((n & 7) << 4) | (n >> 3)   # sigma_v
-        if DECODE >= 2:
-            n_col = perm_e4m3(n_col)
-        o_col = (wo * 128)[:, None, None] + n_col[None, None, :]
+        o_col = (wo * 128)[:, None, None] + (((n & 7) << 4) | (n >> 3))[None, None, :]   # sigma_v
         o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b64 * stride_pb + (ro.to(gl.int64) * DV)[None, :, None]
         o_mask = (wo >= 0)[:, None, None] & (ro < H_Q * S_Q)[None, :, None] & (n >= 0)[None, None, :]
         gl.store(o_ptrs + o_col, out.to(O_PART.dtype.element_ty), mask=o_mask)
         VEC: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
-        lse2 = gl.convert_layout(gl.sum(gl.where(empty, float("-inf"), m_i + gl.log2(l_safe)), axis=0), VEC)  # [1, 16] -> [16]
+        lse2 = gl.convert_layout(gl.sum(gl.where(empty, float("-inf"), m_i + gl.log2(l_safe)), axis=0), VEC)  # [16]
         rv = gl.arange(0, NR, layout=VEC)
         if FINAL:
             gl.store(LSE_PART + b64 * stride_lb + (rv % H_Q) * S_Q + rv // H_Q, lse2 * 0.6931471805599453,
@@ -315,10 +278,25 @@ def available() -> bool:
 
 
 def cache_ok(kv_cache: torch.Tensor) -> bool:
-    """An FP8 cache (656-byte rows) the kernel reads: one byte an element, 16-byte aligned base and strides (its
-    copies are 16 bytes), rows contiguous."""
-    return (kv_cache.element_size() == 1 and kv_cache.data_ptr() % 16 == 0 and kv_cache.stride(3) == 1
-            and kv_cache.stride(0) % 16 == 0 and kv_cache.stride(1) % 16 == 0)
+    """An FP8 cache (656-byte rows) TMA reads as it is: one byte an element, 16-byte aligned base, contiguous rows
+    (a page's rows one after another), page size 16 / 32 / 64."""
+    return (kv_cache.element_size() == 1 and kv_cache.data_ptr() % 16 == 0 and kv_cache.shape[1] in (16, 32, 64)
+            and kv_cache.stride(3) == 1 and kv_cache.stride(1) == kv_cache.shape[3] == 656
+            and kv_cache.stride(0) == kv_cache.shape[1] * 656)
+
+
+def _descriptors(kv_cache, layouts):
+    """(latent, rope, scales) TMA descriptors over the cache's rows: [rows, 656] bytes in boxes of [box, 128], the
+    rope as bf16 [rows, 328] in [box, 64], the scales as fp32 [rows, 164] in [box, 4] (box: 32 rows, or the page)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    rows = kv_cache.shape[0] * kv_cache.shape[1]
+    box = min(BLOCK_N, kv_cache.shape[1])
+    _, smem_tma, smem_rope, smem_s = layouts
+
+    def view(dtype, cols, layout):
+        v = kv_cache.view(dtype)
+        return TensorDescriptor(v, [rows, v.shape[3]], [v.stride(1), 1], [box, cols], layout)
+    return view(torch.uint8, 128, smem_tma), view(torch.bfloat16, D_R, smem_rope), view(torch.float32, 4, smem_s)
 
 
 def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, stages):
@@ -327,17 +305,16 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     num_splits = o_part.shape[0]
-    cache = kv_cache.view(torch.uint8)
-    mma, every, a, bl, lk, lv, cp, cpr, cps, smem, smem_w, smem_r, smem_s = _layouts(gl)
-    args = (q, cache, block_table, cache_seqlens, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1), block_table.stride(0),
+    mma, every, a, bl, lk, lv, smem, smem_tma, smem_rope, smem_s = _layouts(gl)
+    kn_desc, kr_desc, ks_desc = _descriptors(kv_cache.view(torch.uint8), (smem, smem_tma, smem_rope, smem_s))
+    args = (q, kn_desc, kr_desc, ks_desc, block_table, cache_seqlens, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
             o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
             softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages,
-                DECODE=DECODE, COPY_ONLY=COPY_ONLY,
-                OFF64=cache.numel() >= 2 ** 31, MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPR=cpr, CPS=cps,
-                SMEM=smem, SMEM_W=smem_w, SMEM_R=smem_r, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
+                COPY_ONLY=COPY_ONLY, MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, SMEM=smem, SMEM_TMA=smem_tma,
+                SMEM_ROPE=smem_rope, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
     return kernel, (num_splits * b,), args, meta
 
 

@@ -48,7 +48,6 @@ ROWS = 16           # query rows per program (GQA group · s_q, padded): one mma
 WARPS = 4
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
 # (configs.GLUON_TRITON_VERSIONS is the api gate's copy; tests check they agree)
-FP8_DECODE = 0      # e4m3 -> fp16 of K (bit 0) and V (bit 1) by shifts and masks (_gluon_codes.py), else by cvt
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
 
@@ -103,7 +102,7 @@ def _layouts(gl, tpw: int, code: int = 1):
         n_scales = D // (16 if code == 2 else 32)
         cps = gl.BlockedLayout([1, 1, n_scales], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])   # a token's scales a thread
         smem = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-        return mma, a, b, (lk, lk), (lv, lv), cp, cps, smem, smem
+        return mma, a, b, lk, lv, cp, cps, smem, smem
     lk = gl.DistributedLinearLayout(
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0]] + more,
         lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
@@ -112,20 +111,10 @@ def _layouts(gl, tpw: int, code: int = 1):
         reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]] + more,
         lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
         shape=[WARPS, tpw, D])
-    # the same bytes as 32-bit words of four codes (the shift-and-mask decode, FP8_DECODE), and their ring view
-    lkw = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 8, 0]] + more,
-        lane_bases=[[0, 0, 8], [0, 0, 16], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
-        shape=[WARPS, tpw, D // 4])
-    lvw = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0]] + more,
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16]], warp_bases=warps, block_bases=[],
-        shape=[WARPS, tpw, D // 4])
     cp = gl.BlockedLayout([1, 1, 16], [1, 4, 8], [WARPS, 1, 1], [2, 1, 0])   # one 16-byte cp.async per thread
     # 16-byte chunks XOR-swizzled by the token row: the cp.async writes and LK / LV's reads are conflict-free
     smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
-    smem_w = gl.SwizzledSharedLayout(4, 1, 8, order=[2, 1, 0])
-    return mma, a, b, (lk, lkw), (lv, lvw), cp, cp, smem, smem_w
+    return mma, a, b, lk, lv, cp, cp, smem, smem
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,10 +124,6 @@ def _build(code: int = 1):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-    from .._gluon_codes import E4M3_F16_SCALE
-    from .._gluon_codes import build as build_codes
-    e4m3_words_to_f16, perm_e4m3 = build_codes()
-    E4M3_F16 = gl.constexpr(E4M3_F16_SCALE)
     MAX_INIT_C = gl.constexpr(MAX_INIT)
     FP4 = gl.constexpr(code >= 2)
     NVFP4 = gl.constexpr(code == 2)
@@ -245,14 +230,14 @@ def _build(code: int = 1):
         return gl.reshape(x, [x.shape[0], x.shape[1], 128])
 
     @gluon.jit
-    def _values(tile, s_tile, L: gl.constexpr, TPW: gl.constexpr, BITS: gl.constexpr, SMEM_W: gl.constexpr):
+    def _values(tile, s_tile, L: gl.constexpr, TPW: gl.constexpr):
         """A warp tile's [4, TPW, 128] head-dim values in DOT, in L's registers (FP8: e4m3 · 1; FP4: e2m1 · its
         block's scale, NVFP4's e4m3 or MXFP4's e8m0), the per-tensor / per-token scales left to the caller."""
         if FP4:
             if NVFP4:   # values times 2^-6, the 2^6 put into the block scales
-                x = _e2m1_words(tile._reinterpret(gl.uint32, [4, TPW, 16], tile.type.layout).load(L[0]))
+                x = _e2m1_words(tile._reinterpret(gl.uint32, [4, TPW, 16], tile.type.layout).load(L))
             else:
-                x = gl.fp4_to_fp(tile.load(L[0]), DOT, 2)   # byte i -> values 2i (low nibble), 2i + 1
+                x = gl.fp4_to_fp(tile.load(L), DOT, 2)   # byte i -> values 2i (low nibble), 2i + 1
             x4 = gl.reshape(x, [4, TPW, N_SCALES, BLK])
             L4: gl.constexpr = x4.type.layout
             sb = s_tile.load(gl.SliceLayout(3, L4))
@@ -261,10 +246,8 @@ def _build(code: int = 1):
             else:
                 sc = (sb.to(gl.uint16) << 7).to(gl.bfloat16, bitcast=True)   # e8m0: 2^(byte - 127)
             return gl.reshape(x4 * gl.expand_dims(sc, 3), [4, TPW, 128])
-        elif BITS:   # shifts and masks (values times 2^-8: the caller's scales take the 2^8)
-            return e4m3_words_to_f16(tile._reinterpret(gl.uint32, [4, TPW, 32], SMEM_W).load(L[1]))
         else:
-            return tile.load(L[0]).to(DOT)
+            return tile.load(L).to(DOT)
 
     @gluon.jit
     def _token_scale(SCALE, bt_row, tok, ok, last_page, kvh64, stride_sp, stride_sh, PAGE: gl.constexpr):
@@ -278,10 +261,10 @@ def _build(code: int = 1):
               last_page, kvh64,
               stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
               TPW: gl.constexpr, MASKED: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-              LK: gl.constexpr, LV: gl.constexpr, DECODE: gl.constexpr, SMEM_W: gl.constexpr):
+              LK: gl.constexpr, LV: gl.constexpr):
         """One step: each warp's scores for its TPW tokens (n0 + w · TPW ..), the online softmax, P·V into its
         accumulator. MASKED: tokens past end or a query row's position are kept out (else all are seen)."""
-        kx = _values(k_tile, ks_tile, LK, TPW, DECODE % 2 == 1, SMEM_W)
+        kx = _values(k_tile, ks_tile, LK, TPW)
         kx = gl.reshape(gl.permute(gl.reshape(kx, [4, TPW, 4, 16, 2]), [0, 1, 3, 2, 4]), [4, TPW, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
         s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
@@ -305,7 +288,7 @@ def _build(code: int = 1):
             p = p * _token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
                                  PAGE)[:, None, :]
         pa = gl.convert_layout(p.to(DOT), A, assert_trivial=True)
-        vx = _values(v_tile, vs_tile, LV, TPW, DECODE >= 2, SMEM_W)
+        vx = _values(v_tile, vs_tile, LV, TPW)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
         vb = gl.convert_layout(vx, B, assert_trivial=True)
         return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
@@ -320,7 +303,7 @@ def _build(code: int = 1):
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, DECODE: gl.constexpr,
+        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
         OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
         CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
@@ -372,8 +355,6 @@ def _build(code: int = 1):
         col = (k & 1) | (((k >> 3) & 15) << 1) | (((k >> 1) & 3) << 5)   # sigma_k
         if NVFP4:
             col = _perm_c(col)
-        if DECODE % 2 == 1:
-            col = perm_e4m3(col)
         r_ok = r < GROUP * S_Q
         q_row = b64 * stride_qb + (r // GROUP).to(gl.int64) * stride_qs + (kvh * GROUP + r % GROUP).to(gl.int64) * \
             stride_qh
@@ -390,10 +371,6 @@ def _build(code: int = 1):
         if SCALE_MODE == 1:
             s_scale = qk_scale * gl.load(K_SCALE)
             v_s = gl.load(V_SCALE)
-        if DECODE % 2 == 1:
-            s_scale = s_scale * E4M3_F16
-        if DECODE >= 2:
-            v_s = v_s * E4M3_F16
         m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
         l_i = gl.zeros([4, 16], gl.float32, ROW)
         acc = gl.zeros([4, 16, 128], gl.float32, MMA)
@@ -420,13 +397,11 @@ def _build(code: int = 1):
             if n0 + BLOCK_N <= full_end:
                 m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
                                       K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
-                                      stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV, DECODE,
-                                      SMEM_S)
+                                      stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
             else:
                 m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
                                       K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
-                                      stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV, DECODE,
-                                      SMEM_S)
+                                      stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
         async_copy.wait_group(0)
 
         # the four warps' partials -> one: the common max, each warp's rescale, the sums
@@ -444,8 +419,6 @@ def _build(code: int = 1):
         o_col = ((n & 7) << 4) | (n >> 3)   # sigma_v
         if NVFP4:
             o_col = _perm_c(o_col)
-        if DECODE >= 2:
-            o_col = perm_e4m3(o_col)
         j = ro // GROUP
         h = kvh * GROUP + ro % GROUP
         ro_ok = ro < GROUP * S_Q
@@ -515,7 +488,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
             softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
             max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
-                STAGES=cfg.stages, DECODE=FP8_DECODE if code == 1 else 0,
+                STAGES=cfg.stages,
                 OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
                 KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
                 MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPS=cps, SMEM=smem, SMEM_S=smem_s, num_warps=WARPS)
