@@ -12,25 +12,27 @@ mma, every, a, bl, lk, lv, smem, smem_tma, smem_rope, smem_s = d16._layouts(gl)
 @gluon.jit
 def views(kn_desc, kr_desc, ks_desc, OUT_K, OUT_S, OUT_R, MMA: gl.constexpr, B: gl.constexpr, LK: gl.constexpr,
           SMEM: gl.constexpr, SMEM_TMA: gl.constexpr, SMEM_ROPE: gl.constexpr, SMEM_S: gl.constexpr):
-    ring_tma = gl.allocate_shared_memory(gl.uint8, [4, 32, 128], SMEM_TMA)
-    ring = ring_tma._reinterpret(gl.uint8, [1, 4, 32, 128], SMEM)
+    ring = gl.allocate_shared_memory(gl.uint8, [1, 32, 4, 128], SMEM_TMA)
     r_tma = gl.allocate_shared_memory(gl.bfloat16, [1, 32, 64], SMEM_ROPE)
     s_tma = gl.allocate_shared_memory(gl.float32, [1, 32, 4], SMEM_S)
     bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bar.index(0), count=1)
     mbarrier.expect(bar.index(0), 20992)
-    for w in gl.static_range(4):
-        tma.async_copy_global_to_shared(kn_desc, [0, w * 128], bar.index(0), ring_tma.index(w))
+    tma.async_copy_global_to_shared(kn_desc, [0, 0, 0], bar.index(0), ring.index(0))
     tma.async_copy_global_to_shared(kr_desc, [0, 264], bar.index(0), r_tma.index(0))
     tma.async_copy_global_to_shared(ks_desc, [0, 128], bar.index(0), s_tma.index(0))
     mbarrier.wait(bar.index(0), 0)
-    k = ring.index(0).load(LK)                               # [4, 32, 128] (w, t, c)
-    w_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LK)))
-    t_ = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LK)))
-    c_ = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, LK)))
+    k = gl.permute(ring.index(0).load(LK), [1, 0, 2])       # [4, 32, 128] (w, t, c)
+    KL: gl.constexpr = k.type.layout
+    w_ = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
+    t_ = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
+    c_ = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
     gl.store(OUT_K + w_[:, None, None] * 4096 + t_[None, :, None] * 128 + c_[None, None, :], k)
     SL: gl.constexpr = gl.SliceLayout(1, MMA)
-    sc = s_tma.index(0).permute([1, 0]).load(SL)              # [4, 32] (w, t)
+    SCT: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[32, 4])
+    sc = gl.convert_layout(gl.permute(s_tma.index(0).load(SCT), [1, 0]), SL, assert_trivial=True)   # [4, 32]
     ws = gl.arange(0, 4, layout=gl.SliceLayout(1, SL))
     ts = gl.arange(0, 32, layout=gl.SliceLayout(0, SL))
     gl.store(OUT_S + ws[:, None] * 32 + ts[None, :], sc)

@@ -74,17 +74,21 @@ def _layouts(gl):
         reg_bases=[[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [1, 0, 0], [2, 0, 0]],
         lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=[[0, 0, 0], [0, 0, 0]],
         block_bases=[], shape=[WARPS, ROWS, BLOCK_N])
-    warps = [[1, 0, 0], [2, 0, 0]]
+    # over the tile as TMA lays it out, [32, 4, 128] (token, chunk, byte); permuted to [4, 32, 128] in registers
+    warps = [[0, 1, 0], [0, 2, 0]]
     lk = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=warps, block_bases=[],
-        shape=[WARPS, BLOCK_N, 128])
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [8, 0, 0], [16, 0, 0]],
+        lane_bases=[[0, 0, 32], [0, 0, 64], [1, 0, 0], [2, 0, 0], [4, 0, 0]], warp_bases=warps, block_bases=[],
+        shape=[BLOCK_N, WARPS, 128])
     lv = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0], [0, 16, 0]],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
-        shape=[WARPS, BLOCK_N, 128])
-    smem = gl.SwizzledSharedLayout(16, 1, 8, order=[2, 1, 0])
-    smem_tma = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [1, 0, 0], [8, 0, 0], [16, 0, 0]],
+        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=warps, block_bases=[],
+        shape=[BLOCK_N, WARPS, 128])
+    # a row's 512 latent bytes as 4 x 128 with the 128-byte swizzle over the flattened (token, chunk) line: LK / LV
+    # read 8 lines of one chunk a wavefront (lines 4 t + w: phases w and w + 4 only), 4 wavefronts an LDS.128, the
+    # fewest 512 bytes take
+    smem = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
+    smem_tma = smem
     smem_rope = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     smem_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     return mma, every, a, b, lk, lv, smem, smem_tma, smem_rope, smem_s
@@ -99,7 +103,7 @@ def _build():
 
     MAX_INIT_C = gl.constexpr(MAX_INIT)
     BN, NW, NR, DV = gl.constexpr(BLOCK_N), gl.constexpr(WARPS), gl.constexpr(ROWS), gl.constexpr(D_V)
-    STEP_BYTES = gl.constexpr(BLOCK_N * (D_V + 16 + 2 * D_R))
+    D_R_C = gl.constexpr(D_R)
     ROPE_COL, SCALE_COL = gl.constexpr(ROPE_OFF // 2), gl.constexpr(SCALE_OFF // 4)   # in the bf16 / fp32 views
 
     @gluon.jit
@@ -107,18 +111,21 @@ def _build():
                PAGE: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
         """TMA of tokens n0 .. n0 + 31's rows into the rings' slot (BOX contiguous rows of one page at a time), on
         bars[slot]; nothing when the step starts at or past end (it is never waited for)."""
+        # each copy on a barrier of its own: the compiler orders every pair of shared-memory writes to one
+        # allocation (a copy's arrival on its barrier is one) with a CTA barrier
         if n0 < end:
-            mbarrier.expect(bars.index(slot), STEP_BYTES)
+            mbarrier.expect(bars[0].index(slot), BN * DV)
+            mbarrier.expect(bars[1].index(slot), BN * 2 * D_R_C)
+            mbarrier.expect(bars[2].index(slot), BN * 16)
             for part in gl.static_range(BN // BOX):
                 tok = n0 + part * BOX
                 page = gl.load(bt_row + gl.minimum(tok, end - 1) // PAGE)
                 row = gl.minimum(gl.maximum(page, 0), last_page) * PAGE + tok % PAGE
-                for w in gl.static_range(NW):
-                    tma.async_copy_global_to_shared(kn_desc, [row, w * 128], bars.index(slot),
-                                                    ring.index((slot * NW + w) * (BN // BOX) + part))
-                tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], bars.index(slot),
+                tma.async_copy_global_to_shared(kn_desc, [row, 0, 0], bars[0].index(slot),
+                                                ring.index(slot * (BN // BOX) + part))
+                tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], bars[1].index(slot),
                                                 r_ring.index(slot * (BN // BOX) + part))
-                tma.async_copy_global_to_shared(ks_desc, [row, SCALE_COL], bars.index(slot),
+                tma.async_copy_global_to_shared(ks_desc, [row, SCALE_COL], bars[2].index(slot),
                                                 s_ring.index(slot * (BN // BOX) + part))
 
     @gluon.jit
@@ -128,8 +135,14 @@ def _build():
         """One step of 32 tokens (n0 ..): scores summed over the warps, the online softmax, each warp's P·V.
         MASKED: tokens at or past a row's visible count are kept out, and rows at or past ok_end (whatever TMA
         brought from past the split) are zeroed in V and the scales (else all are seen)."""
-        sc = s_tile.permute([1, 0]).load(gl.SliceLayout(1, MMA))   # [4, 32]: row t's chunk-w scale
-        kx = tile.load(LK).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        # [4, 32]: row t's chunk-w scale, loaded as [32, 4] in the transpose of the scores' column layout and
+        # transposed in registers (a transposed view of the unswizzled TMA tile read the wrong words on the H200,
+        # scripts/debug_rows16.py; a layout conversion would cost two CTA barriers a step)
+        SCT: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[BN, NW])
+        sc = gl.convert_layout(gl.permute(s_tile.load(SCT), [1, 0]), gl.SliceLayout(1, MMA), assert_trivial=True)
+        kx = gl.permute(tile.load(LK), [1, 0, 2]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
         kx = gl.reshape(gl.permute(gl.reshape(kx, [NW, BN, 4, 16, 2]), [0, 1, 3, 2, 4]), [NW, BN, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
         s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sc[:, None, :]
@@ -142,13 +155,13 @@ def _build():
         s = gl.sum(s_buf.load(ALL), axis=0)
         s = gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(0, MMA), assert_trivial=True), 0) * qk_scale
         # s: [1, 16, 32], the same in every warp
-        vx = tile.load(LV).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        vx = gl.permute(tile.load(LV), [1, 0, 2]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
         if MASKED:
             tok = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
             seen = tok[None, None, :] < visible[None, :, None]
             s = gl.where(seen, s, float("-inf"))
             sc = gl.where((tok < ok_end)[None, :], sc, 0.0)
-            tv = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, LV)))
+            tv = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, vx.type.layout)))
             vx = gl.where((tv < ok_end)[None, :, None], vx, gl.zeros_like(vx))   # 0 · NaN would be NaN
         m_new = gl.maximum(m_i, gl.max(s, axis=2))
         p = gl.exp2(s - m_new[:, :, None])
@@ -185,15 +198,18 @@ def _build():
 
         # TMA writes [BOX, 128]-byte boxes (one per chunk) and the [BOX, 64] rope and [BOX, 4] scales; the step reads
         # the same bytes as a [4, 32, 128] latent tile (LK / LV), [32, 64] rope, [32, 4] scales
-        ring_tma = gl.allocate_shared_memory(gl.uint8, [STAGES * NW * (BN // BOX), BOX, 128], SMEM_TMA)
-        ring = ring_tma._reinterpret(gl.uint8, [STAGES, NW, BN, 128], SMEM)
+        ring_tma = gl.allocate_shared_memory(gl.uint8, [STAGES * (BN // BOX), BOX, NW, 128], SMEM_TMA)
+        ring = ring_tma._reinterpret(gl.uint8, [STAGES, BN, NW, 128], SMEM)
         r_tma = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BN // BOX), BOX, 2 * NW * 16 // 2], SMEM_ROPE)
         r_ring = r_tma._reinterpret(gl.bfloat16, [STAGES, BN, 64], SMEM_ROPE)
         s_tma = gl.allocate_shared_memory(gl.float32, [STAGES * (BN // BOX), BOX, 4], SMEM_S)
         s_ring = s_tma._reinterpret(gl.float32, [STAGES, BN, 4], SMEM_S)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        bars = (gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
+                gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()),
+                gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout()))
         for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+            for j in gl.static_range(3):
+                mbarrier.init(bars[j].index(i), count=1)
         # the warps' score partials: 2-float vectors XOR-swizzled by the row, so the accumulator fragments' stores
         # and loads are conflict-free
         s_buf = gl.allocate_shared_memory(gl.float32, [NW, NR, BN], gl.SwizzledSharedLayout(2, 1, 8, order=[2, 1, 0]))
@@ -233,7 +249,8 @@ def _build():
             full_end = end
         for i in range(n_steps):
             cur = i % STAGES
-            mbarrier.wait(bars.index(cur), (i // STAGES) & 1)
+            for j in gl.static_range(3):
+                mbarrier.wait(bars[j].index(cur), (i // STAGES) & 1)
             gl.thread_barrier()   # step i - 1's slot read by every warp before TMA overwrites it
             _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, (i + STAGES - 1) % STAGES, bt_row,
                    start + (i + STAGES - 1) * BN, end, last_page, PAGE, BOX, STAGES)
@@ -247,7 +264,8 @@ def _build():
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i,
                                       acc, n0, gl.minimum(visible, end), end, qk_scale, True, MMA, ALL, A, B, LK, LV)
         for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+            for j in gl.static_range(3):
+                mbarrier.invalidate(bars[j].index(i))
 
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
@@ -286,8 +304,9 @@ def cache_ok(kv_cache: torch.Tensor) -> bool:
 
 
 def _descriptors(kv_cache, layouts):
-    """(latent, rope, scales) TMA descriptors over the cache's rows: [rows, 656] bytes in boxes of [box, 128], the
-    rope as bf16 [rows, 328] in [box, 64], the scales as fp32 [rows, 164] in [box, 4] (box: 32 rows, or the page)."""
+    """(latent, rope, scales) TMA descriptors over the cache's rows: the latent as [rows, 4, 128] bytes in boxes of
+    [box, 4, 128], the rope as bf16 [rows, 328] in [box, 64], the scales as fp32 [rows, 164] in [box, 4] (box: 32
+    rows, or the page)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows = kv_cache.shape[0] * kv_cache.shape[1]
     box = min(BLOCK_N, kv_cache.shape[1])
@@ -296,7 +315,8 @@ def _descriptors(kv_cache, layouts):
     def view(dtype, cols, layout):
         v = kv_cache.view(dtype)
         return TensorDescriptor(v, [rows, v.shape[3]], [v.stride(1), 1], [box, cols], layout)
-    return view(torch.uint8, 128, smem_tma), view(torch.bfloat16, D_R, smem_rope), view(torch.float32, 4, smem_s)
+    latent = TensorDescriptor(kv_cache, [rows, 4, 128], [kv_cache.stride(1), 128, 1], [box, 4, 128], smem_tma)
+    return latent, view(torch.bfloat16, D_R, smem_rope), view(torch.float32, 4, smem_s)
 
 
 def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, stages):
