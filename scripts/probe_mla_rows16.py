@@ -19,7 +19,6 @@ def main(argv=None):
     ap.add_argument("--slots", default="2,3,4")
     ap.add_argument("--maxnreg", default="168,0")
     ap.add_argument("--splits", default="2,3,4")
-    ap.add_argument("--ablate", default="0", help="bit masks of parts left out (decode_rows16_gluon_kernel.ABLATE)")
     ap.add_argument("--row-bytes", default="656", help="the cache's row stride (768: rows 128-byte aligned)")
     ap.add_argument("--pages", default="random", help="random or sequential page ids")
     args = ap.parse_args(argv)
@@ -48,9 +47,7 @@ def main(argv=None):
         bf16_ms = ms
         for rb in caches:
             caches[rb].copy_(cache)
-        for slots, rb, copy_only in ((sl, rb, co) for sl in map(int, args.slots.split(",")) for rb in caches
-                                     for co in map(int, args.ablate.split(","))):
-            d16.ABLATE = copy_only
+        for slots, rb in ((sl, rb) for sl in map(int, args.slots.split(",")) for rb in caches):
             cache = caches[rb]
             for cap in map(int, args.maxnreg.split(",")):
                 d16.MAX_REGS = cap or None
@@ -64,7 +61,7 @@ def main(argv=None):
                         print(f"L {L} slots {slots} maxnreg {cap} splits {splits}: {type(exc).__name__} "
                               f"{str(exc)[:120]}", flush=True)
                         continue
-                    print(f"L {L} fp8 {args.pages} row {rb} B ablate {copy_only} slots {slots} "
+                    print(f"L {L} fp8 {args.pages} row {rb} B slots {slots} "
                           f"maxnreg {cap} splits {splits}: {ms:.4f} ms "
                           f"{b * L * 656 / ms / 1e9:.2f} TB/s, {bf16_ms / ms:.3f}x bf16", flush=True)
         cache = caches = None

@@ -149,3 +149,63 @@ def test_gpu_cuda_graph_capture(calls):
     want, _ = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
     assert 1 - cosine(g_out, want) <= 1e-5
     assert len(calls) == 2
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_shared_views_read_what_tma_wrote():
+    """One step's rows by the kernel's TMA descriptors into its shared-memory tiles, read back through the views and
+    register layouts the step uses (latent as LK, scales transposed in registers, rope as the dot operand): each
+    must be the cache's bytes at the right (chunk, token, column). A transposed view of the scales' tile read the
+    wrong words on the H200 once (session 21), with every shape compiling."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+    mma, _, _, b_op, lk, _, smem, smem_tma, smem_rope, smem_s = d16._layouts(gl)
+
+    @gluon.jit
+    def views(kn_desc, kr_desc, ks_desc, OUT_K, OUT_S, OUT_R, MMA: gl.constexpr, B: gl.constexpr, LK: gl.constexpr,
+              SMEM_TMA: gl.constexpr, SMEM_ROPE: gl.constexpr, SMEM_S: gl.constexpr):
+        ring = gl.allocate_shared_memory(gl.uint8, [1, 32, 4, 128], SMEM_TMA)
+        r_tma = gl.allocate_shared_memory(gl.bfloat16, [1, 32, 64], SMEM_ROPE)
+        s_tma = gl.allocate_shared_memory(gl.float32, [1, 32, 4], SMEM_S)
+        bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar.index(0), count=1)
+        mbarrier.expect(bar.index(0), 32 * 656)
+        tma.async_copy_global_to_shared(kn_desc, [0, 0, 0], bar.index(0), ring.index(0))
+        tma.async_copy_global_to_shared(kr_desc, [0, 264], bar.index(0), r_tma.index(0))
+        tma.async_copy_global_to_shared(ks_desc, [0, 128], bar.index(0), s_tma.index(0))
+        mbarrier.wait(bar.index(0), 0)
+        k = gl.permute(ring.index(0).load(LK), [1, 0, 2])                  # [4, 32, 128] (chunk, token, byte)
+        KL: gl.constexpr = k.type.layout
+        w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
+        t = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
+        c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
+        gl.store(OUT_K + w[:, None, None] * 4096 + t[None, :, None] * 128 + c[None, None, :], k)
+        SL: gl.constexpr = gl.SliceLayout(1, MMA)
+        SCT: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[32, 4])
+        sc = gl.convert_layout(gl.permute(s_tma.index(0).load(SCT), [1, 0]), SL, assert_trivial=True)
+        ws = gl.arange(0, 4, layout=gl.SliceLayout(1, SL))
+        ts = gl.arange(0, 32, layout=gl.SliceLayout(0, SL))
+        gl.store(OUT_S + ws[:, None] * 32 + ts[None, :], sc)
+        r = r_tma.index(0).reshape([32, 4, 16]).permute([1, 2, 0]).load(B)   # [4, 16, 32] (chunk, column, token)
+        BL: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])
+        r = gl.convert_layout(r, BL)
+        wr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
+        dr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
+        tr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
+        gl.store(OUT_R + wr[:, None, None] * 512 + dr[None, :, None] * 32 + tr[None, None, :], r)
+
+    cache = torch.randint(0, 120, (2, 64, 1, 656), dtype=torch.uint8, device="cuda")
+    kn, kr, ks = d16._descriptors(cache, (smem, smem_tma, smem_rope, smem_s))
+    out_k = torch.zeros(4, 32, 128, dtype=torch.uint8, device="cuda")
+    out_s = torch.zeros(4, 32, dtype=torch.float32, device="cuda")
+    out_r = torch.zeros(4, 16, 32, dtype=torch.bfloat16, device="cuda")
+    views[(1,)](kn, kr, ks, out_k, out_s, out_r, mma, b_op, lk, smem_tma, smem_rope, smem_s, num_warps=4)
+    rows = cache.view(-1, 656)[:32]
+    assert torch.equal(out_k, rows[:, :512].reshape(32, 4, 128).permute(1, 0, 2))
+    assert torch.equal(out_s, rows[:, 512:528].contiguous().view(torch.float32).t())
+    assert torch.equal(out_r, rows[:, 528:].contiguous().view(torch.bfloat16).reshape(32, 4, 16).permute(1, 2, 0))

@@ -43,8 +43,6 @@ BLOCK_N = 32        # cache tokens per step
 SCALE_OFF = 512     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
 ROPE_OFF = 528
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
-ABLATE = 0  # probes only (scripts/probe_mla_rows16.py), a bit mask of parts left out: 1 the math, 2 K's conversion,
-#            4 V's, 8 the score dots, 16 the P·V dots, 32 the copies and waits (what each part costs)
 MAX_REGS = 168    # three programs an SM (65536 registers / 384 threads, in units of 8)
 MAX_INIT = -1.0e30  # finite running-max start: exp2(MAX_INIT - MAX_INIT) = 1 and exp2(-inf - MAX_INIT) = 0
 
@@ -131,7 +129,7 @@ def _build():
 
     @gluon.jit
     def _step(tile, r_tile, s_tile, s_buf, qa, qra, m_i, l_i, acc, n0, visible, ok_end, qk_scale,
-              MASKED: gl.constexpr, ABLATE: gl.constexpr, MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+              MASKED: gl.constexpr, MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
               LK: gl.constexpr, LV: gl.constexpr):
         """One step of 32 tokens (n0 ..): scores summed over the warps, the online softmax, each warp's P·V.
         MASKED: tokens at or past a row's visible count are kept out, and rows at or past ok_end (whatever TMA
@@ -143,19 +141,12 @@ def _build():
             reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
             warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[BN, NW])
         sc = gl.convert_layout(gl.permute(s_tile.load(SCT), [1, 0]), gl.SliceLayout(1, MMA), assert_trivial=True)
-        if (ABLATE // 2) % 2 == 1:
-            kx = gl.full([NW, BN, 128], 1.0, gl.float16, gl.permute(tile.load(LK), [1, 0, 2]).type.layout)
-        else:
-            kx = gl.permute(tile.load(LK), [1, 0, 2]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        kx = gl.permute(tile.load(LK), [1, 0, 2]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
         kx = gl.reshape(gl.permute(gl.reshape(kx, [NW, BN, 4, 16, 2]), [0, 1, 3, 2, 4]), [NW, BN, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
-        if (ABLATE // 8) % 2 == 1:
-            ks = gl.convert_layout(gl.sum(kb.to(gl.float32), axis=1), gl.SliceLayout(1, MMA))
-            s = gl.zeros([NW, NR, BN], gl.float32, MMA) + (sc + ks)[:, None, :]
-        else:
-            s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sc[:, None, :]
-            krb = r_tile.reshape([BN, NW, 16]).permute([1, 2, 0]).load(B)   # warp w: rope columns 16 w ..
-            s = mma_v2(qra, krb, s)
+        s = mma_v2(qa, kb, gl.zeros([NW, NR, BN], gl.float32, MMA)) * sc[:, None, :]
+        krb = r_tile.reshape([BN, NW, 16]).permute([1, 2, 0]).load(B)   # warp w: rope columns 16 w ..
+        s = mma_v2(qra, krb, s)
         # the four warps' partials summed: each stores its own, every warp reads all four at its own positions (one
         # barrier; the loop's barrier orders the next step's stores after these loads)
         s_buf.store(s)
@@ -163,10 +154,7 @@ def _build():
         s = gl.sum(s_buf.load(ALL), axis=0)
         s = gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(0, MMA), assert_trivial=True), 0) * qk_scale
         # s: [1, 16, 32], the same in every warp
-        if (ABLATE // 4) % 2 == 1:
-            vx = gl.full([NW, BN, 128], 1.0, gl.float16, gl.permute(tile.load(LV), [1, 0, 2]).type.layout)
-        else:
-            vx = gl.permute(tile.load(LV), [1, 0, 2]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
+        vx = gl.permute(tile.load(LV), [1, 0, 2]).to(gl.float8e4nv, bitcast=True).to(gl.float16)
         if MASKED:
             tok = n0 + gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
             seen = tok[None, None, :] < visible[None, :, None]
@@ -181,10 +169,6 @@ def _build():
         pa = gl.convert_layout((p * sc[:, None, :]).to(gl.float16), A, assert_trivial=True)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [NW, BN, 8, 16]), [0, 1, 3, 2]), [NW, BN, 128])
         vb = gl.convert_layout(vx, B, assert_trivial=True)
-        if (ABLATE // 16) % 2 == 1:
-            vs = gl.convert_layout(gl.sum(vb.to(gl.float32), axis=1), gl.SliceLayout(1, MMA))
-            ps = gl.convert_layout(gl.sum(pa.to(gl.float32), axis=2), gl.SliceLayout(2, MMA))
-            return m_new, l_i, acc * alpha[:, :, None] + vs[:, None, :] + ps[:, :, None]
         return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
 
     @gluon.jit
@@ -195,7 +179,7 @@ def _build():
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
-        STAGES: gl.constexpr, ABLATE: gl.constexpr,
+        STAGES: gl.constexpr,
         MMA: gl.constexpr, ALL: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr,
         SMEM: gl.constexpr, SMEM_TMA: gl.constexpr, SMEM_ROPE: gl.constexpr, SMEM_S: gl.constexpr,
     ):
@@ -264,22 +248,18 @@ def _build():
             full_end = end
         for i in range(n_steps):
             cur = i % STAGES
-            if (ABLATE // 32) % 2 == 0:
-                for j in gl.static_range(3):
-                    mbarrier.wait(bars[j].index(cur), (i // STAGES) & 1)
+            for j in gl.static_range(3):
+                mbarrier.wait(bars[j].index(cur), (i // STAGES) & 1)
             gl.thread_barrier()   # step i - 1's slot read by every warp before TMA overwrites it
-            if (ABLATE // 32) % 2 == 0:
-                _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, (i + STAGES - 1) % STAGES, bt_row,
-                       start + (i + STAGES - 1) * BN, end, last_page, PAGE, BOX, STAGES)
+            _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, (i + STAGES - 1) % STAGES, bt_row,
+                   start + (i + STAGES - 1) * BN, end, last_page, PAGE, BOX, STAGES)
             n0 = start + i * BN
-            if ABLATE % 2 == 1:   # probes only: the copies and waits without the math
-                pass
-            elif n0 + BN <= full_end:
+            if n0 + BN <= full_end:
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i,
-                                      acc, n0, visible, end, qk_scale, False, ABLATE, MMA, ALL, A, B, LK, LV)
+                                      acc, n0, visible, end, qk_scale, False, MMA, ALL, A, B, LK, LV)
             else:
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i,
-                                      acc, n0, gl.minimum(visible, end), end, qk_scale, True, ABLATE, MMA, ALL, A, B, LK, LV)
+                                      acc, n0, gl.minimum(visible, end), end, qk_scale, True, MMA, ALL, A, B, LK, LV)
         for i in gl.static_range(STAGES):
             for j in gl.static_range(3):
                 mbarrier.invalidate(bars[j].index(i))
@@ -350,7 +330,7 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
             softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages,
-                ABLATE=ABLATE, MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, SMEM=smem, SMEM_TMA=smem_tma,
+                MMA=mma, ALL=every, A=a, B=bl, LK=lk, LV=lv, SMEM=smem, SMEM_TMA=smem_tma,
                 SMEM_ROPE=smem_rope, SMEM_S=smem_s, num_warps=WARPS, maxnreg=MAX_REGS)
     return kernel, (num_splits * b,), args, meta
 
