@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import warpforge as wf
-from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess, import_loads_gluon
+from warpforge.ops._gluon import compile_in_subprocess, import_loads_gluon
 from warpforge.ops.mla import api, configs
 from warpforge.ops.mla import decode_rows16_gluon_kernel as d16
 from warpforge.ops.mla import mla_decode_reference
@@ -37,10 +37,41 @@ def test_gate(monkeypatch):
     on = _on_h200_gate() and q.dtype == torch.bfloat16
     assert wf.mla.plan(q, cache, table, kv_format="fp8").rows16 == on
     assert not wf.mla.plan(torch.cat([q, q], 2), cache, table, kv_format="fp8").rows16   # 32 rows
+    assert not wf.mla.plan(torch.cat([q, q[:, :, :1]], 2), cache, table, kv_format="fp8").rows16   # 17 rows
+    indices = torch.zeros(2, 1, 8, dtype=torch.int32, device=q.device)
+    assert not wf.mla.plan(q, cache, None, indices=indices, kv_format="fp8").rows16   # sparse
     bf16 = torch.randn(4, 16, 1, 576, device=q.device, dtype=q.dtype)
     assert not wf.mla.plan(q, bf16, table).rows16
     monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "0")
     assert not wf.mla.plan(q, cache, table, kv_format="fp8").rows16
+    monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "1")
+    monkeypatch.setenv(configs.GLUON_ENV, "0")   # every Gluon path off
+    assert not wf.mla.plan(q, cache, table, kv_format="fp8").rows16
+
+
+def test_cache_ok():
+    """Caches TMA reads as they are; anything else goes to the portable kernel (no GPU needed: shapes, strides and
+    addresses only)."""
+    def cache(pages=4, page=64, width=656, offset=0):
+        flat = torch.zeros(pages * page * width + offset + 64, dtype=torch.uint8)
+        base = (-flat.data_ptr()) % 16 + offset
+        return flat[base:base + pages * page * width].view(pages, page, 1, width)
+    assert all(d16.cache_ok(cache(page=p)) for p in (16, 32, 64))
+    assert not d16.cache_ok(cache(page=128))
+    assert not d16.cache_ok(cache(pages=0))
+    assert not d16.cache_ok(cache(offset=8))                          # base not 16-byte aligned
+    assert not d16.cache_ok(cache(width=768)[..., :656])              # rows 768 bytes apart
+    assert not d16.cache_ok(cache(width=656 * 2).view(4, 64, 2, 656)[:, :, 1:])   # one head of two
+    assert not d16.cache_ok(cache(width=576 * 2).view(torch.bfloat16))            # a bf16 cache
+
+
+def test_column_relabellings_are_permutations():
+    """The kernel inlines sigma_k (q's columns) and sigma_v (the output's); they are paged decode's, and each
+    touches every column of a 128-wide chunk once."""
+    from warpforge.ops.paged import decode_gluon_kernel as paged
+    assert sorted(map(d16.sigma_k, range(128))) == list(range(128))
+    assert sorted(map(d16.sigma_v, range(128))) == list(range(128))
+    assert all(d16.sigma_k(k) == paged.sigma_k(k) and d16.sigma_v(k) == paged.sigma_v(k) for k in range(128))
 
 
 def test_plan_carries_the_flag_to_the_op():
@@ -65,8 +96,8 @@ def test_compiles_for_sm90(case):
     assert r["ptxas_rc"] == 0, r["ptxas_log"]
     assert r["num_warps"] == 4 and not r["wgmma"] and r["tma"] and r["mbarrier"]
     assert r["spill_stores"] <= 64 and r["spill_loads"] <= 64, r["ptxas_log"]   # the 168-register cap: a few words
-    assert r["registers"] <= d16.MAX_REGS == 168   # three programs an SM
-    assert 3 * r["shared_bytes"] <= 228 * 1024 and r["shared_bytes"] <= SMEM_MAX
+    assert r["registers"] <= d16.MAX_REGS == 168   # the cap applied: three programs an SM
+    assert 3 * (r["shared_bytes"] + 1024) <= 228 * 1024   # three programs' shared memory and their reserved 1 KB
 
 
 # ------------------------------------------------------------------------------------------ GPU numerics
@@ -82,13 +113,13 @@ def calls(monkeypatch):
 
 
 def _poison_past_the_ends(cache, table, lens):
-    """0x7F (e4m3 NaN; NaN in the scales' and rope's bytes too) in every cache row no request reads."""
+    """0xFF (NaN as e4m3, as the scales' fp32 and as the rope's bf16) in every cache row no request reads."""
     used = torch.zeros(cache.shape[0], cache.shape[1], dtype=torch.bool, device=cache.device)
     page = cache.shape[1]
     for i, n in enumerate(lens):
         for p in range(-(-n // page)):
             used[table[i, p], : min(page, n - page * p)] = True
-    cache[~used] = 0x7F
+    cache[~used] = 0xFF
 
 
 @pytest.mark.gpu
@@ -209,3 +240,18 @@ def test_gpu_shared_views_read_what_tma_wrote():
     assert torch.equal(out_k, rows[:, :512].reshape(32, 4, 128).permute(1, 0, 2))
     assert torch.equal(out_s, rows[:, 512:528].contiguous().view(torch.float32).t())
     assert torch.equal(out_r, rows[:, 528:].contiguous().view(torch.bfloat16).reshape(32, 4, 16).permute(1, 2, 0))
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_cache_tma_cannot_read_takes_the_portable_kernel(calls):
+    """A cache 8 bytes off 16-byte alignment (a view into a larger buffer): the plan says rows16, the run falls back
+    to the portable kernel, and the result is right."""
+    lens = [300, 1000, 5, 64]
+    q, _, cache, table, seqlens, _ = _problem(len(lens), 1, 16, 64, lens, "fp8", torch.bfloat16)
+    buf = torch.empty(cache.numel() + 8, dtype=torch.uint8, device=cache.device)
+    shifted = buf[8:].view(cache.shape)
+    shifted.copy_(cache)
+    assert not d16.cache_ok(shifted)
+    _check(q, shifted, table, seqlens, "fp8", False)
+    assert calls == []

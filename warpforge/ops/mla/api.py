@@ -137,7 +137,8 @@ def plan(q, kv_cache, block_table=None, *, indices=None, kv_format="bf16", softm
     rows16 = rows16_gate(q, kv_format, sparse)
     if num_splits is None:
         if rows16:
-            num_splits = plan_num_splits(b, rows, max_tokens, 16, sm_count(q.device), waves=configs.GLUON_ROWS16_WAVES)
+            num_splits = plan_num_splits(b, rows, max_tokens, configs.GLUON_ROWS16_MAX_ROWS, sm_count(q.device),
+                                         waves=configs.GLUON_ROWS16_WAVES)
         elif gluon:  # one 64-row program fills an SM (224 KB of shared memory); quantized caches run in slices
             from .dequant_kernel import slice_requests
             per_launch = b if kv_format == "bf16" else slice_requests(b, max_tokens)
@@ -183,8 +184,8 @@ def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
 def rows16_gate(q, kv_format, sparse) -> bool:
     """Whether a plan for these shapes takes the Gluon kernel for few rows (decode_rows16_gluon_kernel.py): an sm_90
     device, a Triton in configs.GLUON_TRITON_VERSIONS, bf16 q, dense, an FP8 cache, h_q · s_q <= 16 query rows,
-    WARPFORGE_MLA_GLUON_ROWS16 not "0" (a cache whose rows are not 16-byte aligned takes the portable kernel, checked
-    at run time)."""
+    WARPFORGE_MLA_GLUON_ROWS16 not "0" (a cache TMA cannot read as it is, decode_rows16_gluon_kernel.cache_ok, takes
+    the portable kernel, checked at run time)."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90":
         return False
     b, s_q, h_q, _ = q.shape

@@ -3,20 +3,20 @@ Hopper (sm_90) in Gluon: each warp one 128-wide chunk of the latent, a TMA ring 
 
 The same problem and outputs as decode_kernel.mla_decode_split_kernel for the case the api gate sends here (dense
 block table, an FP8 cache whose pages are contiguous rows, bf16 q, rows <= 16, page size 16 / 32 / 64): program
-(request · split) walks its split's tokens BLOCK_N = 32 at a time and writes the split's partials (o_part [split, b, rows, 512] fp32, lse_part [split, b, rows]
-in log2 units, for combine_splits) or, with one split, the final out / lse.
+(request · split) walks its split's tokens BLOCK_N = 32 at a time and writes the split's partials (o_part [split, b,
+rows, 512] fp32, lse_part [split, b, rows] in log2 units, for combine_splits) or, with one split, the final out /
+lse.
 
 Why this kernel: at 16 rows decode is bound by reading the cache (656 bytes a token against bf16's 1152), but the
 64-row kernel (decode_gluon_kernel.py) pads 16 rows to 64 for wgmma and converts in shared memory, and the
 portable kernel waits for every copy at the top of each step. This is paged decode's Gluon design
 (ops/paged/decode_gluon_kernel.py, measured there) with the warps cutting the latent instead of the tokens:
-- a step's 32 rows come in by TMA (per 32 or 16 contiguous rows: the four 128-byte latent chunks, the rope, the
-  scales) into a ring slot with its mbarrier; per-thread 16-byte cp.async of the same bytes ran at 2.3-2.4 TB/s
-  with no math at all (benchmarks/NOTES.md, session 21);
+- a step's 32 rows come in by TMA (per 32 or 16 contiguous rows of a page: the latent as one [rows, 4, 128] box,
+  the rope, the scales, each copy on an mbarrier of its own) into a ring slot; per-thread 16-byte cp.async of the
+  same bytes ran at 2.3-2.7 TB/s with no math at all (benchmarks/NOTES.md, session 21);
 - warp w owns latent columns [128 w, 128 w + 128) (FP8's scale group w) and rope columns [16 w, 16 w + 16): it
   reads its chunk once as Kᵀ and once as V in the two register layouts (LK, LV) whose e4m3 -> fp16 values are the
-  mma.sync B
-  fragments (checked at compile time: `convert_layout(..., assert_trivial=True)`; the head dim relabelled through
+  mma.sync B fragments (checked at compile time: `convert_layout(..., assert_trivial=True)`; the head dim relabelled through
   sigma_k / sigma_v, composed into q's load and the output's store), and keeps O[:, its 128 columns] (fp32, 64
   registers a thread);
 - scores: each warp's q_w · K_wᵀ times the rows' chunk-w scales, plus its rope slice (bf16 dot), summed over the
@@ -40,7 +40,8 @@ D_R = 64
 ROWS = 16           # query rows per program: one mma.sync M
 WARPS = 4           # one per 128-column chunk of the latent
 BLOCK_N = 32        # cache tokens per step
-SCALE_OFF = 512     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
+ROW_BYTES = 656     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
+SCALE_OFF = 512
 ROPE_OFF = 528
 GLUON_TRITON_VERSIONS = ("3.6",)  # Triton releases whose Gluon API this file was written and compiled against
 MAX_REGS = 168    # three programs an SM (65536 registers / 384 threads, in units of 8)
@@ -58,12 +59,12 @@ def sigma_v(n: int) -> int:
 
 
 def _layouts(gl):
-    """(MMA, ALL, A, B, LK, LV, SMEM, SMEM_TMA, SMEM_ROPE, SMEM_S). LK / LV hold each warp's chunk of the step's 32
-    rows, [4, 32, 128] bytes with 32 (LK) or 16 (LV) consecutive columns of a row in one thread's registers:
-    converted to fp16 and reshaped so that logical column k is chunk column sigma_k(k) (sigma_v for V), they are the
-    mma.sync B fragments of K_wᵀ [128, 32] and V_w [32, 128] with no data movement. SMEM: the latent ring as LK / LV
-    read it ([4, 32, 128] per slot, 16-byte chunks XOR-swizzled by the row, conflict-free), SMEM_TMA the same bytes
-    as TMA writes them (128-byte swizzle: the same placement); SMEM_ROPE / SMEM_S the rope's and scales' rings."""
+    """(MMA, ALL, A, B, LK, LV, SMEM, SMEM_TMA, SMEM_ROPE, SMEM_S). LK / LV hold the step's 32 rows as [32, 4, 128]
+    bytes (token, chunk = warp, column) with 32 (LK) or 16 (LV) consecutive columns of a row in one thread's
+    registers: permuted to [4, 32, 128], converted to fp16 and reshaped so that logical column k is chunk column
+    sigma_k(k) (sigma_v for V), they are the mma.sync B fragments of K_wᵀ [128, 32] and V_w [32, 128] with no data
+    movement. SMEM (= SMEM_TMA): the latent ring, the 128-byte swizzle over the flattened (token, chunk) lines, as
+    TMA writes it and LK / LV read it; SMEM_ROPE / SMEM_S the rope's and scales' rings."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -107,7 +108,7 @@ def _build():
 
     @gluon.jit
     def _issue(kn_desc, kr_desc, ks_desc, ring, r_ring, s_ring, bars, slot, bt_row, n0, end, last_page,
-               PAGE: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+               PAGE: gl.constexpr, BOX: gl.constexpr):
         """TMA of tokens n0 .. n0 + 31's rows into the rings' slot (BOX contiguous rows of one page at a time), on
         bars[slot]; nothing when the step starts at or past end (it is never waited for)."""
         # each copy on a barrier of its own: the compiler orders every pair of shared-memory writes to one
@@ -136,7 +137,7 @@ def _build():
         brought from past the split) are zeroed in V and the scales (else all are seen)."""
         # [4, 32]: row t's chunk-w scale, loaded as [32, 4] in the transpose of the scores' column layout and
         # transposed in registers (a transposed view of the unswizzled TMA tile read the wrong words on the H200,
-        # scripts/debug_rows16.py; a layout conversion would cost two CTA barriers a step)
+        # test_gpu_shared_views_read_what_tma_wrote; a layout conversion would cost two CTA barriers a step)
         SCT: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
             warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[BN, NW])
@@ -199,7 +200,7 @@ def _build():
         # the same bytes as a [4, 32, 128] latent tile (LK / LV), [32, 64] rope, [32, 4] scales
         ring_tma = gl.allocate_shared_memory(gl.uint8, [STAGES * (BN // BOX), BOX, NW, 128], SMEM_TMA)
         ring = ring_tma._reinterpret(gl.uint8, [STAGES, BN, NW, 128], SMEM)
-        r_tma = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BN // BOX), BOX, 2 * NW * 16 // 2], SMEM_ROPE)
+        r_tma = gl.allocate_shared_memory(gl.bfloat16, [STAGES * (BN // BOX), BOX, D_R_C], SMEM_ROPE)
         r_ring = r_tma._reinterpret(gl.bfloat16, [STAGES, BN, 64], SMEM_ROPE)
         s_tma = gl.allocate_shared_memory(gl.float32, [STAGES * (BN // BOX), BOX, 4], SMEM_S)
         s_ring = s_tma._reinterpret(gl.float32, [STAGES, BN, 4], SMEM_S)
@@ -214,7 +215,7 @@ def _build():
         s_buf = gl.allocate_shared_memory(gl.float32, [NW, NR, BN], gl.SwizzledSharedLayout(2, 1, 8, order=[2, 1, 0]))
         for i in gl.static_range(STAGES - 1):
             _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, i, bt_row, start + i * BN, end,
-                   last_page, PAGE, BOX, STAGES)
+                   last_page, PAGE, BOX)
 
         # q: warp w's latent chunk in fp16 through sigma_k (exact from bf16 within fp16's range), its rope slice in
         # bf16, loaded straight into the dot operand layout (a layout conversion would take 8 KB of shared memory);
@@ -252,7 +253,7 @@ def _build():
                 mbarrier.wait(bars[j].index(cur), (i // STAGES) & 1)
             gl.thread_barrier()   # step i - 1's slot read by every warp before TMA overwrites it
             _issue(kn_desc, kr_desc, ks_desc, ring_tma, r_tma, s_tma, bars, (i + STAGES - 1) % STAGES, bt_row,
-                   start + (i + STAGES - 1) * BN, end, last_page, PAGE, BOX, STAGES)
+                   start + (i + STAGES - 1) * BN, end, last_page, PAGE, BOX)
             n0 = start + i * BN
             if n0 + BN <= full_end:
                 m_i, l_i, acc = _step(ring.index(cur), r_ring.index(cur), s_ring.index(cur), s_buf, qa, qra, m_i, l_i,
@@ -293,11 +294,13 @@ def available() -> bool:
 
 
 def cache_ok(kv_cache: torch.Tensor) -> bool:
-    """An FP8 cache (656-byte rows) TMA reads as it is: one byte an element, 16-byte aligned base, contiguous rows
-    (a page's rows one after another), page size 16 / 32 / 64."""
-    return (kv_cache.element_size() == 1 and kv_cache.data_ptr() % 16 == 0 and kv_cache.shape[1] in (16, 32, 64)
-            and kv_cache.stride(3) == 1 and kv_cache.stride(1) == kv_cache.shape[3] == 656
-            and kv_cache.stride(0) == kv_cache.shape[1] * 656)
+    """An FP8 cache TMA reads as it is (else api runs the portable kernel): at least one page, one byte an element,
+    16-byte aligned base, 656-byte rows one after another (the stride the H200 tests ran; TMA would take any
+    multiple of 16), page size 16 / 32 / 64, fewer than 2^31 rows (TMA's int32 coordinates)."""
+    pages, page, _, width = kv_cache.shape
+    return (pages > 0 and kv_cache.element_size() == 1 and kv_cache.data_ptr() % 16 == 0 and page in (16, 32, 64)
+            and width == ROW_BYTES and kv_cache.stride(3) == 1 and kv_cache.stride(1) == ROW_BYTES
+            and kv_cache.stride(0) == page * ROW_BYTES and pages * page < 2 ** 31)
 
 
 def _descriptors(kv_cache, layouts):
@@ -319,6 +322,7 @@ def _descriptors(kv_cache, layouts):
 def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part, lse_part, final, stages):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by mla_decode_rows16_gluon and the compile
     check. o_part / lse_part: out as [1, b, rows, 512] and lse [b, h_q, s_q] when final, else the partials."""
+    assert stages >= 2, "the ring needs two slots (one is waited on while the next lands)"
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     num_splits = o_part.shape[0]
