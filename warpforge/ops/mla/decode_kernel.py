@@ -296,6 +296,34 @@ def plan_num_splits(batch, rows, max_tokens, block_h, sm_count, min_tokens_per_s
     return max(1, min(want, triton.cdiv(max_tokens, min_tokens_per_split)))
 
 
+def decode_outputs(q, num_splits):
+    """(out [b, s_q, h_q, 512] in q's dtype, lse [b, h_q, s_q] fp32, o_part, lse_part): what a split kernel writes,
+    shared by every MLA launcher. With one split the kernel writes out and lse itself (o_part = out as [1, b, rows,
+    512], lse_part = lse: no partials, no combine pass); else fp32 partials [split, b, rows, 512] and [split, b, rows]
+    (log2) for combine_splits."""
+    b, s_q, h_q, _ = q.shape
+    out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    if num_splits == 1:
+        return out, lse, out.unsqueeze(0), lse
+    rows = s_q * h_q
+    return (out, lse, torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32),
+            torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32))
+
+
+def split_decode(q, num_splits, launch):
+    """(out, lse) of a split kernel: the outputs (decode_outputs), launch(o_part, lse_part, final) unless the batch
+    is empty, and combine_splits when split. The Gluon launchers' common path."""
+    b, s_q, h_q, _ = q.shape
+    out, lse, o_part, lse_part = decode_outputs(q, num_splits)
+    if b == 0:
+        return out, lse
+    launch(o_part, lse_part, num_splits == 1)
+    if num_splits > 1:
+        combine_splits(o_part, lse_part, out, lse, h_q, s_q)
+    return out, lse
+
+
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, fmt, kv_scale,
                    num_splits, cfg, indices=None, topk_length=None):
     """fmt: the cache's kv_format.KVFormat; cfg: a configs.MLACfg whose block_h fits the rows (plan_block_h);
@@ -303,16 +331,10 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     block_h, block_n, warps, stages, fp16_math, prefetch, index_ahead = cfg[:7]
-    out = torch.empty((b, s_q, h_q, 512), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    out, lse, o_part, lse_part = decode_outputs(q, num_splits)
     if b == 0:
         return out, lse
-    final = num_splits == 1  # the split kernel writes out and lse itself: no partials, no combine pass
-    if final:
-        o_part, lse_part = out.unsqueeze(0), lse
-    else:
-        o_part = torch.empty((num_splits, b, rows, 512), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
+    final = num_splits == 1
     cache = kv_cache.view(torch.uint8) if fmt.quantized else kv_cache
     scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
     row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset

@@ -342,25 +342,13 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
 def mla_decode_rows16_gluon(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, num_splits, stages):
     """The path of mla_decode_fwd that api's rows16 gate sends here: (out, lse) as the portable launcher returns
     them, through the same partials + combine_splits when num_splits > 1."""
-    from ..shared_kernels import combine_splits
-    b, s_q, h_q, _ = q.shape
-    rows = s_q * h_q
-    out = torch.empty((b, s_q, h_q, D_V), device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
-    if b == 0:
-        return out, lse
-    final = num_splits == 1
-    if final:
-        o_part, lse_part = out.view(1, b, rows, D_V), lse
-    else:
-        o_part = torch.empty((num_splits, b, rows, D_V), device=q.device, dtype=torch.float32)
-        lse_part = torch.empty((num_splits, b, rows), device=q.device, dtype=torch.float32)
-    kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
-                                           lse_part, final, stages)
-    kernel[grid](*args, **meta)
-    if not final:
-        combine_splits(o_part, lse_part, out, lse, h_q, s_q)
-    return out, lse
+    from .decode_kernel import split_decode
+
+    def launch(o_part, lse_part, final):
+        kernel, grid, args, meta = launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, o_part,
+                                               lse_part, final, stages)
+        kernel[grid](*args, **meta)
+    return split_decode(q, num_splits, launch)
 
 
 # ------------------------------------------------------------------------------------ compile-only check
@@ -372,11 +360,9 @@ def compile_sm90(h_q=16, s_q=1, causal=False, num_splits=1, page=64, stages=3, a
     cache = torch.empty(pages, page, 1, 656, dtype=torch.uint8)
     table = torch.zeros(b, max_pages, dtype=torch.int32)
     lens = torch.zeros(b, dtype=torch.int32)
+    from .decode_kernel import decode_outputs
     final = num_splits == 1
-    if final:
-        o_part, lse_part = torch.empty(1, b, s_q * h_q, D_V, dtype=torch.bfloat16), torch.empty(b, h_q, s_q)
-    else:
-        o_part, lse_part = torch.empty(num_splits, b, s_q * h_q, D_V), torch.empty(num_splits, b, s_q * h_q)
+    _, _, o_part, lse_part = decode_outputs(q, num_splits)
     kernel, grid, args, meta = launch_args(q, cache, table, lens, (D_V + D_R) ** -0.5, causal, o_part, lse_part,
                                            final, stages)
     return compile_report(kernel, args, grid, meta, arch)
