@@ -23,6 +23,26 @@ def _problem(b, s_q, h_q, page, lens, fmt, dtype=DTYPE, spare_pages=3):
     return q, latent, cache, table, seqlens, kv_scale
 
 
+def graph_replayed(plan, q, cache, table, seqlens, kv_scale=None, grow=7):
+    """(out, lse) of one plan.run captured in a CUDA graph and replayed after every request grew by `grow` tokens
+    (seqlens updated in place)."""
+    plan.run(q, cache, table, seqlens, kv_scale=kv_scale)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = plan.run(q, cache, table, seqlens, kv_scale=kv_scale)
+    seqlens.add_(grow)
+    graph.replay()
+    return g_out, g_lse
+
+
+def assert_matches(out, lse, want, want_lse, tol=1e-5):
+    """out within 1 - cos <= tol of want; lse finite exactly where want_lse is, and close there."""
+    assert 1 - cosine(out, want) <= tol
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], want_lse[finite], rtol=tol, atol=tol)
+
+
 def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None):
     with poisoned_outputs():
         out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,

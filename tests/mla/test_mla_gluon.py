@@ -13,7 +13,7 @@ from warpforge.ops.mla import mla_decode_reference
 from warpforge.ops.mla.kv_format import KV_FORMATS
 from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
 
-from .test_mla_decode import _check, _problem, check_dequantised
+from .test_mla_decode import _check, _problem, assert_matches, check_dequantised, graph_replayed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -192,24 +192,14 @@ def test_gpu_direct_call(h_q):
     q, _, cache, table, seqlens, _ = _problem(len(lens), 1, h_q, 64, lens, "bf16", torch.bfloat16)
     with poisoned_outputs():
         out, lse = dg.mla_decode_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 3)
-    want, want_lse = mla_decode_reference(q.float(), cache.float(), table, seqlens)
-    assert 1 - cosine(out, want) <= 1e-5
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert_matches(out, lse, *mla_decode_reference(q.float(), cache.float(), table, seqlens))
 
 
 @pytest.mark.gpu
 @needs_gate
 def test_gpu_cuda_graph_capture(gluon_calls):
     q, _, cache, table, seqlens, _ = _problem(4, 1, 128, 64, [300, 1000, 5, 64], "bf16", torch.bfloat16)
-    plan = wf.mla.plan(q, cache, table)
-    plan.run(q, cache, table, seqlens)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, _ = plan.run(q, cache, table, seqlens)
-    seqlens.add_(7)
-    graph.replay()
+    g_out, _ = graph_replayed(wf.mla.plan(q, cache, table), q, cache, table, seqlens)
     want, _ = mla_decode_reference(q.float(), cache.float(), table, seqlens)
     assert 1 - cosine(g_out, want) <= 1e-5
     assert len(gluon_calls) == 2
@@ -233,13 +223,7 @@ def test_gpu_cuda_graph_capture_quantized_in_kernel(fmt, gluon_calls, monkeypatc
     from warpforge.ops.mla import dequant_kernel
     monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", 1)  # FP4 takes the kernel where the pass would slice
     q, _, cache, table, seqlens, kv_scale = _problem(4, 1, 128, 64, [300, 1000, 5, 64], fmt, torch.bfloat16)
-    plan = wf.mla.plan(q, cache, table, kv_format=fmt)
-    plan.run(q, cache, table, seqlens, kv_scale=kv_scale)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = plan.run(q, cache, table, seqlens, kv_scale=kv_scale)
-    seqlens.add_(7)
-    graph.replay()
+    g_out, g_lse = graph_replayed(wf.mla.plan(q, cache, table, kv_format=fmt), q, cache, table, seqlens, kv_scale)
     check_dequantised(g_out, g_lse, q, cache, table, seqlens, fmt, False, kv_scale)
     assert len(gluon_calls) == 2
 

@@ -13,7 +13,7 @@ from warpforge.ops.mla import decode_rows16_gluon_kernel as d16
 from warpforge.ops.mla import mla_decode_reference
 from warpforge.testing import cosine, gluon_triton, on_sm90_gluon, poisoned_outputs, spy_launches, triton_version
 
-from .test_mla_decode import _check, _problem
+from .test_mla_decode import _check, _problem, assert_matches, graph_replayed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -159,24 +159,14 @@ def test_gpu_direct_call():
     with poisoned_outputs():
         out, lse = d16.mla_decode_rows16_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 3,
                                                configs.GLUON_ROWS16_STAGES)
-    want, want_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
-    assert 1 - cosine(out, want) <= 1e-5
-    finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert_matches(out, lse, *mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8"))
 
 
 @pytest.mark.gpu
 @needs_gate
 def test_gpu_cuda_graph_capture(calls):
     q, _, cache, table, seqlens, _ = _problem(4, 1, 16, 64, [300, 1000, 5, 64], "fp8", torch.bfloat16)
-    plan = wf.mla.plan(q, cache, table, kv_format="fp8")
-    plan.run(q, cache, table, seqlens)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, _ = plan.run(q, cache, table, seqlens)
-    seqlens.add_(7)
-    graph.replay()
+    g_out, _ = graph_replayed(wf.mla.plan(q, cache, table, kv_format="fp8"), q, cache, table, seqlens)
     want, _ = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
     assert 1 - cosine(g_out, want) <= 1e-5
     assert len(calls) == 2
