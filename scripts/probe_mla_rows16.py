@@ -17,7 +17,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--L", default="4096,16384")
     ap.add_argument("--slots", default="2,3,4")
-    ap.add_argument("--maxnreg", default="168,0")
+    ap.add_argument("--maxnreg", default="-1", help="register caps; -1 the kernel's own (MAX_REGS), 0 none")
     ap.add_argument("--splits", default="2,3,4")
     ap.add_argument("--row-bytes", default="656", help="the cache's row stride (768: rows 128-byte aligned)")
     ap.add_argument("--pages", default="random", help="random or sequential page ids")
@@ -49,8 +49,9 @@ def main(argv=None):
             caches[rb].copy_(cache)
         for slots, rb in ((sl, rb) for sl in map(int, args.slots.split(",")) for rb in caches):
             cache = caches[rb]
+            own = d16.MAX_REGS
             for cap in map(int, args.maxnreg.split(",")):
-                d16.MAX_REGS = cap or None
+                d16.MAX_REGS = own if cap < 0 else (cap or None)   # a module constant: the launches read it
                 for splits in map(int, args.splits.split(",")):
                     def run():
                         return d16.mla_decode_rows16_gluon(q, cache, table, seqlens, 576 ** -0.5, False, splits, slots)
