@@ -223,12 +223,14 @@ for step in "$@"; do
                   --json "$w/mla-h16.json" > "$w/mla-h16.log" 2>&1; grep -E "warpforge  " "$w/mla-h16.log"
                 WARPFORGE_MLA_GLUON_ROWS16=0 timeout 100 python3 -m warpforge bench --family mla --match 'h16 s_q1 L(4k|16k) fp8' \
                   --json "$w/mla-h16-portable.json" > "$w/mla-h16-portable.log" 2>&1; grep -E "warpforge  " "$w/mla-h16-portable.log" ;;
-    # an experiment branch exported into .branch (`git archive BRANCH | tar -x -C .head/.branch`): its rows16 GPU
-    # tests and the same probe, beside this checkout's in the same call
-    branch-rows16) (cd .branch && PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -m gpu tests/mla/test_mla_rows16.py \
-                      > "$w/branch-rows16-tests.log" 2>&1; tail -n 3 "$w/branch-rows16-tests.log"
-                    PYTHONPATH=$PWD timeout 200 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/branch-probe-rows16.log" 2>&1
-                    cat "$w/branch-probe-rows16.log") ;;
+    # experiment branches exported into .branch-NAME (`git archive BRANCH | tar -x -C .head/.branch-NAME`): each one's
+    # rows16 GPU tests and the same probe, beside this checkout's in the same call
+    branch-rows16) for d in .branch-*; do
+                     (cd "$d" && PYTHONPATH=$PWD timeout 150 python3 -m pytest -q -m gpu tests/mla/test_mla_rows16.py \
+                        > "$w/$d-rows16-tests.log" 2>&1; echo "$d"; tail -n 2 "$w/$d-rows16-tests.log"
+                      PYTHONPATH=$PWD timeout 150 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/$d-probe-rows16.log" 2>&1
+                      grep -v Warn "$w/$d-probe-rows16.log")
+                   done ;;
     probe-rows16) timeout 240 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/probe-rows16.log" 2>&1; cat "$w/probe-rows16.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
     bench-*) f=${step#bench-}; SKIP_TESTS=1 timeout ${BENCH_TIMEOUT:-240} bash scripts/gpu_check.sh "$w/bench" ${f//,/ } > "$w/$step.log" 2>&1 ;;
