@@ -187,6 +187,7 @@ def _build():
         """Program b · n_splits + split. Lengths are clamped to [0, capacity] and page ids to [0, last_page]
         (unchecked values under a CUDA-graph capture must not read outside the tensors). Query row r = j · H_Q + h."""
         BOX: gl.constexpr = BN if PAGE >= BN else PAGE   # rows a TMA box takes: contiguous within a page
+        gl.static_assert(kn_desc.block_type.shape[0] == BOX, "the descriptors' boxes must be the kernel's BOX rows")
         split = gl.program_id(0) % n_splits
         b64 = (gl.program_id(0) // n_splits).to(gl.int64)
         length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
