@@ -167,8 +167,7 @@ def test_gpu_gated_path_is_taken(gluon_calls, monkeypatch):
     assert not off.gluon
     want, want_lse = off.run(q, cache, table, seqlens, backend="triton")
     assert len(gluon_calls) == 1
-    assert 1 - cosine(out, want) <= 1e-5
-    assert torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert_matches(out, lse, want, want_lse)
 
 
 @pytest.mark.gpu

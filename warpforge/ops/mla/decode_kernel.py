@@ -313,7 +313,7 @@ def decode_outputs(q, num_splits):
 
 def split_decode(q, num_splits, launch):
     """(out, lse) of a split kernel: the outputs (decode_outputs), launch(o_part, lse_part, final) unless the batch
-    is empty, and combine_splits when split. The Gluon launchers' common path."""
+    is empty, and combine_splits when split. Every MLA launcher's common path."""
     b, s_q, h_q, _ = q.shape
     out, lse, o_part, lse_part = decode_outputs(q, num_splits)
     if b == 0:
@@ -331,40 +331,37 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     block_h, block_n, warps, stages, fp16_math, prefetch, index_ahead = cfg[:7]
-    out, lse, o_part, lse_part = decode_outputs(q, num_splits)
-    if b == 0:
-        return out, lse
-    final = num_splits == 1
     cache = kv_cache.view(torch.uint8) if fmt.quantized else kv_cache
-    scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
-    row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
-    sparse = indices is not None
-    # the requests (b, or b · s_q sparse) folded into grid axis 0 with the row tiles: axes 1 and 2 stop at 65535
-    if sparse:
-        grid = (triton.cdiv(h_q, block_h) * b * s_q, num_splits)
-        idx, topk = indices, indices.shape[-1]
-    else:
-        grid = (triton.cdiv(rows, block_h) * b, num_splits)
-        idx, topk = lse_part, 0  # unused
-    dummy = lse_part  # a pointer for arguments the chosen mode never reads
-    mla_decode_split_kernel[grid](
-        q, cache, block_table if block_table is not None else dummy,
-        cache_seqlens if cache_seqlens is not None else dummy, idx,
-        topk_length if topk_length is not None else dummy, scale_arg, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        row_stride, block_table.stride(0) if block_table is not None else 0,
-        idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
-        o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0), lse_part.stride(0 if final else 1),
-        rows, topk, softmax_scale * LOG2E,
-        block_table.shape[1] * kv_cache.shape[1] if block_table is not None and kv_cache.shape[0] else 0,
-        max(kv_cache.shape[0] - 1, 0), kv_cache.shape[0] * kv_cache.shape[1],
-        H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt.code, GROUP=max(fmt.group, 1),
-        SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, SPARSE=sparse, HAS_TOPK_LEN=topk_length is not None,
-        BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
-        PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
-        INDEX_AHEAD=index_ahead, num_stages=stages,
-    )
-    if final:
-        return out, lse
-    combine_splits(o_part, lse_part, out, lse, h_q, s_q)
-    return out, lse
+
+    def launch(o_part, lse_part, final):
+        scale_arg = kv_scale if kv_scale is not None else lse_part  # a pointer the other formats never read
+        row_stride = kv_cache.stride(1)  # rows of one page are contiguous: row = page * PAGE + offset
+        sparse = indices is not None
+        # the requests (b, or b · s_q sparse) folded into grid axis 0 with the row tiles: axes 1, 2 stop at 65535
+        if sparse:
+            grid = (triton.cdiv(h_q, block_h) * b * s_q, num_splits)
+            idx, topk = indices, indices.shape[-1]
+        else:
+            grid = (triton.cdiv(rows, block_h) * b, num_splits)
+            idx, topk = lse_part, 0  # unused
+        dummy = lse_part  # a pointer for arguments the chosen mode never reads
+        mla_decode_split_kernel[grid](
+            q, cache, block_table if block_table is not None else dummy,
+            cache_seqlens if cache_seqlens is not None else dummy, idx,
+            topk_length if topk_length is not None else dummy, scale_arg, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            row_stride, block_table.stride(0) if block_table is not None else 0,
+            idx.stride(0) if sparse else 0, idx.stride(1) if sparse else 0,
+            o_part.stride(0), o_part.stride(1), 0 if final else lse_part.stride(0),
+            lse_part.stride(0 if final else 1),
+            rows, topk, softmax_scale * LOG2E,
+            block_table.shape[1] * kv_cache.shape[1] if block_table is not None and kv_cache.shape[0] else 0,
+            max(kv_cache.shape[0] - 1, 0), kv_cache.shape[0] * kv_cache.shape[1],
+            H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=causal, KV_FMT=fmt.code, GROUP=max(fmt.group, 1),
+            SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, SPARSE=sparse,
+            HAS_TOPK_LEN=topk_length is not None,
+            BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
+            PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
+            INDEX_AHEAD=index_ahead, num_stages=stages,
+        )
+    return split_decode(q, num_splits, launch)
