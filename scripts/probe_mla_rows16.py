@@ -11,6 +11,7 @@ import triton.testing
 
 import warpforge as wf
 from warpforge.ops.mla import decode_rows16_gluon_kernel as d16
+from warpforge.ops.mla import mla_decode_reference
 
 
 def main(argv=None):
@@ -45,6 +46,12 @@ def main(argv=None):
               flush=True)
         bf16 = None
         bf16_ms = ms
+        # accuracy on the first 8 requests against the fp32 reference on the dequantised cache
+        out, lse = d16.mla_decode_rows16_gluon(q[:8], cache, table[:8], seqlens[:8], 576 ** -0.5, False, 2, 2)
+        ref, ref_lse = mla_decode_reference(q[:8].float(), cache, table[:8], seqlens[:8], kv_format="fp8")
+        cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0).item()
+        rel = ((lse - ref_lse).abs() / ref_lse.abs().clamp(min=1)).max().item()
+        print(f"L {L} fp8 rows16 vs reference: 1 - cos {1 - cos:.2e}, lse rel {rel:.2e}", flush=True)
         for rb in caches:
             caches[rb].copy_(cache)
         for slots, rb in ((sl, rb) for sl in map(int, args.slots.split(",")) for rb in caches):

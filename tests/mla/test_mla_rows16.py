@@ -65,13 +65,12 @@ def test_cache_ok():
     assert not d16.cache_ok(cache(width=576 * 2).view(torch.bfloat16))            # a bf16 cache
 
 
-def test_column_relabellings_are_permutations():
-    """The kernel inlines sigma_k (q's columns) and sigma_v (the output's); they are paged decode's, and each
-    touches every column of a 128-wide chunk once."""
+def test_column_relabelling_is_a_permutation():
+    """The kernel inlines sigma_v (the output's columns); it is paged decode's, and touches every column of a
+    128-wide chunk once."""
     from warpforge.ops.paged import decode_gluon_kernel as paged
-    assert sorted(map(d16.sigma_k, range(128))) == list(range(128))
     assert sorted(map(d16.sigma_v, range(128))) == list(range(128))
-    assert all(d16.sigma_k(k) == paged.sigma_k(k) and d16.sigma_v(k) == paged.sigma_v(k) for k in range(128))
+    assert all(d16.sigma_v(k) == paged.sigma_v(k) for k in range(128))
 
 
 def test_plan_carries_the_flag_to_the_op():
@@ -94,16 +93,18 @@ def test_compiles_for_sm90(case):
     print(f"\n{case}: {r['registers']} registers, spills {r['spill_stores']}/{r['spill_loads']} B, shared "
           f"{r['shared_bytes']} B, warps {r['num_warps']}")
     assert r["ptxas_rc"] == 0, r["ptxas_log"]
-    assert r["num_warps"] == 4 and not r["wgmma"] and r["tma"] and r["mbarrier"]
-    assert r["spill_stores"] <= 64 and r["spill_loads"] <= 64, r["ptxas_log"]   # the 168-register cap: a few words
-    assert r["registers"] <= d16.MAX_REGS == 168   # the cap applied: three programs an SM
-    assert 3 * (r["shared_bytes"] + 1024) <= 228 * 1024   # three programs' shared memory and their reserved 1 KB
+    assert r["num_warps"] == 4 and r["wgmma"] and r["tma"] and r["mbarrier"]
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
+    assert 2 * r["registers"] * 128 <= 65536   # two programs an SM
+    assert 2 * (r["shared_bytes"] + 1024) <= 228 * 1024   # two programs' shared memory and their reserved 1 KB
 
 
 # ------------------------------------------------------------------------------------------ GPU numerics
 needs_gate = pytest.mark.skipif(not _on_h200_gate(), reason="the rows16 Gluon path runs on sm_90 with Triton "
                                 f"{d16.GLUON_TRITON_VERSIONS} (and {configs.GLUON_ROWS16_ENV} != 0)")
 LENS = [0, 1, 31, 32, 33, 1000, 129, 2047]
+# the scores come from q as two e4m3 terms (~2^-8 relative error an element, 1 - cos ~1e-7): lse to ~1e-5 of itself
+LSE_TOL = 5e-5
 
 
 @pytest.fixture
@@ -130,7 +131,7 @@ def _poison_past_the_ends(cache, table, lens):
 def test_gpu_matches_reference(h_q, s_q, causal, page, splits, calls):
     q, _, cache, table, seqlens, _ = _problem(len(LENS), s_q, h_q, page, LENS, "fp8", torch.bfloat16)
     _poison_past_the_ends(cache, table, LENS)
-    _check(q, cache, table, seqlens, "fp8", causal, splits)
+    _check(q, cache, table, seqlens, "fp8", causal, splits, lse_tol=LSE_TOL)
     assert len(calls) == 1  # the gated path ran, not the portable kernel
 
 
@@ -147,7 +148,7 @@ def test_gpu_against_the_portable_kernel(calls, monkeypatch):
     off = wf.mla.plan(q, cache, table, kv_format="fp8")
     want, want_lse = off.run(q, cache, table, seqlens, backend="triton")
     assert len(calls) == 1
-    assert_matches(out, lse, want, want_lse)
+    assert_matches(out, lse, want, want_lse, tol=LSE_TOL)
 
 
 @pytest.mark.gpu
@@ -158,7 +159,7 @@ def test_gpu_direct_call():
     with poisoned_outputs():
         out, lse = d16.mla_decode_rows16_gluon(q, cache, table, seqlens, 576 ** -0.5, False, 3,
                                                configs.GLUON_ROWS16_STAGES)
-    assert_matches(out, lse, *mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8"))
+    assert_matches(out, lse, *mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8"), tol=LSE_TOL)
 
 
 @pytest.mark.gpu
@@ -174,61 +175,52 @@ def test_gpu_cuda_graph_capture(calls):
 @pytest.mark.gpu
 @needs_gate
 def test_gpu_shared_views_read_what_tma_wrote():
-    """One step's rows by the kernel's TMA descriptors into its shared-memory tiles, read back through the views and
-    register layouts the step uses (latent as LK, scales transposed in registers, rope as the dot operand): each
-    must be the cache's bytes at the right (chunk, token, column). A transposed view of the scales' tile read the
-    wrong words on the H200 once (session 21), with every shape compiling."""
+    """One step's rows by the kernel's TMA descriptors (a page-64 latent box of [4, 64, 128], the scales) into its
+    shared-memory tiles, read back through the views and register layouts the step uses (each half's V as LV, the
+    scales as the score rows' [64, 4]): each must be the cache's bytes at the right (chunk, token, column). A
+    transposed view of a scales tile read the wrong words on the H200 once (session 21), with every shape
+    compiling."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    mma, _, _, b_op, lk, _, smem, smem_tma, smem_rope, smem_s = d16._layouts(gl)
+    _, _, _, _, _, lv, _, smem_lv, _, smem_rope, smem_s, _ = d16._layouts(gl)
 
     @gluon.jit
-    def views(kn_desc, kr_desc, ks_desc, OUT_K, OUT_S, OUT_R, MMA: gl.constexpr, B: gl.constexpr, LK: gl.constexpr,
-              SMEM_TMA: gl.constexpr, SMEM_ROPE: gl.constexpr, SMEM_S: gl.constexpr):
-        ring = gl.allocate_shared_memory(gl.uint8, [1, 32, 4, 128], SMEM_TMA)
-        r_tma = gl.allocate_shared_memory(gl.bfloat16, [1, 32, 64], SMEM_ROPE)
-        s_tma = gl.allocate_shared_memory(gl.float32, [1, 32, 4], SMEM_S)
-        bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    def views(kn_desc, ks_desc, OUT_K, OUT_S, LV: gl.constexpr, SMEM_LV: gl.constexpr, SMEM_S: gl.constexpr):
+        ring = gl.allocate_shared_memory(gl.uint8, [1, 4, 64, 128], SMEM_LV)
+        s_tma = gl.allocate_shared_memory(gl.float32, [1, 64, 4], SMEM_S)
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bar.index(0), count=1)
-        mbarrier.expect(bar.index(0), 32 * 656)
+        mbarrier.init(bar.index(1), count=1)
+        mbarrier.expect(bar.index(0), 64 * 512)
+        mbarrier.expect(bar.index(1), 64 * 16)
         tma.async_copy_global_to_shared(kn_desc, [0, 0, 0], bar.index(0), ring.index(0))
-        tma.async_copy_global_to_shared(kr_desc, [0, 264], bar.index(0), r_tma.index(0))
-        tma.async_copy_global_to_shared(ks_desc, [0, 128], bar.index(0), s_tma.index(0))
+        tma.async_copy_global_to_shared(ks_desc, [0, 128], bar.index(1), s_tma.index(0))
         mbarrier.wait(bar.index(0), 0)
-        k = gl.permute(ring.index(0).load(LK), [1, 0, 2])                  # [4, 32, 128] (chunk, token, byte)
-        KL: gl.constexpr = k.type.layout
-        w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, KL)))
-        t = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KL)))
-        c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, KL)))
-        gl.store(OUT_K + w[:, None, None] * 4096 + t[None, :, None] * 128 + c[None, None, :], k)
-        SL: gl.constexpr = gl.SliceLayout(1, MMA)
-        SCT: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [8, 0], [16, 0]], lane_bases=[[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
-            warp_bases=[[0, 1], [0, 2]], block_bases=[], shape=[32, 4])
-        sc = gl.convert_layout(gl.permute(s_tma.index(0).load(SCT), [1, 0]), SL, assert_trivial=True)
-        ws = gl.arange(0, 4, layout=gl.SliceLayout(1, SL))
-        ts = gl.arange(0, 32, layout=gl.SliceLayout(0, SL))
-        gl.store(OUT_S + ws[:, None] * 32 + ts[None, :], sc)
-        r = r_tma.index(0).reshape([32, 4, 16]).permute([1, 2, 0]).load(B)   # [4, 16, 32] (chunk, column, token)
-        BL: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])
-        r = gl.convert_layout(r, BL)
-        wr = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, BL)))
-        dr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, BL)))
-        tr = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))
-        gl.store(OUT_R + wr[:, None, None] * 512 + dr[None, :, None] * 32 + tr[None, None, :], r)
+        mbarrier.wait(bar.index(1), 0)
+        for h in gl.static_range(2):
+            k = ring.index(0).slice(h * 32, 32, dim=1).load(LV)                 # [4, 32, 128] (chunk, token, byte)
+            w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LV)))
+            t = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LV)))
+            c = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, LV)))
+            gl.store(OUT_K + w[:, None, None] * 8192 + (h * 32 + t)[None, :, None] * 128 + c[None, None, :], k)
+        SCL: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
+        sc = s_tma.index(0).load(SCL)
+        ts = gl.arange(0, 64, layout=gl.SliceLayout(1, SCL))
+        cs = gl.arange(0, 4, layout=gl.SliceLayout(0, SCL))
+        gl.store(OUT_S + ts[:, None] * 4 + cs[None, :], sc)
 
     cache = torch.randint(0, 120, (2, 64, 1, 656), dtype=torch.uint8, device="cuda")
-    kn, kr, ks = d16._descriptors(cache, (smem, smem_tma, smem_rope, smem_s))
-    out_k = torch.zeros(4, 32, 128, dtype=torch.uint8, device="cuda")
-    out_s = torch.zeros(4, 32, dtype=torch.float32, device="cuda")
-    out_r = torch.zeros(4, 16, 32, dtype=torch.bfloat16, device="cuda")
-    views[(1,)](kn, kr, ks, out_k, out_s, out_r, mma, b_op, lk, smem_tma, smem_rope, smem_s, num_warps=4)
-    rows = cache.view(-1, 656)[:32]
-    assert torch.equal(out_k, rows[:, :512].reshape(32, 4, 128).permute(1, 0, 2))
-    assert torch.equal(out_s, rows[:, 512:528].contiguous().view(torch.float32).t())
-    assert torch.equal(out_r, rows[:, 528:].contiguous().view(torch.bfloat16).reshape(32, 4, 16).permute(1, 2, 0))
+    kn, _, ks = d16._descriptors(cache, (smem_lv, smem_rope, smem_s))
+    out_k = torch.zeros(4, 64, 128, dtype=torch.uint8, device="cuda")
+    out_s = torch.zeros(64, 4, dtype=torch.float32, device="cuda")
+    views[(1,)](kn, ks, out_k, out_s, lv, smem_lv, smem_s, num_warps=4)
+    rows = cache.view(-1, 656)[:64]
+    assert torch.equal(out_k, rows[:, :512].reshape(64, 4, 128).permute(1, 0, 2))
+    assert torch.equal(out_s, rows[:, 512:528].contiguous().view(torch.float32))
 
 
 @pytest.mark.gpu
@@ -242,5 +234,5 @@ def test_gpu_cache_tma_cannot_read_takes_the_portable_kernel(calls):
     shifted = buf[8:].view(cache.shape)
     shifted.copy_(cache)
     assert not d16.cache_ok(shifted)
-    _check(q, shifted, table, seqlens, "fp8", False)
+    _check(q, shifted, table, seqlens, "fp8", False)   # the portable kernel: exact fp16 scores
     assert calls == []

@@ -57,9 +57,9 @@ GLUON_PAGE = 64                         # one cache page = one 64-token step
 GLUON_WAVES = 1                         # one program fills an SM's shared memory: split for one wave
 
 # The Gluon kernel for requests of at most 16 query rows over FP8 caches (decode_rows16_gluon_kernel.py; api.rows16_gate
-# decides): 168 registers (its maxnreg) and ~71 KB of shared memory at 3 slots, three programs an SM; slots 2-4 and
-# splits 2-3 measured within a few % of each other on the H200 (benchmarks/NOTES.md, session 21)
+# decides): one warpgroup, ~206 registers and ~109 KB of shared memory at 2 slots of 64 tokens, two programs an SM
+# (benchmarks/NOTES.md, session 22)
 GLUON_ROWS16_ENV = "WARPFORGE_MLA_GLUON_ROWS16"  # "0": those requests keep the portable kernel
 GLUON_ROWS16_MAX_ROWS = 16
-GLUON_ROWS16_STAGES = 3   # TMA ring slots of 32 tokens
-GLUON_ROWS16_WAVES = 3    # programs per SM the split count aims at
+GLUON_ROWS16_STAGES = 2   # TMA ring slots of 64 tokens
+GLUON_ROWS16_WAVES = 2    # programs per SM the split count aims at
