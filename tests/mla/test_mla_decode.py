@@ -35,15 +35,29 @@ def graph_replayed(plan, q, cache, table, seqlens, kv_scale=None, grow=7):
     return g_out, g_lse
 
 
-def assert_matches(out, lse, want, want_lse, tol=1e-5):
-    """out within 1 - cos <= tol of want; lse finite exactly where want_lse is, and close there."""
+def assert_matches(out, lse, want, want_lse, tol=1e-5, lse_tol=None):
+    """out within 1 - cos <= tol of want; lse finite exactly where want_lse is, and within lse_tol (default tol)
+    there."""
     assert 1 - cosine(out, want) <= tol
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite], want_lse[finite], rtol=tol, atol=tol)
+    lse_tol = tol if lse_tol is None else lse_tol
+    assert torch.allclose(lse[finite], want_lse[finite], rtol=lse_tol, atol=lse_tol)
 
 
-def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None, lse_tol=1e-5):
+# The h_q <= 16 FP8 Gluon kernel (decode_rows16_gluon_kernel.py) scores the raw e4m3 cache against q as two e4m3
+# terms: ~2^-8 relative error an element of q (1/16 of the cache's own rounding), 1 - cos ~1e-7 on long requests,
+# lse within ~1e-3 on a request of one token (its lse is that one score)
+LSE_TOL_ROWS16 = 2e-3
+
+
+def lse_tol(q, cache, table, fmt) -> float:
+    """The lse tolerance of the path wf.mla_decode takes for this problem."""
+    rows16 = fmt == "fp8" and table is not None and wf.mla.plan(q, cache, table, kv_format=fmt).rows16
+    return LSE_TOL_ROWS16 if rows16 else 1e-5
+
+
+def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None):
     with poisoned_outputs():
         out, lse = wf.mla_decode(q, cache, table, seqlens, causal=causal, kv_format=fmt, kv_scale=kv_scale,
                                  num_splits=splits, backend="triton")
@@ -56,7 +70,7 @@ def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None, ls
     assert torch.equal(torch.isfinite(lse), finite)
     assert torch.all(lse[~finite] == float("-inf"))
     rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp(min=1)).max()
-    assert rel <= lse_tol
+    assert rel <= lse_tol(q, cache, table, fmt)
     empty = seqlens == 0
     assert torch.all(out[empty] == 0)
     return out
@@ -322,6 +336,7 @@ def test_fp16_math_variant(fmt, load, h_q, s_q, causal, splits, monkeypatch):
     within bf16-level error of the dequantised-cache reference. The cache rows past each request's end hold
     NaN codes and scales, which must not reach the output."""
     from warpforge.ops.mla import configs
+    monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "0")   # a portable-kernel variant
     monkeypatch.setattr(configs, "DECODE",
                         configs.DECODE.map(lambda c: c._replace(fp16_math=True, prefetch=load == "prefetch")))
     q, _, cache, table, seqlens, kv_scale = _problem(2, s_q, h_q, 16, [300, 77], fmt)
@@ -346,6 +361,7 @@ def test_index_ahead_variant(fmt, sparse, monkeypatch):
     """MLACfg.index_ahead (each step's page ids or slots loaded a step early, the last step's look-ahead past
     the end masked off) gives the same results as loading them in step."""
     from warpforge.ops.mla import configs
+    monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "0")   # a portable-kernel variant
     monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda c: c._replace(index_ahead=True)))
     if sparse:
         q, cache, indices, topk_length, kv_scale = _sparse(2, 2, 16, 16, 37, fmt, True)

@@ -1,33 +1,35 @@
 """MLA decode of at most 16 query rows a request (h_q · s_q <= 16: 16-head shards at s_q 1) over an FP8 cache, for
-Hopper (sm_90) in Gluon: each warp one 128-wide chunk of the latent, a TMA ring of the raw rows, mma.sync.
+Hopper (sm_90) in Gluon: one warpgroup; the scores by e4m3 wgmma on the raw cache bytes with the tokens as M, P·V by
+mma.sync with each warp owning one 128-wide chunk of the output.
 
 The same problem and outputs as decode_kernel.mla_decode_split_kernel for the case the api gate sends here (dense
 block table, an FP8 cache whose pages are contiguous rows, bf16 q, rows <= 16, page size 16 / 32 / 64): program
-(request · split) walks its split's tokens BLOCK_N = 32 at a time and writes the split's partials (o_part [split, b,
+(request · split) walks its split's tokens BLOCK_N = 64 at a time and writes the split's partials (o_part [split, b,
 rows, 512] fp32, lse_part [split, b, rows] in log2 units, for combine_splits) or, with one split, the final out /
 lse.
 
-Why this kernel: at 16 rows decode is bound by reading the cache (656 bytes a token against bf16's 1152), but the
-64-row kernel (decode_gluon_kernel.py) pads 16 rows to 64 for wgmma and converts in shared memory, and the
-portable kernel waits for every copy at the top of each step. This is paged decode's Gluon design
-(ops/paged/decode_gluon_kernel.py, measured there) with the warps cutting the latent instead of the tokens:
-- a step's 32 rows come in by TMA (per 32 or 16 contiguous rows of a page: the latent as one [rows, 4, 128] box,
-  the rope, the scales, each copy on an mbarrier of its own) into a ring slot; per-thread 16-byte cp.async of the
-  same bytes ran at 2.3-2.7 TB/s with no math at all (benchmarks/NOTES.md, session 21);
-- warp w owns latent columns [128 w, 128 w + 128) (FP8's scale group w) and rope columns [16 w, 16 w + 16): it
-  reads its chunk once as Kᵀ and once as V in the two register layouts (LK, LV) whose e4m3 -> fp16 values are the
-  mma.sync B fragments (checked at compile time: `convert_layout(..., assert_trivial=True)`; the head dim
-  relabelled through sigma_k / sigma_v, composed into q's load and the output's store), and keeps O[:, its 128
-  columns] (fp32, 64 registers a thread);
-- scores: each warp's q_w · K_wᵀ times the rows' chunk-w scales, plus its rope slice (bf16 dot), summed over the
-  four warps (one cross-warp reduction through shared memory a step); every warp then runs the same online softmax;
-- P·V: p times the rows' chunk-w scales, in fp16, times the warp's V chunk into its accumulator.
-Dots in fp16 as the portable FP8 path runs them (e4m3 -> fp16 is one cvt a pair and exact; q rounds to fp16 within
-its range; the probabilities times a power-of-two scale round to fp16); the rope dot in bf16; fp32 accumulation.
+Why this shape: at 16 rows decode should be bound by reading the cache (656 bytes a token against bf16's 1152). The
+first version of this kernel (session 21) converted every byte to fp16 twice (as Kᵀ and as V) and summed four warps'
+partial scores each step: bound by the latency of that chain at 0.63-0.76x the bf16 cache. Here (TensorRT-LLM XQA's
+and b12x's arrangement, written for Gluon's wgmma):
+- a step's 64 rows come in by TMA: the latent as one [4, 64, 128] box (chunk outermost: four [64, 128] tiles in the
+  wgmma's 128-byte swizzle; a [1, page, 128] box per chunk for pages under 64), the rope and the scales beside it,
+  each kind of copy on an mbarrier allocation of its own;
+- scores S [64 tokens, 16 rows]: per chunk c one e4m3 wgmma (M 64 tokens, N 16 rows · 2 terms, K 128) of the raw
+  codes against q, which is carried as two e4m3 terms of q / a (a = the row's amax / 448; the second term the first's
+  rounding error times 16, stacked along N), times the tokens' chunk-c scales (FP8's scale group is the chunk); the
+  rope by a bf16 wgmma. No byte of K is converted. Accuracy: q's error ~2^-8 an element (1/16 of the cache's own
+  rounding), 1 - cos ~1e-7 against the dequantised-cache reference, lse within ~1e-3 on one-token requests;
+- the online softmax in the accumulator's layout: each warp's max over its 16 tokens by shuffles, the four warps' by
+  one [4, 16] exchange in shared memory (one CTA barrier); the row sums kept per token slot and summed at the end;
+- P times each chunk's scales in fp16, all four [64, 16] in one store, one barrier; warp w then reads its chunk's
+  P (ldmatrix) and V (16 bytes of a token row a thread, LV: its e4m3 -> fp16 values are the mma.sync B fragments
+  with no data movement, the output's columns relabelled through sigma_v, paged decode's design) in two 32-token
+  halves into O[:, its 128 columns] (fp32, 64 registers a thread).
+~206 registers, ~109 KB of shared memory at two ring slots: two programs an SM.
 
-Where it stands (H200, b 128, h_q 16): 0.63x / 0.76x the bf16 cache's speed at L 4k / 16k, 12-22% faster than the
-portable kernel; bound by the latency of its per-step chain, not by memory (the copies alone reach 3-4 TB/s) nor by
-the conversions (benchmarks/NOTES.md, session 21, with the variants to try next).
+Where it stands (H200, b 128, h_q 16, benchmarks/NOTES.md session 22): 1.2x / 1.47x the bf16 cache's speed at L 4k /
+16k (bar 1.6x).
 
 Gluon's API changes between Triton releases: everything here is imported lazily (`available()`), and api.py only
 dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
@@ -66,8 +68,8 @@ def _layouts(gl):
     [4 chunks, 16 rows, 128 columns] with its operands; LV: a sub-step's V as [4, 32, 128] bytes (chunk = warp, token,
     column), 16 consecutive columns of tokens t, t + 1 (+ 8, + 16) in one thread: converted to fp16 and reshaped so
     that logical column n is chunk column sigma_v(n), the mma.sync B fragments with no data movement.
-    SMEM_LAT: a [64, 128] chunk tile as TMA writes it and the wgmma reads it (128-byte swizzle); SMEM_LV the same
-    bytes as [4, 64, 128] (the swizzle's phase is the token row in both)."""
+    SMEM_LAT: a [64, 128] chunk tile as the wgmma reads it (128-byte swizzle); SMEM_LV the same bytes as TMA writes
+    them and LV reads them, [4, 64, 128] (the swizzle's phase is the token row in both)."""
     s = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS, 16])
     sq = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS * Q_TERMS, 32])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
