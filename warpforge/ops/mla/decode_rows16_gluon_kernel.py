@@ -107,7 +107,8 @@ def _build():
     def _issue(kn_desc, kr_desc, ks_desc, ring, r_ring, s_ring, bars, slot, bt_row, n0, end, last_page,
                PAGE: gl.constexpr, BOX: gl.constexpr):
         """TMA of tokens n0 .. n0 + 63's rows into the rings' slot (BOX contiguous rows of one page at a time; the
-        latent as four [BOX, 128] chunk boxes), on bars[.][slot]; nothing when the step starts at or past end."""
+        latent as one [4, 64, 128] box, or for smaller pages one [1, BOX, 128] box per chunk), on bars[.][slot];
+        nothing when the step starts at or past end."""
         # each kind of copy on a barrier allocation of its own: the compiler orders every pair of shared-memory
         # writes to one allocation (a copy's arrival on its barrier is one) with a CTA barrier
         PARTS: gl.constexpr = BN // BOX
