@@ -236,6 +236,11 @@ for step in "$@"; do
                     (cd "$d" && echo "$d" && PYTHONPATH=$PWD timeout 120 python3 scripts/probe_mla_rows16.py $PROBE_ARGS \
                        > "$w/$d-probe-rows16.log" 2>&1; grep -v Warn "$w/$d-probe-rows16.log")
                   done ;;
+    # the rows16 ablations (copies alone, math alone, ...) from the scratch branch s22-rows16-ablate exported into
+    # .ablate (`git archive s22-rows16-ablate | tar -x -C .head/.ablate`)
+    ablate-rows16) (cd .ablate && PYTHONPATH=$PWD timeout 150 python3 scripts/probe_mla_rows16.py --L 4096,16384 \
+                      --slots 2 --splits 2 --ablate 0,1,2,4,8 > "$w/ablate-rows16.log" 2>&1
+                    grep -v Warn "$w/ablate-rows16.log") ;;
     probe-mma8) timeout 60 python3 scripts/probe_mma_sync_fp8.py > "$w/probe-mma8.log" 2>&1; grep -v Warn "$w/probe-mma8.log" ;;
     probe-rows16) timeout 240 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/probe-rows16.log" 2>&1; cat "$w/probe-rows16.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
