@@ -51,7 +51,7 @@ def assert_matches(out, lse, want, want_lse, tol=1e-5, lse_tol=None):
 LSE_TOL_ROWS16 = 2e-3
 
 
-def lse_tol(q, cache, table, fmt) -> float:
+def lse_tolerance(q, cache, table, fmt) -> float:
     """The lse tolerance of the path wf.mla_decode takes for this problem."""
     rows16 = fmt == "fp8" and table is not None and wf.mla.plan(q, cache, table, kv_format=fmt).rows16
     return LSE_TOL_ROWS16 if rows16 else 1e-5
@@ -70,7 +70,7 @@ def _check(q, cache, table, seqlens, fmt, causal, splits=None, kv_scale=None):
     assert torch.equal(torch.isfinite(lse), finite)
     assert torch.all(lse[~finite] == float("-inf"))
     rel = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp(min=1)).max()
-    assert rel <= lse_tol(q, cache, table, fmt)
+    assert rel <= lse_tolerance(q, cache, table, fmt)
     empty = seqlens == 0
     assert torch.all(out[empty] == 0)
     return out

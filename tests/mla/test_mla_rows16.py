@@ -183,7 +183,7 @@ def test_gpu_shared_views_read_what_tma_wrote():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-    _, _, _, _, _, lv, _, smem_lv, _, smem_rope, smem_s, _ = d16._layouts(gl)
+    _, _, _, _, _, lv, _, smem_lv, smem_rope, smem_s, _ = d16._layouts(gl)
 
     @gluon.jit
     def views(kn_desc, ks_desc, OUT_K, OUT_S, LV: gl.constexpr, SMEM_LV: gl.constexpr, SMEM_S: gl.constexpr):

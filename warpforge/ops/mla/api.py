@@ -163,6 +163,13 @@ def _gluon_switch() -> bool:
     return triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS)
 
 
+def _gluon_eligible(q, sparse) -> bool:
+    """What both Gluon kernels need: an sm_90 device, bf16 q, a dense decode, a Triton in
+    configs.GLUON_TRITON_VERSIONS, WARPFORGE_MLA_GLUON not "0"."""
+    return (q.device.type == "cuda" and arch_key(q.device) == "sm90" and not sparse and q.dtype == torch.bfloat16
+            and _gluon_switch())
+
+
 def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     """Whether a plan for these shapes takes the Hopper Gluon kernel: an sm_90 device, a Triton in
     configs.GLUON_TRITON_VERSIONS, bf16 q, dense (block table, no indices), h_q · s_q >= 64 query rows,
@@ -171,10 +178,8 @@ def gluon_gate(q, kv_cache, kv_format, sparse) -> bool:
     is "0"; one of page size 64 may be read by the kernel itself instead: quantized_in_kernel). Everything else
     runs the portable kernel (so does a bf16 run whose cache is not 16-byte aligned for TMA, checked at run
     time)."""
-    if q.device.type != "cuda" or arch_key(q.device) != "sm90":
-        return False
     b, s_q, h_q, _ = q.shape
-    if sparse or q.dtype != torch.bfloat16 or s_q * h_q < configs.GLUON_MIN_ROWS or not _gluon_switch():
+    if s_q * h_q < configs.GLUON_MIN_ROWS or not _gluon_eligible(q, sparse):
         return False
     if kv_format != "bf16":
         return os.environ.get(configs.GLUON_DEQUANT_ENV, "1") != "0"
@@ -186,12 +191,10 @@ def rows16_gate(q, kv_format, sparse) -> bool:
     device, a Triton in configs.GLUON_TRITON_VERSIONS, bf16 q, dense, an FP8 cache, h_q · s_q <= 16 query rows,
     WARPFORGE_MLA_GLUON_ROWS16 not "0" (a cache TMA cannot read as it is, decode_rows16_gluon_kernel.cache_ok, takes
     the portable kernel, checked at run time)."""
-    if q.device.type != "cuda" or arch_key(q.device) != "sm90":
-        return False
     b, s_q, h_q, _ = q.shape
-    if sparse or q.dtype != torch.bfloat16 or kv_format != "fp8" or s_q * h_q > configs.GLUON_ROWS16_MAX_ROWS:
+    if kv_format != "fp8" or s_q * h_q > configs.GLUON_ROWS16_MAX_ROWS:
         return False
-    return os.environ.get(configs.GLUON_ROWS16_ENV, "1") != "0" and _gluon_switch()
+    return os.environ.get(configs.GLUON_ROWS16_ENV, "1") != "0" and _gluon_eligible(q, sparse)
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: Optional[torch.Tensor],

@@ -47,7 +47,7 @@ ROWS = 16           # query rows per program: the score wgmma's N (per term of q
 WARPS = 4           # one warpgroup; for P·V warp w owns latent chunk w (128 columns)
 BLOCK_N = 64        # cache tokens per step: the score wgmma's M
 HALF_N = 32         # tokens per P·V sub-step (registers)
-Q_TERMS = 2         # q as a sum of this many e4m3 terms (1: 1 - cos ~3e-4; 2: ~1e-7, lse ~1e-5)
+Q_TERMS = 2         # q as two e4m3 terms (one: 1 - cos ~3e-4; two: ~1e-7; scripts/emulate_rows16_numerics.py)
 ROW_BYTES = 656     # FP8 row: 512 e4m3, 4 fp32 scales, 64 bf16 rope (kv_format.py)
 SCALE_OFF = 512
 ROPE_OFF = 528
@@ -63,13 +63,13 @@ def sigma_v(n: int) -> int:
 
 
 def _layouts(gl):
-    """(S, SQ, MMA, A, B, LV, SMEM_LAT, SMEM_LV, SMEM_Q, SMEM_ROPE, SMEM_S, SMEM_P).
+    """(S, SQ, MMA, A, B, LV, SMEM_LAT, SMEM_LV, SMEM_ROPE, SMEM_S, SMEM_P).
     S / SQ: the score wgmmas' accumulators [64 tokens, 16 rows] / [64, 16 · Q_TERMS]; MMA / A / B: P·V's mma.sync
     [4 chunks, 16 rows, 128 columns] with its operands; LV: a sub-step's V as [4, 32, 128] bytes (chunk = warp, token,
     column), 16 consecutive columns of tokens t, t + 1 (+ 8, + 16) in one thread: converted to fp16 and reshaped so
     that logical column n is chunk column sigma_v(n), the mma.sync B fragments with no data movement.
-    SMEM_LAT: a [64, 128] chunk tile as the wgmma reads it (128-byte swizzle); SMEM_LV the same bytes as TMA writes
-    them and LV reads them, [4, 64, 128] (the swizzle's phase is the token row in both)."""
+    SMEM_LAT: a [64, 128] chunk tile as the wgmma reads it (128-byte swizzle; q's terms too); SMEM_LV the same bytes
+    as TMA writes them and LV reads them, [4, 64, 128] (the swizzle's phase is the token row in both)."""
     s = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS, 16])
     sq = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, ROWS * Q_TERMS, 32])
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
@@ -81,11 +81,10 @@ def _layouts(gl):
         block_bases=[], shape=[WARPS, HALF_N, 128])
     smem_lat = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     smem_lv = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=3)
-    smem_q = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     smem_rope = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     smem_s = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     smem_p = gl.SwizzledSharedLayout(8, 1, 8, order=[2, 1, 0])
-    return s, sq, mma, a, b, lv, smem_lat, smem_lv, smem_q, smem_rope, smem_s, smem_p
+    return s, sq, mma, a, b, lv, smem_lat, smem_lv, smem_rope, smem_s, smem_p
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,14 +131,19 @@ def _build():
                                                 s_ring.index(slot * PARTS + part))
 
     @gluon.jit
+    def _chunk_scores(ring8, cur, c: gl.constexpr, q_s, SQ: gl.constexpr):
+        """The async e4m3 wgmma of step slot cur's chunk c [64 tokens, 128] against q's terms' chunk c."""
+        return warpgroup_mma(ring8.index(cur * NW + c), q_s.slice(c * 128, 128, dim=1).permute((1, 0)),
+                             gl.zeros([BN, NR * NT], gl.float32, SQ), use_acc=False, is_async=True)
+
+    @gluon.jit
     def _scores(ring8, cur, r_tile, sc, q_s, qr_s, q_a, qk_scale, S: gl.constexpr, SQ: gl.constexpr):
         """[64 tokens, 16 rows] scores of a step (log2 units): per 128-column chunk one e4m3 wgmma of the raw codes
         against q's terms (N = 16 · Q_TERMS), times the tokens' chunk scales; the rope by a bf16 wgmma."""
-        zq = gl.zeros([BN, NR * NT], gl.float32, SQ)
-        t0 = warpgroup_mma(ring8.index(cur * NW), q_s.slice(0, 128, dim=1).permute((1, 0)), zq, use_acc=False, is_async=True)
-        t1 = warpgroup_mma(ring8.index(cur * NW + 1), q_s.slice(128, 128, dim=1).permute((1, 0)), zq, use_acc=False, is_async=True)
-        t2 = warpgroup_mma(ring8.index(cur * NW + 2), q_s.slice(256, 128, dim=1).permute((1, 0)), zq, use_acc=False, is_async=True)
-        t3 = warpgroup_mma(ring8.index(cur * NW + 3), q_s.slice(384, 128, dim=1).permute((1, 0)), zq, use_acc=False, is_async=True)
+        t0 = _chunk_scores(ring8, cur, 0, q_s, SQ)
+        t1 = _chunk_scores(ring8, cur, 1, q_s, SQ)
+        t2 = _chunk_scores(ring8, cur, 2, q_s, SQ)
+        t3 = _chunk_scores(ring8, cur, 3, q_s, SQ)
         tr = warpgroup_mma(r_tile, qr_s.permute((1, 0)), gl.zeros([BN, NR], gl.float32, S), use_acc=False,
                            is_async=True)
         even, odd = gl.split(gl.reshape(sc, [BN, 2, 2]))   # chunks 0, 2 / 1, 3
@@ -151,15 +155,8 @@ def _build():
         lat_s += a1 * gl.convert_layout(sc1, ROWL, assert_trivial=True)[:, None]
         lat_s += a2 * gl.convert_layout(sc2, ROWL, assert_trivial=True)[:, None]
         lat_s += a3 * gl.convert_layout(sc3, ROWL, assert_trivial=True)[:, None]
-        if NT == 1:
-            s = gl.convert_layout(lat_s, S, assert_trivial=True)
-        else:
-            terms = gl.permute(gl.reshape(lat_s, [BN, NT, NR]), [0, 2, 1])
-            if NT == 2:
-                hi, lo = gl.split(terms)
-                s = gl.convert_layout(hi + lo * 0.0625, S, assert_trivial=True)
-            else:
-                gl.static_assert(NT == 2, "Q_TERMS is 1 or 2")
+        hi, lo = gl.split(gl.permute(gl.reshape(lat_s, [BN, NT, NR]), [0, 2, 1]))   # q's two terms
+        s = gl.convert_layout(hi + lo * 0.0625, S, assert_trivial=True)
         return (s * q_a[None, :] + ar) * qk_scale
 
     @gluon.jit
@@ -233,7 +230,7 @@ def _build():
         H_Q: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, CAUSAL: gl.constexpr, FINAL: gl.constexpr,
         STAGES: gl.constexpr,
         S: gl.constexpr, SQ: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LV: gl.constexpr,
-        SMEM_LAT: gl.constexpr, SMEM_LV: gl.constexpr, SMEM_Q: gl.constexpr, SMEM_ROPE: gl.constexpr,
+        SMEM_LAT: gl.constexpr, SMEM_LV: gl.constexpr, SMEM_ROPE: gl.constexpr,
         SMEM_S: gl.constexpr, SMEM_P: gl.constexpr,
     ):
         """Program b · n_splits + split. Lengths are clamped to [0, capacity] and page ids to [0, last_page]
@@ -280,7 +277,7 @@ def _build():
         amax = gl.max(gl.abs(qv), axis=1)
         qa = gl.where(amax > 0, amax / QMAX, 1.0)
         x = qv / qa[:, None]
-        q_s = gl.allocate_shared_memory(gl.float8e4nv, [NR * NT, DV], SMEM_Q)   # chunk c: columns 128 c ..
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [NR * NT, DV], SMEM_LAT)   # chunk c: columns 128 c ..
         t = x.to(gl.float8e4nv)
         q_s.slice(0, NR, dim=0).store(t)
         if NT == 2:
@@ -393,7 +390,7 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     num_splits = o_part.shape[0]
-    s, sq, mma, a, bl, lv, smem_lat, smem_lv, smem_q, smem_rope, smem_s, smem_p = _layouts(gl)
+    s, sq, mma, a, bl, lv, smem_lat, smem_lv, smem_rope, smem_s, smem_p = _layouts(gl)
     kn_desc, kr_desc, ks_desc = _descriptors(kv_cache.view(torch.uint8), (smem_lv, smem_rope, smem_s))
     args = (q, kn_desc, kr_desc, ks_desc, block_table, cache_seqlens, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2), block_table.stride(0),
@@ -401,7 +398,7 @@ def launch_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, 
             softmax_scale * LOG2E, block_table.shape[1] * kv_cache.shape[1] if kv_cache.shape[0] else 0,
             max(kv_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, S_Q=s_q, PAGE=kv_cache.shape[1], CAUSAL=bool(causal), FINAL=bool(final), STAGES=stages,
-                S=s, SQ=sq, MMA=mma, A=a, B=bl, LV=lv, SMEM_LAT=smem_lat, SMEM_LV=smem_lv, SMEM_Q=smem_q,
+                S=s, SQ=sq, MMA=mma, A=a, B=bl, LV=lv, SMEM_LAT=smem_lat, SMEM_LV=smem_lv,
                 SMEM_ROPE=smem_rope, SMEM_S=smem_s, SMEM_P=smem_p, num_warps=WARPS, maxnreg=MAX_REGS)
     return kernel, (num_splits * b,), args, meta
 
