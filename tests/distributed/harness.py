@@ -1,0 +1,78 @@
+"""Run a function on N CPU processes joined by gloo, and bring back what each returned.
+
+`run_ranks(fn, world, *args)` spawns `world` processes; each joins one gloo group, calls fn(rank, world, *args)
+and sends its return value (anything picklable; tensors are moved to the CPU) back. fn must be a module-level
+function (the children import it by name). A child that raises fails the caller with the child's traceback."""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank, world, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # CI has two cores for every rank
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        out = fn(rank, world, *args)
+        results.put((rank, _cpu(out), None))
+    except BaseException:  # noqa: BLE001 - the parent re-raises it
+        results.put((rank, None, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def _cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    return x
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
+    """[fn's return value on rank 0, ..., on rank world - 1]."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < world:
+            if results.empty():
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode not in (None, 0)]
+                if dead and results.empty():  # a child that died without a word (a crash, a kill)
+                    raise RuntimeError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world)) - set(got))} did not finish in {timeout} s")
+                time.sleep(0.02)
+                continue
+            rank, out, err = results.get()
+            if err is not None:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            got[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=timeout)
+            if p.is_alive():
+                p.kill()
+    return [got[r] for r in range(world)]

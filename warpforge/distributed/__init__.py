@@ -1,0 +1,4 @@
+"""Training across processes on torch.distributed: expert parallelism for MoE (all-to-all), context
+parallelism for long attention (ring attention), and a ZeRO-2-style sharded optimizer. The GPT's trainer
+(models/gpt/train.py) uses them; each also works on its own in any torch.distributed program (gloo on CPU,
+NCCL on GPUs)."""
