@@ -5,6 +5,7 @@ and sends its return value (anything picklable; tensors are moved to the CPU) ba
 function (the children import it by name). A child that raises fails the caller with the child's traceback."""
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -28,7 +29,10 @@ def _child(rank, world, port, fn, args, results):
     try:
         torch.manual_seed(0)
         out = fn(rank, world, *args)
-        results.put((rank, _cpu(out), None))
+        # as bytes: a tensor put on the queue itself travels as shared memory that dies with this process
+        buf = io.BytesIO()
+        torch.save(_cpu(out), buf)
+        results.put((rank, buf.getvalue(), None))
     except BaseException:  # noqa: BLE001 - the parent re-raises it
         results.put((rank, None, traceback.format_exc()))
     finally:
@@ -69,7 +73,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
             rank, out, err = results.get()
             if err is not None:
                 raise RuntimeError(f"rank {rank} failed:\n{err}")
-            got[rank] = out
+            got[rank] = torch.load(io.BytesIO(out), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=timeout)
