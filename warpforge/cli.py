@@ -119,6 +119,7 @@ def cmd_gpt_train(args) -> int:
     from .models.gpt.train import TrainError, train
     settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
+                    batch_scaling=args.batch_scaling,
                     ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks,
                     tokenizer=args.tokenizer, wandb=args.wandb)
     for name, value in getattr(args, "config_overrides", {}).items():
@@ -327,11 +328,15 @@ def _train_parser(gsub) -> None:
     gt.add_argument("--monarch-blocks", type=positive_int, default=None,
                     help="--mlp monarch: blocks per MonarchLinear (default 4; d_model and the feed-forward width must "
                          "divide by it)")
-    gt.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
-                    help="under torchrun: DDP (default) or FSDP2 (sharded parameters and optimizer state)")
+    gt.add_argument("--parallel", choices=("ddp", "zero2", "fsdp"), default=None,
+                    help="under torchrun: DDP (default), ZeRO-2 (gradients reduce-scattered as the backward makes "
+                         "them, optimizer state sharded) or FSDP2 (parameters sharded too)")
+    gt.add_argument("--batch-scaling", choices=("strong", "weak"), default=None,
+                    help="under torchrun: the preset's batch is the global batch split across the processes "
+                         "(strong, default) or each process's (weak: the global batch grows with the processes)")
     gt.add_argument("--ddp-bucket-mb", type=positive_float, default=None,
-                    help="DDP gradient bucket size in MB (default 25): one all-reduce and one compiled-graph split "
-                         "each")
+                    help="DDP and ZeRO-2 gradient bucket size in MB (default 25): one all-reduce (ZeRO-2: one "
+                         "reduce-scatter) and one compiled-graph split each")
     gt.add_argument("--ddp-bf16-grads", action="store_true", help="DDP: all-reduce gradients in bf16 (half the bytes)")
     gt.add_argument("--controller", choices=("monarch",), default=None,
                     help="one controller process drives a torchmonarch mesh of --procs trainer processes (DDP) and "

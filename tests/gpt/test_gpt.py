@@ -5,6 +5,7 @@ import torch
 
 from warpforge.models.gpt import GPT, GPTConfig
 from warpforge.models.gpt import data as gdata
+from warpforge.models.gpt.config import PRESETS
 from warpforge.models.gpt.model import sample_next
 from warpforge.models.gpt.train import TrainError, train
 
@@ -172,16 +173,16 @@ def test_deepseek_mini_blocks_train_and_decode():
     assert torch.equal(fast, slow)
 
 
-def test_ddp_and_fsdp_two_processes_train_and_resume(tmp_path):
-    """torchrun with 2 CPU processes (gloo), DDP and FSDP2: each trains, checkpoints every rank's data position
-    with full weights, resumes; both give the same losses (the same averaged gradients, sharded or not)."""
+def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(tmp_path):
+    """torchrun with 2 CPU processes (gloo), DDP, ZeRO-2 and FSDP2: each trains, checkpoints every rank's data
+    position with full weights, resumes; all give the same losses (the same averaged gradients, sharded or not)."""
     import os
     import subprocess
     import sys
     # CPU processes even on a GPU machine (which may have fewer GPUs than ranks): this checks the logic
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     runs = {}
-    for parallel in ("ddp", "fsdp"):
+    for parallel in ("ddp", "zero2", "fsdp"):
         # --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold
         base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                 "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--parallel", parallel,
@@ -196,5 +197,21 @@ def test_ddp_and_fsdp_two_processes_train_and_resume(tmp_path):
         assert not torch.equal(ckpt["data_state"][0], ckpt["data_state"][1])
         assert all(not hasattr(v, "device_mesh") for v in ckpt["model"].values())  # full tensors, not shards
         runs[parallel] = [h["loss"] for h in ckpt["history"] if "loss" in h]
-    assert len(runs["ddp"]) == len(runs["fsdp"]) == 2
+    assert len(runs["ddp"]) == len(runs["zero2"]) == len(runs["fsdp"]) == 2
     assert runs["ddp"] == pytest.approx(runs["fsdp"], rel=1e-4)
+    assert runs["ddp"] == pytest.approx(runs["zero2"], rel=1e-4)
+
+
+def test_weak_scaling_keeps_each_process_batch(tmp_path):
+    """--batch-scaling weak: each of 2 processes takes the preset's batch, so a step is twice the preset's tokens."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--max-steps",
+                           "2", "--batch-scaling", "weak", "--parallel", "zero2", "--out", str(tmp_path / "run")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tiny = PRESETS["tiny"]
+    assert f"{2 * tiny.train.batch_size * tiny.model.seq_len} tokens/step" in done.stderr + done.stdout

@@ -96,8 +96,12 @@ class TrainConfig:
     compile: str = "auto"            # torch.compile the step: "on", "off", "graphs" (compiled and replayed from
                                      # CUDA graphs), "auto" (graphs on CUDA, where launch overhead otherwise bounds
                                      # the step and DDP cannot scale; off on CPU)
-    parallel: str = "ddp"            # several processes (torchrun): "ddp" (replicated) or "fsdp" (FSDP2: parameters,
-                                     # gradients and optimizer state sharded across ranks)
+    parallel: str = "ddp"            # several processes (torchrun): "ddp" (replicated), "zero2" (replicated parameters,
+                                     # gradients reduce-scattered and optimizer state sharded: ZeRO stage 2) or
+                                     # "fsdp" (FSDP2: parameters, gradients and optimizer state sharded across ranks)
+    batch_scaling: str = "strong"    # several processes: "strong" (batch_size is the global batch, split across the
+                                     # processes) or "weak" (batch_size is each process's: the global batch grows with
+                                     # the processes, as users scale out)
     ddp_bucket_mb: float = 25.0      # DDP's gradient bucket size: each bucket is one all-reduce, and under
                                      # torch.compile one graph split (DDPOptimizer), so fewer buckets fuse more
     ddp_bf16_grads: bool = False     # DDP: all-reduce gradients in bf16 (half the bytes; rounded once a step)

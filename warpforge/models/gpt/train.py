@@ -135,8 +135,10 @@ def _data(source: str, vocab_size: int, tokenizer: str = "bytes"):
 
 
 def _check(tcfg: TrainConfig) -> None:
-    if tcfg.parallel not in ("ddp", "fsdp"):
-        raise TrainError(f"parallel: expected 'ddp' or 'fsdp', got {tcfg.parallel!r}")
+    if tcfg.parallel not in ("ddp", "zero2", "fsdp"):
+        raise TrainError(f"parallel: expected 'ddp', 'zero2' or 'fsdp', got {tcfg.parallel!r}")
+    if tcfg.batch_scaling not in ("strong", "weak"):
+        raise TrainError(f"batch_scaling: expected 'strong' or 'weak', got {tcfg.batch_scaling!r}")
     if tcfg.compile not in ("on", "off", "auto", "graphs"):
         raise TrainError(f"compile: expected 'on', 'off', 'graphs' or 'auto', got {tcfg.compile!r}")
     if not tcfg.ddp_bucket_mb > 0:
@@ -155,11 +157,14 @@ def _check(tcfg: TrainConfig) -> None:
 
 @dataclass(frozen=True)
 class Env:
-    """This process's place: rank of world, the device, and whether parameters are sharded (FSDP2)."""
+    """This process's place: rank of world, the device, whether parameters are sharded (FSDP2), whether gradients
+    and optimizer state are (ZeRO-2), and the sequences this process takes a step."""
     rank: int
     world: int
     device: torch.device
     fsdp: bool
+    zero: bool = False
+    batch: int = 1
 
 
 def _distributed(tcfg: TrainConfig) -> Env:
@@ -172,9 +177,15 @@ def _distributed(tcfg: TrainConfig) -> Env:
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-    if tcfg.batch_size % world:
-        raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes")
-    return Env(rank, world, device, world > 1 and tcfg.parallel == "fsdp")
+    if tcfg.batch_scaling == "weak":
+        batch = tcfg.batch_size
+    elif tcfg.batch_size % world:
+        raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes (or keep it per "
+                         f"process: --batch-scaling weak)")
+    else:
+        batch = tcfg.batch_size // world
+    multi = world > 1
+    return Env(rank, world, device, multi and tcfg.parallel == "fsdp", multi and tcfg.parallel == "zero2", batch)
 
 
 # ------------------------------------------------------------------------------ model, parallelism
@@ -187,8 +198,13 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer]:
         load_weights(model, run.ckpt["model"], run.ckpt_path)  # full weights, before any sharding
     if env.fsdp:
         _shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
-                              fused=env.device.type == "cuda")
+    if env.zero:  # gradients reduce-scattered in buckets as the backward makes them; AdamW on this rank's shards
+        from ...distributed.zero import ShardedAdamW
+        optim = ShardedAdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
+                             bucket_mb=tcfg.ddp_bucket_mb)
+    else:
+        optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
+                                  fused=env.device.type == "cuda")
     return model, optim
 
 
@@ -234,7 +250,7 @@ def _wrap(model: GPT, tcfg: TrainConfig, env: Env):
     sharded the model in place already), then torch.compile by tcfg.compile. Checkpoints and evaluation keep
     using the plain module."""
     net = model
-    if env.world > 1 and not env.fsdp:
+    if env.world > 1 and not (env.fsdp or env.zero):
         from torch.nn.parallel import DistributedDataParallel
         # gradients live in the buckets (no copy into them after each backward)
         net = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -246,7 +262,8 @@ def _wrap(model: GPT, tcfg: TrainConfig, env: Env):
     cuda = env.device.type == "cuda"
     # auto on CUDA = graphs: compiled, the step is still bound by launching its kernels one by one, and DDP only
     # scales without that bound. FSDP2's per-block all-gathers are not captured: auto compiles without graphs there.
-    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and not env.fsdp)
+    # ZeRO-2's gradient hooks launch collectives from the backward: not yet run under graphs, so auto leaves them out.
+    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and not (env.fsdp or env.zero))
     if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and cuda):
         net = torch.compile(net, mode="reduce-overhead" if graphs else None)
     return net, graphs
@@ -334,13 +351,13 @@ class Trainer:
         self.model, self.optim = _build(run, env)
         self.teacher = _teacher(self.cfg, run.model_cfg, env)
         mcfg = run.model_cfg
-        self.batches = Batches(train_data, mcfg.seq_len, self.cfg.batch_size // env.world,
+        self.batches = Batches(train_data, mcfg.seq_len, env.batch,
                                seed=self.cfg.seed + env.rank, vocab_size=mcfg.vocab_size)
         self.ckpt = Checkpointer(run.out, run.preset, mcfg, self.cfg, self.model, self.optim, self.batches,
                                  rank=env.rank, world=env.world, fsdp=env.fsdp)
         self.step, self.history = self.ckpt.restore(run.ckpt) if run.ckpt else (0, [])
         self.net, self.graphs = _wrap(self.model, self.cfg, env)
-        self.tokens_per_step = self.cfg.batch_size * mcfg.seq_len
+        self.tokens_per_step = env.batch * env.world * mcfg.seq_len
         self.flops_per_token = self.model.flops_per_token()
         self.profiler = StepProfiler(env.rank == 0)  # WARPFORGE_PROFILE_STEPS=A:B: wall vs kernel time
 
@@ -436,7 +453,10 @@ class Trainer:
                     want = self.teacher(x)
                 loss = distill_loss(self.net(x), want)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self.env.zero:  # the gradients live in the optimizer's shards
+            self.optim.clip_grad_norm_(self.cfg.grad_clip)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         return loss
