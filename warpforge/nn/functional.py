@@ -211,6 +211,14 @@ def moe_experts(hidden, w13, w2, topk_weights, topk_ids, backend: Backend = None
     return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids)
 
 
+def expert_parallel_backend(backend: Backend) -> Optional[str]:
+    """The backend of the local experts under expert parallelism: warpforge's ops as chosen, and for the torch
+    baseline the reference's plain torch experts (torch._grouped_mm's path takes the whole routing, not a rank's
+    share)."""
+    b = pick(backend, "moe")
+    return "reference" if b == TORCH else b
+
+
 def grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids):
     t, k = topk_ids.shape
     inter = w2.shape[2]
