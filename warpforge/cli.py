@@ -119,7 +119,7 @@ def cmd_gpt_train(args) -> int:
     from .models.gpt.train import TrainError, train
     settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
-                    batch_scaling=args.batch_scaling,
+                    batch_scaling=args.batch_scaling, expert_parallel=args.expert_parallel or None,
                     ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks,
                     tokenizer=args.tokenizer, wandb=args.wandb)
     for name, value in getattr(args, "config_overrides", {}).items():
@@ -334,6 +334,9 @@ def _train_parser(gsub) -> None:
     gt.add_argument("--batch-scaling", choices=("strong", "weak"), default=None,
                     help="under torchrun: the preset's batch is the global batch split across the processes "
                          "(strong, default) or each process's (weak: the global batch grows with the processes)")
+    gt.add_argument("--expert-parallel", action="store_true",
+                    help="under torchrun, an MoE model: each process keeps num_experts / N of every MoE layer's "
+                         "experts and tokens travel to theirs by all-to-all (DDP for everything else)")
     gt.add_argument("--ddp-bucket-mb", type=positive_float, default=None,
                     help="DDP and ZeRO-2 gradient bucket size in MB (default 25): one all-reduce (ZeRO-2: one "
                          "reduce-scatter) and one compiled-graph split each")

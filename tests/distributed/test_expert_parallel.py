@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from warpforge import WarpforgeInputError
 from warpforge.distributed.expert_parallel import expert_parallel_experts, local_expert_range
-from warpforge.nn import functional as F
 from warpforge.nn.moe import MoE
 from warpforge.ops.moe import experts, route
 from warpforge.runtime import interpreter_enabled

@@ -68,11 +68,12 @@ class Checkpointer:
     save (the data positions and, under FSDP, the weights are gathered); rank 0 writes."""
 
     def __init__(self, out: Path, preset: str, model_cfg, train_cfg, model, optim, batches, *, rank: int = 0,
-                 world: int = 1, fsdp: bool = False):
+                 world: int = 1, fsdp: bool = False, experts: list[str] = ()):
         self.out, self.path = Path(out), Path(out) / "ckpt.pt"
         self.meta = {"model_cfg": asdict(model_cfg), "train_cfg": asdict(train_cfg), "preset": preset}
         self.model, self.optim, self.batches = model, optim, batches
         self.rank, self.world, self.fsdp = rank, world, fsdp
+        self.experts = list(experts)  # expert parallelism's sharded parameters: gathered to full ones on save
 
     def save(self, step: int, history: list, reason: str) -> None:
         states = [self.batches.state()]
@@ -80,7 +81,8 @@ class Checkpointer:
             import torch.distributed as dist
             states = [None] * self.world
             dist.all_gather_object(states, self.batches.state())
-        model_state, optim_state = _full_states(self.model, self.optim, self.fsdp)  # a collective under FSDP
+        # a collective under FSDP and expert parallelism
+        model_state, optim_state = _full_states(self.model, self.optim, self.fsdp, self.experts)
         if self.rank != 0:
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -94,7 +96,7 @@ class Checkpointer:
     def restore(self, ckpt: dict) -> tuple[int, list]:
         """Optimizer, data position and RNG from ckpt (the weights were loaded before any sharding); returns
         (step, history)."""
-        _load_optimizer(self.model, self.optim, ckpt["optim"], self.fsdp, self.path)
+        _load_optimizer(self.model, self.optim, ckpt["optim"], self.fsdp, self.path, self.experts)
         if len(ckpt["data_state"]) != self.world:
             raise CheckpointError(f"{self.path} was written by {len(ckpt['data_state'])} process(es), "
                                   f"not {self.world}")
@@ -153,9 +155,13 @@ def _first(exc: Exception) -> str:
     return text.split(". ")[0][:200] if text else type(exc).__name__
 
 
-def _full_states(model, optim, fsdp: bool):
+def _full_states(model, optim, fsdp: bool, experts: list[str] = ()):
     """(model, optimizer) state dicts; under FSDP full and on the CPU, gathered from every rank (a collective),
-    so the weights read the same whatever wrote them (the optimizer state is keyed by parameter name there)."""
+    so the weights read the same whatever wrote them (the optimizer state is keyed by parameter name there); under
+    expert parallelism with every expert's weights and state gathered (a collective)."""
+    if experts:
+        from .experts import full_states
+        return full_states(model, optim, experts)
     if not fsdp:
         return model.state_dict(), optim.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -164,9 +170,12 @@ def _full_states(model, optim, fsdp: bool):
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optim, options=opts)
 
 
-def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path) -> None:
+def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path, experts: list[str] = ()) -> None:
     try:
-        if fsdp:
+        if experts:
+            from .experts import local_optim_state
+            optim.load_state_dict(local_optim_state(model, state, experts))
+        elif fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))
         else:

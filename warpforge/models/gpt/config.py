@@ -102,6 +102,8 @@ class TrainConfig:
     batch_scaling: str = "strong"    # several processes: "strong" (batch_size is the global batch, split across the
                                      # processes) or "weak" (batch_size is each process's: the global batch grows with
                                      # the processes, as users scale out)
+    expert_parallel: bool = False    # several processes, an MoE model: each process keeps num_experts / W experts of
+                                     # every MoE layer and tokens reach them by all-to-all (DDP for the rest)
     ddp_bucket_mb: float = 25.0      # DDP's gradient bucket size: each bucket is one all-reduce, and under
                                      # torch.compile one graph split (DDPOptimizer), so fewer buckets fuse more
     ddp_bf16_grads: bool = False     # DDP: all-reduce gradients in bf16 (half the bytes; rounded once a step)

@@ -134,7 +134,7 @@ class GPT(nn.Module):
             for block in self.blocks:
                 if isinstance(block.mlp, MoE):
                     experts = block.mlp.w13.numel() + block.mlp.w2.numel()
-                    total -= experts * (1 - block.mlp.topk / block.mlp.w13.shape[0])
+                    total -= experts * (1 - block.mlp.topk / block.mlp.num_experts)
         return int(total)
 
     def flops_per_token(self) -> float:

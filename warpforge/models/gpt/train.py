@@ -26,6 +26,7 @@ import torch
 from ...errors import WarpforgeInputError
 from ...profiling import StepProfiler
 from ...runtime import device_spec, resolve_backend
+from . import experts as expert_parallel
 from .checkpoint import Checkpointer, CheckpointError, TrainError, check_writable, load_weights, read_checkpoint
 from .config import GPTConfig, TrainConfig, from_dict, preset
 from .data import Batches, cache_dir, load_split, load_tokens, tokenized_split
@@ -165,6 +166,7 @@ class Env:
     fsdp: bool
     zero: bool = False
     batch: int = 1
+    ep: bool = False  # MoE experts sharded over the processes (expert parallelism)
 
 
 def _distributed(tcfg: TrainConfig) -> Env:
@@ -185,12 +187,16 @@ def _distributed(tcfg: TrainConfig) -> Env:
     else:
         batch = tcfg.batch_size // world
     multi = world > 1
-    return Env(rank, world, device, multi and tcfg.parallel == "fsdp", multi and tcfg.parallel == "zero2", batch)
+    if multi and tcfg.expert_parallel and tcfg.parallel != "ddp":
+        raise TrainError(f"--expert-parallel runs with --parallel ddp, not {tcfg.parallel}")
+    return Env(rank, world, device, multi and tcfg.parallel == "fsdp", multi and tcfg.parallel == "zero2", batch,
+               multi and tcfg.expert_parallel)
 
 
 # ------------------------------------------------------------------------------ model, parallelism
-def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer]:
-    """The model (with the checkpoint's weights, then sharded under FSDP) and its AdamW."""
+def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer, list[str]]:
+    """The model (with the checkpoint's weights, then sharded under FSDP or expert parallelism), its AdamW, and the
+    names of the expert parameters that expert parallelism sharded."""
     tcfg = run.train_cfg
     torch.manual_seed(tcfg.seed)
     model = GPT(run.model_cfg).to(env.device)
@@ -198,6 +204,12 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer]:
         load_weights(model, run.ckpt["model"], run.ckpt_path)  # full weights, before any sharding
     if env.fsdp:
         _shard(model)
+    experts = []
+    if env.ep:
+        if not run.model_cfg.moe_experts or run.model_cfg.moe_experts % env.world:
+            raise TrainError(f"--expert-parallel needs an MoE model whose experts ({run.model_cfg.moe_experts}) "
+                             f"divide over the {env.world} processes")
+        experts = expert_parallel.shard(model)
     if env.zero:  # gradients reduce-scattered in buckets as the backward makes them; AdamW on this rank's shards
         from ...distributed.zero import ShardedAdamW
         optim = ShardedAdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
@@ -205,7 +217,7 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer]:
     else:
         optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
                                   fused=env.device.type == "cuda")
-    return model, optim
+    return model, optim, experts
 
 
 def _teacher(tcfg: TrainConfig, mcfg: GPTConfig, env: Env) -> GPT | None:
@@ -245,13 +257,15 @@ def _shard(model: GPT) -> None:
     fully_shard(model)
 
 
-def _wrap(model: GPT, tcfg: TrainConfig, env: Env):
+def _wrap(model: GPT, tcfg: TrainConfig, env: Env, experts: list[str]):
     """(the module the training step calls, whether it replays CUDA graphs): DDP across processes (FSDP2 has
     sharded the model in place already), then torch.compile by tcfg.compile. Checkpoints and evaluation keep
     using the plain module."""
     net = model
     if env.world > 1 and not (env.fsdp or env.zero):
         from torch.nn.parallel import DistributedDataParallel
+        if experts:  # each rank holds different experts: not averaged (their gradients already sum every rank's)
+            expert_parallel.ddp_ignore(model, experts)
         # gradients live in the buckets (no copy into them after each backward)
         net = DistributedDataParallel(model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                       bucket_cap_mb=tcfg.ddp_bucket_mb, gradient_as_bucket_view=True,
@@ -263,8 +277,9 @@ def _wrap(model: GPT, tcfg: TrainConfig, env: Env):
     # auto on CUDA = graphs: compiled, the step is still bound by launching its kernels one by one, and DDP only
     # scales without that bound. FSDP2's per-block all-gathers are not captured: auto compiles without graphs there.
     # ZeRO-2's gradient hooks launch collectives from the backward: not yet run under graphs, so auto leaves them out.
-    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and not (env.fsdp or env.zero))
-    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and cuda):
+    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and not (env.fsdp or env.zero or env.ep))
+    # expert parallelism reads the all-to-all's token counts on the host: auto leaves it uncompiled
+    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and cuda and not env.ep):
         net = torch.compile(net, mode="reduce-overhead" if graphs else None)
     return net, graphs
 
@@ -348,15 +363,15 @@ class Trainer:
         self.logger = None  # fit() starts the --wandb run
         train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size, run.model_cfg.tokenizer)
         _check_out(run, env)
-        self.model, self.optim = _build(run, env)
+        self.model, self.optim, self.experts = _build(run, env)
         self.teacher = _teacher(self.cfg, run.model_cfg, env)
         mcfg = run.model_cfg
         self.batches = Batches(train_data, mcfg.seq_len, env.batch,
                                seed=self.cfg.seed + env.rank, vocab_size=mcfg.vocab_size)
         self.ckpt = Checkpointer(run.out, run.preset, mcfg, self.cfg, self.model, self.optim, self.batches,
-                                 rank=env.rank, world=env.world, fsdp=env.fsdp)
+                                 rank=env.rank, world=env.world, fsdp=env.fsdp, experts=self.experts)
         self.step, self.history = self.ckpt.restore(run.ckpt) if run.ckpt else (0, [])
-        self.net, self.graphs = _wrap(self.model, self.cfg, env)
+        self.net, self.graphs = _wrap(self.model, self.cfg, env, self.experts)
         self.tokens_per_step = env.batch * env.world * mcfg.seq_len
         self.flops_per_token = self.model.flops_per_token()
         self.profiler = StepProfiler(env.rank == 0)  # WARPFORGE_PROFILE_STEPS=A:B: wall vs kernel time
@@ -396,6 +411,9 @@ class Trainer:
         log.info(f"{self.run.preset}: {self.model.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step} "
                  f"tokens/step, device {self.env.device}, {self.env.world} process(es)")
         log.info(f"steps {self.step} -> {self.cfg.max_steps}; time limit {limit}")
+        if self.experts:
+            log.info(f"expert parallel: each process holds {self.run.model_cfg.moe_experts // self.env.world} of "
+                     f"every MoE layer's {self.run.model_cfg.moe_experts} experts")
         if self.teacher is not None:
             log.info(f"distilling from {self.cfg.teacher}: the loss is KL(teacher || model) per token, the "
                      f"validation the data's cross-entropy")
@@ -455,6 +473,9 @@ class Trainer:
         loss.backward()
         if self.env.zero:  # the gradients live in the optimizer's shards
             self.optim.clip_grad_norm_(self.cfg.grad_clip)
+        elif self.experts:
+            expert_parallel.average_grads(self.model, self.experts, self.env.world)
+            expert_parallel.clip_grad_norm_(self.model, self.experts, self.cfg.grad_clip)
         else:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optim.step()
@@ -477,7 +498,8 @@ class Trainer:
             self.logger.log({k: v for k, v in entry.items() if k != "step" and v is not None}, step=entry["step"])
 
     def _evaluate(self) -> None:
-        if not (self.env.rank == 0 or self.env.fsdp):  # FSDP: every rank takes part in the forward's all-gathers
+        # FSDP: every rank takes part in the forward's all-gathers; expert parallelism: in its all-to-alls
+        if not (self.env.rank == 0 or self.env.fsdp or self.env.ep):
             return
         v = evaluate(self.model, self.val_data, self.cfg, self.env.device, self.autocast)
         self._log({"step": self.step, "val_loss": v, "elapsed_s": time.time() - self.start})
