@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from warpforge import WarpforgeInputError
-from warpforge.distributed.expert_parallel import expert_parallel_experts, local_expert_range
+from warpforge.distributed.expert_parallel import expert_parallel_experts, local_expert_range, shard_experts
 from warpforge.nn.moe import MoE
 from warpforge.ops.moe import experts, route
 from warpforge.runtime import interpreter_enabled
@@ -247,7 +247,7 @@ def _moe_data():
 
 
 def _rank_moe(rank: int) -> dict:
-    moe = _moe(MoE).shard_experts()
+    moe = shard_experts(_moe(MoE))
     x, g = _moe_data()[rank]
     x.requires_grad_()
     out = moe(x)
@@ -321,7 +321,7 @@ def test_dispatch_sends_a_row_per_destination_rank(ranks, i):
 
 
 def test_moe_shard_experts(ranks):
-    """MoE.shard_experts: every rank's output and gradients (x, expert slices) equal one unsharded
+    """shard_experts(MoE): every rank's output and gradients (x, expert slices) equal one unsharded
     MoE's on all the tokens; the replicated parameters' gradients (router, shared expert) sum to its."""
     moe = _moe(MoE)
     data = _moe_data()

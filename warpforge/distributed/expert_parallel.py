@@ -30,7 +30,7 @@ from ..errors import (WarpforgeInputError, check_dtype, check_int, check_rank, c
 from ..ops.moe import experts
 from ..runtime import check_interpreted_matmul_dtype, resolve_backend
 
-__all__ = ["expert_parallel_experts", "local_expert_range"]
+__all__ = ["expert_parallel_experts", "local_expert_range", "shard_experts"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _DTYPE_CODE = {d: i + 1 for i, d in enumerate(_FLOATS)}  # 0: no valid input on that rank
@@ -286,3 +286,26 @@ def expert_parallel_experts(hidden: torch.Tensor, w13_local: torch.Tensor, w2_lo
     per_slot = back[inverse].view(t, k, h)
     out = (per_slot.float() * topk_weights.float()[..., None]).sum(1)  # a fixed order: no atomics
     return out.to(hidden.dtype)
+
+
+def shard_experts(moe, group: Optional[dist.ProcessGroup] = None):
+    """Expert parallelism for an `nn.MoE` over the ranks of `group` (default: the world), in place: keep only this
+    rank's num_experts / W experts of w13 / w2 (local_expert_range) and from then on send each token to the ranks
+    that hold its experts (expert_parallel_experts). Every rank calls it, on modules with the same weights; the
+    module's forward is then a collective. The router and shared experts stay replicated (for DDP). The expert
+    weights' gradients sum every rank's tokens: a loss averaged over the ranks (DDP's) wants them divided by W.
+    Returns moe."""
+    from functools import partial
+
+    from ..nn.functional import expert_parallel_backend
+    from ..nn.moe import MoE
+    if not isinstance(moe, MoE):
+        fail("moe", "a warpforge.nn.MoE", type(moe).__name__)
+    if moe.dispatch is not None:
+        fail("moe", "a module whose experts are not sharded yet", "one already sharded")
+    own = local_expert_range(moe.num_experts, group)  # also checks the group and num_experts % W
+    moe.w13 = torch.nn.Parameter(moe.w13.detach()[own.start:own.stop].clone())
+    moe.w2 = torch.nn.Parameter(moe.w2.detach()[own.start:own.stop].clone())
+    moe.dispatch = partial(expert_parallel_experts, num_experts=moe.num_experts, group=group,
+                           backend=expert_parallel_backend(moe.backend))
+    return moe

@@ -41,27 +41,9 @@ class MoE(nn.Module):
             self.shared_down = nn.Linear(ffn_dim * num_shared_experts, dim, bias=False)
         self.aux_loss = torch.zeros(())
         self.num_experts = num_experts
-        self.expert_group, self.experts_sharded = None, False  # shard_experts: expert parallelism
-
-    def shard_experts(self, group=None) -> "MoE":
-        """Expert parallelism over the ranks of `group` (a torch.distributed process group, default the world):
-        keep only this rank's num_experts / W experts (rank r: experts [r·E/W, (r+1)·E/W)) of w13 / w2, and from
-        now on send each token to the ranks that hold its experts by all-to-all
-        (`warpforge.distributed.expert_parallel_experts`). Every rank must call it, on modules with the same
-        weights; forward is then a collective. The router and shared experts stay replicated (for DDP).
-        The expert weights' gradients sum every rank's tokens: a data-parallel loss averaged over the ranks
-        (DDP's) wants them divided by W."""
-        from ..distributed.expert_parallel import local_expert_range
-        from ..errors import fail
-        if self.experts_sharded:
-            fail("shard_experts", "a module whose experts are not sharded yet", "called twice")
-        # the one definition of which experts a rank holds (expert_parallel_experts routes by it); it also checks
-        # the group (initialized, this process a member) and num_experts % W
-        own = local_expert_range(self.num_experts, group)
-        self.w13 = nn.Parameter(self.w13.detach()[own.start:own.stop].clone())
-        self.w2 = nn.Parameter(self.w2.detach()[own.start:own.stop].clone())
-        self.expert_group, self.experts_sharded = group, True
-        return self
+        # how the experts run: None = all of them here; warpforge.distributed.shard_experts sets an all-to-all over
+        # ranks that each hold a share (expert parallelism). Called as (h, w13, w2, topk_weights, topk_ids).
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         F.check_input(x, self.router.in_features, self.router.weight)
@@ -69,11 +51,8 @@ class MoE(nn.Module):
         logits = self.router(h)
         # routed once: the weights carry the router's gradient, the ids also feed the balance loss
         weights, ids = F.route(logits, self.topk, backend=self.backend, **self.route_kw)
-        if self.experts_sharded:
-            from ..distributed.expert_parallel import expert_parallel_experts
-            out = expert_parallel_experts(h, self.w13.to(h.dtype), self.w2.to(h.dtype), weights, ids,
-                                          num_experts=self.num_experts, group=self.expert_group,
-                                          backend=F.expert_parallel_backend(self.backend))
+        if self.dispatch is not None:
+            out = self.dispatch(h, self.w13.to(h.dtype), self.w2.to(h.dtype), weights, ids)
         else:
             out = F.moe_experts(h, self.w13.to(h.dtype), self.w2.to(h.dtype), weights, ids, backend=self.backend)
         if self.shared_gate_up is not None:

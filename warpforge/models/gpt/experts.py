@@ -1,5 +1,5 @@
 """Expert parallelism in the GPT's trainer (--expert-parallel): every MoE layer keeps num_experts / W experts per
-process, tokens reach their experts by all-to-all (nn.MoE.shard_experts), and everything else stays DDP.
+process, tokens reach their experts by all-to-all (warpforge.distributed.shard_experts), and everything else stays DDP.
 
 What changes around the step: DDP must not average the expert weights (each rank holds different ones), their
 gradients already sum every rank's tokens and are divided by W to match DDP's average, and gradient clipping
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...distributed.expert_parallel import shard_experts
 from ...nn import MoE
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -21,7 +22,7 @@ def shard(model: torch.nn.Module) -> list[str]:
     names = []
     for mod_name, mod in model.named_modules():
         if isinstance(mod, MoE):
-            mod.shard_experts()
+            shard_experts(mod)
             names += [f"{mod_name}.w13", f"{mod_name}.w2"]
     return names
 

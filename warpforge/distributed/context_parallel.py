@@ -1,0 +1,225 @@
+"""Context parallelism for top-k block-sparse attention (`warpforge.ops.sparse`): one long sequence cut along its
+length over the ranks of a torch.distributed process group (gloo on CPU, NCCL on GPUs), so that a 1M-2M token
+sequence trains on W GPUs.
+
+Rank r of a group of W holds the contiguous chunk [r·s, (r+1)·s) of every per-token tensor (q, k, v, index_q,
+index_k; s = s_local, the same on every rank, a multiple of block_size). Under the causal mask rank r's queries read
+keys [0, (r+1)·s) only, so:
+
+- forward: one all-gather brings every rank's k, v and index_k (packed per token in one buffer: one collective, not
+  three); rank r keeps the prefix [0, (r+1)·s) and runs `sparse_attention` of its queries against it, the queries
+  being the prefix's last s tokens (the op's s_q < s_k form). Selection, the sparse forward and its backward are the
+  one-GPU kernels; the index branch ranks each local query block against every key block of the prefix.
+- backward: each rank's dk / dv cover its whole prefix; one reduce-scatter (in fp32) sums them onto the chunks'
+  owners. dq stays local.
+
+Contiguous chunks are balanced without ring attention's zigzag: a query keeps its own block and top-k others
+wherever they are, so its work is the same at every position (only the index branch's block scores, a small
+quadratic term, grow with the rank). A ring would not fit either: a query block reads only its k chosen blocks,
+anywhere in the prefix, and the selection needs every key block's score before any of them is read.
+
+Memory: every rank holds the whole sequence's k, v and index_k once (2·S·h_kv·d elements plus S·d_i; at S = 2M,
+h_kv 8, d 128 in bf16: 8 GB), and the backward a transient fp32 buffer of the whole sequence's dk and dv.
+
+`sparse_attention_index_loss_cp` is the index branch's loss for the same layout (it gathers k and index_k again:
+the attention's gathered copies are not kept between the two calls).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import check_bool, check_int, check_rank, check_tensor, fail, host_reads_allowed, read_once
+from ..ops.sparse import api as sparse_api
+from ..ops.sparse import sparse_attention, sparse_attention_index_loss
+from ..runtime import resolve_backend
+
+__all__ = ["sparse_attention_cp", "sparse_attention_index_loss_cp"]
+
+# torch 2.13 names them *_single (the *_tensor names warn); older torch has only the *_tensor ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class _Group(NamedTuple):
+    group: object  # None: the world
+    rank: int
+    world: int
+
+
+def _resolve_group(group) -> _Group:
+    if not (dist.is_available() and dist.is_initialized()):
+        fail("group", "an initialized torch.distributed process group (call torch.distributed.init_process_group "
+             "first; the sequence is split over its ranks)", "no process group")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        fail("group", "None (the world) or a torch.distributed ProcessGroup", type(group).__name__)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        fail("group", "a process group this rank belongs to", "a group without this rank")
+    return _Group(group, rank, dist.get_world_size(group))
+
+
+# ------------------------------------------------------------------------------------- the gather
+def _pack(tensors) -> torch.Tensor:
+    """[s, b, Σ columns]: each [b, s, ...] tensor flattened per token, side by side; sequence first, so that the
+    ranks' chunks are contiguous slabs of the gathered buffer."""
+    b, s = tensors[0].shape[:2]
+    return torch.cat([t.reshape(b, s, -1) for t in tensors], -1).transpose(0, 1).contiguous()
+
+
+def _unpack(buf: torch.Tensor, shapes) -> list:
+    """Views of buf [n, b, C] as [b, n, *shape] tensors (the inverse of _pack, without copies)."""
+    out, col = [], 0
+    n, b = buf.shape[:2]
+    for shape in shapes:
+        width = math.prod(shape)
+        out.append(buf[:, :, col:col + width].view(n, b, *shape).transpose(0, 1))
+        col += width
+    return out
+
+
+class _GatherPrefix(torch.autograd.Function):
+    """(tensors gathered over the ranks along the sequence, each cut to this rank's prefix [0, (rank + 1)·s)):
+    forward one all-gather; backward one reduce-scatter of the differentiable ones' fp32 gradients (zeros past the
+    prefix), which sums every rank's gradient of chunk c onto rank c. Every rank of the group must run both."""
+
+    @staticmethod
+    def forward(ctx, grp: _Group, differentiable: tuple, *tensors):
+        ctx.grp, ctx.differentiable = grp, differentiable
+        ctx.meta = [(t.shape, t.dtype) for t in tensors]
+        ctx.device = tensors[0].device
+        s = tensors[0].shape[1]
+        local = _pack(tensors)
+        full = local.new_empty((grp.world * s, *local.shape[1:]))
+        _all_gather(full, local, group=grp.group)
+        prefix = full[:(grp.rank + 1) * s]
+        outs = _unpack(prefix, [t.shape[2:] for t in tensors])
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, differentiable) if not d])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grp = ctx.grp
+        which = [i for i, d in enumerate(ctx.differentiable) if d]
+        shapes = [ctx.meta[i][0] for i in which]
+        b, s = shapes[0][:2]
+        end = (grp.rank + 1) * s
+        widths = [math.prod(shape[2:]) for shape in shapes]
+        full = torch.zeros(grp.world * s, b, sum(widths), device=ctx.device, dtype=torch.float32)
+        col = 0
+        for i, width in zip(which, widths):
+            if grads[i] is not None:  # an output no loss reached: zeros
+                full[:end, :, col:col + width] = grads[i].reshape(b, end, width).transpose(0, 1)
+            col += width
+        mine = full.new_empty((s, b, full.shape[-1]))
+        _reduce_scatter(mine, full, group=grp.group)
+        result = [None] * len(ctx.meta)
+        for i, g in zip(which, _unpack(mine, [shape[2:] for shape in shapes])):
+            result[i] = g.to(ctx.meta[i][1]).contiguous()
+        return (None, None, *result)
+
+
+def _gathered(grp: _Group, tensors: tuple, differentiable: tuple) -> tuple:
+    return _GatherPrefix.apply(grp, differentiable, *tensors)
+
+
+# ----------------------------------------------------------------------------------- validation
+def _check_chunks(q, k, block_size):
+    """Every per-token tensor holds the same s_local tokens of the chunk, a whole number of blocks."""
+    if k.shape[:2] != q.shape[:2]:
+        fail("k", f"batch and chunk length {tuple(q.shape[:2])} (like q: each rank holds the same s_local tokens of "
+             "q, k and v)", tuple(k.shape[:2]))
+    if q.shape[1] % block_size:
+        fail("q", f"a chunk length s_local that is a multiple of block_size {block_size} (chunks of whole blocks)",
+             q.shape[1])
+
+
+def _global_block_indices(block_indices, k, grp, s_local, block_size):
+    """The rank's block_indices (key blocks of the whole sequence) checked, and cut to the prefix's key blocks: an
+    entry past it is past the query block too, which the causal mask ignores anyway."""
+    batch = k.shape[0]
+    n_prefix = (grp.rank + 1) * s_local // block_size
+    sparse_api._check_block_indices(block_indices, k, batch, s_local, block_size, grp.world * s_local)
+    cut = torch.where(block_indices < n_prefix, block_indices, -1)
+    if host_reads_allowed(cut):  # in range by construction: the op need not read it back
+        read_once((cut,), sparse_api._checked(n_prefix), lambda: None)
+    return cut
+
+
+# --------------------------------------------------------------------------------- public doors
+def sparse_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, index_q: Optional[torch.Tensor] = None,
+                        index_k: Optional[torch.Tensor] = None, block_indices: Optional[torch.Tensor] = None,
+                        block_size: int = 128, topk: int = 16, group=None, softmax_scale: Optional[float] = None,
+                        index_scale: Optional[float] = None, return_lse: bool = False, return_indices: bool = False,
+                        backend: Optional[str] = None):
+    """This rank's chunk of `sparse_attention(q_full, k_full, v_full, causal=True, ...)` over one sequence split in
+    contiguous chunks across the ranks of `group` (default: the world), with autograd.
+
+    q [b, s_local, h_q, d], k [b, s_local, h_kv, d], v [b, s_local, h_kv, d_v]: rank r's tokens [r·s_local,
+    (r+1)·s_local); s_local a multiple of block_size, the same on every rank (as are all shapes and arguments: not
+    checked across ranks, which would cost a collective per call); every rank calls this together, and runs the
+    backward together. The blocks are chosen by the index branch (index_q [b, s_local, h_kv, d_i], index_k [b,
+    s_local, 1, d_i], this rank's chunks) or given as block_indices [b, h_kv, s_local / block_size, topk'] for this
+    rank's query blocks, holding key blocks of the whole sequence (-1 for none). backend: as sparse_attention's.
+
+    Returns out [b, s_local, h_q, d_v], then lse (fp32 [b, h_q, s_local]) if return_lse, then the block_indices
+    used (key blocks of the whole sequence) if return_indices: what the one-process op returns for these rows.
+    Gradients: dq for the local queries; dk and dv of the local keys summed over every rank's queries."""
+    check_tensor("q", q)
+    backend = resolve_backend(backend, q.device)
+    sparse_api._check_qkv(q, k, v, None, None, backend)
+    sparse_api._check_options(block_size, True, softmax_scale, index_scale)
+    _check_chunks(q, k, block_size)
+    check_bool("return_lse", return_lse)
+    check_bool("return_indices", return_indices)
+    if block_indices is None:
+        if index_q is None or index_k is None:
+            fail("index_q/index_k", "both given (the index branch selects the blocks) unless block_indices is",
+                 "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
+        check_int("topk", topk, 1)
+        sparse_api._check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, False)
+    grp = _resolve_group(group)
+    if block_indices is None:
+        k_all, v_all, ik_all = _gathered(grp, (k, v, index_k), (True, True, False))
+        cut = None
+    else:
+        cut = _global_block_indices(block_indices, k, grp, q.shape[1], block_size)
+        index_q = None
+        k_all, v_all = _gathered(grp, (k, v), (True, True))
+        ik_all = None
+    results = sparse_attention(q, k_all, v_all, block_size=block_size, topk=topk, causal=True, index_q=index_q,
+                               index_k=ik_all, block_indices=cut, softmax_scale=softmax_scale,
+                               index_scale=index_scale, return_lse=return_lse, return_indices=return_indices,
+                               backend=backend)
+    if cut is not None and return_indices:  # the indices as given (the one-process op returns those too)
+        results = results[:-1] + (block_indices,)
+    return results
+
+
+def sparse_attention_index_loss_cp(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor,
+                                   index_k: torch.Tensor, block_indices: torch.Tensor, *, block_size: int = 128,
+                                   group=None, softmax_scale: Optional[float] = None,
+                                   index_scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """The index branch's loss for this rank's chunk (layout and contract as sparse_attention_cp's): the mean over
+    its tokens and kv heads of sparse_attention_index_loss's KL, with lse and block_indices from
+    sparse_attention_cp(..., return_lse=True, return_indices=True) on the same q and k. The whole sequence's loss is
+    the mean of the ranks' (equal chunks); the gradient goes to index_q and index_k only, index_k's summed over
+    every rank's loss onto the chunk's owner (as dk in sparse_attention_cp)."""
+    check_tensor("q", q)
+    backend = resolve_backend(backend, q.device)
+    check_tensor("k", k)
+    check_rank("q", q, 4)
+    check_rank("k", k, 4)
+    sparse_api._check_qkv(q, k, k, None, None, backend)
+    sparse_api._check_options(block_size, True, softmax_scale, index_scale)
+    _check_chunks(q, k, block_size)
+    sparse_api._check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, False)
+    grp = _resolve_group(group)
+    block_indices = _global_block_indices(block_indices, k, grp, q.shape[1], block_size)
+    k_all, ik_all = _gathered(grp, (k.detach(), index_k), (False, True))
+    return sparse_attention_index_loss(q, k_all, lse, index_q, ik_all, block_indices, block_size=block_size,
+                                       causal=True, softmax_scale=softmax_scale, index_scale=index_scale,
+                                       backend=backend)
