@@ -1,4 +1,4 @@
-"""Run a function on N CPU processes joined by gloo, and bring back what each returned.
+"""Run a function on N CPU processes joined by gloo (or N GPUs joined by NCCL), and bring back what each returned.
 
 `run_ranks(fn, world, *args)` spawns `world` processes; each joins one gloo group, calls fn(rank, world, *args)
 and sends its return value (anything picklable; tensors are moved to the CPU) back. fn must be a module-level
@@ -22,10 +22,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank, world, port, fn, args, results):
+def _child(rank, world, port, fn, args, results, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # CI has two cores for every rank
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         out = fn(rank, world, *args)
@@ -49,12 +51,12 @@ def _cpu(x):
     return x
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 600.0) -> list:
-    """[fn's return value on rank 0, ..., on rank world - 1]."""
+def run_ranks(fn, world: int, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
+    """[fn's return value on rank 0, ..., on rank world - 1]. backend "nccl": rank r on GPU r."""
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True)
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -43,8 +43,8 @@ def _one_process():
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _ranks(rank, world, how, bucket_mb):
-    model = _model()
+def _ranks(rank, world, how, bucket_mb, device="cpu"):
+    model = _model().to(device)
     if how == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
         opt = _adamw(model.parameters())
@@ -54,7 +54,7 @@ def _ranks(rank, world, how, bucket_mb):
     per = BATCH // world
     losses = []
     for xy in _batches():
-        xy = xy[rank * per:(rank + 1) * per]
+        xy = xy[rank * per:(rank + 1) * per].to(device)
         loss = net(xy[:, :-1], xy[:, 1:])
         loss.backward()
         if how == "ddp":

@@ -1,0 +1,140 @@
+"""Issue 23's multi-GPU bars, run under torchrun on one host:
+
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_multi_gpu.py --out OUT.json
+
+- ring: ring attention forward+backward over the ranks (b 1, 16 heads, d 128, causal, bf16, zigzag) at --ring-tokens
+  total tokens, against flash_attention on one GPU over the same sequence (rank 0 alone, before the ring runs):
+  throughput ratio = one GPU's time / the ring's time (bar >= 1.7x at 256k on 2 GPUs).
+- ep: one Mixtral-shaped MoE layer's experts (H 4096, I 14336, 8 experts, top-2) forward+backward at --ep-tokens
+  tokens per GPU, expert-parallel over the ranks, against one GPU running all 8 experts on its own --ep-tokens:
+  throughput ratio = W · one GPU's time / the expert-parallel time (bar >= 1.6x on 2 GPUs).
+Each time is the median of --iters timed iterations after a warm-up, every rank between barriers; the single-GPU
+baselines run in the same processes first. Writes one JSON with the machine, every time and the ratios."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _time(fn, iters: int, sync=True) -> float:
+    """Median ms of fn() over iters runs after two warm-ups; every rank starts each run together."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        if sync:
+            dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_ring(tokens: int, iters: int, rank: int, world: int) -> dict:
+    import warpforge as wf
+    from warpforge.distributed import ring_attention, shard_sequence
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, tokens, 16, 128)
+    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    res = {"tokens": tokens, "heads": 16, "head_dim": 128}
+    if rank == 0:
+        qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def one():
+            wf.flash_attention(qf, kf, vf, causal=True).backward(do)
+        res["one_gpu_ms"] = _time(one, iters, sync=False)
+    dist.barrier()
+    ql, kl, vl, dol = (shard_sequence(t, rank, world).contiguous() for t in (q, k, v, do))
+    ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
+    del q, k, v  # the full sequence: only the shards stay
+
+    def ring():
+        ring_attention(ql, kl, vl, causal=True).backward(dol)
+    res["ring_ms"] = _time(ring, iters)
+    return res
+
+
+def bench_ep(tokens: int, iters: int, rank: int, world: int) -> dict:
+    from warpforge.distributed import expert_parallel_experts, local_expert_range
+    from warpforge.ops.moe import experts, route
+    h, i, e, k = 4096, 14336, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=g) * i ** -0.5).bfloat16()
+    g.manual_seed(2 + rank)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(tokens, e, device="cuda", generator=g)
+    dy = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    weights, ids = route(logits, k)
+    res = {"tokens_per_gpu": tokens, "H": h, "I": i, "experts": e, "topk": k}
+    if rank == 0:
+        xf, w13f, w2f, wf_ = (t.clone().requires_grad_() for t in (x, w13, w2, weights))
+
+        def one():
+            experts(xf, w13f, w2f, wf_, ids, check_ids=False).backward(dy)
+        res["one_gpu_ms"] = _time(one, iters, sync=False)
+        del xf, w13f, w2f
+    dist.barrier()
+    own = local_expert_range(e)
+    w13l = w13[own.start:own.stop].clone().requires_grad_()
+    w2l = w2[own.start:own.stop].clone().requires_grad_()
+    del w13, w2
+    xl, wl = x.clone().requires_grad_(), weights.clone().requires_grad_()
+
+    def ep():
+        expert_parallel_experts(xl, w13l, w2l, wl, ids, num_experts=e).backward(dy)
+    res["ep_ms"] = _time(ep, iters)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cases", default="ring,ep")
+    ap.add_argument("--ring-tokens", type=int, default=262144)
+    ap.add_argument("--ep-tokens", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    report = {"machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+                          "world": world, "torch": torch.__version__,
+                          "git_commit": os.environ.get("WARPFORGE_GIT_COMMIT"),
+                          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "cases": {}}
+    for case in args.cases.split(","):
+        if case == "ring":
+            r = bench_ring(args.ring_tokens, args.iters, rank, world)
+        elif case == "ep":
+            r = bench_ep(args.ep_tokens, args.iters, rank, world)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+        times = [None] * world
+        dist.all_gather_object(times, r)  # every rank's own time; rank 0 also has the one-GPU baseline
+        if rank == 0:
+            key = "ring_ms" if case == "ring" else "ep_ms"
+            slowest = max(t[key] for t in times)
+            r[key + "_per_rank"] = [t[key] for t in times]
+            r[key] = slowest
+            r["throughput_ratio"] = (r["one_gpu_ms"] / slowest) if case == "ring" else \
+                (world * r["one_gpu_ms"] / slowest)
+            report["cases"][case] = r
+            print(f"{case}: one GPU {r['one_gpu_ms']:.2f} ms, {world} GPUs {slowest:.2f} ms "
+                  f"= {r['throughput_ratio']:.2f}x the throughput", flush=True)
+        torch.cuda.empty_cache()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
