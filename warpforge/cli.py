@@ -120,6 +120,7 @@ def cmd_gpt_train(args) -> int:
     settings = dict(max_steps=args.max_steps, max_minutes=args.max_minutes, ckpt_every=args.ckpt_every,
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
                     batch_scaling=args.batch_scaling, expert_parallel=args.expert_parallel or None,
+                    context_parallel=args.context_parallel or None,
                     ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks,
                     tokenizer=args.tokenizer, wandb=args.wandb)
     for name, value in getattr(args, "config_overrides", {}).items():
@@ -334,6 +335,9 @@ def _train_parser(gsub) -> None:
     gt.add_argument("--batch-scaling", choices=("strong", "weak"), default=None,
                     help="under torchrun: the preset's batch is the global batch split across the processes "
                          "(strong, default) or each process's (weak: the global batch grows with the processes)")
+    gt.add_argument("--context-parallel", action="store_true",
+                    help="under torchrun, dense attention: every process takes a shard of each sequence and attention "
+                         "runs as ring attention across them (sequences N times longer than one GPU holds)")
     gt.add_argument("--expert-parallel", action="store_true",
                     help="under torchrun, an MoE model: each process keeps num_experts / N of every MoE layer's "
                          "experts and tokens travel to theirs by all-to-all (DDP for everything else)")

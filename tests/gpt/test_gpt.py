@@ -247,3 +247,26 @@ def test_expert_parallel_matches_ddp(tmp_path):
         torch.testing.assert_close(ep["model"][k], w, atol=1e-5, rtol=0, msg=k)
     again = run("ep", "--expert-parallel", steps=5, resume=True)
     assert again["step"] == 5
+
+
+def test_context_parallel_matches_one_process(tmp_path):
+    """--context-parallel over 2 CPU processes (each sequence in zigzag shards, ring attention, the same sequences on
+    both) trains as one process on whole sequences does: the same losses and weights."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               WARPFORGE_BACKEND="reference")
+    args = ["-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--max-steps", "3",
+            "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile", "off"]
+    runs = {}
+    for name, launch in (("one", []), ("cp", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+        extra = ["--context-parallel"] if name == "cp" else []
+        cmd = [sys.executable] + launch + args + extra + ["--out", str(tmp_path / name)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = torch.load(tmp_path / name / "ckpt.pt", weights_only=False)
+    losses = [[h["loss"] for h in runs[n]["history"] if "loss" in h] for n in ("one", "cp")]
+    assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for k, w in runs["one"]["model"].items():
+        torch.testing.assert_close(runs["cp"]["model"][k], w, atol=1e-5, rtol=0, msg=k)

@@ -297,7 +297,7 @@ def shard_experts(moe, group: Optional[dist.ProcessGroup] = None):
     Returns moe."""
     from functools import partial
 
-    from ..nn.functional import expert_parallel_backend
+    from ..nn.functional import backend_across_ranks
     from ..nn.moe import MoE
     if not isinstance(moe, MoE):
         fail("moe", "a warpforge.nn.MoE", type(moe).__name__)
@@ -307,5 +307,5 @@ def shard_experts(moe, group: Optional[dist.ProcessGroup] = None):
     moe.w13 = torch.nn.Parameter(moe.w13.detach()[own.start:own.stop].clone())
     moe.w2 = torch.nn.Parameter(moe.w2.detach()[own.start:own.stop].clone())
     moe.dispatch = partial(expert_parallel_experts, num_experts=moe.num_experts, group=group,
-                           backend=expert_parallel_backend(moe.backend))
+                           backend=backend_across_ranks(moe.backend, "moe"))
     return moe

@@ -83,6 +83,9 @@ class Attention(nn.Module):
         cos, sin = rope_tables(max_seq_len, self.head_dim, rope_base) if rotary else (None, None)
         self.register_buffer("cos", cos, persistent=False)  # tables, not weights: not in the state dict
         self.register_buffer("sin", sin, persistent=False)
+        # context parallelism (warpforge.distributed.context_parallel sets it): x is this rank's shard of each
+        # sequence; its tokens' positions and the attention across ranks come from here
+        self.context = None
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, cu_seqlens: torch.Tensor | None = None,
                 max_seqlen: int | None = None) -> torch.Tensor:
@@ -94,6 +97,9 @@ class Attention(nn.Module):
         lead = x.shape[:-1]
         qkv = self.qkv(x).unflatten(-1, (self.n_heads + 2 * self.n_kv_heads, self.head_dim))
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
+        if self.context is not None:
+            return self.proj(self._attend_across_ranks(q, k, v, cache, cu_seqlens).reshape(
+                *lead, self.n_heads * self.head_dim))
         if self.cos is not None:
             q, k = self._rotate(q, k, cache.length if cache is not None else 0, cu_seqlens, max_seqlen)
         if cache is not None:  # decoding: the new queries see the whole cache
@@ -101,6 +107,20 @@ class Attention(nn.Module):
         out = F.attention(q, k, v, causal=self.causal, window=self.window, softmax_scale=self.softmax_scale,
                           cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=self.backend)
         return self.proj(out.reshape(*lead, self.n_heads * self.head_dim))  # (no -1: x may have no tokens)
+
+    def _attend_across_ranks(self, q, k, v, cache, cu_seqlens):
+        """Context parallelism: q, k, v [b, s_local, h, d] are this rank's shard of each sequence."""
+        if cache is not None or cu_seqlens is not None:
+            fail("x", "a padded batch without a KV cache under context parallelism", "a cache or cu_seqlens")
+        if self.cos is not None:  # rotated by their places in the whole sequence
+            pos = self.context.positions(q.shape[1], q.device)
+            if q.shape[1] * self.context.world > self.cos.shape[0]:
+                fail("x", f"at most max_seq_len ({self.cos.shape[0]}) positions over the ranks",
+                     q.shape[1] * self.context.world)
+            cos, sin = self.cos[pos], self.sin[pos]
+            q, k = F.rope(q, cos, sin, backend=self.backend), F.rope(k, cos, sin, backend=self.backend)
+        return self.context.attend(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
+                                   backend=F.backend_across_ranks(self.backend, "attention"))
 
     def _rotate(self, q, k, pos: int, cu_seqlens, max_seqlen):
         if cu_seqlens is None:  # [b, s, h, d] at positions pos, pos + 1, ...

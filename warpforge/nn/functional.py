@@ -211,11 +211,11 @@ def moe_experts(hidden, w13, w2, topk_weights, topk_ids, backend: Backend = None
     return grouped_mm_experts(hidden, w13, w2, topk_weights, topk_ids)
 
 
-def expert_parallel_backend(backend: Backend) -> Optional[str]:
-    """The backend of the local experts under expert parallelism: warpforge's ops as chosen, and for the torch
-    baseline the reference's plain torch experts (torch._grouped_mm's path takes the whole routing, not a rank's
-    share)."""
-    b = pick(backend, "moe")
+def backend_across_ranks(backend: Backend, op: str) -> Optional[str]:
+    """The backend of `op`'s local work when it runs across ranks (expert parallelism, ring attention): warpforge's
+    ops as chosen, and for the torch baseline the reference's plain torch ops (torch's own paths, e.g.
+    torch._grouped_mm's or SDPA's, take the whole problem, not a rank's share of it)."""
+    b = pick(backend, op)
     return "reference" if b == TORCH else b
 
 

@@ -102,6 +102,8 @@ class TrainConfig:
     batch_scaling: str = "strong"    # several processes: "strong" (batch_size is the global batch, split across the
                                      # processes) or "weak" (batch_size is each process's: the global batch grows with
                                      # the processes, as users scale out)
+    context_parallel: bool = False   # several processes: each sequence is split across them (zigzag shards) and attention
+                                     # runs as ring attention; every process reads the same sequences (dense attention)
     expert_parallel: bool = False    # several processes, an MoE model: each process keeps num_experts / W experts of
                                      # every MoE layer and tokens reach them by all-to-all (DDP for the rest)
     ddp_bucket_mb: float = 25.0      # DDP's gradient bucket size: each bucket is one all-reduce, and under

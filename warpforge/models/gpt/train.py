@@ -167,6 +167,7 @@ class Env:
     zero: bool = False
     batch: int = 1
     ep: bool = False  # MoE experts sharded over the processes (expert parallelism)
+    cp: bool = False  # each sequence sharded over the processes (context parallelism)
 
 
 def _distributed(tcfg: TrainConfig) -> Env:
@@ -179,7 +180,10 @@ def _distributed(tcfg: TrainConfig) -> Env:
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
     device = torch.device(f"cuda:{local}" if torch.cuda.is_available() else "cpu")
-    if tcfg.batch_scaling == "weak":
+    cp = world > 1 and tcfg.context_parallel
+    if cp:  # every process reads the same sequences and takes its shard of each
+        batch = tcfg.batch_size
+    elif tcfg.batch_scaling == "weak":
         batch = tcfg.batch_size
     elif tcfg.batch_size % world:
         raise TrainError(f"batch size {tcfg.batch_size} does not split over {world} processes (or keep it per "
@@ -187,10 +191,13 @@ def _distributed(tcfg: TrainConfig) -> Env:
     else:
         batch = tcfg.batch_size // world
     multi = world > 1
-    if multi and tcfg.expert_parallel and tcfg.parallel != "ddp":
-        raise TrainError(f"--expert-parallel runs with --parallel ddp, not {tcfg.parallel}")
+    for flag, on in (("--expert-parallel", tcfg.expert_parallel), ("--context-parallel", tcfg.context_parallel)):
+        if multi and on and tcfg.parallel != "ddp":
+            raise TrainError(f"{flag} runs with --parallel ddp, not {tcfg.parallel}")
+    if cp and tcfg.expert_parallel:
+        raise TrainError("--context-parallel and --expert-parallel together are not supported; pick one")
     return Env(rank, world, device, multi and tcfg.parallel == "fsdp", multi and tcfg.parallel == "zero2", batch,
-               multi and tcfg.expert_parallel)
+               multi and tcfg.expert_parallel, cp)
 
 
 # ------------------------------------------------------------------------------ model, parallelism
@@ -204,6 +211,10 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer, list[str]]:
         load_weights(model, run.ckpt["model"], run.ckpt_path)  # full weights, before any sharding
     if env.fsdp:
         _shard(model)
+    if env.cp and (run.model_cfg.attention != "mha" or run.model_cfg.seq_len % (2 * env.world)):
+        raise TrainError(f"--context-parallel needs dense attention (attention 'mha', not "
+                         f"{run.model_cfg.attention!r}) and a seq_len divisible by 2 x {env.world} processes "
+                         f"(got {run.model_cfg.seq_len})")
     experts = []
     if env.ep:
         if not run.model_cfg.moe_experts or run.model_cfg.moe_experts % env.world:
@@ -277,9 +288,11 @@ def _wrap(model: GPT, tcfg: TrainConfig, env: Env, experts: list[str]):
     # auto on CUDA = graphs: compiled, the step is still bound by launching its kernels one by one, and DDP only
     # scales without that bound. FSDP2's per-block all-gathers are not captured: auto compiles without graphs there.
     # ZeRO-2's gradient hooks launch collectives from the backward: not yet run under graphs, so auto leaves them out.
-    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and not (env.fsdp or env.zero or env.ep))
-    # expert parallelism reads the all-to-all's token counts on the host: auto leaves it uncompiled
-    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and cuda and not env.ep):
+    graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and
+                                          not (env.fsdp or env.zero or env.ep or env.cp))
+    # expert parallelism reads the all-to-all's token counts on the host, ring attention exchanges K/V point to
+    # point between its blocks: auto leaves both uncompiled
+    if tcfg.compile in ("on", "graphs") or (tcfg.compile == "auto" and cuda and not (env.ep or env.cp)):
         net = torch.compile(net, mode="reduce-overhead" if graphs else None)
     return net, graphs
 
@@ -293,16 +306,29 @@ def mfu(flops_per_token: float, tokens_per_s: float, env: Env) -> float | None:
 
 
 @torch.no_grad()
-def evaluate(model, val, cfg: TrainConfig, device, autocast) -> float:
+def evaluate(model, val, cfg: TrainConfig, device, autocast, context=None) -> float:
+    """Mean validation loss over cfg.eval_batches fixed batches. context: context parallelism's settings (every
+    rank evaluates its shards; the ranks' losses are averaged)."""
     model.eval()
     batches = Batches(val, model.cfg.seq_len, cfg.batch_size, seed=0)  # the same batches at every eval
     total = 0.0
     for _ in range(cfg.eval_batches):
         x, y = batches.next(device)
+        if context is not None:
+            x, y = context.shard(x), context.shard(y)
         with autocast():
-            total += model(x, y).item()
+            loss = model(x, y)
+        total += (_rank_mean(loss) if context is not None else loss).item()
     model.train()
     return total / cfg.eval_batches
+
+
+def _rank_mean(x: torch.Tensor) -> torch.Tensor:
+    """x averaged over the processes (a collective)."""
+    import torch.distributed as dist
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x / dist.get_world_size()
 
 
 # ---------------------------------------------------------------------------------------- the loop
@@ -364,15 +390,19 @@ class Trainer:
         train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size, run.model_cfg.tokenizer)
         _check_out(run, env)
         self.model, self.optim, self.experts = _build(run, env)
+        self.context = None
+        if env.cp:  # every attention layer attends across the processes; each step feeds this rank's shards
+            from ...distributed.context import context_parallel
+            self.context = context_parallel(self.model)
         self.teacher = _teacher(self.cfg, run.model_cfg, env)
         mcfg = run.model_cfg
         self.batches = Batches(train_data, mcfg.seq_len, env.batch,
-                               seed=self.cfg.seed + env.rank, vocab_size=mcfg.vocab_size)
+                               seed=self.cfg.seed + (0 if env.cp else env.rank), vocab_size=mcfg.vocab_size)
         self.ckpt = Checkpointer(run.out, run.preset, mcfg, self.cfg, self.model, self.optim, self.batches,
                                  rank=env.rank, world=env.world, fsdp=env.fsdp, experts=self.experts)
         self.step, self.history = self.ckpt.restore(run.ckpt) if run.ckpt else (0, [])
         self.net, self.graphs = _wrap(self.model, self.cfg, env, self.experts)
-        self.tokens_per_step = env.batch * env.world * mcfg.seq_len
+        self.tokens_per_step = env.batch * (1 if env.cp else env.world) * mcfg.seq_len
         self.flops_per_token = self.model.flops_per_token()
         self.profiler = StepProfiler(env.rank == 0)  # WARPFORGE_PROFILE_STEPS=A:B: wall vs kernel time
 
@@ -461,6 +491,8 @@ class Trainer:
         for g in self.optim.param_groups:
             g["lr"] = lr_at(self.step, self.cfg)
         x, y = self.batches.next(self.env.device)
+        if self.context is not None:
+            x, y = self.context.shard(x), self.context.shard(y)
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast():
@@ -483,7 +515,7 @@ class Trainer:
         return loss
 
     def _record(self, loss: torch.Tensor, bar: "_Progress") -> None:
-        lval = loss.item()
+        lval = (_rank_mean(loss) if self.context is not None else loss).item()  # context parallel: a shard's loss
         now = time.time()
         tps = self.tokens_per_step * (self.step - self.last_step) / max(now - self.last_t, 1e-9)
         self.last_t, self.last_step = now, self.step
@@ -498,10 +530,11 @@ class Trainer:
             self.logger.log({k: v for k, v in entry.items() if k != "step" and v is not None}, step=entry["step"])
 
     def _evaluate(self) -> None:
-        # FSDP: every rank takes part in the forward's all-gathers; expert parallelism: in its all-to-alls
-        if not (self.env.rank == 0 or self.env.fsdp or self.env.ep):
+        # FSDP: every rank takes part in the forward's all-gathers; expert parallelism: in its all-to-alls; context
+        # parallelism: in its rings
+        if not (self.env.rank == 0 or self.env.fsdp or self.env.ep or self.env.cp):
             return
-        v = evaluate(self.model, self.val_data, self.cfg, self.env.device, self.autocast)
+        v = evaluate(self.model, self.val_data, self.cfg, self.env.device, self.autocast, self.context)
         self._log({"step": self.step, "val_loss": v, "elapsed_s": time.time() - self.start})
         if self.env.rank == 0:
             log.info(f"step {self.step}: val {v:.3f} nats/byte")
