@@ -8,6 +8,9 @@ index branch's block distribution and the main attention's block mass, trains th
 
     out, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, return_lse=True, return_indices=True)
     loss = task_loss(out) + wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx)
+
+Batched, the keys may be longer than the queries (by whole blocks; the queries are their last tokens): what a rank of
+context parallelism (warpforge/distributed/context_parallel.py) runs, its chunk of queries against the keys up to it.
 """
 from __future__ import annotations
 
@@ -36,14 +39,17 @@ def _tiles(q: torch.Tensor, d_v: int) -> configs.SparseTiles:
 
 
 # ------------------------------------------------------------------------------------------- ops
+# max_s_k (last, optional so that positional callers of the s_q == s_k form keep working): k's length when the
+# queries are its last max_s positions (batched form only)
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+              scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .sparse_kernel import sparse_fwd
-    return sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, _tiles(q, v.shape[-1]).fwd)
+    return sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, _tiles(q, v.shape[-1]).fwd,
+                      max_s_k=max_s_k)
 
 
-def _fwd_fake(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
+def _fwd_fake(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, max_s_k=None):
     lse = q.new_empty((q.shape[-2], q.shape[0]) if cu is not None else (batch, q.shape[-2], max_s),
                       dtype=torch.float32)
     return q.new_empty(*q.shape[:-1], v.shape[-1]), lse
@@ -52,15 +58,15 @@ def _fwd_fake(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor, cu: Optional[torch.Tensor], batch: int,
               max_s: int, block_size: int, causal: bool,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
-    offsets, qblocks = kept_by(sel)
+    offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size))
     return sparse_bwd(do.contiguous(), q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,
-                      causal, scale, tiles.dq, tiles.dkdv)
+                      causal, scale, tiles.dq, tiles.dkdv, max_s_k=max_s_k)
 
 
-def _bwd_fake(do, q, k, v, out, lse, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
+def _bwd_fake(do, q, k, v, out, lse, sel, n_sel, cu, batch, max_s, block_size, causal, scale, max_s_k=None):
     return tuple(torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))  # contiguous, as the impl
 
 
@@ -68,33 +74,35 @@ _sparse_bwd = kernel_op("sparse_attn_bwd", _bwd_impl, _bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale = inputs
+    q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, sel, n_sel, cu)
-    ctx.args = (batch, max_s, block_size, causal, scale)
+    ctx.args = (batch, max_s, block_size, causal, scale, *rest)
+    ctx.n_inputs = len(inputs)  # a gradient (or None) for each input given, max_s_k or not
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, d_out, d_lse):
     q, k, v, out, lse, sel, n_sel, cu = ctx.saved_tensors
     dq, dk, dv = _sparse_bwd(d_out, q, k, v, out, lse, sel, n_sel, cu, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 _sparse_fwd = kernel_op("sparse_attn_fwd", _fwd_impl, _fwd_fake, setup_context=_setup_context, backward=_backward)
 
 
 def _scores_impl(index_q: torch.Tensor, index_k: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
-                 block_size: int, causal: bool, scale: float) -> torch.Tensor:
+                 block_size: int, causal: bool, scale: float, max_s_k: Optional[int] = None) -> torch.Tensor:
     from .sparse_kernel import index_block_scores
     pooled = pooled_queries(index_q, cu, batch, max_s, block_size)
     return index_block_scores(pooled, index_k, cu, batch, max_s, block_size, causal, scale,
-                              _tiles(index_q, index_q.shape[-1]).index)
+                              _tiles(index_q, index_q.shape[-1]).index, max_s_k=max_s_k)
 
 
-def _scores_fake(index_q, index_k, cu, batch, max_s, block_size, causal, scale):
+def _scores_fake(index_q, index_k, cu, batch, max_s, block_size, causal, scale, max_s_k=None):
     nb = n_blocks(max_s, block_size)
-    return index_q.new_empty((batch, index_q.shape[-2], nb, nb), dtype=torch.float32)
+    nkb = n_blocks(max_s if max_s_k is None else max_s_k, block_size)
+    return index_q.new_empty((batch, index_q.shape[-2], nb, nkb), dtype=torch.float32)
 
 
 _index_scores = kernel_op("sparse_index_scores", _scores_impl, _scores_fake)
@@ -102,13 +110,14 @@ _index_scores = kernel_op("sparse_index_scores", _scores_impl, _scores_fake)
 
 def _stats_impl(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, index_q: torch.Tensor, index_k: torch.Tensor,
                 sel: torch.Tensor, n_sel: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
-                block_size: int, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                block_size: int, causal: bool, scale: float,
+                max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     from .sparse_kernel import index_stats
     return index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
-                       _tiles(q, q.shape[-1]).index)
+                       _tiles(q, q.shape[-1]).index, max_s_k=max_s_k)
 
 
-def _stats_fake(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale):
+def _stats_fake(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale, max_s_k=None):
     rows = (1, k.shape[-2], q.shape[0]) if cu is not None else (batch, k.shape[-2], max_s)
     c = sel.shape[-1] + 1
     return q.new_empty(*rows, c, dtype=torch.float32), q.new_empty(*rows, c, dtype=torch.int64)
@@ -173,12 +182,31 @@ def _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend):
         fail("k", f"head dim {q.shape[-1]} (like q)", k.shape[-1])
     if k.shape[:-1] != v.shape[:-1]:
         fail("v", f"the shape of k but its head dim, {tuple(k.shape[:-1])} + (d_v,)", tuple(v.shape))
-    if q.shape[:-2] != k.shape[:-2]:
-        fail("k", f"the batch and sequence of q, {tuple(q.shape[:-2])} (self-attention)", tuple(k.shape[:-2]))
+    _check_key_lead("k", k, q, cu_seqlens is not None)
     h_q, h_kv = q.shape[-2], k.shape[-2]
     if h_kv == 0 or h_q % h_kv:
         fail("k", f"a number of kv heads dividing q's {h_q} heads (GQA)", h_kv)
-    return _seq_plan(q, cu_seqlens, max_seqlen)
+    batch, max_s = _seq_plan(q, cu_seqlens, max_seqlen)
+    return batch, max_s, max_s if varlen else k.shape[1]
+
+
+def _check_key_lead(name, k, q, varlen):
+    """k's batch and sequence: q's, or (batched form) the same batch and a longer sequence whose last tokens are
+    the queries'."""
+    if varlen:
+        if k.shape[:-2] != q.shape[:-2]:
+            fail(name, f"q's {q.shape[0]} packed tokens (self-attention; keys longer than the queries are taken in "
+                 "the batched form only, not with cu_seqlens)", tuple(k.shape[:-2]))
+    elif k.shape[0] != q.shape[0] or k.shape[1] < q.shape[1]:
+        fail(name, f"batch {q.shape[0]} and at least q's {q.shape[1]} tokens (self-attention; a longer sequence puts "
+             "the queries at its end)", tuple(k.shape[:2]))
+
+
+def _check_key_offset(name, max_s, max_s_k, block_size):
+    """Keys longer than the queries: by whole blocks, so that query blocks are key blocks."""
+    if (max_s_k - max_s) % block_size:
+        fail(name, f"a sequence longer than q's {max_s} tokens by a multiple of block_size {block_size} (the queries "
+             "are its last tokens, block-aligned)", max_s_k)
 
 
 def _seq_plan(q, cu_seqlens, max_seqlen):
@@ -210,8 +238,9 @@ def _check_options(block_size, causal, softmax_scale, index_scale):
     check_positive_float("index_scale", index_scale)
 
 
-def _check_index(index_q, index_k, lead, h_kv, ref_name, ref, varlen):
-    """index_q [*lead, h_kv, d_i], index_k [*lead, 1, d_i], on ref's device and of its dtype."""
+def _check_index(index_q, index_k, lead, h_kv, ref_name, ref, varlen, lead_k=None):
+    """index_q [*lead, h_kv, d_i], index_k [*lead_k, 1, d_i] (lead_k: lead by default), on ref's device and of
+    its dtype."""
     check_tensor("index_q", index_q)
     check_tensor("index_k", index_k)
     rank = 3 if varlen else 4
@@ -223,7 +252,7 @@ def _check_index(index_q, index_k, lead, h_kv, ref_name, ref, varlen):
     want_q = (*lead, h_kv)
     if tuple(index_q.shape[:-1]) != want_q:
         fail("index_q", f"shape {want_q} + (d_index,): one index query head per kv head", tuple(index_q.shape))
-    want_k = (*lead, 1, index_q.shape[-1])
+    want_k = (*(lead if lead_k is None else lead_k), 1, index_q.shape[-1])
     if tuple(index_k.shape) != want_k:
         fail("index_k", f"shape {want_k}: one shared index key head", tuple(index_k.shape))
     d_i = index_q.shape[-1]
@@ -231,16 +260,16 @@ def _check_index(index_q, index_k, lead, h_kv, ref_name, ref, varlen):
         fail("index_q", "an index head dim that is a multiple of 8 from 8 to 128", d_i)
 
 
-def _check_block_indices(block_indices, k, batch, max_s, block_size):
+def _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k=None):
     check_tensor("block_indices", block_indices)
     check_rank("block_indices", block_indices, 4)
     check_dtype("block_indices", block_indices, (torch.int32, torch.int64))
     check_same_device("block_indices", block_indices, "k", k)
-    nb = n_blocks(max_s, block_size)
-    want = (batch, k.shape[-2], nb)
+    want = (batch, k.shape[-2], n_blocks(max_s, block_size))
     if tuple(block_indices.shape[:3]) != want or block_indices.shape[3] < 1:
         fail("block_indices", f"shape {want} + (topk >= 1,): [batch, kv heads, query blocks, topk]",
              tuple(block_indices.shape))
+    nb = n_blocks(max_s if max_s_k is None else max_s_k, block_size)  # the key blocks
     if host_reads_allowed(block_indices) and block_indices.numel():
         read_once((block_indices,), _checked(nb), lambda: _check_block_values(block_indices, nb))
 
@@ -266,7 +295,7 @@ def _per_sequence(cu, *tensors):
     return [[t[None, bounds[i]:bounds[i + 1]] for t in tensors] for i in range(len(bounds) - 1)]
 
 
-def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_scale, backend):
+def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_scale, backend, max_s_k):
     if backend == "reference":
         if cu is None:
             z = index_block_scores_reference(index_q, index_k, block_size=block_size, index_scale=index_scale)
@@ -277,7 +306,7 @@ def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_
                 zi = index_block_scores_reference(iq, ik, block_size=block_size, index_scale=index_scale)
                 z[i, :, :zi.shape[2], :zi.shape[3]] = zi[0]
     else:
-        z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale)
+        z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale, max_s_k)
     return top_blocks(z, topk, causal)
 
 
@@ -287,19 +316,28 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: i
     """The index branch's selection: block_indices int32 [batch, h_kv, n_blocks, topk], each query block's top-k
     key blocks by max-pooled index score (its own block not among them: it is always kept), ascending, -1 padded.
     index_q [b, s, h_kv, d_i] (one index query head per kv head), index_k [b, s, 1, d_i]; packed [total, ., d_i]
-    with cu_seqlens. No gradient (the choice is discrete); no host sync on the GPU."""
+    with cu_seqlens. Batched, index_k may be longer, [b, s_k, 1, d_i] with s_k - s a multiple of block_size: the
+    queries are then its last s tokens, n_blocks counts theirs and the entries are key blocks of s_k. No gradient
+    (the choice is discrete); no host sync on the GPU."""
     check_tensor("index_q", index_q)
     backend = resolve_backend(backend, index_q.device)
     _check_options(block_size, causal, None, index_scale)
     check_int("topk", topk, 1)
     check_dtype("index_q", index_q, FLOATS)
     check_interpreted_matmul_dtype(backend, "index_q", index_q)
-    check_rank("index_q", index_q, 3 if cu_seqlens is not None else 4)
+    varlen = cu_seqlens is not None
+    check_rank("index_q", index_q, 3 if varlen else 4)
     batch, max_s = _seq_plan(index_q, cu_seqlens, max_seqlen)
-    _check_index(index_q, index_k, index_q.shape[:-2], index_q.shape[-2], "index_q", index_q, cu_seqlens is not None)
+    check_tensor("index_k", index_k)
+    check_rank("index_k", index_k, 3 if varlen else 4)
+    _check_key_lead("index_k", index_k, index_q, varlen)
+    max_s_k = max_s if varlen else index_k.shape[1]
+    _check_key_offset("index_k", max_s, max_s_k, block_size)
+    _check_index(index_q, index_k, index_q.shape[:-2], index_q.shape[-2], "index_q", index_q, varlen,
+                 index_k.shape[:-2])
     with torch.no_grad():
         return _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk, causal,
-                       _scale(index_q, index_scale), backend)
+                       _scale(index_q, index_scale), backend, max_s_k)
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = 128, topk: int = 16,
@@ -312,15 +350,22 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
 
     q [b, s, h_q, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] (any GQA group); packed [total, h, d] with cu_seqlens
     (int32 [n + 1]) and max_seqlen (at least the longest sequence: checked where cu_seqlens can be read; under a
-    CUDA-graph capture or torch.compile that is the caller's contract, as in flash-attn). Each query block (block_size tokens) of each kv head's group attends its own
-    block (causal within it) and its top-`topk` key blocks: chosen by the index branch (index_q [b, s, h_kv, d_i],
-    index_k [b, s, 1, d_i]; see select_blocks) or given as block_indices [b, h_kv, n_blocks, topk'] (-1 for none;
-    out-of-reach, repeated and own entries are ignored). Returns out [b, s, h_q, d_v], then lse (fp32, [b, h_q, s] or
-    [h_q, total], natural log) if return_lse, then the block_indices used if return_indices."""
+    CUDA-graph capture or torch.compile that is the caller's contract, as in flash-attn). Each query block (block_size
+    tokens) of each kv head's group attends its own block (causal within it) and its top-`topk` key blocks: chosen
+    by the index branch (index_q [b, s, h_kv, d_i], index_k [b, s, 1, d_i]; see select_blocks) or given as
+    block_indices [b, h_kv, n_blocks, topk'] (-1 for none; out-of-reach, repeated and own entries are ignored).
+    Returns out [b, s, h_q, d_v], then lse (fp32, [b, h_q, s] or [h_q, total], natural log) if return_lse, then the
+    block_indices used if return_indices.
+
+    Batched, k / v (and index_k) may be longer than q: [b, s_k, h_kv, d] with s_k - s a multiple of block_size. The
+    queries are then the last s of the s_k positions (bottom-right aligned, as flash-attn's causal with s_q < s_k:
+    query t sits at s_k - s + t), as a context-parallel rank's chunk against the keys up to it; n_blocks counts the
+    query blocks and block_indices holds key blocks of s_k. Gradients for k and v cover all s_k keys."""
     check_tensor("q", q)
     backend = resolve_backend(backend, q.device)
-    batch, max_s = _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend)
+    batch, max_s, max_s_k = _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend)
     _check_options(block_size, causal, softmax_scale, index_scale)
+    _check_key_offset("k", max_s, max_s_k, block_size)
     check_bool("return_lse", return_lse)
     check_bool("return_indices", return_indices)
     varlen = cu_seqlens is not None
@@ -329,14 +374,14 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
             fail("index_q/index_k", "both given (the index branch selects the blocks) unless block_indices is",
                  "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
         check_int("topk", topk, 1)
-        _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen)
+        _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
         with torch.no_grad():
             block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
-                                    causal, _scale(index_q, index_scale), backend)
+                                    causal, _scale(index_q, index_scale), backend, max_s_k)
         if host_reads_allowed(block_indices):  # in range by construction: the index loss need not read it back
-            read_once((block_indices,), _checked(n_blocks(max_s, block_size)), lambda: None)
+            read_once((block_indices,), _checked(n_blocks(max_s_k, block_size)), lambda: None)
     else:
-        _check_block_indices(block_indices, k, batch, max_s, block_size)
+        _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
     scale = _scale(q, softmax_scale)
     if backend == "reference":
         kw = dict(block_size=block_size, causal=causal, softmax_scale=scale)
@@ -349,9 +394,9 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
             out = torch.cat([o[0] for o, _ in parts], 0) if parts else q.new_empty(*q.shape[:-1], v.shape[-1])
             lse = torch.cat([lse[0] for _, lse in parts], 1) if parts else q.new_empty(q.shape[-2], 0)
     else:
-        nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s, block_size, q.device)
-        sel, n_sel = canonical(block_indices, nb_seq, causal)
-        out, lse = _sparse_fwd(q, k, v, sel, n_sel, cu_seqlens, batch, max_s, block_size, causal, scale)
+        nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s_k, block_size, q.device)
+        sel, n_sel = canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
+        out, lse = _sparse_fwd(q, k, v, sel, n_sel, cu_seqlens, batch, max_s, block_size, causal, scale, max_s_k)
     results = (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_indices else ())
     return results[0] if len(results) == 1 else results
 
@@ -364,14 +409,17 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     """The index branch's loss (fp32 scalar): the mean over tokens and kv heads of KL(main attention's block mass
     ‖ softmax of the index branch's max-pooled block scores), over each token's kept blocks. q, k and lse are the
     main attention's (lse from sparse_attention(..., return_lse=True) on the same q and k: the Triton path uses it as
-    given, the reference recomputes it); the gradient goes to index_q and index_k only."""
+    given, the reference recomputes it); the gradient goes to index_q and index_k only. Batched, k and index_k may
+    be longer than q and index_q, as in sparse_attention (the queries are their last tokens; gradients for all of
+    index_k)."""
     check_tensor("q", q)
     backend = resolve_backend(backend, q.device)
-    batch, max_s = _check_qkv(q, k, k, cu_seqlens, max_seqlen, backend)
+    batch, max_s, max_s_k = _check_qkv(q, k, k, cu_seqlens, max_seqlen, backend)
     _check_options(block_size, causal, softmax_scale, index_scale)
+    _check_key_offset("k", max_s, max_s_k, block_size)
     varlen = cu_seqlens is not None
-    _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen)
-    _check_block_indices(block_indices, k, batch, max_s, block_size)
+    _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
+    _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
     check_tensor("lse", lse)
     check_dtype("lse", lse, (torch.float32,))
     check_same_device("lse", lse, "q", q)
@@ -392,11 +440,11 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
                                        **kw) * qi.shape[1] for i, (qi, ki, iq, ik) in enumerate(parts)
                   if qi.shape[1]]  # an empty sequence has no tokens to average (its mean would be NaN)
         return torch.stack(losses).sum() / q.shape[0]
-    nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s, block_size, q.device)
-    sel, n_sel = canonical(block_indices, nb_seq, causal)
+    nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s_k, block_size, q.device)
+    sel, n_sel = canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
     with torch.no_grad():
         mass, arg = _index_stats(q, k, lse, index_q.detach(), index_k.detach(), sel, n_sel, cu_seqlens, batch, max_s,
-                                 block_size, causal, scale)
+                                 block_size, causal, scale, max_s_k)
     iq_rows = index_q.permute(1, 0, 2)[None] if varlen else index_q.permute(0, 2, 1, 3)  # [b, h_kv, s, d_i]
     z = _GatheredScores.apply(iq_rows, index_k.reshape(-1, index_k.shape[-1]), arg, i_scale)
     z = z.masked_fill(arg < 0, float("-inf"))

@@ -3,10 +3,13 @@
 - `canonical(block_indices, ...)`: a user's (or the selector's) block_indices -> (sel, n_sel): per query block the
   kept blocks other than its own, ascending, each once, in range for its sequence (and earlier when causal), -1
   after the n_sel valid ones.
-- `kept_by(sel, n_blocks)`: the same lists the other way round (CSR): for each key block, the query blocks that
-  kept it, ascending, for the backward's dk/dv pass.
+- `kept_by(sel, n_key_blocks)`: the same lists the other way round (CSR): for each key block, the query blocks
+  that kept it, ascending, for the backward's dk/dv pass.
 - `top_blocks(z, topk, causal)`: the selection from the index branch's block scores (exp-free: a top-k of raw
   scores).
+
+Queries may be the last blocks of a longer key sequence (reference.py): query block i is then key block
+i + q_off_blocks, its own, and the lists hold key blocks.
 """
 from __future__ import annotations
 
@@ -53,12 +56,14 @@ def pooled_queries(index_q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], ba
     return pooled.view(h_kv, d_i, batch, nb).permute(2, 0, 3, 1).contiguous()
 
 
-def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sel int32 [b, h_kv, nqb, topk] contiguous, n_sel int32 [b, h_kv, nqb] contiguous)."""
+def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool,
+              q_off_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sel int32 [b, h_kv, nqb, topk] contiguous, n_sel int32 [b, h_kv, nqb] contiguous). nb_seq: each sequence's
+    number of key blocks; query block i is key block i + q_off_blocks."""
     nqb = block_indices.shape[2]
     big = torch.iinfo(torch.int64).max
     idx = block_indices.long()
-    i = torch.arange(nqb, device=idx.device)[:, None]
+    i = torch.arange(nqb, device=idx.device)[:, None] + q_off_blocks
     ok = (idx >= 0) & (idx < nb_seq[:, None, None, None]) & (idx != i)
     if causal:
         ok &= idx < i
@@ -71,12 +76,14 @@ def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool) -
     return sel, valid.sum(-1, dtype=torch.int32).contiguous()
 
 
-def kept_by(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets int32 [b · h_kv · nb + 1], qblocks int32): key block (b, g, j)'s query blocks are
-    qblocks[offsets[key] : offsets[key + 1]], key = (b · h_kv + g) · nb + j, ascending."""
+def kept_by(sel: torch.Tensor, n_key_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets int32 [b · h_kv · nkb + 1], qblocks int32): key block (b, g, j)'s query blocks are
+    qblocks[offsets[key] : offsets[key + 1]], key = (b · h_kv + g) · nkb + j, ascending. nkb: the number of key
+    blocks, the number of query blocks by default."""
     b, h_kv, nqb, topk = sel.shape
-    buckets = b * h_kv * nqb
-    base = torch.arange(b * h_kv, device=sel.device).view(b, h_kv, 1, 1) * nqb
+    nkb = nqb if n_key_blocks is None else n_key_blocks
+    buckets = b * h_kv * nkb
+    base = torch.arange(b * h_kv, device=sel.device).view(b, h_kv, 1, 1) * nkb
     key = torch.where(sel >= 0, base + sel.long(), buckets).flatten()
     counts = torch.zeros(buckets + 1, device=sel.device, dtype=torch.int64)
     counts.scatter_add_(0, key, torch.ones_like(key))
@@ -89,9 +96,10 @@ def kept_by(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def top_blocks(z: torch.Tensor, topk: int, causal: bool) -> torch.Tensor:
     """block_indices int32 [b, h_kv, nqb, topk]: each query block's top-k candidate blocks by score (not its own;
-    earlier ones when causal; none of score -inf), ascending, -1 padded."""
+    earlier ones when causal; none of score -inf), ascending, -1 padded. z [b, h_kv, nqb, nb]: the queries are the
+    last nqb of the nb blocks (query block i is key block i + nb - nqb)."""
     b, h_kv, nqb, nb = z.shape
-    i = torch.arange(nqb, device=z.device)[:, None]
+    i = torch.arange(nqb, device=z.device)[:, None] + (nb - nqb)
     j = torch.arange(nb, device=z.device)[None, :]
     candidate = (j < i) if causal else (j != i)
     z = z.masked_fill(~candidate, float("-inf"))

@@ -14,6 +14,11 @@ atomics inside that pass, `atomic_dq`, instead of the dq pass).
 Layouts: tensors are addressed through strides; the batched [b, s, h, d] and the packed varlen [total, h, d]
 forms share the kernels (varlen: stride_b = 0 and per-sequence offsets from cu_seqlens, clamped as in
 ops/attention). Offsets that can pass 2^31 are taken in int64. Scores are kept in log2 units (exp2).
+
+Queries may be the last `seqlen` of `seqlen_k` keys (batched form only: a context-parallel rank's chunk against
+the keys up to it): off = seqlen_k - seqlen, a multiple of BS, is the position of query row 0. Query rows, lse,
+SEL / NSEL and the query-block numbers in QBLOCKS are the queries'; key rows, key block numbers (SEL's entries,
+OFFSETS' buckets, Z's columns) and causal masks are the keys' positions. Varlen passes seqlen_k = seqlen.
 """
 import torch
 import triton
@@ -87,24 +92,28 @@ def index_scores_kernel(
     PQ, IK, Z, CU,
     stride_pb, stride_ph, stride_pi, stride_kb, stride_ks,
     stride_zb, stride_zh, stride_zi,
-    seqlen, total, scale,
+    seqlen, seqlen_k, total, scale,
     H_KV: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
     KCHUNK: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """Z[b, g, i, j] = max over block j's keys u of pq[b, g, i] · ik[u] · scale, for the BLOCK_Q query blocks i and
-    the KCHUNK key blocks j of this program, where a query block can select j (j < i when causal; the rest stays
-    -inf). One key block's tile serves all BLOCK_Q pooled queries in one MMA; the grid spreads the key blocks over
-    programs (one program walking every key block left the GPU nearly idle: 22 ms at 64k)."""
+    """Z[b, g, i, j] = max over key block j's keys u of pq[b, g, i] · ik[u] · scale, for the BLOCK_Q query blocks i
+    and the KCHUNK key blocks j of this program, where a query block can select j (j < i + off_b when causal, off_b
+    the query blocks' offset; the rest stays -inf). One key block's tile serves all BLOCK_Q pooled queries in one
+    MMA; the grid spreads the key blocks over programs (one program walking every key block left the GPU nearly
+    idle: 22 ms at 64k)."""
     b = tl.program_id(0) // H_KV  # the heads on axis 0 (see _tile_program)
     g = tl.program_id(0) % H_KV
     i0 = tl.program_id(1) * BLOCK_Q
     j0 = tl.program_id(2) * KCHUNK
     start, s = seq_bounds(CU, b, seqlen, total, VARLEN)
+    off_b = (seqlen_k - seqlen) // BS
+    s_k = s + off_b * BS
     nb = tl.cdiv(s, BS)
-    if CAUSAL:
-        j_end = tl.minimum(tl.minimum(j0 + KCHUNK, i0 + BLOCK_Q - 1), nb)  # blocks before the tile's last one
+    nkb = tl.cdiv(s_k, BS)
+    if CAUSAL:  # blocks before the tile's last one
+        j_end = tl.minimum(tl.minimum(j0 + KCHUNK, i0 + BLOCK_Q - 1 + off_b), nkb)
     else:
-        j_end = tl.minimum(j0 + KCHUNK, nb)
+        j_end = tl.minimum(j0 + KCHUNK, nkb)
     if (i0 >= nb) | (j0 >= j_end):
         return
     b64 = b.to(tl.int64)
@@ -117,11 +126,12 @@ def index_scores_kernel(
     pq = tl.load(pq_ptrs, mask=(rows < nb)[:, None] & (offs_d < DI)[None, :], other=0.0)
     z_rows = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + rows.to(tl.int64) * stride_zi
     for j in range(j0, j_end):
-        ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s, DI).to(tl.float32)
-        sc = tl.where((j * BS + offs_n < s)[None, :], dot(pq, tl.trans(ik)), float("-inf"))  # fp32: ranks as the reference
+        ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s_k, DI).to(tl.float32)
+        # fp32: ranks as the reference
+        sc = tl.where((j * BS + offs_n < s_k)[None, :], dot(pq, tl.trans(ik)), float("-inf"))
         ok = rows < nb
         if CAUSAL:
-            ok = ok & (j < rows)
+            ok = ok & (j < rows + off_b)
         tl.store(z_rows + j, tl.max(sc, 1) * scale, mask=ok)
 
 
@@ -133,18 +143,20 @@ def index_stats_kernel(
     stride_iqb, stride_iqs, stride_iqh, stride_ikb, stride_iks,
     stride_sb, stride_sh, stride_si,
     stride_mb, stride_mh, stride_mt,
-    seqlen, total, qk_scale,
+    seqlen, seqlen_k, total, qk_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr,
     BLOCK_DI: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """For query rows t of a BLOCK_M tile and group g, per kept-block slot c (0..TOPK-1 the selected blocks, TOPK
     the own block): MASS[., g, t, c] = the group's mean attention probability on block c's keys (from the forward's
-    lse), ARG[., g, t, c] = the flat row (b · seqlen + u, or start + u when varlen) of the key u that maximises
-    iq[t, g] · ik[u] over block c's visible keys; -1 / 0 in unused slots."""
+    lse), ARG[., g, t, c] = the flat key row (b · seqlen_k + u, or start + u when varlen) of the key u that
+    maximises iq[t, g] · ik[u] over block c's visible keys; -1 / 0 in unused slots."""
     b64, g, start, s, m_lo = _tile_program(CU, seqlen, total, H_KV, BLOCK_M, False, VARLEN)
     if m_lo >= s:
         return
+    off = seqlen_k - seqlen  # the queries' position (0 when VARLEN)
+    s_k = s + off
     i = m_lo // BS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -152,35 +164,36 @@ def index_stats_kernel(
     offs_di = tl.arange(0, BLOCK_DI)
     t = m_lo + offs_m
     t_ok = t < s
+    tp = t + off
     iq = _rows(IQ, b64, start, g, stride_iqb, stride_iqs, stride_iqh, m_lo, offs_m, offs_di, s, DI)
     if VARLEN:
         flat0 = start.to(tl.int64)
     else:
-        flat0 = b64 * seqlen
+        flat0 = b64 * seqlen_k
     sel_row, n_sel = _kept_list(SEL, NSEL, b64, g, i, stride_sb, stride_sh, stride_si, seqlen, H_KV, BS)
     out_rows = b64 * stride_mb + g.to(tl.int64) * stride_mh + (start + t).to(tl.int64) * stride_mt
     for c in range(0, TOPK + 1):
         if c < n_sel:
             j = tl.load(sel_row + c)
         else:
-            j = i
+            j = i + off // BS
         if (c < n_sel) | (c == TOPK):
             mass = tl.zeros([BLOCK_M], tl.float32)
             best = tl.full([BLOCK_M], float("-inf"), tl.float32)
             arg = tl.zeros([BLOCK_M], tl.int64)
             for n0 in range(j * BS, j * BS + BS, BLOCK_N):
                 u = n0 + offs_n
-                ok = t_ok[:, None] & (u < s)[None, :]
+                ok = t_ok[:, None] & (u < s_k)[None, :]
                 if CAUSAL:
-                    ok = ok & (u[None, :] <= t[:, None])
-                k_ik = _rows(IK, b64, start, g * 0, stride_ikb, stride_iks, 0, n0, offs_n, offs_di, s, DI)
+                    ok = ok & (u[None, :] <= tp[:, None])
+                k_ik = _rows(IK, b64, start, g * 0, stride_ikb, stride_iks, 0, n0, offs_n, offs_di, s_k, DI)
                 sc = tl.where(ok, dot(iq, tl.trans(k_ik)), float("-inf"))
                 tile_best = tl.max(sc, 1)
                 tile_arg = tl.argmax(sc, 1).to(tl.int64) + n0
                 take = tile_best > best
                 arg = tl.where(take, tile_arg, arg)
                 best = tl.where(take, tile_best, best)
-                k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D)
+                k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s_k, D)
                 for hh in range(0, GROUP):
                     h = g * GROUP + hh
                     q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
@@ -202,7 +215,7 @@ def index_stats_kernel(
 def _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh, stride_vb,
               stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr, DV: tl.constexpr,
               MASK: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
-    """The online softmax over the keys [n0, n0 + BLOCK_N)."""
+    """The online softmax over the keys [n0, n0 + BLOCK_N) (t: the query rows' positions, s: the keys' count)."""
     k = _walked(k_src, K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D, USE_TMA)
     v = _walked(v_src, V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV, USE_TMA)
     sc = dot(q, tl.trans(k)) * qk_scale
@@ -219,7 +232,7 @@ def _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, s
 
 @triton.jit
 def _own_end(i, t, BS: tl.constexpr, CAUSAL: tl.constexpr):
-    """The end of the own block's keys a query tile (rows t) sees."""
+    """The end of the own block's keys a query tile (at positions t) sees; i: the own block's key block."""
     hi = i * BS + BS
     if CAUSAL:
         hi = tl.minimum(hi, tl.max(t, 0) + 1)
@@ -232,10 +245,10 @@ def sparse_fwd_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     stride_sb, stride_sh, stride_si,
-    seqlen, total, qk_scale,
+    seqlen, seqlen_k, total, qk_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr, LONGER_KEYS: tl.constexpr,
 ):
     """Program (query tile, b · H_Q + h): out and lse (natural log) of its rows over the kept blocks."""
     SUB: tl.constexpr = BS // BLOCK_N
@@ -243,20 +256,27 @@ def sparse_fwd_kernel(
     hk = h // GROUP
     if m_lo >= s:
         return
+    if LONGER_KEYS:  # the queries' position among the keys
+        off = seqlen_k - seqlen
+    else:  # a constant: the s_q == s_k build compiles as it did before keys could be longer
+        off = 0
+    s_k = s + off
     i = m_lo // BS
+    own = i + off // BS  # the query block as a key block
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     t = m_lo + offs_m
+    tp = t + off
     q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
     if USE_TMA:  # K and V through descriptors over the kv head's rows (made here: a helper cannot return one)
-        k_src = _head_desc(K, b64, start, hk, s, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
-        v_src = _head_desc(V, b64, start, hk, s, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
+        k_src = _head_desc(K, b64, start, hk, s_k, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
+        v_src = _head_desc(V, b64, start, hk, s_k, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
     else:
         k_src = K
         v_src = V
@@ -264,11 +284,11 @@ def sparse_fwd_kernel(
         n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
         # causal: a selected block lies before the query block, so it is whole and wholly visible
         acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, n0, tp, s_k, offs_n, offs_d, offs_dv,
                                   qk_scale, D, DV, not CAUSAL, False, USE_TMA)
-    for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
+    for n0 in range(own * BS, _own_end(own, tp, BS, CAUSAL), BLOCK_N):
         acc, l_i, m_i = _tile_fwd(acc, l_i, m_i, q, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, n0, tp, s_k, offs_n, offs_d, offs_dv,
                                   qk_scale, D, DV, True, CAUSAL, USE_TMA)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -284,7 +304,8 @@ def sparse_fwd_kernel(
 def _tile_dq(dq, q, do, lse2, delta, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
              stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D: tl.constexpr,
              DV: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr):
-    """dq += ds · k over the keys [n0, n0 + BLOCK_N), ds = p · (do · vᵀ − delta)."""
+    """dq += ds · k over the keys [n0, n0 + BLOCK_N), ds = p · (do · vᵀ − delta) (t: the query rows' positions,
+    s: the keys' count)."""
     k = _walked(k_src, K, b64, start, hk, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s, D, USE_TMA)
     v = _walked(v_src, V, b64, start, hk, stride_vb, stride_vs, stride_vh, n0, offs_n, offs_dv, s, DV, USE_TMA)
     p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse2[:, None])
@@ -305,10 +326,10 @@ def sparse_dq_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_sb, stride_sh, stride_si,
-    seqlen, total, qk_scale, sm_scale,
+    seqlen, seqlen_k, total, qk_scale, sm_scale,
     H_Q: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
+    VARLEN: tl.constexpr, USE_TMA: tl.constexpr, LONGER_KEYS: tl.constexpr,
 ):
     """Program (query tile, b · H_Q + h): dq of its rows (dq has strides of its own: q may be a view of a packed
     qkv; do and out share O's)."""
@@ -317,13 +338,20 @@ def sparse_dq_kernel(
     hk = h // GROUP
     if m_lo >= s:
         return
+    if LONGER_KEYS:  # the queries' position among the keys
+        off = seqlen_k - seqlen
+    else:  # a constant: the s_q == s_k build compiles as it did before keys could be longer
+        off = 0
+    s_k = s + off
     i = m_lo // BS
+    own = i + off // BS  # the query block as a key block
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     t = m_lo + offs_m
     t_ok = t < s
+    tp = t + off
     q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
     do = _rows(DO, b64, start, h, stride_ob, stride_os, stride_oh, m_lo, offs_m, offs_dv, s, DV)
     row_l = b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64)
@@ -332,20 +360,20 @@ def sparse_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     sel_row, n_sel = _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H_Q // GROUP, BS)
     if USE_TMA:
-        k_src = _head_desc(K, b64, start, hk, s, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
-        v_src = _head_desc(V, b64, start, hk, s, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
+        k_src = _head_desc(K, b64, start, hk, s_k, stride_kb, stride_ks, stride_kh, BLOCK_N, D)
+        v_src = _head_desc(V, b64, start, hk, s_k, stride_vb, stride_vs, stride_vh, BLOCK_N, DV)
     else:
         k_src = K
         v_src = V
     for step in range(0, n_sel * SUB):
         n0 = tl.load(sel_row + step // SUB) * BS + (step % SUB) * BLOCK_N
         dq = _tile_dq(dq, q, do, lse2, delta, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, not CAUSAL,
-                      False, USE_TMA)
-    for n0 in range(i * BS, _own_end(i, t, BS, CAUSAL), BLOCK_N):
+                      stride_vb, stride_vs, stride_vh, n0, tp, s_k, offs_n, offs_d, offs_dv, qk_scale, D, DV,
+                      not CAUSAL, False, USE_TMA)
+    for n0 in range(own * BS, _own_end(own, tp, BS, CAUSAL), BLOCK_N):
         dq = _tile_dq(dq, q, do, lse2, delta, k_src, v_src, K, V, b64, start, hk, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, n0, t, s, offs_n, offs_d, offs_dv, qk_scale, D, DV, True, CAUSAL,
-                      USE_TMA)
+                      stride_vb, stride_vs, stride_vh, n0, tp, s_k, offs_n, offs_d, offs_dv, qk_scale, D, DV, True,
+                      CAUSAL, USE_TMA)
     dq_ptrs = DQ + b64 * stride_dqb + (start + t).to(tl.int64)[:, None] * stride_dqs + \
         h.to(tl.int64) * stride_dqh + offs_d[None, :]
     tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=t_ok[:, None] & (offs_d < D)[None, :])
@@ -359,7 +387,8 @@ def _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, DQ32, b64, start,
     """dk, dv of a key tile (rows u) from the queries [m0, m0 + BLOCK_M) of head h; with ATOMIC_DQ also this tile's
     share of those queries' dq, added into the fp32 DQ32 (no separate dq pass: 5 matmuls a tile pair instead of 7,
     at the price of float atomics). Queries past the sequence get lse +inf, so p = 0 there without a mask; MASK is
-    the causal mask of the own block."""
+    the causal mask of the own block. u: the keys' positions less the queries' offset (query rows' own frame), s:
+    the queries' count."""
     t = m0 + offs_m
     t_ok = t < s
     q = _walked(q_src, Q, b64, start, h, stride_qb, stride_qs, stride_qh, m0, offs_m, offs_d, s, D, USE_TMA)
@@ -386,35 +415,42 @@ def sparse_dkdv_kernel(
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_aqb, stride_aqs, stride_aqh,
-    seqlen, total, qk_scale, sm_scale,
+    seqlen, seqlen_k, total, qk_scale, sm_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     VARLEN: tl.constexpr, USE_TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr,
 ):
     """Program (key tile, b · H_KV + g): dk, dv of its rows, summed over g's query heads and over the query blocks
-    that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_blocks + j) and its own.
-    dk / dv have strides of their own (k / v may be views of a packed qkv)."""
+    that kept its block (QBLOCKS[OFFSETS[key] : OFFSETS[key + 1]], key = (b · H_KV + g) · n_key_blocks + j) and the
+    query block it is (none for keys before the queries: zeros unless a query block kept them). dk / dv have strides
+    of their own (k / v may be views of a packed qkv)."""
     SUB: tl.constexpr = BS // BLOCK_M
-    b64, g, start, s, n_lo = _tile_program(CU, seqlen, total, H_KV, BLOCK_N, False, VARLEN)
-    if n_lo >= s:
+    off = seqlen_k - seqlen  # the queries' position (0 when VARLEN)
+    b64, g, start, s_k, n_lo = _tile_program(CU, seqlen_k, total, H_KV, BLOCK_N, False, VARLEN)
+    if n_lo >= s_k:
         return
+    s = s_k - off
     j = n_lo // BS
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     u = n_lo + offs_n
-    k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n_lo, offs_n, offs_d, s, D)
-    v = _rows(V, b64, start, g, stride_vb, stride_vs, stride_vh, n_lo, offs_n, offs_dv, s, DV)
+    k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n_lo, offs_n, offs_d, s_k, D)
+    v = _rows(V, b64, start, g, stride_vb, stride_vs, stride_vh, n_lo, offs_n, offs_dv, s_k, DV)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    key = (b64 * H_KV + g) * tl.cdiv(seqlen, BS) + j
+    key = (b64 * H_KV + g) * tl.cdiv(seqlen_k, BS) + j
     lo = tl.load(OFFSETS + key)
     hi = tl.load(OFFSETS + key + 1)
     if CAUSAL:  # in the own block, no query before the tile's first key sees it
         own_lo = j * BS + ((n_lo - j * BS) // BLOCK_M) * BLOCK_M
     else:
         own_lo = j * BS
+    # as query rows: an empty range for a key block before the queries (off is a multiple of BS)
+    own_lo = tl.maximum(own_lo, off) - off
+    own_hi = tl.maximum(j * BS + BS, off) - off
+    u_q = u - off
     for hh in range(0, GROUP):
         h = g * GROUP + hh
         if USE_TMA:  # the walked q and do through descriptors (sm_90: pointer tiles spill at d 128)
@@ -427,14 +463,14 @@ def sparse_dkdv_kernel(
             m0 = tl.load(QBLOCKS + step // SUB) * BS + (step % SUB) * BLOCK_M
             dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, DQ32, b64, start, h, stride_qb,
                                 stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_aqb,
-                                stride_aqs, stride_aqh, m0, u, s, offs_m, offs_d, offs_dv, qk_scale, sm_scale, D, DV,
+                                stride_aqs, stride_aqh, m0, u_q, s, offs_m, offs_d, offs_dv, qk_scale, sm_scale, D, DV,
                                 False, USE_TMA, ATOMIC_DQ)
-        for m0 in range(own_lo, j * BS + BS, BLOCK_M):  # its own block
+        for m0 in range(own_lo, own_hi, BLOCK_M):  # its own block
             dk, dv = _tile_dkdv(dk, dv, k, v, q_src, do_src, Q, DO, LSE, DELTA, DQ32, b64, start, h, stride_qb,
                                 stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_aqb,
-                                stride_aqs, stride_aqh, m0, u, s, offs_m, offs_d, offs_dv, qk_scale, sm_scale, D, DV,
+                                stride_aqs, stride_aqh, m0, u_q, s, offs_m, offs_d, offs_dv, qk_scale, sm_scale, D, DV,
                                 CAUSAL, USE_TMA, ATOMIC_DQ)
-    u_ok = (u < s)[:, None]
+    u_ok = (u < s_k)[:, None]
     rows = (start + u).to(tl.int64)[:, None]
     tl.store(DK + b64 * stride_dkb + rows * stride_dks + g.to(tl.int64) * stride_dkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=u_ok & (offs_d < D)[None, :])
@@ -467,27 +503,30 @@ def _lse_strides(lse, cu):
     return (0, lse.stride(0)) if cu is not None else (lse.stride(0), lse.stride(1))
 
 
-def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg):
-    """Z [batch, h_kv, nb, nb] fp32 from the pooled index queries [batch, h_kv, nb, d_i] (-inf where a block is
-    not a candidate)."""
+def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg, max_s_k=None):
+    """Z [batch, h_kv, nb, nkb] fp32 from the pooled index queries [batch, h_kv, nb, d_i] (-inf where a block is
+    not a candidate). max_s_k: index_k's length when the queries are its last max_s tokens (batched form only)."""
     h_kv, nb, d_i = pooled_q.shape[1], pooled_q.shape[2], pooled_q.shape[3]
-    z = torch.full((batch, h_kv, nb, nb), float("-inf"), device=pooled_q.device, dtype=torch.float32)
+    max_s_k = max_s if max_s_k is None else max_s_k
+    nkb = triton.cdiv(max_s_k, block_size)
+    z = torch.full((batch, h_kv, nb, nkb), float("-inf"), device=pooled_q.device, dtype=torch.float32)
     if batch == 0 or nb == 0:
         return z
     sk = _seq_args(index_k, cu, batch, max_s)
     block_q = min(cfg.block_m, max(16, triton.next_power_of_2(nb)))
     kchunk = 8
-    index_scores_kernel[(batch * h_kv, triton.cdiv(nb, block_q), triton.cdiv(nb, kchunk))](
+    index_scores_kernel[(batch * h_kv, triton.cdiv(nb, block_q), triton.cdiv(nkb, kchunk))](
         pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
-        sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, index_k.shape[0], scale,
+        sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, max_s_k, index_k.shape[0], scale,
         H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
         VARLEN=cu is not None,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return z
 
 
-def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, cfg):
-    """(out like q with v's head dim, lse fp32: [b, h_q, s] batched, [h_q, total] varlen)."""
+def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, cfg, max_s_k=None):
+    """(out like q with v's head dim, lse fp32: [b, h_q, s] batched, [h_q, total] varlen). max_s_k: k's length when
+    the queries are its last max_s positions (batched form only)."""
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv, d_v = k.shape[-2], v.shape[-1]
     out = torch.empty((*q.shape[:-1], d_v), device=q.device, dtype=q.dtype)
@@ -501,10 +540,10 @@ def sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale,
         q, k, v, out, lse, sel, n_sel, cu if cu is not None else lse,
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_seq_args(v, cu, batch, max_s),
         *_seq_args(out, cu, batch, max_s), *_lse_strides(lse, cu), sel.stride(0), sel.stride(1), sel.stride(2),
-        max_s, q.shape[0], scale * LOG2E,
+        max_s, max_s if max_s_k is None else max_s_k, q.shape[0], scale * LOG2E,
         H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, USE_TMA=tma, num_warps=cfg.warps,
-        num_stages=cfg.stages)
+        BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, USE_TMA=tma,
+        LONGER_KEYS=max_s_k is not None and max_s_k != max_s, num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
 
 
@@ -522,14 +561,16 @@ def _row_dots(out, do, cu, batch, max_s, lse):
 
 
 def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size, causal, scale,
-               cfg_dq, cfg_dkdv):
-    """(dq, dk, dv). offsets / qblocks: the CSR lists of the query blocks that kept each key block."""
+               cfg_dq, cfg_dkdv, max_s_k=None):
+    """(dq, dk, dv). offsets / qblocks: the CSR lists of the query blocks that kept each key block. max_s_k: as in
+    sparse_fwd."""
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv, d_v = k.shape[-2], v.shape[-1]
+    max_s_k = max_s if max_s_k is None else max_s_k
     # fresh contiguous gradients (empty_like of a view of a packed qkv would be laid out unlike it)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-    if batch == 0 or max_s == 0:
-        return dq, dk, dv
+    if batch == 0 or max_s == 0:  # no queries: keys before them (max_s_k > 0) get no gradient
+        return dq, dk.zero_(), dv.zero_()
     delta = _row_dots(out, do, cu, batch, max_s, lse)
     common = dict(H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size,
                   CAUSAL=causal, VARLEN=cu is not None)
@@ -544,24 +585,25 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
         sparse_dq_kernel[(triton.cdiv(max_s, block_m) * batch * h_q,)](  # see _tile_program
             q, k, v, do, lse, delta, dq, sel, n_sel, cu_arg, *strides, *_seq_args(dq, cu, batch, max_s),
             sel.stride(0), sel.stride(1), sel.stride(2),
-            max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
-            num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
+            max_s, max_s_k, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
+            LONGER_KEYS=max_s_k != max_s, num_warps=cfg_dq.warps, num_stages=cfg_dq.stages)
     common["H_KV"] = common.pop("H_Q") // common["GROUP"]
     block_m, block_n = min(cfg_dkdv.block_m, block_size), min(cfg_dkdv.block_n, block_size)
     tma = _use_tma(cfg_dkdv, d, d_v, q, do)
-    sparse_dkdv_kernel[(triton.cdiv(max_s, block_n) * batch * h_kv,)](  # see _tile_program
+    sparse_dkdv_kernel[(triton.cdiv(max_s_k, block_n) * batch * h_kv,)](  # see _tile_program: over the keys
         q, k, v, do, lse, delta, dk, dv, dq32, offsets, qblocks, cu_arg, *strides, *_seq_args(dk, cu, batch, max_s),
         *_seq_args(dv, cu, batch, max_s), *(_seq_args(dq32, cu, batch, max_s) if atomic else (0, 0, 0)),
-        max_s, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
+        max_s, max_s_k, q.shape[0], scale * LOG2E, scale, BLOCK_M=block_m, BLOCK_N=block_n, **common, USE_TMA=tma,
         ATOMIC_DQ=atomic, num_warps=cfg_dkdv.warps, num_stages=cfg_dkdv.stages)
     if atomic:
         dq.copy_(dq32)
     return dq, dk, dv
 
 
-def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale, cfg):
+def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block_size, causal, scale, cfg,
+                max_s_k=None):
     """(mass fp32, arg int64), [b, h_kv, s, topk + 1] batched or [1, h_kv, total, topk + 1] varlen: see
-    index_stats_kernel."""
+    index_stats_kernel. max_s_k: as in sparse_fwd (k and index_k that long)."""
     h_q, d = q.shape[-2], q.shape[-1]
     h_kv, d_i = k.shape[-2], index_q.shape[-1]
     topk = sel.shape[-1]
@@ -577,7 +619,7 @@ def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block
         *_seq_args(q, cu, batch, max_s), *_seq_args(k, cu, batch, max_s), *_lse_strides(lse, cu),
         *_seq_args(index_q, cu, batch, max_s), *_seq_args(index_k, cu, batch, max_s)[:2],
         sel.stride(0), sel.stride(1), sel.stride(2), sm, mass.stride(1), mass.stride(2),
-        max_s, q.shape[0], scale * LOG2E,
+        max_s, max_s if max_s_k is None else max_s_k, q.shape[0], scale * LOG2E,
         H_KV=h_kv, GROUP=h_q // h_kv, D=d, BLOCK_D=_bd(d), DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, TOPK=topk,
         BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps,
         num_stages=cfg.stages)
