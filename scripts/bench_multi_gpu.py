@@ -8,6 +8,8 @@
 - ep: one Mixtral-shaped MoE layer's experts (H 4096, I 14336, 8 experts, top-2) forward+backward at --ep-tokens
   tokens per GPU, expert-parallel over the ranks, against one GPU running all 8 experts on its own --ep-tokens:
   throughput ratio = W · one GPU's time / the expert-parallel time (bar >= 1.6x on 2 GPUs).
+- sparse-cp: context-parallel top-k sparse attention (16 heads, 2 kv heads, d 128, blocks of 128, top 16, the index
+  branch selecting) forward+backward over --sparse-tokens tokens split across the ranks (bar: 2M tokens run).
 Each time is the median of --iters timed iterations after a warm-up, every rank between barriers; the single-GPU
 baselines run in the same processes first. Writes one JSON with the machine, every time and the ratios."""
 from __future__ import annotations
@@ -95,12 +97,34 @@ def bench_ep(tokens: int, iters: int, rank: int, world: int) -> dict:
     return res
 
 
+def bench_sparse_cp(tokens: int, iters: int, rank: int, world: int) -> dict:
+    """Context-parallel top-k sparse attention over one sequence of `tokens` split in contiguous chunks (the bar:
+    2M tokens run), fwd + bwd with the index branch selecting: time and peak memory per rank."""
+    from warpforge.distributed import sparse_attention_cp
+    s_local, h_q, h_kv, d, di = tokens // world, 16, 2, 128, 32
+    g = torch.Generator(device="cuda").manual_seed(3 + rank)
+
+    def rnd(h, dd, scale=1.0):
+        return (torch.randn(1, s_local, h, dd, device="cuda", generator=g) * scale).bfloat16()
+    q, k, v, do = rnd(h_q, d), rnd(h_kv, d), rnd(h_kv, d), rnd(h_q, d)
+    iq, ik = rnd(h_kv, di), rnd(1, di)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        sparse_attention_cp(q, k, v, index_q=iq, index_k=ik, block_size=128, topk=16).backward(do)
+    ms = _time(step, iters)
+    return {"tokens": tokens, "tokens_per_gpu": s_local, "heads": h_q, "kv_heads": h_kv, "head_dim": d,
+            "block": 128, "topk": 16, "sparse_cp_ms": ms, "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--cases", default="ring,ep")
+    ap.add_argument("--cases", default="ring,ep,sparse-cp")
     ap.add_argument("--ring-tokens", type=int, default=262144)
     ap.add_argument("--ep-tokens", type=int, default=8192)
+    ap.add_argument("--sparse-tokens", type=int, default=2 * 2 ** 20)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
     dist.init_process_group("nccl")
@@ -115,11 +139,20 @@ def main():
             r = bench_ring(args.ring_tokens, args.iters, rank, world)
         elif case == "ep":
             r = bench_ep(args.ep_tokens, args.iters, rank, world)
+        elif case == "sparse-cp":
+            r = bench_sparse_cp(args.sparse_tokens, max(1, args.iters // 2), rank, world)
         else:
             raise SystemExit(f"unknown case {case!r}")
         times = [None] * world
         dist.all_gather_object(times, r)  # every rank's own time; rank 0 also has the one-GPU baseline
-        if rank == 0:
+        if rank == 0 and case == "sparse-cp":
+            r["sparse_cp_ms_per_rank"] = [t["sparse_cp_ms"] for t in times]
+            r["peak_gb_per_rank"] = [t["peak_gb"] for t in times]
+            report["cases"][case] = r
+            print(f"sparse-cp: {args.sparse_tokens} tokens over {world} GPUs ran: "
+                  f"{max(r['sparse_cp_ms_per_rank']):.1f} ms fwd+bwd, peak {max(r['peak_gb_per_rank']):.1f} GB",
+                  flush=True)
+        elif rank == 0:
             key = "ring_ms" if case == "ring" else "ep_ms"
             slowest = max(t[key] for t in times)
             r[key + "_per_rank"] = [t[key] for t in times]
