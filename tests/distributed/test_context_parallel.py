@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import warpforge as wf
 from warpforge import WarpforgeInputError
-from warpforge.distributed.context_parallel import sparse_attention_cp, sparse_attention_index_loss_cp
+from warpforge.distributed.sparse_attention_cp import sparse_attention_cp, sparse_attention_index_loss_cp
 from warpforge.runtime import interpreter_enabled
 from warpforge.testing import poisoned_outputs, rel_l2
 

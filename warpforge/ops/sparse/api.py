@@ -10,7 +10,7 @@ index branch's block distribution and the main attention's block mass, trains th
     loss = task_loss(out) + wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx)
 
 Batched, the keys may be longer than the queries (by whole blocks; the queries are their last tokens): what a rank of
-context parallelism (warpforge/distributed/context_parallel.py) runs, its chunk of queries against the keys up to it.
+context parallelism (warpforge/distributed/sparse_attention_cp.py) runs, its chunk of queries against the keys up to it.
 """
 from __future__ import annotations
 
