@@ -10,7 +10,9 @@ import torch
 import warpforge as wf
 from warpforge import WarpforgeInputError
 from warpforge.ops.sparse import index_loss_reference, sparse_attention_reference
-from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, rel_l2
+from warpforge.testing import device_under_test, dtypes_under_test, poisoned_outputs, rel_l2
+
+from .test_sparse_attention import _check_attention
 
 DEV = device_under_test()
 DTYPES = dtypes_under_test()
@@ -30,21 +32,7 @@ def _indices(b, h_kv, nqb, nkb, topk):
 
 
 def _check(q, k, v, idx, causal, block_size=BS):
-    dtype = q.dtype
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with poisoned_outputs():
-        out, lse = wf.sparse_attention(q, k, v, block_indices=idx, block_size=block_size, causal=causal,
-                                       return_lse=True, backend="triton")
-    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref_out, ref_lse = sparse_attention_reference(*ref_in, idx, block_size=block_size, causal=causal)
-    assert rel_l2(out, ref_out) <= REL_L2[dtype]
-    assert rel_l2(lse, ref_lse) <= 1e-3
-    d_out = torch.randn_like(out)
-    with poisoned_outputs():
-        got = torch.autograd.grad(out, (q, k, v), d_out)
-    want = torch.autograd.grad(ref_out, ref_in, d_out.float())
-    for name, g, r in zip(("dq", "dk", "dv"), got, want):
-        assert rel_l2(g, r) <= (2e-2 if dtype != torch.float32 else 1e-4), name
+    _check_attention(q, k, v, idx, block_size, causal)  # kernels vs reference, forward and gradients
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import fail
+from .group import resolve_group
 from .ring_attention import LAYOUTS, ring_attention, shard_sequence
 
 
@@ -18,12 +19,11 @@ class ContextParallel:
     """One group's context-parallel settings, shared by the attention layers of a model (their `context`)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, layout: str = "zigzag"):
-        if not (dist.is_available() and dist.is_initialized()):
-            fail("context_parallel", "an initialized torch.distributed process group", "none")
+        grp = resolve_group(group, "each sequence is split over its ranks")
         if layout not in LAYOUTS:
             fail("layout", f"one of {LAYOUTS}", repr(layout))
-        self.group, self.layout = group, layout
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.rank, self.world = grp
+        self.layout = layout
         self._positions = {}
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ..errors import (WarpforgeInputError, check_dtype, check_int, check_rank, c
                       check_tensor, fail)
 from ..ops.moe import experts
 from ..runtime import check_interpreted_matmul_dtype, resolve_backend
+from .group import resolve_group
 
 __all__ = ["expert_parallel_experts", "local_expert_range", "shard_experts"]
 
@@ -45,26 +46,10 @@ _SHARED = ((_K, "topk_ids", "k"), (_H, "hidden", "H"), (_I, "w2_local", "I"), (_
 _DTYPE_NAME = {code: str(d).replace("torch.", "") for d, code in _DTYPE_CODE.items()}
 
 
-def _group_info(group) -> tuple[int, int]:
-    """(size of group, this rank's rank in it); a WarpforgeInputError if there is no such group. Checked before any
-    collective: without a group there is no one to tell."""
-    if not (dist.is_available() and dist.is_initialized()):
-        fail("group", "an initialized torch.distributed process group (call torch.distributed.init_process_group "
-             "on every rank first)", "no process group initialized")
-    # new_group hands processes outside the new group a sentinel (an int), not a ProcessGroup
-    outside = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
-    if group is not None and not outside and not isinstance(group, dist.ProcessGroup):
-        fail("group", "None (the default group) or a torch.distributed ProcessGroup", type(group).__name__)
-    rank = -1 if outside else dist.get_rank(group)
-    if rank < 0:
-        fail("group", "a process group this process belongs to", f"a group without global rank {dist.get_rank()}")
-    return dist.get_world_size(group), rank
-
-
 def local_expert_range(num_experts: int, group: Optional[dist.ProcessGroup] = None) -> range:
     """The global ids of the experts this rank holds under expert parallelism over `group` (default: the world):
     [r·E/W, (r+1)·E/W) for rank r of W. Slice full [E, ...] expert weights with it to shard them."""
-    world, rank = _group_info(group)
+    _, rank, world = resolve_group(group, "the experts are split over its ranks")
     _check_num_experts(num_experts, world)
     n = num_experts // world
     return range(rank * n, (rank + 1) * n)
@@ -214,7 +199,7 @@ def expert_parallel_experts(hidden: torch.Tensor, w13_local: torch.Tensor, w2_lo
     read: an id out of range raises a WarpforgeInputError on every rank of the group. With W = 1 this is
     `experts` itself.
     """
-    world, _ = _group_info(group)
+    world = resolve_group(group, "the experts are split over its ranks").world
     error, backend_name = None, None
     try:
         backend_name = _check_inputs(hidden, w13_local, w2_local, topk_weights, topk_ids, num_experts, world, backend)

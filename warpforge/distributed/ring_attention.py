@@ -29,11 +29,11 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from ..errors import (check_bool, check_choice, check_dtype, check_int, check_last_dim_contiguous,
-                      check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail)
+from ..errors import check_bool, check_choice, check_int, check_positive_float, check_tensor, fail
 from ..ops.attention import api
 from ..ops.attention.reference import visible_mask
-from ..runtime import check_interpreted_matmul_dtype, resolve_backend
+from ..runtime import resolve_backend
+from .group import resolve_group
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -332,48 +332,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------- the public door
-def _resolve_group(group):
-    """(group, rank in it, its size, global rank of the next and of the previous rank)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        fail("group", "an initialized torch.distributed process group (call torch.distributed."
-             "init_process_group first; ring attention runs over its ranks)", "no process group")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        fail("group", "None (the world) or a torch.distributed ProcessGroup", type(group).__name__)
-    rank = dist.get_rank(group)
-    if rank < 0:
-        fail("group", "a process group this rank belongs to", "a group without this rank")
-    world = dist.get_world_size(group)
-
-    def global_rank(r):
-        return r if group is None else dist.get_global_rank(group, r)
-    return group, rank, world, global_rank((rank + 1) % world), global_rank((rank - 1) % world)
-
-
 def _validate(q, k, v, causal, softmax_scale, layout, return_lse, backend):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-        check_rank(name, t, 4)
-        check_same_device(name, t, "q", q)
-    check_dtype("q", q, api.FLOATS)
-    check_interpreted_matmul_dtype(backend, "q", q)
-    check_same_dtype("k", k, "q", q)
-    check_same_dtype("v", v, "q", q)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_last_dim_contiguous(name, t)
-    d = q.shape[-1]
-    for name, width in (("q", d), ("v", v.shape[-1])):
-        if width % 8 or not 8 <= width <= api.MAX_HEAD_DIM:
-            fail(name, f"a head dim that is a multiple of 8 from 8 to {api.MAX_HEAD_DIM}", width)
-    if k.shape[-1] != d:
-        fail("k", f"head dim {d} (like q)", k.shape[-1])
-    if k.shape[:-1] != v.shape[:-1]:
-        fail("v", f"the shape of k but its head dim, {tuple(k.shape[:-1])} + (d_v,)", tuple(v.shape))
+    api.check_qkv(q, k, v, 4, backend)  # flash_attention's own checks of the tensors
     if k.shape[:2] != q.shape[:2]:
         fail("k", f"batch and shard length {tuple(q.shape[:2])} (like q: every rank holds the same s_local of q, "
              "k and v)", tuple(k.shape[:2]))
-    h_q, h_kv = q.shape[2], k.shape[2]
-    if h_kv == 0 or h_q % h_kv:
-        fail("k", f"a number of heads dividing q's {h_q}", h_kv)
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_positive_float("softmax_scale", softmax_scale)
@@ -403,7 +368,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     if isinstance(q, torch.Tensor):
         backend = resolve_backend(backend, q.device)
     _validate(q, k, v, causal, softmax_scale, layout, return_lse, backend)
-    group, rank, world, send_to, recv_from = _resolve_group(group)
+    g = resolve_group(group, "ring attention runs over its ranks")
+    group, rank, world = g
+    send_to, recv_from = g.global_rank((rank + 1) % world), g.global_rank((rank - 1) % world)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ring = _Ring(group, rank, world, send_to, recv_from, layout, causal, scale, backend)
     out, lse = _RingAttention.apply(q, k, v, ring)

@@ -27,7 +27,7 @@ the attention's gathered copies are not kept between the two calls).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -36,30 +36,13 @@ from ..errors import check_bool, check_int, check_rank, check_tensor, fail, host
 from ..ops.sparse import api as sparse_api
 from ..ops.sparse import sparse_attention, sparse_attention_index_loss
 from ..runtime import resolve_backend
+from .group import Group, resolve_group
 
 __all__ = ["sparse_attention_cp", "sparse_attention_index_loss_cp"]
 
 # torch 2.13 names them *_single (the *_tensor names warn); older torch has only the *_tensor ones
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class _Group(NamedTuple):
-    group: object  # None: the world
-    rank: int
-    world: int
-
-
-def _resolve_group(group) -> _Group:
-    if not (dist.is_available() and dist.is_initialized()):
-        fail("group", "an initialized torch.distributed process group (call torch.distributed.init_process_group "
-             "first; the sequence is split over its ranks)", "no process group")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        fail("group", "None (the world) or a torch.distributed ProcessGroup", type(group).__name__)
-    rank = dist.get_rank(group)
-    if rank < 0:
-        fail("group", "a process group this rank belongs to", "a group without this rank")
-    return _Group(group, rank, dist.get_world_size(group))
 
 
 # ------------------------------------------------------------------------------------- the gather
@@ -87,7 +70,7 @@ class _GatherPrefix(torch.autograd.Function):
     prefix), which sums every rank's gradient of chunk c onto rank c. Every rank of the group must run both."""
 
     @staticmethod
-    def forward(ctx, grp: _Group, differentiable: tuple, *tensors):
+    def forward(ctx, grp: Group, differentiable: tuple, *tensors):
         ctx.grp, ctx.differentiable = grp, differentiable
         ctx.meta = [(t.shape, t.dtype) for t in tensors]
         ctx.device = tensors[0].device
@@ -122,7 +105,7 @@ class _GatherPrefix(torch.autograd.Function):
         return (None, None, *result)
 
 
-def _gathered(grp: _Group, tensors: tuple, differentiable: tuple) -> tuple:
+def _gathered(grp: Group, tensors: tuple, differentiable: tuple) -> tuple:
     return _GatherPrefix.apply(grp, differentiable, *tensors)
 
 
@@ -181,7 +164,7 @@ def sparse_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, in
                  "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
         check_int("topk", topk, 1)
         sparse_api._check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, False)
-    grp = _resolve_group(group)
+    grp = resolve_group(group, "the sequence is split over its ranks")
     if block_indices is None:
         k_all, v_all, ik_all = _gathered(grp, (k, v, index_k), (True, True, False))
         cut = None
@@ -217,7 +200,7 @@ def sparse_attention_index_loss_cp(q: torch.Tensor, k: torch.Tensor, lse: torch.
     sparse_api._check_options(block_size, True, softmax_scale, index_scale)
     _check_chunks(q, k, block_size)
     sparse_api._check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, False)
-    grp = _resolve_group(group)
+    grp = resolve_group(group, "the sequence is split over its ranks")
     block_indices = _global_block_indices(block_indices, k, grp, q.shape[1], block_size)
     k_all, ik_all = _gathered(grp, (k.detach(), index_k), (False, True))
     return sparse_attention_index_loss(q, k_all, lse, index_q, ik_all, block_indices, block_size=block_size,

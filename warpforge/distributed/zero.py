@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import check_positive_float, fail
+from .group import resolve_group
 
 # torch 2.13 renamed the tensor collectives; the GPU machine's torch 2.11 has only the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -66,8 +67,7 @@ class ShardedAdamW:
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  group: Optional[dist.ProcessGroup] = None, bucket_mb: float = 25.0, foreach: Optional[bool] = None):
-        if not (dist.is_available() and dist.is_initialized()):
-            fail("ShardedAdamW", "an initialized torch.distributed process group", "none")
+        grp = resolve_group(group, "the optimizer state is split over its ranks")
         check_positive_float("bucket_mb", bucket_mb)
         params = [p for p in params if p.requires_grad]
         if not params:
@@ -79,8 +79,7 @@ class ShardedAdamW:
             if p.dtype != dtype or p.device != device or not p.dtype.is_floating_point:
                 fail("params", f"floating-point parameters of one dtype and device ({dtype}, {device})",
                      f"{p.dtype} on {p.device}")
-        self.group = group
-        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.rank, self.world = grp
         self.params = params
         self.buckets: list[_Bucket] = []
         cap = max(1, int(bucket_mb * 2 ** 20) // params[0].element_size())

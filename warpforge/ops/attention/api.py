@@ -231,14 +231,10 @@ _flash_fwd = kernel_op("flash_attn_fwd", _flash_fwd_impl, _flash_fwd_fake, setup
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              softcap, alibi_slopes, deterministic, return_lse, backend):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t)
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
-        fail("cu_seqlens_q/cu_seqlens_k", "both given (varlen) or neither", "only one")
-    rank = 3 if varlen else 4
+def check_qkv(q, k, v, rank: int, backend) -> None:
+    """q, k, v as the attention kernels take them (the checks of flash_attention's door that ring attention shares):
+    tensors of `rank` dims on one device, one float dtype (not bf16 on the interpreter), unit last stride, head dims
+    multiples of 8 up to MAX_HEAD_DIM (v's may differ), k and v alike but for v's head dim, h_kv dividing h_q."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(name, t, rank)
         check_same_device(name, t, "q", q)
@@ -259,6 +255,16 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
     h_q, h_kv = q.shape[-2], k.shape[-2]
     if h_kv == 0 or h_q % h_kv != 0:
         fail("k", f"a number of heads dividing q's {h_q}", h_kv)
+
+
+def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              softcap, alibi_slopes, deterministic, return_lse, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
+        fail("cu_seqlens_q/cu_seqlens_k", "both given (varlen) or neither", "only one")
+    check_qkv(q, k, v, 3 if varlen else 4, backend)
     if not varlen and k.shape[0] != q.shape[0]:
         fail("k", f"batch {q.shape[0]} (like q)", k.shape[0])
     if not varlen:
@@ -275,7 +281,7 @@ def _validate(q, k, v, causal, softmax_scale, window, cu_seqlens_q, cu_seqlens_k
         check_tensor("alibi_slopes", alibi_slopes)
         check_dtype("alibi_slopes", alibi_slopes, (torch.float32,))
         check_same_device("alibi_slopes", alibi_slopes, "q", q)
-        batch = (cu_seqlens_q.numel() - 1) if varlen else q.shape[0]
+        batch, h_q = (cu_seqlens_q.numel() - 1) if varlen else q.shape[0], q.shape[-2]
         if tuple(alibi_slopes.shape) not in ((h_q,), (batch, h_q)):
             fail("alibi_slopes", f"fp32 [{h_q}] or [{batch}, {h_q}] (per query head)", tuple(alibi_slopes.shape))
         if alibi_slopes.requires_grad:
