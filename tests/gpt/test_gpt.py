@@ -249,16 +249,19 @@ def test_expert_parallel_matches_ddp(tmp_path):
     assert again["step"] == 5
 
 
-def test_context_parallel_matches_one_process(tmp_path):
-    """--context-parallel over 2 CPU processes (each sequence in zigzag shards, ring attention, the same sequences on
-    both) trains as one process on whole sequences does: the same losses and weights."""
+@pytest.mark.parametrize("attention", ["mha", "sparse"])
+def test_context_parallel_matches_one_process(tmp_path, attention):
+    """--context-parallel over 2 CPU processes (dense: each sequence in zigzag shards and ring attention; sparse:
+    contiguous chunks, sparse_attention_cp and its index loss; the same sequences on both) trains as one process on
+    whole sequences does: the same losses and weights."""
     import os
     import subprocess
     import sys
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                WARPFORGE_BACKEND="reference")
     args = ["-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--max-steps", "3",
-            "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile", "off"]
+            "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile", "off",
+            f"--attention={attention}", "--sparse_block=16", "--sparse_topk=2", "--sparse_index_dim=8"]
     runs = {}
     for name, launch in (("one", []), ("cp", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
         extra = ["--context-parallel"] if name == "cp" else []

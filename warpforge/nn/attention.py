@@ -112,15 +112,19 @@ class Attention(nn.Module):
         """Context parallelism: q, k, v [b, s_local, h, d] are this rank's shard of each sequence."""
         if cache is not None or cu_seqlens is not None:
             fail("x", "a padded batch without a KV cache under context parallelism", "a cache or cu_seqlens")
-        if self.cos is not None:  # rotated by their places in the whole sequence
-            pos = self.context.positions(q.shape[1], q.device)
-            if q.shape[1] * self.context.world > self.cos.shape[0]:
-                fail("x", f"at most max_seq_len ({self.cos.shape[0]}) positions over the ranks",
-                     q.shape[1] * self.context.world)
-            cos, sin = self.cos[pos], self.sin[pos]
-            q, k = F.rope(q, cos, sin, backend=self.backend), F.rope(k, cos, sin, backend=self.backend)
+        q, k = self._rotate_at(q, k, self.context.positions(q.shape[1], q.device), q.shape[1] * self.context.world)
         return self.context.attend(q, k, v, causal=self.causal, softmax_scale=self.softmax_scale,
                                    backend=F.backend_across_ranks(self.backend, "attention"))
+
+    def _rotate_at(self, q, k, positions: torch.Tensor, length: int):
+        """q, k [b, s, h, d] rotated by positions (int64 [s]) in a sequence of `length` tokens (context
+        parallelism: a rank's shard); as they are without rotary tables."""
+        if self.cos is None:
+            return q, k
+        if length > self.cos.shape[0]:
+            fail("x", f"at most max_seq_len ({self.cos.shape[0]}) positions over the ranks", length)
+        cos, sin = self.cos[positions], self.sin[positions]
+        return F.rope(q, cos, sin, backend=self.backend), F.rope(k, cos, sin, backend=self.backend)
 
     def _rotate(self, q, k, pos: int, cu_seqlens, max_seqlen):
         if cu_seqlens is None:  # [b, s, h, d] at positions pos, pos + 1, ...

@@ -2,6 +2,8 @@
 Attention style), with its index branch and index loss."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -40,24 +42,32 @@ class SparseAttention(Attention):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if cache is not None:  # decoding: dense over the cache
+            if self.context is not None:
+                fail("cache", "None under context parallelism", "a KVCache")
             return super().forward(x, cache)
         F.check_input(x, self.qkv.in_features, self.qkv.weight, ranks=3)
         b, s, _ = x.shape
         qkv = self.qkv(x).unflatten(-1, (self.n_heads + 2 * self.n_kv_heads, self.head_dim))
         q, k, v = qkv.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=-2)
-        if self.cos is not None:
+        if self.context is not None:  # this rank's chunk of each sequence: rotated by its whole-sequence positions
+            q, k = self._rotate_at(q, k, self.context.positions(s, q.device), s * self.context.world)
+        elif self.cos is not None:
             q, k = self._rotate(q, k, 0, None, None)
         # the index branch reads x detached: its loss trains its own projections, never the model under it
         iq = self.index_q(x.detach()).unflatten(-1, (self.n_kv_heads, -1))
         ik = self.index_k(x.detach()).unsqueeze(-2)
         dtype = F.compute_dtype(x.device, q.dtype)  # the index branch in the dtype attention sees (autocast's)
         iq, ik = iq.to(dtype), ik.to(dtype)
-        out, lse, idx = F.sparse_attention(q, k, v, iq, ik, block_size=self.block_size, topk=self.topk,
-                                           softmax_scale=self.softmax_scale, backend=self.backend)
+        kw = dict(block_size=self.block_size, softmax_scale=self.softmax_scale)
+        if self.context is not None:
+            backend = F.backend_across_ranks(self.backend, "sparse")
+            out, lse, idx = self.context.attend_sparse(q, k, v, iq, ik, topk=self.topk, backend=backend, **kw)
+            index_loss = partial(self.context.sparse_index_loss, backend=backend)
+        else:
+            out, lse, idx = F.sparse_attention(q, k, v, iq, ik, topk=self.topk, backend=self.backend, **kw)
+            index_loss = partial(F.sparse_index_loss, backend=self.backend)
         if torch.is_grad_enabled() and self.index_loss_coef > 0:
-            self.aux_loss = self.index_loss_coef * F.sparse_index_loss(
-                q, k, lse, iq, ik, idx, block_size=self.block_size, softmax_scale=self.softmax_scale,
-                backend=self.backend)
+            self.aux_loss = self.index_loss_coef * index_loss(q, k, lse, iq, ik, idx, **kw)
         else:
             self.aux_loss = torch.zeros((), device=x.device)
         return self.proj(out.reshape(b, s, self.n_heads * self.head_dim))

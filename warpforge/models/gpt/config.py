@@ -102,8 +102,9 @@ class TrainConfig:
     batch_scaling: str = "strong"    # several processes: "strong" (batch_size is the global batch, split across the
                                      # processes) or "weak" (batch_size is each process's: the global batch grows with
                                      # the processes, as users scale out)
-    context_parallel: bool = False   # several processes: each sequence is split across them (zigzag shards) and attention
-                                     # runs as ring attention; every process reads the same sequences (dense attention)
+    context_parallel: bool = False   # several processes: each sequence is split across them and attention runs across
+                                     # them (dense: ring attention over zigzag shards; sparse: sparse_attention_cp over
+                                     # contiguous chunks); every process reads the same sequences
     expert_parallel: bool = False    # several processes, an MoE model: each process keeps num_experts / W experts of
                                      # every MoE layer and tokens reach them by all-to-all (DDP for the rest)
     ddp_bucket_mb: float = 25.0      # DDP's gradient bucket size: each bucket is one all-reduce, and under

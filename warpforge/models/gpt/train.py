@@ -211,10 +211,8 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer, list[str]]:
         load_weights(model, run.ckpt["model"], run.ckpt_path)  # full weights, before any sharding
     if env.fsdp:
         _shard(model)
-    if env.cp and (run.model_cfg.attention != "mha" or run.model_cfg.seq_len % (2 * env.world)):
-        raise TrainError(f"--context-parallel needs dense attention (attention 'mha', not "
-                         f"{run.model_cfg.attention!r}) and a seq_len divisible by 2 x {env.world} processes "
-                         f"(got {run.model_cfg.seq_len})")
+    if env.cp:
+        _check_context_parallel(run.model_cfg, env.world)
     experts = []
     if env.ep:
         if not run.model_cfg.moe_experts or run.model_cfg.moe_experts % env.world:
@@ -229,6 +227,18 @@ def _build(run: Run, env: Env) -> tuple[GPT, torch.optim.Optimizer, list[str]]:
         optim = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, betas=(0.9, 0.95), weight_decay=tcfg.weight_decay,
                                   fused=env.device.type == "cuda")
     return model, optim, experts
+
+
+def _check_context_parallel(mcfg: GPTConfig, world: int) -> None:
+    """A model whose sequences split over `world` processes: dense attention in zigzag halves (2 per process),
+    sparse attention in whole blocks (one chunk per process)."""
+    if mcfg.attention not in ("mha", "sparse"):
+        raise TrainError(f"--context-parallel needs attention 'mha' or 'sparse', not {mcfg.attention!r}")
+    unit = world * mcfg.sparse_block if mcfg.attention == "sparse" else 2 * world
+    if mcfg.seq_len % unit:
+        raise TrainError(f"--context-parallel: seq_len ({mcfg.seq_len}) must divide into {unit} "
+                         f"({'sparse blocks' if mcfg.attention == 'sparse' else 'zigzag halves'} over {world} "
+                         f"processes)")
 
 
 def _teacher(tcfg: TrainConfig, mcfg: GPTConfig, env: Env) -> GPT | None:
