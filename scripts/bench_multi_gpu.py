@@ -1,6 +1,7 @@
 """Issue 23's multi-GPU bars, run under torchrun on one host:
 
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_multi_gpu.py --out OUT.json
+    (--cpu: a dry run of the logic on CPU processes over gloo, with small --ring-tokens / --ep-tokens / --sparse-tokens)
 
 - ring: ring attention forward+backward over the ranks (b 1, 16 heads, d 128, causal, bf16, zigzag) at --ring-tokens
   total tokens, against flash_attention on one GPU over the same sequence (rank 0 alone, before the ring runs):
@@ -23,6 +24,13 @@ import time
 import torch
 import torch.distributed as dist
 
+DEV = "cuda"  # --cpu: a dry run of the script's logic on CPU processes (gloo, tiny shapes, the reference ops)
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
 
 def _time(fn, iters: int, sync=True) -> float:
     """Median ms of fn() over iters runs after two warm-ups; every rank starts each run together."""
@@ -32,10 +40,10 @@ def _time(fn, iters: int, sync=True) -> float:
     for _ in range(iters):
         if sync:
             dist.barrier()
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -43,10 +51,10 @@ def _time(fn, iters: int, sync=True) -> float:
 def bench_ring(tokens: int, iters: int, rank: int, world: int) -> dict:
     import warpforge as wf
     from warpforge.distributed import ring_attention, shard_sequence
-    g = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, tokens, 16, 128)
-    q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
-    res = {"tokens": tokens, "heads": 16, "head_dim": 128}
+    g = torch.Generator(device=DEV).manual_seed(0)
+    shape = (1, tokens, 16, 128 if DEV == "cuda" else 16)
+    q, k, v, do = (torch.randn(shape, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(4))
+    res = {"tokens": tokens, "heads": 16, "head_dim": shape[-1]}
     if rank == 0:
         qf, kf, vf = (t.clone().requires_grad_() for t in (q, k, v))
 
@@ -67,14 +75,14 @@ def bench_ring(tokens: int, iters: int, rank: int, world: int) -> dict:
 def bench_ep(tokens: int, iters: int, rank: int, world: int) -> dict:
     from warpforge.distributed import expert_parallel_experts, local_expert_range
     from warpforge.ops.moe import experts, route
-    h, i, e, k = 4096, 14336, 8, 2
-    g = torch.Generator(device="cuda").manual_seed(1)
-    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=g) * h ** -0.5).bfloat16()
-    w2 = (torch.randn(e, h, i, device="cuda", generator=g) * i ** -0.5).bfloat16()
+    h, i, e, k = (4096, 14336, 8, 2) if DEV == "cuda" else (64, 64, 8, 2)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    w13 = (torch.randn(e, 2 * i, h, device=DEV, generator=g) * h ** -0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=DEV, generator=g) * i ** -0.5).bfloat16()
     g.manual_seed(2 + rank)
-    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
-    logits = torch.randn(tokens, e, device="cuda", generator=g)
-    dy = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(tokens, e, device=DEV, generator=g)
+    dy = torch.randn(tokens, h, device=DEV, dtype=torch.bfloat16, generator=g)
     weights, ids = route(logits, k)
     res = {"tokens_per_gpu": tokens, "H": h, "I": i, "experts": e, "topk": k}
     if rank == 0:
@@ -101,21 +109,23 @@ def bench_sparse_cp(tokens: int, iters: int, rank: int, world: int) -> dict:
     """Context-parallel top-k sparse attention over one sequence of `tokens` split in contiguous chunks (the bar:
     2M tokens run), fwd + bwd with the index branch selecting: time and peak memory per rank."""
     from warpforge.distributed import sparse_attention_cp
-    s_local, h_q, h_kv, d, di = tokens // world, 16, 2, 128, 32
-    g = torch.Generator(device="cuda").manual_seed(3 + rank)
+    s_local, h_q, h_kv, d, di = tokens // world, 16, 2, 128 if DEV == "cuda" else 16, 32
+    g = torch.Generator(device=DEV).manual_seed(3 + rank)
 
     def rnd(h, dd, scale=1.0):
-        return (torch.randn(1, s_local, h, dd, device="cuda", generator=g) * scale).bfloat16()
+        return (torch.randn(1, s_local, h, dd, device=DEV, generator=g) * scale).bfloat16()
     q, k, v, do = rnd(h_q, d), rnd(h_kv, d), rnd(h_kv, d), rnd(h_q, d)
     iq, ik = rnd(h_kv, di), rnd(1, di)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    torch.cuda.reset_peak_memory_stats()
+    if DEV == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
     def step():
         sparse_attention_cp(q, k, v, index_q=iq, index_k=ik, block_size=128, topk=16).backward(do)
     ms = _time(step, iters)
     return {"tokens": tokens, "tokens_per_gpu": s_local, "heads": h_q, "kv_heads": h_kv, "head_dim": d,
-            "block": 128, "topk": 16, "sparse_cp_ms": ms, "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30}
+            "block": 128, "topk": 16, "sparse_cp_ms": ms,
+            "peak_gb": torch.cuda.max_memory_allocated() / 2 ** 30 if DEV == "cuda" else 0.0}
 
 
 def main():
@@ -126,11 +136,18 @@ def main():
     ap.add_argument("--ep-tokens", type=int, default=8192)
     ap.add_argument("--sparse-tokens", type=int, default=2 * 2 ** 20)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--cpu", action="store_true", help="dry run: gloo, CPU, tiny shapes (pass small --*-tokens)")
     args = ap.parse_args()
-    dist.init_process_group("nccl")
+    global DEV
+    if args.cpu:
+        DEV = "cpu"
+        os.environ.setdefault("WARPFORGE_BACKEND", "reference")
+    dist.init_process_group("gloo" if args.cpu else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    report = {"machine": {"gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    if not args.cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if not args.cpu else []
+    report = {"machine": {"gpus": gpus,
                           "world": world, "torch": torch.__version__,
                           "git_commit": os.environ.get("WARPFORGE_GIT_COMMIT"),
                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "cases": {}}
@@ -162,7 +179,8 @@ def main():
             report["cases"][case] = r
             print(f"{case}: one GPU {r['one_gpu_ms']:.2f} ms, {world} GPUs {slowest:.2f} ms "
                   f"= {r['throughput_ratio']:.2f}x the throughput", flush=True)
-        torch.cuda.empty_cache()
+        if not args.cpu:
+            torch.cuda.empty_cache()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
