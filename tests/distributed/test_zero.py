@@ -135,6 +135,10 @@ def _state_only(rank, world):
     back = again.state_dict()
     for i in sd["state"]:
         assert torch.equal(back["state"][i]["exp_avg_sq"], sd["state"][i]["exp_avg_sq"])
+    # a state a fused AdamW wrote (a GPU run) brings its hyperparameters, not its implementation flags
+    fused = {**sd, "param_groups": [{**sd["param_groups"][0], "fused": True, "lr": 0.5}]}
+    again.load_state_dict(fused)
+    assert again.inner.param_groups[0]["fused"] is None and again.param_groups[0]["lr"] == 0.5
     return sd
 
 

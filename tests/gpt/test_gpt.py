@@ -222,6 +222,7 @@ def test_expert_parallel_matches_ddp(tmp_path):
     by all-to-all) trains as plain DDP does: the same losses and weights; its checkpoint holds every expert and a
     resumed run continues."""
     import os
+    import re
     import subprocess
     import sys
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
@@ -236,9 +237,12 @@ def test_expert_parallel_matches_ddp(tmp_path):
                               timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         assert ("each process holds 2 of every MoE layer's 4 experts" in done.stdout) == ("--expert-parallel" in flags)
+        params[name] = re.search(r"([0-9.]+)M parameters", done.stdout).group(1)  # the whole model's, sharded or not
         return torch.load(tmp_path / name / "ckpt.pt", weights_only=False)
 
+    params = {}
     ddp, ep = run("ddp"), run("ep", "--expert-parallel")
+    assert params["ddp"] == params["ep"]
     losses = [[h["loss"] for h in c["history"] if "loss" in h] for c in (ddp, ep)]
     assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert ddp["model"].keys() == ep["model"].keys()

@@ -6,6 +6,9 @@ rank r holds the K/V that started on rank (r - i) mod W, attends its queries to 
 the partial result into a running fp32 (out, lse) pair. The next step's K/V are already on their way while a
 block is computed. The backward walks the same ring with the final out and lse; the gradients of each K/V
 block travel with it and arrive home after W steps.
+Precision: each block's out, dq, dk and dv come from the kernels in the inputs' dtype (bf16 rounded, as one
+flash_attention call's are) and are summed over the W blocks in fp32; the error of bf16 inputs therefore grows
+slowly with W (W roundings of partial results rather than one).
 
 Layouts (how the sequence is cut; `shard_sequence` / `unshard_sequence` convert):
 - "zigzag": 2W chunks of s_local/2 tokens; rank r holds chunks r and 2W-1-r, in that order. Under a causal

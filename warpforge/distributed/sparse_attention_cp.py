@@ -18,8 +18,11 @@ wherever they are, so its work is the same at every position (only the index bra
 quadratic term, grow with the rank). A ring would not fit either: a query block reads only its k chosen blocks,
 anywhere in the prefix, and the selection needs every key block's score before any of them is read.
 
-Memory: every rank holds the whole sequence's k, v and index_k once (2·S·h_kv·d elements plus S·d_i; at S = 2M,
-h_kv 8, d 128 in bf16: 8 GB), and the backward a transient fp32 buffer of the whole sequence's dk and dv.
+Memory: rank r keeps copies of its prefix of k, v and index_k (r+1 chunks: the last rank the whole sequence,
+2·S·h_kv·d + S·d_i elements, 8 GB in bf16 at S = 2M, h_kv 8, d 128) for each layer's backward; the forward's
+gathered buffer (every rank's tokens) lives only during the call, the backward's fp32 buffer of the whole
+sequence's dk and dv only during the reduce-scatter. Recomputing the gather in the backward would cut the saved
+copies to one chunk (not done yet).
 
 `sparse_attention_index_loss_cp` is the index branch's loss for the same layout (it gathers k and index_k again:
 the attention's gathered copies are not kept between the two calls).
@@ -79,7 +82,11 @@ class _GatherPrefix(torch.autograd.Function):
         full = local.new_empty((grp.world * s, *local.shape[1:]))
         _all_gather(full, local, group=grp.group)
         prefix = full[:(grp.rank + 1) * s]
-        outs = _unpack(prefix, [t.shape[2:] for t in tensors])
+        # copies of the prefix, each its own tensor: views would keep the whole gathered buffer (every rank's
+        # tokens, every packed column) alive in each layer's saved tensors until its backward
+        outs = [o.clone(memory_format=torch.contiguous_format)
+                for o in _unpack(prefix, [t.shape[2:] for t in tensors])]
+        del full, prefix
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, differentiable) if not d])
         return tuple(outs)
 
@@ -179,6 +186,10 @@ def sparse_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, in
                                backend=backend)
     if cut is not None and return_indices:  # the indices as given (the one-process op returns those too)
         results = results[:-1] + (block_indices,)
+    elif return_indices and host_reads_allowed(results[-1]):
+        # selected key blocks lie in the prefix, so in the whole sequence's range too: the index loss, which checks
+        # them against that range, need not read them back
+        read_once((results[-1],), sparse_api._checked(grp.world * q.shape[1] // block_size), lambda: None)
     return results
 
 

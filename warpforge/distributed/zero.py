@@ -27,6 +27,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# what a saved AdamW group carries over to the optimizer that loads it; its implementation flags (fused, foreach,
+# capturable, differentiable) stay the loader's own
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "initial_lr")
+
+
 class _Bucket:
     """A run of parameters sharing one flat buffer (padded to a multiple of the world size), the buffer its
     gradients are gathered in during the backward, and this rank's shard of both."""
@@ -91,6 +96,7 @@ class ShardedAdamW:
                 run = []
         if run:
             self.buckets.append(_Bucket(run, self.world, self.rank))
+        self._index = {p: i for i, p in enumerate(params)}  # the optimizer's numbering (state_dict's keys)
         self._where = {}  # parameter -> (its bucket's index, its offset in the bucket)
         for bi, b in enumerate(self.buckets):
             for p, off in zip(b.params, b.offsets):
@@ -179,21 +185,21 @@ class ShardedAdamW:
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """torch.optim.AdamW's state_dict format over self.params (index i = the i-th parameter), gathered from
-        every rank's shards: a collective, every rank calls it and gets the same dict."""
+        every rank's shards onto the CPU, one bucket at a time (the device holds one gathered bucket at most): a
+        collective, every rank calls it and gets the same dict."""
         state: dict = {}
         if self.inner.state:
-            full = {}
-            for key in ("exp_avg", "exp_avg_sq"):
-                full[key] = []
-                for b in self.buckets:
+            step = self.inner.state[self.buckets[0].param_shard]["step"]
+            for b in self.buckets:
+                for key in ("exp_avg", "exp_avg_sq"):
                     out = torch.empty_like(b.flat)
                     _all_gather(out, self.inner.state[b.param_shard][key].contiguous(), group=self.group)
-                    full[key].append(out)
-            step = self.inner.state[self.buckets[0].param_shard]["step"]
-            for i, p in enumerate(self.params):
-                bi, off = self._where[p]
-                state[i] = {"step": step.clone(),
-                            **{k: full[k][bi][off:off + p.numel()].view_as(p).clone() for k in full}}
+                    full = out.cpu()
+                    del out
+                    for p, off in zip(b.params, b.offsets):
+                        entry = state.setdefault(self._index[p], {"step": step.detach().cpu().clone()})
+                        entry[key] = full[off:off + p.numel()].view(p.shape).clone()
+            state = dict(sorted(state.items()))
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         groups[0]["params"] = list(range(len(self.params)))
         return {"state": state, "param_groups": groups}
@@ -205,7 +211,7 @@ class ShardedAdamW:
         if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
             raise ValueError(f"ShardedAdamW: the state has {sum(len(g['params']) for g in groups)} parameters in "
                              f"{len(groups)} group(s), this optimizer {len(self.params)} in one")
-        index = {p: i for i, p in enumerate(self.params)}
+        index = self._index
         ids = groups[0]["params"]
         inner_state = {}
         if sd["state"]:
@@ -222,8 +228,8 @@ class ShardedAdamW:
                         s["step"] = entry["step"]
                     s[key] = flat[b.lo:b.lo + b.shard].clone()
                 inner_state[b] = s
-        for g, saved in zip(self.inner.param_groups, groups):
-            g.update({k: v for k, v in saved.items() if k != "params"})
+        for g, saved in zip(self.inner.param_groups, groups):  # the hyperparameters, not how the writer ran
+            g.update({k: v for k, v in saved.items() if k in HYPERPARAMETERS})
         self.inner.state.clear()
         for b, s in inner_state.items():
             step = s["step"]

@@ -174,12 +174,29 @@ def _load_optimizer(model, optim, state, fsdp: bool, ckpt_path, experts: list[st
     try:
         if experts:
             from .experts import local_optim_state
-            optim.load_state_dict(local_optim_state(model, state, experts))
+            _load_own_flags(optim, local_optim_state(model, state, experts))
         elif fsdp:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
             set_optimizer_state_dict(model, optim, state, options=StateDictOptions(full_state_dict=True))
         else:
-            optim.load_state_dict(state)
+            _load_own_flags(optim, state)
     except (KeyError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{ckpt_path}: its optimizer state does not load here ({type(exc).__name__}); resume "
                               f"with the --parallel it was written with") from None
+
+
+def _load_own_flags(optim, state: dict) -> None:
+    """optim.load_state_dict(state), keeping optim's implementation flags (fused, foreach, capturable): a state
+    written under another mode (ZeRO-2's optimizer, a CPU run) says how its writer ran, not how this one should. A
+    fused or capturable AdamW wants its step counters on the parameters' device."""
+    flags = ("fused", "foreach", "capturable", "differentiable")
+    own = [{k: g[k] for k in flags if k in g} for g in optim.param_groups]
+    optim.load_state_dict(state)
+    for g, mine in zip(optim.param_groups, own):
+        g.update(mine)
+        if g.get("fused") or g.get("capturable"):
+            for p in g["params"]:
+                st = optim.state.get(p, {})
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].to(device=p.device, dtype=torch.float32)
+

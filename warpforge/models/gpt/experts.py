@@ -62,11 +62,12 @@ def clip_grad_norm_(model: torch.nn.Module, names: list[str], max_norm: float) -
 
 
 def _gather0(t: torch.Tensor) -> torch.Tensor:
-    """Every rank's t, concatenated along dim 0 (a collective)."""
+    """Every rank's t, concatenated along dim 0, on the CPU (a collective; the device holds one gathered tensor at
+    a time, so a checkpoint of the experts' weights and moments never sits whole on a GPU)."""
     t = t.contiguous()
     out = t.new_empty((t.shape[0] * dist.get_world_size(),) + tuple(t.shape[1:]))
     _all_gather(out, t)
-    return out
+    return out.cpu()
 
 
 def _expert_indices(model: torch.nn.Module, names: list[str]) -> dict[int, str]:

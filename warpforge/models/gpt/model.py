@@ -128,12 +128,16 @@ class GPT(nn.Module):
         return loss
 
     def num_params(self, active: bool = False) -> int:
-        """All parameters, or (active=True) those one token uses: topk of each MoE layer's experts."""
+        """All parameters, or (active=True) those one token uses: topk of each MoE layer's experts. Counted for the
+        whole model under expert parallelism too (each process holds a share of the experts)."""
         total = sum(p.numel() for p in self.parameters())
-        if active:
-            for block in self.blocks:
-                if isinstance(block.mlp, MoE):
-                    experts = block.mlp.w13.numel() + block.mlp.w2.numel()
+        for block in self.blocks:
+            if isinstance(block.mlp, MoE):
+                held = block.mlp.w13.numel() + block.mlp.w2.numel()
+                # every expert, also where this process holds a share of them (expert parallelism)
+                experts = held * block.mlp.num_experts // block.mlp.w13.shape[0]
+                total += experts - held
+                if active:
                     total -= experts * (1 - block.mlp.topk / block.mlp.num_experts)
         return int(total)
 

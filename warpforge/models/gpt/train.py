@@ -297,6 +297,9 @@ def _wrap(model: GPT, tcfg: TrainConfig, env: Env, experts: list[str]):
     cuda = env.device.type == "cuda"
     # auto on CUDA = graphs: compiled, the step is still bound by launching its kernels one by one, and DDP only
     # scales without that bound. FSDP2's per-block all-gathers are not captured: auto compiles without graphs there.
+    if tcfg.compile == "graphs" and (env.zero or env.ep or env.cp):
+        raise TrainError("--compile graphs: not with --parallel zero2, --expert-parallel or --context-parallel (their "
+                         "collectives and host reads run inside the step; use --compile on or auto)")
     # ZeRO-2's gradient hooks launch collectives from the backward: not yet run under graphs, so auto leaves them out.
     graphs = tcfg.compile == "graphs" or (tcfg.compile == "auto" and cuda and
                                           not (env.fsdp or env.zero or env.ep or env.cp))
