@@ -121,6 +121,7 @@ def cmd_gpt_train(args) -> int:
                     data=args.data, compile=args.compile, parallel=args.parallel, ddp_bucket_mb=args.ddp_bucket_mb,
                     batch_scaling=args.batch_scaling, expert_parallel=args.expert_parallel or None,
                     context_parallel=args.context_parallel or None,
+                    checkpoint_activations=args.checkpoint_activations or None,
                     ddp_bf16_grads=args.ddp_bf16_grads or None, mlp=args.mlp, monarch_blocks=args.monarch_blocks,
                     tokenizer=args.tokenizer, wandb=args.wandb)
     for name, value in getattr(args, "config_overrides", {}).items():
@@ -335,6 +336,9 @@ def _train_parser(gsub) -> None:
     gt.add_argument("--batch-scaling", choices=("strong", "weak"), default=None,
                     help="under torchrun: the preset's batch is the global batch split across the processes "
                          "(strong, default) or each process's (weak: the global batch grows with the processes)")
+    gt.add_argument("--checkpoint-activations", action="store_true",
+                    help="recompute each block's activations in the backward instead of keeping them (long sequences; "
+                         "about a third more compute)")
     gt.add_argument("--context-parallel", action="store_true",
                     help="under torchrun, dense attention: every process takes a shard of each sequence and attention "
                          "runs as ring attention across them (sequences N times longer than one GPU holds)")

@@ -22,6 +22,30 @@ def test_forward_loss_and_gradients():
     assert model(x).shape == (3, 32, 256)
 
 
+@pytest.mark.parametrize("kind", ["mha", "moe", "sparse"])
+def test_checkpointed_activations_give_the_same_loss_and_gradients(kind):
+    """checkpoint_blocks (gpt train --checkpoint-activations) recomputes each block in the backward: the same loss and
+    gradients, MoE balance and sparse index losses included."""
+    extra = {"moe": dict(moe_experts=4, moe_topk=2, moe_ffn_dim=64),
+             "sparse": dict(attention="sparse", sparse_block=16, sparse_topk=2, sparse_index_dim=8)}.get(kind, {})
+    cfg = GPTConfig(**{**SMALL.__dict__, **extra})
+    torch.manual_seed(0)
+    model = GPT(cfg, backend="reference")
+    x = torch.randint(0, 256, (2, 32))
+    grads = []
+    for recompute in (False, True):
+        model.checkpoint_blocks = recompute
+        model.zero_grad()
+        loss = model(x, x.roll(-1, 1))
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = grads
+    torch.testing.assert_close(l1, l0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
 def test_kv_cache_decoding_equals_full_recompute():
     torch.manual_seed(0)
     model = GPT(SMALL).eval()
@@ -253,8 +277,8 @@ def test_expert_parallel_matches_ddp(tmp_path):
     assert again["step"] == 5
 
 
-@pytest.mark.parametrize("attention", ["mha", "sparse"])
-def test_context_parallel_matches_one_process(tmp_path, attention):
+@pytest.mark.parametrize("attention,flags", [("mha", []), ("sparse", []), ("sparse", ["--checkpoint-activations"])])
+def test_context_parallel_matches_one_process(tmp_path, attention, flags):
     """--context-parallel over 2 CPU processes (dense: each sequence in zigzag shards and ring attention; sparse:
     contiguous chunks, sparse_attention_cp and its index loss; the same sequences on both) trains as one process on
     whole sequences does: the same losses and weights."""
@@ -268,7 +292,7 @@ def test_context_parallel_matches_one_process(tmp_path, attention):
             f"--attention={attention}", "--sparse_block=16", "--sparse_topk=2", "--sparse_index_dim=8"]
     runs = {}
     for name, launch in (("one", []), ("cp", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
-        extra = ["--context-parallel"] if name == "cp" else []
+        extra = (["--context-parallel"] if name == "cp" else []) + flags
         cmd = [sys.executable] + launch + args + extra + ["--out", str(tmp_path / name)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]

@@ -102,6 +102,8 @@ class TrainConfig:
     batch_scaling: str = "strong"    # several processes: "strong" (batch_size is the global batch, split across the
                                      # processes) or "weak" (batch_size is each process's: the global batch grows with
                                      # the processes, as users scale out)
+    checkpoint_activations: bool = False  # recompute each block's activations in the backward instead of keeping them
+                                     # (long sequences: the memory of one block's input per layer)
     context_parallel: bool = False   # several processes: each sequence is split across them and attention runs across
                                      # them (dense: ring attention over zigzag shards; sparse: sparse_attention_cp over
                                      # contiguous chunks); every process reads the same sequences

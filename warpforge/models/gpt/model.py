@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from ...errors import check_dtype, check_int, check_positive_float, check_rank, check_tensor, fail, \
@@ -65,6 +66,9 @@ class GPT(nn.Module):
         if not isinstance(cfg, GPTConfig):  # a GPTConfig checks its fields as it is made
             fail("cfg", "a GPTConfig", type(cfg).__name__)
         self.cfg, self.backend = cfg, F.check_backend(backend)
+        # activation checkpointing (a training setting: gpt train --checkpoint-activations): each block's activations
+        # are recomputed in the backward instead of kept, for sequences whose activations do not fit
+        self.checkpoint_blocks = False
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg, i, backend) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, backend=backend)
@@ -111,8 +115,12 @@ class GPT(nn.Module):
     def _run(self, idx, targets, cache):
         """forward's work on checked idx (generate checks its prompt once, not every token it feeds back)."""
         x = self.embed(idx)
+        recompute = self.checkpoint_blocks and cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i])
+            if recompute:  # only the block's input is kept; its insides are recomputed in the backward
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x, None if cache is None else cache[i])
         x = self.norm(x)
         if targets is None:
             return self.head(x)

@@ -403,6 +403,7 @@ class Trainer:
         train_data, self.val_data = _data(self.cfg.data, run.model_cfg.vocab_size, run.model_cfg.tokenizer)
         _check_out(run, env)
         self.model, self.optim, self.experts = _build(run, env)
+        self.model.checkpoint_blocks = self.cfg.checkpoint_activations
         self.context = None
         if env.cp:  # every attention layer attends across the processes; each step feeds this rank's shards
             from ...distributed.context import context_parallel
