@@ -244,6 +244,9 @@ for step in "$@"; do
     probe-mma8) timeout 60 python3 scripts/probe_mma_sync_fp8.py > "$w/probe-mma8.log" 2>&1; grep -v Warn "$w/probe-mma8.log" ;;
     probe-rows16) timeout 240 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/probe-rows16.log" 2>&1; cat "$w/probe-rows16.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
+    monarch-interleave) for f in 0 1; do  # issue 17: the L GEMMs writing P_out's order from registers (1) or shuffled (0)
+                          WARPFORGE_MONARCH_INTERLEAVE=$f SKIP_TESTS=1 timeout 200 bash scripts/gpu_check.sh "$w/monarch-il$f" monarch \
+                            > "$w/monarch-il$f.log" 2>&1; grep -E "warpforge  " "$w/monarch-il$f.log" | tail -8; done ;;
     multi-gpu-tests) timeout 300 python3 -m pytest -q -m gpu tests/distributed > "$w/multi-gpu-tests.log" 2>&1; tail -n 5 "$w/multi-gpu-tests.log" ;;
     multi-gpu-bench) timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node $(nvidia-smi -L | wc -l) \
                        scripts/bench_multi_gpu.py --out "$w/multi-gpu.json" > "$w/multi-gpu-bench.log" 2>&1; tail -n 4 "$w/multi-gpu-bench.log" ;;

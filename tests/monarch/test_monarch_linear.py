@@ -77,6 +77,18 @@ def test_matches_reference(shape, dtype):
     _check((37,), *shape, dtype, bias=True)
 
 
+@pytest.mark.parametrize("shape", [(32, 64, 96, 2), (48, 48, 48, 4), (96, 40, 56, 4), (32, 256, 64, 8),
+                                   (64, 64, 64, 16)])
+@pytest.mark.parametrize("interleave", ["0", "1"])
+def test_interleaved_stores_match_reference(shape, interleave, monkeypatch):
+    """The GEMMs that write in P_out's order, with 2-4 blocks a tile interleaved in registers (configs' interleave,
+    WARPFORGE_MONARCH_INTERLEAVE) or block by block and shuffled: both against the reference, without a bias (the
+    forward's interleaved path) and with one, in fp16 and fp32."""
+    monkeypatch.setenv("WARPFORGE_MONARCH_INTERLEAVE", interleave)
+    for dtype, bias in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
+        _check((37,), *shape, dtype, bias)
+
+
 @pytest.mark.parametrize("lead", [(1,), (2, 3), (0,), (2, 0, 5)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_token_counts_and_bias(lead, bias):
@@ -240,20 +252,24 @@ def test_monarch_linear_module():
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb", [4, 16])
-def test_real_size_bf16(nb):
+@pytest.mark.parametrize("bias,interleave", [(True, None), (False, "0"), (False, "1")])
+def test_real_size_bf16(nb, bias, interleave, monkeypatch):
+    if interleave is not None:  # the GEMMs writing in P_out's order: interleaved in registers, or shuffled
+        monkeypatch.setenv("WARPFORGE_MONARCH_INTERLEAVE", interleave)
     d, t = 4096, 4096
     w_left, w_right = _factors(d, d, d, nb, torch.bfloat16)
     w_left.requires_grad_()
     w_right.requires_grad_()
     x = torch.randn(t, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(d, device=DEV, dtype=torch.bfloat16, requires_grad=True) if bias else None
+    inputs = [i for i in (x, w_left, w_right, b) if i is not None]
     with poisoned_outputs():
         y = wf.monarch_linear(x, w_left, w_right, bias=b, backend="triton")
-    ref_in = [t_.detach().float().requires_grad_() for t_ in (x, w_left, w_right, b)]
-    want = monarch_linear_reference(*ref_in)
+    ref_in = [t_.detach().float().requires_grad_() for t_ in inputs]
+    want = monarch_linear_reference(*ref_in, *([] if bias else [None]))
     assert rel_l2(y, want) <= 1e-2
     g = torch.randn_like(y)
-    got = torch.autograd.grad(y, (x, w_left, w_right, b), g)
+    got = torch.autograd.grad(y, inputs, g)
     exp = torch.autograd.grad(want, ref_in, g.float())
     for a, e in zip(got, exp):
         assert rel_l2(a, e) <= 2e-2

@@ -3,6 +3,7 @@ as ops with autograd). The convention, M = P_out · L · P_mid · R, is referenc
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -18,7 +19,12 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _config(x: torch.Tensor) -> configs.MonarchCfg:
-    return configs.MONARCH.lookup(x.device, "fp32" if x.dtype == torch.float32 else "any")
+    """The tile table's entry; WARPFORGE_MONARCH_INTERLEAVE=1 / 0 overrides its `interleave` (for A/B timing)."""
+    cfg = configs.MONARCH.lookup(x.device, "fp32" if x.dtype == torch.float32 else "any")
+    flag = os.environ.get("WARPFORGE_MONARCH_INTERLEAVE")
+    if flag is not None:
+        cfg = cfg._replace(gemm=cfg.gemm._replace(interleave=flag != "0"))
+    return cfg
 
 
 def _fwd_impl(x: torch.Tensor, w_left: torch.Tensor, w_right: torch.Tensor,

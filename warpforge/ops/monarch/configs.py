@@ -21,6 +21,8 @@ class GemmCfg(NamedTuple):
     stages: int
     tma: bool = False          # A and W through tensor descriptors (where the block's K is whole tiles)
     programs_per_sm: int = 1   # the persistent grid: this many programs per SM, each walking tiles
+    interleave: bool = False   # the GEMMs that write in P_out's order (L forward, Lᵀ backward) take 2-4 blocks a
+                               # tile and interleave them in registers: no shuffle pass (off until timed on a GPU)
 
 
 class WgradCfg(NamedTuple):
@@ -42,7 +44,7 @@ class MonarchCfg(NamedTuple):
 C, G, W = MonarchCfg, GemmCfg, WgradCfg
 _FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
 MONARCH = TileTable({
-    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True), W(16, 16, 16, 1, 1, tma=True), 256),
+    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, interleave=True), W(16, 16, 16, 1, 1, tma=True), 256),
             "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
     "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
     "sm90": {"any": C(G(128, 256, 64, 8, 3, tma=True), W(128, 128, 64, 8, 3, tma=True)), "fp32": _FP32},

@@ -90,11 +90,69 @@ def _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k
 
 
 @triton.jit
+def _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb, stride_wk,
+               stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Block b's [BLOCK_M, BLOCK_N] output tile, fp32: the sum over its K of A's tiles times W[b]'s."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a, stride_wb,
+                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, OUT, BIAS, rows, m_ok, offs_n, n_ok, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
+                O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_MODE: tl.constexpr, RUNS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One block's output tile into OUT, its columns addressed as O_MODE says (RUNS: see the kernel)."""
+    if RUNS:
+        # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
+        lb = tl.arange(0, RUNS)
+        ii = tl.arange(0, BLOCK_N // RUNS)
+        first = b * O_RUN + pid_n * (BLOCK_N // RUNS)
+        cols = (lb[:, None] * O_BLK + first + ii[None, :]).to(tl.int64)
+        ok = m_ok[:, None, None] & (pid_n * (BLOCK_N // RUNS) + ii < O_RUN)[None, None, :]  # N = O_BLK
+        out = tl.permute(tl.reshape(acc.to(OUT.dtype.element_ty), (BLOCK_M, BLOCK_N // RUNS, RUNS)), (0, 2, 1))
+        tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
+    else:
+        o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
+        if HAS_BIAS:  # the bias in the layer's output order (BIAS_MODE), wherever this tile is written
+            b_cols = _cols(b, offs_n, NB, O_BLK, BIAS_MODE)
+            acc += tl.load(BIAS + b_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _store_group(accs, OUT, rows, m_ok, pid_n, b0, stride_o, N, NB, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """GROUP consecutive blocks' tiles (blocks b0 .. b0 + GROUP - 1, positions pid_n·BLOCK_N ..) into OUT in P_out's
+    order, position i of block b at column i·NB + b: interleaved in registers first, so that the stores are runs of
+    GROUP columns (the whole tile one run when GROUP == NB)."""
+    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GROUP == 2:  # [m, i, j] = acc_j[m, i]; stored as it is (no layout conversion), column i·NB + b0 + j
+        y = tl.join(accs[0], accs[1])
+        j = tl.arange(0, 2)
+        cols = (i[:, None] * NB + b0 + j[None, :]).to(tl.int64)[None, :, :]
+        ok = m_ok[:, None, None] & (i < N)[None, :, None]
+        row_off = rows[:, None, None] * stride_o
+    else:  # [m, i, p, q] = acc_(2p + q)[m, i], column i·NB + b0 + 2p + q
+        y = tl.join(tl.join(accs[0], accs[2]), tl.join(accs[1], accs[3]))
+        p = tl.arange(0, 2)
+        cols = (i[:, None, None] * NB + b0 + 2 * p[None, :, None] + p[None, None, :]).to(tl.int64)[None, :, :, :]
+        ok = m_ok[:, None, None, None] & (i < N)[None, :, None, None]
+        row_off = rows[:, None, None, None] * stride_o
+    tl.store(OUT + row_off + cols, y.to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
                           T, K, N, NB, A_BLK, O_BLK, O_RUN, num_tiles,
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr):
+                          USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr,
+                          GROUP: tl.constexpr = 1):
     """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[bias(b, n)]) for every block b. Persistent: each
     of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
     loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
@@ -103,7 +161,10 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
     tensor descriptors (W_KMAJOR: W[b][kk, n] at w[b, n, kk], else at w[b, kk, n]); a W tile past its block's N
     reads the next block's rows, whose output columns the store masks.
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
-    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
+    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run.
+    GROUP 2 or 4 (O_MODE 1, NB a multiple of GROUP, no bias): a tile is GROUP consecutive blocks' outputs at the same
+    positions, stored interleaved in P_out's order (_store_group), where one block's columns alone would be NB apart
+    (one sector per 2-byte store)."""
     num_n = tl.cdiv(N, BLOCK_N)
     a_desc, w_desc = A, W  # stand-ins where the loads take pointers
     if USE_TMA:
@@ -116,33 +177,24 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
             w_desc = tl.make_tensor_descriptor(W, shape=[NB * K, N], strides=[stride_wk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
     for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
-        pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
+        pid_m, pid_n, b = _gemm_tile(tile, num_n, NB // GROUP)  # b: the block (GROUP > 1: the group of blocks)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rows < T
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a,
-                             stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M,
-                             BLOCK_N, BLOCK_K)
-            acc = dot(a, w, acc)
-        if RUNS:
-            # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
-            lb = tl.arange(0, RUNS)
-            ii = tl.arange(0, BLOCK_N // RUNS)
-            first = b * O_RUN + pid_n * (BLOCK_N // RUNS)
-            cols = (lb[:, None] * O_BLK + first + ii[None, :]).to(tl.int64)
-            ok = m_ok[:, None, None] & (pid_n * (BLOCK_N // RUNS) + ii < O_RUN)[None, None, :]  # N = O_BLK
-            out = tl.permute(tl.reshape(acc.to(OUT.dtype.element_ty), (BLOCK_M, BLOCK_N // RUNS, RUNS)), (0, 2, 1))
-            tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
+        if GROUP > 1:
+            accs = ()
+            for j in tl.static_range(GROUP):
+                accs = accs + (_block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n,
+                                          b * GROUP + j, stride_a, stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK,
+                                          A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K),)
+            _store_group(accs, OUT, rows, m_ok, pid_n, b * GROUP, stride_o, N, NB, GROUP, BLOCK_N)
         else:
-            o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
-            if HAS_BIAS:  # the bias in the layer's output order (BIAS_MODE), wherever this tile is written
-                b_cols = _cols(b, offs_n, NB, O_BLK, BIAS_MODE)
-                acc += tl.load(BIAS + b_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
-                     mask=m_ok[:, None] & n_ok[None, :])
+            acc = _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb,
+                             stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
+                             BLOCK_K)
+            _store_tile(acc, OUT, BIAS, rows, m_ok, offs_n, n_ok, pid_n, b, stride_o, N, NB, O_BLK, O_RUN, O_MODE,
+                        HAS_BIAS, BIAS_MODE, RUNS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -241,14 +293,25 @@ def _tile(want, size):
     return max(16, min(want, triton.next_power_of_2(max(size, 1))))
 
 
-def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None):
+def interleave_group(nb: int, cfg) -> int:
+    """Blocks per tile of a GEMM that writes in P_out's order (_store_group): up to 4 where cfg.interleave is on and
+    nb is a power of two (the register interleave), else 1 (block by block, then a shuffle pass)."""
+    if not cfg.interleave or nb < 2 or nb & (nb - 1):
+        return 1
+    return min(nb, 4)
+
+
+def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None, group=1):
     """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] (+ bias[bias_mode(b, ·)]) for every block b; w[b][kk, n] at w_strides
-    (kk, n)."""
+    (kk, n). group > 1 (o_mode SHUFFLED, no bias): `group` blocks a tile, a tile's width per block the config's
+    divided by group (the same accumulator registers)."""
     t = a.shape[0]
-    bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n, n), _tile(cfg.block_k, k)
-    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb
+    bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n // group, n), _tile(cfg.block_k, k)
+    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * (nb // group)
     pow2 = nb & (nb - 1) == 0
     runs = nb if o_mode == SHUFFLING and bias is None and pow2 and 1 < nb < bn and o_blk % nb == 0 else 0
+    if group > 1 and not (o_mode == SHUFFLED and nb % group == 0 and bias is None):
+        raise ValueError(f"a grouped GEMM writes in P_out's order (o_mode {o_mode}, nb {nb}, group {group})")
     w_kmajor = w_strides[0] == 1
     # a W tile is one 2-d descriptor box over the blocks stacked: [nb · n, k] (k-major) or [nb · k, n]
     stacked = w.stride(0) == (n * w_strides[1] if w_kmajor else k * w_strides[0])
@@ -263,7 +326,7 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
         t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
         BIAS_MODE=o_mode if bias_mode is None else bias_mode,
         RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, PROGRAMS=programs,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        GROUP=group, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def _splits(t, tiles, cfg, device):
@@ -325,12 +388,18 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     nb, q, p = w_right.shape
     s = w_left.shape[1]
     g = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
-    y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)  # L's outputs in block order
+    y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)
     if t == 0:
         return y, g
     # R: B[k][kk = pp, n = j] = w_right[k, j, pp]
     _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q, cfg.gemm)
-    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then P_out
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], in P_out's order: from the GEMM where blocks interleave in
+    # registers (interleave_group), else written block by block and then shuffled
+    group = interleave_group(nb, cfg.gemm) if bias is None else 1  # (a bias there pushed ptxas into spills)
+    if group > 1:
+        _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, SHUFFLED, s, cfg.gemm,
+              group=group)
+        return y, g
     _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
           bias=bias, bias_mode=SHUFFLED)
     return shuffle(y, nb, cfg, to_blocks=False), g
@@ -349,8 +418,14 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
     dyb = shuffle(dy, nb, cfg, to_blocks=True)  # dyb[t, l·s + si] = dy[t, si·nb + l]
     dh = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)  # in L's block order, then R's
     # dh[t, ri·nb + l] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]
-    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
-    dh = shuffle(dh, nb, cfg, to_blocks=False)
+    group = interleave_group(nb, cfg.gemm)
+    if group > 1:  # straight into R's order
+        _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, SHUFFLED, q, cfg.gemm,
+              group=group)
+    else:
+        _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q,
+              cfg.gemm)
+        dh = shuffle(dh, nb, cfg, to_blocks=False)
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp]
     _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.gemm)
     _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
