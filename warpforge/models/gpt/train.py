@@ -1,8 +1,9 @@
 """Training loop: AdamW, warmup + cosine schedule, gradient clipping, bf16 autocast on GPU, periodic
 evaluation, atomic checkpoints (model, optimizer, RNG, data position) with --resume.
 Ctrl-C stops after the step under way and saves it; a second Ctrl-C stops at once (the last checkpoint stays).
-Several GPUs: launch with torchrun (DDP, or FSDP2 with --parallel fsdp; the global batch stays the preset's).
-Checkpoints hold full (unsharded) weights and optimizer state either way.
+Several GPUs: launch with torchrun (DDP; --parallel zero2 or fsdp; the global batch stays the preset's unless
+--batch-scaling weak; --expert-parallel shards MoE experts, --context-parallel each sequence: experts.py and
+warpforge.distributed). Checkpoints hold full (unsharded) weights and optimizer state in every mode.
 
 The parts: `resolve_run` (preset, overrides, resume checks), `_distributed` (processes and device), `Trainer`
 (builds the model and optimizer, wraps them for parallelism and compilation, runs the loop), `Checkpointer`
@@ -196,6 +197,8 @@ def _distributed(tcfg: TrainConfig) -> Env:
             raise TrainError(f"{flag} runs with --parallel ddp, not {tcfg.parallel}")
     if cp and tcfg.expert_parallel:
         raise TrainError("--context-parallel and --expert-parallel together are not supported; pick one")
+    if cp and tcfg.teacher:  # the teacher would see a shard of each sequence as if it were the whole
+        raise TrainError("--context-parallel with --teacher is not supported")
     return Env(rank, world, device, multi and tcfg.parallel == "fsdp", multi and tcfg.parallel == "zero2", batch,
                multi and tcfg.expert_parallel, cp)
 
