@@ -23,3 +23,8 @@ def twins(cfg):
     plain = GPT(cfg, backend="torch")
     plain.load_state_dict(ours.state_dict())
     return ours, plain
+
+
+def read_ckpt(run_dir):
+    """A finished run's ckpt.pt (onto the CPU, as the training processes wrote it)."""
+    return torch.load(run_dir / "ckpt.pt", weights_only=False)

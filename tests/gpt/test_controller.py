@@ -8,10 +8,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from warpforge import cli
 from warpforge.models.gpt.controller import INSTALL_HINT, monarch_missing
+
+from .conftest import read_ckpt
 
 MISSING = monarch_missing()
 needs_monarch = pytest.mark.skipif(MISSING is not None, reason=f"torchmonarch unavailable: {MISSING}")
@@ -30,10 +31,6 @@ def _run(args, tmp):
     done = subprocess.run([sys.executable] + args, env=_env(tmp), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     return done.stdout
-
-
-def _ckpt(run_dir):
-    return torch.load(run_dir / "ckpt.pt", weights_only=False)
 
 
 def _assert_close_runs(a, b):
@@ -58,13 +55,13 @@ def torchrun_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("torchrun")
     _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] + TRAIN + ["--out", str(tmp / "run")],
          tmp)
-    return _ckpt(tmp / "run")
+    return read_ckpt(tmp / "run")
 
 
 @needs_monarch
 def test_controller_run_matches_torchrun(tmp_path, torchrun_run):
     out = _run(TRAIN + ["--controller", "monarch", "--procs", "2", "--out", str(tmp_path / "run")], tmp_path)
-    _assert_close_runs(_ckpt(tmp_path / "run"), torchrun_run)
+    _assert_close_runs(read_ckpt(tmp_path / "run"), torchrun_run)
     assert sorted(_streamed_losses(out)) == list(range(1, STEPS + 1))  # every step's loss reached the controller
     assert out.strip().splitlines()[-1] == f"done: step {STEPS} of {STEPS}"
 
@@ -78,7 +75,7 @@ def test_a_dead_trainer_is_restarted_from_the_last_checkpoint(tmp_path, torchrun
     assert "restarting the mesh from the checkpoint at step 2 (restart 1 of at most 3)" in out
     assert "restarted 1 time(s)" in out
     assert out.strip().splitlines()[-1] == f"done: step {STEPS} of {STEPS}"
-    _assert_close_runs(_ckpt(tmp_path / "run"), torchrun_run)
+    _assert_close_runs(read_ckpt(tmp_path / "run"), torchrun_run)
     assert sorted(_streamed_losses(out)) == list(range(1, STEPS + 1))
 
 

@@ -9,7 +9,7 @@ from warpforge.models.gpt.config import PRESETS
 from warpforge.models.gpt.model import sample_next
 from warpforge.models.gpt.train import TrainError, train
 
-from .conftest import SMALL, twins
+from .conftest import SMALL, read_ckpt, twins
 
 
 def test_forward_loss_and_gradients():
@@ -197,26 +197,35 @@ def test_deepseek_mini_blocks_train_and_decode():
     assert torch.equal(fast, slow)
 
 
-def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(tmp_path):
-    """torchrun with 2 CPU processes (gloo), DDP, ZeRO-2 and FSDP2: each trains, checkpoints every rank's data
-    position with full weights, resumes; all give the same losses (the same averaged gradients, sharded or not)."""
+TORCHRUN_2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def _gpt_train(tmp_path, args, *, procs=2, backend=None):
+    """`warpforge gpt train ARGS` (tiny preset, random tokens) as a finished subprocess: under torchrun with 2 CPU
+    processes (gloo) or, procs=1, one process. CPU even on a GPU machine (which may have fewer GPUs than ranks):
+    this checks the logic. --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold."""
     import os
     import subprocess
     import sys
-    # CPU processes even on a GPU machine (which may have fewer GPUs than ranks): this checks the logic
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    if backend:
+        env["WARPFORGE_BACKEND"] = backend
+    launch = TORCHRUN_2 if procs == 2 else []
+    done = subprocess.run([sys.executable, *launch, "-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data",
+                           "random", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(tmp_path):
+    """torchrun with 2 CPU processes (gloo), DDP, ZeRO-2 and FSDP2: each trains, checkpoints every rank's data
+    position with full weights, resumes; all give the same losses (the same averaged gradients, sharded or not)."""
     runs = {}
     for parallel in ("ddp", "zero2", "fsdp"):
-        # --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold
-        base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--parallel", parallel,
-                "--out", str(tmp_path / parallel)]
-        first = subprocess.run(base + ["--max-steps", "4"], env=env, capture_output=True, text=True, timeout=300)
-        assert first.returncode == 0, first.stderr[-2000:]
-        again = subprocess.run(base + ["--max-steps", "8", "--resume"], env=env, capture_output=True, text=True,
-                               timeout=300)
-        assert again.returncode == 0, again.stderr[-2000:]
-        ckpt = torch.load(tmp_path / parallel / "ckpt.pt", weights_only=False)
+        base = ["--parallel", parallel, "--out", str(tmp_path / parallel)]
+        _gpt_train(tmp_path, base + ["--max-steps", "4"])
+        _gpt_train(tmp_path, base + ["--max-steps", "8", "--resume"])
+        ckpt = read_ckpt(tmp_path / parallel)
         assert ckpt["step"] == 8 and len(ckpt["data_state"]) == 2
         assert not torch.equal(ckpt["data_state"][0], ckpt["data_state"][1])
         assert all(not hasattr(v, "device_mesh") for v in ckpt["model"].values())  # full tensors, not shards
@@ -228,15 +237,8 @@ def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(tmp_path):
 
 def test_weak_scaling_keeps_each_process_batch(tmp_path):
     """--batch-scaling weak: each of 2 processes takes the preset's batch, so a step is twice the preset's tokens."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--max-steps",
-                           "2", "--batch-scaling", "weak", "--parallel", "zero2", "--out", str(tmp_path / "run")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _gpt_train(tmp_path, ["--max-steps", "2", "--batch-scaling", "weak", "--parallel", "zero2", "--out",
+                                 str(tmp_path / "run")])
     tiny = PRESETS["tiny"]
     assert f"{2 * tiny.train.batch_size * tiny.model.seq_len} tokens/step" in done.stderr + done.stdout
 
@@ -245,24 +247,15 @@ def test_expert_parallel_matches_ddp(tmp_path):
     """--expert-parallel over 2 CPU processes (each keeps 2 of an MoE model's 4 experts per layer, tokens exchanged
     by all-to-all) trains as plain DDP does: the same losses and weights; its checkpoint holds every expert and a
     resumed run continues."""
-    import os
     import re
-    import subprocess
-    import sys
-    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               WARPFORGE_BACKEND="reference")
     moe = ["--moe_experts=4", "--moe_topk=2", "--moe_ffn_dim=64", "--n_layer=2", "--seq_len=32", "--batch_size=8"]
 
     def run(name, *flags, steps=3, resume=False):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               "-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random",
-                               "--max-steps", str(steps), "--out", str(tmp_path / name), *moe, *flags]
-                              + (["--resume"] if resume else []), env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+        done = _gpt_train(tmp_path, ["--max-steps", str(steps), "--out", str(tmp_path / name), *moe, *flags]
+                          + (["--resume"] if resume else []), backend="reference")
         assert ("each process holds 2 of every MoE layer's 4 experts" in done.stdout) == ("--expert-parallel" in flags)
         params[name] = re.search(r"([0-9.]+)M parameters", done.stdout).group(1)  # the whole model's, sharded or not
-        return torch.load(tmp_path / name / "ckpt.pt", weights_only=False)
+        return read_ckpt(tmp_path / name)
 
     params = {}
     ddp, ep = run("ddp"), run("ep", "--expert-parallel")
@@ -282,21 +275,13 @@ def test_context_parallel_matches_one_process(tmp_path, attention, flags):
     """--context-parallel over 2 CPU processes (dense: each sequence in zigzag shards and ring attention; sparse:
     contiguous chunks, sparse_attention_cp and its index loss; the same sequences on both) trains as one process on
     whole sequences does: the same losses and weights."""
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               WARPFORGE_BACKEND="reference")
-    args = ["-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data", "random", "--max-steps", "3",
-            "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile", "off",
+    args = ["--max-steps", "3", "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile", "off",
             f"--attention={attention}", "--sparse_block=16", "--sparse_topk=2", "--sparse_index_dim=8"]
     runs = {}
-    for name, launch in (("one", []), ("cp", ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"])):
+    for name, procs in (("one", 1), ("cp", 2)):
         extra = (["--context-parallel"] if name == "cp" else []) + flags
-        cmd = [sys.executable] + launch + args + extra + ["--out", str(tmp_path / name)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[name] = torch.load(tmp_path / name / "ckpt.pt", weights_only=False)
+        _gpt_train(tmp_path, args + extra + ["--out", str(tmp_path / name)], procs=procs, backend="reference")
+        runs[name] = read_ckpt(tmp_path / name)
     losses = [[h["loss"] for h in runs[n]["history"] if "loss" in h] for n in ("one", "cp")]
     assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-5)
     for k, w in runs["one"]["model"].items():

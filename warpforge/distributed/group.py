@@ -1,5 +1,5 @@
 """The process group an op runs over: checked once, at the door, before any collective (without a group there
-is no one to tell), for every op of the package."""
+is no one to tell), for every op of the package; and the tensor collectives under the names this torch has."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -7,6 +7,10 @@ from typing import NamedTuple, Optional
 import torch.distributed as dist
 
 from ..errors import fail
+
+# torch 2.13 renamed the tensor collectives (the old names warn); the GPU machine's torch 2.11 has only the old ones
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Group(NamedTuple):

@@ -33,19 +33,14 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
-from ..errors import check_bool, check_int, check_rank, check_tensor, fail, host_reads_allowed, read_once
+from ..errors import check_bool, check_rank, check_tensor, fail, host_reads_allowed, read_once
 from ..ops.sparse import api as sparse_api
 from ..ops.sparse import sparse_attention, sparse_attention_index_loss
 from ..runtime import resolve_backend
-from .group import Group, resolve_group
+from .group import Group, all_gather_into, reduce_scatter_into, resolve_group
 
 __all__ = ["sparse_attention_cp", "sparse_attention_index_loss_cp"]
-
-# torch 2.13 names them *_single (the *_tensor names warn); older torch has only the *_tensor ones
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ------------------------------------------------------------------------------------- the gather
@@ -80,7 +75,7 @@ class _GatherPrefix(torch.autograd.Function):
         s = tensors[0].shape[1]
         local = _pack(tensors)
         full = local.new_empty((grp.world * s, *local.shape[1:]))
-        _all_gather(full, local, group=grp.group)
+        all_gather_into(full, local, group=grp.group)
         prefix = full[:(grp.rank + 1) * s]
         # copies of the prefix, each its own tensor: views would keep the whole gathered buffer (every rank's
         # tokens, every packed column) alive in each layer's saved tensors until its backward
@@ -105,7 +100,7 @@ class _GatherPrefix(torch.autograd.Function):
                 full[:end, :, col:col + width] = grads[i].reshape(b, end, width).transpose(0, 1)
             col += width
         mine = full.new_empty((s, b, full.shape[-1]))
-        _reduce_scatter(mine, full, group=grp.group)
+        reduce_scatter_into(mine, full, group=grp.group)
         result = [None] * len(ctx.meta)
         for i, g in zip(which, _unpack(mine, [shape[2:] for shape in shapes])):
             result[i] = g.to(ctx.meta[i][1]).contiguous()
@@ -166,10 +161,7 @@ def sparse_attention_cp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, in
     check_bool("return_lse", return_lse)
     check_bool("return_indices", return_indices)
     if block_indices is None:
-        if index_q is None or index_k is None:
-            fail("index_q/index_k", "both given (the index branch selects the blocks) unless block_indices is",
-                 "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
-        check_int("topk", topk, 1)
+        sparse_api._check_selection_args(index_q, index_k, topk)
         sparse_api._check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, False)
     grp = resolve_group(group, "the sequence is split over its ranks")
     if block_indices is None:

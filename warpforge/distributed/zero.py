@@ -20,11 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import check_positive_float, fail
-from .group import resolve_group
-
-# torch 2.13 renamed the tensor collectives; the GPU machine's torch 2.11 has only the old names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .group import all_gather_into, reduce_scatter_into, resolve_group
 
 
 # what a saved AdamW group carries over to the optimizer that loads it; its implementation flags (fused, foreach,
@@ -132,7 +128,7 @@ class ShardedAdamW:
                 return
             if b.grad is None:  # no gradient reached any of its parameters on this rank
                 b.grad = torch.zeros_like(b.flat)
-            b.work = _reduce_scatter(b.grad_shard, b.grad, group=self.group, async_op=True)
+            b.work = reduce_scatter_into(b.grad_shard, b.grad, group=self.group, async_op=True)
             self._launched += 1
 
     def _finish_reduce(self) -> None:
@@ -167,7 +163,7 @@ class ShardedAdamW:
         for b in self.buckets:
             b.param_shard.grad = b.grad_shard
         self.inner.step()
-        works = [_all_gather(b.flat, b.param_shard.clone(), group=self.group, async_op=True) for b in self.buckets]
+        works = [all_gather_into(b.flat, b.param_shard.clone(), group=self.group, async_op=True) for b in self.buckets]
         for w in works:
             w.wait()
         for b in self.buckets:
@@ -193,7 +189,7 @@ class ShardedAdamW:
             for b in self.buckets:
                 for key in ("exp_avg", "exp_avg_sq"):
                     out = torch.empty_like(b.flat)
-                    _all_gather(out, self.inner.state[b.param_shard][key].contiguous(), group=self.group)
+                    all_gather_into(out, self.inner.state[b.param_shard][key].contiguous(), group=self.group)
                     full = out.cpu()
                     del out
                     for p, off in zip(b.params, b.offsets):

@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from ...distributed.expert_parallel import shard_experts
+from ...distributed.group import all_gather_into
 from ...nn import MoE
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def shard(model: torch.nn.Module) -> list[str]:
@@ -66,7 +65,7 @@ def _gather0(t: torch.Tensor) -> torch.Tensor:
     a time, so a checkpoint of the experts' weights and moments never sits whole on a GPU)."""
     t = t.contiguous()
     out = t.new_empty((t.shape[0] * dist.get_world_size(),) + tuple(t.shape[1:]))
-    _all_gather(out, t)
+    all_gather_into(out, t)
     return out.cpu()
 
 

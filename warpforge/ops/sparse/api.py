@@ -260,6 +260,14 @@ def _check_index(index_q, index_k, lead, h_kv, ref_name, ref, varlen, lead_k=Non
         fail("index_q", "an index head dim that is a multiple of 8 from 8 to 128", d_i)
 
 
+def _check_selection_args(index_q, index_k, topk) -> None:
+    """Without block_indices the index branch selects the blocks: both its inputs, and a topk."""
+    if index_q is None or index_k is None:
+        fail("index_q/index_k", "both given (the index branch selects the blocks) unless block_indices is",
+             "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
+    check_int("topk", topk, 1)
+
+
 def _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k=None):
     check_tensor("block_indices", block_indices)
     check_rank("block_indices", block_indices, 4)
@@ -370,10 +378,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
     check_bool("return_indices", return_indices)
     varlen = cu_seqlens is not None
     if block_indices is None:
-        if index_q is None or index_k is None:
-            fail("index_q/index_k", "both given (the index branch selects the blocks) unless block_indices is",
-                 "index_q" if index_k is not None else "index_k" if index_q is not None else "neither")
-        check_int("topk", topk, 1)
+        _check_selection_args(index_q, index_k, topk)
         _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
         with torch.no_grad():
             block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
