@@ -15,6 +15,7 @@ context parallelism (warpforge/distributed/sparse_attention_cp.py) runs, its chu
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -22,7 +23,7 @@ import torch
 from ...errors import (check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
                        host_reads_allowed, read_once)
-from ...runtime import check_interpreted_matmul_dtype, resolve_backend
+from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
 from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
@@ -41,9 +42,29 @@ def _tiles(q: torch.Tensor, d_v: int) -> configs.SparseTiles:
 # ------------------------------------------------------------------------------------------- ops
 # max_s_k (last, optional so that positional callers of the s_q == s_k form keep working): k's length when the
 # queries are its last max_s positions (batched form only)
+def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[torch.Tensor],
+               block_size: int) -> bool:
+    """Whether the forward takes the Hopper Gluon kernel (sparse_gluon_kernel.py): the switch on (configs.GLUON_ENV),
+    an sm_90 device, a Triton in configs.GLUON_TRITON_VERSIONS, batched fp16/bf16 inputs of head dim 64 or 128 (v's
+    too) that TMA can address, blocks of a multiple of 128 rows."""
+    flag = os.environ.get(configs.GLUON_ENV)
+    if not (configs.GLUON_DEFAULT if flag is None else flag != "0"):
+        return False
+    if cu is not None or q.device.type != "cuda" or block_size % 128 or arch_key(q.device) != "sm90":
+        return False
+    import triton
+    if not triton.__version__.startswith(configs.GLUON_TRITON_VERSIONS):
+        return False
+    from . import sparse_gluon_kernel
+    return sparse_gluon_kernel.fits(q, k, v) and sparse_gluon_kernel.available()
+
+
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _gluon_fwd(q, k, v, cu, block_size):
+        from .sparse_gluon_kernel import sparse_fwd_gluon
+        return sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, configs.GLUON_FWD[q.shape[-1]])
     from .sparse_kernel import sparse_fwd
     return sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, _tiles(q, v.shape[-1]).fwd,
                       max_s_k=max_s_k)

@@ -37,3 +37,11 @@ TILES = TileTable({
              128: T(C(128, 128, 8, 3), C(128, 128, 8, 2), C(64, 64, 4, 2, tma=True), C(64, 64, 4, 2)),
              256: T(C(64, 32, 4, 2), C(64, 32, 4, 2), C(32, 32, 4, 1), C(32, 32, 4, 1)), **_FP32},
 })
+
+# The Hopper Gluon forward (ops/_gluon_flash_fwd.py, the sparse walk; api._gluon_fwd decides): batched 16-bit inputs,
+# head dim 64 / 128 (d_v = d), blocks of a multiple of 128 rows, sm_90, a Triton in GLUON_TRITON_VERSIONS.
+GLUON_ENV = "WARPFORGE_SPARSE_GLUON"   # "1" on, "0" off (the portable kernel runs), unset: GLUON_DEFAULT
+GLUON_DEFAULT = False                  # off until its GPU tests and the family bench have run on the H200
+GLUON_TRITON_VERSIONS = ("3.6",)
+# head dim -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT): dense attention's Gluon forward table (its causal entries)
+GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
