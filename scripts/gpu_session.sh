@@ -247,6 +247,9 @@ for step in "$@"; do
     monarch-interleave) for f in 0 1; do  # issue 17: the L GEMMs writing P_out's order from registers (1) or shuffled (0)
                           WARPFORGE_MONARCH_INTERLEAVE=$f SKIP_TESTS=1 timeout 200 bash scripts/gpu_check.sh "$w/monarch-il$f" monarch \
                             > "$w/monarch-il$f.log" 2>&1; grep -E "warpforge  " "$w/monarch-il$f.log" | tail -8; done ;;
+    sparse-gluon) timeout 150 python3 -m pytest -q -m gpu tests/sparse/test_sparse_gluon.py > "$w/sparse-gluon-tests.log" 2>&1
+                  tail -n 3 "$w/sparse-gluon-tests.log"
+                  timeout 150 python3 scripts/bench_sparse_fwd.py > "$w/sparse-fwd.log" 2>&1; tail -n 4 "$w/sparse-fwd.log" ;;
     multi-gpu-tests) timeout 300 python3 -m pytest -q -m gpu tests/distributed > "$w/multi-gpu-tests.log" 2>&1; tail -n 5 "$w/multi-gpu-tests.log" ;;
     multi-gpu-bench) timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node $(nvidia-smi -L | wc -l) \
                        scripts/bench_multi_gpu.py --out "$w/multi-gpu.json" > "$w/multi-gpu-bench.log" 2>&1; tail -n 4 "$w/multi-gpu-bench.log" ;;
