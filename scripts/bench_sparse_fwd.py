@@ -21,7 +21,9 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     h_q, h_kv, d, block, topk = 16, 2, 128, 128, 16
-    for s in map(int, args.s.split(",")):
+    sizes = [int(x) for x in args.s.split(",")]
+    first = sizes[0]
+    for s in sizes:
         sets = [[torch.randn(1, s, h, d, device=dev, dtype=torch.bfloat16) for h in (h_q, h_kv, h_kv)]
                 for _ in range(max(2, int(3e8 // (s * 20 * d * 2)) + 1))]
         iq = torch.randn(1, s, h_kv, 32, device=dev, dtype=torch.bfloat16)
@@ -35,7 +37,10 @@ def main():
             it[0] += 1
             return sets[it[0] % len(sets)]
         times = {}
-        for name, flag in (("gluon", "1"), ("portable", "0")):
+        if s == first:  # the clocks up from idle before the first timing (a cold H200 reads the first case slow)
+            os.environ[configs.GLUON_ENV] = "1"
+            triton.testing.do_bench(lambda: sparse_attention(*nxt(), block_indices=idx), rep=1000)
+        for name, flag in (("gluon", "1"), ("portable", "0"), ("gluon again", "1")):
             os.environ[configs.GLUON_ENV] = flag
             times[name] = triton.testing.do_bench(lambda: sparse_attention(*nxt(), block_indices=idx), rep=200)
         out_g = (os.environ.__setitem__(configs.GLUON_ENV, "1"), sparse_attention(*sets[0], block_indices=idx))[1]

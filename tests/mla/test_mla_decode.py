@@ -49,10 +49,16 @@ def assert_matches(out, lse, want, want_lse, tol=1e-5, lse_tol=None):
 # terms: ~2^-8 relative error an element of q (1/16 of the cache's own rounding), 1 - cos ~1e-7 on long requests,
 # lse within ~1e-3 on a request of one token (its lse is that one score)
 LSE_TOL_ROWS16 = 2e-3
+# NVFP4 on the GPU: the dequantisation pass (and the Gluon kernel's in-place decode, like it) rounds each value times
+# its e4m3 block scale and the cache-wide fp32 scale to bf16 once; the reference keeps them in fp32. A one-token
+# request's lse is its one score, so that rounding (2^-9 an element) shows in full: 4.0e-3 measured (H200, session 24)
+LSE_TOL_NVFP4_GPU = 8e-3
 
 
 def lse_tolerance(q, cache, table, fmt) -> float:
     """The lse tolerance of the path wf.mla_decode takes for this problem."""
+    if fmt == "nvfp4" and q.is_cuda:
+        return LSE_TOL_NVFP4_GPU
     rows16 = fmt == "fp8" and table is not None and wf.mla.plan(q, cache, table, kv_format=fmt).rows16
     return LSE_TOL_ROWS16 if rows16 else 1e-5
 
