@@ -44,17 +44,22 @@ def test_bad_sparse_blocks_are_refused():
 
 
 # ------------------------------------------------------------------------------------ compile for sm_90
-COMPILE_CASES = [
-    dict(d=128, causal=True, block_n=128, stages=2, block_size=128),
-    dict(d=64, causal=False, block_n=64, stages=3, block_size=256, h_q=4, h_kv=4, dtype="float16"),
+COMPILE_CASES = [  # (module, its compile_sm90's arguments): the forward's, then the backward's
+    ("_gluon_flash_fwd", dict(d=128, causal=True, block_n=128, stages=2, block_size=128)),
+    ("_gluon_flash_fwd", dict(d=64, causal=False, block_n=64, stages=3, block_size=256, h_q=4, h_kv=4,
+                              dtype="float16")),
+    ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, group_split=2,
+                              block_size=128)),
+    ("_gluon_flash_bwd", dict(d=64, causal=False, stages=4, dq_tma=True, block_size=256, dtype="float16")),
 ]
 
 
 @pytest.mark.skipif(not gluon_triton(fg.GLUON_TRITON_VERSIONS), reason=f"the Gluon kernel is written for Triton "
                     f"{fg.GLUON_TRITON_VERSIONS} (installed: {triton_version()}); its API differs between releases")
-@pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_compiles_for_sm90(case):
-    r = compile_in_subprocess("warpforge.ops._gluon_flash_fwd", case, ROOT)
+@pytest.mark.parametrize("module, case", COMPILE_CASES,
+                         ids=[m[-3:] + "-" + "-".join(f"{k}{v}" for k, v in c.items()) for m, c in COMPILE_CASES])
+def test_compiles_for_sm90(module, case):
+    r = compile_in_subprocess("warpforge.ops." + module, case, ROOT)
     assert r["wgmma"] and r["tma"] and r["setmaxnreg"] and r["warp_specialize"] and r["num_warps"] == 12
     assert r["ptxas_rc"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_log"]
     assert not r["wgmma_serialized"], r["ptxas_log"]
@@ -65,6 +70,15 @@ needs_h200 = pytest.mark.skipif(not on_sm90_gluon(fg.GLUON_TRITON_VERSIONS),
                                 reason=f"the Gluon forward runs on sm_90 with Triton {fg.GLUON_TRITON_VERSIONS}")
 
 
+def _grads(q, k, v, idx, bs, causal, d_out):
+    """out, lse and (dq, dk, dv) of wf.sparse_attention (the kernels the gate picks)."""
+    ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with poisoned_outputs():
+        out, lse = wf.sparse_attention(*ins, block_indices=idx, block_size=bs, causal=causal, return_lse=True)
+        grads = torch.autograd.grad(out, ins, d_out)
+    return out, lse, grads
+
+
 @pytest.mark.gpu
 @needs_h200
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -72,41 +86,33 @@ needs_h200 = pytest.mark.skipif(not on_sm90_gluon(fg.GLUON_TRITON_VERSIONS),
     (True, 1000, 1000, 8, 2, 128, 128, 3),    # a partial last block, GQA 4
     (True, 384, 1152, 4, 1, 64, 128, 4),      # keys longer than the queries by 6 blocks, MQA
     (False, 1000, 1000, 4, 4, 128, 256, 2),   # blocks of two items; a kept block may be the partial last one
-    (True, 640, 640, 16, 2, 128, 256, 8),     # top-k past the blocks a query block can see
+    (True, 640, 640, 16, 2, 128, 256, 8),     # top-k past the blocks a query block can see; GQA 8
+    (True, 1024, 1024, 8, 1, 128, 128, 1),    # every query block keeps block 0: one key block walked by all
 ])
-def test_gpu_matches_reference_and_portable_kernel(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk):
+def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk):
+    """Forward and backward on the Gluon kernels against the fp32 reference and the portable kernels."""
     dev = "cuda"
     q = torch.randn(2, s_q, h_q, d, device=dev, dtype=dtype)
     k = torch.randn(2, s_k, h_kv, d, device=dev, dtype=dtype)
     v = torch.randn(2, s_k, h_kv, d, device=dev, dtype=dtype)
     nqb, nkb = -(-s_q // bs), -(-s_k // bs)
     idx = torch.randint(-1, nkb, (2, h_kv, nqb, topk), device=dev, dtype=torch.int32)  # repeats and own included
-    kw = dict(block_indices=idx, block_size=bs, causal=causal, return_lse=True)
-    calls = spy_launches(monkeypatch, sg, "sparse_fwd_gluon", lambda args: args[5], {configs.GLUON_ENV: "1"})
-    with poisoned_outputs():
-        out, lse = wf.sparse_attention(q, k, v, **kw)
-    assert calls == [bs]
+    if topk == 1:
+        idx.zero_()
+    d_out = torch.randn(2, s_q, h_q, d, device=dev, dtype=dtype)
+    fwd = spy_launches(monkeypatch, sg, "sparse_fwd_gluon", lambda args: args[5], {configs.GLUON_ENV: "1"})
+    bwd = spy_launches(monkeypatch, sg, "sparse_bwd_gluon", lambda args: args[8])
+    out, lse, grads = _grads(q, k, v, idx, bs, causal, d_out)
+    assert fwd == [bs] and bwd == [bs]
     monkeypatch.setenv(configs.GLUON_ENV, "0")
-    out_p, lse_p = wf.sparse_attention(q, k, v, **kw)
-    assert len(calls) == 1
-    ref_out, ref_lse = sparse_attention_reference(q.float(), k.float(), v.float(), idx, block_size=bs, causal=causal)
+    out_p, lse_p, grads_p = _grads(q, k, v, idx, bs, causal, d_out)
+    assert len(fwd) == 1 and len(bwd) == 1
+    ref_in = [t.float().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = sparse_attention_reference(*ref_in, idx, block_size=bs, causal=causal)
+    want = torch.autograd.grad(ref_out, ref_in, d_out.float())
     assert rel_l2(out, ref_out) <= REL_L2[dtype]
     assert rel_l2(lse, ref_lse) <= 1e-3
     assert rel_l2(out, out_p) <= REL_L2[dtype] and rel_l2(lse, lse_p) <= 1e-3
-
-
-@pytest.mark.gpu
-@needs_h200
-def test_gpu_gradients_through_the_gluon_forward(monkeypatch):
-    """The backward (the portable kernels) takes the Gluon forward's out and lse."""
-    monkeypatch.setenv(configs.GLUON_ENV, "1")
-    q, k, v = (torch.randn(1, 1024, h, 128, device="cuda", dtype=torch.bfloat16).requires_grad_() for h in (8, 2, 2))
-    idx = torch.randint(-1, 8, (1, 2, 8, 4), device="cuda", dtype=torch.int32)
-    out = wf.sparse_attention(q, k, v, block_indices=idx)
-    d_out = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), d_out)
-    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref_out, _ = sparse_attention_reference(*ref_in, idx, block_size=128, causal=True)
-    want = torch.autograd.grad(ref_out, ref_in, d_out.float())
-    for name, g, r in zip(("dq", "dk", "dv"), got, want):
+    for name, g, g_p, r in zip(("dq", "dk", "dv"), grads, grads_p, want):
         assert rel_l2(g, r) <= 2e-2, name
+        assert rel_l2(g, g_p) <= 2e-2, name

@@ -45,3 +45,8 @@ GLUON_DEFAULT = False                  # off until its GPU tests and the family 
 GLUON_TRITON_VERSIONS = ("3.6",)
 # head dim -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT): dense attention's Gluon forward table (its causal entries)
 GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
+# The Hopper Gluon backward (ops/_gluon_flash_bwd.py, the sparse walk), same gate: head dim -> (BLOCK_M, STAGES, DQ_N,
+# DQ_SPLIT, DQ_TMA, GROUP_SPLIT): dense attention's table, and one query head per program (GROUP_SPLIT 0: dK / dV
+# summed over the group by fp32 TMA reduce-adds, so a popular key block's walk is split GROUP ways). dQ (and dK / dV
+# when split) are sums in arrival order: not bitwise reproducible (GLUON_ENV=0 keeps the deterministic portable pass).
+GLUON_BWD = {64: (64, 4, 64, False, True, 0), 128: (64, 3, 64, True, True, 0)}
