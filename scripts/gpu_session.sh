@@ -250,6 +250,9 @@ for step in "$@"; do
     sparse-gluon) timeout 150 python3 -m pytest -q -m gpu tests/sparse/test_sparse_gluon.py > "$w/sparse-gluon-tests.log" 2>&1
                   tail -n 3 "$w/sparse-gluon-tests.log"
                   timeout 150 python3 scripts/bench_sparse_fwd.py > "$w/sparse-fwd.log" 2>&1; tail -n 4 "$w/sparse-fwd.log" ;;
+    sparse-profile) WARPFORGE_SPARSE_GLUON=${WARPFORGE_SPARSE_GLUON:-1} timeout 150 python3 scripts/profile_case.py --family sparse \
+                      --match "${PROFILE_MATCH:-s64k top16}" --impl '^(warpforge|flex)$' --iters 10 > "$w/sparse-profile.log" 2>&1
+                    grep -v Warn "$w/sparse-profile.log" | head -n 45 ;;
     multi-gpu-tests) timeout 300 python3 -m pytest -q -m gpu tests/distributed > "$w/multi-gpu-tests.log" 2>&1; tail -n 5 "$w/multi-gpu-tests.log" ;;
     multi-gpu-bench) timeout 400 python3 -m torch.distributed.run --standalone --nproc-per-node $(nvidia-smi -L | wc -l) \
                        scripts/bench_multi_gpu.py --out "$w/multi-gpu.json" > "$w/multi-gpu-bench.log" 2>&1; tail -n 4 "$w/multi-gpu-bench.log" ;;
