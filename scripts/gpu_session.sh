@@ -249,7 +249,9 @@ for step in "$@"; do
                             > "$w/monarch-il$f.log" 2>&1; grep -E "warpforge  " "$w/monarch-il$f.log" | tail -8; done ;;
     sparse-gluon) timeout 150 python3 -m pytest -q -m gpu tests/sparse/test_sparse_gluon.py > "$w/sparse-gluon-tests.log" 2>&1
                   tail -n 3 "$w/sparse-gluon-tests.log"
-                  timeout 150 python3 scripts/bench_sparse_fwd.py > "$w/sparse-fwd.log" 2>&1; tail -n 4 "$w/sparse-fwd.log" ;;
+                  timeout 120 python3 scripts/bench_sparse_gluon.py > "$w/sparse-fwd.log" 2>&1; tail -n 3 "$w/sparse-fwd.log"
+                  timeout 150 python3 scripts/bench_sparse_gluon.py --bwd > "$w/sparse-fwdbwd.log" 2>&1
+                  tail -n 3 "$w/sparse-fwdbwd.log" ;;
     sparse-profile) WARPFORGE_SPARSE_GLUON=${WARPFORGE_SPARSE_GLUON:-1} timeout 150 python3 scripts/profile_case.py --family sparse \
                       --match "${PROFILE_MATCH:-s64k top16}" --impl '^(warpforge|flex)$' --iters 10 > "$w/sparse-profile.log" 2>&1
                     grep -v Warn "$w/sparse-profile.log" | head -n 45 ;;
