@@ -28,11 +28,11 @@ def test_table_fits_and_import_is_lazy():
 def test_gate_off_where_it_does_not_apply(monkeypatch):
     monkeypatch.setenv(configs.GLUON_ENV, "1")
     q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)
-    assert not api._gluon_fwd(q, q, q, None, 128)  # a CPU tensor
+    assert not api.gluon_gate(q, q, q, None, 128)  # a CPU tensor
     monkeypatch.setattr(api, "arch_key", lambda device: "sm90")
-    assert not api._gluon_fwd(q, q, q, None, 128)  # still a CPU tensor
+    assert not api.gluon_gate(q, q, q, None, 128)  # still a CPU tensor
     monkeypatch.setenv(configs.GLUON_ENV, "0")
-    assert not api._gluon_fwd(q, q, q, None, 128)
+    assert not api.gluon_gate(q, q, q, None, 128)
 
 
 def test_bad_sparse_blocks_are_refused():

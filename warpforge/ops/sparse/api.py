@@ -42,12 +42,12 @@ def _tiles(q: torch.Tensor, d_v: int) -> configs.SparseTiles:
 # ------------------------------------------------------------------------------------------- ops
 # max_s_k (last, optional so that positional callers of the s_q == s_k form keep working): k's length when the
 # queries are its last max_s positions (batched form only)
-def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[torch.Tensor],
+def gluon_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[torch.Tensor],
                block_size: int) -> bool:
     """Whether the forward (and, where its tensors fit, the backward) takes the Hopper Gluon kernels
-    (sparse_gluon_kernel.py): the switch on (configs.GLUON_ENV),
-    an sm_90 device, a Triton in configs.GLUON_TRITON_VERSIONS, batched fp16/bf16 inputs of head dim 64 or 128 (v's
-    too) that TMA can address, blocks of a multiple of 128 rows."""
+    (sparse_gluon_kernel.py): the switch on (configs.GLUON_ENV), an sm_90 device, a Triton in
+    configs.GLUON_TRITON_VERSIONS, batched fp16/bf16 inputs of head dim 64 or 128 (v's too) that TMA can address,
+    blocks of a multiple of 128 rows."""
     flag = os.environ.get(configs.GLUON_ENV)
     if not (configs.GLUON_DEFAULT if flag is None else flag != "0"):
         return False
@@ -63,7 +63,7 @@ def _gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[t
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if _gluon_fwd(q, k, v, cu, block_size):
+    if gluon_gate(q, k, v, cu, block_size):
         from .sparse_gluon_kernel import sparse_fwd_gluon
         return sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, configs.GLUON_FWD[q.shape[-1]])
     from .sparse_kernel import sparse_fwd
@@ -83,7 +83,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size))
     do = do.contiguous()
-    if _gluon_fwd(q, k, v, cu, block_size):
+    if gluon_gate(q, k, v, cu, block_size):
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale,
