@@ -468,6 +468,15 @@ def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, 
     d = q.shape[-1]
     check_smem("flash_fwd_gluon", smem_bytes(d, block_n, stages, persistent),
                f"BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent})")
+    if blocks is None:
+        sel = n_sel = lse  # never read
+        sel_strides, bs = (0, 0, 0), BLOCK_M
+    else:
+        sel, n_sel, bs = blocks
+        if bs % BLOCK_M or bs % block_n:
+            raise ValueError(f"flash_fwd_gluon: a sparse block of {bs} rows is not a multiple of {BLOCK_M} and of "
+                             f"BLOCK_N {block_n}")
+        sel_strides = sel.stride()[:3]
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
@@ -481,15 +490,6 @@ def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, 
         progs = max(1, min(progs, total))
     else:
         progs = total
-    if blocks is None:
-        sel = n_sel = lse  # never read
-        sel_strides, bs = (0, 0, 0), BLOCK_M
-    else:
-        sel, n_sel, bs = blocks
-        if bs % BLOCK_M or bs % block_n:
-            raise ValueError(f"flash_fwd_gluon: a sparse block of {bs} rows is not a multiple of {BLOCK_M} and of "
-                             f"BLOCK_N {block_n}")
-        sel_strides = sel.stride()[:3]
     grid = (progs, )
     args = (q_desc, k_desc, v_desc, o_desc, lse, s_q, s_k, sm_scale * LOG2E, lse.stride(0), lse.stride(1), h_q,
             h_q // h_kv, n_m, total, -(-total // progs), int(left) if window else 0, sel, n_sel, *sel_strides)
