@@ -60,12 +60,25 @@ def gluon_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[t
     return sparse_gluon_kernel.fits(q, k, v) and sparse_gluon_kernel.available()
 
 
+def gluon_knobs(d: int) -> tuple[tuple, tuple]:
+    """(forward, backward) knobs of the Gluon kernels at head dim d: configs.GLUON_FWD / GLUON_BWD, with the
+    forward's PERSISTENT and the backward's STAGES and GROUP_SPLIT overridable for sweeps through
+    WARPFORGE_SPARSE_GLUON_PERSISTENT / _BWD_STAGES / _BWD_GROUP_SPLIT (scripts/bench_sparse_gluon.py)."""
+    block_n, stages, pingpong, persistent = configs.GLUON_FWD[d]
+    block_m, bwd_stages, dq_n, dq_split, dq_tma, split = configs.GLUON_BWD[d]
+    env = os.environ
+    persistent = env.get("WARPFORGE_SPARSE_GLUON_PERSISTENT", "1" if persistent else "0") != "0"
+    bwd_stages = int(env.get("WARPFORGE_SPARSE_GLUON_BWD_STAGES", bwd_stages))
+    split = int(env.get("WARPFORGE_SPARSE_GLUON_BWD_GROUP_SPLIT", split))
+    return (block_n, stages, pingpong, persistent), (block_m, bwd_stages, dq_n, dq_split, dq_tma, split)
+
+
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     if gluon_gate(q, k, v, cu, block_size):
         from .sparse_gluon_kernel import sparse_fwd_gluon
-        return sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, configs.GLUON_FWD[q.shape[-1]])
+        return sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, gluon_knobs(q.shape[-1])[0])
     from .sparse_kernel import sparse_fwd
     return sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, _tiles(q, v.shape[-1]).fwd,
                       max_s_k=max_s_k)
@@ -87,7 +100,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale,
-                                       configs.GLUON_BWD[q.shape[-1]])
+                                       gluon_knobs(q.shape[-1])[1])
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
     return sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,
