@@ -2,6 +2,8 @@
 attention, ops/_gluon_flash_fwd.py): its gate, a compile for sm_90 on CPU where the installed Triton is one its Gluon
 API was written for, and on an sm_90 GPU its outputs against the fp32 reference and the portable kernel (forced on
 with WARPFORGE_SPARSE_GLUON=1 while configs.GLUON_DEFAULT is off)."""
+import itertools
+import math
 import os
 
 import pytest
@@ -12,6 +14,7 @@ from warpforge.ops import _gluon_flash_fwd as fg
 from warpforge.ops._gluon import compile_in_subprocess, import_loads_gluon
 from warpforge.ops.sparse import api, configs, sparse_attention_reference
 from warpforge.ops.sparse import sparse_gluon_kernel as sg
+from warpforge.ops.sparse.select import blocks_per_sequence, canonical, kept_by
 from warpforge.testing import REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, spy_launches, \
     triton_version
 
@@ -41,6 +44,139 @@ def test_bad_sparse_blocks_are_refused():
     sel, n_sel = torch.empty(1, 2, 4, 2, dtype=torch.int32), torch.empty(1, 2, 4, dtype=torch.int32)
     with pytest.raises(ValueError, match="multiple of 128"):
         fg.launch_args(q, q, q, q, torch.empty(1, 2, 256), 1.0, True, 128, 2, True, blocks=(sel, n_sel, 64))
+
+
+# ------------------------------------------------------------------------------ the sparse walks, emulated
+def _lists(idx, s_q, s_k, bs, causal):
+    """The kernels' inputs from block_indices: canonical (sel, n_sel) and the CSR lists (offsets, qblocks)."""
+    nb_seq = blocks_per_sequence(None, idx.shape[0], s_k, bs, idx.device)
+    sel, n_sel = canonical(idx, nb_seq, causal, (s_k - s_q) // bs)
+    offsets, qblocks = kept_by(sel, -(-s_k // bs))
+    return sel, n_sel, offsets, qblocks
+
+
+def _emulate_fwd(q, k, v, sel, n_sel, bs, causal, BLOCK_N=128):
+    """_gluon_flash_fwd's SPARSE _tile / _key_row / _step_mask in float64: items of 128 rows (two 64-row warpgroups)
+    walk the kept blocks' tiles (unmasked when causal: rows past s_k would count as zero keys), then the own
+    block's. Returns (out, lse) like sparse_attention."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    G, scale, shift = h_q // h_kv, d ** -0.5, s_k - s_q
+    n_kb = -(-s_k // bs)
+    Kp = torch.cat([k, k.new_zeros(b, n_kb * bs + BLOCK_N - s_k, h_kv, d)], 1)  # TMA: rows past s_k read as 0
+    Vp = torch.cat([v, v.new_zeros(b, n_kb * bs + BLOCK_N - s_k, h_kv, d)], 1)
+    out = torch.zeros_like(q)
+    lse = torch.full((b, h_q, s_q), -math.inf, dtype=torch.float64)
+    for bb, pid_m, h in itertools.product(range(b), range(-(-s_q // 128)), range(h_q)):
+        m_lo, g = pid_m * 128, h // G
+        i = m_lo // bs
+        n_kept = int(n_sel[bb, g, i]) * (bs // BLOCK_N)
+        own_lo = i * bs + shift
+        own_hi = min(m_lo + 128, s_q) + shift if causal else min(own_lo + bs, s_k)
+        j0, n_tiles = own_lo // BLOCK_N, n_kept + -(-(own_hi - own_lo) // BLOCK_N)
+        for wg in range(2):
+            rows = torch.arange(m_lo + 64 * wg, m_lo + 64 * wg + 64)
+            live = rows < s_q
+            if not live.any():
+                continue
+            scores, values = [], []
+            for j in range(n_tiles):
+                if j < n_kept:
+                    n0 = int(sel[bb, g, i, j // (bs // BLOCK_N)]) * bs + (j % (bs // BLOCK_N)) * BLOCK_N
+                else:
+                    n0 = (j0 + j - n_kept) * BLOCK_N
+                masked = j >= n_kept if causal else (j >= n_kept or n0 + BLOCK_N > s_k)
+                cols = torch.arange(n0, n0 + BLOCK_N)
+                S = q[bb, rows[live], h] @ Kp[bb, n0:n0 + BLOCK_N, g].T * scale
+                if masked:
+                    ok = (cols < s_k)[None, :] & ((cols[None, :] <= (rows[live] + shift)[:, None]) if causal else True)
+                    S = torch.where(ok, S, -math.inf)
+                scores.append(S)
+                values.append(Vp[bb, n0:n0 + BLOCK_N, g])
+            S = torch.cat(scores, 1)
+            lse[bb, h, rows[live]] = torch.logsumexp(S, 1)
+            out[bb, rows[live], h] = torch.softmax(S, 1) @ torch.cat(values, 0)
+    return out, lse
+
+
+def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
+    """_gluon_flash_bwd's SPARSE _walk / _query_tile and its mask rule in float64: programs of 128 keys (two 64-key
+    warpgroups) walk, per head, the query blocks that kept their key block, BS / BM tiles each, then their own
+    block's tiles from the first that sees their keys; statistics padded to whole blocks (lse2 +inf, delta 0)."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
+    LOG2E = 1.4426950408889634
+    n_kb, TPB = -(-s_k // bs), bs // BM
+    s_pad = -(-s_q // bs) * bs
+    pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1)
+    Qp, DOp, Kp, Vp = pad(q, s_pad), pad(do, s_pad), pad(k, n_kb * bs), pad(v, n_kb * bs)
+    lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
+    lse2[:, :, :s_q] = lse * LOG2E
+    dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
+    dl[:, :, :s_q] = (out * do).sum(-1).transpose(1, 2)
+    dq_acc = torch.zeros((b, h_q, s_pad, d), dtype=torch.float64)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for pid0, bb, kvh in itertools.product(range(-(-s_k // 128)), range(b), range(h_kv)):
+        n0 = pid0 * 128
+        j = n0 // bs
+        key = (bb * h_kv + kvh) * n_kb + j
+        kept = qblocks[int(offsets[key]):int(offsets[key + 1])]
+        n_kept = len(kept) * TPB
+        own = j - diag // bs
+        first = max(own * bs, n0 - diag) // BM if causal else own * TPB
+        n_i = n_kept + (max((own + 1) * TPB - first, 0) if own >= 0 else 0)
+        for wg in range(2):
+            key_lo = n0 + 64 * wg
+            K, V = Kp[bb, key_lo:key_lo + 64, kvh], Vp[bb, key_lo:key_lo + 64, kvh]
+            limit0, shift = s_k - 1 - key_lo, diag - key_lo
+            dK = torch.zeros(64, d, dtype=torch.float64)
+            dV = torch.zeros(64, d, dtype=torch.float64)
+            for g, t in itertools.product(range(G), range(n_i)):
+                h = kvh * G + g
+                i = int(kept[t // TPB]) * TPB + t % TPB if t < n_kept else first + t - n_kept
+                m0 = i * BM
+                Q, dO = Qp[bb, m0:m0 + BM, h], DOp[bb, m0:m0 + BM, h]
+                P = torch.exp2((Q @ K.T) * scale * LOG2E - lse2[bb, h, m0:m0 + BM, None])
+                if limit0 < 63 or (causal and m0 + shift < 63):
+                    limit = torch.full((BM,), limit0)
+                    if causal:
+                        limit = torch.minimum(limit, torch.arange(m0, m0 + BM) + shift)
+                    P = torch.where(torch.arange(64)[None, :] <= limit[:, None], P, 0.0)
+                dS = P * (dO @ V.T - dl[bb, h, m0:m0 + BM, None])
+                dV += P.T @ dO
+                dK += dS.T @ Q
+                dq_acc[bb, h, m0:m0 + BM] += dS @ K
+            n_valid = max(0, min(64, s_k - key_lo))
+            dk[bb, key_lo:key_lo + n_valid, kvh] = (dK * scale)[:n_valid]
+            dv[bb, key_lo:key_lo + n_valid, kvh] = dV[:n_valid]
+    return (dq_acc[:, :, :s_q] * scale).transpose(1, 2), dk, dv
+
+
+@pytest.mark.parametrize("causal, s_q, s_k, h_q, h_kv, bs, topk", [
+    (True, 300, 300, 4, 2, 128, 2),     # a partial last block
+    (True, 200, 456, 2, 1, 128, 3),     # keys longer than the queries (by 2 blocks), partial last block
+    (False, 300, 300, 2, 2, 256, 2),    # blocks of two items / two key programs; kept partial last blocks
+    (True, 520, 520, 4, 1, 256, 1),     # block 256: own-block tiles from the first that sees the keys
+])
+def test_walks_emulated_match_reference(causal, s_q, s_k, h_q, h_kv, bs, topk):
+    """The Gluon kernels' sparse walks (which tiles, which get the mask, the padded statistics), replayed in float64
+    on CPU, give the reference's outputs and gradients: a wrong tile, limit or mask branch would not."""
+    torch.manual_seed(0)
+    d = 16
+    q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for n, h in ((s_q, h_q), (s_k, h_kv), (s_k, h_kv)))
+    do = torch.randn(1, s_q, h_q, d, dtype=torch.float64)
+    idx = torch.randint(-1, -(-s_k // bs), (1, h_kv, -(-s_q // bs), topk), dtype=torch.int32)
+    sel, n_sel, offsets, qblocks = _lists(idx, s_q, s_k, bs, causal)
+    out, lse = _emulate_fwd(q, k, v, sel, n_sel, bs, causal)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = sparse_attention_reference(*ref_in, idx, block_size=bs, causal=causal,
+                                                  compute_dtype=torch.float64)
+    assert torch.allclose(out, ref_out, atol=1e-10) and torch.allclose(lse, ref_lse.double(), atol=1e-10)
+    want = torch.autograd.grad(ref_out, ref_in, do)
+    got = _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.allclose(g, w, atol=1e-9), name
 
 
 # ------------------------------------------------------------------------------------ compile for sm_90
