@@ -409,7 +409,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
     Batched, k / v (and index_k) may be longer than q: [b, s_k, h_kv, d] with s_k - s a multiple of block_size. The
     queries are then the last s of the s_k positions (bottom-right aligned, as flash-attn's causal with s_q < s_k:
     query t sits at s_k - s + t), as a context-parallel rank's chunk against the keys up to it; n_blocks counts the
-    query blocks and block_indices holds key blocks of s_k. Gradients for k and v cover all s_k keys."""
+    query blocks and block_indices holds key blocks of s_k. Gradients for k and v cover all s_k keys.
+
+    Kernels: portable Triton everywhere (the backward deterministic). On sm_90 with Triton 3.6, batched bf16/fp16
+    inputs of head dim 64 or 128 with blocks of a multiple of 128 can take the Hopper Gluon kernels, dense
+    attention's warp-specialized schedules walking the kept blocks (switch WARPFORGE_SPARSE_GLUON, see
+    ops/sparse/configs.py); their backward sums dq, and dk / dv over a GQA group, in arrival order."""
     check_tensor("q", q)
     backend = resolve_backend(backend, q.device)
     batch, max_s, max_s_k = _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend)
