@@ -141,7 +141,8 @@ def _build():
     def _sel_row(SEL, b, kvh, m_lo, stride_sb, stride_sh, stride_si, SPARSE: gl.constexpr, BS: gl.constexpr):
         """SPARSE: the item's kept-block list SEL[b, kv head, query block] (dense: SEL itself, never read)."""
         if SPARSE:
-            return SEL + b.to(gl.int64) * stride_sb + kvh.to(gl.int64) * stride_sh + (m_lo // BS).to(gl.int64) * stride_si
+            return (SEL + b.to(gl.int64) * stride_sb + kvh.to(gl.int64) * stride_sh
+                    + (m_lo // BS).to(gl.int64) * stride_si)
         else:
             return SEL
 
