@@ -573,7 +573,15 @@ def train(preset_name: str, out_dir: str | None = None, resume: bool = False, *,
     of a log line every tenth of the run. on_step(step, loss): called after every step (and its checkpoint) with
     this rank's loss tensor (reading it waits for the device)."""
     run = resolve_run(preset_name, out_dir, resume, **overrides)
-    return Trainer(run, _distributed(run.train_cfg), stop_at_step, progress_bar, on_step).fit()
+    env = _distributed(run.train_cfg)
+    result = Trainer(run, env, stop_at_step, progress_bar, on_step).fit()
+    if "RANK" in os.environ:
+        # torchrun's process group, made by _distributed: torn down here rather than at interpreter exit, where gloo's
+        # threads were seen to abort a rank ("terminate called without an active exception") after a finished run
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return result
 
 
 class _Progress:
