@@ -103,7 +103,7 @@ WG_KEYS = 64
 PREP_ROWS = 64          # query rows per program of the prep kernel (BLOCK_M is a multiple of it)
 
 __all__ = ["BLOCK_N", "GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compile_sm90", "fits", "flash_bwd_gluon",
-           "launch_args", "smem_bytes"]
+           "group_split", "launch_args", "smem_bytes"]
 
 
 def smem_bytes(d: int, block_m: int, stages: int, dq_n: int = 64, dq_split: bool = False, dq_tma: bool = False) -> int:
@@ -651,6 +651,18 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
                 DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
+
+
+def group_split(group: int, want: int, block_m: int, stages: int, dq_tma: bool) -> int:
+    """Programs per (kv head, key block) for a GQA group of `group` query heads: the largest divisor of the group
+    not above `want` (<= 0: the whole group, one query head per program). 1 where the knobs cannot take a split (it
+    sums dK / dV by TMA in the ring's memory: dq_tma and stages · BLOCK_M >= 128)."""
+    if group <= 1 or not dq_tma or stages * block_m < 128:
+        return 1
+    split = group if want <= 0 else min(want, group)
+    while group % split:
+        split -= 1
+    return split
 
 
 def _buffers(q, block_m, pad=None):

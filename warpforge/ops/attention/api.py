@@ -179,13 +179,9 @@ def gluon_bwd_group_split(d: int, group: int, block_m: int, stages: int, dq_n: i
     WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT; 0 = the whole group, one query head per program): the largest divisor of
     the group not above it. 1 (one program walks every head of the group) where the knobs cannot take a split (it
     needs dq_tma and stages · BLOCK_M >= 128)."""
+    from .flash_gluon_bwd_kernel import group_split
     want = int(os.environ.get("WARPFORGE_ATTN_GLUON_BWD_GROUP_SPLIT", configs.GLUON_BWD_GROUP_SPLIT.get(d, 1)))
-    if group <= 1 or not dq_tma or stages * block_m < 128:
-        return 1
-    split = group if want <= 0 else min(want, group)
-    while group % split:
-        split -= 1
-    return split
+    return group_split(group, want, block_m, stages, dq_tma)
 
 
 def gluon_bwd_gate(q, k, v, out, do, left, right, deterministic) -> bool:

@@ -4,7 +4,7 @@ with dense attention), FlashAttention-3's warp-specialized schedules over the ke
 the query blocks that kept its block (the CSR lists of select.kept_by), then its own. Same outputs as
 sparse_kernel.sparse_fwd / sparse_bwd for batched inputs (the backward's sums in arrival order)."""
 from .._gluon_flash_bwd import fits as bwd_fits
-from .._gluon_flash_bwd import flash_bwd_gluon
+from .._gluon_flash_bwd import flash_bwd_gluon, group_split
 from .._gluon_flash_fwd import available, fits, flash_fwd_gluon
 
 __all__ = ["available", "bwd_fits", "fits", "sparse_bwd_gluon", "sparse_fwd_gluon"]  # available, fits: api's gate
@@ -23,12 +23,7 @@ def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal
     """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (select.kept_by over the key blocks); the caller
     checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs: (BLOCK_M, STAGES, DQ_N,
     DQ_SPLIT, DQ_TMA, GROUP_SPLIT); GROUP_SPLIT 0: one query head per program."""
-    block_m, stages, dq_n, dq_split, dq_tma, split = knobs
-    group = q.shape[2] // k.shape[2]
-    split = group if split <= 0 else split
-    if not dq_tma or stages * block_m < 128:  # a split sums dK / dV by TMA in the ring's memory
-        split = 1
-    while group % split:
-        split -= 1
+    block_m, stages, dq_n, dq_split, dq_tma, want = knobs
+    split = group_split(q.shape[2] // k.shape[2], want, block_m, stages, dq_tma)
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
                            blocks=(offsets, qblocks, block_size))
