@@ -101,6 +101,29 @@ def test_selection_matches_reference(causal):
         assert torch.equal((got[:, :, 1] >= 0).sum(-1), torch.ones(b, h_kv, dtype=torch.int64, device=DEV))
 
 
+def test_index_scores_of_16bit_inputs_are_the_fp32_scores():
+    """16-bit index inputs take the three-part TF32 dot (exact products): the block scores are the fp32 reference's
+    (to fp32 rounding of the sums), over a partial last block and varlen sequences."""
+    from warpforge.ops.sparse.sparse_kernel import index_block_scores, pool_index_queries
+    from warpforge.ops.sparse.configs import TILES
+    cfg = TILES.lookup(torch.device(DEV), 16).index
+    iq, ik = _index((1, 70), 2, 16, torch.float16)
+    ref = index_block_scores_reference(iq.float(), ik.float(), block_size=16, index_scale=0.25)
+    pooled = pool_index_queries(iq, None, 1, 70, 16)
+    got = index_block_scores(pooled, ik, None, 1, 70, 16, True, 0.25, cfg)
+    seen = got > float("-inf")
+    torch.testing.assert_close(got[seen], ref[seen], rtol=1e-5, atol=1e-5)
+    lengths = [40, 17, 64]
+    cu = ragged_cu_seqlens(lengths, DEV)
+    iq, _ = _index((sum(lengths),), 2, 8, torch.float16)
+    pooled = pool_index_queries(iq, cu, 3, 64, 16)
+    for n, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        nb = -(-(e - a) // 16)
+        want = torch.stack([iq[a + 16 * i:min(a + 16 * (i + 1), e)].float().mean(0) for i in range(nb)], 1)
+        torch.testing.assert_close(pooled[n, :, :nb], want, rtol=1e-5, atol=1e-6)
+        assert not pooled[n, :, nb:].any()  # blocks past the sequence pool to 0
+
+
 def test_selection_varlen_matches_per_sequence():
     lengths = [40, 17, 64]
     cu = ragged_cu_seqlens(lengths, DEV)

@@ -1,7 +1,7 @@
-"""The Hopper Gluon forward of sparse_attention (ops/sparse/sparse_gluon_kernel.py over the kernel it shares with dense
-attention, ops/_gluon_flash_fwd.py): its gate, a compile for sm_90 on CPU where the installed Triton is one its Gluon
-API was written for, and on an sm_90 GPU its outputs against the fp32 reference and the portable kernel (forced on
-with WARPFORGE_SPARSE_GLUON=1 while configs.GLUON_DEFAULT is off)."""
+"""The Hopper Gluon forward and backward of sparse_attention (ops/sparse/sparse_gluon_kernel.py over the kernels they
+share with dense attention, ops/_gluon_flash_fwd.py and _gluon_flash_bwd.py): the gate, a compile for sm_90 on CPU
+where the installed Triton is one their Gluon API was written for, and on an sm_90 GPU their outputs against the
+fp32 reference and the portable kernels (forced on with WARPFORGE_SPARSE_GLUON=1, the portable ones with =0)."""
 import itertools
 import math
 import os

@@ -50,7 +50,7 @@ def main(argv=None):
         nb_seq = select.blocks_per_sequence(None, 1, s, bs, dev)
 
         def selection(cfg):
-            pooled = select.pooled_queries(iq, None, 1, s, bs)
+            pooled = sk.pool_index_queries(iq, None, 1, s, bs)
             z = sk.index_block_scores(pooled, ik, None, 1, s, bs, True, d_i ** -0.5, cfg)
             return select.canonical(select.top_blocks(z, topk, True), nb_seq, True)
         sel, n_sel = selection(base.index)

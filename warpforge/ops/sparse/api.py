@@ -27,7 +27,7 @@ from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
 from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
-from .select import blocks_per_sequence, canonical, kept_by, pooled_queries, top_blocks
+from .select import blocks_per_sequence, canonical, kept_by, top_blocks
 
 MAX_HEAD_DIM = 256
 MAX_BLOCK = 256  # the block scores' program holds a whole query block
@@ -134,8 +134,8 @@ _sparse_fwd = kernel_op("sparse_attn_fwd", _fwd_impl, _fwd_fake, setup_context=_
 
 def _scores_impl(index_q: torch.Tensor, index_k: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
                  block_size: int, causal: bool, scale: float, max_s_k: Optional[int] = None) -> torch.Tensor:
-    from .sparse_kernel import index_block_scores
-    pooled = pooled_queries(index_q, cu, batch, max_s, block_size)
+    from .sparse_kernel import index_block_scores, pool_index_queries
+    pooled = pool_index_queries(index_q, cu, batch, max_s, block_size)
     return index_block_scores(pooled, index_k, cu, batch, max_s, block_size, causal, scale,
                               _tiles(index_q, index_q.shape[-1]).index, max_s_k=max_s_k)
 

@@ -41,7 +41,8 @@ TILES = TileTable({
 # The Hopper Gluon forward (ops/_gluon_flash_fwd.py, the sparse walk; api._gluon_fwd decides): batched 16-bit inputs,
 # head dim 64 / 128 (d_v = d), blocks of a multiple of 128 rows, sm_90, a Triton in GLUON_TRITON_VERSIONS.
 GLUON_ENV = "WARPFORGE_SPARSE_GLUON"   # "1" on, "0" off (the portable kernel runs), unset: GLUON_DEFAULT
-GLUON_DEFAULT = False                  # off until its GPU tests and the family bench have run on the H200
+GLUON_DEFAULT = True                   # on: its 10 GPU tests pass on the H200; fwd+bwd 1.12-1.23x Flex given the
+                                       # indices at 16k-128k, the portable 0.99-1.02x (runs/2026-12-05-s25/call1)
 GLUON_TRITON_VERSIONS = ("3.6",)
 # head dim -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT): dense attention's Gluon forward table (its causal entries)
 GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}

@@ -27,35 +27,6 @@ def blocks_per_sequence(cu_seqlens: Optional[torch.Tensor], batch: int, max_s: i
     return (lengths + block_size - 1) // block_size
 
 
-def pooled_queries(index_q: torch.Tensor, cu_seqlens: Optional[torch.Tensor], batch: int, max_s: int,
-                   block_size: int, chunk_cols: int = 16) -> torch.Tensor:
-    """[batch, h_kv, nb, d_i] fp32: the mean index query of each block's tokens (0 for blocks past a sequence), kept
-    in fp32 so that the selection ranks blocks as the reference does. Block sums are differences of a float64
-    running sum over the tokens: deterministic, and exact enough. The running sum runs along the innermost dim
-    (along the outer dim torch scans each column serially: 22 ms at 64k tokens on an H200), chunk_cols of the
-    h_kv · d_i columns at a time (the float64 copies of all of them would be 3 × 8 bytes a column a token)."""
-    nb = -(-max_s // block_size)
-    h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
-    if cu_seqlens is None:
-        start = torch.arange(batch, device=index_q.device) * max_s
-        end = start + max_s
-    else:
-        start, end = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
-        end = torch.minimum(end, start + max_s)
-    rows = index_q.reshape(-1, h_kv * d_i)
-    lo = torch.minimum(start[:, None] + torch.arange(nb, device=index_q.device) * block_size, end[:, None])
-    hi = torch.minimum(lo + block_size, end[:, None])
-    count = (hi - lo).clamp_min(1).double()
-    pooled = torch.empty(h_kv * d_i, batch, nb, device=index_q.device, dtype=torch.float32)
-    csum = torch.zeros(min(chunk_cols, h_kv * d_i), rows.shape[0] + 1, device=index_q.device, dtype=torch.float64)
-    for c in range(0, h_kv * d_i, chunk_cols):
-        part = rows[:, c:c + chunk_cols]
-        cs = csum[:part.shape[1]]
-        torch.cumsum(part.t().double(), dim=-1, out=cs[:, 1:])
-        pooled[c:c + part.shape[1]] = (cs[:, hi] - cs[:, lo]) / count
-    return pooled.view(h_kv, d_i, batch, nb).permute(2, 0, 3, 1).contiguous()
-
-
 def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool,
               q_off_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(sel int32 [b, h_kv, nqb, topk] contiguous, n_sel int32 [b, h_kv, nqb] contiguous). nb_seq: each sequence's

@@ -88,19 +88,55 @@ def _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H
 
 # ----------------------------------------------------------------------------------------- index branch
 @triton.jit
+def pool_index_queries_kernel(
+    IQ, P, CU, stride_b, stride_s, stride_pb, stride_pi, seqlen, total, bs,
+    HD: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """P[b, i, :] = the mean over query block i's tokens of IQ's h_kv · d_i packed columns, in fp32 (0 for a block
+    past its sequence). One program a block, its tokens summed in a fixed order: deterministic."""
+    i = tl.program_id(0)
+    b = tl.program_id(1)
+    start, s = seq_bounds(CU, b, seqlen, total, VARLEN)
+    lo = i * bs
+    hi = tl.minimum(lo + bs, s)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_HD)
+    base = IQ + b.to(tl.int64) * stride_b + start.to(tl.int64) * stride_s
+    acc = tl.zeros([BLOCK_HD], dtype=tl.float32)
+    for t in range(lo, hi, BLOCK_T):
+        rows = t + offs_t
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_s + offs_c[None, :],
+                    mask=(rows < hi)[:, None] & (offs_c < HD)[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32), 0)
+    mean = acc / tl.maximum(hi - lo, 1).to(tl.float32)
+    tl.store(P + b.to(tl.int64) * stride_pb + i.to(tl.int64) * stride_pi + offs_c, mean, mask=offs_c < HD)
+
+
+@triton.jit
+def _tf32_part(x):
+    """x with its low 13 mantissa bits cleared: exactly a TF32 value, so the tensor cores take it unrounded."""
+    return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def index_scores_kernel(
     PQ, IK, Z, CU,
     stride_pb, stride_ph, stride_pi, stride_kb, stride_ks,
     stride_zb, stride_zh, stride_zi,
     seqlen, seqlen_k, total, scale,
     H_KV: tl.constexpr, DI: tl.constexpr, BLOCK_DI: tl.constexpr, BS: tl.constexpr, BLOCK_Q: tl.constexpr,
-    KCHUNK: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    KCHUNK: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT_TF32: tl.constexpr,
 ):
     """Z[b, g, i, j] = max over key block j's keys u of pq[b, g, i] · ik[u] · scale, for the BLOCK_Q query blocks i
     and the KCHUNK key blocks j of this program, where a query block can select j (j < i + off_b when causal, off_b
     the query blocks' offset; the rest stays -inf). One key block's tile serves all BLOCK_Q pooled queries in one
     MMA; the grid spreads the key blocks over programs (one program walking every key block left the GPU nearly
-    idle: 22 ms at 64k)."""
+    idle: 22 ms at 64k).
+
+    The dot is fp32-exact, so the selection ranks blocks as the fp32 reference does (bf16 scores ranked near-tied
+    blocks apart). SPLIT_TF32 (16-bit keys: each is exactly a TF32 value): the pooled query is split into three
+    TF32 parts that sum to it exactly, so three TF32 tensor-core MMAs form every product exactly, summed in fp32
+    (the CUDA-core fp32 dot they replace took 2.5 ms at 64k tokens on an H200). fp32 keys take the fp32 dot."""
     b = tl.program_id(0) // H_KV  # the heads on axis 0 (see _tile_program)
     g = tl.program_id(0) % H_KV
     i0 = tl.program_id(1) * BLOCK_Q
@@ -124,11 +160,22 @@ def index_scores_kernel(
     pq_ptrs = PQ + b64 * stride_pb + g.to(tl.int64) * stride_ph + rows[:, None].to(tl.int64) * stride_pi + \
         offs_d[None, :]
     pq = tl.load(pq_ptrs, mask=(rows < nb)[:, None] & (offs_d < DI)[None, :], other=0.0)
+    if SPLIT_TF32:
+        pq_hi = _tf32_part(pq)
+        rest = pq - pq_hi  # exact: at most 13 significant bits
+        pq_mid = _tf32_part(rest)
+        pq_lo = rest - pq_mid  # exact, and a TF32 value
     z_rows = Z + b64 * stride_zb + g.to(tl.int64) * stride_zh + rows.to(tl.int64) * stride_zi
     for j in range(j0, j_end):
-        ik = _rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s_k, DI).to(tl.float32)
-        # fp32: ranks as the reference
-        sc = tl.where((j * BS + offs_n < s_k)[None, :], dot(pq, tl.trans(ik)), float("-inf"))
+        ik = tl.trans(_rows(IK, b64, start, g * 0, stride_kb, stride_ks, 0, j * BS, offs_n, offs_d, s_k,
+                            DI).to(tl.float32))
+        if SPLIT_TF32:  # the small parts first
+            sc = tl.dot(pq_lo, ik, input_precision="tf32")
+            sc = tl.dot(pq_mid, ik, sc, input_precision="tf32")
+            sc = tl.dot(pq_hi, ik, sc, input_precision="tf32")
+        else:
+            sc = dot(pq, ik)
+        sc = tl.where((j * BS + offs_n < s_k)[None, :], sc, float("-inf"))
         ok = rows < nb
         if CAUSAL:
             ok = ok & (j < rows + off_b)
@@ -503,6 +550,21 @@ def _lse_strides(lse, cu):
     return (0, lse.stride(0)) if cu is not None else (lse.stride(0), lse.stride(1))
 
 
+def pool_index_queries(index_q, cu, batch, max_s, block_size):
+    """[batch, h_kv, nb, d_i] fp32 (a view): each query block's mean index query, 0 for blocks past a sequence."""
+    h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
+    nb = triton.cdiv(max_s, block_size)
+    pooled = torch.zeros((batch, nb, h_kv, d_i), device=index_q.device, dtype=torch.float32)
+    if pooled.numel():
+        iq = index_q if index_q.stride(-1) == 1 and index_q.stride(-2) == d_i else index_q.contiguous()
+        sb, ss, _ = _seq_args(iq, cu, batch, max_s)
+        pool_index_queries_kernel[(nb, batch)](
+            iq, pooled, cu if cu is not None else pooled, sb, ss, pooled.stride(0), pooled.stride(1), max_s,
+            iq.shape[0], block_size, HD=h_kv * d_i, BLOCK_HD=triton.next_power_of_2(h_kv * d_i),
+            BLOCK_T=max(1, min(32, 4096 // triton.next_power_of_2(h_kv * d_i))), VARLEN=cu is not None)
+    return pooled.permute(0, 2, 1, 3)
+
+
 def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg, max_s_k=None):
     """Z [batch, h_kv, nb, nkb] fp32 from the pooled index queries [batch, h_kv, nb, d_i] (-inf where a block is
     not a candidate). max_s_k: index_k's length when the queries are its last max_s tokens (batched form only)."""
@@ -519,7 +581,7 @@ def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, 
         pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
         sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, max_s_k, index_k.shape[0], scale,
         H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
-        VARLEN=cu is not None,
+        VARLEN=cu is not None, SPLIT_TF32=index_k.dtype in (torch.float16, torch.bfloat16),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return z
 
