@@ -11,7 +11,7 @@ import warpforge as wf
 from warpforge import WarpforgeInputError
 from warpforge.ops.sparse import (index_block_scores_reference, index_loss_reference, sparse_attention_reference,
                                   sparse_attention_varlen_reference)
-from warpforge.ops.sparse.select import top_blocks
+from warpforge.ops.sparse.select import blocks_per_sequence, canonical, top_blocks
 from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, ragged_cu_seqlens, rel_l2
 
 DEV = device_under_test()
@@ -91,6 +91,8 @@ def test_selection_matches_reference(causal):
     got = wf.select_blocks(iq, ik, block_size=bs, topk=3, causal=causal, index_scale=0.25, backend="triton")
     z_ref = index_block_scores_reference(iq, ik, block_size=bs, index_scale=0.25)
     assert torch.equal(got, top_blocks(z_ref, 3, causal))
+    # canonical already: sparse_attention walks the selector's lists as they are
+    assert torch.equal(canonical(got, blocks_per_sequence(None, b, s, bs, DEV), causal)[0], got)
     nb = -(-s // bs)
     i = torch.arange(nb, device=DEV)[:, None]
     valid = got >= 0
@@ -131,6 +133,7 @@ def test_selection_varlen_matches_per_sequence():
     got = wf.select_blocks(iq, ik, block_size=16, topk=2, cu_seqlens=cu, backend="triton")
     ref = wf.select_blocks(iq, ik, block_size=16, topk=2, cu_seqlens=cu, backend="reference")
     assert torch.equal(got, ref)
+    assert torch.equal(canonical(got, blocks_per_sequence(cu, 3, 64, 16, DEV), True)[0], got)
     starts = cu.tolist()
     for n, (a, e) in enumerate(zip(starts[:-1], starts[1:])):
         alone = wf.select_blocks(iq[None, a:e], ik[None, a:e], block_size=16, topk=2, backend="reference")

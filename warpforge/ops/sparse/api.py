@@ -423,7 +423,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
     check_bool("return_lse", return_lse)
     check_bool("return_indices", return_indices)
     varlen = cu_seqlens is not None
-    if block_indices is None:
+    selected = block_indices is None
+    if selected:
         _check_selection_args(index_q, index_k, topk)
         _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
         with torch.no_grad():
@@ -445,8 +446,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
             out = torch.cat([o[0] for o, _ in parts], 0) if parts else q.new_empty(*q.shape[:-1], v.shape[-1])
             lse = torch.cat([lse[0] for _, lse in parts], 1) if parts else q.new_empty(q.shape[-2], 0)
     else:
-        nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s_k, block_size, q.device)
-        sel, n_sel = canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
+        if selected:  # top_blocks' lists are canonical already: ascending, in reach, -1 after the kept ones
+            sel, n_sel = block_indices, (block_indices >= 0).sum(-1, dtype=torch.int32)
+        else:
+            nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s_k, block_size, q.device)
+            sel, n_sel = canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
         out, lse = _sparse_fwd(q, k, v, sel, n_sel, cu_seqlens, batch, max_s, block_size, causal, scale, max_s_k)
     results = (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_indices else ())
     return results[0] if len(results) == 1 else results

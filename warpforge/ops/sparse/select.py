@@ -6,7 +6,7 @@
 - `kept_by(sel, n_key_blocks)`: the same lists the other way round (CSR): for each key block, the query blocks
   that kept it, ascending, for the backward's dk/dv pass.
 - `top_blocks(z, topk, causal)`: the selection from the index branch's block scores (exp-free: a top-k of raw
-  scores).
+  scores), in canonical's form already.
 
 Queries may be the last blocks of a longer key sequence (reference.py): query block i is then key block
 i + q_off_blocks, its own, and the lists hold key blocks.
