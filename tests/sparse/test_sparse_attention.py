@@ -333,9 +333,14 @@ def test_varlen_with_empty_sequences_on_both_backends(backend):
 
 
 @pytest.mark.gpu
-def test_gpu_selection_and_attention_capture_in_a_cuda_graph():
+@pytest.mark.parametrize("gluon", ["0", None])
+def test_gpu_selection_and_attention_capture_in_a_cuda_graph(gluon, monkeypatch):
     """No host sync anywhere in selection, forward and backward: the whole step captures, and replays to the eager
-    step's values."""
+    step's values: bitwise on the portable kernels (WARPFORGE_SPARSE_GLUON=0); the default kernels (the Gluon ones
+    on an H200) sum dq, dk and dv in arrival order, so there the gradients agree to that order's rounding."""
+    from warpforge.ops.sparse import configs
+    if gluon is not None:
+        monkeypatch.setenv(configs.GLUON_ENV, gluon)
     s, bs = 1024 + 40, 128
     q, k, v = (t.requires_grad_() for t in _qkv((1, s), 8, 2, 64, torch.bfloat16))
     iq, ik = _index((1, s), 2, 32, torch.bfloat16)
@@ -356,8 +361,13 @@ def test_gpu_selection_and_attention_capture_in_a_cuda_graph():
         got = step()
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        if gluon == "0":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+            assert rel_l2(a.float(), b.float()) < 1e-3
 
 
 def test_index_loss_reads_the_selectors_own_indices_back_once(monkeypatch):
