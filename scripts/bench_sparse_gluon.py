@@ -43,6 +43,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--s", default="16384,65536,131072")
     ap.add_argument("--bwd", action="store_true", help="forward+backward (default: forward)")
+    ap.add_argument("--gluon-only", action="store_true", help="time the Gluon kernels alone (knob sweeps)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     for n, s in enumerate(int(x) for x in args.s.split(",")):
@@ -59,6 +60,8 @@ def main():
                  "flex": (None, _step(lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True), args.bwd),
                           flex_sets)}
         order = ["gluon", "portable", "flex", "gluon"]  # Gluon twice: a clock ramp or a drift shows as a difference
+        if args.gluon_only:
+            order = ["gluon", "gluon"]
         times = {}
         for i, name in enumerate(order):
             flag, run, sets = impls[name]
@@ -69,12 +72,16 @@ def main():
                 triton.testing.do_bench(lambda: run(sets[next(it) % len(sets)]), rep=1000)
             ms = triton.testing.do_bench(lambda: run(sets[next(it) % len(sets)]), rep=300)
             times[name if name not in times else name + " again"] = ms
+        what = "fwd+bwd" if args.bwd else "fwd"
+        if args.gluon_only:
+            print(f"s {s} {what}: " + ", ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f} TFLOP/s)"
+                                               for k, v in times.items()), flush=True)
+            continue
         os.environ[configs.GLUON_ENV] = "1"
         out_g = _step(lambda q, k, v: sparse_attention(q, k, v, block_indices=idx), False)(ours[0])
         os.environ[configs.GLUON_ENV] = "0"
         out_p = _step(lambda q, k, v: sparse_attention(q, k, v, block_indices=idx), False)(ours[0])
         err = ((out_g.float() - out_p.float()).norm() / out_p.float().norm()).item()
-        what = "fwd+bwd" if args.bwd else "fwd"
         print(f"s {s} {what}: " + ", ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f} TFLOP/s)" for k, v in times.items())
               + f"; gluon / flex {times['flex'] / times['gluon']:.2f}x; out gluon vs portable rel L2 {err:.2e}",
               flush=True)

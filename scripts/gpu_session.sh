@@ -252,11 +252,12 @@ for step in "$@"; do
                   timeout 120 python3 scripts/bench_sparse_gluon.py > "$w/sparse-fwd.log" 2>&1; tail -n 3 "$w/sparse-fwd.log"
                   timeout 150 python3 scripts/bench_sparse_gluon.py --bwd > "$w/sparse-fwdbwd.log" 2>&1
                   tail -n 3 "$w/sparse-fwdbwd.log" ;;
-    sparse-sweep) for kv in "WARPFORGE_SPARSE_GLUON_BWD_GROUP_SPLIT=1" "WARPFORGE_SPARSE_GLUON_BWD_GROUP_SPLIT=2" \
-                            "WARPFORGE_SPARSE_GLUON_BWD_GROUP_SPLIT=4" "WARPFORGE_SPARSE_GLUON_BWD_STAGES=2" \
-                            "WARPFORGE_SPARSE_GLUON_PERSISTENT=1"; do  # the Gluon sparse knobs at 64k, fwd+bwd
-                    echo "$kv"; env "$kv" timeout 80 python3 scripts/bench_sparse_gluon.py --s 65536 --bwd 2>&1 | tail -n 1
-                  done > "$w/sparse-sweep.log" 2>&1; cat "$w/sparse-sweep.log" ;;
+    sparse-sweep) for kv in ${SPARSE_FWD_KNOBS:-64,4,1,0 64,4,1,1 128,2,1,1 128,2,0,0}; do  # the Gluon forward's knobs at 64k
+                    echo "fwd $kv"; WARPFORGE_SPARSE_GLUON_FWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s 65536 \
+                      --gluon-only 2>&1 | tail -n 1; done > "$w/sparse-sweep.log" 2>&1
+                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0 64,2,128,0,1,0 64,3,64,1,0,0 64,2,64,0,0,0}; do  # the backward's, fwd+bwd
+                    echo "bwd $kv"; WARPFORGE_SPARSE_GLUON_BWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s 65536 \
+                      --bwd --gluon-only 2>&1 | tail -n 1; done >> "$w/sparse-sweep.log" 2>&1; cat "$w/sparse-sweep.log" ;;
     sparse-profile) WARPFORGE_SPARSE_GLUON=${WARPFORGE_SPARSE_GLUON:-1} timeout 150 python3 scripts/profile_case.py --family sparse \
                       --match "${PROFILE_MATCH:-s64k top16}" --impl '^(warpforge|flex)$' --iters 10 > "$w/sparse-profile.log" 2>&1
                     grep -v Warn "$w/sparse-profile.log" | head -n 45 ;;

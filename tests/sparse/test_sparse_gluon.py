@@ -28,6 +28,18 @@ def test_table_fits_and_import_is_lazy():
     assert not import_loads_gluon(("warpforge.ops.sparse.sparse_gluon_kernel",), ROOT)
 
 
+def test_knobs_are_the_tables_unless_replaced_whole(monkeypatch):
+    for name in ("WARPFORGE_SPARSE_GLUON_FWD", "WARPFORGE_SPARSE_GLUON_BWD"):
+        monkeypatch.delenv(name, raising=False)
+    assert api.gluon_knobs(128) == (configs.GLUON_FWD[128], configs.GLUON_BWD[128])
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_FWD", "64,4,1,0")
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2,128,0,1,2")
+    assert api.gluon_knobs(64) == ((64, 4, True, False), (64, 2, 128, False, True, 2))
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2")
+    with pytest.raises(ValueError, match="6 comma-separated"):
+        api.gluon_knobs(128)
+
+
 def test_gate_off_where_it_does_not_apply(monkeypatch):
     monkeypatch.setenv(configs.GLUON_ENV, "1")
     q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)

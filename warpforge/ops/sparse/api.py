@@ -61,16 +61,20 @@ def gluon_gate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: Optional[t
 
 
 def gluon_knobs(d: int) -> tuple[tuple, tuple]:
-    """(forward, backward) knobs of the Gluon kernels at head dim d: configs.GLUON_FWD / GLUON_BWD, with the
-    forward's PERSISTENT and the backward's STAGES and GROUP_SPLIT overridable for sweeps through
-    WARPFORGE_SPARSE_GLUON_PERSISTENT / _BWD_STAGES / _BWD_GROUP_SPLIT (scripts/bench_sparse_gluon.py)."""
-    block_n, stages, pingpong, persistent = configs.GLUON_FWD[d]
-    block_m, bwd_stages, dq_n, dq_split, dq_tma, split = configs.GLUON_BWD[d]
-    env = os.environ
-    persistent = env.get("WARPFORGE_SPARSE_GLUON_PERSISTENT", "1" if persistent else "0") != "0"
-    bwd_stages = int(env.get("WARPFORGE_SPARSE_GLUON_BWD_STAGES", bwd_stages))
-    split = int(env.get("WARPFORGE_SPARSE_GLUON_BWD_GROUP_SPLIT", split))
-    return (block_n, stages, pingpong, persistent), (block_m, bwd_stages, dq_n, dq_split, dq_tma, split)
+    """(forward, backward) knobs of the Gluon kernels at head dim d: configs.GLUON_FWD / GLUON_BWD, each tuple
+    replaceable whole for sweeps (scripts/bench_sparse_gluon.py, gpu_session.sh's sparse-sweep) through
+    WARPFORGE_SPARSE_GLUON_FWD="BLOCK_N,STAGES,PINGPONG,PERSISTENT" and
+    WARPFORGE_SPARSE_GLUON_BWD="BLOCK_M,STAGES,DQ_N,DQ_SPLIT,DQ_TMA,GROUP_SPLIT" (integers; 0/1 for the flags)."""
+    def knobs(name, table):
+        given = os.environ.get(name)
+        if not given:
+            return table
+        values = [int(x) for x in given.split(",")]
+        if len(values) != len(table):
+            raise ValueError(f"{name} takes {len(table)} comma-separated integers (got {given!r})")
+        return tuple(type(t)(v) for t, v in zip(table, values))
+    return (knobs("WARPFORGE_SPARSE_GLUON_FWD", configs.GLUON_FWD[d]),
+            knobs("WARPFORGE_SPARSE_GLUON_BWD", configs.GLUON_BWD[d]))
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
