@@ -197,6 +197,8 @@ for step in "$@"; do
     paged-fp8mma) timeout 70 python3 -m pytest -q tests/paged/test_paged_decode.py -k "fp8_mma or quantised_cache or look_ahead" > "$w/paged-fp8mma-tests.log" 2>&1; tail -n 3 "$w/paged-fp8mma-tests.log"
                   timeout 130 python3 -m warpforge tune paged --L 16384 --formats bf16,fp8,fp8mma --bf16-tiles 2 --out "$w/tune_paged_fp8mma_16k.json" > "$w/tune_paged_fp8mma_16k.log" 2>&1
                   tail -n 30 "$w/tune_paged_fp8mma_16k.log" ;;
+    evoformer-fused-bench) WARPFORGE_EVO_BWD_FUSED=1 SKIP_TESTS=1 MATCH='row fwd\+bwd' timeout 150 bash scripts/gpu_check.sh \
+                             "$w/evo-fused" evoformer > "$w/$step.log" 2>&1; grep -E "row fwd\+bwd" "$w/$step.log" ;;
     evoformer-fused) timeout 120 python3 -m pytest -q $par tests/evoformer > "$w/tests-evoformer.log" 2>&1; tail -n 2 "$w/tests-evoformer.log"
                      timeout 200 python3 -m warpforge tune evoformer --shapes row --parts fused,dkdv --out "$w/tune_evoformer_fused.json" > "$w/tune_evoformer_fused.log" 2>&1
                      sort -t: -k2 -n "$w/tune_evoformer_fused.log" | head -n 12 ;;
