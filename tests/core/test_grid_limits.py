@@ -106,6 +106,17 @@ def test_sparse_attention_tiles_and_heads_fit_the_grid(monkeypatch, batch, heads
         assert [programs(g) for g in stubs[name].grids] == [tiles], name
 
 
+def test_sparse_block_means_fit_the_grid(monkeypatch):
+    """The selection's block means: every (sequence, block) on axis 0, a million tokens in 16-row blocks and 65536
+    sequences alike."""
+    stubs = stub_kernels(monkeypatch, sparse_kernels, "pool_index_queries_kernel")
+    for batch, seq in ((1, 1 << 20), (BIG, 16)):
+        iq = torch.empty(1, 1, 1, 8, dtype=torch.float16).expand(batch, seq, 1, 8)
+        sparse_kernels.pool_index_queries(iq, None, batch, seq, 16)
+    assert_within_limits(stubs)
+    assert [programs(g) for g in stubs["pool_index_queries_kernel"].grids] == [1 << 16, BIG]
+
+
 # -------------------------------------------------------------------------------------------------- MLA
 def _mla_inputs(batch, s_q, h_q=1, page=16):
     q = torch.empty(1, 1, 1, 576, dtype=torch.float16).expand(batch, s_q, h_q, 576)

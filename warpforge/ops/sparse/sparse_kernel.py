@@ -89,13 +89,14 @@ def _kept_list(SEL, NSEL, b64, hk, i, stride_sb, stride_sh, stride_si, seqlen, H
 # ----------------------------------------------------------------------------------------- index branch
 @triton.jit
 def pool_index_queries_kernel(
-    IQ, P, CU, stride_b, stride_s, stride_pb, stride_pi, seqlen, total, bs,
+    IQ, P, CU, stride_b, stride_s, stride_pb, stride_pi, seqlen, total, bs, nb,
     HD: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_T: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """P[b, i, :] = the mean over query block i's tokens of IQ's h_kv · d_i packed columns, in fp32 (0 for a block
-    past its sequence). One program a block, its tokens summed in a fixed order: deterministic."""
-    i = tl.program_id(0)
-    b = tl.program_id(1)
+    past its sequence). One program a block (all of them on axis 0), its tokens summed in a fixed order:
+    deterministic."""
+    b = tl.program_id(0) // nb
+    i = tl.program_id(0) % nb
     start, s = seq_bounds(CU, b, seqlen, total, VARLEN)
     lo = i * bs
     hi = tl.minimum(lo + bs, s)
@@ -550,17 +551,25 @@ def _lse_strides(lse, cu):
     return (0, lse.stride(0)) if cu is not None else (lse.stride(0), lse.stride(1))
 
 
+def _tf32_split(index_k):
+    """Whether the block scores take the three-part TF32 dot: 16-bit keys (exactly TF32 values) where TF32 MMAs
+    exist (sm_80 on, or the interpreter on CPU tensors)."""
+    if index_k.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return index_k.device.type != "cuda" or torch.cuda.get_device_capability(index_k.device)[0] >= 8
+
+
 def pool_index_queries(index_q, cu, batch, max_s, block_size):
     """[batch, h_kv, nb, d_i] fp32 (a view): each query block's mean index query, 0 for blocks past a sequence."""
     h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
     nb = triton.cdiv(max_s, block_size)
-    pooled = torch.zeros((batch, nb, h_kv, d_i), device=index_q.device, dtype=torch.float32)
+    pooled = torch.empty((batch, nb, h_kv, d_i), device=index_q.device, dtype=torch.float32)  # every block written
     if pooled.numel():
         iq = index_q if index_q.stride(-1) == 1 and index_q.stride(-2) == d_i else index_q.contiguous()
         sb, ss, _ = _seq_args(iq, cu, batch, max_s)
-        pool_index_queries_kernel[(nb, batch)](
+        pool_index_queries_kernel[(batch * nb,)](
             iq, pooled, cu if cu is not None else pooled, sb, ss, pooled.stride(0), pooled.stride(1), max_s,
-            iq.shape[0], block_size, HD=h_kv * d_i, BLOCK_HD=triton.next_power_of_2(h_kv * d_i),
+            iq.shape[0], block_size, nb, HD=h_kv * d_i, BLOCK_HD=triton.next_power_of_2(h_kv * d_i),
             BLOCK_T=max(1, min(32, 4096 // triton.next_power_of_2(h_kv * d_i))), VARLEN=cu is not None)
     return pooled.permute(0, 2, 1, 3)
 
@@ -581,7 +590,7 @@ def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, 
         pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
         sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, max_s_k, index_k.shape[0], scale,
         H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
-        VARLEN=cu is not None, SPLIT_TF32=index_k.dtype in (torch.float16, torch.bfloat16),
+        VARLEN=cu is not None, SPLIT_TF32=_tf32_split(index_k),
         num_warps=cfg.warps, num_stages=cfg.stages)
     return z
 
