@@ -189,6 +189,19 @@ def test_index_loss_matches_reference(varlen, causal):
         assert rel_l2(g, r) <= 1e-4
 
 
+@pytest.mark.parametrize("group", [3, 16])
+def test_index_loss_any_group(group):
+    """The statistics kernel takes a group's heads as rows of one MMA, up to 8 at a time (a power of two): a group
+    of 3 pads it, a group of 16 takes two passes."""
+    q, k, v = _qkv((1, 40), group, 1, 16, torch.float32)
+    iq, ik = _index((1, 40), 1, 8, torch.float32)
+    idx = _random_indices(1, 1, 3, 2)
+    _, lse = wf.sparse_attention(q, k, v, block_indices=idx, block_size=16, return_lse=True, backend="triton")
+    losses = [wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend=backend)
+              for backend in ("triton", "reference")]
+    assert abs(losses[0].item() - losses[1].item()) <= 1e-5 * max(1.0, abs(losses[1].item()))
+
+
 def test_index_loss_gradient_reaches_index_branch_only():
     q, k, v = _qkv((1, 32), 2, 1, 16, torch.float32)
     q.requires_grad_()
