@@ -48,6 +48,8 @@ for step in "$@"; do
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
     compare-mla) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='L(1k|8k) (bf16|fp8)' timeout 300 bash scripts/gpu_check.sh "$w/cmp" mla > "$w/cmp-mla.log" 2>&1 ;;
     bench-mla) SKIP_TESTS=1 timeout 330 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1; tail -n 40 "$w/$step.log" | grep -E "warpforge  " ;;
+    bench-sparse-loss) SKIP_TESTS=1 MATCH='index loss' timeout 150 bash scripts/gpu_check.sh "$w/bench-loss" sparse > "$w/$step.log" 2>&1
+                       grep -E "index loss" "$w/$step.log" ;;
     bench-sparse) SKIP_TESTS=1 timeout 420 bash scripts/gpu_check.sh "$w/bench" sparse > "$w/$step.log" 2>&1 ;;
     serve-bench) for bt in ${SERVE_BATCHES:-1 64}; do  # issue 19's decode MBU bar: Llama-3-8B shape, random bf16 weights, 1k context
                    timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch $bt --context 1024 \
