@@ -272,7 +272,7 @@ def index_stats_kernel(
                 ok_r = t_r_ok[:, None] & (u < s_k)[None, :]
                 if CAUSAL:
                     ok_r = ok_r & (u[None, :] <= tp_r[:, None])
-                for h0 in tl.static_range(0, GROUP, HC):
+                for h0 in range(0, GROUP, HC):  # a loop, not unrolled: unrolled passes spilled at d 128
                     if GROUP <= HC:
                         q, lse = q_all, lse_all
                     else:
