@@ -185,8 +185,8 @@ def index_scores_kernel(
 
 @triton.jit
 def _group_rows(Q, LSE, b64, start, g, h0, t, t_ok, hr, offs_d, stride_qb, stride_qs, stride_qh, stride_lb,
-                stride_lh, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows (token t, query head g · GROUP + h0 + hr) of q [R, BLOCK_D] and their lse [R] (heads past the group:
+                stride_lh, GROUP: tl.constexpr, D: tl.constexpr):
+    """Rows (token t, query head g · GROUP + h0 + hr) of q [R, len(offs_d)] and their lse [R] (heads past the group:
     zeros and +inf, so their probabilities are 0)."""
     h = g * GROUP + h0 + hr
     ok = t_ok & (h0 + hr < GROUP)
@@ -240,7 +240,7 @@ def index_stats_kernel(
     iq = _rows(IQ, b64, start, g, stride_iqb, stride_iqs, stride_iqh, m_lo, offs_m, offs_di, s, DI)
     if GROUP <= HC:  # the whole group in one row block: its queries and lse loaded once
         q_all, lse_all = _group_rows(Q, LSE, b64, start, g, 0, t_r, t_r_ok, hr, offs_d, stride_qb, stride_qs,
-                                     stride_qh, stride_lb, stride_lh, GROUP, D, BLOCK_D)
+                                     stride_qh, stride_lb, stride_lh, GROUP, D)
     if VARLEN:
         flat0 = start.to(tl.int64)
     else:
@@ -277,7 +277,7 @@ def index_stats_kernel(
                         q, lse = q_all, lse_all
                     else:
                         q, lse = _group_rows(Q, LSE, b64, start, g, h0, t_r, t_r_ok, hr, offs_d, stride_qb,
-                                             stride_qs, stride_qh, stride_lb, stride_lh, GROUP, D, BLOCK_D)
+                                             stride_qs, stride_qh, stride_lb, stride_lh, GROUP, D)
                     p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)
                     row_mass = tl.sum(tl.where(ok_r, p, 0.0), 1)
                     mass += tl.sum(tl.reshape(row_mass, [BLOCK_M, HC]), 1)
