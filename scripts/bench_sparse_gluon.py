@@ -1,8 +1,11 @@
 """Sparse attention's kernels alone on the GPU (issue 15's anchor shape: b 1, h 16 / 2, d 128, blocks of 128, top 16),
 the selection done once outside the timed region: the Gluon kernels (WARPFORGE_SPARSE_GLUON=1), the portable ones and
 FlexAttention on the same block mask, one process, do_bench over rotated inputs. --bwd times forward+backward.
+--pattern local keeps each query block's 16 nearest earlier blocks instead of the index branch's (random) choice:
+the same work, with the blocks a program walks (and the dQ rows the backward adds into) close together, so the two
+patterns' difference is what locality (L2) is worth.
 
-    python scripts/bench_sparse_gluon.py [--s 16384,65536,131072] [--bwd]"""
+    python scripts/bench_sparse_gluon.py [--s 16384,65536,131072] [--bwd] [--gluon-only] [--pattern local]"""
 import argparse
 import os
 
@@ -44,6 +47,8 @@ def main():
     ap.add_argument("--s", default="16384,65536,131072")
     ap.add_argument("--bwd", action="store_true", help="forward+backward (default: forward)")
     ap.add_argument("--gluon-only", action="store_true", help="time the Gluon kernels alone (knob sweeps)")
+    ap.add_argument("--pattern", default="index", choices=("index", "local"),
+                    help="the index branch's selection (random inputs: scattered blocks) or the nearest blocks")
     args = ap.parse_args()
     dev = torch.device("cuda")
     for n, s in enumerate(int(x) for x in args.s.split(",")):
@@ -51,6 +56,9 @@ def main():
         iq = torch.randn(1, s, H_KV, 32, device=dev, dtype=torch.bfloat16)
         ik = torch.randn(1, s, 1, 32, device=dev, dtype=torch.bfloat16)
         idx = select_blocks(iq, ik, block_size=BLOCK, topk=TOPK)
+        if args.pattern == "local":  # query block i keeps blocks i - 16 .. i - 1 (the canonical step drops those < 0)
+            i = torch.arange(idx.shape[2], device=dev, dtype=torch.int32).view(1, 1, -1, 1)
+            idx = (i - TOPK + torch.arange(TOPK, device=dev, dtype=torch.int32)).clamp_min(-1).expand_as(idx).contiguous()
         sel, n_sel = canonical(idx, blocks_per_sequence(None, 1, s, BLOCK, dev), True)
         flops = 4.0 * D * _kept_pairs(n_sel, s, BLOCK) * (H_Q // H_KV) * (3.5 if args.bwd else 1.0)
         mask = _flex_mask(sel, n_sel, H_Q, s, dev)
@@ -74,7 +82,7 @@ def main():
             times[name if name not in times else name + " again"] = ms
         what = "fwd+bwd" if args.bwd else "fwd"
         if args.gluon_only:
-            print(f"s {s} {what}: " + ", ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f} TFLOP/s)"
+            print(f"s {s} {what} ({args.pattern}): " + ", ".join(f"{k} {v:.3f} ms ({flops / v / 1e9:.0f} TFLOP/s)"
                                                for k, v in times.items()), flush=True)
             continue
         os.environ[configs.GLUON_ENV] = "1"

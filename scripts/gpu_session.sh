@@ -262,6 +262,9 @@ for step in "$@"; do
                   for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0 64,2,128,0,1,0 64,3,64,1,0,0 64,2,64,0,0,0}; do  # the backward's, fwd+bwd
                     echo "bwd $kv"; WARPFORGE_SPARSE_GLUON_BWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s 65536 \
                       --bwd --gluon-only 2>&1 | tail -n 1; done >> "$w/sparse-sweep.log" 2>&1; cat "$w/sparse-sweep.log" ;;
+    sparse-locality) for pat in index local; do  # what L2 locality is worth: the same work, scattered or nearest blocks
+                       timeout 150 python3 scripts/bench_sparse_gluon.py --s 65536,131072,262144 --bwd --gluon-only \
+                         --pattern $pat 2>&1 | grep "^s "; done > "$w/sparse-locality.log" 2>&1; cat "$w/sparse-locality.log" ;;
     sparse-profile) WARPFORGE_SPARSE_GLUON=${WARPFORGE_SPARSE_GLUON:-1} timeout 150 python3 scripts/profile_case.py --family sparse \
                       --match "${PROFILE_MATCH:-s64k top16}" --impl '^(warpforge|flex)$' --iters 10 > "$w/sparse-profile.log" 2>&1
                     grep -v Warn "$w/sparse-profile.log" | head -n 45 ;;
