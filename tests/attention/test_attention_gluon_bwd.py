@@ -262,6 +262,42 @@ def test_barrier_model_catches_mutations(mutation):
 
 
 # ------------------------------------------------------------------------------ the schedule's arithmetic, emulated
+LOG2E = 1.4426950408889634
+
+
+def emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, m0, BM, scale, limit0, shift, causal, left=None):
+    """One consumer warpgroup's step (flash_gluon_bwd_kernel._consumer / _probs) in float64, shared with the sparse
+    walk's emulation (tests/sparse/test_sparse_gluon.py): query rows m0 .. m0 + BM of head h (padded Qp / DOp, lse2 /
+    dl per row) against the warpgroup's 64 keys K, V; the mask only where the kernel takes its masked branch (keys
+    past s_k: limit0 < 63; the causal diagonal; a left window); dK, dV and dq_acc summed in place."""
+    Q, dO = Qp[bb, m0:m0 + BM, h], DOp[bb, m0:m0 + BM, h]
+    P = torch.exp2((Q @ K.T) * scale * LOG2E - lse2[bb, h, m0:m0 + BM, None])
+    masked = limit0 < 63 or (causal and m0 + shift < 63)
+    if left is not None:
+        masked = masked or (m0 + BM - 1 + shift - left > 0)
+    if masked:
+        limit = torch.full((BM,), limit0)
+        rows = torch.arange(m0, m0 + BM)
+        if causal:
+            limit = torch.minimum(limit, rows + shift)
+        cols = torch.arange(64)
+        ok = cols[None, :] <= limit[:, None]
+        if left is not None:
+            ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
+        P = torch.where(ok, P, 0.0)
+    dS = P * (dO @ V.T - dl[bb, h, m0:m0 + BM, None])
+    dV += P.T @ dO
+    dK += dS.T @ Q
+    dq_acc[bb, h, m0:m0 + BM] += dS @ K
+
+
+def emulate_store(dk, dv, dK, dV, bb, key_lo, kvh, s_k, scale):
+    """The epilogue: the warpgroup's dK (scaled) and dV rows that exist (keys below s_k)."""
+    n_valid = max(0, min(64, s_k - key_lo))
+    dk[bb, key_lo:key_lo + n_valid, kvh] = (dK * scale)[:n_valid]
+    dv[bb, key_lo:key_lo + n_valid, kvh] = dV[:n_valid]
+
+
 def _emulate(q, k, v, do, causal, BM=64, left=None):
     """The Gluon backward's schedule (flash_gluon_bwd_kernel._span / _consumer / _probs) in float64: programs of
     128 keys x kv head, two 64-key warpgroups, the kernel's tile walk, mask conditions (masked / unmasked branch),
@@ -273,7 +309,6 @@ def _emulate(q, k, v, do, causal, BM=64, left=None):
     out, lse = attention_reference(q, k, v, causal=causal, window=(-1 if left is None else left, -1))
     delta = (out * do).sum(-1)                      # [b, s, h]
     s_pad = -(-s_q // BM) * BM
-    LOG2E = 1.4426950408889634
     lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
     lse2[:, :, :s_q] = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
     dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
@@ -296,36 +331,13 @@ def _emulate(q, k, v, do, causal, BM=64, left=None):
             key_lo = n0 + 64 * wg
             K = Kp[bb, key_lo:key_lo + 64, kvh]; V = Vp[bb, key_lo:key_lo + 64, kvh]
             limit0 = s_k - 1 - key_lo; shift = diag - key_lo
-            keys_cut = limit0 < 63
             dK = torch.zeros(64, d, dtype=torch.float64); dV = torch.zeros(64, d, dtype=torch.float64)
             for g in range(G):
                 h = kvh * G + g
                 for i in range(first, end):
-                    m0 = i * BM
-                    Q = Qp[bb, m0:m0 + BM, h]; dO = DOp[bb, m0:m0 + BM, h]
-                    S = Q @ K.T
-                    P = torch.exp2(S * scale * LOG2E - lse2[bb, h, m0:m0 + BM, None])
-                    masked = keys_cut or (causal and m0 + shift < 63)
-                    if left is not None:
-                        masked = masked or (m0 + BM - 1 + shift - left > 0)
-                    if masked:
-                        limit = torch.full((BM,), limit0)
-                        rows = torch.arange(m0, m0 + BM)
-                        if causal:
-                            limit = torch.minimum(limit, rows + shift)
-                        cols = torch.arange(64)
-                        ok = cols[None, :] <= limit[:, None]
-                        if left is not None:
-                            ok = ok & (cols[None, :] >= (rows + shift - left)[:, None])
-                        P = torch.where(ok, P, 0.0)
-                    dP = dO @ V.T
-                    dS = P * (dP - dl[bb, h, m0:m0 + BM, None])
-                    dV += P.T @ dO
-                    dK += dS.T @ Q
-                    dq_acc[bb, h, m0:m0 + BM] += dS @ K
-            n_valid = max(0, min(64, s_k - key_lo))
-            dk[bb, key_lo:key_lo + n_valid, kvh] = (dK * scale)[:n_valid]
-            dv[bb, key_lo:key_lo + n_valid, kvh] = dV[:n_valid]
+                    emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, i * BM, BM, scale, limit0, shift,
+                                 causal, left)
+            emulate_store(dk, dv, dK, dV, bb, key_lo, kvh, s_k, scale)
     dq = (dq_acc[:, :, :s_q] * scale).transpose(1, 2)
     return dq, dk, dv
 

@@ -18,6 +18,8 @@ from warpforge.ops.sparse.select import blocks_per_sequence, canonical, kept_by
 from warpforge.testing import REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, spy_launches, \
     triton_version
 
+from tests.attention.test_attention_gluon_bwd import LOG2E, emulate_step, emulate_store  # the backward's step, shared
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -118,7 +120,6 @@ def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
-    LOG2E = 1.4426950408889634
     n_kb, TPB = -(-s_k // bs), bs // BM
     s_pad = -(-s_q // bs) * bs
     pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1)
@@ -147,21 +148,8 @@ def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
             for g, t in itertools.product(range(G), range(n_i)):
                 h = kvh * G + g
                 i = int(kept[t // TPB]) * TPB + t % TPB if t < n_kept else first + t - n_kept
-                m0 = i * BM
-                Q, dO = Qp[bb, m0:m0 + BM, h], DOp[bb, m0:m0 + BM, h]
-                P = torch.exp2((Q @ K.T) * scale * LOG2E - lse2[bb, h, m0:m0 + BM, None])
-                if limit0 < 63 or (causal and m0 + shift < 63):
-                    limit = torch.full((BM,), limit0)
-                    if causal:
-                        limit = torch.minimum(limit, torch.arange(m0, m0 + BM) + shift)
-                    P = torch.where(torch.arange(64)[None, :] <= limit[:, None], P, 0.0)
-                dS = P * (dO @ V.T - dl[bb, h, m0:m0 + BM, None])
-                dV += P.T @ dO
-                dK += dS.T @ Q
-                dq_acc[bb, h, m0:m0 + BM] += dS @ K
-            n_valid = max(0, min(64, s_k - key_lo))
-            dk[bb, key_lo:key_lo + n_valid, kvh] = (dK * scale)[:n_valid]
-            dv[bb, key_lo:key_lo + n_valid, kvh] = dV[:n_valid]
+                emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, i * BM, BM, scale, limit0, shift, causal)
+            emulate_store(dk, dv, dK, dV, bb, key_lo, kvh, s_k, scale)
     return (dq_acc[:, :, :s_q] * scale).transpose(1, 2), dk, dv
 
 
