@@ -202,6 +202,27 @@ def test_index_loss_any_group(group):
     assert abs(losses[0].item() - losses[1].item()) <= 1e-5 * max(1.0, abs(losses[1].item()))
 
 
+def test_lists_selected_without_the_mask_are_canonicalised_for_a_causal_walk(monkeypatch):
+    """select_blocks(causal=False) may keep later blocks: a causal sparse_attention / index loss given them drops
+    those (canonical), where lists selected causally are walked as they are."""
+    import warpforge.ops.sparse.api as api
+    q, k, v = _qkv((1, 64), 4, 2, 16, torch.float32)
+    iq, ik = _index((1, 64), 2, 8, torch.float32)
+    sorts = []
+    real_canonical = api.canonical
+    monkeypatch.setattr(api, "canonical", lambda *a: sorts.append(1) or real_canonical(*a))
+    for selected_causal in (False, True):
+        sorts.clear()
+        idx = wf.select_blocks(iq, ik, block_size=16, topk=3, causal=selected_causal, backend="triton")
+        out, lse = wf.sparse_attention(q, k, v, block_indices=idx, block_size=16, return_lse=True, backend="triton")
+        loss = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
+        assert bool(sorts) == (not selected_causal)
+        ref_out, _ = sparse_attention_reference(q, k, v, idx, block_size=16)
+        ref_loss = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="reference")
+        assert rel_l2(out, ref_out) <= 1e-5
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5 * max(1.0, abs(ref_loss.item()))
+
+
 def test_index_loss_gradient_reaches_index_branch_only():
     q, k, v = _qkv((1, 32), 2, 1, 16, torch.float32)
     q.requires_grad_()
@@ -391,11 +412,15 @@ def test_index_loss_reads_the_selectors_own_indices_back_once(monkeypatch):
     iq, ik = _index((1, 64), 2, 8, torch.float32)
     _, lse, idx = wf.sparse_attention(q, k, v, index_q=iq, index_k=ik, block_size=16, topk=2, return_lse=True,
                                       return_indices=True, backend="triton")
-    reads = []
-    real = api._check_block_values
+    reads, sorts = [], []
+    real, real_canonical = api._check_block_values, api.canonical
     monkeypatch.setattr(api, "_check_block_values", lambda t, nb: reads.append(1) or real(t, nb))
-    wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
-    assert not reads
+    monkeypatch.setattr(api, "canonical", lambda *a: sorts.append(1) or real_canonical(*a))
+    want = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx.clone(), block_size=16, backend="triton")
+    assert reads and sorts  # a copy: not the selector's tensor, so checked and canonicalised
+    reads.clear(), sorts.clear()
+    got = wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
+    assert not reads and not sorts and torch.equal(got, want)  # nor sorted again: canonical by construction
     idx[0, 0, 3, 0] = 99
     with pytest.raises(WarpforgeInputError, match="block_indices"):
         wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")

@@ -324,12 +324,31 @@ def _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k=Non
              tuple(block_indices.shape))
     nb = n_blocks(max_s if max_s_k is None else max_s_k, block_size)  # the key blocks
     if host_reads_allowed(block_indices) and block_indices.numel():
-        read_once((block_indices,), _checked(nb), lambda: _check_block_values(block_indices, nb))
+        return read_once((block_indices,), _checked(nb), lambda: _check_block_values(block_indices, nb))
+    return None
 
 
 def _checked(nb):
-    """read_once's context for block_indices known to hold key blocks from -1 to nb - 1."""
+    """read_once's context for block_indices known to hold key blocks from -1 to nb - 1. What it remembers: the
+    selector's causal flag for lists top_blocks made (select_blocks' form, canonical already), None for others."""
     return ("sparse block_indices", nb)
+
+
+def _remember_selected(block_indices, max_s_k, block_size, causal):
+    """The selector's lists are in range and canonical by construction: later calls given them (the index loss, every
+    layer, every step) need not read them back to check, nor sort them again."""
+    if host_reads_allowed(block_indices):
+        read_once((block_indices,), _checked(n_blocks(max_s_k, block_size)), lambda: causal)
+
+
+def _kept_lists(block_indices, selected_causal, cu, batch, max_s, max_s_k, block_size, causal):
+    """(sel, n_sel) the kernels walk. Lists the selector made (selected_causal: the causal flag it chose them under;
+    None for any other lists) are canonical already (ascending, in reach, -1 after the kept ones) wherever every
+    entry is visible: chosen causally, or walked without the causal mask. Others go through canonical()."""
+    if selected_causal is not None and (selected_causal or not causal):
+        return block_indices, (block_indices >= 0).sum(-1, dtype=torch.int32)
+    nb_seq = blocks_per_sequence(cu, batch, max_s_k, block_size, block_indices.device)
+    return canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
 
 
 def _check_block_values(block_indices, nb):
@@ -389,8 +408,10 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: i
     _check_index(index_q, index_k, index_q.shape[:-2], index_q.shape[-2], "index_q", index_q, varlen,
                  index_k.shape[:-2])
     with torch.no_grad():
-        return _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk, causal,
-                       _scale(index_q, index_scale), backend, max_s_k)
+        block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
+                                causal, _scale(index_q, index_scale), backend, max_s_k)
+    _remember_selected(block_indices, max_s_k, block_size, causal)
+    return block_indices
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_size: int = 128, topk: int = 16,
@@ -427,17 +448,16 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
     check_bool("return_lse", return_lse)
     check_bool("return_indices", return_indices)
     varlen = cu_seqlens is not None
-    selected = block_indices is None
-    if selected:
+    if block_indices is None:
         _check_selection_args(index_q, index_k, topk)
         _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
         with torch.no_grad():
             block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
                                     causal, _scale(index_q, index_scale), backend, max_s_k)
-        if host_reads_allowed(block_indices):  # in range by construction: the index loss need not read it back
-            read_once((block_indices,), _checked(n_blocks(max_s_k, block_size)), lambda: None)
+        selected_causal = causal
+        _remember_selected(block_indices, max_s_k, block_size, causal)
     else:
-        _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
+        selected_causal = _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
     scale = _scale(q, softmax_scale)
     if backend == "reference":
         kw = dict(block_size=block_size, causal=causal, softmax_scale=scale)
@@ -450,11 +470,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
             out = torch.cat([o[0] for o, _ in parts], 0) if parts else q.new_empty(*q.shape[:-1], v.shape[-1])
             lse = torch.cat([lse[0] for _, lse in parts], 1) if parts else q.new_empty(q.shape[-2], 0)
     else:
-        if selected:  # top_blocks' lists are canonical already: ascending, in reach, -1 after the kept ones
-            sel, n_sel = block_indices, (block_indices >= 0).sum(-1, dtype=torch.int32)
-        else:
-            nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s_k, block_size, q.device)
-            sel, n_sel = canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
+        sel, n_sel = _kept_lists(block_indices, selected_causal, cu_seqlens, batch, max_s, max_s_k, block_size,
+                                 causal)
         out, lse = _sparse_fwd(q, k, v, sel, n_sel, cu_seqlens, batch, max_s, block_size, causal, scale, max_s_k)
     results = (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_indices else ())
     return results[0] if len(results) == 1 else results
@@ -478,7 +495,7 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
     _check_key_offset("k", max_s, max_s_k, block_size)
     varlen = cu_seqlens is not None
     _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
-    _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
+    selected_causal = _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
     check_tensor("lse", lse)
     check_dtype("lse", lse, (torch.float32,))
     check_same_device("lse", lse, "q", q)
@@ -499,8 +516,7 @@ def sparse_attention_index_loss(q: torch.Tensor, k: torch.Tensor, lse: torch.Ten
                                        **kw) * qi.shape[1] for i, (qi, ki, iq, ik) in enumerate(parts)
                   if qi.shape[1]]  # an empty sequence has no tokens to average (its mean would be NaN)
         return torch.stack(losses).sum() / q.shape[0]
-    nb_seq = blocks_per_sequence(cu_seqlens, batch, max_s_k, block_size, q.device)
-    sel, n_sel = canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
+    sel, n_sel = _kept_lists(block_indices, selected_causal, cu_seqlens, batch, max_s, max_s_k, block_size, causal)
     with torch.no_grad():
         mass, arg = _index_stats(q, k, lse, index_q.detach(), index_k.detach(), sel, n_sel, cu_seqlens, batch, max_s,
                                  block_size, causal, scale, max_s_k)
