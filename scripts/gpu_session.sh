@@ -43,6 +43,8 @@ for step in "$@"; do
                      "$w/gpt-shakespeare-$mlp.json" --mlp $mlp > "$w/gpt-$mlp.log" 2>&1; tail -3 "$w/gpt-$mlp.log"; done ;;
     tune-attention) timeout 240 python3 -m warpforge tune attention --parts fwd --out "$w/tune_attention.json" > "$w/tune_attention.log" 2>&1 ;;
     compare-attention-varlen) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH=varlen timeout 200 bash scripts/gpu_check.sh "$w/cmp" attention > "$w/cmp-attention.log" 2>&1 ;;
+    compare-sparse-loss) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='index loss' timeout 150 bash scripts/gpu_check.sh "$w/cmp" sparse > "$w/cmp-sparse-loss.log" 2>&1
+                         tail -n 6 "$w/cmp-sparse-loss.log" ;;
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
     bench-mla-check) SKIP_TESTS=1 MATCH='L(1k|8k) (bf16|fp8)' timeout 200 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1 ;;
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
@@ -199,8 +201,9 @@ for step in "$@"; do
     paged-fp8mma) timeout 70 python3 -m pytest -q tests/paged/test_paged_decode.py -k "fp8_mma or quantised_cache or look_ahead" > "$w/paged-fp8mma-tests.log" 2>&1; tail -n 3 "$w/paged-fp8mma-tests.log"
                   timeout 130 python3 -m warpforge tune paged --L 16384 --formats bf16,fp8,fp8mma --bf16-tiles 2 --out "$w/tune_paged_fp8mma_16k.json" > "$w/tune_paged_fp8mma_16k.log" 2>&1
                   tail -n 30 "$w/tune_paged_fp8mma_16k.log" ;;
-    evoformer-fused-bench) WARPFORGE_EVO_BWD_FUSED=1 SKIP_TESTS=1 MATCH='row fwd\+bwd' timeout 150 bash scripts/gpu_check.sh \
-                             "$w/evo-fused" evoformer > "$w/$step.log" 2>&1; grep -E "row fwd\+bwd" "$w/$step.log" ;;
+    evoformer-fused-bench) for v in 0 1; do  # the two-pass backward (0) and the fused one (1), each beside Flex
+                             WARPFORGE_EVO_BWD_FUSED=$v SKIP_TESTS=1 MATCH='row fwd\+bwd' timeout 120 bash scripts/gpu_check.sh \
+                               "$w/evo-fused$v" evoformer > "$w/$step$v.log" 2>&1; grep -E "row fwd\+bwd" "$w/$step$v.log"; done ;;
     evoformer-fused) timeout 120 python3 -m pytest -q $par tests/evoformer > "$w/tests-evoformer.log" 2>&1; tail -n 2 "$w/tests-evoformer.log"
                      timeout 200 python3 -m warpforge tune evoformer --shapes row --parts fused,dkdv --out "$w/tune_evoformer_fused.json" > "$w/tune_evoformer_fused.log" 2>&1
                      sort -t: -k2 -n "$w/tune_evoformer_fused.log" | head -n 12 ;;
