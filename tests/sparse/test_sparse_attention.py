@@ -191,8 +191,7 @@ def test_index_loss_matches_reference(varlen, causal):
 
 @pytest.mark.parametrize("group", [3, 16])
 def test_index_loss_any_group(group):
-    """The statistics kernel takes a group's heads as rows of one MMA, up to 8 at a time (a power of two): a group
-    of 3 pads it, a group of 16 takes two passes."""
+    """The statistics kernel walks every head of a group, of any size."""
     q, k, v = _qkv((1, 40), group, 1, 16, torch.float32)
     iq, ik = _index((1, 40), 1, 8, torch.float32)
     idx = _random_indices(1, 1, 3, 2)

@@ -184,21 +184,6 @@ def index_scores_kernel(
 
 
 @triton.jit
-def _group_rows(Q, LSE, b64, start, g, h0, t, t_ok, hr, offs_d, stride_qb, stride_qs, stride_qh, stride_lb,
-                stride_lh, GROUP: tl.constexpr, D: tl.constexpr):
-    """Rows (token t, query head g · GROUP + h0 + hr) of q [R, len(offs_d)] and their lse [R] (heads past the group:
-    zeros and +inf, so their probabilities are 0)."""
-    h = g * GROUP + h0 + hr
-    ok = t_ok & (h0 + hr < GROUP)
-    d_ok = offs_d < D
-    rows = (start + t).to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh
-    q = tl.load(Q + b64 * stride_qb + rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    lse = tl.load(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64), mask=ok,
-                  other=float("inf"))
-    return q, lse
-
-
-@triton.jit
 def index_stats_kernel(
     Q, K, LSE, IQ, IK, SEL, NSEL, CU, MASS, ARG,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -209,16 +194,12 @@ def index_stats_kernel(
     seqlen, seqlen_k, total, qk_scale,
     H_KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, DI: tl.constexpr,
     BLOCK_DI: tl.constexpr, BS: tl.constexpr, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HC: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """For query rows t of a BLOCK_M tile and group g, per kept-block slot c (0..TOPK-1 the selected blocks, TOPK
     the own block): MASS[., g, t, c] = the group's mean attention probability on block c's keys (from the forward's
     lse), ARG[., g, t, c] = the flat key row (b · seqlen_k + u, or start + u when varlen) of the key u that
-    maximises iq[t, g] · ik[u] over block c's visible keys; -1 / 0 in unused slots.
-
-    The group's query heads are rows of one MMA: HC heads (a power of two) x BLOCK_M tokens, row r = token r // HC,
-    head r % HC, against each K tile; a group of at most HC heads loads its queries once. (A loop over the heads
-    reloaded every head's query tile for every key tile: the kernel read ~10 GB at 64k tokens.)"""
+    maximises iq[t, g] · ik[u] over block c's visible keys; -1 / 0 in unused slots."""
     b64, g, start, s, m_lo = _tile_program(CU, seqlen, total, H_KV, BLOCK_M, False, VARLEN)
     if m_lo >= s:
         return
@@ -232,15 +213,7 @@ def index_stats_kernel(
     t = m_lo + offs_m
     t_ok = t < s
     tp = t + off
-    offs_r = tl.arange(0, BLOCK_M * HC)  # the group's rows: (token, head)
-    t_r = m_lo + offs_r // HC
-    hr = offs_r % HC
-    t_r_ok = t_r < s
-    tp_r = t_r + off
     iq = _rows(IQ, b64, start, g, stride_iqb, stride_iqs, stride_iqh, m_lo, offs_m, offs_di, s, DI)
-    if GROUP <= HC:  # the whole group in one row block: its queries and lse loaded once
-        q_all, lse_all = _group_rows(Q, LSE, b64, start, g, 0, t_r, t_r_ok, hr, offs_d, stride_qb, stride_qs,
-                                     stride_qh, stride_lb, stride_lh, GROUP, D)
     if VARLEN:
         flat0 = start.to(tl.int64)
     else:
@@ -269,18 +242,13 @@ def index_stats_kernel(
                 arg = tl.where(take, tile_arg, arg)
                 best = tl.where(take, tile_best, best)
                 k = _rows(K, b64, start, g, stride_kb, stride_ks, stride_kh, n0, offs_n, offs_d, s_k, D)
-                ok_r = t_r_ok[:, None] & (u < s_k)[None, :]
-                if CAUSAL:
-                    ok_r = ok_r & (u[None, :] <= tp_r[:, None])
-                for h0 in range(0, GROUP, HC):  # a loop, not unrolled: unrolled passes spilled at d 128
-                    if GROUP <= HC:
-                        q, lse = q_all, lse_all
-                    else:
-                        q, lse = _group_rows(Q, LSE, b64, start, g, h0, t_r, t_r_ok, hr, offs_d, stride_qb,
-                                             stride_qs, stride_qh, stride_lb, stride_lh, GROUP, D)
+                for hh in range(0, GROUP):
+                    h = g * GROUP + hh
+                    q = _rows(Q, b64, start, h, stride_qb, stride_qs, stride_qh, m_lo, offs_m, offs_d, s, D)
+                    lse = tl.load(LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + (start + t).to(tl.int64),
+                                  mask=t_ok, other=float("inf"))
                     p = tl.math.exp2(dot(q, tl.trans(k)) * qk_scale - lse[:, None] * 1.4426950408889634)
-                    row_mass = tl.sum(tl.where(ok_r, p, 0.0), 1)
-                    mass += tl.sum(tl.reshape(row_mass, [BLOCK_M, HC]), 1)
+                    mass += tl.sum(tl.where(ok, p, 0.0), 1)
             tl.store(MASS + out_rows + c, mass / GROUP, mask=t_ok)
             tl.store(ARG + out_rows + c, tl.where(best == float("-inf"), -1, arg + flat0), mask=t_ok)
         else:
@@ -715,10 +683,7 @@ def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block
     arg = torch.full((*rows, topk + 1), -1, device=q.device, dtype=torch.int64)
     if batch == 0 or max_s == 0:
         return mass, arg
-    # the group's heads as rows: HC heads x block_m tokens, at most 128 rows (16 tokens: the index dot's least M)
-    hc = min(triton.next_power_of_2(h_q // h_kv), 8)
-    block_m = min(block_size, max(16, min(cfg.block_m, 128 // hc)))
-    block_n = min(cfg.block_n, block_size)
+    block_m, block_n = min(cfg.block_m, block_size), min(cfg.block_n, block_size)
     sm = 0 if cu is not None else mass.stride(0)
     index_stats_kernel[(triton.cdiv(max_s, block_m) * batch * h_kv,)](  # see _tile_program
         q, k, lse, index_q, index_k, sel, n_sel, cu if cu is not None else lse, mass, arg,
@@ -727,6 +692,6 @@ def index_stats(q, k, lse, index_q, index_k, sel, n_sel, cu, batch, max_s, block
         sel.stride(0), sel.stride(1), sel.stride(2), sm, mass.stride(1), mass.stride(2),
         max_s, max_s if max_s_k is None else max_s_k, q.shape[0], scale * LOG2E,
         H_KV=h_kv, GROUP=h_q // h_kv, D=d, BLOCK_D=_bd(d), DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, TOPK=topk,
-        BLOCK_M=block_m, BLOCK_N=block_n, HC=hc, CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=cu is not None, num_warps=cfg.warps,
         num_stages=cfg.stages)
     return mass, arg
