@@ -95,7 +95,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gluon import SMEM_MAX, check_smem, tma_addressable  # noqa: F401 - SMEM_MAX: the tests' bound
+from ._gluon import SMEM_MAX, check_smem, tma_addressable, tma_descriptor  # noqa: F401 - SMEM_MAX: the tests' bound
 from ._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, HEAD_DIMS, LOG2E, MAXNREG, PRODUCER_REGS
 
 BLOCK_N = 128           # keys per program: two consumer warpgroups of 64 keys each
@@ -569,29 +569,19 @@ def _index_table(device) -> torch.Tensor:
 
 
 def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_n, gl):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = q.shape[-1]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    descs = []
-    for t, rows in ((q, block_m), (k, WG_KEYS), (v, WG_KEYS), (do, block_m)):
-        block = [1, rows, 1, d]
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                                      gl.NVMMASharedLayout.get_default_for(block, gdt)))
-    for t, block, dt in ((lse2, [1, block_m], gl.float32), (delta, [1, block_m], gl.float32),
-                         (_index_table(q.device), [1, 64], gl.int32)):
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                                      gl.NVMMASharedLayout.get_default_for(block, dt)))
-    for t in (dk, dv):
-        block = [1, WG_KEYS, 1, d]
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block,
-                                      gl.NVMMASharedLayout.get_default_for(block, gdt)))
+    descs = [tma_descriptor(t, (1, rows, 1, d), gdt) for t, rows in ((q, block_m), (k, WG_KEYS), (v, WG_KEYS),
+                                                                       (do, block_m))]
+    descs += [tma_descriptor(t, block, dt) for t, block, dt in ((lse2, (1, block_m), gl.float32),
+                                                                (delta, (1, block_m), gl.float32),
+                                                                (_index_table(q.device), (1, 64), gl.int32))]
+    descs += [tma_descriptor(t, (1, WG_KEYS, 1, d), gdt) for t in (dk, dv)]
     acc = dq_acc.view(-1, d)  # [b · h_q · s_pad, d] fp32: the target of DQ_TMA's reduce-adds
-    descs.append(TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [block_m, dq_n],
-                                  gl.NVMMASharedLayout.get_default_for([block_m, dq_n], gl.float32)))
+    descs.append(tma_descriptor(acc, (block_m, dq_n), gl.float32))
     # GROUP_SPLIT's fp32 dK / dV accumulator [2 · b · h_kv · s_kpad, d] ([64, d] boxes); unused (dq's) otherwise
     kv_acc = (dkv_acc if dkv_acc is not None else dq_acc).view(-1, d)
-    descs.append(TensorDescriptor(kv_acc, list(kv_acc.shape), list(kv_acc.stride()), [WG_KEYS, d],
-                                  gl.NVMMASharedLayout.get_default_for([WG_KEYS, d], gl.float32)))
+    descs.append(tma_descriptor(kv_acc, (WG_KEYS, d), gl.float32))
     return descs
 
 

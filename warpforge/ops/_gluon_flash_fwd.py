@@ -54,7 +54,7 @@ import functools
 
 import torch
 
-from ._gluon import SMEM_MAX, check_smem, tma_addressable  # noqa: F401 - SMEM_MAX: the tests' bound
+from ._gluon import SMEM_MAX, check_smem, tma_addressable, tma_descriptor  # noqa: F401 - SMEM_MAX: the tests' bound
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128           # query rows per program: two consumer warpgroups of 64 rows each
@@ -446,15 +446,10 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _descriptors(q, k, v, out, block_n, gl):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = q.shape[-1]
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    descs = []
-    for t, rows in ((q, WG_ROWS), (k, block_n), (v, block_n), (out, WG_ROWS)):
-        block = [1, rows, 1, d]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gdt)
-        descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout))
-    return descs
+    return [tma_descriptor(t, (1, rows, 1, d), gdt) for t, rows in ((q, WG_ROWS), (k, block_n), (v, block_n),
+                                                                       (out, WG_ROWS))]
 
 
 def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, persistent=False, sms=132, left=None,
