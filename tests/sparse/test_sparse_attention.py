@@ -103,6 +103,30 @@ def test_selection_matches_reference(causal):
         assert torch.equal((got[:, :, 1] >= 0).sum(-1), torch.ones(b, h_kv, dtype=torch.int64, device=DEV))
 
 
+@pytest.mark.parametrize("causal, q_off, topk", [(True, 0, 3), (False, 0, 5), (True, 2, 4), (False, 3, 1)])
+def test_kept_by_inverts_the_lists(causal, q_off, topk):
+    """kept_by's CSR lists: for each key block, the query blocks whose canonical list holds it, ascending; the
+    offsets their running counts. Against the lists inverted in Python, over two sequences and two kv heads,
+    padded lists (-1) and keys longer than the queries."""
+    from warpforge.ops.sparse.sparse_kernel import kept_by
+    b, h_kv, nqb = 2, 2, 37
+    nkb = nqb + q_off
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(-1, nkb, (b, h_kv, nqb, topk), generator=gen).to(DEV)
+    sel, _ = canonical(idx, blocks_per_sequence(None, b, nkb, 1, DEV), causal, q_off)
+    offsets, qblocks = kept_by(sel, nkb, causal)
+    assert offsets.dtype == qblocks.dtype == torch.int32 and offsets.shape == (b * h_kv * nkb + 1,)
+    lists = sel.reshape(b * h_kv, nqb, topk).tolist()
+    start = 0
+    for key in range(b * h_kv * nkb):
+        g, j = divmod(key, nkb)
+        want = [i for i in range(nqb) if j in lists[g][i]]
+        assert offsets[key].item() == start
+        assert qblocks[start:start + len(want)].tolist() == want
+        start += len(want)
+    assert offsets[-1].item() == start
+
+
 def test_index_scores_of_16bit_inputs_are_the_fp32_scores():
     """16-bit index inputs take the three-part TF32 dot (exact products): the block scores are the fp32 reference's
     (to fp32 rounding of the sums), over a partial last block and varlen sequences."""

@@ -14,7 +14,8 @@ from warpforge.ops import _gluon_flash_fwd as fg
 from warpforge.ops._gluon import compile_in_subprocess, import_loads_gluon
 from warpforge.ops.sparse import api, configs, sparse_attention_reference
 from warpforge.ops.sparse import sparse_gluon_kernel as sg
-from warpforge.ops.sparse.select import blocks_per_sequence, canonical, kept_by
+from warpforge.ops.sparse.select import blocks_per_sequence, canonical
+from warpforge.ops.sparse.sparse_kernel import kept_by
 from warpforge.testing import REL_L2, gluon_triton, on_sm90_gluon, poisoned_outputs, rel_l2, spy_launches, \
     triton_version
 
@@ -65,7 +66,7 @@ def _lists(idx, s_q, s_k, bs, causal):
     """The kernels' inputs from block_indices: canonical (sel, n_sel) and the CSR lists (offsets, qblocks)."""
     nb_seq = blocks_per_sequence(None, idx.shape[0], s_k, bs, idx.device)
     sel, n_sel = canonical(idx, nb_seq, causal, (s_k - s_q) // bs)
-    offsets, qblocks = kept_by(sel, -(-s_k // bs))
+    offsets, qblocks = kept_by(sel, -(-s_k // bs), causal)
     return sel, n_sel, offsets, qblocks
 
 

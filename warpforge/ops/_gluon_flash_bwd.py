@@ -591,8 +591,8 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
     window (query c sees key r only if r >= c + s_k - s_q - left); None: no window. blocks: the sparse walk,
-    (offsets, qblocks, block_size) as sparse_kernel.py's dk/dv pass takes them (select.kept_by; block_size a multiple of
-    128 and of block_m, s_pad a multiple of it); None: dense."""
+    (offsets, qblocks, block_size) as sparse_kernel.py's dk/dv pass takes them (sparse_kernel.kept_by; block_size a
+    multiple of 128 and of block_m, s_pad a multiple of it); None: dense."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]

@@ -52,9 +52,9 @@ def main(argv=None):
         def selection(cfg):
             pooled = sk.pool_index_queries(iq, None, 1, s, bs)
             z = sk.index_block_scores(pooled, ik, None, 1, s, bs, True, d_i ** -0.5, cfg)
-            return select.canonical(select.top_blocks(z, topk, True), nb_seq, True)
+            return select.canonical(select.top_blocks(z, topk, True, masked=True), nb_seq, True)
         sel, n_sel = selection(base.index)
-        offsets, qblocks = select.kept_by(sel)
+        offsets, qblocks = sk.kept_by(sel, causal=True)
         pairs = int(n_sel.sum()) * bs * bs + s * (bs + 1) // 2 * h_kv
         fwd_flops = 4.0 * d * pairs * (h_q // h_kv)
 
@@ -66,7 +66,7 @@ def main(argv=None):
             ms = bench(lambda: selection(cfg))
             if ms is not None:
                 record("selection", cfg, ms, 0)
-        ms = bench(lambda: select.kept_by(sel))
+        ms = bench(lambda: sk.kept_by(sel, causal=True))
         record("kept_by (CSR)", base.index, ms, 0)
         for cfg in FWD:
             ms = bench(lambda: sk.sparse_fwd(q, k, v, sel, n_sel, None, 1, s, bs, True, scale, cfg))

@@ -27,7 +27,7 @@ from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
 from .._op import kernel_op
 from . import configs
 from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
-from .select import blocks_per_sequence, canonical, kept_by, top_blocks
+from .select import blocks_per_sequence, canonical, top_blocks
 
 MAX_HEAD_DIM = 256
 MAX_BLOCK = 256  # the block scores' program holds a whole query block
@@ -98,7 +98,8 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               lse: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor, cu: Optional[torch.Tensor], batch: int,
               max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size))
+    from .sparse_kernel import kept_by
+    offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal)
     do = do.contiguous()
     if gluon_gate(q, k, v, cu, block_size):
         from . import sparse_gluon_kernel as sg
@@ -377,9 +378,9 @@ def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_
             for i, (iq, ik) in enumerate(_per_sequence(cu, index_q, index_k)):
                 zi = index_block_scores_reference(iq, ik, block_size=block_size, index_scale=index_scale)
                 z[i, :, :zi.shape[2], :zi.shape[3]] = zi[0]
-    else:
-        z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale, max_s_k)
-    return top_blocks(z, topk, causal)
+        return top_blocks(z, topk, causal)
+    z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale, max_s_k)
+    return top_blocks(z, topk, causal, masked=True)
 
 
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: int = 128, topk: int = 16,

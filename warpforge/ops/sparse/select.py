@@ -3,8 +3,6 @@
 - `canonical(block_indices, ...)`: a user's (or the selector's) block_indices -> (sel, n_sel): per query block the
   kept blocks other than its own, ascending, each once, in range for its sequence (and earlier when causal), -1
   after the n_sel valid ones.
-- `kept_by(sel, n_key_blocks)`: the same lists the other way round (CSR): for each key block, the query blocks
-  that kept it, ascending, for the backward's dk/dv pass.
 - `top_blocks(z, topk, causal)`: the selection from the index branch's block scores (exp-free: a top-k of raw
   scores), in canonical's form already.
 
@@ -47,33 +45,17 @@ def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool,
     return sel, valid.sum(-1, dtype=torch.int32).contiguous()
 
 
-def kept_by(sel: torch.Tensor, n_key_blocks: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offsets int32 [b · h_kv · nkb + 1], qblocks int32): key block (b, g, j)'s query blocks are
-    qblocks[offsets[key] : offsets[key + 1]], key = (b · h_kv + g) · nkb + j, ascending. nkb: the number of key
-    blocks, the number of query blocks by default."""
-    b, h_kv, nqb, topk = sel.shape
-    nkb = nqb if n_key_blocks is None else n_key_blocks
-    buckets = b * h_kv * nkb
-    base = torch.arange(b * h_kv, device=sel.device).view(b, h_kv, 1, 1) * nkb
-    key = torch.where(sel >= 0, base + sel.long(), buckets).flatten()
-    counts = torch.zeros(buckets + 1, device=sel.device, dtype=torch.int64)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    offsets = torch.zeros(buckets + 1, device=sel.device, dtype=torch.int64)
-    offsets[1:] = counts[:-1].cumsum(0)
-    order = torch.sort(key, stable=True).indices
-    qblocks = (order // max(topk, 1)) % nqb
-    return offsets.to(torch.int32), qblocks.to(torch.int32)
-
-
-def top_blocks(z: torch.Tensor, topk: int, causal: bool) -> torch.Tensor:
+def top_blocks(z: torch.Tensor, topk: int, causal: bool, masked: bool = False) -> torch.Tensor:
     """block_indices int32 [b, h_kv, nqb, topk]: each query block's top-k candidate blocks by score (not its own;
     earlier ones when causal; none of score -inf), ascending, -1 padded. z [b, h_kv, nqb, nb]: the queries are the
-    last nqb of the nb blocks (query block i is key block i + nb - nqb)."""
+    last nqb of the nb blocks (query block i is key block i + nb - nqb). masked: z is -inf wherever a block is not a
+    candidate already (the index scores kernel's output), so the mask is not applied again."""
     b, h_kv, nqb, nb = z.shape
-    i = torch.arange(nqb, device=z.device)[:, None] + (nb - nqb)
-    j = torch.arange(nb, device=z.device)[None, :]
-    candidate = (j < i) if causal else (j != i)
-    z = z.masked_fill(~candidate, float("-inf"))
+    if not masked:
+        i = torch.arange(nqb, device=z.device)[:, None] + (nb - nqb)
+        j = torch.arange(nb, device=z.device)[None, :]
+        candidate = (j < i) if causal else (j != i)
+        z = z.masked_fill(~candidate, float("-inf"))
     k = min(topk, nb)
     vals, idx = z.topk(k, dim=-1)
     idx = torch.where(vals == float("-inf"), nb, idx).sort(dim=-1).values

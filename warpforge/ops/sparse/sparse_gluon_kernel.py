@@ -1,7 +1,7 @@
 """The sparse family's door to the Hopper Gluon kernels (ops/_gluon_flash_fwd.py and _gluon_flash_bwd.py, shared
 with dense attention), FlashAttention-3's warp-specialized schedules over the kept blocks: in the forward each
 128-row item walks its query block's kept blocks, then its own block; in the backward each program of 128 keys walks
-the query blocks that kept its block (the CSR lists of select.kept_by), then its own. Same outputs as
+the query blocks that kept its block (the CSR lists of sparse_kernel.kept_by), then its own. Same outputs as
 sparse_kernel.sparse_fwd / sparse_bwd for batched inputs (the backward's sums in arrival order)."""
 from .._gluon_flash_bwd import fits as bwd_fits
 from .._gluon_flash_bwd import flash_bwd_gluon, group_split
@@ -20,7 +20,7 @@ def sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, knobs):
 
 
 def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs):
-    """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (select.kept_by over the key blocks); the caller
+    """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks); the caller
     checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs: (BLOCK_M, STAGES, DQ_N,
     DQ_SPLIT, DQ_TMA, GROUP_SPLIT); GROUP_SPLIT 0: one query head per program."""
     block_m, stages, dq_n, dq_split, dq_tma, want = knobs

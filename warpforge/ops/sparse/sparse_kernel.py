@@ -114,6 +114,37 @@ def pool_index_queries_kernel(
 
 
 @triton.jit
+def kept_by_kernel(SEL, OFFSETS, QBLOCKS, nqb, nkb, q_off, stride_sg, stride_si,
+                   TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, CAUSAL: tl.constexpr,
+                   FILL: tl.constexpr):
+    """The kept lists the other way round, for key block j of list group bg (program bg · nkb + j): the query blocks
+    i whose SEL[bg, i, :TOPK] holds j, ascending. FILL 0 counts them into OFFSETS[key + 1]; FILL 1 (after the
+    cumulative sum) writes them to QBLOCKS[OFFSETS[key]:], each row's place the count of hits before it (a scan
+    over the row tiles in order). A causal list of query block i holds key blocks < i + q_off only: the walk starts
+    at the first row that can hold j."""
+    pid = tl.program_id(0)
+    j = pid % nkb
+    key = pid.to(tl.int64)  # = bg · nkb + j
+    rows_of = SEL + (pid // nkb).to(tl.int64) * stride_sg
+    i_lo = tl.maximum(j - q_off + 1, 0) if CAUSAL else 0
+    offs_i = tl.arange(0, BLOCK_I)
+    offs_t = tl.arange(0, BLOCK_T)
+    if FILL:
+        dst = QBLOCKS + tl.load(OFFSETS + key)
+    n = tl.full([], 0, tl.int32)
+    for i0 in range(i_lo, nqb, BLOCK_I):
+        rows = i0 + offs_i
+        tile = tl.load(rows_of + rows[:, None].to(tl.int64) * stride_si + offs_t[None, :],
+                       mask=(rows < nqb)[:, None] & (offs_t < TOPK)[None, :], other=-1)
+        hit = tl.max((tile == j).to(tl.int32), 1)
+        if FILL:
+            tl.store(dst + n + tl.cumsum(hit, 0) - hit, rows, mask=hit > 0)
+        n += tl.sum(hit, 0)
+    if not FILL:
+        tl.store(OFFSETS + key + 1, n)
+
+
+@triton.jit
 def _tf32_part(x):
     """x with its low 13 mantissa bits cleared: exactly a TF32 value, so the tensor cores take it unrounded."""
     return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
@@ -130,7 +161,7 @@ def index_scores_kernel(
 ):
     """Z[b, g, i, j] = max over key block j's keys u of pq[b, g, i] · ik[u] · scale, for the BLOCK_Q query blocks i
     and the KCHUNK key blocks j of this program, where a query block can select j (j < i + off_b when causal, off_b
-    the query blocks' offset; the rest stays -inf). One key block's tile serves all BLOCK_Q pooled queries in one
+    the query blocks' offset, else j != i + off_b; the rest stays -inf, so the scores need no candidate mask). One key block's tile serves all BLOCK_Q pooled queries in one
     MMA; the grid spreads the key blocks over programs (one program walking every key block left the GPU nearly
     idle: 22 ms at 64k).
 
@@ -180,6 +211,8 @@ def index_scores_kernel(
         ok = rows < nb
         if CAUSAL:
             ok = ok & (j < rows + off_b)
+        else:  # a block's own score is never a candidate (it is always kept)
+            ok = ok & (j != rows + off_b)
         tl.store(z_rows + j, tl.max(sc, 1) * scale, mask=ok)
 
 
@@ -557,6 +590,33 @@ def _tf32_split(index_k):
     if index_k.dtype not in (torch.float16, torch.bfloat16):
         return False
     return index_k.device.type != "cuda" or torch.cuda.get_device_capability(index_k.device)[0] >= 8
+
+
+def kept_by(sel, n_key_blocks=None, causal=False):
+    """(offsets int32 [b · h_kv · nkb + 1], qblocks int32 [b · h_kv · nqb · topk]) from canonical lists sel
+    [b, h_kv, nqb, topk] (select.canonical's form): key block (b, g, j)'s query blocks are
+    qblocks[offsets[key] : offsets[key + 1]], key = (b · h_kv + g) · nkb + j, ascending (the entries past offsets[-1]
+    are unused). nkb: the number of key blocks, the number of query blocks by default (more: the queries are the
+    last blocks of the keys). causal: the lists were made causal (each query block's entries lie before it), so a
+    key block's walk skips the query blocks that cannot hold it. Four launches (the zeros, the count, its running
+    sum, the fill) where sorting the entries by key took a dozen: an eager training step is host-bound at 16k tokens."""
+    b, h_kv, nqb, topk = sel.shape
+    nkb = nqb if n_key_blocks is None else n_key_blocks
+    groups = b * h_kv
+    offsets = torch.zeros(groups * nkb + 1, device=sel.device, dtype=torch.int32)
+    qblocks = torch.empty(groups * nqb * topk, device=sel.device, dtype=torch.int32)
+    if offsets.numel() == 1 or qblocks.numel() == 0:
+        return offsets, qblocks
+    sel = sel.reshape(groups, nqb, topk)
+    if sel.stride(2) != 1:
+        sel = sel.contiguous()
+    meta = dict(TOPK=topk, BLOCK_T=triton.next_power_of_2(topk), CAUSAL=causal, num_warps=4)
+    meta["BLOCK_I"] = max(16, min(128, 2048 // meta["BLOCK_T"]))
+    args = (sel, offsets, qblocks, nqb, nkb, nkb - nqb, sel.stride(0), sel.stride(1))
+    kept_by_kernel[(groups * nkb,)](*args, FILL=False, **meta)
+    offsets.cumsum_(0)
+    kept_by_kernel[(groups * nkb,)](*args, FILL=True, **meta)
+    return offsets, qblocks
 
 
 def pool_index_queries(index_q, cu, batch, max_s, block_size):
