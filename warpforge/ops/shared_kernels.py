@@ -1,8 +1,15 @@
 """Triton helpers that more than one family's kernels use (kernel files import them from here, never from another
 family): the fp32-exact dot, a precise tanh (softcap), the online-softmax step, packed sequences' bounds, the
-attention backward's delta pass, the SwiGLU gradient, the e2m1 decode of FP4 caches, and split-KV decode's combine."""
+attention backward's delta pass, the SwiGLU gradient, the e2m1 decode of FP4 caches, and split-KV decode's combine;
+and `triton_launch`, the launch the kernel files' helpers take by default."""
 import triton
 import triton.language as tl
+
+
+def triton_launch(kernel, grid, *args, **meta):
+    """Triton's own launch. Kernel files' launch helpers take a `launch` of this form; the ops pass one that keeps
+    the compiled kernels (ops/_op.py's cached_launch: microseconds of host time a launch, not Triton's binding)."""
+    kernel[grid](*args, **meta)
 
 
 @triton.jit

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..shared_kernels import triton_launch  # the helpers' default launch
+
 
 @triton.jit
 def norm_fwd_kernel(X, RES, SUM, W, Bias, Y, MEAN, RSTD, n_rows, n_cols, eps, BLOCK_R: tl.constexpr,
@@ -133,12 +135,6 @@ def part_sum_kernel(PART, DW, DB, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_
 
 
 # ------------------------------------------------------------------------------------------ launch
-def triton_launch(kernel, grid, *args, **meta):
-    """Triton's own launch. The helpers below take a `launch` of this form; the ops pass one that keeps the compiled
-    kernels (ops/_op.py's cached_launch: microseconds of host time a launch, not Triton's binding)."""
-    kernel[grid](*args, **meta)
-
-
 _SUM_N = 32  # columns per program of the dw/db sum: 24 programs at 768, 128 at 4096
 
 

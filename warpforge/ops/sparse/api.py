@@ -24,7 +24,7 @@ from ...errors import (check_bool, check_cu_seqlens, check_dtype, check_int, che
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
                        host_reads_allowed, read_once)
 from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
-from .._op import kernel_op
+from .._op import cached_launch, kernel_op
 from . import configs
 from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
 from .select import blocks_per_sequence, canonical, top_blocks
@@ -99,7 +99,8 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .sparse_kernel import kept_by
-    offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal)
+    offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal,
+                               cached_launch)
     do = do.contiguous()
     if gluon_gate(q, k, v, cu, block_size):
         from . import sparse_gluon_kernel as sg
@@ -140,9 +141,9 @@ _sparse_fwd = kernel_op("sparse_attn_fwd", _fwd_impl, _fwd_fake, setup_context=_
 def _scores_impl(index_q: torch.Tensor, index_k: torch.Tensor, cu: Optional[torch.Tensor], batch: int, max_s: int,
                  block_size: int, causal: bool, scale: float, max_s_k: Optional[int] = None) -> torch.Tensor:
     from .sparse_kernel import index_block_scores, pool_index_queries
-    pooled = pool_index_queries(index_q, cu, batch, max_s, block_size)
+    pooled = pool_index_queries(index_q, cu, batch, max_s, block_size, cached_launch)
     return index_block_scores(pooled, index_k, cu, batch, max_s, block_size, causal, scale,
-                              _tiles(index_q, index_q.shape[-1]).index, max_s_k=max_s_k)
+                              _tiles(index_q, index_q.shape[-1]).index, max_s_k, cached_launch)
 
 
 def _scores_fake(index_q, index_k, cu, batch, max_s, block_size, causal, scale, max_s_k=None):

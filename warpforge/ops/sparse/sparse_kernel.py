@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import ensure_tma_allocator, tma_compatible
-from ..shared_kernels import seq_bounds, dot, online_softmax, softmax_delta_kernel
+from ..shared_kernels import seq_bounds, dot, online_softmax, softmax_delta_kernel, triton_launch
 
 LOG2E = 1.4426950408889634
 
@@ -161,9 +161,9 @@ def index_scores_kernel(
 ):
     """Z[b, g, i, j] = max over key block j's keys u of pq[b, g, i] · ik[u] · scale, for the BLOCK_Q query blocks i
     and the KCHUNK key blocks j of this program, where a query block can select j (j < i + off_b when causal, off_b
-    the query blocks' offset, else j != i + off_b; the rest stays -inf, so the scores need no candidate mask). One key block's tile serves all BLOCK_Q pooled queries in one
-    MMA; the grid spreads the key blocks over programs (one program walking every key block left the GPU nearly
-    idle: 22 ms at 64k).
+    the query blocks' offset, else j != i + off_b; the rest stays -inf, so the scores need no candidate mask). One
+    key block's tile serves all BLOCK_Q pooled queries in one MMA; the grid spreads the key blocks over programs (one
+    program walking every key block left the GPU nearly idle: 22 ms at 64k).
 
     The dot is fp32-exact, so the selection ranks blocks as the fp32 reference does (bf16 scores ranked near-tied
     blocks apart). SPLIT_TF32 (16-bit keys: each is exactly a TF32 value): the pooled query is split into three
@@ -592,7 +592,7 @@ def _tf32_split(index_k):
     return index_k.device.type != "cuda" or torch.cuda.get_device_capability(index_k.device)[0] >= 8
 
 
-def kept_by(sel, n_key_blocks=None, causal=False):
+def kept_by(sel, n_key_blocks=None, causal=False, launch=triton_launch):
     """(offsets int32 [b · h_kv · nkb + 1], qblocks int32 [b · h_kv · nqb · topk]) from canonical lists sel
     [b, h_kv, nqb, topk] (select.canonical's form): key block (b, g, j)'s query blocks are
     qblocks[offsets[key] : offsets[key + 1]], key = (b · h_kv + g) · nkb + j, ascending (the entries past offsets[-1]
@@ -613,13 +613,13 @@ def kept_by(sel, n_key_blocks=None, causal=False):
     meta = dict(TOPK=topk, BLOCK_T=triton.next_power_of_2(topk), CAUSAL=causal, num_warps=4)
     meta["BLOCK_I"] = max(16, min(128, 2048 // meta["BLOCK_T"]))
     args = (sel, offsets, qblocks, nqb, nkb, nkb - nqb, sel.stride(0), sel.stride(1))
-    kept_by_kernel[(groups * nkb,)](*args, FILL=False, **meta)
+    launch(kept_by_kernel, (groups * nkb,), *args, FILL=False, **meta)
     offsets.cumsum_(0)
-    kept_by_kernel[(groups * nkb,)](*args, FILL=True, **meta)
+    launch(kept_by_kernel, (groups * nkb,), *args, FILL=True, **meta)
     return offsets, qblocks
 
 
-def pool_index_queries(index_q, cu, batch, max_s, block_size):
+def pool_index_queries(index_q, cu, batch, max_s, block_size, launch=triton_launch):
     """[batch, h_kv, nb, d_i] fp32 (a view): each query block's mean index query, 0 for blocks past a sequence."""
     h_kv, d_i = index_q.shape[-2], index_q.shape[-1]
     nb = triton.cdiv(max_s, block_size)
@@ -627,14 +627,15 @@ def pool_index_queries(index_q, cu, batch, max_s, block_size):
     if pooled.numel():
         iq = index_q if index_q.stride(-1) == 1 and index_q.stride(-2) == d_i else index_q.contiguous()
         sb, ss, _ = _seq_args(iq, cu, batch, max_s)
-        pool_index_queries_kernel[(batch * nb,)](
-            iq, pooled, cu if cu is not None else pooled, sb, ss, pooled.stride(0), pooled.stride(1), max_s,
-            iq.shape[0], block_size, nb, HD=h_kv * d_i, BLOCK_HD=triton.next_power_of_2(h_kv * d_i),
-            BLOCK_T=max(1, min(32, 4096 // triton.next_power_of_2(h_kv * d_i))), VARLEN=cu is not None)
+        launch(pool_index_queries_kernel, (batch * nb,),
+               iq, pooled, cu if cu is not None else pooled, sb, ss, pooled.stride(0), pooled.stride(1), max_s,
+               iq.shape[0], block_size, nb, HD=h_kv * d_i, BLOCK_HD=triton.next_power_of_2(h_kv * d_i),
+               BLOCK_T=max(1, min(32, 4096 // triton.next_power_of_2(h_kv * d_i))), VARLEN=cu is not None)
     return pooled.permute(0, 2, 1, 3)
 
 
-def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg, max_s_k=None):
+def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, scale, cfg, max_s_k=None,
+                       launch=triton_launch):
     """Z [batch, h_kv, nb, nkb] fp32 from the pooled index queries [batch, h_kv, nb, d_i] (-inf where a block is
     not a candidate). max_s_k: index_k's length when the queries are its last max_s tokens (batched form only)."""
     h_kv, nb, d_i = pooled_q.shape[1], pooled_q.shape[2], pooled_q.shape[3]
@@ -646,12 +647,11 @@ def index_block_scores(pooled_q, index_k, cu, batch, max_s, block_size, causal, 
     sk = _seq_args(index_k, cu, batch, max_s)
     block_q = min(cfg.block_m, max(16, triton.next_power_of_2(nb)))
     kchunk = 8
-    index_scores_kernel[(batch * h_kv, triton.cdiv(nb, block_q), triton.cdiv(nkb, kchunk))](
-        pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1), pooled_q.stride(2),
-        sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, max_s_k, index_k.shape[0], scale,
-        H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
-        VARLEN=cu is not None, SPLIT_TF32=_tf32_split(index_k),
-        num_warps=cfg.warps, num_stages=cfg.stages)
+    launch(index_scores_kernel, (batch * h_kv, triton.cdiv(nb, block_q), triton.cdiv(nkb, kchunk)),
+           pooled_q, index_k, z, cu if cu is not None else z, pooled_q.stride(0), pooled_q.stride(1),
+           pooled_q.stride(2), sk[0], sk[1], z.stride(0), z.stride(1), z.stride(2), max_s, max_s_k, index_k.shape[0],
+           scale, H_KV=h_kv, DI=d_i, BLOCK_DI=_bd(d_i), BS=block_size, BLOCK_Q=block_q, KCHUNK=kchunk, CAUSAL=causal,
+           VARLEN=cu is not None, SPLIT_TF32=_tf32_split(index_k), num_warps=cfg.warps, num_stages=cfg.stages)
     return z
 
 

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import swiglu_grads
+from ..shared_kernels import swiglu_grads, triton_launch
 
 
 @triton.jit
@@ -33,11 +33,6 @@ def swiglu_bwd_kernel(GU, DOUT, DGU, stride_gu, stride_do, stride_dgu, n_cols, B
 # ------------------------------------------------------------------------------------------ launch
 # Inputs are contiguous (the ops make them so): a row's stride is its width, and the tensors are used as they come,
 # without reshaping to 2-d and back (host time in an eager call).
-def triton_launch(kernel, grid, *args, **meta):
-    """Triton's own launch; the ops pass ops/_op.py's cached_launch instead (microseconds of host time a launch)."""
-    kernel[grid](*args, **meta)
-
-
 def _plan(gate_up, cfg):
     """(rows, I, BLOCK, programs per row)."""
     two_i = gate_up.shape[-1]
