@@ -265,6 +265,7 @@ def monarch():
 def sparse():
     from warpforge.ops.sparse import api
     from warpforge.ops.sparse.select import blocks_per_sequence, canonical
+    from warpforge.ops.sparse.sparse_kernel import kept_by
     b, s, bs = 1, 1024, 128
     for d, h_q, h_kv in ((128, 16, 2), (64, 8, 8)):
         q = torch.randn(b, s, h_q, d, dtype=torch.bfloat16)
@@ -277,6 +278,7 @@ def sparse():
         api._bwd_impl(torch.randn_like(out), q, k, v, out, torch.zeros(b, h_q, s), sel, n_sel, None, b, s, bs, True,
                       0.1)
         api._stats_impl(q, k, torch.zeros(b, h_q, s), iq, ik, sel, n_sel, None, b, s, bs, True, 0.1)
+        kept_by(sel, s // bs, False)  # the non-causal walk of the lists (the backward above took the causal one)
 
 
 FAMILIES = {"attention": attention, "attention_ws": attention_ws, "attention_fp8": attention_fp8, "mla": mla, "moe": moe,
