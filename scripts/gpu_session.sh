@@ -268,8 +268,9 @@ for step in "$@"; do
     sparse-locality) for pat in index local; do  # what L2 locality is worth: the same work, scattered or nearest blocks
                        timeout 150 python3 scripts/bench_sparse_gluon.py --s 65536,131072,262144 --bwd --gluon-only \
                          --pattern $pat 2>&1 | grep "^s "; done > "$w/sparse-locality.log" 2>&1; cat "$w/sparse-locality.log" ;;
-    host-profile) timeout 120 python3 scripts/host_profile.py --family ${HOST_FAMILY:-sparse} --match "${HOST_MATCH:-s16k}" \
-                    --impl "${HOST_IMPL:-^warpforge$}" > "$w/host-profile.log" 2>&1; grep -E "enqueue" "$w/host-profile.log" ;;
+    host-profile) timeout 120 python3 scripts/profile_case.py --host --iters 20 --top 35 --family ${HOST_FAMILY:-sparse} \
+                    --match "${HOST_MATCH:-s16k}" --impl "${HOST_IMPL:-^warpforge$}" > "$w/host-profile.log" 2>&1
+                  grep -E "enqueue" "$w/host-profile.log" ;;
     sparse-profile) WARPFORGE_SPARSE_GLUON=${WARPFORGE_SPARSE_GLUON:-1} timeout 150 python3 scripts/profile_case.py --family sparse \
                       --match "${PROFILE_MATCH:-s64k top16}" --impl '^(warpforge|flex)$' --iters 10 > "$w/sparse-profile.log" 2>&1
                     grep -v Warn "$w/sparse-profile.log" | head -n 45 ;;
