@@ -4,8 +4,9 @@ Gluon kernels' path is taken (their launchers stubbed, their descriptors not bui
 
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/host_path_cpu.py [gluon] [--s 16384]
 
-Prints the time a step takes, the aten ops it runs (each a launch on a GPU) and cProfile's top functions. The GPU
-host's numbers differ (profile_case.py --host measures them there); the op count does not.
+Prints the time a step takes, the aten ops it runs (nested ones included: an upper bound on its GPU launches) and
+cProfile's top functions. Launch costs are left out entirely (Triton's binding, the Launcher's key, the driver); the
+GPU host's numbers differ (profile_case.py --host measures them there).
 """
 import argparse
 import cProfile
@@ -59,7 +60,7 @@ def main():
     print(f"{args.path} step at s {s}, launches stubbed: {(time.perf_counter() - t) / args.iters * 1e3:.3f} ms")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step()
-    print("aten ops a step:", sum(1 for e in prof.events() if e.name.startswith("aten::")))
+    print("aten ops a step (nested ones included):", sum(1 for e in prof.events() if e.name.startswith("aten::")))
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.iters):

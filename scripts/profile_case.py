@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--host", action="store_true", help="the host's enqueue time and cProfile, not the kernels")
     args = ap.parse_args()
+    args.iters = max(1, args.iters)
     device = torch.device("cuda")
     for case in select(args.family):
         if not re.search(args.match, case.name):

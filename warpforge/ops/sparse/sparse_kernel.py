@@ -597,8 +597,10 @@ def kept_by(sel, n_key_blocks=None, causal=False, launch=triton_launch):
     [b, h_kv, nqb, topk] (select.canonical's form): key block (b, g, j)'s query blocks are
     qblocks[offsets[key] : offsets[key + 1]], key = (b · h_kv + g) · nkb + j, ascending (the entries past offsets[-1]
     are unused). nkb: the number of key blocks, the number of query blocks by default (more: the queries are the
-    last blocks of the keys). causal: the lists were made causal (each query block's entries lie before it), so a
-    key block's walk skips the query blocks that cannot hold it. Four launches (the zeros, the count, its running
+    last blocks of the keys). causal: the lists were made causal (query block i's entries lie before key block
+    i + nkb - nqb), so a key block's walk skips the query blocks that cannot hold it (an entry breaking that is not
+    found). Each program scans the lists of every query block that can hold its key block: ~nkb · nqb · topk / 2
+    entries a pass over a causal group, read from L2 (at 1M tokens ~4 GB a pass; time it there). Four launches (the zeros, the count, its running
     sum, the fill) where sorting the entries by key took a dozen: an eager training step is host-bound at 16k tokens."""
     b, h_kv, nqb, topk = sel.shape
     nkb = nqb if n_key_blocks is None else n_key_blocks
