@@ -127,6 +127,34 @@ def test_kept_by_inverts_the_lists(causal, q_off, topk):
     assert offsets[-1].item() == start
 
 
+def test_index_side_launches_keep_the_cached_launch_contract():
+    """The api passes ops/_op.py's cached_launch to the block means, the block scores and the kept lists: on a GPU it
+    calls the compiled kernel with the positional arguments as its non-constexpr parameters, in order, and the
+    constexprs (its last parameters) from the keywords; anything else would launch with arguments shifted."""
+    import inspect
+    import triton.language as tl
+    from warpforge.ops.sparse import sparse_kernel as sk
+    from warpforge.ops.sparse.configs import TILES
+    calls = []
+
+    def launch(kernel, grid, *args, **meta):
+        calls.append(kernel.fn.__name__)
+        params = list(inspect.signature(kernel.fn).parameters.values())
+        constexprs = [p.name for p in params if p.annotation is tl.constexpr]
+        assert [p.name for p in params[len(args):]] == constexprs and set(constexprs) <= set(meta)
+        assert not any(a is None for a in args)
+        kernel[grid](*args, **meta)
+
+    cfg = TILES.lookup(torch.device(DEV), 16).index
+    iq, ik = _index((1, 70), 2, 16, torch.float16)
+    ik_long = torch.cat([ik, ik[:, :32]], 1)  # keys two blocks longer than the queries
+    pooled = sk.pool_index_queries(iq, None, 1, 70, 16, launch)
+    z = sk.index_block_scores(pooled, ik_long, None, 1, 70, 16, True, 0.25, cfg, 102, launch)
+    sel, _ = canonical(top_blocks(z, 3, True, masked=True), blocks_per_sequence(None, 1, 102, 16, DEV), True, 2)
+    sk.kept_by(sel, 7, True, launch)
+    assert calls == ["pool_index_queries_kernel", "index_scores_kernel", "kept_by_kernel", "kept_by_kernel"]
+
+
 def test_index_scores_of_16bit_inputs_are_the_fp32_scores():
     """16-bit index inputs take the three-part TF32 dot (exact products): the block scores are the fp32 reference's
     (to fp32 rounding of the sums), over a partial last block and varlen sequences."""
