@@ -38,13 +38,12 @@ def _nvmma_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
-def tma_descriptor(t, block, dtype, shape=None, strides=None):
-    """A host TMA descriptor over t (or the view given by shape / strides) with [block] boxes in shared memory's
-    default swizzled layout for dtype (a Gluon dtype). The layout is a pure function of (block, dtype) and costs
-    ~5 us of Python to build: built once, where an eager call builds up to a dozen descriptors a launch."""
+def tma_descriptor(t, block, dtype):
+    """A host TMA descriptor over t with [block] boxes in shared memory's default swizzled layout for dtype (a Gluon
+    dtype). The layout is a pure function of (block, dtype) and costs ~5 us of Python to build: built once, where an
+    eager call builds up to a dozen descriptors a launch."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(t, list(t.shape) if shape is None else shape, list(t.stride()) if strides is None
-                            else strides, list(block), _nvmma_layout(tuple(block), dtype))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _nvmma_layout(tuple(block), dtype))
 
 
 def builds(build, versions: tuple[str, ...]) -> bool:
