@@ -45,6 +45,8 @@ for step in "$@"; do
     compare-attention-varlen) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH=varlen timeout 200 bash scripts/gpu_check.sh "$w/cmp" attention > "$w/cmp-attention.log" 2>&1 ;;
     compare-sparse-loss) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='index loss' timeout 150 bash scripts/gpu_check.sh "$w/cmp" sparse > "$w/cmp-sparse-loss.log" 2>&1
                          tail -n 6 "$w/cmp-sparse-loss.log" ;;
+    compare-sparse) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH="${CMP_MATCH:-s16k top16}" timeout 200 bash scripts/gpu_check.sh "$w/cmp" sparse \
+                      > "$w/cmp-sparse.log" 2>&1; cat "$w/cmp/compare-sparse.log" ;;
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
     bench-mla-check) SKIP_TESTS=1 MATCH='L(1k|8k) (bf16|fp8)' timeout 200 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1 ;;
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
