@@ -293,6 +293,27 @@ def test_launcher_binders_match_bind():
         _op.Launcher.counts = None
 
 
+def test_launcher_keys_tma_descriptors_like_triton():
+    """A host TMA descriptor argument (the Gluon kernels take a dozen): the binders key it by what Triton specializes
+    it on (its class, dtype, box, layout, padding), not by its tensor's address or shape, and pass the descriptor
+    itself on (Triton 3.6's C launch wrapper encodes its tensor map on every launch)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from warpforge.ops import _op
+
+    a, b = torch.zeros(256, 64), torch.zeros(512, 64)
+    da, db = TensorDescriptor.from_tensor(a, [64, 64]), TensorDescriptor.from_tensor(b, [64, 64])
+    box = TensorDescriptor.from_tensor(a, [32, 64])
+    half = TensorDescriptor.from_tensor(a.half(), [64, 64])
+    launcher = _op.Launcher(object())
+    keys = []
+    for args in ((da, a, 3), (db, b, 3), (box, a, 3), (half, a, 3)):
+        spec, flat = launcher._binder(args)(*args)
+        assert (spec, list(flat)) == (_op._bind(args)[0], list(_op._bind(args)[1])) and flat[0] is args[0]
+        keys.append(spec)
+    assert keys[0] == keys[1] and len({keys[0], keys[2], keys[3]}) == 3
+
+
 def test_eager_backward_gets_no_zeros_for_statistics():
     """ops/_op.py's eager autograd.Function: outputs marked non-differentiable (a norm's mean and rstd) reach the
     backward as None, not as zeros the engine would allocate and fill on every call; a differentiable output without

@@ -97,6 +97,7 @@ import triton.language as tl
 
 from ._gluon import SMEM_MAX, check_smem, tma_addressable, tma_descriptor  # noqa: F401 - SMEM_MAX: the tests' bound
 from ._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, HEAD_DIMS, LOG2E, MAXNREG, PRODUCER_REGS
+from .shared_kernels import triton_launch
 
 BLOCK_N = 128           # keys per program: two consumer warpgroups of 64 keys each
 WG_KEYS = 64
@@ -667,7 +668,7 @@ def _buffers(q, block_m, pad=None):
 
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
-                    dq_tma=False, group_split=1, left=None, blocks=None):
+                    dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -675,7 +676,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     d / 2), dq_tma (dQ staged in shared memory and added by TMA reduce-adds instead of per-thread atomics),
     group_split (GQA: programs per (kv head, key block), each over GROUP / group_split query heads; dK / dV then
     summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none), blocks (the sparse
-    walk, launch_args)."""
+    walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -687,9 +688,9 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
         do = do.contiguous()
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m, None if blocks is None else blocks[2])
     grid = (b * h_q, s_pad // PREP_ROWS)
-    bwd_prep_kernel[grid](out, do, lse, lse2, delta, dq_acc, s_q, s_pad, out.stride(0), out.stride(1), out.stride(2),
-                          do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
-                          BLOCK=PREP_ROWS, num_warps=4)
+    launch(bwd_prep_kernel, grid, out, do, lse, lse2, delta, dq_acc, s_q, s_pad, out.stride(0), out.stride(1),
+           out.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
+           BLOCK=PREP_ROWS, num_warps=4)
     h_kv = k.shape[2]
     dkv_acc = None
     if group_split > 1:
@@ -697,14 +698,14 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
         dkv_acc = torch.zeros((2, b * h_kv * s_kpad, d), device=q.device, dtype=torch.float32)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks)
-    kernel[kgrid](*args, **meta)
-    dq_convert_kernel[grid](dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2), H_Q=h_q, D=d,
-                            BLOCK=PREP_ROWS, num_warps=4)
+    launch(kernel, kgrid, *args, **meta)
+    launch(dq_convert_kernel, grid, dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
+           H_Q=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
     if group_split > 1:  # dK (already scaled) and dV from their fp32 sums, like dq
         kgrid2 = (b * h_kv, s_kpad // PREP_ROWS)
         for acc, t in ((dkv_acc[0], dk), (dkv_acc[1], dv)):
-            dq_convert_kernel[kgrid2](acc, t, s_k, s_kpad, 1.0, t.stride(0), t.stride(1), t.stride(2), H_Q=h_kv, D=d,
-                                      BLOCK=PREP_ROWS, num_warps=4)
+            launch(dq_convert_kernel, kgrid2, acc, t, s_k, s_kpad, 1.0, t.stride(0), t.stride(1), t.stride(2),
+                   H_Q=h_kv, D=d, BLOCK=PREP_ROWS, num_warps=4)
     return dq, dk, dv
 
 

@@ -55,6 +55,7 @@ import functools
 import torch
 
 from ._gluon import SMEM_MAX, check_smem, tma_addressable, tma_descriptor  # noqa: F401 - SMEM_MAX: the tests' bound
+from .shared_kernels import triton_launch
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 128           # query rows per program: two consumer warpgroups of 64 rows each
@@ -495,11 +496,12 @@ def launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong, 
     return kernel, grid, args, meta
 
 
-def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persistent=False, left=None, blocks=None):
+def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persistent=False, left=None, blocks=None,
+                    launch=triton_launch):
     """(out [b, s_q, h_q, d] contiguous in q's dtype, lse fp32 [b, h_q, s_q]); the caller checked fits(q, k, v) and
     available(). Knobs: key rows per ring slot (64 or 128), ring slots (>= 2), ping-pong on/off, persistent (one
     program per SM walking work items; else one program per item). left: a left window (None: none); blocks: the
-    sparse walk (launch_args)."""
+    sparse walk (launch_args). launch: shared_kernels.triton_launch's form (the ops pass their cached launch)."""
     b, s_q, h_q, d = q.shape
     out = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)  # contiguous: TMA-aligned
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
@@ -511,7 +513,7 @@ def flash_fwd_gluon(q, k, v, sm_scale, causal, block_n, stages, pingpong, persis
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if persistent else 0
     kernel, grid, args, meta = launch_args(q, k, v, out, lse, sm_scale, causal, block_n, stages, pingpong,
                                            persistent, sms, left, blocks)
-    kernel[grid](*args, **meta)
+    launch(kernel, grid, *args, **meta)
     return out, lse
 
 

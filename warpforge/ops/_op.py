@@ -97,7 +97,8 @@ class Launcher:
     With Triton 3.6's CUDA launcher (and no scratch memory) the direct call goes straight to its C `launch` with
     tensors passed as their addresses: the Python wrapper in front of it and, per pointer argument, the
     `data_ptr()` call and `cuPointerGetAttribute` check it would make (the ops have checked their devices) are
-    skipped.
+    skipped. Host TMA descriptors (the Gluon kernels') are keyed by their dtype, box and layout, as Triton keys them,
+    and passed on whole: the C launch's wrapper encodes their tensor maps.
 
     args are the non-constexpr arguments, in the kernel's order, and the constexprs its last parameters (passed in
     meta). Under the Triton interpreter, with launch hooks set (a profiler), or with a driver that only compiles,
@@ -159,6 +160,11 @@ class Launcher:
                 spec += [f"{name}.dtype", f"not p{i} & 15"]
                 flat.append(f"p{i}")
                 continue
+            if _is_descriptor(t):
+                spec += [f"_t{i}", f"{name}.base.dtype", f"tuple({name}.block_shape)",
+                         f"getattr({name}, 'layout', None)", f"getattr({name}, 'padding', None)"]
+                flat.append(name)
+                continue
             if t is int:
                 spec.append(f"(4 if {name} == 1 else ({name} % 16 == 0) + 2 * (not -2147483648 <= {name} < 2147483648))")
             elif t is float:
@@ -178,6 +184,12 @@ class Launcher:
         key = (getattr(self.kernel, "__name__", None) or getattr(getattr(self.kernel, "fn", None), "__name__", "?"),
                path)
         self.counts[key] = self.counts.get(key, 0) + 1
+
+
+def _is_descriptor(t) -> bool:
+    """A host TMA descriptor's class (Triton's TensorDescriptor or Gluon's): an argument Triton specializes on its
+    dtype, block shape and layout, and whose tensor map the C launch's wrapper encodes on every launch."""
+    return t.__name__ == "TensorDescriptor" and t.__module__.startswith("triton.")
 
 
 def _fast_device(getter):
@@ -216,6 +228,11 @@ def _bind(args):
             p = a.data_ptr()
             spec += (a.dtype, not p & 15)
             flat.append(p)
+            continue
+        if _is_descriptor(t):  # a host TMA descriptor: Triton specializes on its dtype, box and layout
+            spec += (t, a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None),
+                     getattr(a, "padding", None))
+            flat.append(a)  # the C launch's wrapper encodes its tensor map
             continue
         if t is int:
             spec.append(4 if a == 1 else (a % 16 == 0) + 2 * (not -2**31 <= a < 2**31))

@@ -12,7 +12,7 @@ from ...errors import (SCALE_MAX, check_bool, check_cu_seqlens, check_dtype, che
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor,
                        dense_like, fail, host_reads_allowed, read_once)
 from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
-from .._op import kernel_op
+from .._op import cached_launch, kernel_op
 from . import configs
 from .reference import attention_reference, attention_varlen_reference
 
@@ -42,7 +42,7 @@ def _flash_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: Opt
     if cu_q is None and plain and gluon_gate(q, k, v, left, right):  # Hopper, Gluon: FA3's schedule
         from . import flash_gluon_kernel
         return flash_gluon_kernel.flash_fwd_gluon(q, k, v, scale, right == 0, *gluon_knobs(q.shape[-1], right == 0),
-                                                  left=_gluon_left(k, left))
+                                                  left=_gluon_left(k, left), launch=cached_launch)
     if cfg.ws and cu_q is None and plain and flash_ws_kernel.fits(q, k, v):  # the Hopper pipeline's forward
         return flash_ws_kernel.flash_fwd_ws(q, k, v, batch, max_q, max_k, scale, left, right, cfg)
     return flash_fwd(q, k, v, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg,
@@ -151,7 +151,8 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         knobs = gluon_bwd_knobs(q.shape[-1], right == 0)
         split = gluon_bwd_group_split(q.shape[-1], q.shape[-2] // k.shape[-2], *knobs)
         return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0, *knobs,
-                                                      group_split=split, left=_gluon_left(k, left))
+                                                      group_split=split, left=_gluon_left(k, left),
+                                                      launch=cached_launch)
     return flash_bwd(do, q, k, v, out, lse, cu_q, cu_k, batch, max_q, max_k, scale, left, right, cfg_dkdv,
                      cfg_dq, ScoreMod(scale, softcap, slopes))
 

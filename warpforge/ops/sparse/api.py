@@ -82,7 +82,8 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tens
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     if gluon_gate(q, k, v, cu, block_size):
         from .sparse_gluon_kernel import sparse_fwd_gluon
-        return sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, gluon_knobs(q.shape[-1])[0])
+        return sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, gluon_knobs(q.shape[-1])[0],
+                                cached_launch)
     from .sparse_kernel import sparse_fwd
     return sparse_fwd(q, k, v, sel, n_sel, cu, batch, max_s, block_size, causal, scale, _tiles(q, v.shape[-1]).fwd,
                       max_s_k=max_s_k)
@@ -106,7 +107,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale,
-                                       gluon_knobs(q.shape[-1])[1])
+                                       gluon_knobs(q.shape[-1])[1], cached_launch)
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
     return sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,

@@ -10,20 +10,20 @@ from .._gluon_flash_fwd import available, fits, flash_fwd_gluon
 __all__ = ["available", "bwd_fits", "fits", "sparse_bwd_gluon", "sparse_fwd_gluon"]  # available, fits: api's gate
 
 
-def sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, knobs):
+def sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, knobs, launch):
     """(out [b, s, h_q, d], lse fp32 [b, h_q, s]) over canonical (sel, n_sel) (select.canonical); the caller checked
     fits(q, k, v), available() and that block_size is a multiple of 128. knobs: (BLOCK_N, STAGES, PINGPONG,
-    PERSISTENT)."""
+    PERSISTENT). launch: shared_kernels.triton_launch's form."""
     block_n, stages, pingpong, persistent = knobs
     return flash_fwd_gluon(q, k, v, scale, causal, min(block_n, block_size), stages, pingpong, persistent,
-                           blocks=(sel, n_sel, block_size))
+                           blocks=(sel, n_sel, block_size), launch=launch)
 
 
-def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs):
+def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs, launch):
     """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks); the caller
     checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs: (BLOCK_M, STAGES, DQ_N,
-    DQ_SPLIT, DQ_TMA, GROUP_SPLIT); GROUP_SPLIT 0: one query head per program."""
+    DQ_SPLIT, DQ_TMA, GROUP_SPLIT); GROUP_SPLIT 0: one query head per program. launch: as the forward's."""
     block_m, stages, dq_n, dq_split, dq_tma, want = knobs
     split = group_split(q.shape[2] // k.shape[2], want, block_m, stages, dq_tma)
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
-                           blocks=(offsets, qblocks, block_size))
+                           blocks=(offsets, qblocks, block_size), launch=launch)
