@@ -242,6 +242,33 @@ def _model_run(rng, stages, n_items, mutation=None, split=False):
     return "did not finish"
 
 
+@pytest.mark.parametrize("kv_rows", [0, 333, 1000])
+def test_prep_kernel_statistics_and_zeros(kv_rows):
+    """The backward's prep pass (plain Triton, so the interpreter runs it): delta = rowsum(out ∘ do), lse2 = lse ·
+    log2 e (+inf where lse is -inf), the padded rows' statistics (lse2 +inf, delta 0), dq's accumulator zeroed, and
+    with ZERO_KV every row of GROUP_SPLIT's dK / dV accumulator zeroed (rows spread over the programs, a tail)."""
+    from warpforge.ops import _gluon_flash_bwd as gb
+    b, s_q, h_q, d = 2, 100, 3, 64
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    out, do = (torch.randn(b, s_q, h_q, d, device=dev, dtype=torch.float16) for _ in range(2))
+    lse = torch.randn(b, h_q, s_q, device=dev)
+    lse[0, 1, 5] = float("-inf")
+    s_pad, lse2, delta, dq_acc = gb._buffers(out, 64)
+    for t in (lse2, delta, dq_acc):
+        t.fill_(7.0)
+    kv = torch.full((max(kv_rows, 1), d), 7.0, device=dev)
+    grid = (b * h_q, s_pad // gb.PREP_ROWS)
+    gb.bwd_prep_kernel[grid](out, do, lse, lse2, delta, dq_acc, kv, s_q, s_pad, kv_rows, out.stride(0), out.stride(1),
+                             out.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1),
+                             H_Q=h_q, D=d, BLOCK=gb.PREP_ROWS, ZERO_KV=kv_rows > 0)
+    want_delta = (out.float() * do.float()).sum(-1).permute(0, 2, 1).reshape(b * h_q, s_q)
+    assert torch.allclose(delta[:, :s_q], want_delta, atol=1e-3) and bool((delta[:, s_q:] == 0).all())
+    want_lse2 = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634).reshape(b * h_q, s_q)
+    assert torch.allclose(lse2[:, :s_q], want_lse2) and bool((lse2[:, s_q:] == float("inf")).all())
+    assert bool((dq_acc == 0).all())
+    assert bool((kv == 0).all()) if kv_rows else bool((kv == 7.0).all())
+
+
 def test_barrier_protocol_model():
     """Every interleaving tried finishes, each consumer reads every tile exactly when it has landed, and no slot is
     refilled while a consumer reads it: stages 2-4, items 0-9 (the GQA group times the query tiles)."""

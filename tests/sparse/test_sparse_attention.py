@@ -84,6 +84,21 @@ def test_v_head_dim_different_from_qk():
     _check_attention(q, k, v, _random_indices(1, 1, 3, 2), 16, True)
 
 
+@pytest.mark.parametrize("nb,topk", [(9, 3), (5, 8), (40, 16), (1, 2)])
+def test_launched_top_blocks_match_the_tensor_ops(nb, topk):
+    """sparse_kernel.top_blocks (one launch after the top-k) gives select.top_blocks' lists and their counts on
+    scores with non-candidates at -inf (fewer candidates than topk, none at all, topk past the blocks)."""
+    from warpforge.ops.sparse import sparse_kernel
+    torch.manual_seed(nb * 100 + topk)
+    z = torch.randn(2, 3, 7, nb, device=DEV)
+    z = z.masked_fill(torch.rand_like(z) < 0.4, float("-inf"))
+    z[0, 0, 0] = float("-inf")  # a query block without candidates
+    sel, n_sel = sparse_kernel.top_blocks(z, topk)
+    want = top_blocks(z, topk, True, masked=True)
+    assert sel.dtype == n_sel.dtype == torch.int32 and sel.is_contiguous()
+    assert torch.equal(sel, want) and torch.equal(n_sel, (want >= 0).sum(-1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_selection_matches_reference(causal):
     b, s, h_kv, bs = 2, 70, 2, 16

@@ -117,10 +117,12 @@ def smem_bytes(d: int, block_m: int, stages: int, dq_n: int = 64, dq_split: bool
 
 # ------------------------------------------------------------------------------------ plain Triton helpers
 @triton.jit
-def bwd_prep_kernel(OUT, DO, LSE, LSE2, DELTA, DQ_ACC, s_q, s_pad, stride_ob, stride_os, stride_oh, stride_dob,
-                    stride_dos, stride_doh, stride_lb, stride_lh, H_Q: tl.constexpr, D: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """delta = rowsum(out ∘ do), lse2 = lse · log2 e (+inf for -inf), padded to s_pad; zeros into dq's accumulator."""
+def bwd_prep_kernel(OUT, DO, LSE, LSE2, DELTA, DQ_ACC, KV_ACC, s_q, s_pad, kv_rows, stride_ob, stride_os, stride_oh,
+                    stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, H_Q: tl.constexpr, D: tl.constexpr,
+                    BLOCK: tl.constexpr, ZERO_KV: tl.constexpr):
+    """delta = rowsum(out ∘ do), lse2 = lse · log2 e (+inf for -inf), padded to s_pad; zeros into dq's accumulator,
+    and with ZERO_KV into the [kv_rows, D] fp32 dK / dV accumulator too (GROUP_SPLIT's; its rows spread evenly over
+    the programs: one launch, where torch.zeros would be another)."""
     bh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
@@ -138,6 +140,14 @@ def bwd_prep_kernel(OUT, DO, LSE, LSE2, DELTA, DQ_ACC, s_q, s_pad, stride_ob, st
     tl.store(LSE2 + stat, lse2)
     tl.store(DELTA + stat, delta)
     tl.store(DQ_ACC + stat[:, None] * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32))
+    if ZERO_KV:
+        programs = tl.num_programs(0) * tl.num_programs(1)
+        per = tl.cdiv(kv_rows, programs * BLOCK)  # row tiles a program
+        first = (bh * tl.num_programs(1) + tl.program_id(1)) * per
+        for t in range(per):
+            r = (first + t).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(KV_ACC + r[:, None] * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32),
+                     mask=(r < kv_rows)[:, None])
 
 
 @triton.jit
@@ -687,15 +697,16 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     if not do.is_contiguous():  # e.g. an expanded gradient (zero strides): TMA wants real, 16-byte strides
         do = do.contiguous()
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m, None if blocks is None else blocks[2])
-    grid = (b * h_q, s_pad // PREP_ROWS)
-    launch(bwd_prep_kernel, grid, out, do, lse, lse2, delta, dq_acc, s_q, s_pad, out.stride(0), out.stride(1),
-           out.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
-           BLOCK=PREP_ROWS, num_warps=4)
     h_kv = k.shape[2]
     dkv_acc = None
-    if group_split > 1:
+    if group_split > 1:  # zeroed by the prep kernel
         s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
-        dkv_acc = torch.zeros((2, b * h_kv * s_kpad, d), device=q.device, dtype=torch.float32)
+        dkv_acc = torch.empty((2, b * h_kv * s_kpad, d), device=q.device, dtype=torch.float32)
+    grid = (b * h_q, s_pad // PREP_ROWS)
+    launch(bwd_prep_kernel, grid, out, do, lse, lse2, delta, dq_acc, dkv_acc if dkv_acc is not None else dq_acc, s_q,
+           s_pad, dkv_acc.shape[0] * dkv_acc.shape[1] if dkv_acc is not None else 0, out.stride(0), out.stride(1),
+           out.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
+           BLOCK=PREP_ROWS, ZERO_KV=dkv_acc is not None, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks)
     launch(kernel, kgrid, *args, **meta)

@@ -344,12 +344,13 @@ def _remember_selected(block_indices, max_s_k, block_size, causal):
         read_once((block_indices,), _checked(n_blocks(max_s_k, block_size)), lambda: causal)
 
 
-def _kept_lists(block_indices, selected_causal, cu, batch, max_s, max_s_k, block_size, causal):
+def _kept_lists(block_indices, selected_causal, cu, batch, max_s, max_s_k, block_size, causal, n_sel=None):
     """(sel, n_sel) the kernels walk. Lists the selector made (selected_causal: the causal flag it chose them under;
     None for any other lists) are canonical already (ascending, in reach, -1 after the kept ones) wherever every
-    entry is visible: chosen causally, or walked without the causal mask. Others go through canonical()."""
+    entry is visible: chosen causally, or walked without the causal mask; n_sel: their counts where the selector gave
+    them. Others go through canonical()."""
     if selected_causal is not None and (selected_causal or not causal):
-        return block_indices, (block_indices >= 0).sum(-1, dtype=torch.int32)
+        return block_indices, n_sel if n_sel is not None else (block_indices >= 0).sum(-1, dtype=torch.int32)
     nb_seq = blocks_per_sequence(cu, batch, max_s_k, block_size, block_indices.device)
     return canonical(block_indices, nb_seq, causal, (max_s_k - max_s) // block_size)
 
@@ -371,6 +372,7 @@ def _per_sequence(cu, *tensors):
 
 
 def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_scale, backend, max_s_k):
+    """(block_indices int32 [b, h_kv, nqb, topk] canonical, their counts [b, h_kv, nqb] or None)."""
     if backend == "reference":
         if cu is None:
             z = index_block_scores_reference(index_q, index_k, block_size=block_size, index_scale=index_scale)
@@ -380,9 +382,10 @@ def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_
             for i, (iq, ik) in enumerate(_per_sequence(cu, index_q, index_k)):
                 zi = index_block_scores_reference(iq, ik, block_size=block_size, index_scale=index_scale)
                 z[i, :, :zi.shape[2], :zi.shape[3]] = zi[0]
-        return top_blocks(z, topk, causal)
+        return top_blocks(z, topk, causal), None
     z = _index_scores(index_q, index_k, cu, batch, max_s, block_size, causal, index_scale, max_s_k)
-    return top_blocks(z, topk, causal, masked=True)
+    from .sparse_kernel import top_blocks as top_blocks_launched
+    return top_blocks_launched(z, topk, cached_launch)
 
 
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: int = 128, topk: int = 16,
@@ -412,7 +415,7 @@ def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: i
                  index_k.shape[:-2])
     with torch.no_grad():
         block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
-                                causal, _scale(index_q, index_scale), backend, max_s_k)
+                                causal, _scale(index_q, index_scale), backend, max_s_k)[0]
     _remember_selected(block_indices, max_s_k, block_size, causal)
     return block_indices
 
@@ -455,12 +458,12 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
         _check_selection_args(index_q, index_k, topk)
         _check_index(index_q, index_k, q.shape[:-2], k.shape[-2], "q", q, varlen, k.shape[:-2])
         with torch.no_grad():
-            block_indices = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size, topk,
-                                    causal, _scale(index_q, index_scale), backend, max_s_k)
+            block_indices, n_sel = _select(index_q.detach(), index_k.detach(), cu_seqlens, batch, max_s, block_size,
+                                           topk, causal, _scale(index_q, index_scale), backend, max_s_k)
         selected_causal = causal
         _remember_selected(block_indices, max_s_k, block_size, causal)
     else:
-        selected_causal = _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k)
+        selected_causal, n_sel = _check_block_indices(block_indices, k, batch, max_s, block_size, max_s_k), None
     scale = _scale(q, softmax_scale)
     if backend == "reference":
         kw = dict(block_size=block_size, causal=causal, softmax_scale=scale)
@@ -474,7 +477,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
             lse = torch.cat([lse[0] for _, lse in parts], 1) if parts else q.new_empty(q.shape[-2], 0)
     else:
         sel, n_sel = _kept_lists(block_indices, selected_causal, cu_seqlens, batch, max_s, max_s_k, block_size,
-                                 causal)
+                                 causal, n_sel)
         out, lse = _sparse_fwd(q, k, v, sel, n_sel, cu_seqlens, batch, max_s, block_size, causal, scale, max_s_k)
     results = (out,) + ((lse,) if return_lse else ()) + ((block_indices,) if return_indices else ())
     return results[0] if len(results) == 1 else results

@@ -145,6 +145,25 @@ def kept_by_kernel(SEL, OFFSETS, QBLOCKS, nqb, nkb, q_off, stride_sg, stride_si,
 
 
 @triton.jit
+def top_finish_kernel(VALS, IDX, SEL, NSEL, rows, k, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                      ROWS: tl.constexpr):
+    """A top-k's output as the kernels' lists, ROWS rows a program: VALS / IDX [rows, k] (torch.topk's values and
+    indices) -> SEL [rows, TOPK] int32, the indices of finite values ascending then -1, and NSEL [rows] their count."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    c = tl.arange(0, BLOCK_T)
+    live = r < rows
+    at = r[:, None].to(tl.int64) * k + c[None, :]
+    inside = live[:, None] & (c < k)[None, :]
+    vals = tl.load(VALS + at, mask=inside, other=float("-inf"))
+    none = 2147483647  # sorts after every block index
+    idx = tl.where(vals == float("-inf"), none, tl.load(IDX + at, mask=inside, other=0).to(tl.int32))
+    idx = tl.sort(idx, 1)
+    tl.store(SEL + r[:, None].to(tl.int64) * TOPK + c[None, :], tl.where(idx == none, -1, idx),
+             mask=live[:, None] & (c < TOPK)[None, :])
+    tl.store(NSEL + r, tl.sum((idx != none).to(tl.int32), 1), mask=live)
+
+
+@triton.jit
 def _tf32_part(x):
     """x with its low 13 mantissa bits cleared: exactly a TF32 value, so the tensor cores take it unrounded."""
     return (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
@@ -619,6 +638,28 @@ def kept_by(sel, n_key_blocks=None, causal=False, launch=triton_launch):
     offsets.cumsum_(0)
     launch(kept_by_kernel, (groups * nkb,), *args, FILL=True, **meta)
     return offsets, qblocks
+
+
+def top_blocks(z, topk, launch=triton_launch):
+    """(sel int32 [b, h_kv, nqb, topk], n_sel int32 [b, h_kv, nqb]) from the index scores z [b, h_kv, nqb, nb], -inf
+    wherever a block is not a candidate (index_block_scores' output): each query block's top-k candidates ascending,
+    -1 padded, and their count. select.top_blocks' result (and n_sel) in one launch after the top-k where that
+    takes five tensor ops and two more for the counts: an eager training step is host-bound at 16k tokens."""
+    b, h_kv, nqb, nb = z.shape
+    k = min(topk, nb)
+    sel = torch.empty((b, h_kv, nqb, topk), device=z.device, dtype=torch.int32)
+    n_sel = torch.empty((b, h_kv, nqb), device=z.device, dtype=torch.int32)
+    rows = b * h_kv * nqb
+    if rows == 0:
+        return sel, n_sel
+    if k == 0:
+        return sel.fill_(-1), n_sel.zero_()
+    vals, idx = z.topk(k, dim=-1)
+    block_t = triton.next_power_of_2(topk)
+    per = max(1, min(64, 2048 // block_t))
+    launch(top_finish_kernel, (triton.cdiv(rows, per),), vals, idx, sel, n_sel, rows, k, TOPK=topk, BLOCK_T=block_t,
+           ROWS=per, num_warps=4)
+    return sel, n_sel
 
 
 def pool_index_queries(index_q, cu, batch, max_s, block_size, launch=triton_launch):
