@@ -262,10 +262,10 @@ for step in "$@"; do
                   timeout 150 python3 scripts/bench_sparse_gluon.py --bwd > "$w/sparse-fwdbwd.log" 2>&1
                   tail -n 3 "$w/sparse-fwdbwd.log" ;;
     sparse-sweep) for kv in ${SPARSE_FWD_KNOBS:-64,4,1,0 64,4,1,1 128,2,1,1 128,2,0,0}; do  # the Gluon forward's knobs at 64k
-                    echo "fwd $kv"; WARPFORGE_SPARSE_GLUON_FWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s 65536 \
+                    echo "fwd $kv"; WARPFORGE_SPARSE_GLUON_FWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s ${SWEEP_S:-65536} \
                       --gluon-only 2>&1 | tail -n 1; done > "$w/sparse-sweep.log" 2>&1
-                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0 64,2,128,0,1,0 64,3,64,1,0,0 64,2,64,0,0,0}; do  # the backward's, fwd+bwd
-                    echo "bwd $kv"; WARPFORGE_SPARSE_GLUON_BWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s 65536 \
+                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0,4 64,3,64,1,1,0,1 64,3,64,1,1,0,2 64,3,64,1,1,0,8}; do  # the backward's, fwd+bwd
+                    echo "bwd $kv"; WARPFORGE_SPARSE_GLUON_BWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s ${SWEEP_S:-65536} \
                       --bwd --gluon-only 2>&1 | tail -n 1; done >> "$w/sparse-sweep.log" 2>&1; cat "$w/sparse-sweep.log" ;;
     sparse-locality) for pat in index local; do  # what L2 locality is worth: the same work, scattered or nearest blocks
                        timeout 150 python3 scripts/bench_sparse_gluon.py --s 65536,131072,262144 --bwd --gluon-only \

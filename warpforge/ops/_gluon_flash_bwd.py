@@ -245,13 +245,27 @@ def _build():
         return i
 
     @gluon.jit
+    def _program(s_k, head_group):
+        """(key tile, batch · kv-head slice) of this program of the 1-D grid: slices in groups of head_group, each
+        group's programs key tile by key tile, slice-fastest within a tile. A causal walk is longest at the first keys:
+        in key-tile order, slice after slice (head_group 1), the last slice's long programs start last and run alone
+        at the end (~10% of the sparse backward at 16k tokens, 128 key blocks a slice); groups of 4 start them while
+        3 other slices' work remains, and keep only 4 slices' Q / dO in L2 at a time."""
+        n_kt = (s_k + 127) // 128
+        per = n_kt * head_group
+        pid = gl.program_id(0)
+        r = pid % per
+        return r // head_group, (pid // per) * head_group + r % head_group
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                   lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
-                  QBLOCKS, n_kb, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr,
-                  GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        n0 = gl.program_id(0) * 128
-        b = gl.program_id(1) // H_KV
-        kvh = gl.program_id(1) % H_KV          # with GSPLIT: a slice of GROUP query heads of kv head kvh // GSPLIT
+                  QBLOCKS, n_kb, head_group, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
+                  BS: gl.constexpr, GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        kt, bkv = _program(s_k, head_group)
+        n0 = kt * 128
+        b = bkv // H_KV
+        kvh = bkv % H_KV          # with GSPLIT: a slice of GROUP query heads of kv head kvh // GSPLIT
         kv_head = kvh // GSPLIT
         kv_bytes: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
                                   + idx_desc.block_type.nbytes)
@@ -313,7 +327,8 @@ def _build():
     @gluon.jit
     def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar, ready,
                   empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad,
-                  dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, WG: gl.constexpr,
+                  dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group,
+                  WG: gl.constexpr,
                   D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr,
                   DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
@@ -325,7 +340,8 @@ def _build():
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_N, 16])
         dtype: gl.constexpr = q_bufs.dtype
-        key_lo = gl.program_id(0) * 128 + WG * 64
+        kt, bkv = _program(s_k, head_group)
+        key_lo = kt * 128 + WG * 64
         s_zero = gl.zeros([BLOCK_M, 64], gl.float32, s_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, q_layout)
         dk = gl.zeros([64, D], gl.float32, o_layout)
@@ -335,11 +351,10 @@ def _build():
         limit0 = s_k - 1 - key_lo
         shift = (s_k - s_q) - key_lo
         keys_cut = limit0 < 63
-        first, n_i, n_kept, kept = _walk(gl.program_id(0) * 128, gl.program_id(1) // H_KV,
-                                         (gl.program_id(1) % H_KV) // GSPLIT, H_KV, GSPLIT, s_q, s_k, left, OFFSETS,
-                                         QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, BLOCK_M)
+        first, n_i, n_kept, kept = _walk(kt * 128, bkv // H_KV, (bkv % H_KV) // GSPLIT, H_KV, GSPLIT, s_q, s_k, left,
+                                         OFFSETS, QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, BLOCK_M)
         end = first + n_i
-        bh0 = (gl.program_id(1) // H_KV) * H_Q + (gl.program_id(1) % H_KV) * GROUP   # the group's first query head
+        bh0 = (bkv // H_KV) * H_Q + (bkv % H_KV) * GROUP   # the group's first query head
         # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
         # tile needs them (the mask, dQ's adds): an index vector built from arange would be hoisted out of the loop
         # and hold 8-16 registers for its whole length
@@ -464,9 +479,8 @@ def _build():
         if DQ_SPLIT:
             # the other warpgroup's last dQ has read this warpgroup's K slice before dK is written over it
             mbarrier.wait(ds_free, ((GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
-        b = gl.program_id(1) // H_KV
-        kvh = gl.program_id(1) % H_KV
-        key_lo = gl.program_id(0) * 128 + WG * 64
+        b = bkv // H_KV
+        kvh = bkv % H_KV
         if GSPLIT > 1:
             # GSPLIT programs share this kv head's keys: dK, dV are fp32 partials, reduce-added by TMA into the
             # [2, b · h_kv · s_kpad, D] fp32 accumulator (converted afterwards), staged [64, D] fp32 in the ring's
@@ -505,7 +519,7 @@ def _build():
     @gluon.jit
     def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, dq_desc,
                                dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale,
-                               sm_scale, OFFSETS, QBLOCKS, n_kb, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                               sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, D: gl.constexpr, BLOCK_M: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
                                BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
                                DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -543,14 +557,14 @@ def _build():
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
                          s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
-                         0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
+                         head_group, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
                          s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
-                         1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
+                         head_group, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                          lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
-                         QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES)),
+                         QBLOCKS, n_kb, head_group, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_bwd_gluon_kernel, gl
@@ -597,13 +611,14 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
 
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
-                dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None):
+                dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
     window (query c sees key r only if r >= c + s_k - s_q - left); None: no window. blocks: the sparse walk,
     (offsets, qblocks, block_size) as sparse_kernel.py's dk/dv pass takes them (sparse_kernel.kept_by; block_size a
-    multiple of 128 and of block_m, s_pad a multiple of it); None: dense."""
+    multiple of 128 and of block_m, s_pad a multiple of it); None: dense. head_group: the programs' order (_program:
+    kv-head slices in groups of that many, each group key tile by key tile); it must divide b · h_kv · group_split."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -642,11 +657,14 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     kernel, gl = _build()
     descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if group_split > 1 else None, block_m, dq_n,
                          gl)
-    grid = (-(-s_k // BLOCK_N), b * h_kv * group_split)
+    slices = b * h_kv * group_split
+    if head_group < 1 or slices % head_group:
+        raise ValueError(f"flash_bwd_gluon: head_group must divide the {slices} kv-head slices (got {head_group})")
+    grid = (-(-s_k // BLOCK_N) * slices,)
     # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
     # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
     args = (*descs, dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad, int(left) if window else 0, h_q,
-            h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb)
+            h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb, head_group)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, SPARSE=blocks is not None,
                 BS=bs, GSPLIT=group_split, DQ_N=dq_n,
                 DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
@@ -678,7 +696,7 @@ def _buffers(q, block_m, pad=None):
 
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
-                    dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch):
+                    dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -686,7 +704,8 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     d / 2), dq_tma (dQ staged in shared memory and added by TMA reduce-adds instead of per-thread atomics),
     group_split (GQA: programs per (kv head, key block), each over GROUP / group_split query heads; dK / dV then
     summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none), blocks (the sparse
-    walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch)."""
+    walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch); head_group:
+    the programs' order (launch_args)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -708,7 +727,8 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
            out.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
            BLOCK=PREP_ROWS, ZERO_KV=dkv_acc is not None, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
-                                            block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks)
+                                            block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
+                                            head_group)
     launch(kernel, kgrid, *args, **meta)
     launch(dq_convert_kernel, grid, dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
            H_Q=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)

@@ -64,7 +64,8 @@ def gluon_knobs(d: int) -> tuple[tuple, tuple]:
     """(forward, backward) knobs of the Gluon kernels at head dim d: configs.GLUON_FWD / GLUON_BWD, each tuple
     replaceable whole for sweeps (scripts/bench_sparse_gluon.py, gpu_session.sh's sparse-sweep) through
     WARPFORGE_SPARSE_GLUON_FWD="BLOCK_N,STAGES,PINGPONG,PERSISTENT" and
-    WARPFORGE_SPARSE_GLUON_BWD="BLOCK_M,STAGES,DQ_N,DQ_SPLIT,DQ_TMA,GROUP_SPLIT" (integers; 0/1 for the flags)."""
+    WARPFORGE_SPARSE_GLUON_BWD="BLOCK_M,STAGES,DQ_N,DQ_SPLIT,DQ_TMA,GROUP_SPLIT,HEAD_GROUP" (integers; 0/1 for the
+    flags)."""
     def knobs(name, table):
         given = os.environ.get(name)
         if not given:

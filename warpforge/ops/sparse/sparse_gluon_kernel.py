@@ -22,8 +22,13 @@ def sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, knobs, laun
 def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs, launch):
     """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks); the caller
     checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs: (BLOCK_M, STAGES, DQ_N,
-    DQ_SPLIT, DQ_TMA, GROUP_SPLIT); GROUP_SPLIT 0: one query head per program. launch: as the forward's."""
-    block_m, stages, dq_n, dq_split, dq_tma, want = knobs
+    DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP); GROUP_SPLIT 0: one query head per program; HEAD_GROUP: the programs'
+    order, kv-head slices in groups of (up to) that many (_gluon_flash_bwd._program). launch: as the forward's."""
+    block_m, stages, dq_n, dq_split, dq_tma, want, head_group = knobs
     split = group_split(q.shape[2] // k.shape[2], want, block_m, stages, dq_tma)
+    slices = q.shape[0] * k.shape[2] * split
+    head_group = max(1, min(head_group, slices))
+    while slices % head_group:
+        head_group -= 1
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
-                           blocks=(offsets, qblocks, block_size), launch=launch)
+                           blocks=(offsets, qblocks, block_size), launch=launch, head_group=head_group)
