@@ -43,6 +43,17 @@ def test_knobs_are_the_tables_unless_replaced_whole(monkeypatch):
         api.gluon_knobs(128)
 
 
+def test_backward_head_groups_only_up_to_their_length(monkeypatch):
+    """HEAD_GROUP (the backward's program order) applies up to configs.GLUON_BWD_GROUPED_MAX_KEYS keys; past it the
+    programs go head after head, unless the environment set the knobs (a sweep)."""
+    monkeypatch.delenv("WARPFORGE_SPARSE_GLUON_BWD", raising=False)
+    cap = configs.GLUON_BWD_GROUPED_MAX_KEYS
+    assert api.gluon_bwd_knobs(128, cap) == configs.GLUON_BWD[128]
+    assert api.gluon_bwd_knobs(128, cap + 1) == configs.GLUON_BWD[128][:-1] + (1,)
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,3,64,1,1,0,4")
+    assert api.gluon_bwd_knobs(128, 4 * cap)[-1] == 4
+
+
 def test_gate_off_where_it_does_not_apply(monkeypatch):
     monkeypatch.setenv(configs.GLUON_ENV, "1")
     q = torch.randn(1, 256, 2, 128, dtype=torch.bfloat16)

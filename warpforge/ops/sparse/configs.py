@@ -51,6 +51,9 @@ GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 # dK / dV summed over the group by fp32 TMA reduce-adds, so a popular key block's walk is split GROUP ways). dQ (and
 # dK / dV when split) are sums in arrival order: not bitwise reproducible (GLUON_ENV=0 keeps the deterministic
 # portable pass). HEAD_GROUP: programs ordered key tile by key tile within groups of that many query heads, so the
-# long walks of the first key blocks start early (a list-scheduling model: 1.10x the ideal time at 16k in head order,
-# 1.01x in groups of 4).
+# long walks of the first key blocks start early (scripts/sim_bwd_order.py: 1.10x the ideal time at 16k in head
+# order, 1.01x in groups of 4; measured fwd+bwd at 16k 2.268 -> 2.138 ms, H100, runs/2026-12-06-s27/call3). Only up to
+# GLUON_BWD_GROUPED_MAX_KEYS keys: at 64k the groups' Q / dO / dQ no longer share L2 (9.09 -> 11.93 ms in groups of
+# 4, same call), and the model's gain is < 1% there; past it HEAD_GROUP is 1 (head after head).
 GLUON_BWD = {64: (64, 4, 64, False, True, 0, 4), 128: (64, 3, 64, True, True, 0, 4)}
+GLUON_BWD_GROUPED_MAX_KEYS = 16384
