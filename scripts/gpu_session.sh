@@ -212,6 +212,10 @@ for step in "$@"; do
     attention-gluon) timeout -k 5 90 python3 scripts/bench_attention_gluon.py > "$w/attention_gluon.log" 2>&1; tail -12 "$w/attention_gluon.log"
                      timeout -k 5 100 python3 -m pytest -q -x -m gpu tests/attention/test_attention_gluon.py > "$w/attention_gluon_tests.log" 2>&1
                      tail -3 "$w/attention_gluon_tests.log" ;;
+    attention-head-group) for g in ${HEAD_GROUPS:-1 2}; do  # the backward's program order (configs.GLUON_BWD_HEAD_GROUP)
+                            echo "head group $g"; WARPFORGE_ATTN_GLUON_BWD_HEAD_GROUP=$g timeout 90 python3 \
+                              scripts/bench_attention_gluon.py --bwd 2>&1 | grep -E "^fwd\+bwd|gluon\+gluon|cudnn  "; done \
+                            > "$w/attention-head-group.log" 2>&1; cat "$w/attention-head-group.log" ;;
     attention-gluon-bwd) timeout 75 python3 scripts/bench_attention_gluon.py --bwd --json "$w/attention_gluon_bwd.json" > "$w/bwd_bench.log" 2>&1
                          timeout 115 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py > "$w/bwd_tests.log" 2>&1
                          tail -25 "$w/bwd_bench.log"; tail -3 "$w/bwd_tests.log" ;;

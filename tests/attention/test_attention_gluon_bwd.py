@@ -87,6 +87,15 @@ def test_bad_knobs_are_refused():
         fb.launch_args(*args(128, 64, 2, 128))
     with pytest.raises(ValueError, match="shared memory"):  # DQ_TMA's staging tiles count: 64 KB at d 128
         fb.launch_args(*args(128, 64, 3), dq_tma=True)
+    q, k = torch.empty(2, 8, 4, 64), torch.empty(2, 8, 2, 64)  # 2 · 2 = 4 kv-head slices
+    with pytest.raises(ValueError, match="head_group must divide"):
+        fb.launch_args(q, k, k, q, None, None, None, None, None, 64, 1.0, False, 64, 2, head_group=3)
+
+
+def test_head_group_is_a_divisor_of_the_slices():
+    """The backward's order knob comes down to the largest divisor of the kv-head slices not above what was asked."""
+    assert [fb.head_group(16, w) for w in (0, 1, 4, 5, 16, 64)] == [1, 1, 4, 4, 16, 16]
+    assert fb.head_group(6, 4) == 3 and fb.head_group(5, 4) == 1 and fb.head_group(2, 8) == 2
 
 
 # ------------------------------------------------------------------------------ the barrier protocol, modelled

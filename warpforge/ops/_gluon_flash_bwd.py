@@ -637,6 +637,9 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     group = h_q // h_kv
     if group_split < 1 or group % group_split:
         raise ValueError(f"flash_bwd_gluon: group_split must divide the GQA group {group} (got {group_split})")
+    slices = b * h_kv * group_split
+    if head_group < 1 or slices % head_group:
+        raise ValueError(f"flash_bwd_gluon: head_group must divide the {slices} kv-head slices (got {head_group})")
     s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
     if group_split > 1:
         # the [64, d] fp32 dK / dV staging tile lives in the ring's Q (dO) slots: STAGES · BLOCK_M rows of 16-bit d
@@ -657,9 +660,6 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     kernel, gl = _build()
     descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if group_split > 1 else None, block_m, dq_n,
                          gl)
-    slices = b * h_kv * group_split
-    if head_group < 1 or slices % head_group:
-        raise ValueError(f"flash_bwd_gluon: head_group must divide the {slices} kv-head slices (got {head_group})")
     grid = (-(-s_k // BLOCK_N) * slices,)
     # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
     # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
@@ -682,6 +682,15 @@ def group_split(group: int, want: int, block_m: int, stages: int, dq_tma: bool) 
     while group % split:
         split -= 1
     return split
+
+
+def head_group(slices: int, want: int) -> int:
+    """The programs' order knob for `slices` kv-head slices (b · h_kv · group_split): the largest divisor of slices
+    not above want (>= 1)."""
+    group = max(1, min(want, slices))
+    while slices % group:
+        group -= 1
+    return group
 
 
 def _buffers(q, block_m, pad=None):

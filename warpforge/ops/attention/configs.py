@@ -95,6 +95,10 @@ GLUON_BWD = {
 # process as cuDNN (session 12): split 1 0.818x, 2 0.880x, 4 0.896x, 8 0.959x. d 64: its GPU test passed (session 13), not
 # yet timed against no split.
 GLUON_BWD_GROUP_SPLIT = {128: 0, 64: 1}
+# The backward's program order (ops/_gluon_flash_bwd._program): kv-head slices in groups of this many, key tile by key
+# tile (env WARPFORGE_ATTN_GLUON_BWD_HEAD_GROUP). 1: slice after slice. A scheduling model (NOTES session 27) puts the
+# causal cases' tail at 1.03-1.06x the ideal time in that order and ~1.00x in groups of 2; not yet timed.
+GLUON_BWD_HEAD_GROUP = 1
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
 # kernels. On: the window GPU tests pass on the H200, and b2 h16 s16384 d128 window 4096 fwd+bwd is 1.157x Flex against

@@ -5,6 +5,7 @@ the query blocks that kept its block (the CSR lists of sparse_kernel.kept_by), t
 sparse_kernel.sparse_fwd / sparse_bwd for batched inputs (the backward's sums in arrival order)."""
 from .._gluon_flash_bwd import fits as bwd_fits
 from .._gluon_flash_bwd import flash_bwd_gluon, group_split
+from .._gluon_flash_bwd import head_group as head_groups
 from .._gluon_flash_fwd import available, fits, flash_fwd_gluon
 
 __all__ = ["available", "bwd_fits", "fits", "sparse_bwd_gluon", "sparse_fwd_gluon"]  # available, fits: api's gate
@@ -26,9 +27,6 @@ def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal
     order, kv-head slices in groups of (up to) that many (_gluon_flash_bwd._program). launch: as the forward's."""
     block_m, stages, dq_n, dq_split, dq_tma, want, head_group = knobs
     split = group_split(q.shape[2] // k.shape[2], want, block_m, stages, dq_tma)
-    slices = q.shape[0] * k.shape[2] * split
-    head_group = max(1, min(head_group, slices))
-    while slices % head_group:
-        head_group -= 1
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
-                           blocks=(offsets, qblocks, block_size), launch=launch, head_group=head_group)
+                           blocks=(offsets, qblocks, block_size), launch=launch,
+                           head_group=head_groups(q.shape[0] * k.shape[2] * split, head_group))
