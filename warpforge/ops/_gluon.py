@@ -38,15 +38,22 @@ def _nvmma_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
+# Tritons whose Gluon TensorDescriptor.__post_init__ only validates (read in 3.6's source): there tma_descriptor may
+# set the six fields itself; elsewhere it calls the constructor.
+_DIRECT_DESCRIPTOR_VERSIONS = ("3.6",)
+
+
 @functools.lru_cache(maxsize=None)
 def _descriptor_class():
-    """(Gluon's TensorDescriptor, whether its fields are the six this module sets directly)."""
+    """(Gluon's TensorDescriptor, whether this module may set its six fields directly)."""
     import dataclasses
 
+    import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     fields = tuple(f.name for f in dataclasses.fields(TensorDescriptor)) if dataclasses.is_dataclass(
         TensorDescriptor) else ()
-    return TensorDescriptor, fields == ("base", "shape", "strides", "block_shape", "layout", "padding")
+    return TensorDescriptor, (triton.__version__.startswith(_DIRECT_DESCRIPTOR_VERSIONS)
+                              and fields == ("base", "shape", "strides", "block_shape", "layout", "padding"))
 
 
 def tma_descriptor(t, block, dtype):

@@ -727,14 +727,20 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     s_pad, lse2, delta, dq_acc = _buffers(q, block_m, None if blocks is None else blocks[2])
     h_kv = k.shape[2]
     dkv_acc = None
-    if group_split > 1:  # zeroed by the prep kernel
-        s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
-        dkv_acc = torch.empty((2, b * h_kv * s_kpad, d), device=q.device, dtype=torch.float32)
     grid = (b * h_q, s_pad // PREP_ROWS)
+    kv_rows = 0
+    if group_split > 1:
+        s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
+        kv_rows = 2 * b * h_kv * s_kpad
+        # zeroed by the prep kernel while that spreads it over its programs (a few row tiles each); keys much longer
+        # than the queries (a context-parallel chunk) would leave it to a few programs: torch.zeros then
+        zero_kv = kv_rows <= 4 * grid[0] * grid[1] * PREP_ROWS
+        dkv_acc = (torch.empty if zero_kv else torch.zeros)((2, b * h_kv * s_kpad, d), device=q.device,
+                                                             dtype=torch.float32)
+        kv_rows = kv_rows if zero_kv else 0
     launch(bwd_prep_kernel, grid, out, do, lse, lse2, delta, dq_acc, dkv_acc if dkv_acc is not None else dq_acc, s_q,
-           s_pad, dkv_acc.shape[0] * dkv_acc.shape[1] if dkv_acc is not None else 0, out.stride(0), out.stride(1),
-           out.stride(2), do.stride(0), do.stride(1), do.stride(2), lse.stride(0), lse.stride(1), H_Q=h_q, D=d,
-           BLOCK=PREP_ROWS, ZERO_KV=dkv_acc is not None, num_warps=4)
+           s_pad, kv_rows, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1), do.stride(2),
+           lse.stride(0), lse.stride(1), H_Q=h_q, D=d, BLOCK=PREP_ROWS, ZERO_KV=kv_rows > 0, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
                                             head_group)
