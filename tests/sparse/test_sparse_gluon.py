@@ -43,15 +43,16 @@ def test_knobs_are_the_tables_unless_replaced_whole(monkeypatch):
         api.gluon_knobs(128)
 
 
-def test_backward_head_groups_only_up_to_their_length(monkeypatch):
-    """HEAD_GROUP (the backward's program order) applies up to configs.GLUON_BWD_GROUPED_MAX_KEYS keys; past it the
-    programs go head after head, unless the environment set the knobs (a sweep)."""
+def test_backward_head_groups_fit_their_working_set(monkeypatch):
+    """HEAD_GROUP (the backward's program order) is capped so that the group's Q, dO and dQ accumulator fit
+    configs.GLUON_BWD_GROUP_BYTES: the table's 4 at 16k (d 128), 2 at 32k, 1 (head after head) at 64k and past; knobs
+    the environment set are taken as given (a sweep)."""
     monkeypatch.delenv("WARPFORGE_SPARSE_GLUON_BWD", raising=False)
-    cap = configs.GLUON_BWD_GROUPED_MAX_KEYS
-    assert api.gluon_bwd_knobs(128, cap) == configs.GLUON_BWD[128]
-    assert api.gluon_bwd_knobs(128, cap + 1) == configs.GLUON_BWD[128][:-1] + (1,)
+    table = configs.GLUON_BWD[128]
+    assert [api.gluon_bwd_knobs(128, s)[-1] for s in (1024, 16384, 32768, 65536, 1 << 20)] == [4, 4, 2, 1, 1]
+    assert api.gluon_bwd_knobs(128, 65536)[:-1] == table[:-1]
     monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,3,64,1,1,0,4")
-    assert api.gluon_bwd_knobs(128, 4 * cap)[-1] == 4
+    assert api.gluon_bwd_knobs(128, 65536)[-1] == 4
 
 
 def test_gate_off_where_it_does_not_apply(monkeypatch):

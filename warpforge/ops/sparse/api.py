@@ -78,14 +78,15 @@ def gluon_knobs(d: int) -> tuple[tuple, tuple]:
             knobs("WARPFORGE_SPARSE_GLUON_BWD", configs.GLUON_BWD[d]))
 
 
-def gluon_bwd_knobs(d: int, s_k: int) -> tuple:
-    """The Gluon backward's knobs for s_k keys: gluon_knobs' (the table's or the environment's), HEAD_GROUP 1 past
-    configs.GLUON_BWD_GROUPED_MAX_KEYS unless the environment set the knobs (head after head: its L2 locality wins
-    there)."""
+def gluon_bwd_knobs(d: int, s_q: int) -> tuple:
+    """The Gluon backward's knobs for s_q queries of head dim d: gluon_knobs' (the table's or the environment's), the
+    table's HEAD_GROUP capped so that the group's Q, dO and dQ accumulator (8 · d bytes a query a head) stay within
+    configs.GLUON_BWD_GROUP_BYTES (their L2 locality; at least 1). Knobs the environment set are taken as given."""
     knobs = gluon_knobs(d)[1]
-    if s_k > configs.GLUON_BWD_GROUPED_MAX_KEYS and not os.environ.get("WARPFORGE_SPARSE_GLUON_BWD"):
-        knobs = knobs[:-1] + (1,)
-    return knobs
+    if os.environ.get("WARPFORGE_SPARSE_GLUON_BWD"):
+        return knobs
+    fits_l2 = configs.GLUON_BWD_GROUP_BYTES // max(1, 8 * d * s_q)
+    return knobs[:-1] + (max(1, min(knobs[-1], fits_l2)),)
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
@@ -118,7 +119,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale,
-                                       gluon_bwd_knobs(q.shape[-1], k.shape[1]), cached_launch)
+                                       gluon_bwd_knobs(q.shape[-1], q.shape[1]), cached_launch)
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
     return sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,

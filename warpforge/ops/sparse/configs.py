@@ -52,8 +52,10 @@ GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 # dK / dV when split) are sums in arrival order: not bitwise reproducible (GLUON_ENV=0 keeps the deterministic
 # portable pass). HEAD_GROUP: programs ordered key tile by key tile within groups of that many query heads, so the
 # long walks of the first key blocks start early (scripts/sim_bwd_order.py: 1.10x the ideal time at 16k in head
-# order, 1.01x in groups of 4; measured fwd+bwd at 16k 2.268 -> 2.138 ms, H100, runs/2026-12-06-s27/call3). Only up to
-# GLUON_BWD_GROUPED_MAX_KEYS keys: at 64k the groups' Q / dO / dQ no longer share L2 (9.09 -> 11.93 ms in groups of
-# 4, same call), and the model's gain is < 1% there; past it HEAD_GROUP is 1 (head after head).
+# order, 1.01x in groups of 4; measured fwd+bwd at 16k 2.268 -> 2.138 ms, H100, runs/2026-12-06-s27/call3). Capped so
+# that the group's Q, dO (16-bit) and dQ accumulator (fp32), 8 · d bytes a query a head, stay within
+# GLUON_BWD_GROUP_BYTES: the measured win at 16k, d 128, groups of 4 holds 64 MB, the measured loss at 64k, groups of 4,
+# 256 MB (9.09 -> 11.93 ms, same call), and head after head at 64k holds 64 MB. 32k gets groups of 2 by the rule (the
+# model: 1.05x -> 1.01x), not yet timed.
 GLUON_BWD = {64: (64, 4, 64, False, True, 0, 4), 128: (64, 3, 64, True, True, 0, 4)}
-GLUON_BWD_GROUPED_MAX_KEYS = 16384
+GLUON_BWD_GROUP_BYTES = 64 << 20
