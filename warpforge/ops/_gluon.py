@@ -60,8 +60,9 @@ def tma_descriptor(t, block, dtype):
     """A host TMA descriptor over t with [block] boxes in shared memory's default swizzled layout for dtype (a Gluon
     dtype). The layout is a pure function of (block, dtype) and costs ~5 us of Python to build: built once, where an
     eager call builds up to a dozen descriptors a launch. The descriptor's own checks (alignment, box sizes, dtype
-    names: ~10 us of an H200 host's Python each) are skipped where the class is the dataclass they run in: the
-    callers' fits() checked the tensors with tma_addressable, and the boxes are the kernels' constants."""
+    names; with them a descriptor took ~5 us of this 2-core CPU's Python, without ~1) are skipped where the class is
+    the dataclass they run in: the callers' fits() checked the tensors with tma_addressable, and the boxes are the
+    kernels' constants."""
     cls, direct = _descriptor_class()
     layout = _nvmma_layout(tuple(block), dtype)
     if not direct:

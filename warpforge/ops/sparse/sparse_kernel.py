@@ -619,8 +619,9 @@ def kept_by(sel, n_key_blocks=None, causal=False, launch=triton_launch):
     last blocks of the keys). causal: the lists were made causal (query block i's entries lie before key block
     i + nkb - nqb), so a key block's walk skips the query blocks that cannot hold it (an entry breaking that is not
     found). Each program scans the lists of every query block that can hold its key block: ~nkb · nqb · topk / 2
-    entries a pass over a causal group, read from L2 (at 1M tokens ~4 GB a pass; time it there). Four launches (the zeros, the count, its running
-    sum, the fill) where sorting the entries by key took a dozen: an eager training step is host-bound at 16k tokens."""
+    entries a pass over a causal group, read from L2 (~4 GB a pass at 1M tokens; the 1M step did not slow: 195 ->
+    193 ms, H200, benchmarks/NOTES.md session 27). Four launches (the zeros, the count, its running sum, the fill)
+    where sorting the entries by key took a dozen: an eager training step is host-bound at 16k tokens."""
     b, h_kv, nqb, topk = sel.shape
     nkb = nqb if n_key_blocks is None else n_key_blocks
     groups = b * h_kv
