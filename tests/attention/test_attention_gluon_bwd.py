@@ -278,6 +278,24 @@ def test_prep_kernel_statistics_and_zeros(kv_rows):
     assert bool((kv == 0).all()) if kv_rows else bool((kv == 7.0).all())
 
 
+@pytest.mark.parametrize("pair", [False, True])
+def test_convert_kernel_single_and_pair(pair):
+    """The conversion pass (plain Triton): accumulator [b · h, s_pad, d] · scale into [b, s, h, d] in the output's
+    dtype, padded rows dropped; a grid of depth 2 converts dK and dV (accumulator [2, ...]) in one launch."""
+    from warpforge.ops import _gluon_flash_bwd as gb
+    b, s, h, d, s_pad = 2, 100, 3, 64, 128
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    acc = torch.randn(1 + pair, b * h, s_pad, d, device=dev)
+    outs = [torch.full((b, s, h, d), 7.0, device=dev, dtype=torch.float16) for _ in range(1 + pair)]
+    scale = 1.0 if pair else 0.5
+    gb.dq_convert_kernel[(b * h, s_pad // gb.PREP_ROWS, 1 + pair)](
+        acc, outs[0], outs[-1], s, s_pad, scale, outs[0].stride(0), outs[0].stride(1), outs[0].stride(2), H_Q=h, D=d,
+        BLOCK=gb.PREP_ROWS)
+    for i, out in enumerate(outs):
+        want = (acc[i, :, :s] * scale).view(b, h, s, d).permute(0, 2, 1, 3).half()
+        assert torch.equal(out, want), i
+
+
 def test_barrier_protocol_model():
     """Every interleaving tried finishes, each consumer reads every tile exactly when it has landed, and no slot is
     refilled while a consumer reads it: stages 2-4, items 0-9 (the GQA group times the query tiles)."""

@@ -151,17 +151,24 @@ def bwd_prep_kernel(OUT, DO, LSE, LSE2, DELTA, DQ_ACC, KV_ACC, s_q, s_pad, kv_ro
 
 
 @triton.jit
-def dq_convert_kernel(DQ_ACC, DQ, s_q, s_pad, scale, stride_qb, stride_qs, stride_qh, H_Q: tl.constexpr,
+def dq_convert_kernel(DQ_ACC, DQ, DQ2, s_q, s_pad, scale, stride_qb, stride_qs, stride_qh, H_Q: tl.constexpr,
                       D: tl.constexpr, BLOCK: tl.constexpr):
-    """dq [b, s, h, d] = accumulator [b · h, s_pad, d] · scale, in dq's dtype."""
+    """dq [b, s, h, d] = accumulator [b · h, s_pad, d] · scale, in dq's dtype. A grid of depth 2 converts two such
+    pairs in one launch (dK and dV: accumulator [2, b · h, s_pad, d], the second into DQ2, strided like DQ)."""
     bh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    second = tl.program_id(2)
     cols = tl.arange(0, D)
     b = (bh // H_Q).to(tl.int64)
     h = (bh % H_Q).to(tl.int64)
-    acc = tl.load(DQ_ACC + (bh.to(tl.int64) * s_pad + rows)[:, None] * D + cols[None, :])
-    tl.store(DQ + b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qs + cols[None, :],
-             (acc * scale).to(DQ.dtype.element_ty), mask=(rows < s_q)[:, None])
+    acc_rows = (second * tl.num_programs(0) + bh).to(tl.int64) * s_pad + rows
+    acc = tl.load(DQ_ACC + acc_rows[:, None] * D + cols[None, :])
+    at = b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qs + cols[None, :]
+    live = (rows < s_q)[:, None]
+    if second == 0:
+        tl.store(DQ + at, (acc * scale).to(DQ.dtype.element_ty), mask=live)
+    else:
+        tl.store(DQ2 + at, (acc * scale).to(DQ2.dtype.element_ty), mask=live)
 
 
 # ------------------------------------------------------------------------------------------------- Gluon
@@ -747,13 +754,11 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
                                             head_group)
     launch(kernel, kgrid, *args, **meta)
-    launch(dq_convert_kernel, grid, dq_acc, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
+    launch(dq_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
            H_Q=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
-    if group_split > 1:  # dK (already scaled) and dV from their fp32 sums, like dq
-        kgrid2 = (b * h_kv, s_kpad // PREP_ROWS)
-        for acc, t in ((dkv_acc[0], dk), (dkv_acc[1], dv)):
-            launch(dq_convert_kernel, kgrid2, acc, t, s_k, s_kpad, 1.0, t.stride(0), t.stride(1), t.stride(2),
-                   H_Q=h_kv, D=d, BLOCK=PREP_ROWS, num_warps=4)
+    if group_split > 1:  # dK (already scaled) and dV from their fp32 sums, like dq, in one launch
+        launch(dq_convert_kernel, (b * h_kv, s_kpad // PREP_ROWS, 2), dkv_acc, dk, dv, s_k, s_kpad, 1.0, dk.stride(0),
+               dk.stride(1), dk.stride(2), H_Q=h_kv, D=d, BLOCK=PREP_ROWS, num_warps=4)
     return dq, dk, dv
 
 
