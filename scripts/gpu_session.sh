@@ -216,6 +216,12 @@ for step in "$@"; do
                             echo "head group $g"; WARPFORGE_ATTN_GLUON_BWD_HEAD_GROUP=$g timeout 90 python3 \
                               scripts/bench_attention_gluon.py --bwd 2>&1 | grep -E "^fwd\+bwd|gluon\+gluon|cudnn  "; done \
                             > "$w/attention-head-group.log" 2>&1; cat "$w/attention-head-group.log" ;;
+    key-rows-tests) timeout 150 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py -k "knobs or key_rows" \
+                      > "$w/key_rows_tests.log" 2>&1; tail -n 5 "$w/key_rows_tests.log"  # the backward's KEY_ROWS step
+                    WARPFORGE_SPARSE_GLUON_BWD=64,3,64,1,1,0,4,1 timeout 120 python3 -m pytest -q -m gpu tests/sparse \
+                      > "$w/key_rows_sparse_tests.log" 2>&1; tail -n 5 "$w/key_rows_sparse_tests.log" ;;
+    key-rows-bench) timeout 150 python3 scripts/bench_attention_gluon.py --bwd --key-rows --bwd-cases ${KR_CASES:-0,1,4} \
+                      > "$w/key_rows_bench.log" 2>&1; grep -E "fwd\+bwd b|gluon\+gluon|cudnn|FAILED" "$w/key_rows_bench.log" | cut -c1-150 ;;
     attention-gluon-bwd) timeout 75 python3 scripts/bench_attention_gluon.py --bwd --json "$w/attention_gluon_bwd.json" > "$w/bwd_bench.log" 2>&1
                          timeout 115 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py > "$w/bwd_tests.log" 2>&1
                          tail -25 "$w/bwd_bench.log"; tail -3 "$w/bwd_tests.log" ;;
@@ -268,7 +274,7 @@ for step in "$@"; do
     sparse-sweep) for kv in ${SPARSE_FWD_KNOBS:-64,4,1,0 64,4,1,1 128,2,1,1 128,2,0,0}; do  # the Gluon forward's knobs at 64k
                     echo "fwd $kv"; WARPFORGE_SPARSE_GLUON_FWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s ${SWEEP_S:-65536} \
                       --gluon-only 2>&1 | tail -n 1; done > "$w/sparse-sweep.log" 2>&1
-                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0,4 64,3,64,1,1,0,1 64,3,64,1,1,0,2 64,3,64,1,1,0,8}; do  # the backward's, fwd+bwd
+                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0,4,0 64,3,64,1,1,0,4,1 64,3,64,1,1,0,1,0 64,3,64,1,1,0,1,1}; do  # the backward's, fwd+bwd
                     echo "bwd $kv"; WARPFORGE_SPARSE_GLUON_BWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s ${SWEEP_S:-65536} \
                       --bwd --gluon-only 2>&1 | tail -n 1; done >> "$w/sparse-sweep.log" 2>&1; cat "$w/sparse-sweep.log" ;;
     sparse-locality) for pat in index local; do  # what L2 locality is worth: the same work, scattered or nearest blocks

@@ -36,10 +36,10 @@ def test_knobs_are_the_tables_unless_replaced_whole(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert api.gluon_knobs(128) == (configs.GLUON_FWD[128], configs.GLUON_BWD[128])
     monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_FWD", "64,4,1,0")
-    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2,128,0,1,2,1")
-    assert api.gluon_knobs(64) == ((64, 4, True, False), (64, 2, 128, False, True, 2, 1))
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2,128,0,1,2,1,1")
+    assert api.gluon_knobs(64) == ((64, 4, True, False), (64, 2, 128, False, True, 2, 1, True))
     monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2")
-    with pytest.raises(ValueError, match="7 comma-separated"):
+    with pytest.raises(ValueError, match="8 comma-separated"):
         api.gluon_knobs(128)
 
 
@@ -49,10 +49,11 @@ def test_backward_head_groups_fit_their_working_set(monkeypatch):
     the environment set are taken as given (a sweep)."""
     monkeypatch.delenv("WARPFORGE_SPARSE_GLUON_BWD", raising=False)
     table = configs.GLUON_BWD[128]
-    assert [api.gluon_bwd_knobs(128, s)[-1] for s in (1024, 16384, 32768, 65536, 1 << 20)] == [4, 4, 2, 1, 1]
-    assert api.gluon_bwd_knobs(128, 65536)[:-1] == table[:-1]
-    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,3,64,1,1,0,4")
-    assert api.gluon_bwd_knobs(128, 65536)[-1] == 4
+    assert [api.gluon_bwd_knobs(128, s)[6] for s in (1024, 16384, 32768, 65536, 1 << 20)] == [4, 4, 2, 1, 1]
+    knobs = api.gluon_bwd_knobs(128, 65536)
+    assert knobs[:6] == table[:6] and knobs[7:] == table[7:]
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,3,64,1,1,0,4,0")
+    assert api.gluon_bwd_knobs(128, 65536)[6] == 4
 
 
 def test_gate_off_where_it_does_not_apply(monkeypatch):

@@ -58,6 +58,13 @@ Three launches:
      P tile's warpgroup barrier, which holds the other threads). Shared memory: +32 KB with the split (d 128), +64 KB
      without (d 128, 2 stages: 226 KB of 227). With DQ_TMA, DQ_N may be D (one full-width dQ wgmma and one reduce per
      step; ~180 B of loop scalars spill at d 128).
+   - KEY_ROWS (a knob, off by default; BLOCK_M 64 with DQ_SPLIT and DQ_TMA): the step transposed, FA3's order (its
+     SdP_swapAB with dV / dK's A operand in registers). Sᵀ = K_w · Q_iᵀ and dPᵀ = V_w · dO_iᵀ ([64 keys, 64 queries],
+     lse and delta per column) are issued together, so dPᵀ computes during the exp2s; Pᵀ and dSᵀ, converted to the
+     wgmma's register A layout, feed dV_w += Pᵀ · dO_i and dK_w += dSᵀ · Q_i directly: no P tile in shared memory,
+     no P reload, one barrier less a step. dSᵀ still goes to shared memory, for the dQ wgmmas (read transposed), in
+     two tiles a warpgroup by the step's parity: a tile's last readers (both warpgroups' dQ of step it - 2) are done
+     once the other warpgroup's ds_full arrival of step it - 1 was seen, so the ds_free wait before the step goes.
    - epilogue: dK_w · scale and dV_w to 16-bit, written into the warpgroup's own K / V slices (nothing reads them
      any more) and stored by TMA (rows past s_k clipped).
    - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
@@ -104,7 +111,7 @@ WG_KEYS = 64
 PREP_ROWS = 64          # query rows per program of the prep kernel (BLOCK_M is a multiple of it)
 
 __all__ = ["BLOCK_N", "GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compile_sm90", "fits", "flash_bwd_gluon",
-           "group_split", "launch_args", "smem_bytes"]
+           "group_split", "key_rows_fits", "launch_args", "smem_bytes"]
 
 
 def smem_bytes(d: int, block_m: int, stages: int, dq_n: int = 64, dq_split: bool = False, dq_tma: bool = False) -> int:
@@ -321,6 +328,25 @@ def _build():
         p_smem.store(p.to(p_smem.dtype))
 
     @gluon.jit
+    def _probs_t(st, lse2, idx_smem, m0, limit0, shift, left, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                 WINDOW: gl.constexpr, st_layout: gl.constexpr):
+        """KEY_ROWS: Pᵀ [64 keys, 64 queries m0 ..] = exp2(Sᵀ · scale2 − lse2) (lse2 [1, 64] broadcast over the keys),
+        returned fp32 (it stays in registers). Key row r (from the warpgroup's first key) is seen by query column c
+        iff r <= limit0 and, causal, r <= m0 + c + shift; WINDOW, also r >= m0 + c + shift − left. The rows come from
+        an arange (two registers a thread), the columns from the shared table."""
+        p = gl.exp2(st * qk_scale - lse2)
+        if MASK:
+            rows = gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
+            cols = idx_smem.load(st_layout)                 # [1, 64]: 0 .. 63
+            ok = (cols >= 0) & (rows <= limit0)[:, None]
+            if CAUSAL:
+                ok = ok & (cols >= (rows - m0 - shift)[:, None])
+            if WINDOW:
+                ok = ok & (cols <= (rows - m0 - shift + left)[:, None])
+            p = gl.where(ok, p, 0.0)
+        return p
+
+    @gluon.jit
     def _dq_add(dq_head, idx_smem, m0, c0, dq, q_layout: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                 DQ_N: gl.constexpr):
         """Relaxed fp32 atomic adds of one [BLOCK_M, DQ_N] chunk of dQ into the accumulator at (m0, c0). The offsets
@@ -338,18 +364,23 @@ def _build():
                   WG: gl.constexpr,
                   D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr,
-                  DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr):
-        # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers)
+                  DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr):
+        # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers);
+        # KEY_ROWS: their transposes [64 keys, 64 queries] (st_layout), Pᵀ and dSᵀ the A operands of dV and dK
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
         q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, DQ_N, 16])
+        st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, BLOCK_M, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q_bufs.dtype
         kt, bkv = _program(s_k, head_group)
         key_lo = kt * 128 + WG * 64
         s_zero = gl.zeros([BLOCK_M, 64], gl.float32, s_layout)
+        st_zero = gl.zeros([64, BLOCK_M], gl.float32, st_layout)
         dq_zero = gl.zeros([BLOCK_M, DQ_N], gl.float32, q_layout)
         dk = gl.zeros([64, D], gl.float32, o_layout)
         dv = gl.zeros([64, D], gl.float32, o_layout)
@@ -380,48 +411,79 @@ def _build():
             k = k_bufs.index(WG + z).reshape([64, D])
             v = v_bufs.index(WG + z).reshape([64, D])
             p_smem = p_bufs.index(WG + z)                   # [BLOCK_M, 64 keys]
-            ds_smem = ds_bufs.index(WG + z)
+            if KEY_ROWS:  # dSᵀ [64 keys, 64 queries], two tiles a warpgroup by the step's parity
+                ds_smem = ds_bufs.index(2 * (it & 1) + WG + z)
+            else:
+                ds_smem = ds_bufs.index(WG + z)
             m0 = i * BLOCK_M
             slot = it % STAGES
             mbarrier.wait(ready.index(slot), (it // STAGES) & 1)
             if DQ_SPLIT:
-                # both warpgroups' dQ of the previous tile have read this warpgroup's dS tile (and the P tile is free
-                # anyway); waited here, where few registers are live (fresh barrier: the first pass is free)
-                mbarrier.wait(ds_free, (it & 1) ^ 1)
+                if not KEY_ROWS:
+                    # both warpgroups' dQ of the previous tile have read this warpgroup's dS tile (and the P tile is
+                    # free anyway); waited here, where few registers are live (fresh barrier: the first pass is free).
+                    # KEY_ROWS alternates two dS tiles: their last readers, both dQs of step it - 2, completed before
+                    # the other warpgroup's ds_full arrival of step it - 1, which this one waited for
+                    mbarrier.wait(ds_free, (it & 1) ^ 1)
             q = q_bufs.index(slot).reshape([BLOCK_M, D])
             do = do_bufs.index(slot).reshape([BLOCK_M, D])
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            lse2 = lse_bufs.index(slot).permute((1, 0)).load(s_layout)     # [BLOCK_M, 1]
-            s = warpgroup_mma_wait(0, deps=(s_tok, ))
             masked = keys_cut
             if CAUSAL:
                 masked = masked | (m0 + shift < 63)
             if WINDOW:  # the tile's last row does not see the warpgroup's first key (column 0)
                 masked = masked | (m0 + BLOCK_M - 1 + shift - left > 0)
-            if masked:
-                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, True, CAUSAL, WINDOW, s_layout,
-                       BLOCK_M)
+            if KEY_ROWS:
+                # FA3's order (its SdP_swapAB): Sᵀ = K_w · Q_iᵀ and dPᵀ = V_w · dO_iᵀ issued together, so that dPᵀ
+                # computes during the exp2s; Pᵀ and dSᵀ stay in registers as the A operands of dV += Pᵀ · dO_i and
+                # dK += dSᵀ · Q_i (no P tile in shared memory, no reloads); dSᵀ goes to shared memory for dQ only
+                st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                lse2 = lse_bufs.index(slot).load(st_layout)                  # [1, BLOCK_M]
+                st = warpgroup_mma_wait(1, deps=(st_tok, ))
+                if masked:
+                    pt = _probs_t(st, lse2, idx_smem, m0, limit0, shift, left, qk_scale, True, CAUSAL, WINDOW,
+                                  st_layout)
+                else:
+                    pt = _probs_t(st, lse2, idx_smem, m0, limit0, shift, left, qk_scale, False, CAUSAL, WINDOW,
+                                  st_layout)
+                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+                delta = dl_bufs.index(slot).load(st_layout)
+                dst = (pt * (dpt - delta)).to(dtype)
+                dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
+                ds_smem.store(dst)
+                if DQ_TMA:  # the previous step's dQ reduce-add has read its staging tile (see below)
+                    tma.store_wait(0)
+                fence_async_shared()
+                gl.thread_barrier()                        # the whole dSᵀ tile is in shared memory
+                dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
             else:
-                _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, False, CAUSAL, WINDOW, s_layout,
-                       BLOCK_M)
-            # P goes to shared memory (dV's A operand) and is read back for dS after dP: no fp32 or 16-bit copy of P
-            # stays in registers while dP is in flight beside dK and dV
-            if DQ_TMA:
-                # the previous step's dQ reduce-adds have read their staging tiles (the issuing thread waits; the
-                # barrier below holds the warpgroup until it has) before this step's dQ overwrites them
-                tma.store_wait(0)
-            fence_async_shared()
-            gl.thread_barrier()                            # the whole P tile is in shared memory
-            dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)     # dV += Pᵀ · dO
-            dp = warpgroup_mma_wait(1, deps=(dp_tok, ))    # dP done; dV may still run
-            delta = dl_bufs.index(slot).permute((1, 0)).load(s_layout)
-            p = p_smem.load(s_layout)
-            ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
-            ds_smem.store(ds)
-            fence_async_shared()
-            gl.thread_barrier()                            # the whole dS tile is in shared memory
-            dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)     # dK += dSᵀ · Q
+                s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                lse2 = lse_bufs.index(slot).permute((1, 0)).load(s_layout)     # [BLOCK_M, 1]
+                s = warpgroup_mma_wait(0, deps=(s_tok, ))
+                if masked:
+                    _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, True, CAUSAL, WINDOW,
+                           s_layout, BLOCK_M)
+                else:
+                    _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, False, CAUSAL, WINDOW,
+                           s_layout, BLOCK_M)
+                # P goes to shared memory (dV's A operand) and is read back for dS after dP: no fp32 or 16-bit copy
+                # of P stays in registers while dP is in flight beside dK and dV
+                if DQ_TMA:
+                    # the previous step's dQ reduce-adds have read their staging tiles (the issuing thread waits; the
+                    # barrier below holds the warpgroup until it has) before this step's dQ overwrites them
+                    tma.store_wait(0)
+                fence_async_shared()
+                gl.thread_barrier()                        # the whole P tile is in shared memory
+                dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                dv_tok = warpgroup_mma(p_smem.permute((1, 0)), do, dv, is_async=True)     # dV += Pᵀ · dO
+                dp = warpgroup_mma_wait(1, deps=(dp_tok, ))  # dP done; dV may still run
+                delta = dl_bufs.index(slot).permute((1, 0)).load(s_layout)
+                p = p_smem.load(s_layout)
+                ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
+                ds_smem.store(ds)
+                fence_async_shared()
+                gl.thread_barrier()                        # the whole dS tile is in shared memory
+                dk_tok = warpgroup_mma(ds_smem.permute((1, 0)), q, dk, is_async=True)     # dK += dSᵀ · Q
             if DQ_SPLIT:
                 # dQ = dS · K over all 128 keys (both warpgroups' dS tiles), this warpgroup's half of the columns:
                 # one [BLOCK_M, D / 2] partial per tile pair instead of two [BLOCK_M, D] ones (half the atomics)
@@ -429,8 +491,14 @@ def _build():
                 mbarrier.wait(ds_full, it & 1)
                 k0 = k_bufs.index(z).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
                 k1 = k_bufs.index(1 + z).reshape([64, D]).slice(WG * DQ_N, DQ_N, dim=1)
-                dq_tok = warpgroup_mma(ds_bufs.index(z), k0, dq_zero, use_acc=False, is_async=True)
-                dq_tok = warpgroup_mma(ds_bufs.index(1 + z), k1, dq_tok, is_async=True)
+                if KEY_ROWS:  # the step's dSᵀ tiles, read transposed
+                    ds0 = ds_bufs.index(2 * (it & 1) + z).permute((1, 0))
+                    ds1 = ds_bufs.index(2 * (it & 1) + 1 + z).permute((1, 0))
+                else:
+                    ds0 = ds_bufs.index(z)
+                    ds1 = ds_bufs.index(1 + z)
+                dq_tok = warpgroup_mma(ds0, k0, dq_zero, use_acc=False, is_async=True)
+                dq_tok = warpgroup_mma(ds1, k1, dq_tok, is_async=True)
                 dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
                 if DQ_TMA:
                     dq_bufs.index(WG).store(dq)
@@ -529,8 +597,8 @@ def _build():
                                sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, D: gl.constexpr, BLOCK_M: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
                                BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
-                               DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                               PRODUCER_REGS: gl.constexpr):
+                               DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -538,8 +606,12 @@ def _build():
         lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
         dl_bufs = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], q_desc.dtype)
-        p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
-        ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
+        if KEY_ROWS:  # no P tiles; dSᵀ [64, 64] tiles, two a warpgroup (the same bytes)
+            ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, 64, BLOCK_M], ds_layout)
+            p_bufs = ds_bufs  # unused
+        else:
+            p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
+            ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
         idx_smem = gl.allocate_shared_memory(idx_desc.dtype, idx_desc.block_type.shape, idx_desc.layout)
         if DQ_TMA:  # fp32 dQ staging tiles for the TMA reduce-adds: per warpgroup one per dQ chunk of a step
             N_DQ: gl.constexpr = 2 if DQ_SPLIT else 2 * (D // DQ_N)
@@ -564,11 +636,13 @@ def _build():
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
                          s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
-                         head_group, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
+                         head_group, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
+                         KEY_ROWS)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
                          s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
-                         head_group, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA)),
+                         head_group, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
+                         KEY_ROWS)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                          lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
                          QBLOCKS, n_kb, head_group, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES)),
@@ -618,14 +692,17 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
 
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
-                dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1):
+                dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1,
+                key_rows=False):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
     window (query c sees key r only if r >= c + s_k - s_q - left); None: no window. blocks: the sparse walk,
     (offsets, qblocks, block_size) as sparse_kernel.py's dk/dv pass takes them (sparse_kernel.kept_by; block_size a
     multiple of 128 and of block_m, s_pad a multiple of it); None: dense. head_group: the programs' order (_program:
-    kv-head slices in groups of that many, each group key tile by key tile); it must divide b · h_kv · group_split."""
+    kv-head slices in groups of that many, each group key tile by key tile); it must divide b · h_kv · group_split.
+    key_rows: S, dP, P and dS computed transposed (keys as the wgmma's rows; Pᵀ and dSᵀ the register A operands of dV
+    and dK: FA3's order), with BLOCK_M 64, dq_split and dq_tma."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -637,6 +714,8 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     if dq_n not in (16, 32, 64, 128) or d % dq_n or (dq_n > 64 and not dq_tma):
         raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 (128: with dq_tma) and divide d {d} "
                          f"(got {dq_n})")
+    if key_rows and not key_rows_fits(block_m, dq_split, dq_tma):
+        raise ValueError("flash_bwd_gluon: key_rows needs BLOCK_M 64, dq_split and dq_tma")
     check_smem("flash_bwd_gluon", smem_bytes(d, block_m, stages, dq_n, dq_split, dq_tma),
                f"BLOCK_M {block_m} x {stages} stages at d {d} (dq_n {dq_n}, split {dq_split}, tma {dq_tma})")
     b, s_q, h_q, _ = q.shape
@@ -674,9 +753,15 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
             h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb, head_group)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, SPARSE=blocks is not None,
                 BS=bs, GSPLIT=group_split, DQ_N=dq_n,
-                DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), CONSUMER_REGS=CONSUMER_REGS,
+                DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), KEY_ROWS=bool(key_rows), CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
+
+
+def key_rows_fits(block_m: int, dq_split: bool, dq_tma: bool) -> bool:
+    """Whether the knobs can take KEY_ROWS (the transposed step): BLOCK_M 64 (the dSᵀ tiles are [64, 64]), dQ split
+    between the warpgroups (the step's only dS exchange) and reduced by TMA."""
+    return block_m == 64 and bool(dq_split) and bool(dq_tma)
 
 
 def group_split(group: int, want: int, block_m: int, stages: int, dq_tma: bool) -> int:
@@ -714,7 +799,8 @@ def _buffers(q, block_m, pad=None):
 
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
-                    dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1):
+                    dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1,
+                    key_rows=False):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -723,7 +809,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     group_split (GQA: programs per (kv head, key block), each over GROUP / group_split query heads; dK / dV then
     summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none), blocks (the sparse
     walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch); head_group:
-    the programs' order (launch_args)."""
+    the programs' order; key_rows: the transposed step (launch_args)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -752,7 +838,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
            lse.stride(0), lse.stride(1), H_Q=h_q, D=d, BLOCK=PREP_ROWS, ZERO_KV=kv_rows > 0, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
-                                            head_group)
+                                            head_group, key_rows)
     launch(kernel, kgrid, *args, **meta)
     launch(dq_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
            H_Q=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
@@ -764,7 +850,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
-                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None):
+                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=False):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics)."""
@@ -784,7 +870,7 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=F
     dkv_acc = torch.empty((2, b * h_kv * s_kpad, d), dtype=torch.float32) if group_split > 1 else None
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
                                            dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma,
-                                           group_split, dkv_acc, left, blocks)
+                                           group_split, dkv_acc, left, blocks, key_rows=key_rows)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx

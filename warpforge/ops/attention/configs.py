@@ -99,6 +99,11 @@ GLUON_BWD_GROUP_SPLIT = {128: 0, 64: 1}
 # tile (env WARPFORGE_ATTN_GLUON_BWD_HEAD_GROUP). 1: slice after slice. A scheduling model (NOTES session 27) puts the
 # causal cases' tail at 1.03-1.06x the ideal time in that order and ~1.00x in groups of 2; not yet timed.
 GLUON_BWD_HEAD_GROUP = 1
+# KEY_ROWS (ops/_gluon_flash_bwd.py): S, dP, P and dS computed transposed, keys as the wgmma's rows, so that Pᵀ and dSᵀ
+# are the register A operands of dV and dK (no P tile through shared memory, dPᵀ issued beside Sᵀ and computed during
+# the exp2s: FA3's order); where the knobs take it (BLOCK_M 64, DQ_SPLIT, DQ_TMA: d 128). Env
+# WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS ("1" / "0"). Off until timed: compiled for sm_90 only (session 28).
+GLUON_BWD_KEY_ROWS = False
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
 # kernels. On: the window GPU tests pass on the H200, and b2 h16 s16384 d128 window 4096 fwd+bwd is 1.157x Flex against

@@ -64,8 +64,8 @@ def gluon_knobs(d: int) -> tuple[tuple, tuple]:
     """(forward, backward) knobs of the Gluon kernels at head dim d: configs.GLUON_FWD / GLUON_BWD, each tuple
     replaceable whole for sweeps (scripts/bench_sparse_gluon.py, gpu_session.sh's sparse-sweep) through
     WARPFORGE_SPARSE_GLUON_FWD="BLOCK_N,STAGES,PINGPONG,PERSISTENT" and
-    WARPFORGE_SPARSE_GLUON_BWD="BLOCK_M,STAGES,DQ_N,DQ_SPLIT,DQ_TMA,GROUP_SPLIT,HEAD_GROUP" (integers; 0/1 for the
-    flags)."""
+    WARPFORGE_SPARSE_GLUON_BWD="BLOCK_M,STAGES,DQ_N,DQ_SPLIT,DQ_TMA,GROUP_SPLIT,HEAD_GROUP,KEY_ROWS" (integers; 0/1
+    for the flags)."""
     def knobs(name, table):
         given = os.environ.get(name)
         if not given:
@@ -86,7 +86,7 @@ def gluon_bwd_knobs(d: int, s_q: int) -> tuple:
     if os.environ.get("WARPFORGE_SPARSE_GLUON_BWD"):
         return knobs
     fits_l2 = configs.GLUON_BWD_GROUP_BYTES // max(1, 8 * d * s_q)
-    return knobs[:-1] + (max(1, min(knobs[-1], fits_l2)),)
+    return knobs[:6] + (max(1, min(knobs[6], fits_l2)),) + knobs[7:]
 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,

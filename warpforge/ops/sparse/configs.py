@@ -47,7 +47,7 @@ GLUON_TRITON_VERSIONS = ("3.6",)
 # head dim -> (BLOCK_N, STAGES, PINGPONG, PERSISTENT): dense attention's Gluon forward table (its causal entries)
 GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 # The Hopper Gluon backward (ops/_gluon_flash_bwd.py, the sparse walk), same gate: head dim -> (BLOCK_M, STAGES, DQ_N,
-# DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP): dense attention's table, and one query head per program (GROUP_SPLIT 0:
+# DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP, KEY_ROWS): dense attention's table, and one query head per program (GROUP_SPLIT 0:
 # dK / dV summed over the group by fp32 TMA reduce-adds, so a popular key block's walk is split GROUP ways). dQ (and
 # dK / dV when split) are sums in arrival order: not bitwise reproducible (GLUON_ENV=0 keeps the deterministic
 # portable pass). HEAD_GROUP: programs ordered key tile by key tile within groups of that many query heads, so the
@@ -56,6 +56,7 @@ GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 # that the group's Q, dO (16-bit) and dQ accumulator (fp32), 8 · d bytes a query a head, stay within
 # GLUON_BWD_GROUP_BYTES: the measured win at 16k, d 128, groups of 4 holds 64 MB, the measured loss at 64k, groups of 4,
 # 256 MB (9.09 -> 11.93 ms, same call), and head after head at 64k holds 64 MB. 32k gets groups of 2 by the rule (the
-# model: 1.05x -> 1.01x), not yet timed.
-GLUON_BWD = {64: (64, 4, 64, False, True, 0, 4), 128: (64, 3, 64, True, True, 0, 4)}
+# model: 1.05x -> 1.01x), not yet timed. KEY_ROWS: the transposed step (attention/configs.GLUON_BWD_KEY_ROWS; where
+# the knobs take it), off until timed.
+GLUON_BWD = {64: (64, 4, 64, False, True, 0, 4, False), 128: (64, 3, 64, True, True, 0, 4, False)}
 GLUON_BWD_GROUP_BYTES = 64 << 20
