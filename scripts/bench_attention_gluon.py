@@ -22,7 +22,7 @@ backward time = fwd+bwd - fwd). Each call runs out = attention(q, k, v) and torc
 on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the
 max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) on
 the headline, b32 s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables. --bwd-cases 0,3: only those
-of BWD_CASES (indices; default all). --key-rows: also the backward's transposed step (KEY_ROWS) on and off, through
+of BWD_CASES (indices; default all). --key-rows: also the backward's transposed step (KEY_ROWS 0, 1, 2), through
 WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS.
 
     PYTHONPATH=. python scripts/bench_attention_gluon.py --gqa-window [--json out.json]
@@ -196,14 +196,14 @@ KEY_ROWS_ENV = "WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS"
 
 def warpforge_fwd_bwd(gluon_bwd, knobs=None, key_rows=None):
     """The public call, forward + backward; the Gluon forward on, the Gluon backward on or off (env, read per call);
-    key_rows None: the table's, else the backward's transposed step on / off."""
+    key_rows None: the table's, else the backward's transposed step (0 off, 1, 2)."""
     def run(st):
         os.environ[configs.GLUON_ENV] = "1"
         os.environ[configs.GLUON_BWD_ENV] = "1" if gluon_bwd else "0"
         for name, value in zip(BWD_KNOB_ENV, knobs or ()):
             os.environ[name] = str(value)
         if key_rows is not None:
-            os.environ[KEY_ROWS_ENV] = "1" if key_rows else "0"
+            os.environ[KEY_ROWS_ENV] = str(key_rows)
         try:
             out = wf.flash_attention(st["q"], st["k"], st["v"], causal=True)
             return torch.autograd.grad(out, (st["q"], st["k"], st["v"]), st["do"])
@@ -240,9 +240,9 @@ def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep, key_rows=False):
     fl = flops(b, h_q, s, d, True)
     paths = {"gluon+gluon": warpforge_fwd_bwd(True), "gluon+portable": warpforge_fwd_bwd(False),
              "cudnn": cudnn_fwd_bwd, "gluon fwd": gluon_fwd_only}
-    if key_rows:  # the backward's transposed step on and off, beside the table's (where the knobs take it)
-        paths["gluon+gluon key_rows 0"] = warpforge_fwd_bwd(True, key_rows=False)
-        paths["gluon+gluon key_rows 1"] = warpforge_fwd_bwd(True, key_rows=True)
+    if key_rows:  # the backward's transposed step off, 1 and 2, beside the table's (where the knobs take it)
+        for value in (0, 1, 2):
+            paths[f"gluon+gluon key_rows {value}"] = warpforge_fwd_bwd(True, key_rows=value)
     if sweep and (b, h_q, h_kv, s, d) in BWD_SWEEP_CASES:
         for knobs in BWD_SWEEP[d]:
             bm, st, dq_n, split, tma = knobs
@@ -368,7 +368,7 @@ def main():
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep's shapes (headline, b32 s1024, d64)")
     ap.add_argument("--bwd", action="store_true", help="forward+backward: Gluon bwd vs portable bwd vs cuDNN")
     ap.add_argument("--bwd-sweep", action="store_true", help="with --bwd: also the Gluon backward's knobs")
-    ap.add_argument("--key-rows", action="store_true", help="with --bwd: the backward's KEY_ROWS step on and off")
+    ap.add_argument("--key-rows", action="store_true", help="with --bwd: the backward's KEY_ROWS step 0 / 1 / 2")
     ap.add_argument("--bwd-cases", default=None, help="with --bwd: indices into BWD_CASES, e.g. 0,1,3 (default all)")
     ap.add_argument("--gqa-window", action="store_true", help="GQA group-split variants and the window case")
     ap.add_argument("--json", default=None)

@@ -218,7 +218,7 @@ for step in "$@"; do
                             > "$w/attention-head-group.log" 2>&1; cat "$w/attention-head-group.log" ;;
     key-rows-tests) timeout 150 python3 -m pytest -q -m gpu tests/attention/test_attention_gluon_bwd.py -k "knobs or key_rows" \
                       > "$w/key_rows_tests.log" 2>&1; tail -n 5 "$w/key_rows_tests.log"  # the backward's KEY_ROWS step
-                    WARPFORGE_SPARSE_GLUON_BWD=64,3,64,1,1,0,4,1 timeout 120 python3 -m pytest -q -m gpu tests/sparse \
+                    WARPFORGE_SPARSE_GLUON_BWD=64,3,64,1,1,0,4,2 timeout 120 python3 -m pytest -q -m gpu tests/sparse \
                       > "$w/key_rows_sparse_tests.log" 2>&1; tail -n 5 "$w/key_rows_sparse_tests.log" ;;
     key-rows-bench) timeout 150 python3 scripts/bench_attention_gluon.py --bwd --key-rows --bwd-cases ${KR_CASES:-0,1,4} \
                       > "$w/key_rows_bench.log" 2>&1; grep -E "fwd\+bwd b|gluon\+gluon|cudnn|FAILED" "$w/key_rows_bench.log" | cut -c1-150 ;;
@@ -274,7 +274,7 @@ for step in "$@"; do
     sparse-sweep) for kv in ${SPARSE_FWD_KNOBS:-64,4,1,0 64,4,1,1 128,2,1,1 128,2,0,0}; do  # the Gluon forward's knobs at 64k
                     echo "fwd $kv"; WARPFORGE_SPARSE_GLUON_FWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s ${SWEEP_S:-65536} \
                       --gluon-only 2>&1 | tail -n 1; done > "$w/sparse-sweep.log" 2>&1
-                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0,4,0 64,3,64,1,1,0,4,1 64,3,64,1,1,0,1,0 64,3,64,1,1,0,1,1}; do  # the backward's, fwd+bwd
+                  for kv in ${SPARSE_BWD_KNOBS:-64,3,64,1,1,0,4,0 64,3,64,1,1,0,4,1 64,3,64,1,1,0,4,2 64,3,64,1,1,0,1,2}; do  # the backward's, fwd+bwd
                     echo "bwd $kv"; WARPFORGE_SPARSE_GLUON_BWD=$kv timeout 60 python3 scripts/bench_sparse_gluon.py --s ${SWEEP_S:-65536} \
                       --bwd --gluon-only 2>&1 | tail -n 1; done >> "$w/sparse-sweep.log" 2>&1; cat "$w/sparse-sweep.log" ;;
     sparse-locality) for pat in index local; do  # what L2 locality is worth: the same work, scattered or nearest blocks

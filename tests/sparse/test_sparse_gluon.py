@@ -36,8 +36,8 @@ def test_knobs_are_the_tables_unless_replaced_whole(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert api.gluon_knobs(128) == (configs.GLUON_FWD[128], configs.GLUON_BWD[128])
     monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_FWD", "64,4,1,0")
-    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2,128,0,1,2,1,1")
-    assert api.gluon_knobs(64) == ((64, 4, True, False), (64, 2, 128, False, True, 2, 1, True))
+    monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2,128,0,1,2,1,2")
+    assert api.gluon_knobs(64) == ((64, 4, True, False), (64, 2, 128, False, True, 2, 1, 2))
     monkeypatch.setenv("WARPFORGE_SPARSE_GLUON_BWD", "64,2")
     with pytest.raises(ValueError, match="8 comma-separated"):
         api.gluon_knobs(128)

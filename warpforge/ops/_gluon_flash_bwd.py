@@ -58,13 +58,15 @@ Three launches:
      P tile's warpgroup barrier, which holds the other threads). Shared memory: +32 KB with the split (d 128), +64 KB
      without (d 128, 2 stages: 226 KB of 227). With DQ_TMA, DQ_N may be D (one full-width dQ wgmma and one reduce per
      step; ~180 B of loop scalars spill at d 128).
-   - KEY_ROWS (a knob, off by default; BLOCK_M 64 with DQ_SPLIT and DQ_TMA): the step transposed, FA3's order (its
+   - KEY_ROWS (a knob: 0 off, the default; 1 or 2; BLOCK_M 64 with DQ_SPLIT and DQ_TMA): the step transposed, FA3's order (its
      SdP_swapAB with dV / dK's A operand in registers). Sᵀ = K_w · Q_iᵀ and dPᵀ = V_w · dO_iᵀ ([64 keys, 64 queries],
      lse and delta per column) are issued together, so dPᵀ computes during the exp2s; Pᵀ and dSᵀ, converted to the
      wgmma's register A layout, feed dV_w += Pᵀ · dO_i and dK_w += dSᵀ · Q_i directly: no P tile in shared memory,
      no P reload, one barrier less a step. dSᵀ still goes to shared memory, for the dQ wgmmas (read transposed), in
      two tiles a warpgroup by the step's parity: a tile's last readers (both warpgroups' dQ of step it - 2) are done
      once the other warpgroup's ds_full arrival of step it - 1 was seen, so the ds_free wait before the step goes.
+     1 issues dK before the ds_full wait (the tensor cores busy while the other warpgroup catches up), 2 after the dQ
+     wgmmas, so that dQ's staging store runs beside dK (FA3's order) instead of after it.
    - epilogue: dK_w · scale and dV_w to 16-bit, written into the warpgroup's own K / V slices (nothing reads them
      any more) and stored by TMA (rows past s_k clipped).
    - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
@@ -455,7 +457,8 @@ def _build():
                     tma.store_wait(0)
                 fence_async_shared()
                 gl.thread_barrier()                        # the whole dSᵀ tile is in shared memory
-                dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+                if KEY_ROWS == 1:  # dK now, beside dV, before the wait for the other warpgroup's dS
+                    dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
             else:
                 s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_bufs.index(slot).permute((1, 0)).load(s_layout)     # [BLOCK_M, 1]
@@ -499,10 +502,18 @@ def _build():
                     ds1 = ds_bufs.index(1 + z)
                 dq_tok = warpgroup_mma(ds0, k0, dq_zero, use_acc=False, is_async=True)
                 dq_tok = warpgroup_mma(ds1, k1, dq_tok, is_async=True)
-                dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
-                if DQ_TMA:
+                if KEY_ROWS == 2:
+                    # dK after dQ: dQ's staging store (and its fence) overlaps dK's wgmma instead of following it
+                    dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+                    dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))
                     dq_bufs.index(WG).store(dq)
                     fence_async_shared()
+                    dk = warpgroup_mma_wait(0, deps=(dk_tok, ))
+                else:
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, dq_tok))
+                    if DQ_TMA:
+                        dq_bufs.index(WG).store(dq)
+                        fence_async_shared()
                 gl.thread_barrier()                        # every warp is past the slot's and the dS tiles' last reads
                 mbarrier.arrive(empty.index(slot))
                 mbarrier.arrive(ds_free)
@@ -693,7 +704,7 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
                 dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1,
-                key_rows=False):
+                key_rows=0):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
@@ -701,8 +712,8 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     (offsets, qblocks, block_size) as sparse_kernel.py's dk/dv pass takes them (sparse_kernel.kept_by; block_size a
     multiple of 128 and of block_m, s_pad a multiple of it); None: dense. head_group: the programs' order (_program:
     kv-head slices in groups of that many, each group key tile by key tile); it must divide b · h_kv · group_split.
-    key_rows: S, dP, P and dS computed transposed (keys as the wgmma's rows; Pᵀ and dSᵀ the register A operands of dV
-    and dK: FA3's order), with BLOCK_M 64, dq_split and dq_tma."""
+    key_rows: 0, or S, dP, P and dS computed transposed (keys as the wgmma's rows; Pᵀ and dSᵀ the register A operands of
+    dV and dK: FA3's order; 1: dK issued before dQ, 2: after), with BLOCK_M 64, dq_split and dq_tma."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -714,8 +725,9 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     if dq_n not in (16, 32, 64, 128) or d % dq_n or (dq_n > 64 and not dq_tma):
         raise ValueError(f"flash_bwd_gluon: dq's column chunk must be 16, 32 or 64 (128: with dq_tma) and divide d {d} "
                          f"(got {dq_n})")
-    if key_rows and not key_rows_fits(block_m, dq_split, dq_tma):
-        raise ValueError("flash_bwd_gluon: key_rows needs BLOCK_M 64, dq_split and dq_tma")
+    if key_rows not in (0, 1, 2) or (key_rows and not key_rows_fits(block_m, dq_split, dq_tma)):
+        raise ValueError(f"flash_bwd_gluon: key_rows is 0, 1 or 2, and needs BLOCK_M 64, dq_split and dq_tma "
+                         f"(got {key_rows})")
     check_smem("flash_bwd_gluon", smem_bytes(d, block_m, stages, dq_n, dq_split, dq_tma),
                f"BLOCK_M {block_m} x {stages} stages at d {d} (dq_n {dq_n}, split {dq_split}, tma {dq_tma})")
     b, s_q, h_q, _ = q.shape
@@ -753,7 +765,7 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
             h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb, head_group)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, SPARSE=blocks is not None,
                 BS=bs, GSPLIT=group_split, DQ_N=dq_n,
-                DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), KEY_ROWS=bool(key_rows), CONSUMER_REGS=CONSUMER_REGS,
+                DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), KEY_ROWS=int(key_rows), CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
@@ -800,7 +812,7 @@ def _buffers(q, block_m, pad=None):
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
                     dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1,
-                    key_rows=False):
+                    key_rows=0):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -850,7 +862,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
-                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=False):
+                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=0):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics)."""

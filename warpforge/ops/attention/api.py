@@ -152,8 +152,8 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         split = gluon_bwd_group_split(q.shape[-1], q.shape[-2] // k.shape[-2], *knobs)
         order = flash_gluon_bwd_kernel.head_group(q.shape[0] * k.shape[-2] * split, int(os.environ.get(
             "WARPFORGE_ATTN_GLUON_BWD_HEAD_GROUP", configs.GLUON_BWD_HEAD_GROUP)))
-        key_rows = _flag("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", configs.GLUON_BWD_KEY_ROWS) and \
-            flash_gluon_bwd_kernel.key_rows_fits(knobs[0], knobs[3], knobs[4])
+        key_rows = int(os.environ.get("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", configs.GLUON_BWD_KEY_ROWS)) \
+            if flash_gluon_bwd_kernel.key_rows_fits(knobs[0], knobs[3], knobs[4]) else 0
         return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0, *knobs,
                                                       group_split=split, left=_gluon_left(k, left),
                                                       launch=cached_launch, head_group=order, key_rows=key_rows)

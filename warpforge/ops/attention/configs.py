@@ -102,8 +102,9 @@ GLUON_BWD_HEAD_GROUP = 1
 # KEY_ROWS (ops/_gluon_flash_bwd.py): S, dP, P and dS computed transposed, keys as the wgmma's rows, so that Pᵀ and dSᵀ
 # are the register A operands of dV and dK (no P tile through shared memory, dPᵀ issued beside Sᵀ and computed during
 # the exp2s: FA3's order); where the knobs take it (BLOCK_M 64, DQ_SPLIT, DQ_TMA: d 128). Env
-# WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS ("1" / "0"). Off until timed: compiled for sm_90 only (session 28).
-GLUON_BWD_KEY_ROWS = False
+# WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS: 0 off, 1 dK issued before dQ, 2 after (dQ's staging store beside dK). Off until
+# timed: compiled for sm_90 only (session 28).
+GLUON_BWD_KEY_ROWS = 0
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
 # kernels. On: the window GPU tests pass on the H200, and b2 h16 s16384 d128 window 4096 fwd+bwd is 1.157x Flex against

@@ -30,4 +30,4 @@ def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
                            blocks=(offsets, qblocks, block_size), launch=launch,
                            head_group=head_group(q.shape[0] * k.shape[2] * split, order),
-                           key_rows=key_rows and key_rows_fits(block_m, dq_split, dq_tma))
+                           key_rows=key_rows if key_rows_fits(block_m, dq_split, dq_tma) else 0)
