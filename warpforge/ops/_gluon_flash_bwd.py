@@ -58,7 +58,8 @@ Three launches:
      P tile's warpgroup barrier, which holds the other threads). Shared memory: +32 KB with the split (d 128), +64 KB
      without (d 128, 2 stages: 226 KB of 227). With DQ_TMA, DQ_N may be D (one full-width dQ wgmma and one reduce per
      step; ~180 B of loop scalars spill at d 128).
-   - KEY_ROWS (a knob: 0 off, the default; 1 or 2; BLOCK_M 64 with DQ_SPLIT and DQ_TMA): the step transposed, FA3's order (its
+   - KEY_ROWS (a knob: 0 off, 1 or 2; BLOCK_M 64 with DQ_SPLIT and DQ_TMA; the families' tables take 2 at d 128,
+     3-4% off fwd+bwd, H100, session 28): the step transposed, FA3's order (its
      SdP_swapAB with dV / dK's A operand in registers). Sᵀ = K_w · Q_iᵀ and dPᵀ = V_w · dO_iᵀ ([64 keys, 64 queries],
      lse and delta per column) are issued together, so dPᵀ computes during the exp2s; Pᵀ and dSᵀ, converted to the
      wgmma's register A layout, feed dV_w += Pᵀ · dO_i and dK_w += dSᵀ · Q_i directly: no P tile in shared memory,

@@ -102,9 +102,10 @@ GLUON_BWD_HEAD_GROUP = 1
 # KEY_ROWS (ops/_gluon_flash_bwd.py): S, dP, P and dS computed transposed, keys as the wgmma's rows, so that Pᵀ and dSᵀ
 # are the register A operands of dV and dK (no P tile through shared memory, dPᵀ issued beside Sᵀ and computed during
 # the exp2s: FA3's order); where the knobs take it (BLOCK_M 64, DQ_SPLIT, DQ_TMA: d 128). Env
-# WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS: 0 off, 1 dK issued before dQ, 2 after (dQ's staging store beside dK). Off until
-# timed: compiled for sm_90 only (session 28).
-GLUON_BWD_KEY_ROWS = 0
+# WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS: 0 off, 1 dK issued before dQ, 2 after (dQ's staging store beside dK). Measured
+# fwd+bwd in one process (H100, runs/2026-12-06-s28/call1, 0 / 1 / 2): b4 h16 s8192 7.650 / 7.683 / 7.442 ms (0.955x /
+# 0.950x / 0.981x cuDNN), b32 s1024 1.595 / 1.543 / 1.543, GQA 8:1 15.533 / 15.469 / 14.914; not yet on the H200.
+GLUON_BWD_KEY_ROWS = 2
 
 # Sliding windows (a left window; right 0 = causal, or unbounded) in both Gluon kernels; "0" sends them to the portable
 # kernels. On: the window GPU tests pass on the H200, and b2 h16 s16384 d128 window 4096 fwd+bwd is 1.157x Flex against
