@@ -21,7 +21,8 @@ SDPA, GQA through kv expanded once outside the timing, as the main bench does) a
 backward time = fwd+bwd - fwd). Each call runs out = attention(q, k, v) and torch.autograd.grad(out, (q, k, v), do)
 on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the
 max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) on
-the headline, b32 s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables. --bwd-cases 0,3: only those
+the headline, b32 s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables (KEY_ROWS: the table's where
+a sweep's knobs take it, else 0). --bwd-cases 0,3: only those
 of BWD_CASES (indices; default all). --key-rows: also the backward's transposed step (KEY_ROWS 0, 1, 2), through
 WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS.
 
@@ -235,12 +236,12 @@ def cudnn_grads_bshd(grads, h_kv):
     return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
 
 
-def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep, key_rows=False):
+def run_bwd_case(b, h_q, h_kv, s, d, l2, sweep, key_rows_variants=False):
     sets = bwd_sets(b, h_q, h_kv, s, d, l2)
     fl = flops(b, h_q, s, d, True)
     paths = {"gluon+gluon": warpforge_fwd_bwd(True), "gluon+portable": warpforge_fwd_bwd(False),
              "cudnn": cudnn_fwd_bwd, "gluon fwd": gluon_fwd_only}
-    if key_rows:  # the backward's transposed step off, 1 and 2, beside the table's (where the knobs take it)
+    if key_rows_variants:  # the backward's transposed step off, 1 and 2, beside the table's (where the knobs take it)
         for value in (0, 1, 2):
             paths[f"gluon+gluon key_rows {value}"] = warpforge_fwd_bwd(True, key_rows=value)
     if sweep and (b, h_q, h_kv, s, d) in BWD_SWEEP_CASES:
@@ -386,7 +387,8 @@ def main():
     results = {}
     if args.bwd:
         assert fb.available(), f"the Gluon backward needs Triton {fb.GLUON_TRITON_VERSIONS} (have {triton.__version__})"
-        print(f"backward knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA): {configs.GLUON_BWD}")
+        print(f"backward knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA): {configs.GLUON_BWD}; KEY_ROWS "
+              f"{configs.GLUON_BWD_KEY_ROWS} where they take it")
         picked = [int(x) for x in args.bwd_cases.split(",")] if args.bwd_cases else range(len(BWD_CASES))
         for case in [BWD_CASES[i] for i in picked]:
             label, rows = run_bwd_case(*case, l2, args.bwd_sweep, args.key_rows)

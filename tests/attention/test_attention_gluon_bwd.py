@@ -73,6 +73,19 @@ def test_knobs_come_from_the_table_and_the_environment(monkeypatch):
     assert api.gluon_bwd_knobs(64, False) == (128, 3, 32, True, True)
 
 
+def test_key_rows_knob_from_the_table_and_the_environment(monkeypatch):
+    """KEY_ROWS: the table's value where the knobs take it (BLOCK_M 64, DQ_SPLIT, DQ_TMA), 0 where not; the variable
+    replaces it, and a value other than 0, 1, 2 is refused by name."""
+    monkeypatch.delenv("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", raising=False)
+    assert api.gluon_bwd_key_rows(64, 3, 64, True, True) == configs.GLUON_BWD_KEY_ROWS
+    assert api.gluon_bwd_key_rows(64, 4, 64, False, True) == 0
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", "1")
+    assert api.gluon_bwd_key_rows(64, 3, 64, True, True) == 1
+    monkeypatch.setenv("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", "on")
+    with pytest.raises(ValueError, match="WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS takes 0, 1 or 2"):
+        api.gluon_bwd_key_rows(64, 3, 64, True, True)
+
+
 def test_bad_knobs_are_refused():
     def args(d, block_m, stages, dq_n=None):
         q = torch.empty(1, 1, 1, d)
@@ -300,8 +313,8 @@ def test_convert_kernel_single_and_pair(pair):
     acc = torch.randn(1 + pair, b * h, s_pad, d, device=dev)
     outs = [torch.full((b, s, h, d), 7.0, device=dev, dtype=torch.float16) for _ in range(1 + pair)]
     scale = 1.0 if pair else 0.5
-    gb.dq_convert_kernel[(b * h, s_pad // gb.PREP_ROWS, 1 + pair)](
-        acc, outs[0], outs[-1], s, s_pad, scale, outs[0].stride(0), outs[0].stride(1), outs[0].stride(2), H_Q=h, D=d,
+    gb.acc_convert_kernel[(b * h, s_pad // gb.PREP_ROWS, 1 + pair)](
+        acc, outs[0], outs[-1], s, s_pad, scale, outs[0].stride(0), outs[0].stride(1), outs[0].stride(2), H=h, D=d,
         BLOCK=gb.PREP_ROWS)
     for i, out in enumerate(outs):
         want = (acc[i, :, :s] * scale).view(b, h, s, d).permute(0, 2, 1, 3).half()
@@ -598,12 +611,16 @@ def test_gpu_knobs_match_portable(block_m, stages, dq_n, dq_split, dq_tma, key_r
 
 @pytest.mark.gpu
 @needs_h200
-@pytest.mark.parametrize("left,split,key_rows", [(None, 2, 1), (300, 1, 1), (50, 4, 1), (None, 2, 2), (50, 4, 2)])
-def test_gpu_key_rows_window_and_group_split(left, split, key_rows, monkeypatch):
+@pytest.mark.parametrize("left,split,key_rows,s_q,s_k", [(None, 2, 1, 1005, 1005), (300, 1, 1, 1005, 1005),
+                                                         (50, 4, 1, 1005, 1005), (None, 2, 2, 1005, 1005),
+                                                         (50, 4, 2, 1005, 1005), (None, 1, 2, 77, 1000),
+                                                         (None, 1, 2, 1000, 77)])
+def test_gpu_key_rows_window_and_group_split(left, split, key_rows, s_q, s_k, monkeypatch):
     """KEY_ROWS (the transposed step) with a left window and with GQA's group split agrees with the portable
-    backward (the window's and the split's masks and reduce-adds on the transposed tiles)."""
+    backward (the window's and the split's masks and reduce-adds on the transposed tiles); bottom-right causal with a
+    shift that is not a multiple of 64 (fewer queries than keys) and rows that see nothing (more)."""
     monkeypatch.setenv(configs.GLUON_BWD_ENV, "0")
-    q, k, v = _inputs(2, 1000 + 5, 1000 + 5, 8, 2, 128)
+    q, k, v = _inputs(2, s_q, s_k, 8, 2, 128)
     d_out = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     window = (-1, 0) if left is None else (left, 0)
     out, lse = wf.flash_attention(q, k, v, causal=True, window=window, return_lse=True)

@@ -14,7 +14,7 @@ and v, causal bottom-right aligned or no mask, GQA/MQA): given do, q, k, v, out 
 (natural log, -inf for a query that sees nothing) it returns dq, dk, dv like q, k, v. Not deterministic: dq is
 summed over key tiles by fp32 atomics (the api gate sends deterministic=True to the portable backward).
 
-Three launches:
+Three launches (four with GROUP_SPLIT):
 1. `bwd_prep_kernel` (plain Triton): per (batch · head, 64 query rows): delta = rowsum(do ∘ out) and lse2 = lse · log2 e
    (+inf where lse is -inf, so that such a row's probabilities are exp2(-inf) = 0) into [b · h_q, s_pad] fp32 buffers
    padded to whole query tiles (padding: lse2 +inf, delta 0, so padded query rows contribute nothing and need no
@@ -22,7 +22,8 @@ Three launches:
 2. `flash_bwd_gluon_kernel`, one program per (128 keys, batch · kv head), 12 warps:
    - shared memory: K and V of the program's keys as two 64-row slices each (one per consumer warpgroup), a ring of
      STAGES slots each holding Q_i and dO_i [BLOCK_M, d] and lse2_i, delta_i [1, BLOCK_M]; per consumer a P tile and
-     a dS tile [BLOCK_M, 64] (16-bit); a [1, 64] int32 table 0..63. d 128, BLOCK_M 64, 2 stages: 162 KB.
+     a dS tile [BLOCK_M, 64] (16-bit; KEY_ROWS: two dSᵀ tiles [64, 64] instead, the same bytes); a [1, 64] int32
+     table 0..63. d 128, BLOCK_M 64, 2 stages: 162 KB.
    - producer (a 1-warp worker partition, setmaxnreg 24): TMA-loads K, V and the index table once (kv_bar), then for
      each query head of the kv head's GQA group and each query tile i that sees any of the program's keys: waits
      `empty[slot]`, loads Q_i, dO_i, lse2_i, delta_i onto `ready[slot]` (one expect-tx for the four copies). 4-D
@@ -45,19 +46,19 @@ Three launches:
      mask and the atomics need come from the shared table: an arange-built index vector is hoisted out of the loop
      and held 8-16 registers for its whole length. The two warpgroups are not synchronised with each other: while
      one computes exp2 or issues its atomics, the other's wgmmas keep the tensor cores busy.
-   - DQ_SPLIT (a knob, off by default): instead, each warpgroup computes half of dQ's columns over all 128 keys (two
-     wgmmas: both warpgroups' dS tiles against both K slices), so a tile pair sends one [BLOCK_M, d] partial to the
-     atomics instead of two (half the L2 reduction traffic, FA3's volume). It needs two barriers between the
-     warpgroups (ds_full, ds_free, below) and spills ~100 B of loop scalars at d 128 under Triton 3.6.
-   - DQ_TMA (a knob, off by default; with or without DQ_SPLIT): dQ's chunks are not added by per-thread fp32 atomics
-     (32 REDG.F32x2 a thread per tile at d 128, 64 KB of L2 reductions per tile pair without the split) but stored
-     fp32 into a staging tile in shared memory (per warpgroup one [BLOCK_M, DQ_N] tile per chunk of a step) and sent
-     by one TMA reduce-add each (cp.reduce.async.bulk.tensor ... .add, FA3's way): whole 128-byte lines into L2, no
-     address registers, nothing for the warps to issue but one instruction. Before a step overwrites its staging
-     tiles, the issuing thread waits until the previous step's reduce-adds have read them (tma.store_wait before the
-     P tile's warpgroup barrier, which holds the other threads). Shared memory: +32 KB with the split (d 128), +64 KB
-     without (d 128, 2 stages: 226 KB of 227). With DQ_TMA, DQ_N may be D (one full-width dQ wgmma and one reduce per
-     step; ~180 B of loop scalars spill at d 128).
+   - DQ_SPLIT (a knob; the tables take it at d 128): instead, each warpgroup computes half of dQ's columns over all
+     128 keys (two wgmmas: both warpgroups' dS tiles against both K slices), so a tile pair sends one [BLOCK_M, d]
+     partial to the atomics instead of two (half the L2 reduction traffic, FA3's volume). It needs two barriers
+     between the warpgroups (ds_full, ds_free, below).
+   - DQ_TMA (a knob; the tables take it; with or without DQ_SPLIT): dQ's chunks are not added by per-thread fp32
+     atomics (32 REDG.F32x2 a thread per tile at d 128, 64 KB of L2 reductions per tile pair without the split) but
+     stored fp32 into a staging tile in shared memory (per warpgroup one [BLOCK_M, DQ_N] tile per chunk of a step)
+     and sent by one TMA reduce-add each (cp.reduce.async.bulk.tensor ... .add, FA3's way): whole 128-byte lines into
+     L2, no address registers, nothing for the warps to issue but one instruction. Before a step overwrites its
+     staging tiles, the issuing thread waits until the previous step's reduce-adds have read them (tma.store_wait
+     before the P tile's warpgroup barrier, KEY_ROWS the dSᵀ tile's, which holds the other threads). Shared memory:
+     +32 KB with the split (d 128), +64 KB without (d 128, 2 stages: 226 KB of 227). With DQ_TMA, DQ_N may be D (one
+     full-width dQ wgmma and one reduce per step).
    - KEY_ROWS (a knob: 0 off, 1 or 2; BLOCK_M 64 with DQ_SPLIT and DQ_TMA; the families' tables take 2 at d 128,
      3-4% off fwd+bwd, H100, session 28): the step transposed, FA3's order (its
      SdP_swapAB with dV / dK's A operand in registers). Sᵀ = K_w · Q_iᵀ and dPᵀ = V_w · dO_iᵀ ([64 keys, 64 queries],
@@ -72,7 +73,8 @@ Three launches:
      any more) and stored by TMA (rows past s_k clipped).
    - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
      skipped); key tiles no query sees write zeros.
-3. `dq_convert_kernel` (plain Triton): dq = accumulator · scale, to q's dtype and layout.
+3. `acc_convert_kernel` (plain Triton): dq = accumulator · scale, to q's dtype and layout; with GROUP_SPLIT a fourth
+   launch of it converts dK and dV from their fp32 sums (a grid of depth 2).
 
 Why atomics rather than a separate dq pass: the dq pass recomputes S and dP (7 GEMMs per tile pair instead of 5, 40%
 more tensor work where the backward must run at ~450 TFLOP/s effective), and must re-read K and V for every query
@@ -95,6 +97,10 @@ Barrier protocol (checked by tests/attention/test_attention_gluon_bwd.py's rando
   (phase it - 1; fresh: passes), and before the epilogue overwrites its K slice with dK, parity (n - 1) & 1 (the
   other warpgroup's last dQ read that slice). A consumer cannot be two phases ahead on either: passing ds_free(it - 1)
   needs the other's dQ of it - 1, which came after its own ds_full(it - 1) wait.
+  KEY_ROWS: no ds_free wait before a step; its dSᵀ tile alternates by parity, and the tile's last readers (both
+  warpgroups' dQ of step it - 2) are done once this consumer passed ds_full(it - 1): the other arrived there after
+  waiting for its dQ of it - 2. ds_full alone keeps the two within a step of each other, so ds_free still completes
+  one phase a step and the epilogue's wait for parity (n - 1) & 1 holds as above.
 
 Gluon's API changes between Triton releases: imported lazily (`_build()`); the api gate dispatches here only on sm_90
 with a Triton in configs.GLUON_TRITON_VERSIONS.
@@ -118,8 +124,9 @@ __all__ = ["BLOCK_N", "GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compil
 
 
 def smem_bytes(d: int, block_m: int, stages: int, dq_n: int = 64, dq_split: bool = False, dq_tma: bool = False) -> int:
-    """Shared memory of the schedule (2-byte elements): K, V, the ring (Q, dO, lse2, delta), two P and two dS tiles,
-    barriers; with DQ_TMA the fp32 dQ staging tiles (per warpgroup one [block_m, dq_n] tile per dQ chunk)."""
+    """Shared memory of the schedule (2-byte elements): K, V, the ring (Q, dO, lse2, delta), two P and two dS tiles
+    (KEY_ROWS: four dSᵀ tiles, the same bytes at BLOCK_M 64), barriers; with DQ_TMA the fp32 dQ staging tiles (per
+    warpgroup one [block_m, dq_n] tile per dQ chunk)."""
     dq_stage = 2 * (1 if dq_split else d // dq_n) * block_m * dq_n * 4 if dq_tma else 0
     return (2 * (2 * BLOCK_N * d + stages * 2 * block_m * d + 4 * WG_KEYS * block_m) + stages * 2 * block_m * 4 + 256
             + 1024 + dq_stage)
@@ -161,24 +168,24 @@ def bwd_prep_kernel(OUT, DO, LSE, LSE2, DELTA, DQ_ACC, KV_ACC, s_q, s_pad, kv_ro
 
 
 @triton.jit
-def dq_convert_kernel(DQ_ACC, DQ, DQ2, s_q, s_pad, scale, stride_qb, stride_qs, stride_qh, H_Q: tl.constexpr,
-                      D: tl.constexpr, BLOCK: tl.constexpr):
-    """dq [b, s, h, d] = accumulator [b · h, s_pad, d] · scale, in dq's dtype. A grid of depth 2 converts two such
-    pairs in one launch (dK and dV: accumulator [2, b · h, s_pad, d], the second into DQ2, strided like DQ)."""
+def acc_convert_kernel(ACC, OUT, OUT2, s, s_pad, scale, stride_ob, stride_os, stride_oh, H: tl.constexpr,
+                       D: tl.constexpr, BLOCK: tl.constexpr):
+    """out [b, s, h, d] = accumulator [b · h, s_pad, d] · scale, in out's dtype (dq). A grid of depth 2 converts two
+    such pairs in one launch (dK and dV: accumulator [2, b · h, s_pad, d], the second into OUT2, strided like OUT)."""
     bh = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     second = tl.program_id(2)
     cols = tl.arange(0, D)
-    b = (bh // H_Q).to(tl.int64)
-    h = (bh % H_Q).to(tl.int64)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
     acc_rows = (second * tl.num_programs(0) + bh).to(tl.int64) * s_pad + rows
-    acc = tl.load(DQ_ACC + acc_rows[:, None] * D + cols[None, :])
-    at = b * stride_qb + h * stride_qh + rows[:, None].to(tl.int64) * stride_qs + cols[None, :]
-    live = (rows < s_q)[:, None]
+    acc = tl.load(ACC + acc_rows[:, None] * D + cols[None, :])
+    at = b * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_os + cols[None, :]
+    live = (rows < s)[:, None]
     if second == 0:
-        tl.store(DQ + at, (acc * scale).to(DQ.dtype.element_ty), mask=live)
+        tl.store(OUT + at, (acc * scale).to(OUT.dtype.element_ty), mask=live)
     else:
-        tl.store(DQ2 + at, (acc * scale).to(DQ2.dtype.element_ty), mask=live)
+        tl.store(OUT2 + at, (acc * scale).to(OUT2.dtype.element_ty), mask=live)
 
 
 # ------------------------------------------------------------------------------------------------- Gluon
@@ -341,7 +348,7 @@ def _build():
         if MASK:
             rows = gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
             cols = idx_smem.load(st_layout)                 # [1, 64]: 0 .. 63
-            ok = (cols >= 0) & (rows <= limit0)[:, None]
+            ok = (cols >= 0) & (rows <= limit0)[:, None]   # (cols >= 0: only the broadcast to [64, 64])
             if CAUSAL:
                 ok = ok & (cols >= (rows - m0 - shift)[:, None])
             if WINDOW:
@@ -413,10 +420,10 @@ def _build():
             z = it >> 30
             k = k_bufs.index(WG + z).reshape([64, D])
             v = v_bufs.index(WG + z).reshape([64, D])
-            p_smem = p_bufs.index(WG + z)                   # [BLOCK_M, 64 keys]
-            if KEY_ROWS:  # dSᵀ [64 keys, 64 queries], two tiles a warpgroup by the step's parity
+            if KEY_ROWS:  # dSᵀ [64 keys, 64 queries], two tiles a warpgroup by the step's parity; no P tile
                 ds_smem = ds_bufs.index(2 * (it & 1) + WG + z)
             else:
+                p_smem = p_bufs.index(WG + z)               # [BLOCK_M, 64 keys]
                 ds_smem = ds_bufs.index(WG + z)
             m0 = i * BLOCK_M
             slot = it % STAGES
@@ -617,11 +624,12 @@ def _build():
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
         lse_bufs = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
         dl_bufs = gl.allocate_shared_memory(dl_desc.dtype, [STAGES] + dl_desc.block_type.shape, dl_desc.layout)
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], q_desc.dtype)
         if KEY_ROWS:  # no P tiles; dSᵀ [64, 64] tiles, two a warpgroup (the same bytes)
-            ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, 64, BLOCK_M], ds_layout)
-            p_bufs = ds_bufs  # unused
+            dst_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_M], q_desc.dtype)
+            ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [4, 64, BLOCK_M], dst_layout)
+            p_bufs = ds_bufs  # not read
         else:
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 64], q_desc.dtype)
             p_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
             ds_bufs = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, 64], ds_layout)
         idx_smem = gl.allocate_shared_memory(idx_desc.dtype, idx_desc.block_type.shape, idx_desc.layout)
@@ -853,11 +861,11 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
                                             head_group, key_rows)
     launch(kernel, kgrid, *args, **meta)
-    launch(dq_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
-           H_Q=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
+    launch(acc_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
+           H=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
     if group_split > 1:  # dK (already scaled) and dV from their fp32 sums, like dq, in one launch
-        launch(dq_convert_kernel, (b * h_kv, s_kpad // PREP_ROWS, 2), dkv_acc, dk, dv, s_k, s_kpad, 1.0, dk.stride(0),
-               dk.stride(1), dk.stride(2), H_Q=h_kv, D=d, BLOCK=PREP_ROWS, num_warps=4)
+        launch(acc_convert_kernel, (b * h_kv, s_kpad // PREP_ROWS, 2), dkv_acc, dk, dv, s_k, s_kpad, 1.0, dk.stride(0),
+               dk.stride(1), dk.stride(2), H=h_kv, D=d, BLOCK=PREP_ROWS, num_warps=4)
     return dq, dk, dv
 
 

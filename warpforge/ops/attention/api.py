@@ -152,8 +152,7 @@ def _flash_bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         split = gluon_bwd_group_split(q.shape[-1], q.shape[-2] // k.shape[-2], *knobs)
         order = flash_gluon_bwd_kernel.head_group(q.shape[0] * k.shape[-2] * split, int(os.environ.get(
             "WARPFORGE_ATTN_GLUON_BWD_HEAD_GROUP", configs.GLUON_BWD_HEAD_GROUP)))
-        key_rows = int(os.environ.get("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", configs.GLUON_BWD_KEY_ROWS)) \
-            if flash_gluon_bwd_kernel.key_rows_fits(knobs[0], knobs[3], knobs[4]) else 0
+        key_rows = gluon_bwd_key_rows(*knobs)
         return flash_gluon_bwd_kernel.flash_bwd_gluon(do, q, k, v, out, lse, scale, right == 0, *knobs,
                                                       group_split=split, left=_gluon_left(k, left),
                                                       launch=cached_launch, head_group=order, key_rows=key_rows)
@@ -176,6 +175,17 @@ def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool, bool]:
             int(env.get("WARPFORGE_ATTN_GLUON_BWD_STAGES", stages)), int(env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_N", dq_n)),
             env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_SPLIT", "1" if dq_split else "0") != "0",
             env.get("WARPFORGE_ATTN_GLUON_BWD_DQ_TMA", "1" if dq_tma else "0") != "0")
+
+
+def gluon_bwd_key_rows(block_m: int, stages: int, dq_n: int, dq_split: bool, dq_tma: bool) -> int:
+    """KEY_ROWS of the Gluon backward (configs.GLUON_BWD_KEY_ROWS, env WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS: 0, 1 or 2);
+    0 where the knobs cannot take it (ops/_gluon_flash_bwd.key_rows_fits)."""
+    from .flash_gluon_bwd_kernel import key_rows_fits
+    given = os.environ.get("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", "")
+    value = given or str(configs.GLUON_BWD_KEY_ROWS)
+    if value not in ("0", "1", "2"):
+        raise ValueError(f"WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS takes 0, 1 or 2 (got {given!r})")
+    return int(value) if key_rows_fits(block_m, dq_split, dq_tma) else 0
 
 
 def gluon_bwd_group_split(d: int, group: int, block_m: int, stages: int, dq_n: int, dq_split: bool,
