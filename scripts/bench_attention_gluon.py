@@ -14,17 +14,16 @@ budget, and BLOCK_N 176 is not a TMA box Triton accepts (boxes are powers of two
 
     PYTHONPATH=. python scripts/bench_attention_gluon.py --bwd [--bwd-sweep] [--json out.json]
 
---bwd: forward+backward (the backward of ops/attention/flash_gluon_bwd_kernel.py) at the attention bench's fwd+bwd
-cases (b4 h16 s8192 d128, b32 h16 s1024, b1 h16 s32768, b8 h32 s4096 d64, b4 h32/kv4 s8192 GQA 8:1; all causal):
-"gluon+gluon" (Gluon forward, Gluon backward), "gluon+portable" (Gluon forward, portable backward), "cudnn" (cuDNN
-SDPA, GQA through kv expanded once outside the timing, as the main bench does) and "gluon fwd" (the forward alone:
-backward time = fwd+bwd - fwd). Each call runs out = attention(q, k, v) and torch.autograd.grad(out, (q, k, v), do)
-on the next of a rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the
-max rel L2 of dq, dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) on
-the headline, b32 s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables (KEY_ROWS: the table's where
-a sweep's knobs take it, else 0). --bwd-cases 0,3: only those
-of BWD_CASES (indices; default all). --key-rows: also the backward's transposed step (KEY_ROWS 0, 1, 2), through
-WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS.
+--bwd: forward+backward (the backward of ops/attention/flash_gluon_bwd_kernel.py) at the attention bench's fwd+bwd cases
+(b4 h16 s8192 d128, b32 h16 s1024, b1 h16 s32768, b8 h32 s4096 d64, b4 h32/kv4 s8192 GQA 8:1; all causal): "gluon+gluon"
+(Gluon forward, Gluon backward), "gluon+portable" (Gluon forward, portable backward), "cudnn" (cuDNN SDPA, GQA through
+kv expanded once outside the timing, as the main bench does) and "gluon fwd" (the forward alone: backward time = fwd+bwd
+minus fwd). Each call runs out = attention(q, k, v) and torch.autograd.grad(out, (q, k, v), do) on the next of a
+rotation of input sets (2x the L2); TFLOP/s count 3.5x the forward's (backward 2.5x); errors are the max rel L2 of dq,
+dk, dv against cuDNN's. --bwd-sweep: the backward's knobs (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA) on the headline, b32
+s1024 and d64 cases, through the WARPFORGE_ATTN_GLUON_BWD_* variables (KEY_ROWS: the table's where a sweep's knobs take
+it, else 0). --bwd-cases 0,3: only those of BWD_CASES (indices; default all). --key-rows: also the backward's transposed
+step (KEY_ROWS 0, 1, 2), through WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS.
 
     PYTHONPATH=. python scripts/bench_attention_gluon.py --gqa-window [--json out.json]
 

@@ -110,6 +110,7 @@ def test_bad_knobs_are_refused():
     with pytest.raises(ValueError, match="key_rows is 0, 1 or 2"):
         fb.launch_args(*args(64, 64, 2), dq_split=True, dq_tma=True, key_rows=3)
     assert fb.key_rows_fits(64, True, True)
+    assert [fb.key_rows_knob(2, 64, True, True), fb.key_rows_knob(2, 64, False, True)] == [2, 0]
 
 
 def test_head_group_is_a_divisor_of_the_slices():

@@ -120,7 +120,7 @@ WG_KEYS = 64
 PREP_ROWS = 64          # query rows per program of the prep kernel (BLOCK_M is a multiple of it)
 
 __all__ = ["BLOCK_N", "GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compile_sm90", "fits", "flash_bwd_gluon",
-           "group_split", "key_rows_fits", "launch_args", "smem_bytes"]
+           "group_split", "key_rows_fits", "key_rows_knob", "launch_args", "smem_bytes"]
 
 
 def smem_bytes(d: int, block_m: int, stages: int, dq_n: int = 64, dq_split: bool = False, dq_tma: bool = False) -> int:
@@ -458,15 +458,15 @@ def _build():
                                   st_layout)
                 dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
                 delta = dl_bufs.index(slot).load(st_layout)
-                dst = (pt * (dpt - delta)).to(dtype)
+                ds_t = (pt * (dpt - delta)).to(dtype)
                 dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-                ds_smem.store(dst)
+                ds_smem.store(ds_t)
                 if DQ_TMA:  # the previous step's dQ reduce-add has read its staging tile (see below)
                     tma.store_wait(0)
                 fence_async_shared()
                 gl.thread_barrier()                        # the whole dSᵀ tile is in shared memory
                 if KEY_ROWS == 1:  # dK now, beside dV, before the wait for the other warpgroup's dS
-                    dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+                    dk_tok = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
             else:
                 s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
                 lse2 = lse_bufs.index(slot).permute((1, 0)).load(s_layout)     # [BLOCK_M, 1]
@@ -512,7 +512,7 @@ def _build():
                 dq_tok = warpgroup_mma(ds1, k1, dq_tok, is_async=True)
                 if KEY_ROWS == 2:
                     # dK after dQ: dQ's staging store (and its fence) overlaps dK's wgmma instead of following it
-                    dk_tok = warpgroup_mma(gl.convert_layout(dst, a_layout), q, dk, is_async=True)
+                    dk_tok = warpgroup_mma(gl.convert_layout(ds_t, a_layout), q, dk, is_async=True)
                     dv, dq = warpgroup_mma_wait(1, deps=(dv_tok, dq_tok))
                     dq_bufs.index(WG).store(dq)
                     fence_async_shared()
@@ -783,6 +783,11 @@ def key_rows_fits(block_m: int, dq_split: bool, dq_tma: bool) -> bool:
     """Whether the knobs can take KEY_ROWS (the transposed step): BLOCK_M 64 (the dSᵀ tiles are [64, 64]), dQ split
     between the warpgroups (the step's only dS exchange) and reduced by TMA."""
     return block_m == 64 and bool(dq_split) and bool(dq_tma)
+
+
+def key_rows_knob(want: int, block_m: int, dq_split: bool, dq_tma: bool) -> int:
+    """The KEY_ROWS a family's table or environment asks for (want: 0, 1, 2), 0 where the knobs cannot take it."""
+    return want if key_rows_fits(block_m, dq_split, dq_tma) else 0
 
 
 def group_split(group: int, want: int, block_m: int, stages: int, dq_tma: bool) -> int:

@@ -179,13 +179,13 @@ def gluon_bwd_knobs(d: int, causal: bool) -> tuple[int, int, int, bool, bool]:
 
 def gluon_bwd_key_rows(block_m: int, stages: int, dq_n: int, dq_split: bool, dq_tma: bool) -> int:
     """KEY_ROWS of the Gluon backward (configs.GLUON_BWD_KEY_ROWS, env WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS: 0, 1 or 2);
-    0 where the knobs cannot take it (ops/_gluon_flash_bwd.key_rows_fits)."""
-    from .flash_gluon_bwd_kernel import key_rows_fits
+    0 where the knobs cannot take it (ops/_gluon_flash_bwd.key_rows_knob)."""
+    from .flash_gluon_bwd_kernel import key_rows_knob
     given = os.environ.get("WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS", "")
     value = given or str(configs.GLUON_BWD_KEY_ROWS)
     if value not in ("0", "1", "2"):
         raise ValueError(f"WARPFORGE_ATTN_GLUON_BWD_KEY_ROWS takes 0, 1 or 2 (got {given!r})")
-    return int(value) if key_rows_fits(block_m, dq_split, dq_tma) else 0
+    return key_rows_knob(int(value), block_m, dq_split, dq_tma)
 
 
 def gluon_bwd_group_split(d: int, group: int, block_m: int, stages: int, dq_n: int, dq_split: bool,
