@@ -136,22 +136,19 @@ def _build(code: int = 1):
     DOT = gl.constexpr(gl.bfloat16 if code == 3 else gl.float16)
 
     @gluon.jit
-    def _issue(K_CACHE, V_CACHE, k_tile, v_tile, bt_row, n0, end, capacity, last_page, kvh,
+    def _issue(K_CACHE, V_CACHE, k_tile, v_tile, bt_row, n0, end, last_page, kvh,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr, OFF64: gl.constexpr,
                KV_SAME_STRIDES: gl.constexpr):
         """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..) into a ring slot's
-        tiles; tokens >= end are zero-filled. The page ids are read wherever the table has them (tokens < capacity)
-        and clamped: so the first steps' ids need not wait for the request's length (one split: n0 does not depend on
-        it either), and the copies wait on the two loads side by side, not one after the other. Element offsets in
-        int32 unless OFF64 (a cache of 2^31 elements or more); V's computed apart only if its strides differ from
-        K's."""
+        tiles; tokens >= end are zero-filled, their page ids clamped. Element offsets in int32 unless OFF64 (a cache
+        of 2^31 elements or more); V's computed apart only if its strides differ from K's."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
         d = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         tok = n0 + w[:, None] * TPW + t[None, :]
         ok = tok < end
-        page = gl.load(bt_row + tok // PAGE, mask=tok < capacity, other=0)
+        page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
         page = gl.minimum(gl.maximum(page, 0), last_page)
         row = tok % PAGE
         if OFF64:
@@ -168,31 +165,31 @@ def _build(code: int = 1):
         async_copy.async_copy_global_to_shared(v_tile, V_CACHE + v_off[:, :, None] + d[None, None, :], mask=mask)
 
     @gluon.jit
-    def _fp4_rows(bt_row, n0, end, capacity, last_page, kvh, L: gl.constexpr, PAGE: gl.constexpr,
-                  TPW: gl.constexpr, H_KV: gl.constexpr, OFF64: gl.constexpr):
+    def _fp4_rows(bt_row, n0, end, last_page, kvh, L: gl.constexpr, PAGE: gl.constexpr, TPW: gl.constexpr,
+                  H_KV: gl.constexpr, OFF64: gl.constexpr):
         """(byte offsets of the tokens' FP4 rows of head kvh, tokens < end) in SliceLayout(2, L): a contiguous cache
         of H_KV · WIDTH-byte token rows, the strides constexpr so that the copies' alignment (8 / 4 bytes) is known."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
         tok = n0 + w[:, None] * TPW + t[None, :]
         ok = tok < end
-        page = gl.minimum(gl.maximum(gl.load(bt_row + tok // PAGE, mask=tok < capacity, other=0), 0), last_page)
+        page = gl.minimum(gl.maximum(gl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page)
         slot = page * PAGE + tok % PAGE
         if OFF64:
             slot = slot.to(gl.int64)
         return slot * (H_KV * WIDTH) + kvh * WIDTH, ok
 
     @gluon.jit
-    def _issue_fp4(K_CACHE, V_CACHE, k_tile, v_tile, ks_tile, vs_tile, bt_row, n0, end, capacity, last_page, kvh,
+    def _issue_fp4(K_CACHE, V_CACHE, k_tile, v_tile, ks_tile, vs_tile, bt_row, n0, end, last_page, kvh,
                    PAGE: gl.constexpr, TPW: gl.constexpr, H_KV: gl.constexpr, CP: gl.constexpr,
                    CPS: gl.constexpr, OFF64: gl.constexpr):
         """_issue for FP4 rows: their 64 value bytes and their block scales into a slot's tiles (zeros past end)."""
-        off, ok = _fp4_rows(bt_row, n0, end, capacity, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
+        off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         mask = ok[:, :, None] & (d >= 0)[None, None, :]
         async_copy.async_copy_global_to_shared(k_tile, K_CACHE + off[:, :, None] + d[None, None, :], mask=mask)
         async_copy.async_copy_global_to_shared(v_tile, V_CACHE + off[:, :, None] + d[None, None, :], mask=mask)
-        off, ok = _fp4_rows(bt_row, n0, end, capacity, last_page, kvh, CPS, PAGE, TPW, H_KV, OFF64)
+        off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CPS, PAGE, TPW, H_KV, OFF64)
         c = gl.arange(0, N_SCALES, layout=gl.SliceLayout(0, gl.SliceLayout(1, CPS)))
         mask = ok[:, :, None] & (c >= 0)[None, None, :]
         async_copy.async_copy_global_to_shared(ks_tile, K_CACHE + (off + 64)[:, :, None] + c[None, None, :], mask=mask)
@@ -293,20 +290,16 @@ def _build(code: int = 1):
 
     @gluon.jit
     def _span(item, SEQLENS, capacity, n_splits, H_KV: gl.constexpr, BLOCK_N: gl.constexpr,
-              MIN_STEPS: gl.constexpr, ONE_SPLIT: gl.constexpr):
+              MIN_STEPS: gl.constexpr):
         """Work item (b · n_splits + split) · H_KV + kv head: (b, kv head, split, the request's length clamped to
-        [0, capacity], the split's tokens [start, end), its steps, at least MIN_STEPS). ONE_SPLIT: start is 0,
-        known before the length is (the first copies' page ids need not wait for it)."""
+        [0, capacity], the split's tokens [start, end), its steps, at least MIN_STEPS)."""
         work = item // H_KV
         kvh = item % H_KV
         split = work % n_splits
         b64 = (work // n_splits).to(gl.int64)
         length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
         per_split = gl.cdiv(gl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
-        if ONE_SPLIT:
-            start = split * 0
-        else:
-            start = split * per_split
+        start = split * per_split
         end = gl.minimum(start + per_split, length)
         n_steps = gl.maximum(gl.cdiv(end - start, BLOCK_N), MIN_STEPS)
         return b64, kvh, split, length, start, end, n_steps
@@ -392,18 +385,17 @@ def _build(code: int = 1):
             return k_ring.index(i), v_ring.index(i), ks_ring.index(i), vs_ring.index(i)
 
     @gluon.jit
-    def _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end, capacity, last_page,
-                   kvh,
+    def _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end, last_page, kvh,
                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                    PAGE, TPW, H_KV, CP, CPS, OFF64, KV_SAME_STRIDES, PAIRED):
         """One step's copies into the ring's slot, for the kernel's format (the last eight: the callers'
         constexprs)."""
         k_tile, v_tile, ks_tile, vs_tile = _slot(k_ring, v_ring, ks_ring, vs_ring, slot, PAIRED)
         if FP4:
-            _issue_fp4(K_CACHE, V_CACHE, k_tile, v_tile, ks_tile, vs_tile, bt_row, n0, end, capacity, last_page,
-                       kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+            _issue_fp4(K_CACHE, V_CACHE, k_tile, v_tile, ks_tile, vs_tile, bt_row, n0, end, last_page, kvh,
+                       PAGE, TPW, H_KV, CP, CPS, OFF64)
         else:
-            _issue(K_CACHE, V_CACHE, k_tile, v_tile, bt_row, n0, end, capacity, last_page, kvh,
+            _issue(K_CACHE, V_CACHE, k_tile, v_tile, bt_row, n0, end, last_page, kvh,
                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
                    KV_SAME_STRIDES)
 
@@ -441,7 +433,7 @@ def _build(code: int = 1):
         PAIRED: gl.constexpr = PERSISTENT and not FP4
         item = gl.program_id(0)
         b64, kvh, split, length, start, end, n_steps = _span(item, SEQLENS, capacity, n_splits, H_KV, BLOCK_N,
-                                                             MIN_STEPS, FINAL)
+                                                             MIN_STEPS)
         bt_row = BLOCK_TABLE + b64 * stride_bt
 
         if FP4:   # each token row's 64 value bytes, and its block scales in rings of their own
@@ -461,8 +453,8 @@ def _build(code: int = 1):
             vs_ring = v_ring
         for i in gl.static_range(STAGES - 1):
             _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, i, bt_row, start + i * BLOCK_N, end,
-                       capacity, last_page, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                       PAGE, TPW, H_KV, CP, CPS, OFF64, KV_SAME_STRIDES, PAIRED)
+                       last_page, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW,
+                       H_KV, CP, CPS, OFF64, KV_SAME_STRIDES, PAIRED)
             async_copy.commit_group()
 
         # the softmax scale (log2 units) multiplies the fp32 scores
@@ -501,15 +493,14 @@ def _build(code: int = 1):
                 if i_step == i_steps:
                     i_item = nxt
                     i_b64, i_kvh, i_split, i_length, i_start, i_end, i_steps = _span(
-                        gl.minimum(nxt, n_items - 1), SEQLENS, capacity, n_splits, H_KV, BLOCK_N, MIN_STEPS,
-                        FINAL)
+                        gl.minimum(nxt, n_items - 1), SEQLENS, capacity, n_splits, H_KV, BLOCK_N, MIN_STEPS)
                     i_bt_row = BLOCK_TABLE + i_b64 * stride_bt
                     i_step = 0
                 if i_item < n_items:
                     _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, (g + STAGES - 1) % STAGES,
-                               i_bt_row, i_start + i_step * BLOCK_N, i_end, capacity, last_page, i_kvh,
-                               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, H_KV, CP,
-                               CPS, OFF64, KV_SAME_STRIDES, PAIRED)
+                               i_bt_row, i_start + i_step * BLOCK_N, i_end, last_page, i_kvh, stride_kp, stride_kt,
+                               stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, H_KV, CP, CPS, OFF64,
+                               KV_SAME_STRIDES, PAIRED)
                 async_copy.commit_group()
                 i_step += 1
                 n0 = start + step * BLOCK_N
@@ -563,9 +554,9 @@ def _build(code: int = 1):
                 async_copy.wait_group(STAGES - 2)
                 gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
                 _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, (i + STAGES - 1) % STAGES, bt_row,
-                           start + (i + STAGES - 1) * BLOCK_N, end, capacity, last_page, kvh, stride_kp, stride_kt,
-                           stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, H_KV, CP, CPS, OFF64,
-                           KV_SAME_STRIDES, False)
+                           start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, stride_kp, stride_kt, stride_kh,
+                           stride_vp, stride_vt, stride_vh, PAGE, TPW, H_KV, CP, CPS, OFF64, KV_SAME_STRIDES,
+                           False)
                 async_copy.commit_group()
                 n0 = start + i * BLOCK_N
                 cur = i % STAGES
