@@ -196,11 +196,6 @@ for step in "$@"; do
     probe-slots) for f in fp8 nvfp4; do timeout 60 python3 scripts/probe_slots_bytes.py --fmt $f > "$w/probe_slots_$f.log" 2>&1; tail -n 8 "$w/probe_slots_$f.log"; done ;;
     paged-fp8-4k) timeout 90 python3 -m warpforge tune paged --L 4096 --formats fp8gluon --out "$w/tune_paged_fp8_gluon_4k.json" > "$w/tune_paged_fp8_gluon_4k.log" 2>&1
                   tail -n 20 "$w/tune_paged_fp8_gluon_4k.log" ;;
-    paged-persistent) timeout 150 python3 -m pytest -q $par -m gpu tests/paged/test_paged_gluon.py > "$w/paged-persistent-tests.log" 2>&1
-                      tail -n 3 "$w/paged-persistent-tests.log"   # then the FP8 lines' ratio, grid of one program an item (0) / persistent (1)
-                      for v in ${PERSISTENT_AB:-0 1}; do WARPFORGE_PAGED_PERSISTENT=$v SKIP_TESTS=1 MATCH='L(4k|16k) (bf16|fp8)' timeout 150 \
-                        bash scripts/gpu_check.sh "$w/paged-p$v" paged > "$w/paged-persistent$v.log" 2>&1
-                        echo "persistent $v"; grep -E "warpforge" "$w/paged-persistent$v.log" | cut -c1-120; done ;;
     paged-gluon) paged_gluon_tests
                  timeout 150 python3 -m warpforge tune paged --L 16384 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_16k.json" > "$w/tune_paged_gluon_16k.log" 2>&1
                  timeout 80 python3 -m warpforge tune paged --L 4096 --formats fp8gluon,bf16 --bf16-tiles 2 --out "$w/tune_paged_gluon_4k.json" > "$w/tune_paged_gluon_4k.log" 2>&1

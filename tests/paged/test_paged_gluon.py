@@ -104,11 +104,6 @@ COMPILE_CASES = [
     # the sweep's other tiles: 2 slots, 64-token steps
     dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True))),
     dict(group=4, s_q=1, num_splits=1, page=16, code=2, cfg=list(configs.PagedCfg(16, 64, 4, 4, gluon=True))),
-    # FP8's persistent grid: 3 and 2 slots
-    dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1,
-         cfg=list(configs.PagedCfg(16, 128, 4, 3, gluon=True, persistent=True))),
-    dict(group=8, s_q=2, num_splits=3, page=1, scale_mode=2,
-         cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True, persistent=True))),
 ]
 
 
@@ -116,9 +111,8 @@ SPILL_BYTES = 32
 
 
 def _case_id(c):
-    return "-".join(f"{k}{v}" for k, v in c.items() if k != "cfg") + (
-        f"-tile{c['cfg'][1]}x{c['cfg'][3]}{'-persistent' if configs.PagedCfg(*c['cfg']).persistent else ''}"
-        if "cfg" in c else "")
+    return "-".join(f"{k}{v}" for k, v in c.items() if k != "cfg") + (f"-tile{c['cfg'][1]}x{c['cfg'][3]}"
+                                                                         if "cfg" in c else "")
 
 
 @pytest.mark.skipif(not gluon_triton(dg.GLUON_TRITON_VERSIONS), reason="the Gluon kernel is written for Triton "
@@ -217,100 +211,3 @@ def test_gpu_strided_fp4_cache_takes_the_portable_kernel(fmt, gluon_calls):
     out = _decode(p)[0]
     assert not gluon_calls
     assert 1 - cosine(out, ref) <= 1e-5
-
-
-# ------------------------------------------------------------------------------------------ persistent grid
-def test_persistent_grid_where_it_applies(monkeypatch):
-    """waves programs an SM, FP8 only, only where the items would start more than one wave; the environment
-    overrides the table both ways."""
-    monkeypatch.setattr(dg, "_sm_count", lambda index: 132)
-    monkeypatch.delenv(configs.GLUON_PERSISTENT_ENV, raising=False)
-    on = configs.GLUON["fp8"]._replace(persistent=True)
-    dev = torch.device("cuda", 0)
-    assert dg.persistent_ctas(512, on, dev) == 2 * 132
-    assert dg.persistent_ctas(264, on, dev) is None          # one wave: nothing to close
-    assert dg.persistent_ctas(512, on, dev, code=2) is None  # FP4 keeps one program an item
-    off = on._replace(persistent=False)
-    assert dg.persistent_ctas(512, off, dev) is None
-    monkeypatch.setenv(configs.GLUON_PERSISTENT_ENV, "1")
-    assert dg.persistent_ctas(512, off, dev) == 264
-    monkeypatch.setenv(configs.GLUON_PERSISTENT_ENV, "0")
-    assert dg.persistent_ctas(512, on, dev) is None
-
-
-@pytest.mark.parametrize("stages", [2, 3, 4])
-def test_persistent_schedule_model(stages):
-    """The persistent loop's bookkeeping, replayed in Python as the kernel runs it: copies run stages - 1 steps
-    ahead and cross into the next item (taken from the queue when the previous item started) once this item's steps
-    are all issued; the computing side takes the copies' item when its own ends. Every program's steps must be
-    computed from the slot their copies went to, item by item in order, each item's steps once, whatever the items'
-    step counts (at least stages - 1: the kernel pads shorter items with masked steps)."""
-    gen = torch.Generator().manual_seed(stages)
-    for trial in range(200):
-        n_items = int(torch.randint(1, 40, (1,), generator=gen))
-        ctas = int(torch.randint(1, 6, (1,), generator=gen))
-        steps = [max(int(torch.randint(0, 7, (1,), generator=gen)), stages - 1) for _ in range(n_items)]
-        queue = [0]
-        done = []
-
-        def grab():   # n_ctas + atomic_add(NEXT_ITEM, 1)
-            queue[0] += 1
-            return ctas + queue[0] - 1
-
-        order = list(range(ctas))
-        # programs interleave arbitrarily; each runs the kernel's loop
-        progs = []
-        for pid in order:
-            if pid >= n_items:
-                continue
-            st = dict(item=pid, nxt=None, i_item=pid, i_step=stages - 1, step=0, g=0, slots={})
-            for s in range(stages - 1):
-                st["slots"][s] = (pid, s)
-            st["nxt"] = grab()
-            progs.append(st)
-        while progs:
-            st = progs[int(torch.randint(0, len(progs), (1,), generator=gen))]
-            if st["i_step"] == (steps[st["i_item"]] if st["i_item"] < n_items else None):
-                st["i_item"], st["i_step"] = st["nxt"], 0
-            slot = (st["g"] + stages - 1) % stages
-            if st["i_item"] < n_items:
-                st["slots"][slot] = (st["i_item"], st["i_step"])
-            st["i_step"] += 1
-            assert st["slots"].get(st["g"] % stages) == (st["item"], st["step"])   # the copies computed are these
-            done.append((st["item"], st["step"]))
-            st["step"] += 1
-            st["g"] += 1
-            if st["step"] == steps[st["item"]]:
-                st["item"], st["step"] = st["i_item"], 0
-                st["nxt"] = grab()
-                if st["item"] >= n_items:
-                    progs.remove(st)
-        assert sorted(done) == [(i, s) for i in range(n_items) for s in range(steps[i])]
-
-
-@pytest.mark.gpu
-@needs_gate
-@pytest.mark.parametrize("stages", [3, 2])
-@pytest.mark.parametrize("ctas", [1, 3])
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-page"])
-@pytest.mark.parametrize("b,s_q,h_q,h_kv,page,lens,splits", GPU_SHAPES)
-def test_gpu_persistent_same_bits_as_one_program_an_item(b, s_q, h_q, h_kv, page, lens, splits, fmt, ctas, stages,
-                                                         monkeypatch, gluon_calls):
-    """The persistent grid (a few programs, so that each takes several items from the queue, with items of one step
-    padded to stages - 1) against one program an item: every item's arithmetic is the same, so the same bits."""
-    monkeypatch.setitem(configs.GLUON, "fp8", configs.GLUON["fp8"]._replace(stages=stages))
-    p = _problem(b, s_q, h_q, h_kv, 128, page, lens, fmt, torch.bfloat16)
-    monkeypatch.setattr(dg, "persistent_ctas", lambda items, cfg, device, code=1: None)
-    out, lse = _decode(p, num_splits=splits)
-    assert gluon_calls
-    used = []
-
-    def small_grid(items, cfg, device, code=1):
-        used.append(items > ctas)
-        return ctas if items > ctas else None
-    monkeypatch.setattr(dg, "persistent_ctas", small_grid)
-    out_p, lse_p = _decode(p, num_splits=splits)
-    assert used and (any(used) or ctas >= b * h_kv * (splits or 1))
-    assert torch.equal(out_p, out) and torch.equal(lse_p, lse)
-    ref, ref_lse = _reference(p)
-    assert 1 - cosine(out_p, ref) <= 1e-5

@@ -30,9 +30,6 @@ class PagedCfg(NamedTuple):
     #                             M, so sm_90's wgmma (M >= 64; Triton runs fp8 dots only there) pads no query rows
     gluon: bool = False  # the Hopper Gluon kernel (decode_gluon_kernel.py): block_n = 4 warps' tokens per step,
     #                      stages = its cp.async ring's slots; block_h, warps and the knobs above do not apply
-    persistent: bool = False  # the Gluon kernel: waves programs per SM take the work items from a queue, each
-    #                           issuing the next item's copies while it finishes this one (where the items would start
-    #                           more than one wave of programs)
 
 
 C = PagedCfg
@@ -60,7 +57,6 @@ DECODE = TileTable({
 # WARPFORGE_PAGED_GLUON=0 turns it off.
 GLUON_ENV = "WARPFORGE_PAGED_GLUON"
 GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree
-GLUON_PERSISTENT_ENV = "WARPFORGE_PAGED_PERSISTENT"   # "1" / "0": the persistent grid on / off whatever the table says
 # 128-token steps, one split at b64 h_kv 8; FP8 3 slots, FP4 2 (sessions 19-20's sweeps: benchmarks/NOTES.md)
 GLUON = {"fp8": C(16, 128, 4, 3, waves=2, gluon=True),
          **dict.fromkeys(("nvfp4", "mxfp4"), C(16, 128, 4, 2, waves=2, gluon=True))}

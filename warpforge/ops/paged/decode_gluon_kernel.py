@@ -37,7 +37,6 @@ dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -136,12 +135,12 @@ def _build(code: int = 1):
     DOT = gl.constexpr(gl.bfloat16 if code == 3 else gl.float16)
 
     @gluon.jit
-    def _issue(K_CACHE, V_CACHE, k_tile, v_tile, bt_row, n0, end, last_page, kvh,
+    def _issue(K_CACHE, V_CACHE, k_ring, v_ring, slot, bt_row, n0, end, last_page, kvh,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                PAGE: gl.constexpr, TPW: gl.constexpr, CP: gl.constexpr, OFF64: gl.constexpr,
                KV_SAME_STRIDES: gl.constexpr):
-        """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..) into a ring slot's
-        tiles; tokens >= end are zero-filled, their page ids clamped. Element offsets in int32 unless OFF64 (a cache
+        """cp.async of the K and V rows of tokens n0 .. n0 + 4 · TPW - 1 (warp w: n0 + w · TPW ..) into the ring's
+        slot; tokens >= end are zero-filled, their page ids clamped. Element offsets in int32 unless OFF64 (a cache
         of 2^31 elements or more); V's computed apart only if its strides differ from K's."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
@@ -161,8 +160,10 @@ def _build(code: int = 1):
             v_off = k_off
         else:
             v_off = page * stride_vp + row * stride_vt + kvh * stride_vh
-        async_copy.async_copy_global_to_shared(k_tile, K_CACHE + k_off[:, :, None] + d[None, None, :], mask=mask)
-        async_copy.async_copy_global_to_shared(v_tile, V_CACHE + v_off[:, :, None] + d[None, None, :], mask=mask)
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), K_CACHE + k_off[:, :, None] + d[None, None, :],
+                                               mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(slot), V_CACHE + v_off[:, :, None] + d[None, None, :],
+                                               mask=mask)
 
     @gluon.jit
     def _fp4_rows(bt_row, n0, end, last_page, kvh, L: gl.constexpr, PAGE: gl.constexpr, TPW: gl.constexpr,
@@ -180,20 +181,24 @@ def _build(code: int = 1):
         return slot * (H_KV * WIDTH) + kvh * WIDTH, ok
 
     @gluon.jit
-    def _issue_fp4(K_CACHE, V_CACHE, k_tile, v_tile, ks_tile, vs_tile, bt_row, n0, end, last_page, kvh,
+    def _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end, last_page, kvh,
                    PAGE: gl.constexpr, TPW: gl.constexpr, H_KV: gl.constexpr, CP: gl.constexpr,
                    CPS: gl.constexpr, OFF64: gl.constexpr):
-        """_issue for FP4 rows: their 64 value bytes and their block scales into a slot's tiles (zeros past end)."""
+        """_issue for FP4 rows: their 64 value bytes and their block scales into the rings' slot (zeros past end)."""
         off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         mask = ok[:, :, None] & (d >= 0)[None, None, :]
-        async_copy.async_copy_global_to_shared(k_tile, K_CACHE + off[:, :, None] + d[None, None, :], mask=mask)
-        async_copy.async_copy_global_to_shared(v_tile, V_CACHE + off[:, :, None] + d[None, None, :], mask=mask)
+        async_copy.async_copy_global_to_shared(k_ring.index(slot), K_CACHE + off[:, :, None] + d[None, None, :],
+                                               mask=mask)
+        async_copy.async_copy_global_to_shared(v_ring.index(slot), V_CACHE + off[:, :, None] + d[None, None, :],
+                                               mask=mask)
         off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CPS, PAGE, TPW, H_KV, OFF64)
         c = gl.arange(0, N_SCALES, layout=gl.SliceLayout(0, gl.SliceLayout(1, CPS)))
         mask = ok[:, :, None] & (c >= 0)[None, None, :]
-        async_copy.async_copy_global_to_shared(ks_tile, K_CACHE + (off + 64)[:, :, None] + c[None, None, :], mask=mask)
-        async_copy.async_copy_global_to_shared(vs_tile, V_CACHE + (off + 64)[:, :, None] + c[None, None, :], mask=mask)
+        async_copy.async_copy_global_to_shared(ks_ring.index(slot), K_CACHE + (off + 64)[:, :, None] + c[None, None, :],
+                                               mask=mask)
+        async_copy.async_copy_global_to_shared(vs_ring.index(slot), V_CACHE + (off + 64)[:, :, None] + c[None, None, :],
+                                               mask=mask)
 
     @gluon.jit
     def _perm_c(c):
@@ -289,26 +294,61 @@ def _build(code: int = 1):
         return m_new, l_i, mma_v2(pa, vb, acc * alpha[:, :, None])
 
     @gluon.jit
-    def _span(item, SEQLENS, capacity, n_splits, H_KV: gl.constexpr, BLOCK_N: gl.constexpr,
-              MIN_STEPS: gl.constexpr):
-        """Work item (b · n_splits + split) · H_KV + kv head: (b, kv head, split, the request's length clamped to
-        [0, capacity], the split's tokens [start, end), its steps, at least MIN_STEPS)."""
-        work = item // H_KV
-        kvh = item % H_KV
+    def paged_decode_gluon_kernel(
+        Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
+        stride_qb, stride_qs, stride_qh,
+        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+        stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
+        stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
+        stride_ls, stride_lb,
+        qk_scale, capacity, last_page, n_splits,
+        H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
+        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
+        OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
+        MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
+        CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
+    ):
+        """Program (b · n_splits + split) · h_kv + kv head on one grid axis: a request's kv heads are neighbours in
+        launch order, so they read the same token rows of the cache (h_kv · width bytes each) at about the same time
+        (2-3% over the portable kernel's (b · n_splits + split, kv head) grid, session 19). SCALE_MODE: 0 none, 1 per
+        tensor (K_SCALE / V_SCALE one element), 2 per page and head. Lengths are clamped to [0, capacity] and page
+        ids to [0, last_page] (unchecked values under a CUDA-graph capture must not read outside the tensors)."""
+        BLOCK_N: gl.constexpr = 4 * TPW
+        H_KV: gl.constexpr = H_Q // GROUP
+        work = gl.program_id(0) // H_KV
+        kvh = gl.program_id(0) % H_KV
         split = work % n_splits
         b64 = (work // n_splits).to(gl.int64)
+        kvh64 = kvh.to(gl.int64)
         length = gl.minimum(gl.maximum(gl.load(SEQLENS + b64), 0), capacity)
         per_split = gl.cdiv(gl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
         start = split * per_split
         end = gl.minimum(start + per_split, length)
-        n_steps = gl.maximum(gl.cdiv(end - start, BLOCK_N), MIN_STEPS)
-        return b64, kvh, split, length, start, end, n_steps
+        n_steps = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+        bt_row = BLOCK_TABLE + b64 * stride_bt
 
-    @gluon.jit
-    def _load_q(Q, b64, kvh, stride_qb, stride_qs, stride_qh, GROUP: gl.constexpr, S_Q: gl.constexpr,
-                A: gl.constexpr):
-        """q in DOT (fp16: exact from fp16, and from bf16 in fp16's range; MXFP4: bf16 q as it is), its columns
-        through sigma_k, the same 16 rows in every warp, as the score dot's A operand."""
+        if FP4:   # each token row's 64 value bytes, and its block scales in rings of their own
+            k_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, 64], SMEM)
+            v_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, 64], SMEM)
+            ks_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, N_SCALES], SMEM_S)
+            vs_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, N_SCALES], SMEM_S)
+        else:
+            k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+            v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
+            ks_ring = k_ring
+            vs_ring = v_ring
+        for i in gl.static_range(STAGES - 1):
+            if FP4:
+                _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, i, bt_row, start + i * BLOCK_N, end,
+                           last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+            else:
+                _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
+                       stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
+                       KV_SAME_STRIDES)
+            async_copy.commit_group()
+
+        # q in DOT (fp16: exact from fp16, and from bf16 in fp16's range; MXFP4: bf16 q as it is), its columns
+        # through sigma_k, the same 16 rows in every warp; the softmax scale (log2 units) multiplies the fp32 scores
         QL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 2, 16], [4, 1, 1], [2, 1, 0])
         r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, QL)))
         k = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, QL)))
@@ -321,28 +361,55 @@ def _build(code: int = 1):
         w0 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
         q_mask = (w0 >= 0)[:, None, None] & r_ok[None, :, None] & (k >= 0)[None, None, :]
         q = gl.load(Q + q_row[None, :, None] + col[None, None, :] + 0 * w0[:, None, None], mask=q_mask, other=0.0)
-        return gl.convert_layout(q.to(DOT), A)
+        qa = gl.convert_layout(q.to(DOT), A)
 
-    @gluon.jit
-    def _finish(m_i, l_i, acc, v_s, O_PART, LSE_PART, b64, kvh, split, stride_ob, stride_os, stride_oh, stride_ls,
-                stride_lb, H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, FINAL: gl.constexpr,
-                MMA: gl.constexpr, scratch=None, VIA_SCRATCH: gl.constexpr = False):
-        """The four warps' partials -> one (the common max, each warp's rescale, the sums), stored as the final out
-        / lse (FINAL) or the split's partials. VIA_SCRATCH: the warps' [16, 128] partials summed through `scratch`
-        (fp32 [4, 16, 128] shared memory the caller frees), not the compiler's own scratch."""
+        ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
+        rs = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW))
+        pos = length - S_Q + rs // GROUP   # each query row's own position: it sees tokens <= pos
+        s_scale = qk_scale
+        v_s = 1.0
+        if SCALE_MODE == 1:
+            s_scale = qk_scale * gl.load(K_SCALE)
+            v_s = gl.load(V_SCALE)
+        m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
+        l_i = gl.zeros([4, 16], gl.float32, ROW)
+        acc = gl.zeros([4, 16, 128], gl.float32, MMA)
+        # steps wholly before full_end need no mask: every token in the split, seen by every query row
+        full_end = gl.minimum(end, length - S_Q + 1)
+        for i in range(n_steps):
+            async_copy.wait_group(STAGES - 2)
+            gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
+            ahead = (i + STAGES - 1) % STAGES
+            if FP4:
+                _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, ahead, bt_row,
+                           start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+            else:
+                _issue(K_CACHE, V_CACHE, k_ring, v_ring, ahead, bt_row, start + (i + STAGES - 1) * BLOCK_N, end,
+                       last_page, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW,
+                       CP, OFF64, KV_SAME_STRIDES)
+            async_copy.commit_group()
+            n0 = start + i * BLOCK_N
+            cur = i % STAGES
+            k_tile = k_ring.index(cur)
+            v_tile = v_ring.index(cur)
+            ks_tile = ks_ring.index(cur)
+            vs_tile = vs_ring.index(cur)
+            if n0 + BLOCK_N <= full_end:
+                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
+                                      K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
+                                      stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
+            else:
+                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
+                                      K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
+                                      stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
+        async_copy.wait_group(0)
+
+        # the four warps' partials -> one: the common max, each warp's rescale, the sums
         m_all = gl.max(m_i, axis=0)
         w_scale = gl.exp2(m_i - m_all[None, :])
         l_all = gl.sum(l_i * w_scale, axis=0)
-        if VIA_SCRATCH:
-            scratch.store(acc * w_scale[:, :, None])
-            gl.thread_barrier()
-            # each thread holds the four warps' values of its elements: the sum stays in registers
-            SUM: gl.constexpr = gl.BlockedLayout([4, 1, 4], [1, 1, 32], [1, 4, 1], [2, 1, 0])
-            out = gl.sum(scratch.load(SUM), axis=0)
-            OUT: gl.constexpr = gl.SliceLayout(0, SUM)
-        else:
-            out = gl.sum(acc * w_scale[:, :, None], axis=0)   # [16, 128] in SliceLayout(0, MMA)
-            OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+        out = gl.sum(acc * w_scale[:, :, None], axis=0)   # [16, 128] in SliceLayout(0, MMA)
+        OUT: gl.constexpr = gl.SliceLayout(0, MMA)
         empty = l_all == 0.0
         l_safe = gl.where(empty, 1.0, l_all)
         norm = gl.convert_layout(v_s / l_safe, gl.SliceLayout(1, OUT))
@@ -374,208 +441,6 @@ def _build(code: int = 1):
             gl.store(LSE_PART + split.to(gl.int64) * stride_ls + b64 * stride_lb + jv * H_Q + hv, lse2,
                      mask=rv < GROUP * S_Q)
 
-    @gluon.jit
-    def _slot(k_ring, v_ring, ks_ring, vs_ring, i, PAIRED):
-        """Slot i's (K, V, K scales, V scales) tiles. PAIRED (a constexpr): one ring [2 · STAGES, 4, TPW, 128] whose
-        slot i is entries 2i (K) and 2i + 1 (V), 32 KB in a row (the persistent FP8 kernel's scratch for its in-loop
-        epilogue)."""
-        if PAIRED:
-            return k_ring.index(2 * i), k_ring.index(2 * i + 1), k_ring, k_ring
-        else:
-            return k_ring.index(i), v_ring.index(i), ks_ring.index(i), vs_ring.index(i)
-
-    @gluon.jit
-    def _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end, last_page, kvh,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                   PAGE, TPW, H_KV, CP, CPS, OFF64, KV_SAME_STRIDES, PAIRED):
-        """One step's copies into the ring's slot, for the kernel's format (the last eight: the callers'
-        constexprs)."""
-        k_tile, v_tile, ks_tile, vs_tile = _slot(k_ring, v_ring, ks_ring, vs_ring, slot, PAIRED)
-        if FP4:
-            _issue_fp4(K_CACHE, V_CACHE, k_tile, v_tile, ks_tile, vs_tile, bt_row, n0, end, last_page, kvh,
-                       PAGE, TPW, H_KV, CP, CPS, OFF64)
-        else:
-            _issue(K_CACHE, V_CACHE, k_tile, v_tile, bt_row, n0, end, last_page, kvh,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
-                   KV_SAME_STRIDES)
-
-    @gluon.jit
-    def paged_decode_gluon_kernel(
-        Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART, NEXT_ITEM,
-        stride_qb, stride_qs, stride_qh,
-        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-        stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
-        stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
-        stride_ls, stride_lb,
-        qk_scale, capacity, last_page, n_splits, n_items, n_ctas,
-        H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-        OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
-        MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
-        CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
-    ):
-        """Work item (b · n_splits + split) · h_kv + kv head: a request's kv heads are neighbours in launch order, so
-        they read the same token rows of the cache (h_kv · width bytes each) at about the same time (2-3% over the
-        portable kernel's (b · n_splits + split, kv head) grid, session 19). One item a program, or with PERSISTENT
-        n_ctas programs that take items from a queue (program p first item p, then n_ctas + the counter NEXT_ITEM's
-        old value, zeroed by the caller) and issue the next item's first copies while they finish this one's: one
-        wave of programs with no gap between items, where a second wave of programs starts empty (each start waits
-        on a length, the page ids, then the bytes). SCALE_MODE: 0 none, 1 per tensor (K_SCALE / V_SCALE one
-        element), 2 per page and head. Lengths are clamped to [0, capacity] and page ids to [0, last_page]
-        (unchecked values under a CUDA-graph capture must not read outside the tensors)."""
-        BLOCK_N: gl.constexpr = 4 * TPW
-        H_KV: gl.constexpr = H_Q // GROUP
-        # every persistent item has STAGES - 1 steps at least (masked ones past its end), so the copies issued ahead
-        # reach at most one item past the one being computed
-        MIN_STEPS: gl.constexpr = STAGES - 1 if PERSISTENT else 0
-        # the persistent FP8 kernel combines its warps' partials through the slot it has just read: with the
-        # compiler's own scratch beside a live ring (3 slots) a program would take 128 KB, one program an SM
-        PAIRED: gl.constexpr = PERSISTENT and not FP4
-        item = gl.program_id(0)
-        b64, kvh, split, length, start, end, n_steps = _span(item, SEQLENS, capacity, n_splits, H_KV, BLOCK_N,
-                                                             MIN_STEPS)
-        bt_row = BLOCK_TABLE + b64 * stride_bt
-
-        if FP4:   # each token row's 64 value bytes, and its block scales in rings of their own
-            k_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, 64], SMEM)
-            v_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, 64], SMEM)
-            ks_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, N_SCALES], SMEM_S)
-            vs_ring = gl.allocate_shared_memory(gl.uint8, [STAGES, 4, TPW, N_SCALES], SMEM_S)
-        elif PAIRED:
-            k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [2 * STAGES, 4, TPW, 128], SMEM)
-            v_ring = k_ring
-            ks_ring = k_ring
-            vs_ring = k_ring
-        else:
-            k_ring = gl.allocate_shared_memory(K_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
-            v_ring = gl.allocate_shared_memory(V_CACHE.dtype.element_ty, [STAGES, 4, TPW, 128], SMEM)
-            ks_ring = k_ring
-            vs_ring = v_ring
-        for i in gl.static_range(STAGES - 1):
-            _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, i, bt_row, start + i * BLOCK_N, end,
-                       last_page, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW,
-                       H_KV, CP, CPS, OFF64, KV_SAME_STRIDES, PAIRED)
-            async_copy.commit_group()
-
-        # the softmax scale (log2 units) multiplies the fp32 scores
-        qa = _load_q(Q, b64, kvh, stride_qb, stride_qs, stride_qh, GROUP, S_Q, A)
-        ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
-        rs = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW))
-        pos = length - S_Q + rs // GROUP   # each query row's own position: it sees tokens <= pos
-        s_scale = qk_scale
-        v_s = 1.0
-        if SCALE_MODE == 1:
-            s_scale = qk_scale * gl.load(K_SCALE)
-            v_s = gl.load(V_SCALE)
-        m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
-        l_i = gl.zeros([4, 16], gl.float32, ROW)
-        acc = gl.zeros([4, 16, 128], gl.float32, MMA)
-        # steps wholly before full_end need no mask: every token in the split, seen by every query row
-        full_end = gl.minimum(end, length - S_Q + 1)
-        if PERSISTENT:
-            nxt = n_ctas + gl.atomic_add(NEXT_ITEM, 1)   # the item after this one
-            # the copies' item (this one until its steps are all issued, then nxt), and its next step
-            i_item = item
-            i_b64 = b64
-            i_kvh = kvh
-            i_split = split
-            i_length = length
-            i_start = start
-            i_end = end
-            i_steps = n_steps
-            i_bt_row = bt_row
-            i_step = STAGES - 1
-            step = 0     # this item's step
-            g = 0        # the program's step: the ring's slot
-            while item < n_items:
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()   # step g's bytes from every thread; step g - 1's slot read by every warp
-                if i_step == i_steps:
-                    i_item = nxt
-                    i_b64, i_kvh, i_split, i_length, i_start, i_end, i_steps = _span(
-                        gl.minimum(nxt, n_items - 1), SEQLENS, capacity, n_splits, H_KV, BLOCK_N, MIN_STEPS)
-                    i_bt_row = BLOCK_TABLE + i_b64 * stride_bt
-                    i_step = 0
-                if i_item < n_items:
-                    _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, (g + STAGES - 1) % STAGES,
-                               i_bt_row, i_start + i_step * BLOCK_N, i_end, last_page, i_kvh, stride_kp, stride_kt,
-                               stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, H_KV, CP, CPS, OFF64,
-                               KV_SAME_STRIDES, PAIRED)
-                async_copy.commit_group()
-                i_step += 1
-                n0 = start + step * BLOCK_N
-                cur = g % STAGES
-                k_tile, v_tile, ks_tile, vs_tile = _slot(k_ring, v_ring, ks_ring, vs_ring, cur, PAIRED)
-                if n0 + BLOCK_N <= full_end:
-                    m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                          K_SCALE, V_SCALE, bt_row, last_page, kvh.to(gl.int64), stride_ksp,
-                                          stride_ksh, stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B,
-                                          LK, LV)
-                else:
-                    m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                          K_SCALE, V_SCALE, bt_row, last_page, kvh.to(gl.int64), stride_ksp,
-                                          stride_ksh, stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B,
-                                          LK, LV)
-                step += 1
-                g += 1
-                if step == n_steps:
-                    if PAIRED:   # the slot just read (written again only after the next step's barrier)
-                        gl.thread_barrier()   # every warp done reading it
-                        SCRATCH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-                        _finish(m_i, l_i, acc, v_s, O_PART, LSE_PART, b64, kvh, split, stride_ob, stride_os,
-                                stride_oh, stride_ls, stride_lb, H_Q, GROUP, S_Q, FINAL, MMA,
-                                k_ring._reinterpret(gl.float32, [STAGES, 4, 16, 128], SCRATCH).index(cur), True)
-                    else:
-                        _finish(m_i, l_i, acc, v_s, O_PART, LSE_PART, b64, kvh, split, stride_ob, stride_os,
-                                stride_oh, stride_ls, stride_lb, H_Q, GROUP, S_Q, FINAL, MMA)
-                    # the next item is the copies' (they crossed over at least STAGES - 1 steps ago, and cannot
-                    # cross again before this item's STAGES - 1 or more steps are computed)
-                    item = i_item
-                    b64 = i_b64
-                    kvh = i_kvh
-                    split = i_split
-                    length = i_length
-                    start = i_start
-                    end = i_end
-                    n_steps = i_steps
-                    bt_row = i_bt_row
-                    step = 0
-                    nxt = n_ctas + gl.atomic_add(NEXT_ITEM, 1)
-                    qa = _load_q(Q, b64, kvh, stride_qb, stride_qs, stride_qh, GROUP, S_Q, A)
-                    pos = length - S_Q + rs // GROUP
-                    full_end = gl.minimum(end, length - S_Q + 1)
-                    m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
-                    l_i = gl.zeros([4, 16], gl.float32, ROW)
-                    acc = gl.zeros([4, 16, 128], gl.float32, MMA)
-            async_copy.wait_group(0)
-        else:
-            kvh64 = kvh.to(gl.int64)
-            for i in range(n_steps):
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
-                _issue_any(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, (i + STAGES - 1) % STAGES, bt_row,
-                           start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, stride_kp, stride_kt, stride_kh,
-                           stride_vp, stride_vt, stride_vh, PAGE, TPW, H_KV, CP, CPS, OFF64, KV_SAME_STRIDES,
-                           False)
-                async_copy.commit_group()
-                n0 = start + i * BLOCK_N
-                cur = i % STAGES
-                k_tile = k_ring.index(cur)
-                v_tile = v_ring.index(cur)
-                ks_tile = ks_ring.index(cur)
-                vs_tile = vs_ring.index(cur)
-                if n0 + BLOCK_N <= full_end:
-                    m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                          K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
-                                          stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
-                else:
-                    m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                          K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
-                                          stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
-            async_copy.wait_group(0)
-            _finish(m_i, l_i, acc, v_s, O_PART, LSE_PART, b64, kvh, split, stride_ob, stride_os, stride_oh,
-                    stride_ls, stride_lb, H_Q, GROUP, S_Q, FINAL, MMA)
-
     return paged_decode_gluon_kernel, gl
 
 
@@ -596,12 +461,11 @@ def cache_ok(k_cache, v_cache, code) -> bool:
 
 
 def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, o_part, lse_part,
-                num_splits, cfg, code=1, ctas=None, next_item=None):
+                num_splits, cfg, code=1):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
     code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; the caches as cache_ok takes them).
     o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
-    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages). ctas: None for one program a work item,
-    else that many persistent programs taking items from the queue next_item (one int32, zeroed)."""
+    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages)."""
     tpw = cfg.block_n // 4
     kernel, gl = _build(code)
     b, s_q, h_q, _ = q.shape
@@ -616,41 +480,19 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
     def scale_strides(t):
         return (0, 0) if mode != 2 else (t.stride(0), t.stride(1))
     mma, a, bl, lk, lv, cp, cps, smem, smem_s = _layouts(gl, tpw, code)
-    items = num_splits * b * h_kv
-    persistent = ctas is not None
     args = (q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, o_part, lse_part,
-            next_item if persistent else cache_seqlens,   # the queue; a pointer the kernel does not use otherwise
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), block_table.stride(0), *scale_strides(k_scale), *scale_strides(v_scale),
             *o_strides, *l_strides,
             softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
-            max(k_cache.shape[0] - 1, 0), num_splits, items, ctas if persistent else items)
+            max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
-                STAGES=cfg.stages, PERSISTENT=persistent,
+                STAGES=cfg.stages,
                 OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
                 KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
                 MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPS=cps, SMEM=smem, SMEM_S=smem_s, num_warps=WARPS)
-    return kernel, (ctas if persistent else items, ), args, meta
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def persistent_ctas(items: int, cfg, device: torch.device, code: int = 1):
-    """The persistent grid for `items` work items (None: one program an item): cfg.waves programs per SM where
-    cfg.persistent (or the environment's configs.GLUON_PERSISTENT_ENV, "0" / "1", says so) and the items would
-    start more than one wave of programs; with one wave or less there is no gap between waves to close. FP8 only:
-    its epilogue's scratch is the slot it has just read (32 KB: K and V side by side); FP4's slots are smaller, and
-    its builds took 255 registers (MXFP4 spilling ~200 B) with the loop's extra state."""
-    from . import configs
-    env = os.environ.get(configs.GLUON_PERSISTENT_ENV)
-    if code != 1 or not (cfg.persistent if env is None else env == "1"):
-        return None
-    ctas = cfg.waves * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return ctas if items > ctas else None
+    return kernel, (num_splits * b * h_kv, ), args, meta
 
 
 def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
@@ -663,10 +505,8 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
     if b == 0:
         return out, lse
     final = num_splits == 1
-    ctas = persistent_ctas(num_splits * b * k_cache.shape[2], cfg, q.device, code)
-    next_item = torch.zeros(1, dtype=torch.int32, device=q.device) if ctas is not None else None
     kernel, grid, args, meta = launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
-                                           softmax_scale, o_part, lse_part, num_splits, cfg, code, ctas, next_item)
+                                           softmax_scale, o_part, lse_part, num_splits, cfg, code)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -676,8 +516,7 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(cfg, group=4, s_q=1, num_splits=1, page=16, scale_mode=1, code=1, arch=90):
     """Compile for sm_<arch> without a GPU (ops/_gluon.py): PTX features, warps, shared memory, the kernel. cfg: a
-    configs.PagedCfg as a dict (its _asdict()); code: the cache format's (1 fp8, 2 nvfp4, 3 mxfp4); cfg's persistent
-    builds the persistent grid's kernel."""
+    configs.PagedCfg as a dict (its _asdict()); code: the cache format's (1 fp8, 2 nvfp4, 3 mxfp4)."""
     from types import SimpleNamespace
 
     from .._gluon import compile_report
@@ -693,7 +532,6 @@ def compile_sm90(cfg, group=4, s_q=1, num_splits=1, page=16, scale_mode=1, code=
     lens = torch.zeros(b, dtype=torch.int32)
     _, _, o_part, lse_part = decode_outputs(q, num_splits)
     scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
-    ctas, next_item = (1, torch.zeros(1, dtype=torch.int32)) if cfg.persistent and code == 1 else (None, None)
     kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
-                                           num_splits, cfg, code, ctas, next_item)
+                                           num_splits, cfg, code)
     return compile_report(kernel, args, grid, meta, arch)
