@@ -167,6 +167,76 @@ def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
     return (dq_acc[:, :, :s_q] * scale).transpose(1, 2), dk, dv
 
 
+def _emulate_bwd_items(q, k, v, do, out, lse, items, bs, causal, group_split, BM=64):
+    """The same in query-block order (flash_bwd_gluon's work list, sparse_gluon_kernel.query_block_items): program
+    p's item (key tile, slice, query block, kind) walks GROUP / group_split heads over the query block's tiles (kind
+    1) or the key block's own tiles (kind 2, as the key-major walk's own part) or nothing (kind 0); dK / dV summed over
+    the items (the kernel's fp32 reduce-adds)."""
+    b, s_q, h_q, d = q.shape
+    s_k, h_kv = k.shape[1], k.shape[2]
+    G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
+    n_kb, TPB = -(-s_k // bs), bs // BM
+    s_pad = -(-s_q // bs) * bs
+    pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1)
+    Qp, DOp, Kp, Vp = pad(q, s_pad), pad(do, s_pad), pad(k, n_kb * bs), pad(v, n_kb * bs)
+    lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
+    lse2[:, :, :s_q] = lse * LOG2E
+    dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
+    dl[:, :, :s_q] = (out * do).sum(-1).transpose(1, 2)
+    dq_acc = torch.zeros((b, h_q, s_pad, d), dtype=torch.float64)
+    dk_acc = torch.zeros((b, n_kb * bs, h_kv, d), dtype=torch.float64)
+    dv_acc = torch.zeros_like(dk_acc)
+    heads = G // group_split
+    for kt, bkv, qb, kind in items.tolist():
+        n0, j = kt * 128, kt * 128 // bs
+        bb, kvh_split = bkv // (h_kv * group_split), bkv % (h_kv * group_split)
+        kvh = kvh_split // group_split
+        own = j - diag // bs
+        first = max(own * bs, n0 - diag) // BM if causal else own * TPB
+        n_kept = TPB if kind == 1 else 0
+        n_own = (max((own + 1) * TPB - first, 0) if own >= 0 else 0) if kind == 2 else 0
+        for wg in range(2):
+            key_lo = n0 + 64 * wg
+            K, V = Kp[bb, key_lo:key_lo + 64, kvh], Vp[bb, key_lo:key_lo + 64, kvh]
+            limit0, shift = s_k - 1 - key_lo, diag - key_lo
+            dK = torch.zeros(64, d, dtype=torch.float64)
+            dV = torch.zeros(64, d, dtype=torch.float64)
+            for g, t in itertools.product(range(heads), range(n_kept + n_own)):
+                h = kvh_split * heads + g
+                i = qb * TPB + t if t < n_kept else first + t - n_kept
+                emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, i * BM, BM, scale, limit0, shift, causal)
+            dk_acc[bb, key_lo:key_lo + 64, kvh] += dK * scale
+            dv_acc[bb, key_lo:key_lo + 64, kvh] += dV
+    return (dq_acc[:, :, :s_q] * scale).transpose(1, 2), dk_acc[:, :s_k], dv_acc[:, :s_k]
+
+
+@pytest.mark.parametrize("group_split", [1, 2])
+@pytest.mark.parametrize("causal, s_q, s_k, h_q, h_kv, topk", [
+    (True, 300, 300, 4, 2, 2),     # a partial last block
+    (True, 200, 456, 4, 1, 3),     # keys longer than the queries (by 2 blocks), partial last block
+    (False, 300, 300, 4, 2, 2),    # not causal: the own block whole
+])
+def test_query_block_items_emulated_match_reference(causal, s_q, s_k, h_q, h_kv, topk, group_split):
+    """The backward in query-block order (the work list's items, each walked as _walk's WORKLIST branch does) gives
+    the reference's gradients: every kept pair and every own block once, for each head of each slice."""
+    torch.manual_seed(0)
+    d, bs = 16, 128
+    q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for n, h in ((s_q, h_q), (s_k, h_kv), (s_k, h_kv)))
+    do = torch.randn(1, s_q, h_q, d, dtype=torch.float64)
+    idx = torch.randint(-1, -(-s_k // bs), (1, h_kv, -(-s_q // bs), topk), dtype=torch.int32)
+    sel, n_sel, _, _ = _lists(idx, s_q, s_k, bs, causal)
+    items = sg.query_block_items(sel, -(-s_k // bs), group_split)
+    assert items.shape == (h_kv * group_split * sel.shape[2] * (topk + 1), 4) and items.dtype == torch.int32
+    assert int((items[:, 3] == 1).sum()) == int(n_sel.sum()) * group_split
+    out, lse = _emulate_fwd(q, k, v, sel, n_sel, bs, causal)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = sparse_attention_reference(*ref_in, idx, block_size=bs, causal=causal, compute_dtype=torch.float64)
+    want = torch.autograd.grad(ref_out, ref_in, do)
+    got = _emulate_bwd_items(q, k, v, do, out, lse, items, bs, causal, group_split)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.allclose(g, w, atol=1e-9), name
+
+
 @pytest.mark.parametrize("causal, s_q, s_k, h_q, h_kv, bs, topk", [
     (True, 300, 300, 4, 2, 128, 2),     # a partial last block
     (True, 200, 456, 2, 1, 128, 3),     # keys longer than the queries (by 2 blocks), partial last block
@@ -193,6 +263,17 @@ def test_walks_emulated_match_reference(causal, s_q, s_k, h_q, h_kv, bs, topk):
         assert torch.allclose(g, w, atol=1e-9), name
 
 
+def test_backward_order_knob(monkeypatch):
+    """configs.GLUON_BWD_ORDER unless the environment says "key" or "query"; anything else is an error naming it."""
+    monkeypatch.delenv(configs.GLUON_BWD_ORDER_ENV, raising=False)
+    assert api.gluon_bwd_order() == configs.GLUON_BWD_ORDER
+    monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "query")
+    assert api.gluon_bwd_order() == "query"
+    monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "rows")
+    with pytest.raises(ValueError, match=configs.GLUON_BWD_ORDER_ENV):
+        api.gluon_bwd_order()
+
+
 # ------------------------------------------------------------------------------------ compile for sm_90
 COMPILE_CASES = [  # (module, its compile_sm90's arguments): the forward's, then the backward's
     ("_gluon_flash_fwd", dict(d=128, causal=True, block_n=128, stages=2, block_size=128)),
@@ -201,6 +282,9 @@ COMPILE_CASES = [  # (module, its compile_sm90's arguments): the forward's, then
     ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, group_split=2,
                               block_size=128)),
     ("_gluon_flash_bwd", dict(d=64, causal=False, stages=4, dq_tma=True, block_size=256, dtype="float16")),
+    # the programs in query-block order (a work list), the table's d 128 knobs
+    ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, block_size=128, key_rows=2,
+                              worklist=True)),
 ]
 
 
@@ -239,8 +323,12 @@ def _grads(q, k, v, idx, bs, causal, d_out):
     (True, 640, 640, 16, 2, 128, 256, 8),     # top-k past the blocks a query block can see; GQA 8
     (True, 1024, 1024, 8, 1, 128, 128, 1),    # every query block keeps block 0: one key block walked by all
 ])
-def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk):
-    """Forward and backward on the Gluon kernels against the fp32 reference and the portable kernels."""
+@pytest.mark.parametrize("order", ["key", "query"])
+def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk,
+                                                    order):
+    """Forward and backward on the Gluon kernels against the fp32 reference and the portable kernels; the backward's
+    programs key tile by key tile or in query-block order (128-row blocks; 256 keep key order)."""
+    monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, order)
     dev = "cuda"
     q = torch.randn(2, s_q, h_q, d, device=dev, dtype=dtype)
     k = torch.randn(2, s_k, h_kv, d, device=dev, dtype=dtype)

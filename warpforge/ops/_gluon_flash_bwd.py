@@ -230,24 +230,33 @@ def _build():
     @gluon.jit
     def _walk(n0, b, kv_head, H_KV, GSPLIT: gl.constexpr, s_q, s_k, left, OFFSETS, QBLOCKS, n_kb,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+              BLOCK_M: gl.constexpr, WORKLIST: gl.constexpr = False):
         """The query tiles the program walks for each head: (first, n_i, n_kept, kept). Dense: tiles first ..
         first + n_i - 1 (n_kept 0). SPARSE: the n_kept tiles of the query blocks in kept[:n_kept / TPB] (TPB =
-        BS / BLOCK_M tiles a block), then own-block tiles first .. first + n_i - n_kept - 1."""
+        BS / BLOCK_M tiles a block), then own-block tiles first .. first + n_i - n_kept - 1. WORKLIST (sparse,
+        OFFSETS the work list, see _program): one query block's tiles, the kept pair's or the own block's."""
         if SPARSE:
             TPB: gl.constexpr = BS // BLOCK_M
             j = n0 // BS
-            key = (b * (H_KV // GSPLIT) + kv_head) * n_kb + j
-            lo = gl.load(OFFSETS + key)
-            n_kept = (gl.load(OFFSETS + key + 1) - lo) * TPB
+            if WORKLIST:
+                item = OFFSETS + gl.program_id(0) * 4
+                kind = gl.load(item + 3)                    # 0 nothing, 1 the kept pair, 2 the own block
+                n_kept = (kind == 1).to(gl.int32) * TPB
+                kept = item + 2                             # the query block
+            else:
+                key = (b * (H_KV // GSPLIT) + kv_head) * n_kb + j
+                lo = gl.load(OFFSETS + key)
+                n_kept = (gl.load(OFFSETS + key + 1) - lo) * TPB
+                kept = QBLOCKS + lo
             own = j - (s_k - s_q) // BS                     # the key block as a query block (< 0: keys before q)
             if CAUSAL:  # from the tile of the first query that sees key n0
                 first = gl.maximum(own * BS, n0 - (s_k - s_q)) // BLOCK_M
             else:
                 first = own * TPB
             n_own = gl.maximum((own + 1) * TPB - first, 0) * (own >= 0).to(gl.int32)
+            if WORKLIST:
+                n_own = n_own * (kind == 2).to(gl.int32)
             n_i = n_kept + n_own
-            kept = QBLOCKS + lo
         else:
             first, end = _span(n0, s_q, s_k, left, CAUSAL, WINDOW, BLOCK_M)
             n_i = end - first
@@ -269,12 +278,17 @@ def _build():
         return i
 
     @gluon.jit
-    def _program(s_k, head_group):
+    def _program(s_k, head_group, WORK, WORKLIST: gl.constexpr = False):
         """(key tile of BLOCK_N = 128 keys, batch · kv-head slice) of this program of the 1-D grid: slices in groups
         of head_group, each group's programs key tile by key tile, slice-fastest within a tile. A causal walk is
         longest at the first keys: in key-tile order, slice after slice (head_group 1), the last slice's long
         programs start last and run alone at the end (~6% of the sparse fwd+bwd at 16k tokens, measured); groups of
-        4 start them while 3 other slices' work remains, and keep only 4 slices' Q / dO in L2 at a time."""
+        4 start them while 3 other slices' work remains, and keep only 4 slices' Q / dO in L2 at a time.
+        WORKLIST: program p's item of WORK int32 [programs, 4] = (key tile, slice, query block, kind), in the order
+        the host chose (sparse_gluon_kernel.query_block_items: a query block's pairs side by side)."""
+        if WORKLIST:
+            item = WORK + gl.program_id(0) * 4
+            return gl.load(item), gl.load(item + 1)
         n_kt = (s_k + 127) // 128
         per = n_kt * head_group
         pid = gl.program_id(0)
@@ -285,8 +299,9 @@ def _build():
     def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                   lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
                   QBLOCKS, n_kb, head_group, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
-                  BS: gl.constexpr, GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        kt, bkv = _program(s_k, head_group)
+                  BS: gl.constexpr, GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  WORKLIST: gl.constexpr):
+        kt, bkv = _program(s_k, head_group, OFFSETS, WORKLIST)
         n0 = kt * 128
         b = bkv // H_KV
         kvh = bkv % H_KV          # with GSPLIT: a slice of GROUP query heads of kv head kvh // GSPLIT
@@ -301,7 +316,7 @@ def _build():
         tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                     + dl_desc.block_type.nbytes)
         first, n_i, n_kept, kept = _walk(n0, b, kv_head, H_KV, GSPLIT, s_q, s_k, left, OFFSETS, QBLOCKS, n_kb,
-                                         CAUSAL, WINDOW, SPARSE, BS, BLOCK_M)
+                                         CAUSAL, WINDOW, SPARSE, BS, BLOCK_M, WORKLIST)
         for it in range(GROUP * n_i):  # (head of the group, query tile), as the consumers walk them
             g = it // n_i
             i = _query_tile(it - g * n_i, first, n_kept, kept, SPARSE, BS, BLOCK_M)
@@ -374,7 +389,8 @@ def _build():
                   WG: gl.constexpr,
                   D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr,
-                  DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr):
+                  DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
+                  WORKLIST: gl.constexpr):
         # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers);
         # KEY_ROWS: their transposes [64 keys, 64 queries] (st_layout), Pᵀ and dSᵀ the A operands of dV and dK
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -387,7 +403,7 @@ def _build():
                                                             instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q_bufs.dtype
-        kt, bkv = _program(s_k, head_group)
+        kt, bkv = _program(s_k, head_group, OFFSETS, WORKLIST)
         key_lo = kt * 128 + WG * 64
         s_zero = gl.zeros([BLOCK_M, 64], gl.float32, s_layout)
         st_zero = gl.zeros([64, BLOCK_M], gl.float32, st_layout)
@@ -400,7 +416,7 @@ def _build():
         shift = (s_k - s_q) - key_lo
         keys_cut = limit0 < 63
         first, n_i, n_kept, kept = _walk(kt * 128, bkv // H_KV, (bkv % H_KV) // GSPLIT, H_KV, GSPLIT, s_q, s_k, left,
-                                         OFFSETS, QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, BLOCK_M)
+                                         OFFSETS, QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, BLOCK_M, WORKLIST)
         end = first + n_i
         bh0 = (bkv // H_KV) * H_Q + (bkv % H_KV) * GROUP   # the group's first query head
         # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
@@ -575,11 +591,12 @@ def _build():
             mbarrier.wait(ds_free, ((GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
         b = bkv // H_KV
         kvh = bkv % H_KV
-        if GSPLIT > 1:
-            # GSPLIT programs share this kv head's keys: dK, dV are fp32 partials, reduce-added by TMA into the
-            # [2, b · h_kv · s_kpad, D] fp32 accumulator (converted afterwards), staged [64, D] fp32 in the ring's
-            # memory (warpgroup 0 in the Q slots, 1 in the dO slots: STAGES · BLOCK_M · D · 2 B >= 64 · D · 4 B), once
-            # both warpgroups are past their last reads of the ring (fin; every load landed: each was waited for)
+        if GSPLIT > 1 or WORKLIST:
+            # GSPLIT programs (WORKLIST: every pair's) share this kv head's keys: dK, dV are fp32 partials,
+            # reduce-added by TMA into the [2, b · h_kv · s_kpad, D] fp32 accumulator (converted afterwards), staged
+            # [64, D] fp32 in the ring's memory (warpgroup 0 in the Q slots, 1 in the dO slots: STAGES · BLOCK_M · D ·
+            # 2 B >= 64 · D · 4 B), once both warpgroups are past their last reads of the ring (fin; every load
+            # landed: each was waited for)
             mbarrier.arrive(fin)
             mbarrier.wait(fin, 0)
             if WG == 0:
@@ -617,7 +634,8 @@ def _build():
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
                                BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
                                DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               WORKLIST: gl.constexpr = False):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -657,15 +675,15 @@ def _build():
                          ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
                          s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
                          head_group, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
-                         KEY_ROWS)),
+                         KEY_ROWS, WORKLIST)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
                          s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
                          head_group, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
-                         KEY_ROWS)),
+                         KEY_ROWS, WORKLIST)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                          lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
-                         QBLOCKS, n_kb, head_group, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES)),
+                         QBLOCKS, n_kb, head_group, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES, WORKLIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_bwd_gluon_kernel, gl
@@ -713,7 +731,7 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
                 dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1,
-                key_rows=0):
+                key_rows=0, work=None):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
@@ -722,7 +740,10 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     multiple of 128 and of block_m, s_pad a multiple of it); None: dense. head_group: the programs' order (_program:
     kv-head slices in groups of that many, each group key tile by key tile); it must divide b · h_kv · group_split.
     key_rows: 0, or S, dP, P and dS computed transposed (keys as the wgmma's rows; Pᵀ and dSᵀ the register A operands of
-    dV and dK: FA3's order; 1: dK issued before dQ, 2: after), with BLOCK_M 64, dq_split and dq_tma."""
+    dV and dK: FA3's order; 1: dK issued before dQ, 2: after), with BLOCK_M 64, dq_split and dq_tma. work: sparse
+    only, int32 [programs, 4] (key tile, slice, query block, kind: 0 none, 1 the kept pair, 2 the own block), one
+    program an item in that order (sparse_gluon_kernel.query_block_items); dK / dV then reduce-added into dkv_acc as
+    with group_split > 1; None: programs key tile by key tile (_program)."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -748,12 +769,15 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     if head_group < 1 or slices % head_group:
         raise ValueError(f"flash_bwd_gluon: head_group must divide the {slices} kv-head slices (got {head_group})")
     s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
-    if group_split > 1:
+    if work is not None and (blocks is None or blocks[2] != BLOCK_N):
+        raise ValueError(f"flash_bwd_gluon: a work list needs the sparse walk over {BLOCK_N}-row blocks")
+    if group_split > 1 or work is not None:
         # the [64, d] fp32 dK / dV staging tile lives in the ring's Q (dO) slots: STAGES · BLOCK_M rows of 16-bit d
         if not dq_tma or stages * block_m < 128:
-            raise ValueError("flash_bwd_gluon: group_split > 1 needs dq_tma and stages · BLOCK_M >= 128")
+            raise ValueError("flash_bwd_gluon: group_split > 1 or a work list needs dq_tma and stages · BLOCK_M "
+                             ">= 128")
         if dkv_acc is None or tuple(dkv_acc.shape) != (2, b * h_kv * s_kpad, d) or dkv_acc.dtype != torch.float32:
-            raise ValueError("flash_bwd_gluon: group_split > 1 needs the fp32 dK / dV accumulator")
+            raise ValueError("flash_bwd_gluon: group_split > 1 or a work list needs the fp32 dK / dV accumulator")
     window = left is not None and left < s_k
     if blocks is None:
         offsets = qblocks = dq_acc  # never read
@@ -765,9 +789,11 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
                              f"BLOCK_M {block_m}, and divide the padded length {s_pad}")
         n_kb = -(-s_k // bs)
     kernel, gl = _build()
-    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if group_split > 1 else None, block_m, dq_n,
-                         gl)
-    grid = (-(-s_k // BLOCK_N) * slices,)
+    reduce_kv = group_split > 1 or work is not None
+    descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if reduce_kv else None, block_m, dq_n, gl)
+    grid = (-(-s_k // BLOCK_N) * slices,) if work is None else (work.shape[0],)
+    if work is not None:
+        offsets = work   # the kernel reads its item there (WORKLIST), not the CSR lists
     # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
     # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
     args = (*descs, dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad, int(left) if window else 0, h_q,
@@ -775,7 +801,7 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, SPARSE=blocks is not None,
                 BS=bs, GSPLIT=group_split, DQ_N=dq_n,
                 DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), KEY_ROWS=int(key_rows), CONSUMER_REGS=CONSUMER_REGS,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+                PRODUCER_REGS=PRODUCER_REGS, WORKLIST=work is not None, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
 
@@ -826,7 +852,7 @@ def _buffers(q, block_m, pad=None):
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
                     dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1,
-                    key_rows=0):
+                    key_rows=0, work=None):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -835,7 +861,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     group_split (GQA: programs per (kv head, key block), each over GROUP / group_split query heads; dK / dV then
     summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none), blocks (the sparse
     walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch); head_group:
-    the programs' order; key_rows: the transposed step (launch_args)."""
+    the programs' order; key_rows: the transposed step; work: the sparse programs' work list (launch_args)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -850,7 +876,8 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     dkv_acc = None
     grid = (b * h_q, s_pad // PREP_ROWS)
     kv_rows = 0
-    if group_split > 1:
+    reduce_kv = group_split > 1 or work is not None
+    if reduce_kv:
         s_kpad = -(-s_k // BLOCK_N) * BLOCK_N
         kv_rows = 2 * b * h_kv * s_kpad
         # zeroed by the prep kernel while that spreads it over its programs (a few row tiles each); keys much longer
@@ -864,11 +891,11 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
            lse.stride(0), lse.stride(1), H_Q=h_q, D=d, BLOCK=PREP_ROWS, ZERO_KV=kv_rows > 0, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
-                                            head_group, key_rows)
+                                            head_group, key_rows, work)
     launch(kernel, kgrid, *args, **meta)
     launch(acc_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
            H=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
-    if group_split > 1:  # dK (already scaled) and dV from their fp32 sums, like dq, in one launch
+    if reduce_kv:  # dK (already scaled) and dV from their fp32 sums, like dq, in one launch
         launch(acc_convert_kernel, (b * h_kv, s_kpad // PREP_ROWS, 2), dkv_acc, dk, dv, s_k, s_kpad, 1.0, dk.stride(0),
                dk.stride(1), dk.stride(2), H=h_kv, D=d, BLOCK=PREP_ROWS, num_warps=4)
     return dq, dk, dv
@@ -876,10 +903,11 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
-                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=0):
+                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=0, worklist=False):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
-    holds fp32 reductions to global memory (dq's atomics)."""
+    holds fp32 reductions to global memory (dq's atomics). worklist: the sparse programs from a work list (launch_args'
+    work; block_size 128)."""
     from ._gluon import compile_report
     dt = getattr(torch, dtype)
     b, s = 2, 300
@@ -893,10 +921,12 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=F
     if block_size:  # the sparse walk (block_size rows a block)
         blocks = (torch.empty(b * h_kv * -(-s // block_size) + 1, dtype=torch.int32),
                   torch.empty(64, dtype=torch.int32), block_size)
-    dkv_acc = torch.empty((2, b * h_kv * s_kpad, d), dtype=torch.float32) if group_split > 1 else None
+    reduce_kv = group_split > 1 or worklist
+    dkv_acc = torch.empty((2, b * h_kv * s_kpad, d), dtype=torch.float32) if reduce_kv else None
+    work = torch.zeros((8, 4), dtype=torch.int32) if worklist else None
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
                                            dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma,
-                                           group_split, dkv_acc, left, blocks, key_rows=key_rows)
+                                           group_split, dkv_acc, left, blocks, key_rows=key_rows, work=work)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx

@@ -89,6 +89,14 @@ def gluon_bwd_knobs(d: int, s_q: int) -> tuple:
     return knobs[:6] + (max(1, min(knobs[6], fits_l2)),) + knobs[7:]
 
 
+def gluon_bwd_order() -> str:
+    """The Gluon backward's program order, "key" or "query" (configs.GLUON_BWD_ORDER, or the environment's)."""
+    order = os.environ.get(configs.GLUON_BWD_ORDER_ENV, configs.GLUON_BWD_ORDER)
+    if order not in ("key", "query"):
+        raise ValueError(f"{configs.GLUON_BWD_ORDER_ENV} is 'key' or 'query' (got {order!r})")
+    return order
+
+
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +126,10 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if gluon_gate(q, k, v, cu, block_size):
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
+            by_query = gluon_bwd_order() == "query" and block_size == 128
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale,
-                                       gluon_bwd_knobs(q.shape[-1], q.shape[1]), cached_launch)
+                                       gluon_bwd_knobs(q.shape[-1], q.shape[1]), cached_launch,
+                                       sel=sel if by_query else None)
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
     return sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,

@@ -61,3 +61,8 @@ GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 # 2.160 / 2.111 / 2.080 ms (0 / 1 / 2), 64k 9.262 -> 8.985 (0 / 2). d 64's knobs do not take it (no DQ_SPLIT).
 GLUON_BWD = {64: (64, 4, 64, False, True, 0, 4, 0), 128: (64, 3, 64, True, True, 0, 4, 2)}
 GLUON_BWD_GROUP_BYTES = 64 << 20
+# The backward's programs: "key" (one a key block and query-head slice, key tile by key tile, above) or "query" (one
+# a (query block, key block) pair, a query block's pairs side by side: its Q, dO and dQ rows stay in L2 across its key
+# blocks, each pair's dK / dV reduce-added in fp32; 128-row blocks). WARPFORGE_SPARSE_GLUON_BWD_ORDER overrides.
+GLUON_BWD_ORDER = "key"
+GLUON_BWD_ORDER_ENV = "WARPFORGE_SPARSE_GLUON_BWD_ORDER"
