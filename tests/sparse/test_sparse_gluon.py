@@ -264,14 +264,18 @@ def test_walks_emulated_match_reference(causal, s_q, s_k, h_q, h_kv, bs, topk):
 
 
 def test_backward_order_knob(monkeypatch):
-    """configs.GLUON_BWD_ORDER unless the environment says "key" or "query"; anything else is an error naming it."""
+    """Query order once a head's Q, dO and dQ accumulator pass configs.GLUON_BWD_QUERY_ORDER_BYTES (d 128: 128k
+    queries, not 64k), unless the environment says "key" or "query"; anything else is an error naming it."""
     monkeypatch.delenv(configs.GLUON_BWD_ORDER_ENV, raising=False)
-    assert api.gluon_bwd_order() == configs.GLUON_BWD_ORDER
+    assert api.gluon_bwd_order(128, 65536) == "key" and api.gluon_bwd_order(128, 131072) == "query"
+    assert api.gluon_bwd_order(64, 131072) == "key" and api.gluon_bwd_order(64, 1 << 20) == "query"
     monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "query")
-    assert api.gluon_bwd_order() == "query"
+    assert api.gluon_bwd_order(128, 1024) == "query"
+    monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "key")
+    assert api.gluon_bwd_order(128, 1 << 20) == "key"
     monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "rows")
     with pytest.raises(ValueError, match=configs.GLUON_BWD_ORDER_ENV):
-        api.gluon_bwd_order()
+        api.gluon_bwd_order(128, 1024)
 
 
 # ------------------------------------------------------------------------------------ compile for sm_90

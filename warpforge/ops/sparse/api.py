@@ -89,9 +89,13 @@ def gluon_bwd_knobs(d: int, s_q: int) -> tuple:
     return knobs[:6] + (max(1, min(knobs[6], fits_l2)),) + knobs[7:]
 
 
-def gluon_bwd_order() -> str:
-    """The Gluon backward's program order, "key" or "query" (configs.GLUON_BWD_ORDER, or the environment's)."""
-    order = os.environ.get(configs.GLUON_BWD_ORDER_ENV, configs.GLUON_BWD_ORDER)
+def gluon_bwd_order(d: int, s_q: int) -> str:
+    """The Gluon backward's program order for s_q queries of head dim d, "key" or "query": query order where one
+    head's Q, dO and dQ accumulator (8 · d bytes a query) pass configs.GLUON_BWD_QUERY_ORDER_BYTES, or the
+    environment's (configs.GLUON_BWD_ORDER_ENV)."""
+    order = os.environ.get(configs.GLUON_BWD_ORDER_ENV)
+    if order is None:
+        return "query" if 8 * d * s_q > configs.GLUON_BWD_QUERY_ORDER_BYTES else "key"
     if order not in ("key", "query"):
         raise ValueError(f"{configs.GLUON_BWD_ORDER_ENV} is 'key' or 'query' (got {order!r})")
     return order
@@ -120,16 +124,17 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .sparse_kernel import kept_by
-    offsets, qblocks = kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal,
-                               cached_launch)
     do = do.contiguous()
+    kept = lambda: kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal, cached_launch)
     if gluon_gate(q, k, v, cu, block_size):
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
-            by_query = gluon_bwd_order() == "query" and block_size == 128
-            return sg.sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale,
-                                       gluon_bwd_knobs(q.shape[-1], q.shape[1]), cached_launch,
-                                       sel=sel if by_query else None)
+            knobs = gluon_bwd_knobs(q.shape[-1], q.shape[1])
+            if gluon_bwd_order(q.shape[-1], q.shape[1]) == "query" and block_size == 128:  # no CSR lists needed
+                return sg.sparse_bwd_gluon(do, q, k, v, out, lse, None, None, block_size, causal, scale, knobs,
+                                           cached_launch, sel=sel)
+            return sg.sparse_bwd_gluon(do, q, k, v, out, lse, *kept(), block_size, causal, scale, knobs, cached_launch)
+    offsets, qblocks = kept()
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
     return sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,

@@ -62,7 +62,12 @@ GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 GLUON_BWD = {64: (64, 4, 64, False, True, 0, 4, 0), 128: (64, 3, 64, True, True, 0, 4, 2)}
 GLUON_BWD_GROUP_BYTES = 64 << 20
 # The backward's programs: "key" (one a key block and query-head slice, key tile by key tile, above) or "query" (one
-# a (query block, key block) pair, a query block's pairs side by side: its Q, dO and dQ rows stay in L2 across its key
-# blocks, each pair's dK / dV reduce-added in fp32; 128-row blocks). WARPFORGE_SPARSE_GLUON_BWD_ORDER overrides.
-GLUON_BWD_ORDER = "key"
+# a (query block, key block) pair over the GQA group's heads, a query block's pairs side by side: its Q, dO and dQ
+# rows stay in L2 across its key blocks; each pair's dK / dV reduce-added in fp32; 128-row blocks). Query order where
+# one head's Q, dO and dQ accumulator (8 · d bytes a query) exceed GLUON_BWD_QUERY_ORDER_BYTES: key order reads them
+# once per key block that kept them, from anywhere in the sequence, and past L2's ~50 MB that was 5% / 21% / 38% at
+# 64k / 128k / 256k (session 26). Measured (H100, the kernels alone, fwd+bwd, runs/2026-12-06-s29/call6): 64k 8.83 ->
+# 8.80 ms (the pairs' dK / dV epilogues cost what locality gains), 128k 21.7-22.1 -> 17.6-18.3 ms. So from 128k.
+# WARPFORGE_SPARSE_GLUON_BWD_ORDER ("key" / "query") overrides.
+GLUON_BWD_QUERY_ORDER_BYTES = 96 << 20
 GLUON_BWD_ORDER_ENV = "WARPFORGE_SPARSE_GLUON_BWD_ORDER"

@@ -2,7 +2,9 @@
 with dense attention), FlashAttention-3's warp-specialized schedules over the kept blocks: in the forward each
 128-row item walks its query block's kept blocks, then its own block; in the backward each program of 128 keys walks
 the query blocks that kept its block (the CSR lists of sparse_kernel.kept_by), then its own. Same outputs as
-sparse_kernel.sparse_fwd / sparse_bwd for batched inputs (the backward's sums in arrival order)."""
+sparse_kernel.sparse_fwd / sparse_bwd for batched inputs (the backward's sums in arrival order). Long sequences
+(api.gluon_bwd_order) run the backward's programs in query-block order instead: one a (query block, key block) pair,
+a query block's pairs side by side (query_block_items)."""
 import torch
 
 from .._gluon_flash_bwd import fits as bwd_fits
@@ -43,19 +45,21 @@ def query_block_items(sel, n_key_blocks, group_split):
 
 
 def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs, launch, sel=None):
-    """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks); the caller
-    checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs: (BLOCK_M, STAGES, DQ_N,
-    DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP, KEY_ROWS); GROUP_SPLIT 0: one query head per program; HEAD_GROUP: the
-    programs' order, kv-head slices in groups of (up to) that many (_gluon_flash_bwd._program); KEY_ROWS: the
-    transposed step, where the knobs take it (_gluon_flash_bwd.key_rows_knob). launch: as the forward's. sel (the
-    canonical lists, 128-row blocks): the programs in query-block order instead (query_block_items), each over
-    GROUP / GROUP_SPLIT query heads (GROUP_SPLIT 0: the whole group) of one query block against one key block."""
+    """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks; None
+    with sel); the caller checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs:
+    (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP, KEY_ROWS); GROUP_SPLIT 0: one query head per
+    program; HEAD_GROUP: the programs' order, kv-head slices in groups of (up to) that many
+    (_gluon_flash_bwd._program); KEY_ROWS: the transposed step, where the knobs take it
+    (_gluon_flash_bwd.key_rows_knob). launch: as the forward's. sel (the canonical lists, 128-row blocks): the
+    programs in query-block order instead (query_block_items), each over GROUP / GROUP_SPLIT query heads (GROUP_SPLIT
+    0: the whole group) of one query block against one key block."""
     block_m, stages, dq_n, dq_split, dq_tma, want, order, key_rows = knobs
     group = q.shape[2] // k.shape[2]
     work = None
     if sel is not None:
         split = group_split(group, want if want > 0 else 1, block_m, stages, dq_tma)
         work = query_block_items(sel, -(-k.shape[1] // block_size), split)
+        offsets = qblocks = work   # the kernel reads the work list, not the CSR lists
     else:
         split = group_split(group, want, block_m, stages, dq_tma)
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
