@@ -221,12 +221,12 @@ def test_query_block_items_emulated_match_reference(causal, s_q, s_k, h_q, h_kv,
     the reference's gradients: every kept pair and every own block once, for each head of each slice."""
     torch.manual_seed(0)
     d, bs = 16, 128
-    q, k, v = (torch.randn(1, n, h, d, dtype=torch.float64) for n, h in ((s_q, h_q), (s_k, h_kv), (s_k, h_kv)))
-    do = torch.randn(1, s_q, h_q, d, dtype=torch.float64)
-    idx = torch.randint(-1, -(-s_k // bs), (1, h_kv, -(-s_q // bs), topk), dtype=torch.int32)
+    q, k, v = (torch.randn(2, n, h, d, dtype=torch.float64) for n, h in ((s_q, h_q), (s_k, h_kv), (s_k, h_kv)))
+    do = torch.randn(2, s_q, h_q, d, dtype=torch.float64)
+    idx = torch.randint(-1, -(-s_k // bs), (2, h_kv, -(-s_q // bs), topk), dtype=torch.int32)
     sel, n_sel, _, _ = _lists(idx, s_q, s_k, bs, causal)
     items = sg.query_block_items(sel, -(-s_k // bs), group_split)
-    assert items.shape == (h_kv * group_split * sel.shape[2] * (topk + 1), 4) and items.dtype == torch.int32
+    assert items.shape == (2 * h_kv * group_split * sel.shape[2] * (topk + 1), 4) and items.dtype == torch.int32
     assert int((items[:, 3] == 1).sum()) == int(n_sel.sum()) * group_split
     out, lse = _emulate_fwd(q, k, v, sel, n_sel, bs, causal)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -261,6 +261,14 @@ def test_walks_emulated_match_reference(causal, s_q, s_k, h_q, h_kv, bs, topk):
     got = _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal)
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert torch.allclose(g, w, atol=1e-9), name
+
+
+def test_work_list_needs_the_staging_knobs():
+    """Query order stages dK / dV fp32 in the ring for TMA reduce-adds: knobs without DQ_TMA, or with too small a ring,
+    keep key order (api._bwd_impl asks work_list_fits)."""
+    assert sg.work_list_fits(configs.GLUON_BWD[128]) and sg.work_list_fits(configs.GLUON_BWD[64])
+    assert not sg.work_list_fits((64, 3, 64, 1, 0, 0, 1, 0))      # dQ by atomics
+    assert not sg.work_list_fits((64, 1, 64, 1, 1, 0, 1, 0))      # one 64-row slot: no room for a [64, d] fp32 tile
 
 
 def test_backward_order_knob(monkeypatch):
@@ -326,6 +334,7 @@ def _grads(q, k, v, idx, bs, causal, d_out):
     (False, 1000, 1000, 4, 4, 128, 256, 2),   # blocks of two items; a kept block may be the partial last one
     (True, 640, 640, 16, 2, 128, 256, 8),     # top-k past the blocks a query block can see; GQA 8
     (True, 1024, 1024, 8, 1, 128, 128, 1),    # every query block keeps block 0: one key block walked by all
+    (False, 1000, 1000, 4, 4, 128, 128, 3),   # MHA, not causal, a partial last block
 ])
 @pytest.mark.parametrize("order", ["key", "query"])
 def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk,
@@ -333,6 +342,7 @@ def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, 
     """Forward and backward on the Gluon kernels against the fp32 reference and the portable kernels; the backward's
     programs key tile by key tile or in query-block order (128-row blocks; 256 keep key order)."""
     monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, order)
+    work_lists = spy_launches(monkeypatch, sg, "query_block_items", lambda args: args[0].shape)
     dev = "cuda"
     q = torch.randn(2, s_q, h_q, d, device=dev, dtype=dtype)
     k = torch.randn(2, s_k, h_kv, d, device=dev, dtype=dtype)
@@ -346,6 +356,7 @@ def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, 
     bwd = spy_launches(monkeypatch, sg, "sparse_bwd_gluon", lambda args: args[8])
     out, lse, grads = _grads(q, k, v, idx, bs, causal, d_out)
     assert fwd == [bs] and bwd == [bs]
+    assert len(work_lists) == (order == "query" and bs == 128)   # query order ran where it applies
     monkeypatch.setenv(configs.GLUON_ENV, "0")
     out_p, lse_p, grads_p = _grads(q, k, v, idx, bs, causal, d_out)
     assert len(fwd) == 1 and len(bwd) == 1

@@ -7,19 +7,23 @@ SPARSE: a program's 128 keys lie in key block j of BS rows (BS a multiple of 128
 blocks that kept block j (sparse_kernel.py's CSR lists OFFSETS / QBLOCKS, ascending) in BLOCK_M tiles, then its own
 query block's tiles from the first that sees its keys. Kept query blocks lie after block j when causal, so the dense
 rule (a tile is masked iff its first row does not see the warpgroup's last key) masks only own-block tiles. The
-statistics and dQ's accumulator are padded to whole blocks (rows past s_q: lse2 +inf, so P = 0 there).
+statistics and dQ's accumulator are padded to whole blocks (rows past s_q: lse2 +inf, so P = 0 there). WORKLIST
+(sparse, 128-row blocks): programs come from a work list instead, one (query block, key block) pair or one own block
+each, in the order the host wrote them (a query block's pairs side by side: its Q, dO and dQ rows then serve all its
+key blocks from L2); OFFSETS holds the list, and dK / dV are summed over the pairs as with GROUP_SPLIT.
 
 The same problem as flash_kernel.flash_bwd for batched [b, s, h, d] inputs (bf16/fp16, head dim 64 or 128 for q, k
 and v, causal bottom-right aligned or no mask, GQA/MQA): given do, q, k, v, out and the forward's lse [b, h_q, s_q]
 (natural log, -inf for a query that sees nothing) it returns dq, dk, dv like q, k, v. Not deterministic: dq is
 summed over key tiles by fp32 atomics (the api gate sends deterministic=True to the portable backward).
 
-Three launches (four with GROUP_SPLIT):
+Three launches (four with GROUP_SPLIT or a work list):
 1. `bwd_prep_kernel` (plain Triton): per (batch · head, 64 query rows): delta = rowsum(do ∘ out) and lse2 = lse · log2 e
    (+inf where lse is -inf, so that such a row's probabilities are exp2(-inf) = 0) into [b · h_q, s_pad] fp32 buffers
    padded to whole query tiles (padding: lse2 +inf, delta 0, so padded query rows contribute nothing and need no
    mask), and zeros into the fp32 dq accumulator [b · h_q, s_pad, d].
-2. `flash_bwd_gluon_kernel`, one program per (128 keys, batch · kv head), 12 warps:
+2. `flash_bwd_gluon_kernel`, one program per (128 keys, batch · kv head) (GROUP_SPLIT: per slice of the group;
+   WORKLIST: per item), 12 warps:
    - shared memory: K and V of the program's keys as two 64-row slices each (one per consumer warpgroup), a ring of
      STAGES slots each holding Q_i and dO_i [BLOCK_M, d] and lse2_i, delta_i [1, BLOCK_M]; per consumer a P tile and
      a dS tile [BLOCK_M, 64] (16-bit; KEY_ROWS: two dSᵀ tiles [64, 64] instead, the same bytes); a [1, 64] int32
@@ -31,7 +35,8 @@ Three launches (four with GROUP_SPLIT):
      the padded lse2 / delta.
    - consumers: warpgroup w (w = 0 the default partition, 1 a 4-warp worker; setmaxnreg 240) owns keys
      n0 + 64 w .. n0 + 64 w + 63 and accumulates dK_w, dV_w [64, d] fp32 in registers over every query tile and every
-     head of the group (GQA's sum is in-program and deterministic). Per query tile (queries as rows, so lse and
+     head of the group (GQA's sum in-program; with GROUP_SPLIT or a work list the programs' partial sums meet in
+     fp32 reduce-adds, in arrival order). Per query tile (queries as rows, so lse and
      delta are per-row values, two registers):
         S = Q_i · K_wᵀ (wgmma, [BLOCK_M, 64] fp32); P = exp2(S · scale · log2 e − lse2_i), the mask only on tiles whose
         first row does not see the warpgroup's last key (causal diagonal) or that hold keys past s_k; P stored 16-bit
@@ -72,7 +77,7 @@ Three launches (four with GROUP_SPLIT):
    - epilogue: dK_w · scale and dV_w to 16-bit, written into the warpgroup's own K / V slices (nothing reads them
      any more) and stored by TMA (rows past s_k clipped).
    - causal: a program walks only query tiles from the first one that sees its first key (fully masked tiles are
-     skipped); key tiles no query sees write zeros.
+     skipped); key tiles no query sees write zeros (with the fp32 dK / dV accumulator: keep its zeros).
 3. `acc_convert_kernel` (plain Triton): dq = accumulator · scale, to q's dtype and layout; with GROUP_SPLIT a fourth
    launch of it converts dK and dV from their fp32 sums (a grid of depth 2).
 
@@ -663,7 +668,7 @@ def _build():
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
-        mbarrier.init(fin, count=2)  # GSPLIT: both warpgroups are past their last reads of the ring
+        mbarrier.init(fin, count=2)  # GSPLIT / WORKLIST: both warpgroups are past their last reads of the ring
         mbarrier.init(ds_full, count=2)  # DQ_SPLIT: both warpgroups' dS tiles of this step are in shared memory
         mbarrier.init(ds_free, count=2)  # DQ_SPLIT: both warpgroups' dQ of this step have read them
         for i in gl.static_range(STAGES):

@@ -130,7 +130,8 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
             knobs = gluon_bwd_knobs(q.shape[-1], q.shape[1])
-            if gluon_bwd_order(q.shape[-1], q.shape[1]) == "query" and block_size == 128:  # no CSR lists needed
+            if (block_size == 128 and gluon_bwd_order(q.shape[-1], q.shape[1]) == "query"
+                    and sg.work_list_fits(knobs)):  # no CSR lists needed
                 return sg.sparse_bwd_gluon(do, q, k, v, out, lse, None, None, block_size, causal, scale, knobs,
                                            cached_launch, sel=sel)
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, *kept(), block_size, causal, scale, knobs, cached_launch)
@@ -472,7 +473,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block
     Kernels: portable Triton everywhere (the backward deterministic). On sm_90 with Triton 3.6, batched bf16/fp16
     inputs of head dim 64 or 128 with blocks of a multiple of 128 can take the Hopper Gluon kernels, dense
     attention's warp-specialized schedules walking the kept blocks (switch WARPFORGE_SPARSE_GLUON, see
-    ops/sparse/configs.py); their backward sums dq, and dk / dv over a GQA group, in arrival order."""
+    ops/sparse/configs.py); their backward sums dq, and dk / dv over a GQA group (and over query blocks in the
+    query-block order long sequences take), in arrival order."""
     check_tensor("q", q)
     backend = resolve_backend(backend, q.device)
     batch, max_s, max_s_k = _check_qkv(q, k, v, cu_seqlens, max_seqlen, backend)

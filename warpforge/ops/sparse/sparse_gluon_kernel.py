@@ -11,7 +11,8 @@ from .._gluon_flash_bwd import fits as bwd_fits
 from .._gluon_flash_bwd import flash_bwd_gluon, group_split, head_group, key_rows_knob
 from .._gluon_flash_fwd import available, fits, flash_fwd_gluon
 
-__all__ = ["available", "bwd_fits", "fits", "query_block_items", "sparse_bwd_gluon", "sparse_fwd_gluon"]
+__all__ = ["available", "bwd_fits", "fits", "query_block_items", "sparse_bwd_gluon", "sparse_fwd_gluon",
+           "work_list_fits"]
 
 
 def sparse_fwd_gluon(q, k, v, sel, n_sel, block_size, causal, scale, knobs, launch):
@@ -44,15 +45,24 @@ def query_block_items(sel, n_key_blocks, group_split):
     return items.reshape(-1, 4).contiguous()
 
 
+def work_list_fits(knobs) -> bool:
+    """Whether the backward's knobs can take a work list: its dK / dV partials are staged fp32 in the ring for TMA
+    reduce-adds (DQ_TMA, STAGES · BLOCK_M >= 128), as GROUP_SPLIT's are."""
+    block_m, stages, _, _, dq_tma = knobs[:5]
+    return bool(dq_tma) and stages * block_m >= 128
+
+
 def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs, launch, sel=None):
     """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks; None
-    with sel); the caller checked bwd_fits(...), available() and that block_size is a multiple of 128. knobs:
+    with sel); the caller checked bwd_fits(...), available() and that block_size is a multiple of 128 (128 with sel,
+    and work_list_fits(knobs)). knobs:
     (BLOCK_M, STAGES, DQ_N, DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP, KEY_ROWS); GROUP_SPLIT 0: one query head per
     program; HEAD_GROUP: the programs' order, kv-head slices in groups of (up to) that many
     (_gluon_flash_bwd._program); KEY_ROWS: the transposed step, where the knobs take it
     (_gluon_flash_bwd.key_rows_knob). launch: as the forward's. sel (the canonical lists, 128-row blocks): the
-    programs in query-block order instead (query_block_items), each over GROUP / GROUP_SPLIT query heads (GROUP_SPLIT
-    0: the whole group) of one query block against one key block."""
+    programs in query-block order instead (query_block_items), each over GROUP / GROUP_SPLIT query heads of one query
+    block against one key block (GROUP_SPLIT 0, one head a program in key order, is read as 1 there: the whole
+    group a program)."""
     block_m, stages, dq_n, dq_split, dq_tma, want, order, key_rows = knobs
     group = q.shape[2] // k.shape[2]
     work = None
