@@ -127,6 +127,20 @@ def _emulate_fwd(q, k, v, sel, n_sel, bs, causal, BLOCK_N=128):
     return out, lse
 
 
+def _padded(q, k, v, do, out, lse, bs):
+    """The backward emulations' inputs as the kernel sees them: Q, dO padded to whole query blocks, K, V to whole key
+    blocks (zeros), lse2 (+inf past s_q) and delta (0 past s_q) per row, the fp64 dQ accumulator."""
+    b, s_q, h_q, d = q.shape
+    n_kb, s_pad = -(-k.shape[1] // bs), -(-s_q // bs) * bs
+    pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1)
+    lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
+    lse2[:, :, :s_q] = lse * LOG2E
+    dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
+    dl[:, :, :s_q] = (out * do).sum(-1).transpose(1, 2)
+    return (pad(q, s_pad), pad(do, s_pad), pad(k, n_kb * bs), pad(v, n_kb * bs), lse2, dl,
+            torch.zeros((b, h_q, s_pad, d), dtype=torch.float64))
+
+
 def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
     """_gluon_flash_bwd's SPARSE _walk / _query_tile and its mask rule in float64: programs of 128 keys (two 64-key
     warpgroups) walk, per head, the query blocks that kept their key block, BS / BM tiles each, then their own
@@ -135,14 +149,7 @@ def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
     s_k, h_kv = k.shape[1], k.shape[2]
     G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
     n_kb, TPB = -(-s_k // bs), bs // BM
-    s_pad = -(-s_q // bs) * bs
-    pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1)
-    Qp, DOp, Kp, Vp = pad(q, s_pad), pad(do, s_pad), pad(k, n_kb * bs), pad(v, n_kb * bs)
-    lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
-    lse2[:, :, :s_q] = lse * LOG2E
-    dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
-    dl[:, :, :s_q] = (out * do).sum(-1).transpose(1, 2)
-    dq_acc = torch.zeros((b, h_q, s_pad, d), dtype=torch.float64)
+    Qp, DOp, Kp, Vp, lse2, dl, dq_acc = _padded(q, k, v, do, out, lse, bs)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for pid0, bb, kvh in itertools.product(range(-(-s_k // 128)), range(b), range(h_kv)):
         n0 = pid0 * 128
@@ -176,14 +183,7 @@ def _emulate_bwd_items(q, k, v, do, out, lse, items, bs, causal, group_split, BM
     s_k, h_kv = k.shape[1], k.shape[2]
     G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
     n_kb, TPB = -(-s_k // bs), bs // BM
-    s_pad = -(-s_q // bs) * bs
-    pad = lambda t, n: torch.cat([t, t.new_zeros(t.shape[0], n - t.shape[1], *t.shape[2:])], 1)
-    Qp, DOp, Kp, Vp = pad(q, s_pad), pad(do, s_pad), pad(k, n_kb * bs), pad(v, n_kb * bs)
-    lse2 = torch.full((b, h_q, s_pad), math.inf, dtype=torch.float64)
-    lse2[:, :, :s_q] = lse * LOG2E
-    dl = torch.zeros((b, h_q, s_pad), dtype=torch.float64)
-    dl[:, :, :s_q] = (out * do).sum(-1).transpose(1, 2)
-    dq_acc = torch.zeros((b, h_q, s_pad, d), dtype=torch.float64)
+    Qp, DOp, Kp, Vp, lse2, dl, dq_acc = _padded(q, k, v, do, out, lse, bs)
     dk_acc = torch.zeros((b, n_kb * bs, h_kv, d), dtype=torch.float64)
     dv_acc = torch.zeros_like(dk_acc)
     heads = G // group_split
