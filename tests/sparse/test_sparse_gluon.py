@@ -141,37 +141,49 @@ def _padded(q, k, v, do, out, lse, bs):
             torch.zeros((b, h_q, s_pad, d), dtype=torch.float64))
 
 
+def _emulate_program(padded, bb, kvh, heads, n0, tiles, s_q, s_k, causal, BM):
+    """One program's two 64-key warpgroups over query tiles `tiles` of query heads `heads` (emulate_step, the kernel's
+    mask branches); dQ summed into padded's accumulator. Returns [(key_lo, dK unscaled, dV)] per warpgroup."""
+    Qp, DOp, Kp, Vp, lse2, dl, dq_acc = padded
+    d = Qp.shape[-1]
+    sums = []
+    for wg in range(2):
+        key_lo = n0 + 64 * wg
+        K, V = Kp[bb, key_lo:key_lo + 64, kvh], Vp[bb, key_lo:key_lo + 64, kvh]
+        dK = torch.zeros(64, d, dtype=torch.float64)
+        dV = torch.zeros(64, d, dtype=torch.float64)
+        for h, i in itertools.product(heads, tiles):
+            emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, i * BM, BM, d ** -0.5, s_k - 1 - key_lo,
+                         s_k - s_q - key_lo, causal)
+        sums.append((key_lo, dK, dV))
+    return sums
+
+
+def _own_tiles(j, n0, s_q, s_k, bs, causal, BM):
+    """A key block's own query block's tiles (from the first that sees the program's first key when causal)."""
+    own, TPB = j - (s_k - s_q) // bs, bs // BM
+    first = max(own * bs, n0 - (s_k - s_q)) // BM if causal else own * TPB
+    return list(range(first, (own + 1) * TPB)) if own >= 0 else []
+
+
 def _emulate_bwd(q, k, v, do, out, lse, offsets, qblocks, bs, causal, BM=64):
     """_gluon_flash_bwd's SPARSE _walk / _query_tile and its mask rule in float64: programs of 128 keys (two 64-key
     warpgroups) walk, per head, the query blocks that kept their key block, BS / BM tiles each, then their own
     block's tiles from the first that sees their keys; statistics padded to whole blocks (lse2 +inf, delta 0)."""
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
-    n_kb, TPB = -(-s_k // bs), bs // BM
-    Qp, DOp, Kp, Vp, lse2, dl, dq_acc = _padded(q, k, v, do, out, lse, bs)
+    G, n_kb, TPB = h_q // h_kv, -(-s_k // bs), bs // BM
+    padded = _padded(q, k, v, do, out, lse, bs)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for pid0, bb, kvh in itertools.product(range(-(-s_k // 128)), range(b), range(h_kv)):
         n0 = pid0 * 128
-        j = n0 // bs
-        key = (bb * h_kv + kvh) * n_kb + j
-        kept = qblocks[int(offsets[key]):int(offsets[key + 1])]
-        n_kept = len(kept) * TPB
-        own = j - diag // bs
-        first = max(own * bs, n0 - diag) // BM if causal else own * TPB
-        n_i = n_kept + (max((own + 1) * TPB - first, 0) if own >= 0 else 0)
-        for wg in range(2):
-            key_lo = n0 + 64 * wg
-            K, V = Kp[bb, key_lo:key_lo + 64, kvh], Vp[bb, key_lo:key_lo + 64, kvh]
-            limit0, shift = s_k - 1 - key_lo, diag - key_lo
-            dK = torch.zeros(64, d, dtype=torch.float64)
-            dV = torch.zeros(64, d, dtype=torch.float64)
-            for g, t in itertools.product(range(G), range(n_i)):
-                h = kvh * G + g
-                i = int(kept[t // TPB]) * TPB + t % TPB if t < n_kept else first + t - n_kept
-                emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, i * BM, BM, scale, limit0, shift, causal)
-            emulate_store(dk, dv, dK, dV, bb, key_lo, kvh, s_k, scale)
-    return (dq_acc[:, :, :s_q] * scale).transpose(1, 2), dk, dv
+        key = (bb * h_kv + kvh) * n_kb + n0 // bs
+        kept = [int(x) * TPB + t for x in qblocks[int(offsets[key]):int(offsets[key + 1])] for t in range(TPB)]
+        tiles = kept + _own_tiles(n0 // bs, n0, s_q, s_k, bs, causal, BM)
+        for key_lo, dK, dV in _emulate_program(padded, bb, kvh, range(kvh * G, kvh * G + G), n0, tiles, s_q, s_k,
+                                               causal, BM):
+            emulate_store(dk, dv, dK, dV, bb, key_lo, kvh, s_k, d ** -0.5)
+    return (padded[-1][:, :, :s_q] * d ** -0.5).transpose(1, 2), dk, dv
 
 
 def _emulate_bwd_items(q, k, v, do, out, lse, items, bs, causal, group_split, BM=64):
@@ -181,33 +193,22 @@ def _emulate_bwd_items(q, k, v, do, out, lse, items, bs, causal, group_split, BM
     the items (the kernel's fp32 reduce-adds)."""
     b, s_q, h_q, d = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
-    G, scale, diag = h_q // h_kv, d ** -0.5, s_k - s_q
     n_kb, TPB = -(-s_k // bs), bs // BM
-    Qp, DOp, Kp, Vp, lse2, dl, dq_acc = _padded(q, k, v, do, out, lse, bs)
+    heads = h_q // h_kv // group_split
+    padded = _padded(q, k, v, do, out, lse, bs)
     dk_acc = torch.zeros((b, n_kb * bs, h_kv, d), dtype=torch.float64)
     dv_acc = torch.zeros_like(dk_acc)
-    heads = G // group_split
     for kt, bkv, qb, kind in items.tolist():
-        n0, j = kt * 128, kt * 128 // bs
+        n0 = kt * 128
         bb, kvh_split = bkv // (h_kv * group_split), bkv % (h_kv * group_split)
-        kvh = kvh_split // group_split
-        own = j - diag // bs
-        first = max(own * bs, n0 - diag) // BM if causal else own * TPB
-        n_kept = TPB if kind == 1 else 0
-        n_own = (max((own + 1) * TPB - first, 0) if own >= 0 else 0) if kind == 2 else 0
-        for wg in range(2):
-            key_lo = n0 + 64 * wg
-            K, V = Kp[bb, key_lo:key_lo + 64, kvh], Vp[bb, key_lo:key_lo + 64, kvh]
-            limit0, shift = s_k - 1 - key_lo, diag - key_lo
-            dK = torch.zeros(64, d, dtype=torch.float64)
-            dV = torch.zeros(64, d, dtype=torch.float64)
-            for g, t in itertools.product(range(heads), range(n_kept + n_own)):
-                h = kvh_split * heads + g
-                i = qb * TPB + t if t < n_kept else first + t - n_kept
-                emulate_step(Qp, DOp, K, V, lse2, dl, dq_acc, dK, dV, bb, h, i * BM, BM, scale, limit0, shift, causal)
-            dk_acc[bb, key_lo:key_lo + 64, kvh] += dK * scale
-            dv_acc[bb, key_lo:key_lo + 64, kvh] += dV
-    return (dq_acc[:, :, :s_q] * scale).transpose(1, 2), dk_acc[:, :s_k], dv_acc[:, :s_k]
+        tiles = {0: [], 1: list(range(qb * TPB, (qb + 1) * TPB)),
+                 2: _own_tiles(n0 // bs, n0, s_q, s_k, bs, causal, BM)}[kind]
+        for key_lo, dK, dV in _emulate_program(padded, bb, kvh_split // group_split,
+                                               range(kvh_split * heads, kvh_split * heads + heads), n0, tiles, s_q,
+                                               s_k, causal, BM):
+            dk_acc[bb, key_lo:key_lo + 64, kvh_split // group_split] += dK * d ** -0.5
+            dv_acc[bb, key_lo:key_lo + 64, kvh_split // group_split] += dV
+    return (padded[-1][:, :, :s_q] * d ** -0.5).transpose(1, 2), dk_acc[:, :s_k], dv_acc[:, :s_k]
 
 
 @pytest.mark.parametrize("group_split", [1, 2])
