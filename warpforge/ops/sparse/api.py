@@ -125,7 +125,10 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .sparse_kernel import kept_by
     do = do.contiguous()
-    kept = lambda: kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal, cached_launch)
+
+    def csr_lists():  # key block -> the query blocks that kept it (the key-order walks')
+        return kept_by(sel, n_blocks(max_s if max_s_k is None else max_s_k, block_size), causal, cached_launch)
+
     if gluon_gate(q, k, v, cu, block_size):
         from . import sparse_gluon_kernel as sg
         if sg.bwd_fits(q, k, v, out, do):
@@ -134,8 +137,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     and sg.work_list_fits(knobs)):  # no CSR lists needed
                 return sg.sparse_bwd_gluon(do, q, k, v, out, lse, None, None, block_size, causal, scale, knobs,
                                            cached_launch, sel=sel)
-            return sg.sparse_bwd_gluon(do, q, k, v, out, lse, *kept(), block_size, causal, scale, knobs, cached_launch)
-    offsets, qblocks = kept()
+            return sg.sparse_bwd_gluon(do, q, k, v, out, lse, *csr_lists(), block_size, causal, scale, knobs,
+                                       cached_launch)
+    offsets, qblocks = csr_lists()
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])
     return sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, max_s, block_size,
