@@ -798,7 +798,7 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if reduce_kv else None, block_m, dq_n, gl)
     grid = (-(-s_k // BLOCK_N) * slices,) if work is None else (work.shape[0],)
     if work is not None:
-        offsets = work   # the kernel reads its item there (WORKLIST), not the CSR lists
+        offsets = qblocks = work   # the kernel reads its item there (WORKLIST), not the CSR lists (None then)
     # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
     # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
     args = (*descs, dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad, int(left) if window else 0, h_q,

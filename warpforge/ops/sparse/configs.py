@@ -68,8 +68,9 @@ GLUON_BWD_GROUP_BYTES = 64 << 20
 # reproducible, MHA included); 128-row blocks; GROUP_SPLIT as in the knobs, 0 read as 1). Query order where
 # one head's Q, dO and dQ accumulator (8 · d bytes a query) exceed GLUON_BWD_QUERY_ORDER_BYTES: key order reads them
 # once per key block that kept them, from anywhere in the sequence, and past L2's ~50 MB that was 5% / 21% / 38% at
-# 64k / 128k / 256k (session 26). Measured (H100, the kernels alone, fwd+bwd, runs/2026-12-06-s29/call6): 64k 8.83 ->
-# 8.80 ms (the pairs' dK / dV epilogues cost what locality gains), 128k 21.7-22.1 -> 17.6-18.3 ms. So from 128k.
+# 64k / 128k / 256k (session 26). Measured (H100, the kernels alone, fwd+bwd, one call, each order its own process,
+# runs/2026-12-06-s29/call6): 64k 8.83 -> 8.80 ms (the pairs' dK / dV epilogues cost what locality gains), 128k
+# 21.7-22.1 -> 17.6-18.3 ms. So from 128k.
 # WARPFORGE_SPARSE_GLUON_BWD_ORDER ("key" / "query") overrides.
 GLUON_BWD_QUERY_ORDER_BYTES = 96 << 20
 GLUON_BWD_ORDER_ENV = "WARPFORGE_SPARSE_GLUON_BWD_ORDER"

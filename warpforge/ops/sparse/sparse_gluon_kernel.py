@@ -69,7 +69,6 @@ def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal
     if sel is not None:
         split = group_split(group, want if want > 0 else 1, block_m, stages, dq_tma)
         work = query_block_items(sel, -(-k.shape[1] // block_size), split)
-        offsets = qblocks = work   # the kernel reads the work list, not the CSR lists
     else:
         split = group_split(group, want, block_m, stages, dq_tma)
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
