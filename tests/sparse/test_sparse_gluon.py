@@ -315,15 +315,6 @@ COMPILE_CASES = [  # (module, its compile_sm90's arguments): the forward's, then
     # ... over a persistent grid (dK / dV staged in the dS and dQ tiles)
     ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, block_size=128, key_rows=2,
                               worklist=True, persistent=True)),
-    # dK / dV by atomics (configs.GLUON_BWD_DKV_ATOMIC): key order's per-head programs, query order, persistent
-    ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, group_split=8, h_q=8, h_kv=1,
-                              block_size=128, key_rows=2, dkv_atomic=True)),
-    ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, block_size=128, key_rows=2,
-                              worklist=True, dkv_atomic=True)),
-    ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, block_size=128, key_rows=2,
-                              worklist=True, persistent=True, dkv_atomic=True)),
-    ("_gluon_flash_bwd", dict(d=64, causal=True, stages=4, dq_tma=True, group_split=2, block_size=128,
-                              dkv_atomic=True)),
 ]
 
 
@@ -364,16 +355,13 @@ def _grads(q, k, v, idx, bs, causal, d_out):
     (False, 1000, 1000, 4, 4, 128, 128, 3),   # MHA, not causal, a partial last block
 ])
 @pytest.mark.parametrize("order", ["key", "query", "persistent"])
-@pytest.mark.parametrize("dkv", ["0", "1"])
 def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk,
-                                                    order, dkv):
+                                                    order):
     """Forward and backward on the Gluon kernels against the fp32 reference and the portable kernels; the backward's
     programs key tile by key tile or in query-block order (128-row blocks; 256 keep key order), one program an item
-    or over a persistent grid of 3 programs (many items each, both parities of every barrier; d 128's knobs); dK / dV
-    partials by TMA reduce-adds or atomics (dkv)."""
+    or over a persistent grid of 3 programs (many items each, both parities of every barrier; d 128's knobs)."""
     monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "key" if order == "key" else "query")
     monkeypatch.setenv(configs.GLUON_BWD_PERSISTENT_ENV, "3" if order == "persistent" else "0")
-    monkeypatch.setenv(configs.GLUON_BWD_DKV_ATOMIC_ENV, dkv)
     work_lists = spy_launches(monkeypatch, sg, "query_block_items", lambda args: args[0].shape)
     programs, bwd_launch = [], sg.flash_bwd_gluon   # the persistent grid's programs of each backward launch
     monkeypatch.setattr(sg, "flash_bwd_gluon",

@@ -421,22 +421,14 @@ def _build():
         gl.atomic_add(dq_head + rows[:, None] + cols, dq, sem="relaxed")
 
     @gluon.jit
-    def _kv_add(base, x, layout: gl.constexpr, D: gl.constexpr):
-        """Relaxed fp32 atomic adds of a [64, D] dK / dV partial (in the wgmma accumulator's layout) into the rows
-        from `base` of the fp32 accumulator."""
-        rows = gl.arange(0, 64, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
-        gl.atomic_add(base + rows[:, None] * D + cols[None, :], x, sem="relaxed")
-
-    @gluon.jit
     def _consumer_item(item, it0, n, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs,
                        idx_smem, kv_bar, kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc,
-                       dq_desc, dkv_desc, DQ_ACC, DKV_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP,
-                       qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, WG: gl.constexpr, D: gl.constexpr,
+                       dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale,
+                       sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, WG: gl.constexpr, D: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                        SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
-                       DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr, WORKLIST: gl.constexpr,
-                       PERSIST: gl.constexpr, DKV_ATOMIC: gl.constexpr):
+                       DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
+                       WORKLIST: gl.constexpr, PERSIST: gl.constexpr):
         """Warpgroup WG's walk of one program (PERSIST: of item n of the program, whose ring steps start at it0)
         and its dK / dV epilogue; returns the ring step after its last."""
         # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers);
@@ -470,7 +462,7 @@ def _build():
         # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
         # tile needs them (the mask, dQ's adds): an index vector built from arange would be hoisted out of the loop
         # and hold 8-16 registers for its whole length
-        if PERSIST and not DKV_ATOMIC:
+        if PERSIST:
             # the previous item's dK / dV reduce-adds have read their staging tiles (the dS and dQ tiles, which this
             # item's steps write) in both warpgroups: each issuing thread waits, then the two meet at `staged`
             tma.store_wait(0)
@@ -646,16 +638,7 @@ def _build():
             mbarrier.wait(ds_free, ((it0 + GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
         b = bkv // H_KV
         kvh = bkv % H_KV
-        if DKV_ATOMIC:
-            # dK / dV partials (as below) added straight from the registers by relaxed fp32 atomics (red.v2.f32): no
-            # staging tile, nothing to wait for, so the program ends (PERSIST: the next item starts) while they drain
-            # through L2, where TMA reduce-adds of staged tiles held the warpgroup until the TMA unit had read them
-            if PERSIST:
-                mbarrier.arrive(kv_free)
-            row = (b * (H_KV // GSPLIT) + kvh // GSPLIT) * s_kpad + key_lo
-            _kv_add(DKV_ACC + row.to(gl.int64) * D, dk * sm_scale, o_layout, D)
-            _kv_add(DKV_ACC + (dv_row0 + row).to(gl.int64) * D, dv, o_layout, D)
-        elif PERSIST:
+        if PERSIST:
             # dK / dV partials as below, staged in the dS tiles (warpgroup 0) and the dQ staging tiles (1), 32 KB each
             # at d 128, so that the ring and K / V are free for the next item's loads: K / V at once (kv_free: the
             # other warpgroup's last dQ read this one's K slice, ds_free above), the staging once both warpgroups'
@@ -721,42 +704,39 @@ def _build():
     @gluon.jit
     def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                   kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC,
-                  DKV_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS,
-                  QBLOCKS, n_kb, head_group, n_items, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                  s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
+                  head_group, n_items, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
                   BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                  DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr, WORKLIST: gl.constexpr, PERSIST: gl.constexpr,
-                  DKV_ATOMIC: gl.constexpr):
+                  DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr, WORKLIST: gl.constexpr, PERSIST: gl.constexpr):
         if PERSIST:  # items pid, pid + grid, ..., the ring's steps and the barriers' phases counted across them
             it = gl.program_id(0) * 0
             n = it
             for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
                 it = _consumer_item(item, it, n, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs,
                                     dq_bufs, idx_smem, kv_bar, kv_free, ready, empty, ds_full, ds_free, fin, staged,
-                                    dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, DKV_ACC, s_q, s_k, s_pad, s_kpad,
-                                    dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
-                                    head_group, WG, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N,
-                                    DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST, DKV_ATOMIC)
+                                    dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0,
+                                    left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group,
+                                    WG, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
+                                    KEY_ROWS, WORKLIST, PERSIST)
                 n += 1
-            if not DKV_ATOMIC:  # the last item's reduce-adds have read their staging tiles before the program ends
-                tma.store_wait(0)
+            tma.store_wait(0)  # the last item's reduce-adds have read their staging tiles before the program ends
         else:
             _consumer_item(gl.program_id(0), 0, 0, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs,
                            dq_bufs, idx_smem, kv_bar, kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc,
-                           dv_desc, dq_desc, dkv_desc, DQ_ACC, DKV_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q,
-                           H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, WG, D, BLOCK_M, STAGES,
-                           CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST,
-                           DKV_ATOMIC)
+                           dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV,
+                           GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, WG, D, BLOCK_M, STAGES,
+                           CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST)
 
     @gluon.jit
     def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, dq_desc,
-                               dkv_desc, DQ_ACC, DKV_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP,
-                               qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, n_items, D: gl.constexpr,
+                               dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale,
+                               sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, n_items, D: gl.constexpr,
                                BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
                                DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
-                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, WORKLIST: gl.constexpr = False,
-                               PERSIST: gl.constexpr = False, DKV_ATOMIC: gl.constexpr = False):
+                               CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                               WORKLIST: gl.constexpr = False, PERSIST: gl.constexpr = False):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -802,18 +782,18 @@ def _build():
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc, dq_desc, dkv_desc,
-                         DQ_ACC, DKV_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale,
-                         OFFSETS, QBLOCKS, n_kb, head_group, n_items, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS,
-                         GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST, DKV_ATOMIC)),
+                         DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS,
+                         QBLOCKS, n_kb, head_group, n_items, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS,
+                         GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
                          kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc, dq_desc, dkv_desc,
-                         DQ_ACC, DKV_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale,
-                         OFFSETS, QBLOCKS, n_kb, head_group, n_items, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS,
-                         GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST, DKV_ATOMIC)),
+                         DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS,
+                         QBLOCKS, n_kb, head_group, n_items, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS,
+                         GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
                          lse_bufs, dl_bufs, idx_smem, kv_bar, kv_free, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP,
-                         OFFSETS, QBLOCKS, n_kb, head_group, n_items, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M,
-                         STAGES, WORKLIST, PERSIST)),
+                         OFFSETS, QBLOCKS, n_kb, head_group, n_items, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES,
+                         WORKLIST, PERSIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_bwd_gluon_kernel, gl
@@ -861,7 +841,7 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
                 dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1,
-                key_rows=0, work=None, persistent=0, dkv_atomic=False):
+                key_rows=0, work=None, persistent=0):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
@@ -875,8 +855,7 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     program an item in that order (sparse_gluon_kernel.query_block_items); dK / dV then reduce-added into dkv_acc as
     with group_split > 1; None: programs key tile by key tile (_program). persistent (a work list, key_rows): that
     many programs (0: one an item), each taking items p, p + grid, ... and loading the next item's keys and first
-    tiles while it reduce-adds the last one's dK / dV (staged in its dS and dQ tiles instead of the ring). dkv_atomic
-    (group_split > 1 or a work list): dK / dV added by per-thread fp32 atomics from the registers instead."""
+    tiles while it reduce-adds the last one's dK / dV (staged in its dS and dQ tiles instead of the ring)."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -935,14 +914,14 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
         offsets = qblocks = work   # the kernel reads its item there (WORKLIST), not the CSR lists (None then)
     # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
     # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
-    args = (*descs, dq_acc, dkv_acc if reduce_kv else dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad,
-            int(left) if window else 0, h_q, h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale,
-            offsets, qblocks, n_kb, head_group, n_items)
+    args = (*descs, dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad, int(left) if window else 0, h_q,
+            h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb, head_group,
+            n_items)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, SPARSE=blocks is not None,
                 BS=bs, GSPLIT=group_split, DQ_N=dq_n,
                 DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), KEY_ROWS=int(key_rows), CONSUMER_REGS=CONSUMER_REGS,
-                PRODUCER_REGS=PRODUCER_REGS, WORKLIST=work is not None, PERSIST=bool(persistent),
-                DKV_ATOMIC=bool(dkv_atomic and reduce_kv), num_warps=4, maxnreg=MAXNREG)
+                PRODUCER_REGS=PRODUCER_REGS, WORKLIST=work is not None, PERSIST=bool(persistent), num_warps=4,
+                maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
 
@@ -993,7 +972,7 @@ def _buffers(q, block_m, pad=None):
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
                     dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1,
-                    key_rows=0, work=None, persistent=0, dkv_atomic=False):
+                    key_rows=0, work=None, persistent=0):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -1003,7 +982,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none), blocks (the sparse
     walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch); head_group:
     the programs' order; key_rows: the transposed step; work: the sparse programs' work list, persistent: its
-    programs, dkv_atomic: dK / dV sums by atomics (launch_args)."""
+    programs (launch_args)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -1033,7 +1012,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
            lse.stride(0), lse.stride(1), H_Q=h_q, D=d, BLOCK=PREP_ROWS, ZERO_KV=kv_rows > 0, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
-                                            head_group, key_rows, work, persistent, dkv_atomic)
+                                            head_group, key_rows, work, persistent)
     launch(kernel, kgrid, *args, **meta)
     launch(acc_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
            H=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
@@ -1046,11 +1025,11 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
                  dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=0, worklist=False,
-                 persistent=0, dkv_atomic=False):
+                 persistent=0):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics). worklist: the sparse programs from a work list (launch_args'
-    work; block_size 128); persistent: over a persistent grid, dkv_atomic: dK / dV by atomics (launch_args)."""
+    work; block_size 128); persistent: over a persistent grid (launch_args)."""
     from ._gluon import compile_report
     dt = getattr(torch, dtype)
     b, s = 2, 300
@@ -1070,7 +1049,7 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=F
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
                                            dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma,
                                            group_split, dkv_acc, left, blocks, key_rows=key_rows, work=work,
-                                           persistent=persistent, dkv_atomic=dkv_atomic)
+                                           persistent=persistent)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx

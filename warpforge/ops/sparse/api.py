@@ -112,17 +112,6 @@ def gluon_bwd_programs(device: torch.device) -> int:
     return sm_count(device) if int(env) == 1 else int(env)
 
 
-def gluon_bwd_dkv_atomic() -> bool:
-    """Whether the Gluon backward sums dK / dV partials by atomics (configs.GLUON_BWD_DKV_ATOMIC; the environment's
-    configs.GLUON_BWD_DKV_ATOMIC_ENV, "0" or "1", first)."""
-    env = os.environ.get(configs.GLUON_BWD_DKV_ATOMIC_ENV)
-    if env is None:
-        return configs.GLUON_BWD_DKV_ATOMIC
-    if env not in ("0", "1"):
-        raise ValueError(f"{configs.GLUON_BWD_DKV_ATOMIC_ENV} is 0 or 1 (got {env!r})")
-    return env == "1"
-
-
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,10 +147,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             if (block_size == 128 and gluon_bwd_order(q.shape[-1], q.shape[1]) == "query"
                     and sg.work_list_fits(knobs)):  # no CSR lists needed
                 return sg.sparse_bwd_gluon(do, q, k, v, out, lse, None, None, block_size, causal, scale, knobs,
-                                           cached_launch, sel=sel, persistent=gluon_bwd_programs(q.device),
-                                           dkv_atomic=gluon_bwd_dkv_atomic())
+                                           cached_launch, sel=sel, persistent=gluon_bwd_programs(q.device))
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, *csr_lists(), block_size, causal, scale, knobs,
-                                       cached_launch, dkv_atomic=gluon_bwd_dkv_atomic())
+                                       cached_launch)
     offsets, qblocks = csr_lists()
     from .sparse_kernel import sparse_bwd
     tiles = _tiles(q, v.shape[-1])

@@ -81,8 +81,3 @@ GLUON_BWD_ORDER_ENV = "WARPFORGE_SPARSE_GLUON_BWD_ORDER"
 # WARPFORGE_SPARSE_GLUON_BWD_PERSISTENT: "0" off, "1" on, N > 1 on with N programs (the GPU tests: many items each).
 GLUON_BWD_PERSISTENT = True
 GLUON_BWD_PERSISTENT_ENV = "WARPFORGE_SPARSE_GLUON_BWD_PERSISTENT"
-# dK / dV sums (query order, and key order's per-head programs) by relaxed fp32 atomics from the registers instead of
-# TMA reduce-adds of staged tiles, whose waits for the TMA unit's reads held each program ~2.7 us (an ablation without
-# them: -0.35 ms at 64k, H100, runs/2026-12-06-s30/call4). WARPFORGE_SPARSE_GLUON_BWD_DKV_ATOMIC "0" / "1" overrides.
-GLUON_BWD_DKV_ATOMIC = True
-GLUON_BWD_DKV_ATOMIC_ENV = "WARPFORGE_SPARSE_GLUON_BWD_DKV_ATOMIC"
