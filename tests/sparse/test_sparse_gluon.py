@@ -287,20 +287,6 @@ def test_backward_order_knob(monkeypatch):
         api.gluon_bwd_order(128, 1024)
 
 
-def test_persistent_programs_knob(monkeypatch):
-    """The query-order backward's persistent grid: one program an SM by default (configs.GLUON_BWD_PERSISTENT; the
-    interpreter's device counts 4), the environment's 0 (off), 1 (on) or a number of programs; else an error."""
-    cpu = torch.device("cpu")
-    monkeypatch.delenv(configs.GLUON_BWD_PERSISTENT_ENV, raising=False)
-    assert api.gluon_bwd_programs(cpu) == (4 if configs.GLUON_BWD_PERSISTENT else 0)
-    for env, want in (("0", 0), ("1", 4), ("3", 3)):
-        monkeypatch.setenv(configs.GLUON_BWD_PERSISTENT_ENV, env)
-        assert api.gluon_bwd_programs(cpu) == want
-    monkeypatch.setenv(configs.GLUON_BWD_PERSISTENT_ENV, "on")
-    with pytest.raises(ValueError, match=configs.GLUON_BWD_PERSISTENT_ENV):
-        api.gluon_bwd_programs(cpu)
-
-
 # ------------------------------------------------------------------------------------ compile for sm_90
 COMPILE_CASES = [  # (module, its compile_sm90's arguments): the forward's, then the backward's
     ("_gluon_flash_fwd", dict(d=128, causal=True, block_n=128, stages=2, block_size=128)),
@@ -312,9 +298,6 @@ COMPILE_CASES = [  # (module, its compile_sm90's arguments): the forward's, then
     # the programs in query-block order (a work list), the table's d 128 knobs
     ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, block_size=128, key_rows=2,
                               worklist=True)),
-    # ... over a persistent grid (dK / dV staged in the dS and dQ tiles)
-    ("_gluon_flash_bwd", dict(d=128, causal=True, stages=3, dq_split=True, dq_tma=True, block_size=128, key_rows=2,
-                              worklist=True, persistent=True)),
 ]
 
 
@@ -354,18 +337,13 @@ def _grads(q, k, v, idx, bs, causal, d_out):
     (True, 1024, 1024, 8, 1, 128, 128, 1),    # every query block keeps block 0: one key block walked by all
     (False, 1000, 1000, 4, 4, 128, 128, 3),   # MHA, not causal, a partial last block
 ])
-@pytest.mark.parametrize("order", ["key", "query", "persistent"])
+@pytest.mark.parametrize("order", ["key", "query"])
 def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, s_q, s_k, h_q, h_kv, d, bs, topk,
                                                     order):
     """Forward and backward on the Gluon kernels against the fp32 reference and the portable kernels; the backward's
-    programs key tile by key tile or in query-block order (128-row blocks; 256 keep key order), one program an item
-    or over a persistent grid of 3 programs (many items each, both parities of every barrier; d 128's knobs)."""
-    monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "key" if order == "key" else "query")
-    monkeypatch.setenv(configs.GLUON_BWD_PERSISTENT_ENV, "3" if order == "persistent" else "0")
+    programs key tile by key tile or in query-block order (128-row blocks; 256 keep key order)."""
+    monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, order)
     work_lists = spy_launches(monkeypatch, sg, "query_block_items", lambda args: args[0].shape)
-    programs, bwd_launch = [], sg.flash_bwd_gluon   # the persistent grid's programs of each backward launch
-    monkeypatch.setattr(sg, "flash_bwd_gluon",
-                        lambda *args, **kw: programs.append(kw.get("persistent", 0)) or bwd_launch(*args, **kw))
     dev = "cuda"
     q = torch.randn(2, s_q, h_q, d, device=dev, dtype=dtype)
     k = torch.randn(2, s_k, h_kv, d, device=dev, dtype=dtype)
@@ -379,8 +357,7 @@ def test_gpu_matches_reference_and_portable_kernels(monkeypatch, dtype, causal, 
     bwd = spy_launches(monkeypatch, sg, "sparse_bwd_gluon", lambda args: args[8])
     out, lse, grads = _grads(q, k, v, idx, bs, causal, d_out)
     assert fwd == [bs] and bwd == [bs]
-    assert len(work_lists) == (order != "key" and bs == 128)   # query order ran where it applies
-    assert programs == [3 if order == "persistent" and bs == 128 and d == 128 else 0]
+    assert len(work_lists) == (order == "query" and bs == 128)   # query order ran where it applies
     monkeypatch.setenv(configs.GLUON_ENV, "0")
     out_p, lse_p, grads_p = _grads(q, k, v, idx, bs, causal, d_out)
     assert len(fwd) == 1 and len(bwd) == 1

@@ -235,19 +235,19 @@ def _build():
     @gluon.jit
     def _walk(n0, b, kv_head, H_KV, GSPLIT: gl.constexpr, s_q, s_k, left, OFFSETS, QBLOCKS, n_kb,
               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr,
-              BLOCK_M: gl.constexpr, WORKLIST: gl.constexpr = False, item=0):
+              BLOCK_M: gl.constexpr, WORKLIST: gl.constexpr = False):
         """The query tiles the program walks for each head: (first, n_i, n_kept, kept). Dense: tiles first ..
         first + n_i - 1 (n_kept 0). SPARSE: the n_kept tiles of the query blocks in kept[:n_kept / TPB] (TPB =
         BS / BLOCK_M tiles a block), then own-block tiles first .. first + n_i - n_kept - 1. WORKLIST (sparse,
-        OFFSETS the work list, see _program): item's query block tiles, the kept pair's or the own block's."""
+        OFFSETS the work list, see _program): one query block's tiles, the kept pair's or the own block's."""
         if SPARSE:
             TPB: gl.constexpr = BS // BLOCK_M
             j = n0 // BS
             if WORKLIST:
-                entry = OFFSETS + item * 4
-                kind = gl.load(entry + 3)                   # 0 nothing, 1 the kept pair, 2 the own block
+                item = OFFSETS + gl.program_id(0) * 4
+                kind = gl.load(item + 3)                    # 0 nothing, 1 the kept pair, 2 the own block
                 n_kept = (kind == 1).to(gl.int32) * TPB
-                kept = entry + 2                            # the query block
+                kept = item + 2                             # the query block
             else:
                 key = (b * (H_KV // GSPLIT) + kv_head) * n_kb + j
                 lo = gl.load(OFFSETS + key)
@@ -283,18 +283,17 @@ def _build():
         return i
 
     @gluon.jit
-    def _program(s_k, head_group, WORK, WORKLIST: gl.constexpr = False, item=0):
+    def _program(s_k, head_group, WORK, WORKLIST: gl.constexpr = False):
         """(key tile of BLOCK_N = 128 keys, batch · kv-head slice) of this program of the 1-D grid: slices in groups
         of head_group, each group's programs key tile by key tile, slice-fastest within a tile. A causal walk is
         longest at the first keys: in key-tile order, slice after slice (head_group 1), the last slice's long
         programs start last and run alone at the end (~6% of the sparse fwd+bwd at 16k tokens, measured); groups of
         4 start them while 3 other slices' work remains, and keep only 4 slices' Q / dO in L2 at a time.
-        WORKLIST: entry `item` of WORK int32 [items, 4] = (key tile, slice, query block, kind), in the order the host
-        chose (sparse_gluon_kernel.query_block_items: a query block's pairs side by side); the program's own index, or
-        with PERSIST one of the items it takes in turn."""
+        WORKLIST: program p's item of WORK int32 [programs, 4] = (key tile, slice, query block, kind), in the order
+        the host chose (sparse_gluon_kernel.query_block_items: a query block's pairs side by side)."""
         if WORKLIST:
-            entry = WORK + item * 4
-            return gl.load(entry), gl.load(entry + 1)
+            item = WORK + gl.program_id(0) * 4
+            return gl.load(item), gl.load(item + 1)
         n_kt = (s_k + 127) // 128
         per = n_kt * head_group
         pid = gl.program_id(0)
@@ -302,40 +301,30 @@ def _build():
         return r // head_group, (pid // per) * head_group + r % head_group
 
     @gluon.jit
-    def _producer_item(item, it0, n, q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs,
-                       q_bufs, do_bufs, lse_bufs, dl_bufs, idx_smem, kv_bar, kv_free, ready, empty, s_q, s_k, left,
-                       H_Q, H_KV, GROUP, OFFSETS, QBLOCKS, n_kb, head_group, CAUSAL: gl.constexpr,
-                       WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, WORKLIST: gl.constexpr, PERSIST: gl.constexpr):
-        """The loads of one program's walk (PERSIST: of item n of the program, whose ring steps start at it0);
-        returns the ring step after its last."""
-        kt, bkv = _program(s_k, head_group, OFFSETS, WORKLIST, item)
+    def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
+                  lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
+                  QBLOCKS, n_kb, head_group, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
+                  BS: gl.constexpr, GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                  WORKLIST: gl.constexpr):
+        kt, bkv = _program(s_k, head_group, OFFSETS, WORKLIST)
         n0 = kt * 128
         b = bkv // H_KV
         kvh = bkv % H_KV          # with GSPLIT: a slice of GROUP query heads of kv head kvh // GSPLIT
         kv_head = kvh // GSPLIT
         kv_bytes: gl.constexpr = (2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
                                   + idx_desc.block_type.nbytes)
-        if PERSIST:
-            # both consumers are past item n - 1's reads of K and V (fresh barrier: the first item passes); the
-            # index table is loaded once, with the first item's keys
-            mbarrier.wait(kv_free, (n & 1) ^ 1)
-            mbarrier.expect(kv_bar, kv_bytes, pred=n == 0)
-            mbarrier.expect(kv_bar, kv_bytes - idx_desc.block_type.nbytes, pred=n > 0)
-            tma.async_copy_global_to_shared(idx_desc, [0, 0], kv_bar, idx_smem, pred=n == 0)
-        else:
-            mbarrier.expect(kv_bar, kv_bytes)
-            tma.async_copy_global_to_shared(idx_desc, [0, 0], kv_bar, idx_smem)
+        mbarrier.expect(kv_bar, kv_bytes)
+        tma.async_copy_global_to_shared(idx_desc, [0, 0], kv_bar, idx_smem)
         for w in gl.static_range(2):
             tma.async_copy_global_to_shared(k_desc, [b, n0 + 64 * w, kv_head, 0], kv_bar, k_bufs.index(w))
             tma.async_copy_global_to_shared(v_desc, [b, n0 + 64 * w, kv_head, 0], kv_bar, v_bufs.index(w))
         tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
                                     + dl_desc.block_type.nbytes)
         first, n_i, n_kept, kept = _walk(n0, b, kv_head, H_KV, GSPLIT, s_q, s_k, left, OFFSETS, QBLOCKS, n_kb,
-                                         CAUSAL, WINDOW, SPARSE, BS, BLOCK_M, WORKLIST, item)
-        for it in range(it0, it0 + GROUP * n_i):  # (head of the group, query tile), as the consumers walk them
-            g = (it - it0) // n_i
-            i = _query_tile(it - it0 - g * n_i, first, n_kept, kept, SPARSE, BS, BLOCK_M)
+                                         CAUSAL, WINDOW, SPARSE, BS, BLOCK_M, WORKLIST)
+        for it in range(GROUP * n_i):  # (head of the group, query tile), as the consumers walk them
+            g = it // n_i
+            i = _query_tile(it - g * n_i, first, n_kept, kept, SPARSE, BS, BLOCK_M)
             h = kvh * GROUP + g
             bh = b * H_Q + h
             slot = it % STAGES
@@ -346,28 +335,6 @@ def _build():
                                             do_bufs.index(slot))
             tma.async_copy_global_to_shared(lse_desc, [bh, i * BLOCK_M], ready.index(slot), lse_bufs.index(slot))
             tma.async_copy_global_to_shared(dl_desc, [bh, i * BLOCK_M], ready.index(slot), dl_bufs.index(slot))
-        return it0 + GROUP * n_i
-
-    @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
-                  lse_bufs, dl_bufs, idx_smem, kv_bar, kv_free, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP,
-                  OFFSETS, QBLOCKS, n_kb, head_group, n_items, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, WORKLIST: gl.constexpr, PERSIST: gl.constexpr):
-        if PERSIST:  # items pid, pid + grid, ..., the ring's steps counted across them
-            it = gl.program_id(0) * 0
-            n = it
-            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-                it = _producer_item(item, it, n, q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs,
-                                    v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, idx_smem, kv_bar, kv_free, ready, empty,
-                                    s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS, QBLOCKS, n_kb, head_group, CAUSAL,
-                                    WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES, WORKLIST, PERSIST)
-                n += 1
-        else:
-            _producer_item(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc,
-                           k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, idx_smem, kv_bar, kv_free, ready, empty,
-                           s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS, QBLOCKS, n_kb, head_group, CAUSAL, WINDOW,
-                           SPARSE, BS, GSPLIT, BLOCK_M, STAGES, WORKLIST, PERSIST)
 
     @gluon.jit
     def _probs(s, lse2, p_smem, idx_smem, m0, limit0, shift, left, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr,
@@ -421,16 +388,14 @@ def _build():
         gl.atomic_add(dq_head + rows[:, None] + cols, dq, sem="relaxed")
 
     @gluon.jit
-    def _consumer_item(item, it0, n, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs,
-                       idx_smem, kv_bar, kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc,
-                       dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale,
-                       sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, WG: gl.constexpr, D: gl.constexpr,
-                       BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                       SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
-                       DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
-                       WORKLIST: gl.constexpr, PERSIST: gl.constexpr):
-        """Warpgroup WG's walk of one program (PERSIST: of item n of the program, whose ring steps start at it0)
-        and its dK / dV epilogue; returns the ring step after its last."""
+    def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar, ready,
+                  empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad,
+                  dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group,
+                  WG: gl.constexpr,
+                  D: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr,
+                  DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
+                  WORKLIST: gl.constexpr):
         # S, dP, P, dS: [BLOCK_M queries, 64 keys] (queries as rows: lse and delta are per-row, two registers);
         # KEY_ROWS: their transposes [64 keys, 64 queries] (st_layout), Pᵀ and dSᵀ the A operands of dV and dK
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -443,7 +408,7 @@ def _build():
                                                             instr_shape=[16, BLOCK_M, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         dtype: gl.constexpr = q_bufs.dtype
-        kt, bkv = _program(s_k, head_group, OFFSETS, WORKLIST, item)
+        kt, bkv = _program(s_k, head_group, OFFSETS, WORKLIST)
         key_lo = kt * 128 + WG * 64
         s_zero = gl.zeros([BLOCK_M, 64], gl.float32, s_layout)
         st_zero = gl.zeros([64, BLOCK_M], gl.float32, st_layout)
@@ -456,25 +421,18 @@ def _build():
         shift = (s_k - s_q) - key_lo
         keys_cut = limit0 < 63
         first, n_i, n_kept, kept = _walk(kt * 128, bkv // H_KV, (bkv % H_KV) // GSPLIT, H_KV, GSPLIT, s_q, s_k, left,
-                                         OFFSETS, QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, BLOCK_M, WORKLIST, item)
+                                         OFFSETS, QBLOCKS, n_kb, CAUSAL, WINDOW, SPARSE, BS, BLOCK_M, WORKLIST)
         end = first + n_i
         bh0 = (bkv // H_KV) * H_Q + (bkv % H_KV) * GROUP   # the group's first query head
         # idx_smem: the column indices 0 .. 63 as a table in shared memory (loaded by TMA with K and V), read where a
         # tile needs them (the mask, dQ's adds): an index vector built from arange would be hoisted out of the loop
         # and hold 8-16 registers for its whole length
-        if PERSIST:
-            # the previous item's dK / dV reduce-adds have read their staging tiles (the dS and dQ tiles, which this
-            # item's steps write) in both warpgroups: each issuing thread waits, then the two meet at `staged`
-            tma.store_wait(0)
-            gl.thread_barrier()
-            mbarrier.arrive(staged, pred=n > 0)
-            mbarrier.wait(staged, (n - 1) & 1, pred=n > 0)
-        mbarrier.wait(kv_bar, n & 1)
+        mbarrier.wait(kv_bar, 0)
         # one flat loop over (head of the group, query tile): nothing of an outer loop stays live around the inner one
         g = first * 0                                       # (head of the group, query tile) of step it, carried:
         i = first                                           # a division here would land amid the exp2 registers
         t = first * 0                                       # SPARSE: the step within the head's walk
-        for it in range(it0, it0 + GROUP * n_i):
+        for it in range(GROUP * n_i):
             if SPARSE:
                 i = _query_tile(t, first, n_kept, kept, SPARSE, BS, BLOCK_M)
             # this warpgroup's fixed tiles, indexed by z = it >> 30: 0 for every real step count but loop-variant to
@@ -635,36 +593,10 @@ def _build():
 
         if DQ_SPLIT:
             # the other warpgroup's last dQ has read this warpgroup's K slice before dK is written over it
-            mbarrier.wait(ds_free, ((it0 + GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
+            mbarrier.wait(ds_free, ((GROUP * n_i - 1) & 1), pred=GROUP * n_i > 0)
         b = bkv // H_KV
         kvh = bkv % H_KV
-        if PERSIST:
-            # dK / dV partials as below, staged in the dS tiles (warpgroup 0) and the dQ staging tiles (1), 32 KB each
-            # at d 128, so that the ring and K / V are free for the next item's loads: K / V at once (kv_free: the
-            # other warpgroup's last dQ read this one's K slice, ds_free above), the staging once both warpgroups'
-            # last dQ reduce-adds have read their tiles (fin). The next item waits for these reduce-adds (staged).
-            mbarrier.arrive(kv_free)
-            tma.store_wait(0)
-            gl.thread_barrier()
-            mbarrier.arrive(fin)
-            mbarrier.wait(fin, n & 1)
-            if WG == 0:
-                stage = ds_bufs._reinterpret(gl.float32, [64, D], dkv_desc.layout)
-            else:
-                stage = dq_bufs._reinterpret(gl.float32, [64, D], dkv_desc.layout)
-            if GROUP * n_i > 0:  # (an item with no steps: sel's padding, kind 0)
-                row = (b * (H_KV // GSPLIT) + kvh // GSPLIT) * s_kpad + key_lo
-                stage.store(dk * sm_scale)
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_reduce_add(dkv_desc, [row, 0], stage)
-                tma.store_wait(0)
-                gl.thread_barrier()                        # the issuing thread has seen the reduce read the tile
-                stage.store(dv)
-                fence_async_shared()
-                gl.thread_barrier()
-                _tma_reduce_add(dkv_desc, [dv_row0 + row, 0], stage)
-        elif GSPLIT > 1 or WORKLIST:
+        if GSPLIT > 1 or WORKLIST:
             # GSPLIT programs (WORKLIST: every pair's) share this kv head's keys: dK, dV are fp32 partials,
             # reduce-added by TMA into the [2, b · h_kv · s_kpad, D] fp32 accumulator (converted afterwards), staged
             # [64, D] fp32 in the ring's memory (warpgroup 0 in the Q slots, 1 in the dO slots: STAGES · BLOCK_M · D ·
@@ -699,44 +631,16 @@ def _build():
             tma.async_copy_shared_to_global(dk_desc, [b, key_lo, kvh, 0], k_bufs.index(WG))
             tma.async_copy_shared_to_global(dv_desc, [b, key_lo, kvh, 0], v_bufs.index(WG))
             tma.store_wait(0)
-        return it0 + GROUP * n_i
-
-    @gluon.jit
-    def _consumer(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
-                  kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC,
-                  s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
-                  head_group, n_items, WG: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
-                  BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr, DQ_SPLIT: gl.constexpr,
-                  DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr, WORKLIST: gl.constexpr, PERSIST: gl.constexpr):
-        if PERSIST:  # items pid, pid + grid, ..., the ring's steps and the barriers' phases counted across them
-            it = gl.program_id(0) * 0
-            n = it
-            for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-                it = _consumer_item(item, it, n, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs,
-                                    dq_bufs, idx_smem, kv_bar, kv_free, ready, empty, ds_full, ds_free, fin, staged,
-                                    dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0,
-                                    left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group,
-                                    WG, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
-                                    KEY_ROWS, WORKLIST, PERSIST)
-                n += 1
-            tma.store_wait(0)  # the last item's reduce-adds have read their staging tiles before the program ends
-        else:
-            _consumer_item(gl.program_id(0), 0, 0, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs,
-                           dq_bufs, idx_smem, kv_bar, kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc,
-                           dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV,
-                           GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, WG, D, BLOCK_M, STAGES,
-                           CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST)
 
     @gluon.jit
     def flash_bwd_gluon_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, dk_desc, dv_desc, dq_desc,
                                dkv_desc, DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale,
-                               sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, n_items, D: gl.constexpr,
-                               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                               SPARSE: gl.constexpr, BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
+                               sm_scale, OFFSETS, QBLOCKS, n_kb, head_group, D: gl.constexpr, BLOCK_M: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, SPARSE: gl.constexpr,
+                               BS: gl.constexpr, GSPLIT: gl.constexpr, DQ_N: gl.constexpr,
                                DQ_SPLIT: gl.constexpr, DQ_TMA: gl.constexpr, KEY_ROWS: gl.constexpr,
                                CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                               WORKLIST: gl.constexpr = False, PERSIST: gl.constexpr = False):
+                               WORKLIST: gl.constexpr = False):
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
@@ -763,14 +667,6 @@ def _build():
         ds_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        if PERSIST:
-            kv_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            staged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(kv_free, count=2)  # both warpgroups are past an item's reads of K and V
-            mbarrier.init(staged, count=2)   # both warpgroups' dK / dV reduce-adds have read their staging tiles
-        else:
-            kv_free = fin  # not used
-            staged = fin
         mbarrier.init(kv_bar, count=1)
         mbarrier.init(fin, count=2)  # GSPLIT / WORKLIST: both warpgroups are past their last reads of the ring
         mbarrier.init(ds_full, count=2)  # DQ_SPLIT: both warpgroups' dS tiles of this step are in shared memory
@@ -781,19 +677,18 @@ def _build():
 
         gl.warp_specialize([
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
-                         kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc, dq_desc, dkv_desc,
-                         DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS,
-                         QBLOCKS, n_kb, head_group, n_items, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS,
-                         GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST)),
+                         ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
+                         s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
+                         head_group, 0, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
+                         KEY_ROWS, WORKLIST)),
             (_consumer, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, dl_bufs, p_bufs, ds_bufs, dq_bufs, idx_smem, kv_bar,
-                         kv_free, ready, empty, ds_full, ds_free, fin, staged, dk_desc, dv_desc, dq_desc, dkv_desc,
-                         DQ_ACC, s_q, s_k, s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS,
-                         QBLOCKS, n_kb, head_group, n_items, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS,
-                         GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA, KEY_ROWS, WORKLIST, PERSIST)),
+                         ready, empty, ds_full, ds_free, fin, dk_desc, dv_desc, dq_desc, dkv_desc, DQ_ACC, s_q, s_k,
+                         s_pad, s_kpad, dv_row0, left, H_Q, H_KV, GROUP, qk_scale, sm_scale, OFFSETS, QBLOCKS, n_kb,
+                         head_group, 1, D, BLOCK_M, STAGES, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, DQ_N, DQ_SPLIT, DQ_TMA,
+                         KEY_ROWS, WORKLIST)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, lse_desc, dl_desc, idx_desc, k_bufs, v_bufs, q_bufs, do_bufs,
-                         lse_bufs, dl_bufs, idx_smem, kv_bar, kv_free, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP,
-                         OFFSETS, QBLOCKS, n_kb, head_group, n_items, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES,
-                         WORKLIST, PERSIST)),
+                         lse_bufs, dl_bufs, idx_smem, kv_bar, ready, empty, s_q, s_k, left, H_Q, H_KV, GROUP, OFFSETS,
+                         QBLOCKS, n_kb, head_group, CAUSAL, WINDOW, SPARSE, BS, GSPLIT, BLOCK_M, STAGES, WORKLIST)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_bwd_gluon_kernel, gl
@@ -841,7 +736,7 @@ def _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc, block_m, dq_
 
 def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal, block_m, stages, dq_n=None,
                 dq_split=False, dq_tma=False, group_split=1, dkv_acc=None, left=None, blocks=None, head_group=1,
-                key_rows=0, work=None, persistent=0):
+                key_rows=0, work=None):
     """(kernel, grid, args, constexpr kwargs) of the Gluon launch; shared by flash_bwd_gluon and the compile test.
     group_split > 1: that many programs per (kv head, key block), each over GROUP / group_split query heads, dK / dV
     reduce-added into dkv_acc (fp32 [2, b · h_kv · s_kpad, d], zeroed; s_kpad = s_k rounded up to 128). left: a left
@@ -853,9 +748,7 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     dV and dK: FA3's order; 1: dK issued before dQ, 2: after), with BLOCK_M 64, dq_split and dq_tma. work: sparse
     only, int32 [programs, 4] (key tile, slice, query block, kind: 0 none, 1 the kept pair, 2 the own block), one
     program an item in that order (sparse_gluon_kernel.query_block_items); dK / dV then reduce-added into dkv_acc as
-    with group_split > 1; None: programs key tile by key tile (_program). persistent (a work list, key_rows): that
-    many programs (0: one an item), each taking items p, p + grid, ... and loading the next item's keys and first
-    tiles while it reduce-adds the last one's dK / dV (staged in its dS and dQ tiles instead of the ring)."""
+    with group_split > 1; None: programs key tile by key tile (_program)."""
     if stages < 2:
         raise ValueError(f"flash_bwd_gluon: stages must be >= 2 (got {stages})")
     d = q.shape[-1]
@@ -890,9 +783,6 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
                              ">= 128")
         if dkv_acc is None or tuple(dkv_acc.shape) != (2, b * h_kv * s_kpad, d) or dkv_acc.dtype != torch.float32:
             raise ValueError("flash_bwd_gluon: group_split > 1 or a work list needs the fp32 dK / dV accumulator")
-    if persistent and (work is None or not key_rows):
-        raise ValueError("flash_bwd_gluon: a persistent grid needs a work list and key_rows (the dK / dV staging in "
-                         "the dS and dQ tiles)")
     window = left is not None and left < s_k
     if blocks is None:
         offsets = qblocks = dq_acc  # never read
@@ -906,22 +796,17 @@ def launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causa
     kernel, gl = _build()
     reduce_kv = group_split > 1 or work is not None
     descs = _descriptors(q, k, v, do, lse2, delta, dk, dv, dq_acc, dkv_acc if reduce_kv else None, block_m, dq_n, gl)
-    n_items = 0 if work is None else work.shape[0]
-    grid = (-(-s_k // BLOCK_N) * slices,) if work is None else (n_items,)
-    if persistent:
-        grid = (max(1, min(n_items, persistent)),)
+    grid = (-(-s_k // BLOCK_N) * slices,) if work is None else (work.shape[0],)
     if work is not None:
         offsets = qblocks = work   # the kernel reads its item there (WORKLIST), not the CSR lists (None then)
     # the program's "kv head" is a (kv head, slice of the group) pair: h_kv · group_split of them, group / group_split
     # query heads each (query head kvh' · GROUP' + g, kv head kvh' // group_split)
     args = (*descs, dq_acc, s_q, s_k, s_pad, s_kpad, b * h_kv * s_kpad, int(left) if window else 0, h_q,
-            h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb, head_group,
-            n_items)
+            h_kv * group_split, group // group_split, sm_scale * LOG2E, sm_scale, offsets, qblocks, n_kb, head_group)
     meta = dict(D=d, BLOCK_M=block_m, STAGES=stages, CAUSAL=bool(causal), WINDOW=window, SPARSE=blocks is not None,
                 BS=bs, GSPLIT=group_split, DQ_N=dq_n,
                 DQ_SPLIT=bool(dq_split), DQ_TMA=bool(dq_tma), KEY_ROWS=int(key_rows), CONSUMER_REGS=CONSUMER_REGS,
-                PRODUCER_REGS=PRODUCER_REGS, WORKLIST=work is not None, PERSIST=bool(persistent), num_warps=4,
-                maxnreg=MAXNREG)
+                PRODUCER_REGS=PRODUCER_REGS, WORKLIST=work is not None, num_warps=4, maxnreg=MAXNREG)
     return kernel, grid, args, meta
 
 
@@ -972,7 +857,7 @@ def _buffers(q, block_m, pad=None):
 
 def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq_n=None, dq_split=False,
                     dq_tma=False, group_split=1, left=None, blocks=None, launch=triton_launch, head_group=1,
-                    key_rows=0, work=None, persistent=0):
+                    key_rows=0, work=None):
     """(dq, dk, dv) like q, k, v (contiguous); the caller checked fits(...) and available(). lse: the forward's
     [b, h_q, s_q] fp32 (natural log). Knobs: query rows per ring slot (64 / 128), ring slots (>= 2), dq columns per
     wgmma chunk (16 / 32 / 64, or d with dq_tma; per-warpgroup dQ), dq_split (each warpgroup computes half of dQ's
@@ -981,8 +866,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
     group_split (GQA: programs per (kv head, key block), each over GROUP / group_split query heads; dK / dV then
     summed in fp32 by TMA reduce-adds and converted), left (a left window; None or >= s_k: none), blocks (the sparse
     walk, launch_args); launch: shared_kernels.triton_launch's form (the ops pass their cached launch); head_group:
-    the programs' order; key_rows: the transposed step; work: the sparse programs' work list, persistent: its
-    programs (launch_args)."""
+    the programs' order; key_rows: the transposed step; work: the sparse programs' work list (launch_args)."""
     b, s_q, h_q, d = q.shape
     s_k = k.shape[1]
     dq = torch.empty((b, s_q, h_q, d), device=q.device, dtype=q.dtype)
@@ -1012,7 +896,7 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
            lse.stride(0), lse.stride(1), H_Q=h_q, D=d, BLOCK=PREP_ROWS, ZERO_KV=kv_rows > 0, num_warps=4)
     kernel, kgrid, args, meta = launch_args(q, k, v, do, lse2, delta, dk, dv, dq_acc, s_pad, sm_scale, causal,
                                             block_m, stages, dq_n, dq_split, dq_tma, group_split, dkv_acc, left, blocks,
-                                            head_group, key_rows, work, persistent)
+                                            head_group, key_rows, work)
     launch(kernel, kgrid, *args, **meta)
     launch(acc_convert_kernel, grid, dq_acc, dq, dq, s_q, s_pad, sm_scale, dq.stride(0), dq.stride(1), dq.stride(2),
            H=h_q, D=d, BLOCK=PREP_ROWS, num_warps=4)
@@ -1024,12 +908,11 @@ def flash_bwd_gluon(do, q, k, v, out, lse, sm_scale, causal, block_m, stages, dq
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=False, dq_tma=False, h_q=4, h_kv=2,
-                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=0, worklist=False,
-                 persistent=0):
+                 dtype="bfloat16", arch=90, group_split=1, left=None, block_size=None, key_rows=0, worklist=False):
     """Compile the Gluon kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched).
     Returns compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus whether the PTX
     holds fp32 reductions to global memory (dq's atomics). worklist: the sparse programs from a work list (launch_args'
-    work; block_size 128); persistent: over a persistent grid (launch_args)."""
+    work; block_size 128)."""
     from ._gluon import compile_report
     dt = getattr(torch, dtype)
     b, s = 2, 300
@@ -1048,8 +931,7 @@ def compile_sm90(d=128, causal=True, block_m=64, stages=2, dq_n=None, dq_split=F
     work = torch.zeros((8, 4), dtype=torch.int32) if worklist else None
     kernel, grid, args, meta = launch_args(q, k, v, do, lse2, delta, torch.empty_like(k), torch.empty_like(v),
                                            dq_acc, s_pad, d ** -0.5, causal, block_m, stages, dq_n, dq_split, dq_tma,
-                                           group_split, dkv_acc, left, blocks, key_rows=key_rows, work=work,
-                                           persistent=persistent)
+                                           group_split, dkv_acc, left, blocks, key_rows=key_rows, work=work)
     report = compile_report(kernel, args, grid, meta, arch)
     ptx = report["kernel"].asm.get("ptx", "")
     report["red"] = "red.global" in ptx or "atom.global" in ptx

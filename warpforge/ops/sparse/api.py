@@ -23,7 +23,7 @@ import torch
 from ...errors import (check_bool, check_cu_seqlens, check_dtype, check_int, check_last_dim_contiguous,
                        check_positive_float, check_rank, check_same_device, check_same_dtype, check_tensor, fail,
                        host_reads_allowed, read_once)
-from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend, sm_count
+from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend
 from .._op import cached_launch, kernel_op
 from . import configs
 from .reference import (index_block_scores_reference, index_loss_reference, n_blocks, sparse_attention_reference)
@@ -101,17 +101,6 @@ def gluon_bwd_order(d: int, s_q: int) -> str:
     return order
 
 
-def gluon_bwd_programs(device: torch.device) -> int:
-    """The query-order backward's persistent grid: its programs (one an SM), 0 for one program an item; the
-    environment's (configs.GLUON_BWD_PERSISTENT_ENV: "0" off, "1" on, N > 1 that many programs) first."""
-    env = os.environ.get(configs.GLUON_BWD_PERSISTENT_ENV)
-    if env is None:
-        return sm_count(device) if configs.GLUON_BWD_PERSISTENT else 0
-    if not env.isdigit():
-        raise ValueError(f"{configs.GLUON_BWD_PERSISTENT_ENV} is 0 (off), 1 (on) or a number of programs (got {env!r})")
-    return sm_count(device) if int(env) == 1 else int(env)
-
-
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sel: torch.Tensor, n_sel: torch.Tensor,
               cu: Optional[torch.Tensor], batch: int, max_s: int, block_size: int, causal: bool,
               scale: float, max_s_k: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +136,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             if (block_size == 128 and gluon_bwd_order(q.shape[-1], q.shape[1]) == "query"
                     and sg.work_list_fits(knobs)):  # no CSR lists needed
                 return sg.sparse_bwd_gluon(do, q, k, v, out, lse, None, None, block_size, causal, scale, knobs,
-                                           cached_launch, sel=sel, persistent=gluon_bwd_programs(q.device))
+                                           cached_launch, sel=sel)
             return sg.sparse_bwd_gluon(do, q, k, v, out, lse, *csr_lists(), block_size, causal, scale, knobs,
                                        cached_launch)
     offsets, qblocks = csr_lists()

@@ -74,10 +74,3 @@ GLUON_BWD_GROUP_BYTES = 64 << 20
 # WARPFORGE_SPARSE_GLUON_BWD_ORDER ("key" / "query") overrides.
 GLUON_BWD_QUERY_ORDER_BYTES = 96 << 20
 GLUON_BWD_ORDER_ENV = "WARPFORGE_SPARSE_GLUON_BWD_ORDER"
-# Query order over a persistent grid (where the knobs take KEY_ROWS): one program an SM takes items p, p + grid, ...,
-# loading the next item's K, V and first tiles while it reduce-adds the last one's dK / dV, staged in its dS and dQ
-# tiles (an item is ~16 steps, so the per-item prologue and epilogue are ~10% of it; the dK / dV reduce-adds alone were
-# 5% of fwd+bwd at 64k and 128k: H100, runs/2026-12-06-s30/call2, an ablation without them).
-# WARPFORGE_SPARSE_GLUON_BWD_PERSISTENT: "0" off, "1" on, N > 1 on with N programs (the GPU tests: many items each).
-GLUON_BWD_PERSISTENT = True
-GLUON_BWD_PERSISTENT_ENV = "WARPFORGE_SPARSE_GLUON_BWD_PERSISTENT"

@@ -52,8 +52,7 @@ def work_list_fits(knobs) -> bool:
     return bool(dq_tma) and stages * block_m >= 128
 
 
-def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs, launch, sel=None,
-                     persistent=0):
+def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal, scale, knobs, launch, sel=None):
     """(dq, dk, dv) like q, k, v over the kept blocks' CSR lists (sparse_kernel.kept_by over the key blocks; None
     with sel); the caller checked bwd_fits(...), available() and that block_size is a multiple of 128 (128 with sel,
     and work_list_fits(knobs)). knobs:
@@ -63,8 +62,7 @@ def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal
     (_gluon_flash_bwd.key_rows_knob). launch: as the forward's. sel (the canonical lists, 128-row blocks): the
     programs in query-block order instead (query_block_items), each over GROUP / GROUP_SPLIT query heads of one query
     block against one key block (GROUP_SPLIT 0, one head a program in key order, is read as 1 there: the whole
-    group a program); persistent (> 0): those items over that many programs, where the knobs take KEY_ROWS
-    (_gluon_flash_bwd.launch_args)."""
+    group a program)."""
     block_m, stages, dq_n, dq_split, dq_tma, want, order, key_rows = knobs
     group = q.shape[2] // k.shape[2]
     work = None
@@ -73,8 +71,7 @@ def sparse_bwd_gluon(do, q, k, v, out, lse, offsets, qblocks, block_size, causal
         work = query_block_items(sel, -(-k.shape[1] // block_size), split)
     else:
         split = group_split(group, want, block_m, stages, dq_tma)
-    key_rows = key_rows_knob(key_rows, block_m, dq_split, dq_tma)
     return flash_bwd_gluon(do, q, k, v, out, lse, scale, causal, block_m, stages, dq_n, dq_split, dq_tma, split,
                            blocks=(offsets, qblocks, block_size), launch=launch,
-                           head_group=head_group(q.shape[0] * k.shape[2] * split, order), key_rows=key_rows, work=work,
-                           persistent=persistent if work is not None and key_rows else 0)
+                           head_group=head_group(q.shape[0] * k.shape[2] * split, order),
+                           key_rows=key_rows_knob(key_rows, block_m, dq_split, dq_tma), work=work)
