@@ -273,11 +273,11 @@ def test_work_list_needs_the_staging_knobs():
 
 
 def test_backward_order_knob(monkeypatch):
-    """Query order once a head's Q, dO and dQ accumulator pass configs.GLUON_BWD_QUERY_ORDER_BYTES (d 128: 128k
-    queries, not 64k), unless the environment says "key" or "query"; anything else is an error naming it."""
+    """Query order once a head's Q, dO and dQ accumulator pass configs.GLUON_BWD_QUERY_ORDER_BYTES (d 128: 64k
+    queries, not 32k), unless the environment says "key" or "query"; anything else is an error naming it."""
     monkeypatch.delenv(configs.GLUON_BWD_ORDER_ENV, raising=False)
-    assert api.gluon_bwd_order(128, 65536) == "key" and api.gluon_bwd_order(128, 131072) == "query"
-    assert api.gluon_bwd_order(64, 131072) == "key" and api.gluon_bwd_order(64, 1 << 20) == "query"
+    assert api.gluon_bwd_order(128, 32768) == "key" and api.gluon_bwd_order(128, 65536) == "query"
+    assert api.gluon_bwd_order(64, 65536) == "key" and api.gluon_bwd_order(64, 131072) == "query"
     monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "query")
     assert api.gluon_bwd_order(128, 1024) == "query"
     monkeypatch.setenv(configs.GLUON_BWD_ORDER_ENV, "key")
