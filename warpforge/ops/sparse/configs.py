@@ -71,8 +71,9 @@ GLUON_BWD_GROUP_BYTES = 64 << 20
 # 64k / 128k / 256k (session 26). Measured (H100, the kernels alone, fwd+bwd, one call, each order its own process,
 # runs/2026-12-06-s29/call6): 64k 8.83 -> 8.80 ms (the pairs' dK / dV epilogues cost what locality gains), 128k
 # 21.7-22.1 -> 17.6-18.3 ms. Session 30 (H100, three calls, each order twice a call: runs/2026-12-06-s30/call2, 3, 5)
-# read 64k at 8.93-9.07 ms in key order against 8.69-8.85 in query order (-2%), so from 64k (d 128; 32k untimed). On
-# the H200 (runs/2026-12-06-s30/call7, the same way): 64k even, 128k -2%; 1M in the family bench 193 -> 151 ms.
+# read 64k at 8.93-9.07 ms in key order against 8.69-8.85 in query order (each call's first timing; -2%), so from 64k
+# (d 128; 32k untimed). On the H200 (runs/2026-12-06-s30/call7, the same way): 64k even, 128k -2%; 1M in the family
+# bench 193 ms in key order (session 29) and 151 in query order (session 30): two runs, Flex 206 / 197 in each.
 # WARPFORGE_SPARSE_GLUON_BWD_ORDER ("key" / "query") overrides.
 GLUON_BWD_QUERY_ORDER_BYTES = 48 << 20
 GLUON_BWD_ORDER_ENV = "WARPFORGE_SPARSE_GLUON_BWD_ORDER"
