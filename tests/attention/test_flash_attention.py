@@ -246,6 +246,21 @@ def test_kernel_variants(case, variant, monkeypatch):
     _check(*_inputs(b, s_q, s_k, h_q, h_kv, d, DTYPES[-1]), causal=causal, window=window)
 
 
+@pytest.mark.parametrize("fwd, dkdv, dq, s_q, s_k, causal, window", [
+    ((16, 32), (16, 16), (16, 16), 40, 1, True, (-1, -1)),     # forward: key tiles taller than query tiles
+    ((16, 16), (16, 16), (16, 32), 40, 1, True, (-1, -1)),     # dq pass, the same
+    ((16, 16), (32, 16), (16, 16), 1, 40, False, (0, 0)),      # dk/dv pass: query tiles taller than key tiles
+    ((16, 32), (32, 16), (32, 16), 70, 9, True, (3, 0)),       # all three, a window
+])
+def test_uneven_tiles_with_rows_that_see_nothing(fwd, dkdv, dq, s_q, s_k, causal, window, monkeypatch):
+    """Tiles a tuner may pick (the walked tile taller than the owned one) over rows that see no key: those rows'
+    spans are empty (no unmasked walk from a negative row), out 0 and lse -inf there as in the reference."""
+    from warpforge.ops.attention import configs
+    C, T = configs.KernelCfg, configs.AttentionTiles
+    monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: T(C(*fwd, 1, 1), C(*dkdv, 1, 1), C(*dq, 1, 1))))
+    _check(*_inputs(1, s_q, s_k, 2, 1, 16, DTYPES[-1]), causal=causal, window=window)
+
+
 def test_varlen_atomic_dq(monkeypatch):
     from warpforge.ops.attention import configs
     monkeypatch.setattr(configs, "TILES", configs.TILES.map(lambda t: t._replace(dkdv=t.dkdv._replace(atomic_dq=True))))

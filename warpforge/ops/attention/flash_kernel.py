@@ -30,7 +30,9 @@ def _span(lo, hi_last, A, B, n_other, BLOCK: tl.constexpr):
     needs no mask, [full_hi, end) masked."""
     start = tl.maximum(lo + A, 0)
     start = (start // BLOCK) * BLOCK
-    end = tl.minimum(hi_last + B + 1, n_other)
+    # >= start: rows that see nothing (causal with s_q > s_k, a narrow window) would give a negative end, and Triton's
+    # integer division truncates toward zero, so full_hi below would round up to 0 and walk [end, 0) unmasked
+    end = tl.maximum(tl.minimum(hi_last + B + 1, n_other), start)
     full_lo = tl.maximum(hi_last + A, start)
     full_lo = tl.minimum(((full_lo + BLOCK - 1) // BLOCK) * BLOCK, end)
     full_hi = tl.minimum(lo + B + 1, end)
