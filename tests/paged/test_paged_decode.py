@@ -954,6 +954,7 @@ BAD = [  # (format of the cache, mutation, argument named)
     ("fp16", _set("q", lambda a: torch.randn(2, 17, 8, 64, dtype=torch.float16, device=DEV)), "q"),  # s_q 17
     ("fp16", _set("q", lambda a: torch.randn(2, 2, 5, 64, dtype=torch.float16, device=DEV)), "k_cache"),  # 5 % 2
     ("fp16", _set("q", lambda a: a["q"][0]), "q"),
+    ("fp16", _set("v_cache", lambda a: torch.cat([a["v_cache"]] * 2, -1)[..., ::2]), "v_cache: expected a contiguous"),
     ("mxfp4", _set("q", lambda a: torch.randn(2, 2, 8, 80, dtype=torch.float16, device=DEV)), "kv_format"),  # 80 % 32
     ("fp16", _set("k_scale", lambda a: 1.0), "k_scale"),                                  # scale for a values format
     ("fp16", _set("v_scale", _scale_of(1.0)), "v_scale"),

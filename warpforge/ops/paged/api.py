@@ -486,9 +486,10 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
         check_same_device(name, cache, "q", q)
         check_no_grad(name, cache, "paged_decode")
         if cache.dim() != 4 or tuple(cache.shape[1:]) != (p.page_size, p.h_kv, width) or \
-                cache.dtype != (fmt.storage if fmt.quantized else q.dtype) or cache.stride(-1) != 1:
+                cache.dtype != (fmt.storage if fmt.quantized else q.dtype):
             fail(name, f"a [num_pages, {p.page_size}, {p.h_kv}, {width}] {p.kv_format} cache (the plan's)",
                  f"{tuple(cache.shape)} {cache.dtype}")
+        check_last_dim_contiguous(name, cache)
     if v_cache.shape[0] != k_cache.shape[0]:
         fail("v_cache", f"{k_cache.shape[0]} pages (like k_cache)", v_cache.shape[0])
     _check_int32("block_table", block_table, "q", q, 2)
