@@ -49,12 +49,11 @@ GLUON_FWD = {64: (128, 4, True, False), 128: (128, 2, True, False)}
 # The Hopper Gluon backward (ops/_gluon_flash_bwd.py, the sparse walk), same gate: head dim -> (BLOCK_M, STAGES, DQ_N,
 # DQ_SPLIT, DQ_TMA, GROUP_SPLIT, HEAD_GROUP, KEY_ROWS): dense attention's table, and one query head per program
 # (GROUP_SPLIT 0: dK / dV summed over the group by fp32 TMA reduce-adds, so a popular key block's walk is split GROUP
-# ways). dQ (and dK / dV when split, or in query order) are sums in arrival order: not bitwise reproducible
-# (GLUON_ENV=0 keeps the deterministic portable pass). HEAD_GROUP: programs ordered key tile by key tile within
-# groups of that many query heads, so the long walks of the first key blocks start early (scripts/sim_bwd_order.py:
-# 1.10x the ideal time at 16k in head order, 1.01x in groups of 4; measured fwd+bwd at 16k 2.268 -> 2.138 ms, H100,
-# runs/2026-12-06-s27/call3). Capped
-# so that the group's Q, dO (16-bit) and dQ accumulator (fp32), 8 · d bytes a query a head, stay within
+# ways). dQ (and dK / dV when split, or in query order) are sums in arrival order: not bitwise reproducible (GLUON_ENV=0
+# keeps the deterministic portable pass). HEAD_GROUP: programs ordered key tile by key tile within groups of that many
+# query heads, so the long walks of the first key blocks start early (scripts/sim_bwd_order.py: 1.10x the ideal time at
+# 16k in head order, 1.01x in groups of 4; measured fwd+bwd at 16k 2.268 -> 2.138 ms, H100, runs/2026-12-06-s27/call3).
+# Capped so that the group's Q, dO (16-bit) and dQ accumulator (fp32), 8 · d bytes a query a head, stay within
 # GLUON_BWD_GROUP_BYTES: the measured win at 16k, d 128, groups of 4 holds 64 MB, the measured loss at 64k, groups of 4,
 # 256 MB (9.09 -> 11.93 ms, same call), and head after head at 64k holds 64 MB. 32k gets groups of 2 by the rule (the
 # model: 1.05x -> 1.01x), not yet timed. KEY_ROWS: the transposed step (attention/configs.GLUON_BWD_KEY_ROWS; where the
