@@ -16,6 +16,8 @@ queries: BIAS_KIND 2) is read as one vector per key block instead of a [rows, ke
 where N_res does not fill the tiles (EVEN_M / EVEN_N / EVEN_D); offsets inside one (b, s, h) slice are int32 from an
 int64 base (api._check makes sure they fit: N_res · H · D and each bias's strides over the residues).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -116,7 +118,7 @@ def evo_fwd_kernel(
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_GATE: tl.constexpr, TMA: tl.constexpr,
+    HAS_GATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = False,
 ):
     """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q).
     TMA: q, k, v come through the host descriptors Q_D, K_D, V_D ([B · S, R, H, D], boxes [1, rows, 1, BLOCK_D]),
@@ -136,7 +138,7 @@ def evo_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, R, BLOCK_N):
+    for n0 in tl.range(0, R, BLOCK_N, warp_specialize=WS):
         cols = n0 + tl.arange(0, BLOCK_N)
         if TMA:
             k = K_D.load([bs, n0, h, 0]).reshape(BLOCK_N, BLOCK_D)
@@ -435,7 +437,8 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
             q.stride(0), q.stride(1), q.stride(2), q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
             KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, TMA=descs is not None,
-            num_warps=cfg.warps, num_stages=cfg.stages)
+            WS=descs is not None and os.environ.get("WARPFORGE_EVO_WS") == "1", num_warps=cfg.warps,
+            num_stages=cfg.stages)
     return out, lse
 
 
