@@ -423,20 +423,3 @@ def test_fused_backward_matches_the_two_passes(R, monkeypatch):
     for name, a, b, c in zip(["dq", "dk", "dv", "dpair", "dgate"], got, want, again):
         assert rel_l2(a, b) <= (1e-5 if dtype == torch.float32 else 1e-2), name
         assert torch.equal(a, c), name
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_s{}_r{}_h{}_d{}_{}".format(*c[:5], "+".join(c[5]) or "nobias"))
-def test_tma_forward_matches_the_reference(case):
-    """The forward with q, k, v and the pair bias through TMA descriptors (EvoCfg.tma; the other biases, and those
-    whose strides a descriptor cannot take, through pointers) against the fp32 reference."""
-    from warpforge.ops.evoformer import api, configs, evoformer_kernel as ek
-    B, S, R, H, D, names, gate = case
-    dtype = torch.float16 if DEV.type == "cpu" else torch.bfloat16
-    q, k, v, g = (t.detach() if t is not None else None for t in _qkv(B, S, R, H, D, dtype, gate))
-    biases = [b.detach() for b in _biases(names, B, S, R, H, dtype)]
-    cfg = configs.EvoCfg(16, 16, 1, 1, True) if DEV.type == "cpu" else configs.EvoCfg(64, 64, 4, 3, True)
-    full = (B, S, H, R, R)
-    out, _ = ek.evoformer_fwd(q, k, v, [api._full(b, full) for b in biases], g, 1.0 / math.sqrt(D), cfg)
-    ref = evoformer_attention_reference(q.float(), k.float(), v.float(), [b.float() for b in biases],
-                                        gate=None if g is None else g.float())
-    assert rel_l2(out, ref) <= REL_L2[dtype]

@@ -16,8 +16,6 @@ queries: BIAS_KIND 2) is read as one vector per key block instead of a [rows, ke
 where N_res does not fill the tiles (EVEN_M / EVEN_N / EVEN_D); offsets inside one (b, s, h) slice are int32 from an
 int64 base (api._check makes sure they fit: N_res · H · D and each bias's strides over the residues).
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -25,15 +23,14 @@ import triton.language as tl
 from ..shared_kernels import dot, online_softmax
 
 LOG2E = 1.4426950408889634
-BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_LOADED = 0, 1, 2, 3
+BIAS_NONE, BIAS_TILE, BIAS_KEYS = 0, 1, 2
 
 
 @triton.jit
 def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN_M: tl.constexpr,
                EVEN_N: tl.constexpr):
     """The [rows, cols] tile of one bias (BIAS already at this (b, s, h)) in fp32, 0 past the residues; a [1, cols]
-    row for a bias shared by every query (KIND 2); the tile BIAS itself, which the caller loaded (KIND 3: through a
-    TMA descriptor, zeros past the residues); 0 without one."""
+    row for a bias shared by every query (KIND 2); 0 without one."""
     if KIND == 1:
         ptrs = BIAS + rows[:, None] * stride_i + cols[None, :] * stride_j
         if EVEN_M and EVEN_N:
@@ -45,8 +42,6 @@ def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN
             tile = tl.load(BIAS + cols * stride_j).to(tl.float32)[None, :]
         else:
             tile = tl.load(BIAS + cols * stride_j, mask=cols < R, other=0.0).to(tl.float32)[None, :]
-    elif KIND == 3:
-        tile = BIAS.to(tl.float32)
     else:
         tile = 0.0
     return tile
@@ -112,46 +107,29 @@ def _slice(BLOCK: tl.constexpr, S, H: tl.constexpr, stride_b, stride_s, stride_h
 
 @triton.jit
 def evo_fwd_kernel(
-    Q, K, V, GATE, OUT, LSE, B1, B2, Q_D, K_D, V_D, B2_D,
+    Q, K, V, GATE, OUT, LSE, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_GATE: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr = False,
+    HAS_GATE: tl.constexpr,
 ):
-    """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q).
-    TMA: q, k, v come through the host descriptors Q_D, K_D, V_D ([B · S, R, H, D], boxes [1, rows, 1, BLOCK_D]),
-    and a pair bias of KIND2 3 through B2_D ([B, H, R, R], boxes [1, 1, BLOCK_M, BLOCK_N]): one copy per tile
-    instead of ~16 narrow ones a thread (the pointer path's bias tile arrives 4 bytes at a time in the MMA layout)."""
+    """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q)."""
     bsh, m0, base, B1, B2 = _slice(BLOCK_M, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b,
                                    b2_s, b2_h)
     qk_scale = scale * 1.4426950408889634
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    bs = (bsh // H).to(tl.int32)
-    h = (bsh % H).to(tl.int32)
-    if TMA:
-        q = Q_D.load([bs, m0, h, 0]).reshape(BLOCK_M, BLOCK_D)
-    else:
-        q = _rows_tile(Q + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+    q = _rows_tile(Q + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in tl.range(0, R, BLOCK_N, warp_specialize=WS):
+    for n0 in range(0, R, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
-        if TMA:
-            k = K_D.load([bs, n0, h, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = V_D.load([bs, n0, h, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-            v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        if KIND2 == 3:
-            x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j,
-                        B2_D.load([bs // S, h, m0, n0]).reshape(BLOCK_M, BLOCK_N), b2_i, b2_j, KIND1, KIND2, EVEN_M,
-                        EVEN_N)
-        else:
-            x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
+        k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
+        x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
         p, alpha, l_i, m_i = online_softmax(x, m_i, l_i)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     empty = l_i == 0.0
@@ -382,62 +360,20 @@ def _shape_flags(R, D, cfg):
     return dict(EVEN_M=R % cfg.block_m == 0, EVEN_N=R % cfg.block_n == 0, EVEN_D=_block(D) == D)
 
 
-def _aligned(t, strides):
-    return t.data_ptr() % 16 == 0 and all(st > 0 and st * t.element_size() % 16 == 0 for st in strides)
-
-
-def _head_descriptors(tensors, block, D):
-    """Host TMA descriptors over [B · S, R, H, D] views of contiguous [B, S, R, H, D] tensors, boxes [1, block, 1,
-    BLOCK_D] (a head dim under BLOCK_D arrives zero-padded); None where the strides cannot be described (D · size
-    not a multiple of 16 bytes)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    B, S, R, H, _ = tensors[0].shape
-    strides = [R * H * D, H * D, D, 1]
-    if not all(_aligned(t, strides[:-1]) for t in tensors):
-        return None
-    return [TensorDescriptor(t, [B * S, R, H, D], strides, [1, block, 1, _block(D)]) for t in tensors]
-
-
-def _pair_descriptor(bias, cfg):
-    """A host TMA descriptor over a bias view [B, S, H, R, R] that is the same for every MSA row (stride 0 over S,
-    the pair bias) as [B, H, R, R], boxes [1, 1, block_m, block_n]; None where its strides cannot be described."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    B, S, H, R, _ = bias.shape
-    st = list(bias.stride())
-    if (S > 1 and st[1] != 0) or st[4] != 1:
-        return None
-    strides = [st[0] if B > 1 else R * st[3] * max(H, 1), st[2] if H > 1 else R * st[3], st[3], 1]
-    if not _aligned(bias, strides[:-1]):
-        return None
-    return TensorDescriptor(bias, [B, H, R, R], strides, [1, 1, cfg.block_m, cfg.block_n])
-
-
 def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
     """(out like q, lse [B, S, H, R] fp32). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast);
-    gate None or laid out as q (out is then the gated output). cfg.tma: q, k, v and a pair bias through TMA
-    descriptors where their strides allow (else pointers)."""
+    gate None or laid out as q (out is then the gated output)."""
     B, S, R, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     if q.numel():
-        biases = list(biases) + [None] * (2 - len(biases))
-        if cfg.tma and biases[0] is not None and biases[0].stride(3) != 0 and (
-                biases[1] is None or biases[1].stride(3) == 0):
-            biases = biases[::-1]  # the bias added is the same either way; the tile one goes to the descriptor slot
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
-        descs = _head_descriptors((q, k, v), cfg.block_m, D) if cfg.tma else None
-        pair = _pair_descriptor(biases[1], cfg) if descs and kind2 == BIAS_TILE else None
-        if pair is not None:
-            kind2 = BIAS_LOADED
-        if descs is not None:
-            descs = [descs[0], *_head_descriptors((k, v), cfg.block_n, D)]
         evo_fwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m))](
-            q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], *(descs or (q, q, q)), pair or q,
-            q.stride(0), q.stride(1), q.stride(2), q.stride(3), *b1[1:], *b2[1:],
+            q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
+            q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
-            KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, TMA=descs is not None,
-            WS=descs is not None and os.environ.get("WARPFORGE_EVO_WS") == "1", num_warps=cfg.warps,
+            KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, num_warps=cfg.warps,
             num_stages=cfg.stages)
     return out, lse
 
