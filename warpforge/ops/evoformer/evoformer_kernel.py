@@ -23,14 +23,15 @@ import triton.language as tl
 from ..shared_kernels import dot, online_softmax
 
 LOG2E = 1.4426950408889634
-BIAS_NONE, BIAS_TILE, BIAS_KEYS = 0, 1, 2
+BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_ROWS = 0, 1, 2, 3
 
 
 @triton.jit
 def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN_M: tl.constexpr,
                EVEN_N: tl.constexpr):
     """The [rows, cols] tile of one bias (BIAS already at this (b, s, h)) in fp32, 0 past the residues; a [1, cols]
-    row for a bias shared by every query (KIND 2); 0 without one."""
+    row for a bias the same down the tile's rows (KIND 2: the residue mask, keys as columns), a [rows, 1] column for
+    one the same along them (KIND 3: the mask with keys as rows); 0 without one."""
     if KIND == 1:
         ptrs = BIAS + rows[:, None] * stride_i + cols[None, :] * stride_j
         if EVEN_M and EVEN_N:
@@ -42,6 +43,11 @@ def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN
             tile = tl.load(BIAS + cols * stride_j).to(tl.float32)[None, :]
         else:
             tile = tl.load(BIAS + cols * stride_j, mask=cols < R, other=0.0).to(tl.float32)[None, :]
+    elif KIND == 3:
+        if EVEN_M:
+            tile = tl.load(BIAS + rows * stride_i).to(tl.float32)[:, None]
+        else:
+            tile = tl.load(BIAS + rows * stride_i, mask=rows < R, other=0.0).to(tl.float32)[:, None]
     else:
         tile = 0.0
     return tile
@@ -202,19 +208,33 @@ def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, 
 def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride_r, R, qk_scale, B1, b1_i, b1_j, B2,
                   b2_i, b2_j, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                  EVEN_D: tl.constexpr, SUM_DQ: tl.constexpr):
+                  EVEN_D: tl.constexpr, SUM_DQ: tl.constexpr, KEY_ROWS: tl.constexpr = False):
     """(dk, dv) of the key block at n0 (k, v its tiles) over every query block of one (b, s, h) (Q, DO at it). SUM_DQ:
     also adds each query block's ds · k into DQ_ACC (fp32, at this (b, s, h), the key block n0 = 0 storing), which
-    the caller's program alone touches."""
+    the caller's program alone touches. KEY_ROWS (not with SUM_DQ): the step computed transposed, keys as rows
+    (pᵀ = 2^(k · qᵀ + biasᵀ - lse), dsᵀ likewise), so pᵀ and dsᵀ are the dots' A operands straight from the
+    registers instead of transposes through shared memory; the biases then come transposed (B1 / B2 with their
+    strides swapped, the mask a KIND 3 column). Keys past N_res get scores too: their dk / dv rows are not stored."""
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for m0 in range(0, R, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
-                         KIND1, KIND2, EVEN_M, EVEN_N)
-        dv = dot(tl.trans(p.to(do.dtype)), do, dv)
-        dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
+        if KEY_ROWS:
+            xt = dot(k, tl.trans(q)) * qk_scale
+            if KIND1 != 0 or KIND2 != 0:
+                bias = _bias_tile(B1, cols, rows, b1_i, b1_j, R, KIND1, EVEN_N, EVEN_M) + \
+                    _bias_tile(B2, cols, rows, b2_i, b2_j, R, KIND2, EVEN_N, EVEN_M)
+                xt += bias * 1.4426950408889634
+            pt = tl.math.exp2(xt - lse2[None, :])
+            dst = pt * (dot(v, tl.trans(do)) - delta[None, :])
+            dv = dot(pt.to(do.dtype), do, dv)
+            dk = dot(dst.to(q.dtype), q, dk)
+        else:
+            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+                             KIND1, KIND2, EVEN_M, EVEN_N)
+            dv = dot(tl.trans(p.to(do.dtype)), do, dv)
+            dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
         if SUM_DQ:
             dq = dot(ds.to(k.dtype), k)
             if n0 > 0:
@@ -232,7 +252,7 @@ def evo_bwd_kernel(
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DQ_PASS: tl.constexpr,
+    DQ_PASS: tl.constexpr, KEY_ROWS: tl.constexpr = False,
 ):
     """Program (b · s · h, block). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
     query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics."""
@@ -261,7 +281,7 @@ def evo_bwd_kernel(
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         dk, dv = _walk_queries(Q + base, DO + base, LSE, DELTA, DQ, k, v, bsh, n0, cols, offs_d, stride_r, R, qk_scale,
                                B1, b1_i, b1_j, B2, b2_i, b2_j, D, BLOCK_M, BLOCK_N, BLOCK_D, KIND1, KIND2, EVEN_M,
-                               EVEN_N, EVEN_D, False)
+                               EVEN_N, EVEN_D, False, KEY_ROWS)
         _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         _store_rows(DV + base, dv, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
 
@@ -356,6 +376,28 @@ def _bias_args(biases, dummy):
     return args, kinds
 
 
+def _transposed_bias_args(biases, dummy):
+    """_bias_args for a step computed with keys as rows: each bias's [R, R] transposed. A bias shared by the MSA rows
+    (the pair bias) is copied transposed once ([B, 1, H, R, R], cheap) so that its tiles stay coalesced; others are
+    read through swapped strides; the mask (a key row) becomes a column (BIAS_ROWS)."""
+    args, kinds = [], []
+    for i in range(2):
+        bias = biases[i] if i < len(biases) else None
+        if bias is None:
+            args += [dummy, 0, 0, 0, 0, 0]
+            kinds.append(BIAS_NONE)
+            continue
+        if bias.stride(3) == 0:
+            kinds.append(BIAS_ROWS)
+        else:
+            kinds.append(BIAS_TILE)
+            if bias.stride(1) == 0:
+                bias = bias[:, :1].transpose(3, 4).contiguous().expand(bias.shape).transpose(3, 4)
+        bias = bias.transpose(3, 4)
+        args += [bias, *bias.stride()]
+    return args, kinds
+
+
 def _shape_flags(R, D, cfg):
     return dict(EVEN_M=R % cfg.block_m == 0, EVEN_N=R % cfg.block_n == 0, EVEN_D=_block(D) == D)
 
@@ -412,10 +454,13 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     for cfg, dq_pass in (() if fused else ((tiles.dkdv, False), (tiles.dq, True))):
+        key_rows = cfg.key_rows and not dq_pass
+        args, kinds = _transposed_bias_args(biases, q) if key_rows else (bias_args, (kind1, kind2))
         evo_bwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n))](
-            q, k, v, do, lse, delta, dq, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
-            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
-            **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, num_warps=cfg.warps, num_stages=cfg.stages)
+            q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], *strides, *args[1:6], *args[7:], S, R, scale,
+            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kinds[0], KIND2=kinds[1],
+            **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, KEY_ROWS=key_rows, num_warps=cfg.warps,
+            num_stages=cfg.stages)
     cfg = tiles.dbias
     if want_dbias:
         db = dbias
