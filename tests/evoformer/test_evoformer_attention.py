@@ -423,3 +423,25 @@ def test_fused_backward_matches_the_two_passes(R, monkeypatch):
     for name, a, b, c in zip(["dq", "dk", "dv", "dpair", "dgate"], got, want, again):
         assert rel_l2(a, b) <= (1e-5 if dtype == torch.float32 else 1e-2), name
         assert torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("names", [("mask", "pair"), ("pair1", "mask"), ("headless", "pair"), ("full", "pair"), ()],
+                         ids=lambda n: "+".join(n) or "nobias")
+def test_key_rows_dkdv_matches_the_query_rows_step(names):
+    """The dk/dv pass with its step transposed (EvoCfg.key_rows: keys as rows, the biases read transposed, the pair
+    bias through a transposed copy) gives the gradients of the untransposed step."""
+    from warpforge.ops.evoformer import api, configs, evoformer_kernel as ek
+    B, S, R, H, D = 2, 2, 37, 2, 16
+    dtype = torch.float32 if DEV.type == "cpu" else torch.bfloat16
+    q, k, v, g, d_out = (torch.randn(B, S, R, H, D, device=DEV, dtype=dtype) for _ in range(5))
+    full = (B, S, H, R, R)
+    biases = [api._full(b.detach(), full) for b in _biases(names, B, S, R, H, dtype)]
+    tiles = configs.TILES.lookup(DEV, ek._block(D))
+    out, lse = ek.evoformer_fwd(q, k, v, biases, g, 0.25, tiles.fwd)
+
+    def grads(key_rows):
+        t = tiles._replace(dkdv=tiles.dkdv._replace(key_rows=key_rows))
+        return ek.evoformer_bwd(d_out, q, k, v, out, lse, biases, g, 0.25, bool(biases), t)
+    for name, a, b in zip(["dq", "dk", "dv", "dgate", "dbias"], grads(True), grads(False)):
+        if b is not None:
+            assert rel_l2(a, b) <= (1e-5 if dtype == torch.float32 else 1e-2), name

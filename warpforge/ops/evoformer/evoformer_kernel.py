@@ -23,7 +23,7 @@ import triton.language as tl
 from ..shared_kernels import dot, online_softmax
 
 LOG2E = 1.4426950408889634
-BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_ROWS = 0, 1, 2, 3
+BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_ROWS, BIAS_GIVEN = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -31,7 +31,8 @@ def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN
                EVEN_N: tl.constexpr):
     """The [rows, cols] tile of one bias (BIAS already at this (b, s, h)) in fp32, 0 past the residues; a [1, cols]
     row for a bias the same down the tile's rows (KIND 2: the residue mask, keys as columns), a [rows, 1] column for
-    one the same along them (KIND 3: the mask with keys as rows); 0 without one."""
+    one the same along them (KIND 3: the mask with keys as rows); BIAS itself, a tile the caller loaded (KIND 4); 0
+    without one."""
     if KIND == 1:
         ptrs = BIAS + rows[:, None] * stride_i + cols[None, :] * stride_j
         if EVEN_M and EVEN_N:
@@ -48,6 +49,8 @@ def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN
             tile = tl.load(BIAS + rows * stride_i).to(tl.float32)[:, None]
         else:
             tile = tl.load(BIAS + rows * stride_i, mask=rows < R, other=0.0).to(tl.float32)[:, None]
+    elif KIND == 4:
+        tile = BIAS
     else:
         tile = 0.0
     return tile
@@ -328,7 +331,8 @@ def evo_bwd_dbias_kernel(
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    """d(pair bias)[b, h, i, j] = Σ_s ds[b, s, h, i, j], the rows walked in order (deterministic)."""
+    """d(pair bias)[b, h, i, j] = Σ_s ds[b, s, h, i, j], the rows walked in order (deterministic). A bias of KIND 4
+    is a [R, R] tile bias the same for every MSA row (the pair bias): its tile is read once, before the walk."""
     b = (tl.program_id(2) // H).to(tl.int64)
     h = (tl.program_id(2) % H).to(tl.int64)
     qk_scale = scale * 1.4426950408889634
@@ -336,17 +340,24 @@ def evo_bwd_dbias_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if KIND1 == 4:
+        src1 = _bias_tile(B1 + b * b1_b + h * b1_h, rows, cols, b1_i, b1_j, R, 1, EVEN_M, EVEN_N)
+    if KIND2 == 4:
+        src2 = _bias_tile(B2 + b * b2_b + h * b2_h, rows, cols, b2_i, b2_j, R, 1, EVEN_M, EVEN_N)
     for s in range(0, S):
         s64 = s + b * 0  # an int64 tensor in both the compiler and the interpreter
         bsh = (b * S + s64) * H + h
         base = b * stride_b + s64 * stride_s + h * stride_h
+        if KIND1 != 4:
+            src1 = B1 + b * b1_b + s64 * b1_s + h * b1_h
+        if KIND2 != 4:
+            src2 = B2 + b * b2_b + s64 * b2_s + h * b2_h
         q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M,
                                         EVEN_D)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale,
-                         B1 + b * b1_b + s64 * b1_s + h * b1_h, b1_i, b1_j,
-                         B2 + b * b2_b + s64 * b2_s + h * b2_h, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
+        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, src1, b1_i, b1_j, src2, b2_i, b2_j,
+                         KIND1, KIND2, EVEN_M, EVEN_N)
         acc += ds
     ptrs = DBIAS + b * db_b + h * db_h + rows[:, None] * db_i + cols[None, :]
     if EVEN_M and EVEN_N:
@@ -467,6 +478,8 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
         evo_bwd_dbias_kernel[(triton.cdiv(R, cfg.block_m), triton.cdiv(R, cfg.block_n), B * H)](
             q, k, v, do, lse, delta, db, b1[0], b2[0], *strides, *b1[1:], *b2[1:],
             db.stride(0), db.stride(1), db.stride(2), S, R, scale,
-            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
+            H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D),
+            KIND1=BIAS_GIVEN if kind1 == BIAS_TILE and b1[2] == 0 else kind1,
+            KIND2=BIAS_GIVEN if kind2 == BIAS_TILE and b2[2] == 0 else kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     return dq, dk, dv, dgate, dbias
