@@ -2,10 +2,9 @@
 additive biases broadcast from [B, N_seq, H, N_res, N_res] (read through strides, 0 where broadcast, so the pair
 bias is never expanded), forward and backward.
 
-The backward is three deterministic passes: dq (a query block walks the keys; it first computes its block's delta,
-and with a gate the gated do and the gate's gradient, which the other passes read), dk/dv (a program owns a key
-block and walks the queries), and the pair bias's gradient, a sum over the MSA rows: a program owns a [queries, keys]
-tile of one (batch, head) and walks the rows in order, recomputing the probabilities, so no [N_seq, H, N_res, N_res]
+The backward is three deterministic passes: dk/dv (a program owns a key block and walks the queries), dq (a query
+block walks the keys), and the pair bias's gradient, a sum over the MSA rows: a program owns a [queries, keys] tile
+of one (batch, head) and walks the rows in order, recomputing the probabilities, so no [N_seq, H, N_res, N_res]
 tensor and no float atomics (bitwise reproducible).
 
 Layouts: q, k, v, out, do and the gradients contiguous [B, N_seq, N_res, H, D] (one set of strides); lse and delta
@@ -200,30 +199,6 @@ def _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D: tl.constexp
 
 
 @triton.jit
-def _prep_rows(OUT, DOUT, GATE, DO, DGATE, DELTA, bsh, rows, offs_d, stride_r, R, D: tl.constexpr,
-               EVEN_R: tl.constexpr, EVEN_D: tl.constexpr, HAS_GATE: tl.constexpr, WANT_DGATE: tl.constexpr):
-    """evo_bwd_prep_kernel's work for one query block (the pointers at this (b, s, h)), done by the dq pass that
-    owns the block: stores delta, and with a gate do and dgate, and returns (do, delta) for the block."""
-    out = _rows_tile(OUT, rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D).to(tl.float32)
-    d_out = _rows_tile(DOUT, rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D).to(tl.float32)
-    delta = tl.sum(out * d_out, 1)
-    if EVEN_R:
-        tl.store(DELTA + bsh * R + rows, delta)
-    else:
-        tl.store(DELTA + bsh * R + rows, delta, mask=rows < R)
-    if HAS_GATE:
-        gate = _rows_tile(GATE, rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D).to(tl.float32)
-        sig = 1.0 / (1.0 + tl.math.exp2(-gate * 1.4426950408889634))
-        do = (d_out * sig).to(DO.dtype.element_ty)
-        _store_rows(DO, do, rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D)
-        if WANT_DGATE:
-            _store_rows(DGATE, d_out * out * (1.0 - sig), rows, offs_d, stride_r, R, D, EVEN_R, EVEN_D)
-    else:
-        do = d_out.to(DO.dtype.element_ty)
-    return do, delta
-
-
-@triton.jit
 def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
              KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
     """(p, ds = p · (do · vᵀ − delta)) of a [rows, cols] tile: the softmax's gradient w.r.t. the scores."""
@@ -274,19 +249,16 @@ def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride
 
 @triton.jit
 def evo_bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, B1, B2, OUT, DOUT, GATE, DGATE,
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
     S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
-    DQ_PASS: tl.constexpr, KEY_ROWS: tl.constexpr = False, PREP: tl.constexpr = False,
-    HAS_GATE: tl.constexpr = False, WANT_DGATE: tl.constexpr = False,
+    DQ_PASS: tl.constexpr, KEY_ROWS: tl.constexpr = False,
 ):
     """Program (b · s · h, block). DQ_PASS False: a key block walks the query blocks for its dk and dv; True: a
-    query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics. PREP (the
-    dq pass, launched first): the block's delta, do and dgate from OUT, DOUT and GATE (_prep_rows) instead of
-    evo_bwd_prep_kernel's launch; the later passes read them."""
+    query block walks the key blocks for its dq. Each gradient has one writer: deterministic, no atomics."""
     BLOCK: tl.constexpr = BLOCK_M if DQ_PASS else BLOCK_N
     bsh, start, base, B1, B2 = _slice(BLOCK, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b,
                                       b2_s, b2_h)
@@ -294,13 +266,8 @@ def evo_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     if DQ_PASS:
         rows = start + tl.arange(0, BLOCK_M)
-        if PREP:
-            q, _, lse2, _ = _grad_rows(Q + base, Q + base, LSE, LSE, bsh, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
-            do, delta = _prep_rows(OUT + base, DOUT + base, GATE + base, DO + base, DGATE + base, DELTA, bsh, rows,
-                                   offs_d, stride_r, R, D, EVEN_M, EVEN_D, HAS_GATE, WANT_DGATE)
-        else:
-            q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M,
-                                            EVEN_D)
+        q, do, lse2, delta = _grad_rows(Q + base, DO + base, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M,
+                                        EVEN_D)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for n0 in range(0, R, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -484,11 +451,9 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     delta = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     do = d_out if gate is None else torch.empty_like(d_out)
     n_rows = B * S * R * H
-    if fused:  # else the dq pass, launched first, does this (PREP)
-        evo_bwd_prep_kernel[(triton.cdiv(n_rows, PREP_ROWS),)](
-            out, d_out, q if gate is None else gate, do, dgate if want_dgate else q, delta, n_rows, S, R, H=H, D=D,
-            BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None,
-            WANT_DGATE=want_dgate)
+    evo_bwd_prep_kernel[(triton.cdiv(n_rows, PREP_ROWS),)](
+        out, d_out, q if gate is None else gate, do, dgate if want_dgate else q, delta, n_rows, S, R, H=H, D=D,
+        BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None, WANT_DGATE=want_dgate)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (kind1, kind2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
@@ -499,15 +464,14 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             q, k, v, do, lse, delta, dq, dq_acc, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
-    for cfg, dq_pass in (() if fused else ((tiles.dq, True), (tiles.dkdv, False))):
+    for cfg, dq_pass in (() if fused else ((tiles.dkdv, False), (tiles.dq, True))):
         key_rows = cfg.key_rows and not dq_pass
         args, kinds = _transposed_bias_args(biases, q) if key_rows else (bias_args, (kind1, kind2))
         evo_bwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n))](
-            q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], out, d_out, q if gate is None else gate,
-            dgate if want_dgate else q, *strides, *args[1:6], *args[7:], S, R, scale,
+            q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], *strides, *args[1:6], *args[7:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kinds[0], KIND2=kinds[1],
-            **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, KEY_ROWS=key_rows, PREP=dq_pass,
-            HAS_GATE=gate is not None, WANT_DGATE=want_dgate, num_warps=cfg.warps, num_stages=cfg.stages)
+            **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, KEY_ROWS=key_rows, num_warps=cfg.warps,
+            num_stages=cfg.stages)
     cfg = tiles.dbias
     if want_dbias:
         db = dbias
