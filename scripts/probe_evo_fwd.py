@@ -2,7 +2,7 @@
 bias, gate): the library kernel's step with one part taken out at a time, and two program orders, to see what its
 time is made of. Results are wrong on purpose in the ablations; only the times mean anything.
 
-    python scripts/probe_evo_fwd.py
+    python scripts/probe_evo_fwd.py [--maxnreg]
 
 ABL 0 the full step (as evoformer_kernel.evo_fwd_kernel), 1 no exp2 (p = s - max), 2 the K / V tiles loaded once
 before the loop, 3 no biases, 4 scores in natural units (q pre-scaled, the biases as the dot's accumulator, exp2 of
@@ -10,6 +10,7 @@ x · log2 e - max · log2 e: right, and slower); ORDER 0 a program per (b, s, h,
 (b, s, h) walking its query blocks in an outer loop, 2 the same as one flattened loop (tl.range(flatten=True)).
 """
 import math
+import sys
 
 import torch
 import triton
@@ -121,6 +122,12 @@ def probe_fwd_kernel(Q, K, V, GATE, OUT, LSE, B1, B2, stride_s, stride_r, b1_s, 
                 ek._store_rows(OUT + base, out, rows, offs_d, stride_r, R, D, True, True)
 
 
+# (block_m, block_n, warps, stages, maxnreg): 64-row tiles at 119 registers run 4 programs an SM; <= 102 fits 5
+MAXNREG = [(64, 64, 4, 3, None), (64, 64, 4, 3, 128), (64, 64, 4, 3, 112), (64, 64, 4, 3, 102), (64, 64, 4, 3, 96),
+           (64, 64, 4, 4, None), (64, 64, 4, 4, 102), (128, 64, 4, 3, None), (128, 64, 4, 3, 168),
+           (128, 32, 4, 3, None), (128, 32, 4, 3, 168), (128, 32, 4, 3, 128)]
+
+
 def main():
     S, R, H, D = 512, 384, 8, 32
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -131,22 +138,25 @@ def main():
     scale = 1.0 / math.sqrt(D)
     ref_out, _ = ek.evoformer_fwd(q, k, v, (mask.expand(1, S, H, R, R), pair.expand(1, S, H, R, R)), gate, scale,
                                   ek_tiles())
-    for order in (0, 1, 2):
-        for abl in ((0, 1, 2, 3, 4) if order == 0 else (0,)):
-            for bm, bn, warps, stages in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3)):
+    regs = "--maxnreg" in sys.argv  # the register cap (more programs an SM) instead of the ablations
+    for order in ((0,) if regs else (0, 1, 2)):
+        for abl in ((0, 1, 2, 3, 4) if order == 0 and not regs else (0,)):
+            for bm, bn, warps, stages, cap in (MAXNREG if regs else [(64, 64, 4, 3, None), (128, 64, 8, 3, None),
+                                                                       (128, 64, 4, 3, None), (128, 32, 4, 3, None)]):
                 grid = (S * H, R // bm if order == 0 else 1)
+                extra = {} if cap is None else dict(maxnreg=cap)
 
                 def run():
                     probe_fwd_kernel[grid](q, k, v, gate, out, lse, mask, pair, q.stride(1), q.stride(2),
                                            mask.stride(1), mask.stride(4), pair.stride(2), pair.stride(3), S, R, scale,
                                            H=H, D=D, BLOCK_M=bm, BLOCK_N=bn, ABL=abl, ORDER=order, num_warps=warps,
-                                           num_stages=stages)
+                                           num_stages=stages, **extra)
                 try:
                     run()
                     ms = triton.testing.do_bench(run, warmup=10, rep=60)
                     err = (out.float() - ref_out.float()).norm() / ref_out.float().norm() if abl in (0, 4) else float("nan")
-                    print(f"order {order} abl {abl} tile {(bm, bn, warps, stages)}: {ms:.3f} ms  rel err {err:.1e}",
-                          flush=True)
+                    print(f"order {order} abl {abl} tile {(bm, bn, warps, stages)} maxnreg {cap}: {ms:.3f} ms  "
+                          f"rel err {err:.1e}", flush=True)
                 except Exception as exc:  # noqa: BLE001 - a probe: report and go on
                     print(f"order {order} abl {abl} tile {(bm, bn, warps, stages)}: failed {type(exc).__name__}: "
                           f"{str(exc)[:200]}", flush=True)
