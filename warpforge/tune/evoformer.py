@@ -21,7 +21,11 @@ CANDIDATES = [C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 
               C(64, 64, 2, 2), C(32, 64, 2, 2), C(64, 32, 2, 3), C(128, 128, 8, 3), C(64, 128, 8, 2)]
 # the dk/dv pass's step with keys as rows (EvoCfg.key_rows; the other passes ignore it)
 KEY_ROWS = [C(64, 64, 4, 3, True), C(64, 64, 4, 2, True), C(64, 128, 4, 2, True), C(64, 128, 8, 2, True),
-            C(128, 64, 8, 2, True), C(32, 64, 4, 3, True), C(64, 32, 4, 3, True), C(64, 64, 2, 2, True)]
+            C(128, 64, 8, 2, True), C(32, 64, 4, 3, True), C(64, 32, 4, 3, True), C(64, 64, 2, 2, True),
+            C(32, 64, 4, 3, True, 112), C(32, 64, 4, 3, True, 102), C(64, 64, 4, 3, True, 128)]
+# register caps (EvoCfg.maxnreg: more programs an SM), the forward's and the dq pass's
+CAPPED = [C(128, 32, 4, 3, maxnreg=128), C(128, 32, 4, 3, maxnreg=120), C(128, 64, 4, 3, maxnreg=128),
+          C(64, 64, 4, 3, maxnreg=112), C(64, 32, 4, 3, maxnreg=88), C(128, 32, 4, 4, maxnreg=128)]
 SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "extra": dict(S=5120, R=384, H=8, D=8)}
 
 
@@ -50,7 +54,7 @@ def main(argv=None):
         def record(part, cfg, ms, part_flops):
             results.append(dict(shape=name, part=part, cfg=list(cfg), ms=ms, tflops=part_flops / ms / 1e9))
             print(f"{name} {part} {tuple(cfg)}: {ms:.3f} ms {part_flops / ms / 1e9:.0f} TFLOP/s", flush=True)
-        for cfg in CANDIDATES if "fwd" in parts else ():
+        for cfg in CANDIDATES + CAPPED if "fwd" in parts else ():
             ms = time_candidate(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, cfg))
             if ms is not None:
                 record("fwd", cfg, ms, flops)
@@ -62,7 +66,7 @@ def main(argv=None):
             if ms is not None:
                 record("bwd, fused swept", cfg, ms, 2.5 * flops)
         for part in [p for p in ("dkdv", "dq", "dbias") if p in parts]:  # one swept, the others at the table's
-            for cfg in CANDIDATES + (KEY_ROWS if part == "dkdv" else []):
+            for cfg in CANDIDATES + {"dkdv": KEY_ROWS, "dq": CAPPED}.get(part, []):
                 tiles = base._replace(**{part: cfg})
                 ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True,
                                                                     tiles))

@@ -15,6 +15,7 @@ class EvoCfg(NamedTuple):
     warps: int
     stages: int
     key_rows: bool = False  # dk/dv pass: the step transposed, keys as rows (evoformer_kernel._walk_queries)
+    maxnreg: Optional[int] = None  # a register cap: more programs an SM (the forward's is latency-bound)
 
 
 class EvoformerTiles(NamedTuple):
@@ -31,7 +32,7 @@ TILES = TileTable({
     "default": {"any": T(C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2))},
     "sm90": {"any": T(C(64, 64, 4, 3), C(64, 64, 2, 2), C(64, 32, 4, 3), C(64, 32, 4, 3)),
              16: T(C(128, 32, 4, 3), C(64, 64, 2, 2), C(128, 32, 4, 3), C(64, 32, 4, 3)),   # d8 / d16: extra-MSA
-             32: T(C(64, 64, 4, 3), C(32, 64, 4, 3, True), C(64, 32, 4, 3), C(64, 32, 4, 3), C(64, 64, 4, 2)),  # fused: wgmma
+             32: T(C(128, 32, 4, 3, maxnreg=128), C(32, 64, 4, 3, True), C(64, 32, 4, 3), C(64, 32, 4, 3), C(64, 64, 4, 2)),  # fused: wgmma
              64: T(C(64, 64, 4, 3), C(64, 64, 4, 2), C(64, 64, 4, 2), C(64, 64, 4, 2))},  # 128-row fwd spills at d64
 })
 

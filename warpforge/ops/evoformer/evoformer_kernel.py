@@ -409,6 +409,11 @@ def _transposed_bias_args(biases, dummy):
     return args, kinds
 
 
+def _regs(cfg):
+    """The launch's register cap, where the tile has one (the interpreter ignores it)."""
+    return {} if cfg.maxnreg is None else dict(maxnreg=cfg.maxnreg)
+
+
 def _shape_flags(R, D, cfg):
     return dict(EVEN_M=R % cfg.block_m == 0, EVEN_N=R % cfg.block_n == 0, EVEN_D=_block(D) == D)
 
@@ -427,7 +432,7 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
             q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
             KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, num_warps=cfg.warps,
-            num_stages=cfg.stages)
+            num_stages=cfg.stages, **_regs(cfg))
     return out, lse
 
 
@@ -471,7 +476,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], *strides, *args[1:6], *args[7:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kinds[0], KIND2=kinds[1],
             **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, KEY_ROWS=key_rows, num_warps=cfg.warps,
-            num_stages=cfg.stages)
+            num_stages=cfg.stages, **_regs(cfg))
     cfg = tiles.dbias
     if want_dbias:
         db = dbias
@@ -481,5 +486,5 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D),
             KIND1=BIAS_GIVEN if kind1 == BIAS_TILE and b1[2] == 0 else kind1,
             KIND2=BIAS_GIVEN if kind2 == BIAS_TILE and b2[2] == 0 else kind2,
-            **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
+            **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages, **_regs(cfg))
     return dq, dk, dv, dgate, dbias
