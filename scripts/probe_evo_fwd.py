@@ -6,8 +6,9 @@ time is made of. Results are wrong on purpose in the ablations; only the times m
 
 ABL 0 the full step (as evoformer_kernel.evo_fwd_kernel), 1 no exp2 (p = s - max), 2 the K / V tiles loaded once
 before the loop, 3 no biases, 4 scores in natural units (q pre-scaled, the biases as the dot's accumulator, exp2 of
-x · log2 e - max · log2 e: right, and slower); ORDER 0 a program per (b, s, h, query block) as the library, 1 a program per
-(b, s, h) walking its query blocks in an outer loop, 2 the same as one flattened loop (tl.range(flatten=True)).
+x · log2 e - max · log2 e: right, and slower); ORDER 0 a program per (b, s, h, query block) as the library, 1 a
+program per (b, s, h) walking its query blocks in an outer loop, 2 the same as one flattened loop
+(tl.range(flatten=True)). --maxnreg: ABL 0 at register caps (MAXNREG) instead.
 """
 import math
 import sys
@@ -155,9 +156,11 @@ def main():
                                            H=H, D=D, BLOCK_M=bm, BLOCK_N=bn, ABL=abl, ORDER=order, num_warps=warps,
                                            num_stages=stages, **extra)
                 try:
+                    out.zero_()  # a stale buffer would hide rows a tile leaves out
                     run()
                     ms = triton.testing.do_bench(run, warmup=10, rep=60)
-                    err = (out.float() - ref_out.float()).norm() / ref_out.float().norm() if abl in (0, 4) else float("nan")
+                    err = ((out.float() - ref_out.float()).norm() / ref_out.float().norm() if abl in (0, 4)
+                           else float("nan"))
                     print(f"order {order} abl {abl} tile {(bm, bn, warps, stages)} maxnreg {cap}: {ms:.3f} ms  "
                           f"rel err {err:.1e}", flush=True)
                 except Exception as exc:  # noqa: BLE001 - a probe: report and go on

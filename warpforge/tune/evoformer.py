@@ -1,6 +1,7 @@
 """Sweep the Evoformer kernels' tiles on this GPU at the bench's shapes (row attention N_seq 512, N_res 384, 8 heads
 of 32, a mask and a pair bias; the extra-MSA stack's 5120 rows of 8 heads of 8), bf16, each pass timed alone: the
-forward, the one-walk dk/dv/dq backward (configs.bwd_fused), the dk/dv pass (also with its step transposed, keys as rows), the dq pass and the pair-bias gradient.
+forward, the one-walk dk/dv/dq backward (configs.bwd_fused), the dk/dv pass (also with its step transposed, keys as
+rows), the dq pass and the pair-bias gradient; register-capped tiles (EvoCfg.maxnreg) for the forward and dq.
 
     warpforge tune evoformer [--shapes row,extra] [--parts fwd,fused,dkdv,dq,dbias] [--out tune_evoformer.json]
 

@@ -1,7 +1,9 @@
 """Tiles for Evoformer attention: arch -> padded head dim -> EvoformerTiles (see ops/_tiles.py).
 
-"cpu" is the Triton interpreter. sm90 at d 8-16 and 32: the H200 sweep of session 11
-(benchmarks/runs/2026-12-02-s11/call2/tune_evoformer.log, `warpforge tune evoformer`); d 64 is still a first guess.
+"cpu" is the Triton interpreter. sm90 at d 8-16: the H200 sweep of session 11
+(benchmarks/runs/2026-12-02-s11/call2/tune_evoformer.log, `warpforge tune evoformer`); d 32: session 31's H100 sweeps
+(benchmarks/NOTES.md "Session 31": dk/dv with keys as rows, register caps on the forward and dq; the H200 has not
+timed these yet); d 64 is still a first guess.
 """
 import os
 from typing import NamedTuple, Optional
