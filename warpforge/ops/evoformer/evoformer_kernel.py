@@ -371,26 +371,12 @@ def _block(d):
     return max(16, triton.next_power_of_2(d))
 
 
-def _bias_args(biases, dummy):
+def _bias_args(biases, dummy, transposed=False):
     """(pointer, 5 strides, kind) per bias slot, broadcast dims at stride 0; `dummy` stands in for no bias. A bias
-    with stride 0 over the queries is read as one row of keys (BIAS_KEYS)."""
-    args, kinds = [], []
-    for i in range(2):
-        bias = biases[i] if i < len(biases) else None
-        if bias is None:
-            args += [dummy, 0, 0, 0, 0, 0]
-            kinds.append(BIAS_NONE)
-        else:
-            st = bias.stride()  # api._check keeps (R - 1) · (|st[3]| + |st[4]|) under 2^31: int32 offsets
-            args += [bias, *st]
-            kinds.append(BIAS_KEYS if st[3] == 0 else BIAS_TILE)
-    return args, kinds
-
-
-def _transposed_bias_args(biases, dummy):
-    """_bias_args for a step computed with keys as rows: each bias's [R, R] transposed. A bias shared by the MSA rows
-    (the pair bias) is copied transposed once ([B, 1, H, R, R], cheap) so that its tiles stay coalesced; others are
-    read through swapped strides; the mask (a key row) becomes a column (BIAS_ROWS)."""
+    with stride 0 over the queries is read as one row of keys (BIAS_KEYS). transposed: for a step computed with keys
+    as rows, each bias's [R, R] transposed: the mask (a key row) becomes a column (BIAS_ROWS), a bias shared by the
+    MSA rows (the pair bias) is copied transposed once ([B, 1, H, R, R], cheap) so that its tiles stay coalesced,
+    others are read through swapped strides."""
     args, kinds = [], []
     for i in range(2):
         bias = biases[i] if i < len(biases) else None
@@ -398,14 +384,13 @@ def _transposed_bias_args(biases, dummy):
             args += [dummy, 0, 0, 0, 0, 0]
             kinds.append(BIAS_NONE)
             continue
-        if bias.stride(3) == 0:
-            kinds.append(BIAS_ROWS)
-        else:
-            kinds.append(BIAS_TILE)
-            if bias.stride(1) == 0:
+        keys_row = bias.stride(3) == 0
+        kinds.append((BIAS_ROWS if transposed else BIAS_KEYS) if keys_row else BIAS_TILE)
+        if transposed:
+            if not keys_row and bias.stride(1) == 0:
                 bias = bias[:, :1].transpose(3, 4).contiguous().expand(bias.shape).transpose(3, 4)
-        bias = bias.transpose(3, 4)
-        args += [bias, *bias.stride()]
+            bias = bias.transpose(3, 4)
+        args += [bias, *bias.stride()]  # api._check keeps (R - 1) · (|st[3]| + |st[4]|) under 2^31: int32 offsets
     return args, kinds
 
 
@@ -471,7 +456,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     for cfg, dq_pass in (() if fused else ((tiles.dkdv, False), (tiles.dq, True))):
         key_rows = cfg.key_rows and not dq_pass
-        args, kinds = _transposed_bias_args(biases, q) if key_rows else (bias_args, (kind1, kind2))
+        args, kinds = _bias_args(biases, q, transposed=True) if key_rows else (bias_args, (kind1, kind2))
         evo_bwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n))](
             q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], *strides, *args[1:6], *args[7:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kinds[0], KIND2=kinds[1],
