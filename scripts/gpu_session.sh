@@ -170,6 +170,14 @@ for step in "$@"; do
                          timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
     evoformer-bench) SKIP_TESTS=1 MATCH='row|triangle' timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
                      grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16 ;;
+    evoformer-full) # issue 16 on the H200: the GPU tests, then every case of the family bench (results/h200/evoformer.json)
+                    timeout 240 python3 -m pytest -q $par tests/evoformer > "$w/tests-evoformer.log" 2>&1; tail -n 1 "$w/tests-evoformer.log"
+                    SKIP_TESTS=1 timeout 400 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
+                    grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -24 ;;
+    evoformer-sweep) # the d32 tiles (session 31 chose them on an H100): forward, dq and pair-bias passes, capped tiles too
+                     timeout 240 python3 -m warpforge tune evoformer --shapes row --parts fwd,dq,dbias \
+                       --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1
+                     for p in "fwd " "dq swept" "dbias swept"; do grep "$p" "$w/tune_evoformer.log" | sort -t: -k2 -n | head -n 3; done ;;
     attention-bwd-check) timeout 70 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon_bwd.py -k "not knobs" > "$w/bwd_tests.log" 2>&1; tail -n 3 "$w/bwd_tests.log"
                          timeout 75 python3 scripts/bench_attention_gluon.py --bwd --json "$w/attention_gluon_bwd.json" > "$w/bwd_bench.log" 2>&1
                          grep -E "^fwd|gluon\+gluon |gluon\+portable|cudnn " "$w/bwd_bench.log" ;;

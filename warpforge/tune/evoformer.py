@@ -1,7 +1,7 @@
 """Sweep the Evoformer kernels' tiles on this GPU at the bench's shapes (row attention N_seq 512, N_res 384, 8 heads
 of 32, a mask and a pair bias; the extra-MSA stack's 5120 rows of 8 heads of 8), bf16, each pass timed alone: the
 forward, the one-walk dk/dv/dq backward (configs.bwd_fused), the dk/dv pass (also with its step transposed, keys as
-rows), the dq pass and the pair-bias gradient; register-capped tiles (EvoCfg.maxnreg) for the forward and dq.
+rows), the dq pass and the pair-bias gradient; register-capped tiles too (EvoCfg.maxnreg).
 
     warpforge tune evoformer [--shapes row,extra] [--parts fwd,fused,dkdv,dq,dbias] [--out tune_evoformer.json]
 
@@ -24,7 +24,7 @@ CANDIDATES = [C(64, 64, 4, 2), C(64, 64, 4, 3), C(128, 64, 4, 3), C(128, 64, 8, 
 KEY_ROWS = [C(64, 64, 4, 3, True), C(64, 64, 4, 2, True), C(64, 128, 4, 2, True), C(64, 128, 8, 2, True),
             C(128, 64, 8, 2, True), C(32, 64, 4, 3, True), C(64, 32, 4, 3, True), C(64, 64, 2, 2, True),
             C(32, 64, 4, 3, True, 112), C(32, 64, 4, 3, True, 102), C(64, 64, 4, 3, True, 128)]
-# register caps (EvoCfg.maxnreg: more programs an SM), the forward's and the dq pass's
+# register caps (EvoCfg.maxnreg: more programs an SM), for the forward, the dq pass and the pair-bias pass
 CAPPED = [C(128, 32, 4, 3, maxnreg=128), C(128, 32, 4, 3, maxnreg=120), C(128, 64, 4, 3, maxnreg=128),
           C(64, 64, 4, 3, maxnreg=112), C(64, 32, 4, 3, maxnreg=88), C(128, 32, 4, 4, maxnreg=128)]
 SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "extra": dict(S=5120, R=384, H=8, D=8)}
@@ -67,7 +67,7 @@ def main(argv=None):
             if ms is not None:
                 record("bwd, fused swept", cfg, ms, 2.5 * flops)
         for part in [p for p in ("dkdv", "dq", "dbias") if p in parts]:  # one swept, the others at the table's
-            for cfg in CANDIDATES + {"dkdv": KEY_ROWS, "dq": CAPPED}.get(part, []):
+            for cfg in CANDIDATES + {"dkdv": KEY_ROWS, "dq": CAPPED, "dbias": CAPPED}.get(part, []):
                 tiles = base._replace(**{part: cfg})
                 ms = time_candidate(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True,
                                                                     tiles))
