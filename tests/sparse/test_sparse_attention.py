@@ -491,3 +491,16 @@ def test_index_loss_reads_the_selectors_own_indices_back_once(monkeypatch):
     with pytest.raises(WarpforgeInputError, match="block_indices"):
         wf.sparse_attention_index_loss(q, k, lse, iq, ik, idx, block_size=16, backend="triton")
     assert reads
+
+
+def test_a_topk_past_the_blocks_gives_lists_no_wider_than_the_blocks():
+    """topk beyond the key blocks: the selection is min(topk, key blocks) wide (a huge topk allocates and compiles
+    nothing of its size), on both paths, and the attention with it matches the reference's."""
+    b, s, h_kv, bs = 1, 70, 2, 16
+    iq, ik = _index((b, s), h_kv, 16, torch.float32)
+    nb = -(-s // bs)
+    for backend in ("triton", "reference"):
+        got = wf.select_blocks(iq, ik, block_size=bs, topk=10 ** 9, backend=backend)
+        assert got.shape == (b, h_kv, nb, nb), backend
+    assert torch.equal(wf.select_blocks(iq, ik, block_size=bs, topk=10 ** 9, backend="triton"),
+                       wf.select_blocks(iq, ik, block_size=bs, topk=nb, backend="triton"))
