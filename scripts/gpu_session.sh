@@ -178,6 +178,10 @@ for step in "$@"; do
                      timeout 240 python3 -m warpforge tune evoformer --shapes row --parts fwd,dq,dbias \
                        --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1
                      for p in "fwd " "dq swept" "dbias swept"; do grep "$p" "$w/tune_evoformer.log" | sort -t: -k2 -n | head -n 3; done ;;
+    evoformer-sweep-extra) # the d 8/16 tiles (extra-MSA stack: 0.33x Flex fwd+bwd on the H200 in session 11) with the d32 levers
+                     timeout 420 python3 -m warpforge tune evoformer --shapes extra --parts fwd,dkdv,dq \
+                       --out "$w/tune_evoformer_extra.json" > "$w/tune_evoformer_extra.log" 2>&1
+                     for p in "fwd " "dkdv swept" "dq swept"; do grep "$p" "$w/tune_evoformer_extra.log" | sort -t: -k2 -n | head -n 3; done ;;
     attention-bwd-check) timeout 70 python3 -m pytest -q $par -m gpu tests/attention/test_attention_gluon_bwd.py -k "not knobs" > "$w/bwd_tests.log" 2>&1; tail -n 3 "$w/bwd_tests.log"
                          timeout 75 python3 scripts/bench_attention_gluon.py --bwd --json "$w/attention_gluon_bwd.json" > "$w/bwd_bench.log" 2>&1
                          grep -E "^fwd|gluon\+gluon |gluon\+portable|cudnn " "$w/bwd_bench.log" ;;
