@@ -375,7 +375,7 @@ def _bias_args(biases, dummy, transposed=False):
     """(pointer, 5 strides, kind) per bias slot, broadcast dims at stride 0; `dummy` stands in for no bias. A bias
     with stride 0 over the queries is read as one row of keys (BIAS_KEYS). transposed: for a step computed with keys
     as rows, each bias's [R, R] transposed: the mask (a key row) becomes a column (BIAS_ROWS), a bias shared by the
-    MSA rows (the pair bias) is copied transposed once ([B, 1, H, R, R], cheap) so that its tiles stay coalesced,
+    MSA rows (the pair bias) is copied transposed once (at most [B, 1, H, R, R]) so that its tiles stay coalesced,
     others are read through swapped strides."""
     args, kinds = [], []
     for i in range(2):
@@ -387,8 +387,9 @@ def _bias_args(biases, dummy, transposed=False):
         keys_row = bias.stride(3) == 0
         kinds.append((BIAS_ROWS if transposed else BIAS_KEYS) if keys_row else BIAS_TILE)
         if transposed:
-            if not keys_row and bias.stride(1) == 0:
-                bias = bias[:, :1].transpose(3, 4).contiguous().expand(bias.shape).transpose(3, 4)
+            if not keys_row and bias.stride(1) == 0:  # one copy of each distinct [R, R] (broadcast dims kept 1)
+                one = bias[tuple(slice(0, 1) if bias.stride(i) == 0 else slice(None) for i in range(3))]
+                bias = one.transpose(3, 4).contiguous().expand(bias.shape).transpose(3, 4)
             bias = bias.transpose(3, 4)
         args += [bias, *bias.stride()]  # api._check keeps (R - 1) · (|st[3]| + |st[4]|) under 2^31: int32 offsets
     return args, kinds
