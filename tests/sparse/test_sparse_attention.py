@@ -493,14 +493,15 @@ def test_index_loss_reads_the_selectors_own_indices_back_once(monkeypatch):
     assert reads
 
 
-def test_a_topk_past_the_blocks_gives_lists_no_wider_than_the_blocks():
-    """topk beyond the key blocks: the selection is min(topk, key blocks) wide (a huge topk allocates and compiles
-    nothing of its size), on both paths, and the attention with it matches the reference's."""
+def test_a_topk_past_the_blocks_pads_with_minus_one():
+    """topk beyond the key blocks: the lists are still topk wide (context-parallel ranks concatenate theirs), the
+    entries past the blocks -1, the rest the lists of topk = the blocks; the launched selection sorts only
+    min(topk, blocks)-wide lists (a huge topk compiles no huge sort)."""
     b, s, h_kv, bs = 1, 70, 2, 16
     iq, ik = _index((b, s), h_kv, 16, torch.float32)
     nb = -(-s // bs)
+    want = wf.select_blocks(iq, ik, block_size=bs, topk=nb, backend="triton")
     for backend in ("triton", "reference"):
-        got = wf.select_blocks(iq, ik, block_size=bs, topk=10 ** 9, backend=backend)
-        assert got.shape == (b, h_kv, nb, nb), backend
-    assert torch.equal(wf.select_blocks(iq, ik, block_size=bs, topk=10 ** 9, backend="triton"),
-                       wf.select_blocks(iq, ik, block_size=bs, topk=nb, backend="triton"))
+        got = wf.select_blocks(iq, ik, block_size=bs, topk=1000, backend=backend)
+        assert got.shape == (b, h_kv, nb, 1000), backend
+        assert torch.equal(got[..., :nb], want) and bool((got[..., nb:] == -1).all()), backend

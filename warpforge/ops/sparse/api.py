@@ -404,8 +404,7 @@ def _per_sequence(cu, *tensors):
 
 
 def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_scale, backend, max_s_k):
-    """(block_indices int32 [b, h_kv, nqb, min(topk, key blocks) or 1] canonical, their counts [b, h_kv, nqb] or
-    None)."""
+    """(block_indices int32 [b, h_kv, nqb, topk] canonical, their counts [b, h_kv, nqb] or None)."""
     if backend == "reference":
         if cu is None:
             z = index_block_scores_reference(index_q, index_k, block_size=block_size, index_scale=index_scale)
@@ -424,9 +423,8 @@ def _select(index_q, index_k, cu, batch, max_s, block_size, topk, causal, index_
 def select_blocks(index_q: torch.Tensor, index_k: torch.Tensor, *, block_size: int = 128, topk: int = 16,
                   causal: bool = True, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Optional[int] = None,
                   index_scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
-    """The index branch's selection: block_indices int32 [batch, h_kv, n_blocks, min(topk, key blocks)], each query
-    block's top-k key blocks by max-pooled index score (its own block not among them: it is always kept), ascending,
-    -1 padded.
+    """The index branch's selection: block_indices int32 [batch, h_kv, n_blocks, topk], each query block's top-k
+    key blocks by max-pooled index score (its own block not among them: it is always kept), ascending, -1 padded.
     index_q [b, s, h_kv, d_i] (one index query head per kv head), index_k [b, s, 1, d_i]; packed [total, ., d_i]
     with cu_seqlens. Batched, index_k may be longer, [b, s_k, 1, d_i] with s_k - s a multiple of block_size: the
     queries are then its last s tokens, n_blocks counts theirs and the entries are key blocks of s_k. No gradient

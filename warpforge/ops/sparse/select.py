@@ -46,12 +46,10 @@ def canonical(block_indices: torch.Tensor, nb_seq: torch.Tensor, causal: bool,
 
 
 def top_blocks(z: torch.Tensor, topk: int, causal: bool, masked: bool = False) -> torch.Tensor:
-    """block_indices int32 [b, h_kv, nqb, w]: each query block's top-k candidate blocks by score (not its own; earlier
-    ones when causal; none of score -inf), ascending, -1 padded; w = min(topk, nb), at least 1 (no list is wider
-    than the blocks).
-    z [b, h_kv, nqb, nb]: the queries are the last nqb of the nb blocks (query block i is key block i + nb - nqb).
-    masked: z is -inf wherever a block is not a candidate already (the index scores kernel's output), so the mask is
-    not applied again."""
+    """block_indices int32 [b, h_kv, nqb, topk]: each query block's top-k candidate blocks by score (not its own;
+    earlier ones when causal; none of score -inf), ascending, -1 padded. z [b, h_kv, nqb, nb]: the queries are the
+    last nqb of the nb blocks (query block i is key block i + nb - nqb). masked: z is -inf wherever a block is not a
+    candidate already (the index scores kernel's output), so the mask is not applied again."""
     b, h_kv, nqb, nb = z.shape
     if not masked:
         i = torch.arange(nqb, device=z.device)[:, None] + (nb - nqb)
@@ -62,6 +60,6 @@ def top_blocks(z: torch.Tensor, topk: int, causal: bool, masked: bool = False) -
     vals, idx = z.topk(k, dim=-1)
     idx = torch.where(vals == float("-inf"), nb, idx).sort(dim=-1).values
     idx = torch.where(idx == nb, -1, idx)
-    if k == 0:  # no blocks: lists one wide, as block_indices must be
-        idx = torch.nn.functional.pad(idx, (0, 1), value=-1)
+    if k < topk:
+        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
     return idx.to(torch.int32)

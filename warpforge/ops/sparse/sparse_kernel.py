@@ -642,26 +642,27 @@ def kept_by(sel, n_key_blocks=None, causal=False, launch=triton_launch):
 
 
 def top_blocks(z, topk, launch=triton_launch):
-    """(sel int32 [b, h_kv, nqb, w], n_sel int32 [b, h_kv, nqb]) from the index scores z [b, h_kv, nqb, nb] (w as in
-    select.top_blocks: min(topk, nb), at least 1), -inf wherever a block is not a candidate (index_block_scores'
-    output): each query block's top-k candidates ascending, -1 padded, and their count. select.top_blocks' result
-    (and n_sel) in one launch after the top-k where that takes five tensor ops and two more for the counts: an eager
-    training step is host-bound at 16k tokens."""
+    """(sel int32 [b, h_kv, nqb, topk], n_sel int32 [b, h_kv, nqb]) from the index scores z [b, h_kv, nqb, nb], -inf
+    wherever a block is not a candidate (index_block_scores' output): each query block's top-k candidates ascending,
+    -1 padded, and their count. select.top_blocks' result (and n_sel) in one launch after the top-k where that
+    takes five tensor ops and two more for the counts: an eager training step is host-bound at 16k tokens."""
     b, h_kv, nqb, nb = z.shape
     k = min(topk, nb)
-    width = max(k, 1)  # no list is wider than the blocks (a huge topk allocates and compiles nothing of its size)
-    sel = torch.empty((b, h_kv, nqb, width), device=z.device, dtype=torch.int32)
+    # the kernel sorts k-wide lists (a topk past the blocks compiles no topk-wide sort); -1s pad them to topk
+    sel = torch.empty((b, h_kv, nqb, max(k, 1)), device=z.device, dtype=torch.int32)
     n_sel = torch.empty((b, h_kv, nqb), device=z.device, dtype=torch.int32)
     rows = b * h_kv * nqb
-    if rows == 0:
-        return sel, n_sel
-    if k == 0:
-        return sel.fill_(-1), n_sel.zero_()
-    vals, idx = z.topk(k, dim=-1)
-    block_t = triton.next_power_of_2(width)
-    per = max(1, min(64, 2048 // block_t))
-    launch(top_finish_kernel, (triton.cdiv(rows, per),), vals, idx, sel, n_sel, rows, k, TOPK=width, BLOCK_T=block_t,
-           ROWS=per, num_warps=4)
+    if rows and k == 0:
+        sel.fill_(-1)
+        n_sel.zero_()
+    elif rows:
+        vals, idx = z.topk(k, dim=-1)
+        block_t = triton.next_power_of_2(k)
+        per = max(1, min(64, 2048 // block_t))
+        launch(top_finish_kernel, (triton.cdiv(rows, per),), vals, idx, sel, n_sel, rows, k, TOPK=k, BLOCK_T=block_t,
+               ROWS=per, num_warps=4)
+    if sel.shape[-1] < topk:
+        sel = torch.nn.functional.pad(sel, (0, topk - sel.shape[-1]), value=-1)
     return sel, n_sel
 
 
