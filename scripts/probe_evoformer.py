@@ -1,9 +1,9 @@
 """Where the Evoformer kernels' time goes at the bench's row shape (N_seq 512, N_res 384, 8 heads of 32, bf16):
 each pass timed alone (torch.profiler, CUDA times of 20 calls) with the pair bias as the bench passes it (a
 [rows, keys] tile per program), with a pair bias that is one row of keys (no tile traffic, BIAS_KEYS), and
-without biases; each pass with its MSA rows grouped per program (`--groups`) where the kernels take S_GROUP.
+without biases.
 
-    python scripts/probe_evoformer.py [--shape row|triangle|extra] [--groups 1,2,4]
+    python scripts/probe_evoformer.py [--shape row|triangle|extra]
 
 A probe: its numbers go into benchmarks/NOTES.md by hand, with the run's log beside them.
 """
@@ -39,7 +39,6 @@ def kernel_times(fn, reps=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="row")
-    ap.add_argument("--groups", default="1")
     args = ap.parse_args()
     S, R, H, D = (SHAPES[args.shape][key] for key in ("S", "R", "H", "D"))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -55,21 +54,12 @@ def main():
     scale = 1.0 / math.sqrt(D)
     tiles = configs.TILES.lookup(torch.device("cuda"), ek._block(D))
     print(f"{args.shape}: S {S} R {R} H {H} D {D}; tiles {tiles}", flush=True)
-    for g in (int(x) for x in args.groups.split(",")):
-        for name, biases in variants.items():
-            kw = {} if g == 1 else dict(s_group=g)
-            try:
-                out, lse = ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd, **kw)
-                fwd = kernel_times(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd, **kw))
-                bwd = kernel_times(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles,
-                                                            **kw))
-            except TypeError as exc:  # kernels without S_GROUP
-                print(f"group {g}: {exc}")
-                break
-            parts = "  ".join(f"{key.replace('evo_', '')} {ms:.3f}"
-                              for key, ms in {**fwd, **bwd}.items())
-            print(f"group {g} {name:16s}: fwd {sum(fwd.values()):.3f} ms, bwd {sum(bwd.values()):.3f} ms | {parts}",
-                  flush=True)
+    for name, biases in variants.items():
+        out, lse = ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd)
+        fwd = kernel_times(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd))
+        bwd = kernel_times(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles))
+        parts = "  ".join(f"{key.replace('evo_', '')} {ms:.3f}" for key, ms in {**fwd, **bwd}.items())
+        print(f"{name:16s}: fwd {sum(fwd.values()):.3f} ms, bwd {sum(bwd.values()):.3f} ms | {parts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -200,11 +200,19 @@ def _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D: tl.constexp
 
 @triton.jit
 def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
-             KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """(p, ds = p · (do · vᵀ − delta)) of a [rows, cols] tile: the softmax's gradient w.r.t. the scores."""
-    x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
-    p = tl.math.exp2(x - lse2[:, None])
-    return p, p * (dot(do, tl.trans(v)) - delta[:, None])
+             KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+             KEY_ROWS: tl.constexpr = False):
+    """(p, ds = p · (do · vᵀ − delta)) of a [rows, cols] tile: the softmax's gradient w.r.t. the scores. KEY_ROWS:
+    (pᵀ, dsᵀ), [cols, rows], keys as rows, the biases given transposed (_bias_args(transposed=True))."""
+    if KEY_ROWS:
+        x = _scores(k, q, cols, rows, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_N, EVEN_M)
+        p = tl.math.exp2(x - lse2[None, :])
+        ds = p * (dot(v, tl.trans(do)) - delta[None, :])
+    else:
+        x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
+        p = tl.math.exp2(x - lse2[:, None])
+        ds = p * (dot(do, tl.trans(v)) - delta[:, None])
+    return p, ds
 
 
 @triton.jit
@@ -215,27 +223,20 @@ def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride
     """(dk, dv) of the key block at n0 (k, v its tiles) over every query block of one (b, s, h) (Q, DO at it). SUM_DQ:
     also adds each query block's ds · k into DQ_ACC (fp32, at this (b, s, h), the key block n0 = 0 storing), which
     the caller's program alone touches. KEY_ROWS (not with SUM_DQ): the step computed transposed, keys as rows
-    (pᵀ = 2^(k · qᵀ + biasᵀ - lse), dsᵀ likewise), so pᵀ and dsᵀ are the dots' A operands straight from the
-    registers instead of transposes through shared memory; the biases then come transposed (B1 / B2 with their
-    strides swapped, the mask a KIND 3 column). Keys past N_res get scores too: their dk / dv rows are not stored."""
+    (_dscores' pᵀ and dsᵀ), so they are the dots' A operands straight from the registers instead of transposes
+    through shared memory; the biases then come transposed (B1 / B2 with their strides swapped, the mask a KIND 3
+    column)."""
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for m0 in range(0, R, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
+        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+                         KIND1, KIND2, EVEN_M, EVEN_N, KEY_ROWS)
         if KEY_ROWS:
-            xt = dot(k, tl.trans(q)) * qk_scale
-            if KIND1 != 0 or KIND2 != 0:
-                bias = _bias_tile(B1, cols, rows, b1_i, b1_j, R, KIND1, EVEN_N, EVEN_M) + \
-                    _bias_tile(B2, cols, rows, b2_i, b2_j, R, KIND2, EVEN_N, EVEN_M)
-                xt += bias * 1.4426950408889634
-            pt = tl.math.exp2(xt - lse2[None, :])
-            dst = pt * (dot(v, tl.trans(do)) - delta[None, :])
-            dv = dot(pt.to(do.dtype), do, dv)
-            dk = dot(dst.to(q.dtype), q, dk)
+            dv = dot(p.to(do.dtype), do, dv)
+            dk = dot(ds.to(q.dtype), q, dk)
         else:
-            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
-                             KIND1, KIND2, EVEN_M, EVEN_N)
             dv = dot(tl.trans(p.to(do.dtype)), do, dv)
             dk = dot(tl.trans(ds.to(q.dtype)), q, dk)
         if SUM_DQ:
@@ -387,7 +388,7 @@ def _bias_args(biases, dummy, transposed=False):
         keys_row = bias.stride(3) == 0
         kinds.append((BIAS_ROWS if transposed else BIAS_KEYS) if keys_row else BIAS_TILE)
         if transposed:
-            if not keys_row and bias.stride(1) == 0:  # one copy of each distinct [R, R] (broadcast dims kept 1)
+            if not keys_row and (bias.stride(1) == 0 or bias.shape[1] == 1):  # one copy of each distinct [R, R]
                 one = bias[tuple(slice(0, 1) if bias.stride(i) == 0 else slice(None) for i in range(3))]
                 bias = one.transpose(3, 4).contiguous().expand(bias.shape).transpose(3, 4)
             bias = bias.transpose(3, 4)
@@ -470,7 +471,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             q, k, v, do, lse, delta, db, b1[0], b2[0], *strides, *b1[1:], *b2[1:],
             db.stride(0), db.stride(1), db.stride(2), S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D),
-            KIND1=BIAS_GIVEN if kind1 == BIAS_TILE and b1[2] == 0 else kind1,
-            KIND2=BIAS_GIVEN if kind2 == BIAS_TILE and b2[2] == 0 else kind2,
+            KIND1=BIAS_GIVEN if kind1 == BIAS_TILE and (b1[2] == 0 or S == 1) else kind1,
+            KIND2=BIAS_GIVEN if kind2 == BIAS_TILE and (b2[2] == 0 or S == 1) else kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages, **_regs(cfg))
     return dq, dk, dv, dgate, dbias
