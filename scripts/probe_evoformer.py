@@ -13,7 +13,9 @@ from collections import defaultdict
 
 import torch
 
-from warpforge.ops.evoformer import configs, evoformer_kernel as ek
+import triton.testing
+
+from warpforge.ops.evoformer import api, configs, evoformer_kernel as ek
 
 SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "triangle": dict(S=384, R=384, H=4, D=32),
           "extra": dict(S=5120, R=384, H=8, D=8)}
@@ -49,17 +51,26 @@ def main():
     full = (1, S, H, R, R)
     mask = torch.zeros(1, S, 1, 1, R, device="cuda", dtype=torch.bfloat16).expand(full)
     pair = rnd(1, 1, H, R, R)
-    variants = {"pair tile": (mask, pair.expand(full)), "pair as key row": (mask, pair[..., :1, :].expand(full)),
-                "mask only": (mask,), "no bias": ()}
+    variants = {"pair tile": (mask, pair.expand(full)), "gluon dq+dbias": (mask, pair.expand(full)),
+                "pair as key row": (mask, pair[..., :1, :].expand(full)), "mask only": (mask,), "no bias": ()}
     scale = 1.0 / math.sqrt(D)
     tiles = configs.TILES.lookup(torch.device("cuda"), ek._block(D))
     print(f"{args.shape}: S {S} R {R} H {H} D {D}; tiles {tiles}", flush=True)
     for name, biases in variants.items():
         out, lse = ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd)
         fwd = kernel_times(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd))
-        bwd = kernel_times(lambda: ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles))
+        merged = api._dq_dbias_pass(q, biases, scale) if name.startswith("gluon") else None
+        if name.startswith("gluon") and merged is None:
+            print(f"{name:16s}: not taken here (configs.gluon_dq_dbias, fits, available)", flush=True)
+            continue
+
+        def backward():
+            return ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles, dq_dbias=merged)
+        bwd = kernel_times(backward)
+        whole = triton.testing.do_bench(backward, warmup=5, rep=50)  # with the host-side torch ops between
         parts = "  ".join(f"{key.replace('evo_', '')} {ms:.3f}" for key, ms in {**fwd, **bwd}.items())
-        print(f"{name:16s}: fwd {sum(fwd.values()):.3f} ms, bwd {sum(bwd.values()):.3f} ms | {parts}", flush=True)
+        print(f"{name:16s}: fwd {sum(fwd.values()):.3f} ms, bwd {sum(bwd.values()):.3f} ms (whole {whole:.3f}) | "
+              f"{parts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 
 from ...errors import check_dtype, check_last_dim_contiguous, check_positive_float, check_rank, check_same_device, \
     check_same_dtype, check_tensor, fail
-from ...runtime import check_interpreted_matmul_dtype, resolve_backend
+from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from . import configs
 from .reference import evoformer_attention_reference
@@ -52,6 +52,19 @@ def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype).contiguous()
 
 
+def _dq_dbias_pass(q: torch.Tensor, biases, scale: float):
+    """The Hopper pass that computes dq and the pair bias's gradient in one walk (dq_dbias_gluon_kernel), as the
+    callable evoformer_bwd takes, where it applies: an sm_90 device, a Triton its Gluon was written for, the switch
+    on (configs.gluon_dq_dbias), and a shape and biases it takes; else None (the portable passes)."""
+    if q.device.type != "cuda" or arch_key(q.device) != "sm90" or not configs.gluon_dq_dbias():
+        return None
+    from . import dq_dbias_gluon_kernel as gk
+    if not (gk.fits(q, biases) and gk.available()):
+        return None
+    n_sm = sm_count(q.device)
+    return lambda q, k, v, do, lse, delta, dq: gk.dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm)
+
+
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
               gate: Optional[torch.Tensor], scale: float, want1: bool, want2: bool,
@@ -61,9 +74,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     from .evoformer_kernel import evoformer_bwd
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
-    dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse,
-                                             (_full(bias1, full), _full(bias2, full)), gate, scale, want1 or want2,
-                                             _tiles(q), want_gate, configs.bwd_fused())
+    biases = (_full(bias1, full), _full(bias2, full))
+    dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, biases, gate, scale, want1 or want2,
+                                             _tiles(q), want_gate, configs.bwd_fused(), _dq_dbias_pass(q, biases, scale))
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
         ([dgate] if dgate is not None else [])
 

@@ -48,3 +48,14 @@ BWD_FUSED_DEFAULT = False
 def bwd_fused() -> bool:
     flag = os.environ.get(BWD_FUSED_ENV)
     return BWD_FUSED_DEFAULT if flag is None else flag != "0"
+
+
+# The backward's dq and pair-bias gradient in one Gluon pass on sm_90 (dq_dbias_gluon_kernel) instead of the dq and
+# pair-bias passes: "0" off.
+GLUON_ENV = "WARPFORGE_EVO_GLUON"
+GLUON_DEFAULT = True
+
+
+def gluon_dq_dbias() -> bool:
+    flag = os.environ.get(GLUON_ENV)
+    return GLUON_DEFAULT if flag is None else flag != "0"
