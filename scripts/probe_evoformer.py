@@ -16,6 +16,7 @@ import torch
 import triton.testing
 
 from warpforge.ops.evoformer import api, configs, evoformer_kernel as ek
+from warpforge.ops.evoformer.fwd_gluon_kernel import fwd_gluon
 
 SHAPES = {"row": dict(S=512, R=384, H=8, D=32), "triangle": dict(S=384, R=384, H=4, D=32),
           "extra": dict(S=5120, R=384, H=8, D=8)}
@@ -51,18 +52,24 @@ def main():
     full = (1, S, H, R, R)
     mask = torch.zeros(1, S, 1, 1, R, device="cuda", dtype=torch.bfloat16).expand(full)
     pair = rnd(1, 1, H, R, R)
-    variants = {"pair tile": (mask, pair.expand(full)), "gluon dq+dbias": (mask, pair.expand(full)),
+    variants = {"pair tile": (mask, pair.expand(full)), "gluon": (mask, pair.expand(full)),
                 "pair as key row": (mask, pair[..., :1, :].expand(full)), "mask only": (mask,), "no bias": ()}
     scale = 1.0 / math.sqrt(D)
     tiles = configs.TILES.lookup(torch.device("cuda"), ek._block(D))
     print(f"{args.shape}: S {S} R {R} H {H} D {D}; tiles {tiles}", flush=True)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     for name, biases in variants.items():
-        out, lse = ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd)
-        fwd = kernel_times(lambda: ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd))
-        merged = api._dq_dbias_pass(q, biases, scale) if name.startswith("gluon") else None
-        if name.startswith("gluon") and merged is None:
-            print(f"{name:16s}: not taken here (configs.gluon_dq_dbias, fits, available)", flush=True)
+        merged = api._dq_dbias_pass(q, biases, scale) if name == "gluon" else None
+        if name == "gluon" and merged is None:
+            print(f"{name:16s}: not taken here (configs.gluon_dq_dbias, gluon_plan.fits, available)", flush=True)
             continue
+
+        def forward():
+            if name == "gluon":  # the Gluon forward (fwd_gluon_kernel) and dq + pair-bias pass
+                return fwd_gluon(q, k, v, biases, gate, scale, n_sm)
+            return ek.evoformer_fwd(q, k, v, biases, gate, scale, tiles.fwd)
+        out, lse = forward()
+        fwd = kernel_times(forward)
 
         def backward():
             return ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles, dq_dbias=merged)

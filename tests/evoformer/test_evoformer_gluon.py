@@ -9,7 +9,7 @@ import torch
 
 import warpforge as wf
 from warpforge.ops.evoformer import configs
-from warpforge.ops.evoformer import dq_dbias_gluon_kernel as gk
+from warpforge.ops.evoformer import dq_dbias_gluon_kernel as gk, gluon_plan as plan
 from warpforge.testing import cosine, rel_l2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,7 +30,7 @@ def _views(B, S, R, H, shapes):
     ([(1, 4, 2, 40, 40)], None),                             # a per-row tile
 ])
 def test_split_biases(shapes, takes):
-    got = gk.split_biases(_views(1, 4, 40, 2, shapes), 4)
+    got = plan.split_biases(_views(1, 4, 40, 2, shapes), 4)
     if takes is None:
         assert got is None
     else:
@@ -40,26 +40,26 @@ def test_split_biases(shapes, takes):
 
 def test_fits_only_what_it_takes():
     biases = _views(1, 4, 40, 2, [(1, 1, 2, 40, 40)])
-    assert gk.fits(torch.empty(1, 4, 40, 2, 32, dtype=torch.bfloat16), biases)
-    assert gk.fits(torch.empty(1, 4, 40, 2, 16, dtype=torch.float16), biases)
-    assert not gk.fits(torch.empty(1, 4, 40, 2, 32), biases)                       # fp32
-    assert not gk.fits(torch.empty(1, 4, 40, 2, 64, dtype=torch.bfloat16), biases)  # d 64: no room for two rows
+    assert plan.fits(torch.empty(1, 4, 40, 2, 32, dtype=torch.bfloat16), biases)
+    assert plan.fits(torch.empty(1, 4, 40, 2, 16, dtype=torch.float16), biases)
+    assert not plan.fits(torch.empty(1, 4, 40, 2, 32), biases)                       # fp32
+    assert not plan.fits(torch.empty(1, 4, 40, 2, 64, dtype=torch.bfloat16), biases)  # d 64: no room for two rows
     wide = _views(1, 4, 400, 2, [(1, 1, 2, 400, 400)])
-    assert not gk.fits(torch.empty(1, 4, 400, 2, 32, dtype=torch.bfloat16), wide)  # past six key blocks
+    assert not plan.fits(torch.empty(1, 4, 400, 2, 32, dtype=torch.bfloat16), wide)  # past six key blocks
 
 
 @pytest.mark.parametrize("BH,S", [(8, 512), (4, 384), (8, 5120), (2, 64)])
 def test_groups_fill_the_waves(BH, S):
     """Row (B · H 8), triangle (4) and extra-MSA shapes: whole waves at least 90% full, the fewest groups that do."""
-    G = gk.groups(BH, 6, S, 132)
+    G = plan.groups(BH, 6, S, 132)
     waves = BH * 6 * G / 132
     assert waves >= 1 and waves / -(-waves // 1) >= 0.9
     assert all(waves_g / -(-waves_g // 1) < 0.9 or waves_g < 1 for waves_g in (BH * 6 * g / 132 for g in range(1, G)))
 
 
 def test_groups_bounded_by_the_rows():
-    assert gk.groups(8, 6, 3, 132) <= 3
-    assert gk.groups(1000, 6, 512, 132) == 1
+    assert plan.groups(8, 6, 3, 132) <= 3
+    assert plan.groups(1000, 6, 512, 132) == 1
 
 
 def _gluon_triton():
@@ -69,13 +69,15 @@ def _gluon_triton():
 
 COMPILE_CASES = [dict(R=384, D=32, mask=True), dict(R=300, D=16, mask=False, dtype="float16"),
                  dict(R=100, D=32, mask=True, H=3)]
+KERNELS = ["dq_dbias_gluon_kernel", "fwd_gluon_kernel"]
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("case", COMPILE_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_compiles_for_sm90(case):
+def test_compiles_for_sm90(case, kernel):
     from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess
-    r = compile_in_subprocess("warpforge.ops.evoformer.dq_dbias_gluon_kernel", case, ROOT)
+    r = compile_in_subprocess(f"warpforge.ops.evoformer.{kernel}", case, ROOT)
     print(f"\n{case}: {r['registers']} registers (setmaxnreg {r['setmaxnreg_values']}), spills {r['spill_stores']}/"
           f"{r['spill_loads']} B, shared {r['shared_bytes']} B, {r['wgmma_count']} wgmma")
     assert r["wgmma"] and r["tma"] and r["mbarrier"] and r["warp_specialize"] and r["num_warps"] == 12
@@ -114,15 +116,16 @@ def test_gpu_matches_the_portable_passes_and_the_reference(case, monkeypatch):
 
     def grads(on):
         monkeypatch.setenv(configs.GLUON_ENV, "1" if on else "0")
+        monkeypatch.setenv(configs.GLUON_FWD_ENV, "1" if on else "0")
         out = wf.evoformer_attention(q, k, v, biases, gate=g, backend="triton")
-        return torch.autograd.grad(out, [q, k, v, g, *biases_grad], d_out)
+        return (out, *torch.autograd.grad(out, [q, k, v, g, *biases_grad], d_out))
     portable, got, again = grads(False), grads(True), grads(True)
     from warpforge.ops.evoformer import evoformer_attention_reference
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v, g)]
     b64 = [b.detach().double().requires_grad_(b.requires_grad) for b in biases]
     out64 = evoformer_attention_reference(*leaves[:3], b64, gate=leaves[3], compute_dtype=torch.float64)
-    want = torch.autograd.grad(out64, leaves + [b for b in b64 if b.requires_grad], d_out.double())
-    for name, a, p, w, c in zip(["dq", "dk", "dv", "dgate", "dpair"], got, portable, want, again):
+    want = (out64, *torch.autograd.grad(out64, leaves + [b for b in b64 if b.requires_grad], d_out.double()))
+    for name, a, p, w, c in zip(["out", "dq", "dk", "dv", "dgate", "dpair"], got, portable, want, again):
         assert torch.equal(a, c), f"{name}: not bitwise reproducible"
         assert cosine(a, w) >= 0.9998 and rel_l2(a, w) <= 2e-2, f"{name}: rel L2 {rel_l2(a, w)} to float64"
         assert rel_l2(a, p) <= 1e-2, f"{name}: rel L2 {rel_l2(a, p)} to the portable passes"

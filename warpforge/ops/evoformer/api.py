@@ -36,7 +36,11 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: Optional
     from .evoformer_kernel import evoformer_fwd
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
-    return evoformer_fwd(q, k, v, (_full(bias1, full), _full(bias2, full)), gate, scale, _tiles(q).fwd)
+    biases = (_full(bias1, full), _full(bias2, full))
+    if _gluon_takes(q, biases, configs.gluon_fwd):
+        from .fwd_gluon_kernel import fwd_gluon
+        return fwd_gluon(q, k, v, biases, gate, scale, sm_count(q.device))
+    return evoformer_fwd(q, k, v, biases, gate, scale, _tiles(q).fwd)
 
 
 def _fwd_fake(q, k, v, bias1, bias2, gate, scale):
@@ -52,15 +56,21 @@ def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype).contiguous()
 
 
+def _gluon_takes(q: torch.Tensor, biases, switch) -> bool:
+    """Whether a Hopper Gluon kernel (fwd_gluon_kernel, dq_dbias_gluon_kernel) takes this call: an sm_90 device, its
+    switch on (configs), a shape and biases it takes (gluon_plan.fits), a Triton its Gluon was written for."""
+    if q.device.type != "cuda" or arch_key(q.device) != "sm90" or not switch():
+        return False
+    from . import gluon_plan
+    return gluon_plan.fits(q, biases) and gluon_plan.available()
+
+
 def _dq_dbias_pass(q: torch.Tensor, biases, scale: float):
     """The Hopper pass that computes dq and the pair bias's gradient in one walk (dq_dbias_gluon_kernel), as the
-    callable evoformer_bwd takes, where it applies: an sm_90 device, a Triton its Gluon was written for, the switch
-    on (configs.gluon_dq_dbias), and a shape and biases it takes; else None (the portable passes)."""
-    if q.device.type != "cuda" or arch_key(q.device) != "sm90" or not configs.gluon_dq_dbias():
+    callable evoformer_bwd takes, where it applies (_gluon_takes); else None (the portable passes)."""
+    if not _gluon_takes(q, biases, configs.gluon_dq_dbias):
         return None
     from . import dq_dbias_gluon_kernel as gk
-    if not (gk.fits(q, biases) and gk.available()):
-        return None
     n_sm = sm_count(q.device)
     return lambda q, k, v, do, lse, delta, dq: gk.dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm)
 

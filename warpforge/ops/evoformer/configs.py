@@ -45,17 +45,26 @@ BWD_FUSED_ENV = "WARPFORGE_EVO_BWD_FUSED"
 BWD_FUSED_DEFAULT = False
 
 
+def _switch(env: str, default: bool) -> bool:
+    flag = os.environ.get(env)
+    return default if flag is None else flag != "0"
+
+
 def bwd_fused() -> bool:
-    flag = os.environ.get(BWD_FUSED_ENV)
-    return BWD_FUSED_DEFAULT if flag is None else flag != "0"
+    return _switch(BWD_FUSED_ENV, BWD_FUSED_DEFAULT)
 
 
-# The backward's dq and pair-bias gradient in one Gluon pass on sm_90 (dq_dbias_gluon_kernel) instead of the dq and
-# pair-bias passes: "0" off.
+# The Hopper Gluon kernels on sm_90: the forward (fwd_gluon_kernel) and the backward's dq and pair-bias gradient in
+# one pass (dq_dbias_gluon_kernel, instead of the dq and pair-bias passes); "0" turns one off.
+GLUON_FWD_ENV = "WARPFORGE_EVO_GLUON_FWD"
 GLUON_ENV = "WARPFORGE_EVO_GLUON"
+GLUON_FWD_DEFAULT = True
 GLUON_DEFAULT = True
 
 
+def gluon_fwd() -> bool:
+    return _switch(GLUON_FWD_ENV, GLUON_FWD_DEFAULT)
+
+
 def gluon_dq_dbias() -> bool:
-    flag = os.environ.get(GLUON_ENV)
-    return GLUON_DEFAULT if flag is None else flag != "0"
+    return _switch(GLUON_ENV, GLUON_DEFAULT)

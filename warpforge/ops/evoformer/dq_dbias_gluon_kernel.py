@@ -40,14 +40,10 @@ import functools
 import torch
 import triton
 
-from .._gluon import tma_addressable, tma_descriptor
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
+from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
-BLOCK = 64        # queries a program, keys a step: one warpgroup's wgmma rows
-MAX_BLOCKS = 6    # key blocks a row (two warpgroups x three register tiles): N_res <= 384
-HEAD_DIMS = (16, 32)
-
-__all__ = ["GLUON_TRITON_VERSIONS", "HEAD_DIMS", "available", "compile_sm90", "dq_dbias_gluon", "fits", "groups"]
+__all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "dq_dbias_gluon"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,12 +53,7 @@ def _build():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    @gluon.jit
-    def _program(BH, NI: gl.constexpr):
-        """(batch · head, query block, group) of this program: query blocks fastest, so the NI programs that read
-        the same MSA rows' K and V run side by side."""
-        pid = gl.program_id(0)
-        return (pid // NI) % BH, pid % NI, pid // (NI * BH)
+    _program = build_program()
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, pair_desc, mask_desc, q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs,
@@ -243,78 +234,6 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def split_biases(biases, S: int):
-    """(pair, mask) from the backward's two expanded bias views [B, S, H, R, R] (stride 0 where broadcast): the pair
-    is a [rows, keys] tile the same for every MSA row (stride 0 over S, or S 1), the mask a row of keys (stride 0
-    over the queries). None where the biases are anything else (two of a kind, a per-row tile): the portable
-    passes take those."""
-    pair = mask = None
-    for bias in biases:
-        if bias is None:
-            continue
-        if bias.stride(3) == 0:
-            if mask is not None:
-                return None
-            mask = bias
-        elif bias.stride(1) == 0 or S == 1:
-            if pair is not None:
-                return None
-            pair = bias
-        else:
-            return None
-    return None if pair is None else (pair, mask)
-
-
-def fits(q: torch.Tensor, biases) -> bool:
-    """fp16 / bf16 [B, N_seq, N_res, H, D] of head dim 16 or 32, N_res <= 384, q's layout TMA-addressable, a pair
-    bias shared by the MSA rows and at most one key-row mask (split_biases)."""
-    B, S, R, H, D = q.shape
-    return (q.dtype in (torch.float16, torch.bfloat16) and D in HEAD_DIMS and 0 < R <= MAX_BLOCKS * BLOCK
-            and q.numel() > 0 and tma_addressable(q) and split_biases(biases, S) is not None)
-
-
-def groups(BH: int, NI: int, S: int, n_sm: int) -> int:
-    """MSA-row groups G: the smallest G whose B · H · NI · G programs (one an SM: ~120 KB of shared memory, 64K
-    registers) fill whole waves to 90% or more, up to 8 waves; else the best fill seen."""
-    best, best_fill = 1, 0.0
-    for G in range(1, min(S, 64) + 1):
-        waves = BH * NI * G / n_sm
-        fill = waves / -(-waves // 1)
-        if fill >= 0.9 and waves >= 1:
-            return G
-        if fill > best_fill + 1e-9:
-            best, best_fill = G, fill
-        if waves > 8:
-            break
-    return best
-
-
-def log2_biases(pair, mask, B, S, H, R):
-    """The biases as the kernel reads them, fp32 in log2 units (· log2 e, so a score takes one add a bias): pair
-    [B · H, R, R] and mask [B · S · Hm, R] (Hm 1 for a mask the same for every head, else H), rows padded to 16 bytes
-    for TMA (the views' shapes stay R: the padding is never read). Both are small (the pair bias 4.7 MB at B 1, H 8,
-    R 384): made once per backward."""
-    RP = -(-R // 4) * 4
-    pair2 = torch.empty((B * H, R, RP), device=pair.device, dtype=torch.float32)[..., :R]
-    torch.mul(pair[:, 0], LOG2E, out=pair2.view(B, H, R, R))
-    if mask is None:
-        return pair2, None, 1
-    mask_heads = 1 if mask.stride(2) == 0 else H
-    mask2 = torch.empty((B * S * mask_heads, RP), device=pair.device, dtype=torch.float32)[:, :R]
-    torch.mul(mask[:, :, :mask_heads, 0], LOG2E, out=mask2.view(B, S, mask_heads, R))
-    return pair2, mask2, mask_heads
-
-
-def _descriptors(q, k, v, do, pair2, mask2):
-    from triton.experimental.gluon import language as gl
-    B, S, R, H, D = q.shape
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    descs = [tma_descriptor(t.view(B * S, R, H, D), (1, BLOCK, 1, D), gdt) for t in (q, k, v, do)]
-    descs.append(tma_descriptor(pair2, (1, BLOCK, BLOCK), gl.float32))
-    descs.append(tma_descriptor(mask2 if mask2 is not None else pair2[0], (1, BLOCK), gl.float32))
-    return descs
-
-
 def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, scale, G):
     """(kernel, grid, args, constexpr kwargs) of the launch; shared by dq_dbias_gluon and the compile test. part:
     fp32 [G, B · H, R, R]; pair2, mask2, mask_heads: log2_biases'."""
@@ -322,7 +241,7 @@ def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, sca
     NJ = triton.cdiv(R, BLOCK)
     kernel, _ = _build()
     rows_per = triton.cdiv(S, G)
-    args = [*_descriptors(q, k, v, do, pair2, mask2), dq, lse, delta, part, B * H, S, R, rows_per, mask_heads,
+    args = [*row_descriptors(q, k, v, do), *bias_descriptors(pair2, mask2), dq, lse, delta, part, B * H, S, R, rows_per, mask_heads,
             scale * LOG2E, scale]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, HAS_MASK=mask2 is not None, EVEN=R % BLOCK == 0,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)

@@ -1,0 +1,240 @@
+"""The Evoformer forward in Gluon, for Hopper (sm_90).
+
+At the models' head dims (16-32) a score's matmul share is small and its elementwise work is the cost: in the
+portable forward ~13.5 instructions a score, ~4.5 of them the biases (the pair tile's 4-byte global loads in the
+MMA layout, converts, scalings, the mask's add; benchmarks/NOTES.md "Session 31"). The pair bias is the same for
+every MSA row, so here a program keeps its [64, N_res] strip in shared memory for a whole group of rows, already in
+fp32 log2 units (gluon_plan.log2_biases): a score takes one shared load (two a 64-bit word), one FMA and one add for
+its biases.
+
+Program (batch · head, 64-query block i, group g of MSA rows), 12 warps (two consumer warpgroups and a producer
+warp in a third):
+- producer (1 warp): the pair strip once (NJ boxes [1, 64, 64] fp32, `pair_bar`); then per pair of MSA rows (one
+  for each consumer): each row's Q_s,i and mask row into its warpgroup's Q slot (two a warpgroup, `q_ready` /
+  `q_free`), then the rows' K_j, V_j key block by key block, alternating the warpgroups, into each warpgroup's ring
+  of STAGES slots (`kv_ready` / `kv_free`), so both consumers advance together.
+- consumer warpgroup w takes the group's rows w, w + 2, ...: per key block S = Q · K_jᵀ (wgmma), x = S · scale ·
+  log2 e + pair_j + mask_j (shared memory), the online softmax, O += P · V_j (wgmma, P from registers); per row
+  lse (natural log, -inf for a row that saw nothing, whose output is 0) and O / l, times sigmoid(gate) with a gate.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
+from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
+
+STAGES = 3  # a warpgroup's ring of K / V slots
+
+__all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "fwd_gluon"]
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    """The Gluon kernel, built on first use (importing warpforge never touches Gluon)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+    _program = build_program()
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar,
+                  q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H: gl.constexpr, NI: gl.constexpr,
+                  NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr):
+        bh, i, g = _program(BH, NI)
+        b = bh // H
+        h = bh % H
+        s0 = g * rows_per
+        n_rows = gl.minimum(rows_per, S - s0)
+        mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
+        for jp in gl.static_range(NJ):
+            tma.async_copy_global_to_shared(pair_desc, [bh, i * 64, jp * 64], pair_bar, pair_bufs.index(jp))
+        q_bytes: gl.constexpr = q_desc.block_type.nbytes + HAS_MASK * NJ * mask_desc.block_type.nbytes
+        kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
+        for u in range((n_rows + 1) // 2):
+            for w in gl.static_range(2):
+                if 2 * u + w < n_rows:
+                    qs = 2 * w + u % 2
+                    mbarrier.wait(q_free.index(qs), ((u // 2) & 1) ^ 1)  # fresh barriers pass the first lap
+                    bar = q_ready.index(qs)
+                    mbarrier.expect(bar, q_bytes)
+                    bs = b * S + s0 + 2 * u + w
+                    tma.async_copy_global_to_shared(q_desc, [bs, i * 64, h, 0], bar, q_bufs.index(qs))
+                    if HAS_MASK:
+                        for jm in gl.static_range(NJ):
+                            tma.async_copy_global_to_shared(mask_desc, [bs * mask_heads + h % mask_heads, jm * 64],
+                                                            bar, mask_bufs.index(qs * NJ + jm))
+            for j in range(NJ):
+                for w in gl.static_range(2):
+                    if 2 * u + w < n_rows:
+                        c = u * NJ + j
+                        slot = w * STAGES + c % STAGES
+                        mbarrier.wait(kv_free.index(slot), ((c // STAGES) & 1) ^ 1)
+                        bar = kv_ready.index(slot)
+                        mbarrier.expect(bar, kv_bytes)
+                        bs = b * S + s0 + 2 * u + w
+                        tma.async_copy_global_to_shared(k_desc, [bs, j * 64, h, 0], bar, k_bufs.index(slot))
+                        tma.async_copy_global_to_shared(v_desc, [bs, j * 64, h, 0], bar, v_bufs.index(slot))
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, OUT, LSE,
+                  GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
+                  NI: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
+                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 64, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+        orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_bufs.dtype
+        bh, i, g = _program(BH, NI)
+        b = bh // H
+        h = bh % H
+        s0 = g * rows_per
+        n_rows = gl.minimum(rows_per, S - s0)
+        rows = i * 64 + gl.arange(0, 64, layout=row_l)
+        orows = i * 64 + gl.arange(0, 64, layout=orow_l)
+        dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        cols0 = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
+        s_zero = gl.zeros([64, 64], gl.float32, s_layout)
+        mbarrier.wait(pair_bar, 0)
+        for u in range((n_rows - WG + 1) // 2):
+            s = s0 + 2 * u + WG
+            qs = 2 * WG + u % 2
+            mbarrier.wait(q_ready.index(qs), (u // 2) & 1)
+            q = q_bufs.index(qs).reshape([64, D])
+            m = gl.full([64], float("-inf"), gl.float32, row_l)
+            l = gl.zeros([64], gl.float32, row_l)
+            acc = gl.zeros([64, D], gl.float32, o_layout)
+            for j in range(NJ):
+                c = u * NJ + j
+                slot = WG * STAGES + c % STAGES
+                mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
+                k = k_bufs.index(slot).reshape([64, D])
+                v = v_bufs.index(slot).reshape([64, D])
+                s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                bias = pair_bufs.index(j).reshape([64, 64]).load(s_layout)
+                if HAS_MASK:
+                    bias = bias + mask_bufs.index(qs * NJ + j).load(s_layout)
+                sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+                x = sc * qk_scale + bias
+                if not EVEN:
+                    x = gl.where((j * 64 + cols0 < R)[None, :], x, float("-inf"))
+                m_new = gl.maximum(m, gl.max(x, 1))
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(x - m_use[:, None])
+                alpha = gl.exp2(m - m_use)
+                l = l * alpha + gl.sum(p, 1)
+                m = m_new
+                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+                o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(o_tok, ))
+                gl.thread_barrier()                 # every warp is past the slot's reads
+                mbarrier.arrive(kv_free.index(slot))
+            gl.thread_barrier()                     # and past the row's Q and mask
+            mbarrier.arrive(q_free.index(qs))
+            empty = l == 0.0
+            l_safe = gl.where(empty, 1.0, l)
+            lse = gl.where(empty, float("-inf"), (m + gl.log2(l_safe)) * 0.6931471805599453)
+            stat = ((b * S + s) * H + h).to(gl.int64) * R
+            gl.store(LSE + stat + rows, lse, mask=rows < R)
+            out = acc / gl.convert_layout(l_safe, orow_l)[:, None]
+            at = ((b * S + s).to(gl.int64) * R + orows[:, None]) * (H * D) + h * D + dcols[None, :]
+            live = (orows < R)[:, None]
+            if HAS_GATE:
+                gate = gl.load(GATE + at, mask=live, other=0.0).to(gl.float32)
+                out = out / (1.0 + gl.exp2(-gate * 1.4426950408889634))
+            gl.store(OUT + at, out.to(dtype), mask=live)
+
+    @gluon.jit
+    def evo_fwd_gluon_kernel(q_desc, k_desc, v_desc, pair_desc, mask_desc, OUT, LSE, GATE, BH, S, R, rows_per,
+                             mask_heads, qk_scale, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
+                             NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, HAS_GATE: gl.constexpr,
+                             EVEN: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2 * STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2 * STAGES] + v_desc.block_type.shape, v_desc.layout)
+        pair_bufs = gl.allocate_shared_memory(gl.float32, [NJ] + pair_desc.block_type.shape, pair_desc.layout)
+        if HAS_MASK:
+            mask_bufs = gl.allocate_shared_memory(gl.float32, [4 * NJ] + mask_desc.block_type.shape, mask_desc.layout)
+        else:
+            mask_bufs = pair_bufs  # not read
+        pair_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(pair_bar, count=1)
+        for x in gl.static_range(4):
+            mbarrier.init(q_ready.index(x), count=1)
+            mbarrier.init(q_free.index(x), count=1)
+        for x in gl.static_range(2 * STAGES):
+            mbarrier.init(kv_ready.index(x), count=1)
+            mbarrier.init(kv_free.index(x), count=1)
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free,
+                         OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK, HAS_GATE,
+                         EVEN)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free,
+                         OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK, HAS_GATE,
+                         EVEN)),
+            (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs,
+                         pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H, NI, NJ, STAGES,
+                         HAS_MASK)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+    return evo_fwd_gluon_kernel, gl
+
+
+def available() -> bool:
+    """This Triton's Gluon is one the kernel was written for (and imports)."""
+    from .._gluon import builds
+    return builds(_build, GLUON_TRITON_VERSIONS)
+
+
+def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G):
+    """(kernel, grid, args, constexpr kwargs) of the launch; shared by fwd_gluon and the compile test."""
+    B, S, R, H, D = q.shape
+    NJ = triton.cdiv(R, BLOCK)
+    kernel, _ = _build()
+    rows_per = triton.cdiv(S, G)
+    args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse, q if gate is None else gate, B * H,
+            S, R, rows_per, mask_heads, scale * LOG2E]
+    meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=STAGES, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
+                EVEN=R % BLOCK == 0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                maxnreg=MAXNREG)
+    return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
+
+
+def fwd_gluon(q, k, v, biases, gate, scale, n_sm):
+    """(out like q, lse [B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_plan.fits holds).
+    The rows of a group are split between two warpgroups, so a group holds at least two."""
+    B, S, R, H, D = q.shape
+    pair, mask = split_biases(biases, S)
+    NJ = triton.cdiv(R, BLOCK)
+    G = groups(B * H, NJ, triton.cdiv(S, 2), n_sm)
+    out = torch.empty_like(q)
+    lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
+    kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *log2_biases(pair, mask, B, S, H, R), scale, G)
+    kernel[grid](*args, **meta)
+    return out, lse
+
+
+def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2):
+    """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched)."""
+    from .._gluon import compile_report
+    dt = getattr(torch, dtype)
+    q = torch.empty(B, S, R, H, D, dtype=dt)
+    lse = torch.empty(B, S, H, R, dtype=torch.float32)
+    full = (B, S, H, R, R)
+    pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
+    m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
+    kernel, grid, args, meta = launch_args(q, q, q, q, lse, q if gate else None,
+                                           *log2_biases(pair, m, B, S, H, R), D ** -0.5, G)
+    return compile_report(kernel, args, grid, meta, arch)

@@ -1,0 +1,123 @@
+"""What the Evoformer's Gluon kernels (fwd_gluon_kernel, dq_dbias_gluon_kernel) share on the host: which biases
+and shapes they take, how many MSA-row groups a launch splits into, and the tensors and TMA descriptors they read.
+
+Both kernels give a program one (batch · head, 64-query block) and a group of MSA rows, and read the pair bias's
+[64, N_res] strip once into shared memory, fp32 in log2 units, where every MSA row's scores take it from.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._gluon import tma_addressable, tma_descriptor
+
+LOG2E = 1.4426950408889634
+BLOCK = 64        # queries a program, keys a step: one warpgroup's wgmma rows
+MAX_BLOCKS = 6    # key blocks a row: N_res <= 384 (the strip's 96 KB; the backward's three register tiles a warpgroup)
+HEAD_DIMS = (16, 32)
+
+
+def split_biases(biases, S: int):
+    """(pair, mask) from the two expanded bias views [B, S, H, R, R] (stride 0 where broadcast): the pair
+    is a [rows, keys] tile the same for every MSA row (stride 0 over S, or S 1), the mask a row of keys (stride 0
+    over the queries). None where the biases are anything else (two of a kind, a per-row tile): the portable
+    passes take those."""
+    pair = mask = None
+    for bias in biases:
+        if bias is None:
+            continue
+        if bias.stride(3) == 0:
+            if mask is not None:
+                return None
+            mask = bias
+        elif bias.stride(1) == 0 or S == 1:
+            if pair is not None:
+                return None
+            pair = bias
+        else:
+            return None
+    return None if pair is None else (pair, mask)
+
+
+def fits(q: torch.Tensor, biases) -> bool:
+    """fp16 / bf16 [B, N_seq, N_res, H, D] of head dim 16 or 32, N_res <= 384, q's layout TMA-addressable, a pair
+    bias shared by the MSA rows and at most one key-row mask (split_biases)."""
+    B, S, R, H, D = q.shape
+    return (q.dtype in (torch.float16, torch.bfloat16) and D in HEAD_DIMS and 0 < R <= MAX_BLOCKS * BLOCK
+            and q.numel() > 0 and tma_addressable(q) and split_biases(biases, S) is not None)
+
+
+def groups(BH: int, NI: int, S: int, n_sm: int) -> int:
+    """MSA-row groups G: the smallest G whose B · H · NI · G programs (one an SM: up to ~220 KB of shared memory, 64K
+    registers) fill whole waves to 90% or more, up to 8 waves; else the best fill seen."""
+    best, best_fill = 1, 0.0
+    for G in range(1, min(S, 64) + 1):
+        waves = BH * NI * G / n_sm
+        fill = waves / -(-waves // 1)
+        if fill >= 0.9 and waves >= 1:
+            return G
+        if fill > best_fill + 1e-9:
+            best, best_fill = G, fill
+        if waves > 8:
+            break
+    return best
+
+
+def log2_biases(pair, mask, B, S, H, R):
+    """The biases as the kernel reads them, fp32 in log2 units (· log2 e, so a score takes one add a bias): pair
+    [B · H, R, R] and mask [B · S · Hm, R] (Hm 1 for a mask the same for every head, else H), rows padded to 16 bytes
+    for TMA (the views' shapes stay R: the padding is never read). Both are small (the pair bias 4.7 MB at B 1, H 8,
+    R 384): made once per call."""
+    RP = -(-R // 4) * 4
+    pair2 = torch.empty((B * H, R, RP), device=pair.device, dtype=torch.float32)[..., :R]
+    torch.mul(pair[:, 0], LOG2E, out=pair2.view(B, H, R, R))
+    if mask is None:
+        return pair2, None, 1
+    mask_heads = 1 if mask.stride(2) == 0 else H
+    mask2 = torch.empty((B * S * mask_heads, RP), device=pair.device, dtype=torch.float32)[:, :R]
+    torch.mul(mask[:, :, :mask_heads, 0], LOG2E, out=mask2.view(B, S, mask_heads, R))
+    return pair2, mask2, mask_heads
+
+
+def row_descriptors(*tensors):
+    """TMA descriptors over [B, N_seq, N_res, H, D] tensors as [B · N_seq, N_res, H, D] with [1, 64, 1, D] boxes (rows
+    past N_res arrive as zeros)."""
+    from triton.experimental.gluon import language as gl
+    B, S, R, H, D = tensors[0].shape
+    gdt = gl.bfloat16 if tensors[0].dtype == torch.bfloat16 else gl.float16
+    return [tma_descriptor(t.view(B * S, R, H, D), (1, BLOCK, 1, D), gdt) for t in tensors]
+
+
+def bias_descriptors(pair2, mask2):
+    """TMA descriptors over log2_biases' pair ([1, 64, 64] boxes) and mask ([1, 64]; the pair's first rows stand in
+    where there is none)."""
+    from triton.experimental.gluon import language as gl
+    return [tma_descriptor(pair2, (1, BLOCK, BLOCK), gl.float32),
+            tma_descriptor(mask2 if mask2 is not None else pair2[0], (1, BLOCK), gl.float32)]
+
+
+
+
+def available() -> bool:
+    """This Triton's Gluon is one both kernels were written for, and they build."""
+    from .._gluon import builds
+
+    def build():
+        from . import dq_dbias_gluon_kernel, fwd_gluon_kernel
+        fwd_gluon_kernel._build()
+        dq_dbias_gluon_kernel._build()
+    from .._gluon_flash_fwd import GLUON_TRITON_VERSIONS
+    return builds(build, GLUON_TRITON_VERSIONS)
+
+
+def build_program():
+    """The Gluon function both kernels place their programs with (built on first use: importing warpforge never
+    touches Gluon): program id -> (batch · head, query block, group), query blocks fastest, so that the NI programs
+    that read the same MSA rows' K and V run side by side."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _program(BH, NI: gl.constexpr):
+        pid = gl.program_id(0)
+        return (pid // NI) % BH, pid % NI, pid // (NI * BH)
+    return _program
