@@ -178,9 +178,7 @@ for step in "$@"; do
                      timeout 240 python3 -m pytest -q -x -rf tests/evoformer/test_evoformer_gluon.py > "$w/evo-gluon-tests.log" 2>&1
                      tail -n 25 "$w/evo-gluon-tests.log"
                      for sh in row triangle; do timeout 150 python3 scripts/probe_evoformer.py --shape $sh > "$w/probe-$sh.log" 2>&1
-                       cat "$w/probe-$sh.log"; done
-                     timeout 200 python3 -m pytest -q $par -rf tests/evoformer > "$w/tests-evoformer.log" 2>&1
-                     grep -E "FAILED|passed|failed" "$w/tests-evoformer.log" | tail -12 ;;
+                       cat "$w/probe-$sh.log"; done ;;
     evoformer-sweep) # the d32 tiles (session 31 chose them on an H100): forward, dq and pair-bias passes, capped tiles too
                      timeout 240 python3 -m warpforge tune evoformer --shapes row --parts fwd,dq,dbias \
                        --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1
