@@ -60,6 +60,7 @@ def main():
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
     for name, biases in variants.items():
         merged = api._dq_dbias_pass(q, biases, scale) if name == "gluon" else None
+        dkdv = api._dkdv_pass(q, biases, scale) if name == "gluon" else None
         if name == "gluon" and merged is None:
             print(f"{name:16s}: not taken here (configs.gluon_dq_dbias, gluon_plan.fits, available)", flush=True)
             continue
@@ -72,7 +73,8 @@ def main():
         fwd = kernel_times(forward)
 
         def backward():
-            return ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles, dq_dbias=merged)
+            return ek.evoformer_bwd(do, q, k, v, out, lse, biases, gate, scale, True, tiles, dq_dbias=merged,
+                                    dkdv=dkdv)
         bwd = kernel_times(backward)
         whole = triton.testing.do_bench(backward, warmup=5, rep=50)  # with the host-side torch ops between
         parts = "  ".join(f"{key.replace('evo_', '')} {ms:.3f}" for key, ms in {**fwd, **bwd}.items())

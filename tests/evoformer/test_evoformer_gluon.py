@@ -69,7 +69,7 @@ def _gluon_triton():
 
 COMPILE_CASES = [dict(R=384, D=32, mask=True), dict(R=300, D=16, mask=False, dtype="float16"),
                  dict(R=100, D=32, mask=True, H=3)]
-KERNELS = ["dq_dbias_gluon_kernel", "fwd_gluon_kernel"]
+KERNELS = ["dq_dbias_gluon_kernel", "fwd_gluon_kernel", "dkdv_gluon_kernel"]
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
@@ -117,6 +117,7 @@ def test_gpu_matches_the_portable_passes_and_the_reference(case, monkeypatch):
     def grads(on):
         monkeypatch.setenv(configs.GLUON_ENV, "1" if on else "0")
         monkeypatch.setenv(configs.GLUON_FWD_ENV, "1" if on else "0")
+        monkeypatch.setenv(configs.GLUON_DKDV_ENV, "1" if on else "0")
         out = wf.evoformer_attention(q, k, v, biases, gate=g, backend="triton")
         return (out, *torch.autograd.grad(out, [q, k, v, g, *biases_grad], d_out))
     portable, got, again = grads(False), grads(True), grads(True)

@@ -75,6 +75,16 @@ def _dq_dbias_pass(q: torch.Tensor, biases, scale: float):
     return lambda q, k, v, do, lse, delta, dq: gk.dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm)
 
 
+def _dkdv_pass(q: torch.Tensor, biases, scale: float):
+    """The Hopper dk/dv pass (dkdv_gluon_kernel), as the callable evoformer_bwd takes, where it applies
+    (_gluon_takes); else None (the portable pass)."""
+    if not _gluon_takes(q, biases, configs.gluon_dkdv):
+        return None
+    from . import dkdv_gluon_kernel as gk
+    n_sm = sm_count(q.device)
+    return lambda q, k, v, do, lse, delta, dk, dv: gk.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm)
+
+
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, bias1: Optional[torch.Tensor], bias2: Optional[torch.Tensor],
               gate: Optional[torch.Tensor], scale: float, want1: bool, want2: bool,
@@ -86,7 +96,8 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     full = (B, S, H, R, R)
     biases = (_full(bias1, full), _full(bias2, full))
     dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, biases, gate, scale, want1 or want2,
-                                             _tiles(q), want_gate, configs.bwd_fused(), _dq_dbias_pass(q, biases, scale))
+                                             _tiles(q), want_gate, configs.bwd_fused(), _dq_dbias_pass(q, biases, scale),
+                                             _dkdv_pass(q, biases, scale))
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
         ([dgate] if dgate is not None else [])
 

@@ -54,16 +54,23 @@ def bwd_fused() -> bool:
     return _switch(BWD_FUSED_ENV, BWD_FUSED_DEFAULT)
 
 
-# The Hopper Gluon kernels on sm_90: the forward (fwd_gluon_kernel) and the backward's dq and pair-bias gradient in
-# one pass (dq_dbias_gluon_kernel, instead of the dq and pair-bias passes); "0" turns one off.
+# The Hopper Gluon kernels on sm_90: the forward (fwd_gluon_kernel), the backward's dk/dv (dkdv_gluon_kernel) and its
+# dq and pair-bias gradient in one pass (dq_dbias_gluon_kernel, instead of the dq and pair-bias passes); "0" turns
+# one off.
 GLUON_FWD_ENV = "WARPFORGE_EVO_GLUON_FWD"
+GLUON_DKDV_ENV = "WARPFORGE_EVO_GLUON_DKDV"
 GLUON_ENV = "WARPFORGE_EVO_GLUON"
 GLUON_FWD_DEFAULT = True
+GLUON_DKDV_DEFAULT = True
 GLUON_DEFAULT = True
 
 
 def gluon_fwd() -> bool:
     return _switch(GLUON_FWD_ENV, GLUON_FWD_DEFAULT)
+
+
+def gluon_dkdv() -> bool:
+    return _switch(GLUON_DKDV_ENV, GLUON_DKDV_DEFAULT)
 
 
 def gluon_dq_dbias() -> bool:

@@ -427,13 +427,14 @@ PREP_ROWS = 64
 
 
 def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles, want_dgate=True, fused=False,
-                  dq_dbias=None):
+                  dq_dbias=None, dkdv=None):
     """(dq, dk, dv, dgate (None without a gate or without want_dgate), and with want_dbias the scores' gradient
     summed over N_seq, [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the
     forward's (gated) output, d_out its gradient. fused: dk, dv and dq from evo_bwd_fused_kernel (one walk over the
     scores, tiles.fused's tile) instead of the dk/dv and dq passes. dq_dbias: a callable (q, k, v, do, lse, delta,
     dq) -> the summed gradient that writes dq too (the Hopper pass, dq_dbias_gluon_kernel), replacing the dq and
-    pair-bias passes (with want_dbias, not fused)."""
+    pair-bias passes (with want_dbias, not fused). dkdv: a callable (q, k, v, do, lse, delta, dk, dv) that writes
+    dk and dv (dkdv_gluon_kernel), replacing the dk/dv pass (not fused)."""
     B, S, R, H, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     want_dgate = want_dgate and gate is not None
@@ -460,7 +461,14 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
     merged = dq_dbias is not None and want_dbias and not fused
-    passes = () if fused else ((tiles.dkdv, False),) if merged else ((tiles.dkdv, False), (tiles.dq, True))
+    passes = []  # the portable (tile, dq pass?) launches the callables leave
+    if not fused:
+        if dkdv is not None:
+            dkdv(q, k, v, do, lse, delta, dk, dv)
+        else:
+            passes.append((tiles.dkdv, False))
+        if not merged:
+            passes.append((tiles.dq, True))
     for cfg, dq_pass in passes:
         key_rows = cfg.key_rows and not dq_pass
         args, kinds = _bias_args(biases, q, transposed=True) if key_rows else (bias_args, (kind1, kind2))

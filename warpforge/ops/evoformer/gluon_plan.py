@@ -1,8 +1,9 @@
-"""What the Evoformer's Gluon kernels (fwd_gluon_kernel, dq_dbias_gluon_kernel) share on the host: which biases
+"""What the Evoformer's Gluon kernels (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel) share on the host: which biases
 and shapes they take, how many MSA-row groups a launch splits into, and the tensors and TMA descriptors they read.
 
-Both kernels give a program one (batch · head, 64-query block) and a group of MSA rows, and read the pair bias's
-[64, N_res] strip once into shared memory, fp32 in log2 units, where every MSA row's scores take it from.
+Each kernel gives a program one (batch · head, 64-residue block) and a group of MSA rows, and reads the pair bias's
+[64, N_res] strip once (into shared memory, or for the dq pass's gradient into registers), fp32 in log2 units, where
+every MSA row's scores take it from.
 """
 from __future__ import annotations
 
@@ -102,9 +103,9 @@ def available() -> bool:
     from .._gluon import builds
 
     def build():
-        from . import dq_dbias_gluon_kernel, fwd_gluon_kernel
-        fwd_gluon_kernel._build()
-        dq_dbias_gluon_kernel._build()
+        from . import dkdv_gluon_kernel, dq_dbias_gluon_kernel, fwd_gluon_kernel
+        for kernel in (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel):
+            kernel._build()
     from .._gluon_flash_fwd import GLUON_TRITON_VERSIONS
     return builds(build, GLUON_TRITON_VERSIONS)
 
