@@ -56,13 +56,13 @@ def bwd_fused() -> bool:
 
 # The Hopper Gluon kernels on sm_90: the forward (fwd_gluon_kernel), the backward's dk/dv (dkdv_gluon_kernel) and its
 # dq and pair-bias gradient in one pass (dq_dbias_gluon_kernel, instead of the dq and pair-bias passes); "0" turns
-# one off.
+# one off, "1" on. Off until a GPU has run their tests and timed them (benchmarks/NOTES.md "Session 32").
 GLUON_FWD_ENV = "WARPFORGE_EVO_GLUON_FWD"
 GLUON_DKDV_ENV = "WARPFORGE_EVO_GLUON_DKDV"
 GLUON_ENV = "WARPFORGE_EVO_GLUON"
-GLUON_FWD_DEFAULT = True
-GLUON_DKDV_DEFAULT = True
-GLUON_DEFAULT = True
+GLUON_FWD_DEFAULT = False
+GLUON_DKDV_DEFAULT = False
+GLUON_DEFAULT = False
 
 
 def gluon_fwd() -> bool:
