@@ -44,11 +44,7 @@ def _build():
     def _producer(q_desc, k_desc, v_desc, do_desc, pair_desc, q_bufs, k_bufs, v_bufs, do_bufs, pair_bufs, pair_bar,
                   kv_ready, kv_free, q_ready, q_free, BH, S, rows_per, H: gl.constexpr, NJ: gl.constexpr,
                   STAGES: gl.constexpr):
-        bh, j, g = _program(BH, NJ)
-        b = bh // H
-        h = bh % H
-        s0 = g * rows_per
-        n_rows = gl.minimum(rows_per, S - s0)
+        bh, j, g, b, h, s0, n_rows = _program(BH, NJ, H, S, rows_per)
         mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
         for ip in gl.static_range(NJ):
             tma.async_copy_global_to_shared(pair_desc, [bh, j * 64, ip * 64], pair_bar, pair_bufs.index(ip))
@@ -88,11 +84,7 @@ def _build():
         qry_l: gl.constexpr = gl.SliceLayout(0, st_layout)
         okey_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_bufs.dtype
-        bh, j, g = _program(BH, NJ)
-        b = bh // H
-        h = bh % H
-        s0 = g * rows_per
-        n_rows = gl.minimum(rows_per, S - s0)
+        bh, j, g, b, h, s0, n_rows = _program(BH, NJ, H, S, rows_per)
         keys = j * 64 + gl.arange(0, 64, layout=key_l)
         okeys = j * 64 + gl.arange(0, 64, layout=okey_l)
         dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))

@@ -59,11 +59,7 @@ def _build():
     def _producer(q_desc, k_desc, v_desc, do_desc, pair_desc, mask_desc, q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs,
                   mask_bufs, pair_bar, row_ready, row_free, BH, S, rows_per, mask_heads, H: gl.constexpr,
                   NI: gl.constexpr, NJ: gl.constexpr, HAS_MASK: gl.constexpr):
-        bh, i, g = _program(BH, NI)
-        b = bh // H
-        h = bh % H
-        s0 = g * rows_per
-        n_rows = gl.minimum(rows_per, S - s0)
+        bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
         # the pair bias's strip (log2 units, fp32) once: the same for every MSA row of the walk
         mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
         for j in gl.static_range(NJ):
@@ -97,11 +93,7 @@ def _build():
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_l: gl.constexpr = gl.SliceLayout(0, s_layout)
         dtype: gl.constexpr = q_bufs.dtype
-        bh, i, g = _program(BH, NI)
-        b = bh // H
-        h = bh % H
-        s0 = g * rows_per
-        n_rows = gl.minimum(rows_per, S - s0)
+        bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
         rows = i * 64 + gl.arange(0, 64, layout=row_l)
         live = rows < R
         s_zero = gl.zeros([64, 64], gl.float32, s_layout)

@@ -45,11 +45,7 @@ def _build():
     def _producer(q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar,
                   q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H: gl.constexpr, NI: gl.constexpr,
                   NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr):
-        bh, i, g = _program(BH, NI)
-        b = bh // H
-        h = bh % H
-        s0 = g * rows_per
-        n_rows = gl.minimum(rows_per, S - s0)
+        bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
         mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
         for jp in gl.static_range(NJ):
             tma.async_copy_global_to_shared(pair_desc, [bh, i * 64, jp * 64], pair_bar, pair_bufs.index(jp))
@@ -93,11 +89,7 @@ def _build():
         row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
         orow_l: gl.constexpr = gl.SliceLayout(1, o_layout)
         dtype: gl.constexpr = q_bufs.dtype
-        bh, i, g = _program(BH, NI)
-        b = bh // H
-        h = bh % H
-        s0 = g * rows_per
-        n_rows = gl.minimum(rows_per, S - s0)
+        bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
         rows = i * 64 + gl.arange(0, 64, layout=row_l)
         orows = i * 64 + gl.arange(0, 64, layout=orow_l)
         dcols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))

@@ -111,14 +111,17 @@ def available() -> bool:
 
 
 def build_program():
-    """The Gluon function both kernels place their programs with (built on first use: importing warpforge never
-    touches Gluon): program id -> (batch · head, query block, group), query blocks fastest, so that the NI programs
-    that read the same MSA rows' K and V run side by side."""
+    """The Gluon function the kernels place their programs with (built on first use: importing warpforge never
+    touches Gluon): program id -> (batch · head, residue block, group, batch, head, the group's first MSA row, its
+    row count); residue blocks fastest, so that the NI programs that read the same MSA rows run side by side."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
     @gluon.jit
-    def _program(BH, NI: gl.constexpr):
+    def _program(BH, NI: gl.constexpr, H: gl.constexpr, S, rows_per):
         pid = gl.program_id(0)
-        return (pid // NI) % BH, pid % NI, pid // (NI * BH)
+        bh = (pid // NI) % BH
+        g = pid // (NI * BH)
+        s0 = g * rows_per
+        return bh, pid % NI, g, bh // H, bh % H, s0, gl.minimum(rows_per, S - s0)
     return _program
