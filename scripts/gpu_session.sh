@@ -175,14 +175,16 @@ for step in "$@"; do
                     SKIP_TESTS=1 timeout 400 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
                     grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -24 ;;
     evoformer-gluon) # issue 16: the Gluon kernels (fwd, dk/dv, dq + pair bias): their tests (a hang or a failure stops here),
-                     # the per-kernel probe (portable vs Gluon), the family bench with them on (row and triangle)
+                     # the per-kernel probe (portable vs Gluon), the whole family bench and tests/evoformer with them on
                      export WARPFORGE_EVO_GLUON=1 WARPFORGE_EVO_GLUON_FWD=1 WARPFORGE_EVO_GLUON_DKDV=1
                      if timeout 150 python3 -m pytest -q -x -rf tests/evoformer/test_evoformer_gluon.py > "$w/evo-gluon-tests.log" 2>&1; then
                        tail -n 3 "$w/evo-gluon-tests.log"
                        for sh in row triangle; do timeout 100 python3 scripts/probe_evoformer.py --shape $sh > "$w/probe-$sh.log" 2>&1
                          cat "$w/probe-$sh.log"; done
-                       SKIP_TESTS=1 MATCH='row|triangle' timeout 200 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/evo-bench.log" 2>&1
-                       grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16
+                       SKIP_TESTS=1 timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/evo-bench.log" 2>&1
+                       grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -24
+                       timeout 150 python3 -m pytest -q $par -rf tests/evoformer > "$w/tests-evoformer.log" 2>&1
+                       grep -E "FAILED|passed|failed" "$w/tests-evoformer.log" | tail -12
                      else tail -n 40 "$w/evo-gluon-tests.log"; fi ;;
     evoformer-sweep) # the d32 tiles (session 31 chose them on an H100): forward, dq and pair-bias passes, capped tiles too
                      timeout 240 python3 -m warpforge tune evoformer --shapes row --parts fwd,dq,dbias \
