@@ -186,6 +186,11 @@ for step in "$@"; do
                        timeout 150 python3 -m pytest -q $par -rf tests/evoformer > "$w/tests-evoformer.log" 2>&1
                        grep -E "FAILED|passed|failed" "$w/tests-evoformer.log" | tail -12
                      else tail -n 40 "$w/evo-gluon-tests.log"; fi ;;
+    evoformer-default) # issue 16 with the tables' defaults (configs: the dq + pair-bias Gluon pass on): tests/evoformer, then the bench's row and triangle
+                     timeout 240 python3 -m pytest -q $par -rf tests/evoformer > "$w/tests-evoformer.log" 2>&1
+                     grep -E "FAILED|passed|failed" "$w/tests-evoformer.log" | tail -12
+                     SKIP_TESTS=1 MATCH='row|triangle' timeout 150 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
+                     grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16 ;;
     evoformer-sweep) # the d32 tiles (session 31 chose them on an H100): forward, dq and pair-bias passes, capped tiles too
                      timeout 240 python3 -m warpforge tune evoformer --shapes row --parts fwd,dq,dbias \
                        --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1

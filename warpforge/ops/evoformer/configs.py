@@ -56,13 +56,15 @@ def bwd_fused() -> bool:
 
 # The Hopper Gluon kernels on sm_90: the forward (fwd_gluon_kernel), the backward's dk/dv (dkdv_gluon_kernel) and its
 # dq and pair-bias gradient in one pass (dq_dbias_gluon_kernel, instead of the dq and pair-bias passes); "0" turns
-# one off, "1" on. Off until a GPU has run their tests and timed them (benchmarks/NOTES.md "Session 32").
+# one off, "1" on. Session 32 (H100, benchmarks/NOTES.md): the dq + pair-bias pass beats the two passes it replaces
+# (0.818 vs 0.997 ms at the row shape, 0.324 vs 0.499 triangle): on; the forward and dk/dv kernels are slower than
+# the portable ones (0.760 vs 0.498, 0.910 vs 0.724 ms: latency-bound at one program an SM): off.
 GLUON_FWD_ENV = "WARPFORGE_EVO_GLUON_FWD"
 GLUON_DKDV_ENV = "WARPFORGE_EVO_GLUON_DKDV"
 GLUON_ENV = "WARPFORGE_EVO_GLUON"
 GLUON_FWD_DEFAULT = False
 GLUON_DKDV_DEFAULT = False
-GLUON_DEFAULT = False
+GLUON_DEFAULT = True
 
 
 def gluon_fwd() -> bool:
