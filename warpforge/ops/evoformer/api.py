@@ -2,6 +2,7 @@
 reference, or the Triton kernels as an op with autograd)."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -10,7 +11,7 @@ import torch
 from ...errors import check_dtype, check_last_dim_contiguous, check_positive_float, check_rank, check_same_device, \
     check_same_dtype, check_tensor, fail
 from ...runtime import arch_key, check_interpreted_matmul_dtype, resolve_backend, sm_count
-from .._op import kernel_op
+from .._op import cached_launch, kernel_op
 from . import configs
 from .reference import evoformer_attention_reference
 
@@ -39,8 +40,8 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: Optional
     biases = (_full(bias1, full), _full(bias2, full))
     if _gluon_takes(q, biases, configs.gluon_fwd):
         from .fwd_gluon_kernel import fwd_gluon
-        return fwd_gluon(q, k, v, biases, gate, scale, sm_count(q.device))
-    return evoformer_fwd(q, k, v, biases, gate, scale, _tiles(q).fwd)
+        return fwd_gluon(q, k, v, biases, gate, scale, sm_count(q.device), cached_launch)
+    return evoformer_fwd(q, k, v, biases, gate, scale, _tiles(q).fwd, cached_launch)
 
 
 def _fwd_fake(q, k, v, bias1, bias2, gate, scale):
@@ -71,8 +72,8 @@ def _dq_dbias_pass(q: torch.Tensor, biases, scale: float):
     if not _gluon_takes(q, biases, configs.gluon_dq_dbias):
         return None
     from . import dq_dbias_gluon_kernel as gk
-    n_sm = sm_count(q.device)
-    return lambda q, k, v, do, lse, delta, dq: gk.dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm)
+    return functools.partial(gk.dq_dbias_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
+                             launch=cached_launch)
 
 
 def _dkdv_pass(q: torch.Tensor, biases, scale: float):
@@ -81,8 +82,8 @@ def _dkdv_pass(q: torch.Tensor, biases, scale: float):
     if not _gluon_takes(q, biases, configs.gluon_dkdv):
         return None
     from . import dkdv_gluon_kernel as gk
-    n_sm = sm_count(q.device)
-    return lambda q, k, v, do, lse, delta, dk, dv: gk.dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm)
+    return functools.partial(gk.dkdv_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
+                             launch=cached_launch)
 
 
 def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -97,7 +98,7 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     biases = (_full(bias1, full), _full(bias2, full))
     dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, biases, gate, scale, want1 or want2,
                                              _tiles(q), want_gate, configs.bwd_fused(), _dq_dbias_pass(q, biases, scale),
-                                             _dkdv_pass(q, biases, scale))
+                                             _dkdv_pass(q, biases, scale), cached_launch)
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
         ([dgate] if dgate is not None else [])
 

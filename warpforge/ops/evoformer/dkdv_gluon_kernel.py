@@ -23,6 +23,7 @@ import functools
 import torch
 import triton
 
+from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
 from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
@@ -192,7 +193,7 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scal
     return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
 
 
-def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm):
+def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm, launch=triton_launch):
     """Writes dk and dv (like k, v; gluon_plan.fits holds). do: the gated output gradient, delta its rowsum with
     the output, lse the forward's (natural log)."""
     B, S, R, H, D = q.shape
@@ -201,7 +202,7 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm):
     G = groups(B * H, NJ, triton.cdiv(S, 2), n_sm)
     pair2t, mask2, mask_heads = log2_biases(pair.transpose(3, 4), mask, B, S, H, R)
     kernel, grid, args, meta = launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scale, G)
-    kernel[grid](*args, **meta)
+    launch(kernel, grid, *args, **meta)
 
 
 def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=90, G=2):

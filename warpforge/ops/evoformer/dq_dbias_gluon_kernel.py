@@ -40,6 +40,7 @@ import functools
 import torch
 import triton
 
+from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
 from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
@@ -240,7 +241,7 @@ def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, sca
     return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
 
 
-def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm):
+def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm, launch=triton_launch):
     """Writes dq (like q) and returns the scores' gradient summed over N_seq, [B, H, R, R] fp32 (fits() holds).
     do: the gated output gradient, delta its rowsum with the output, lse the forward's (natural log)."""
     B, S, R, H, D = q.shape
@@ -253,7 +254,7 @@ def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm):
                                                                  dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, k, v, do, lse, delta, dq, part, *log2_biases(pair, mask, B, S, H, R),
                                            scale, G)
-    kernel[grid](*args, **meta)
+    launch(kernel, grid, *args, **meta)
     if G > 1:
         torch.sum(part, 0, out=dbias.view(B * H, R, R))
     return dbias

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import dot, online_softmax
+from ..shared_kernels import dot, online_softmax, triton_launch
 
 LOG2E = 1.4426950408889634
 BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_ROWS, BIAS_GIVEN = 0, 1, 2, 3, 4
@@ -405,16 +405,17 @@ def _shape_flags(R, D, cfg):
     return dict(EVEN_M=R % cfg.block_m == 0, EVEN_N=R % cfg.block_n == 0, EVEN_D=_block(D) == D)
 
 
-def evoformer_fwd(q, k, v, biases, gate, scale, cfg):
+def evoformer_fwd(q, k, v, biases, gate, scale, cfg, launch=triton_launch):
     """(out like q, lse [B, S, H, R] fp32). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast);
-    gate None or laid out as q (out is then the gated output)."""
+    gate None or laid out as q (out is then the gated output). launch: how a kernel is launched (shared_kernels'
+    triton_launch; api passes the cached launcher)."""
     B, S, R, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     if q.numel():
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
-        evo_fwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m))](
+        launch(evo_fwd_kernel, (B * S * H, triton.cdiv(R, cfg.block_m)),
             q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
             q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
@@ -427,7 +428,7 @@ PREP_ROWS = 64
 
 
 def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles, want_dgate=True, fused=False,
-                  dq_dbias=None, dkdv=None):
+                  dq_dbias=None, dkdv=None, launch=triton_launch):
     """(dq, dk, dv, dgate (None without a gate or without want_dgate), and with want_dbias the scores' gradient
     summed over N_seq, [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the
     forward's (gated) output, d_out its gradient. fused: dk, dv and dq from evo_bwd_fused_kernel (one walk over the
@@ -447,7 +448,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     delta = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     do = d_out if gate is None else torch.empty_like(d_out)
     n_rows = B * S * R * H
-    evo_bwd_prep_kernel[(triton.cdiv(n_rows, PREP_ROWS),)](
+    launch(evo_bwd_prep_kernel, (triton.cdiv(n_rows, PREP_ROWS),),
         out, d_out, q if gate is None else gate, do, dgate if want_dgate else q, delta, n_rows, S, R, H=H, D=D,
         BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None, WANT_DGATE=want_dgate)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
@@ -456,7 +457,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     if fused:
         cfg = tiles.fused or tiles.dkdv
         dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)  # q's strides: q is contiguous
-        evo_bwd_fused_kernel[(B * S * H,)](
+        launch(evo_bwd_fused_kernel, (B * S * H,),
             q, k, v, do, lse, delta, dq, dq_acc, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
@@ -472,7 +473,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     for cfg, dq_pass in passes:
         key_rows = cfg.key_rows and not dq_pass
         args, kinds = _bias_args(biases, q, transposed=True) if key_rows else (bias_args, (kind1, kind2))
-        evo_bwd_kernel[(B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n))](
+        launch(evo_bwd_kernel, (B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n)),
             q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], *strides, *args[1:6], *args[7:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kinds[0], KIND2=kinds[1],
             **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, KEY_ROWS=key_rows, num_warps=cfg.warps,
@@ -482,7 +483,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
         dbias = dq_dbias(q, k, v, do, lse, delta, dq)
     elif want_dbias:
         db = dbias
-        evo_bwd_dbias_kernel[(triton.cdiv(R, cfg.block_m), triton.cdiv(R, cfg.block_n), B * H)](
+        launch(evo_bwd_dbias_kernel, (triton.cdiv(R, cfg.block_m), triton.cdiv(R, cfg.block_n), B * H),
             q, k, v, do, lse, delta, db, b1[0], b2[0], *strides, *b1[1:], *b2[1:],
             db.stride(0), db.stride(1), db.stride(2), S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D),

@@ -24,6 +24,7 @@ import functools
 import torch
 import triton
 
+from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
 from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
@@ -204,7 +205,7 @@ def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G):
     return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
 
 
-def fwd_gluon(q, k, v, biases, gate, scale, n_sm):
+def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
     """(out like q, lse [B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_plan.fits holds).
     The rows of a group are split between two warpgroups, so a group holds at least two."""
     B, S, R, H, D = q.shape
@@ -214,7 +215,7 @@ def fwd_gluon(q, k, v, biases, gate, scale, n_sm):
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *log2_biases(pair, mask, B, S, H, R), scale, G)
-    kernel[grid](*args, **meta)
+    launch(kernel, grid, *args, **meta)
     return out, lse
 
 
