@@ -27,7 +27,7 @@ from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
 from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
-STAGES = 3  # a warpgroup's ring of Q / dO slots
+STAGES = 4  # a warpgroup's ring of Q / dO slots (it holds two at a time: block i's and i - 1's)
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "dkdv_gluon"]
 
@@ -73,6 +73,21 @@ def _build():
                         tma.async_copy_global_to_shared(do_desc, [bs, i * 64, h, 0], bar, do_bufs.index(slot))
 
     @gluon.jit
+    def _stats(LSE, DELTA, stat, qrows, R):
+        """lse2 (log2 units; +inf for a query that saw nothing or past R, whose p is 0) and delta of a query block."""
+        lse = gl.load(LSE + stat + qrows, mask=qrows < R, other=float("-inf"))
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        return lse2, gl.load(DELTA + stat + qrows, mask=qrows < R, other=0.0)
+
+    @gluon.jit
+    def _bias_t(pair_bufs, i, mcol, HAS_MASK: gl.constexpr, st_layout: gl.constexpr):
+        """Query block i's biases, transposed (keys as rows), log2 units: the strip's tile plus the mask column."""
+        bias = pair_bufs.index(i).reshape([64, 64]).load(st_layout).to(gl.float32)
+        if HAS_MASK:
+            bias = bias + mcol[:, None]
+        return bias
+
+    @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, do_bufs, pair_bufs, pair_bar, kv_ready, kv_free, q_ready, q_free, DK, DV,
                   LSE, DELTA, MASK, mask_rows, mask_heads, BH, S, R, rows_per, qk_scale, sm_scale, WG: gl.constexpr,
                   H: gl.constexpr, D: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr):
@@ -96,6 +111,7 @@ def _build():
             s = s0 + 2 * u + WG
             ks = 2 * WG + u % 2
             stat = ((b * S + s) * H + h).to(gl.int64) * R
+            mcol = keys * 0.0
             if HAS_MASK:  # the mask's key row, a column here (keys as rows), already in log2 units
                 mrow = (b * S + s).to(gl.int64) * mask_heads + h % mask_heads
                 mcol = gl.load(MASK + mrow * mask_rows + keys, mask=keys < R, other=0.0)
@@ -104,30 +120,52 @@ def _build():
             v = v_bufs.index(ks).reshape([64, D])
             dk = gl.zeros([64, D], gl.float32, o_layout)
             dv = gl.zeros([64, D], gl.float32, o_layout)
-            for i in range(NJ):
+            # query block 0's Sᵀ and dPᵀ alone; then block i's beside block i - 1's dV and dK wgmmas, so the tensor
+            # cores work while the exp2s of i run (the portable pass waits for each in turn)
+            c = u * NJ
+            slot = WG * STAGES + c % STAGES
+            lse2, delta = _stats(LSE, DELTA, stat, qcols0, R)
+            mbarrier.wait(q_ready.index(slot), (c // STAGES) & 1)
+            q = q_bufs.index(slot).reshape([64, D])
+            do = do_bufs.index(slot).reshape([64, D])
+            st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+            bias = _bias_t(pair_bufs, 0, mcol, HAS_MASK, st_layout)
+            st = warpgroup_mma_wait(1, deps=(st_tok, ))
+            pt = gl.exp2(st * qk_scale + bias - lse2[None, :])
+            dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+            ds_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), a_layout)
+            for i in range(1, NJ):
                 c = u * NJ + i
                 slot = WG * STAGES + c % STAGES
-                qrows = i * 64 + qcols0
-                lse = gl.load(LSE + stat + qrows, mask=qrows < R, other=float("-inf"))
-                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-                delta = gl.load(DELTA + stat + qrows, mask=qrows < R, other=0.0)
+                prev = WG * STAGES + (c - 1) % STAGES
+                lse2, delta = _stats(LSE, DELTA, stat, i * 64 + qcols0, R)
                 mbarrier.wait(q_ready.index(slot), (c // STAGES) & 1)
                 q = q_bufs.index(slot).reshape([64, D])
                 do = do_bufs.index(slot).reshape([64, D])
                 st_tok = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
                 dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-                bias = pair_bufs.index(i).reshape([64, 64]).load(st_layout)
-                if HAS_MASK:
-                    bias = bias + mcol[:, None]
-                st = warpgroup_mma_wait(1, deps=(st_tok, ))
+                dv_tok = warpgroup_mma(pt_op, do_bufs.index(prev).reshape([64, D]), dv, is_async=True)
+                dk_tok = warpgroup_mma(ds_op, q_bufs.index(prev).reshape([64, D]), dk, is_async=True)
+                bias = _bias_t(pair_bufs, i, mcol, HAS_MASK, st_layout)
+                st = warpgroup_mma_wait(3, deps=(st_tok, ))   # Sᵀ_i done; dPᵀ_i, dV and dK of i - 1 may run
                 pt = gl.exp2(st * qk_scale + bias - lse2[None, :])
-                dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
+                dpt = warpgroup_mma_wait(2, deps=(dpt_tok, ))
                 dst = pt * (dpt - delta[None, :])
-                dv_tok = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do, dv, is_async=True)
-                dk_tok = warpgroup_mma(gl.convert_layout(dst.to(dtype), a_layout), q, dk, is_async=True)
-                dv, dk = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok))
-                gl.thread_barrier()                 # every warp is past the slot's reads
-                mbarrier.arrive(q_free.index(slot))
+                # block i - 1's A operands stay alive (deps) until its wgmmas are done
+                dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, ds_op))
+                gl.thread_barrier()                 # every warp is past slot i - 1's reads
+                mbarrier.arrive(q_free.index(prev))
+                pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+                ds_op = gl.convert_layout(dst.to(dtype), a_layout)
+            c = u * NJ + NJ - 1
+            last = WG * STAGES + c % STAGES
+            dv_tok = warpgroup_mma(pt_op, do_bufs.index(last).reshape([64, D]), dv, is_async=True)
+            dk_tok = warpgroup_mma(ds_op, q_bufs.index(last).reshape([64, D]), dk, is_async=True)
+            dv, dk, _, _ = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, pt_op, ds_op))
+            gl.thread_barrier()
+            mbarrier.arrive(q_free.index(last))
             gl.thread_barrier()                     # and past the row's K and V
             mbarrier.arrive(kv_free.index(ks))
             at = ((b * S + s).to(gl.int64) * R + okeys[:, None]) * (H * D) + h * D + dcols[None, :]

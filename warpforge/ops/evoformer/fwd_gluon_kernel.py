@@ -28,7 +28,7 @@ from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
 from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
-STAGES = 3  # a warpgroup's ring of K / V slots
+STAGES = 4  # a warpgroup's ring of K / V slots (it holds two at a time: S_j and P·V_{j-1} in flight)
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "fwd_gluon"]
 
@@ -78,6 +78,27 @@ def _build():
                         tma.async_copy_global_to_shared(v_desc, [bs, j * 64, h, 0], bar, v_bufs.index(slot))
 
     @gluon.jit
+    def _bias(pair_bufs, mask_bufs, j, mslot, HAS_MASK: gl.constexpr, s_layout: gl.constexpr):
+        """Key block j's biases from shared memory, log2 units: the pair strip's [64, 64] tile plus the mask row."""
+        bias = pair_bufs.index(j).reshape([64, 64]).load(s_layout).to(gl.float32)
+        if HAS_MASK:
+            bias = bias + mask_bufs.index(mslot).load(s_layout)
+        return bias
+
+    @gluon.jit
+    def _softmax(sc, bias, j, m, l, qk_scale, R, cols0, EVEN: gl.constexpr):
+        """One online-softmax step over key block j: (p, the rescale of what came before, row sums, row maxima); keys
+        past R -inf; a row that has seen nothing keeps max -inf and gets p 0."""
+        x = sc * qk_scale + bias
+        if not EVEN:
+            x = gl.where((j * 64 + cols0 < R)[None, :], x, float("-inf"))
+        m_new = gl.maximum(m, gl.max(x, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(x - m_use[:, None])
+        alpha = gl.exp2(m - m_use)
+        return p, alpha, l * alpha + gl.sum(p, 1), m_new
+
+    @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, OUT, LSE,
                   GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                   NI: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
@@ -102,34 +123,43 @@ def _build():
             qs = 2 * WG + u % 2
             mbarrier.wait(q_ready.index(qs), (u // 2) & 1)
             q = q_bufs.index(qs).reshape([64, D])
-            m = gl.full([64], float("-inf"), gl.float32, row_l)
+            m = gl.full([64], float("-inf"), gl.float32, row_l)  # (log2 units)
             l = gl.zeros([64], gl.float32, row_l)
             acc = gl.zeros([64, D], gl.float32, o_layout)
-            for j in range(NJ):
+            # key block 0: S only; then block j's S and block j - 1's P·V in flight together (the attention
+            # family's Gluon forward's order), so S_j computes while the softmax of j - 1 finishes its P·V wait
+            c = u * NJ
+            slot = WG * STAGES + c % STAGES
+            mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                                  is_async=True)
+            bias = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
+            sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+            p, alpha, l, m = _softmax(sc, bias, 0, m, l, qk_scale, R, cols0, EVEN)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            for j in range(1, NJ):
                 c = u * NJ + j
                 slot = WG * STAGES + c % STAGES
+                prev = WG * STAGES + (c - 1) % STAGES
                 mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
-                k = k_bufs.index(slot).reshape([64, D])
-                v = v_bufs.index(slot).reshape([64, D])
-                s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                bias = pair_bufs.index(j).reshape([64, 64]).load(s_layout)
-                if HAS_MASK:
-                    bias = bias + mask_bufs.index(qs * NJ + j).load(s_layout)
-                sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-                x = sc * qk_scale + bias
-                if not EVEN:
-                    x = gl.where((j * 64 + cols0 < R)[None, :], x, float("-inf"))
-                m_new = gl.maximum(m, gl.max(x, 1))
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(x - m_use[:, None])
-                alpha = gl.exp2(m - m_use)
-                l = l * alpha + gl.sum(p, 1)
-                m = m_new
+                s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero,
+                                      use_acc=False, is_async=True)
+                acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([64, D]), acc, is_async=True)
+                bias = _bias(pair_bufs, mask_bufs, j, qs * NJ + j, HAS_MASK, s_layout)
+                sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
+                p, alpha, l, m = _softmax(sc, bias, j, m, l, qk_scale, R, cols0, EVEN)
+                # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
+                acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+                gl.thread_barrier()                 # every warp is past slot j - 1's reads
+                mbarrier.arrive(kv_free.index(prev))
                 acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-                o_tok = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v, acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(o_tok, ))
-                gl.thread_barrier()                 # every warp is past the slot's reads
-                mbarrier.arrive(kv_free.index(slot))
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            c = u * NJ + NJ - 1
+            last = WG * STAGES + c % STAGES
+            acc_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([64, D]), acc, is_async=True)
+            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+            gl.thread_barrier()
+            mbarrier.arrive(kv_free.index(last))
             gl.thread_barrier()                     # and past the row's Q and mask
             mbarrier.arrive(q_free.index(qs))
             empty = l == 0.0
