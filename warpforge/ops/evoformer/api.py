@@ -58,8 +58,9 @@ def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 
 def _gluon_takes(q: torch.Tensor, biases, switch) -> bool:
-    """Whether a Hopper Gluon kernel (fwd_gluon_kernel, dq_dbias_gluon_kernel) takes this call: an sm_90 device, its
-    switch on (configs), a shape and biases it takes (gluon_plan.fits), a Triton its Gluon was written for."""
+    """Whether a Hopper Gluon kernel (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel) takes this call: an
+    sm_90 device, its switch on (configs), a shape and biases it takes (gluon_plan.fits), a Triton its Gluon was
+    written for."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90" or not switch():
         return False
     from . import gluon_plan

@@ -5,7 +5,8 @@ bias is never expanded), forward and backward.
 The backward is three deterministic passes: dk/dv (a program owns a key block and walks the queries), dq (a query
 block walks the keys), and the pair bias's gradient, a sum over the MSA rows: a program owns a [queries, keys] tile
 of one (batch, head) and walks the rows in order, recomputing the probabilities, so no [N_seq, H, N_res, N_res]
-tensor and no float atomics (bitwise reproducible).
+tensor and no float atomics (bitwise reproducible). On sm_90 the api hands the dq and pair-bias passes to one Gluon
+pass (dq_dbias_gluon_kernel: each ds computed once), and can hand the forward and dk/dv to Gluon kernels too.
 
 Layouts: q, k, v, out, do and the gradients contiguous [B, N_seq, N_res, H, D] (one set of strides); lse and delta
 [B, N_seq, H, N_res], indexed by the program's (b, s, h) row bsh = (b · N_seq + s) · H + h.
