@@ -177,7 +177,8 @@ for step in "$@"; do
     evoformer-gluon) # issue 16: the Gluon kernels (fwd, dk/dv, dq + pair bias): their tests (a hang or a failure stops here),
                      # the per-kernel probe (portable vs Gluon), the whole family bench and tests/evoformer with them on
                      export WARPFORGE_EVO_GLUON=1 WARPFORGE_EVO_GLUON_FWD=1 WARPFORGE_EVO_GLUON_DKDV=1
-                     if timeout 150 python3 -m pytest -q -x -rf tests/evoformer/test_evoformer_gluon.py > "$w/evo-gluon-tests.log" 2>&1; then
+                     # (its sm_90 compile tests run on any CPU: skipped here, they took most of session 32's 150 s)
+                     if timeout 200 python3 -m pytest -q -x -rf -k "not compiles" tests/evoformer/test_evoformer_gluon.py > "$w/evo-gluon-tests.log" 2>&1; then
                        tail -n 3 "$w/evo-gluon-tests.log"
                        for sh in row triangle; do timeout 100 python3 scripts/probe_evoformer.py --shape $sh > "$w/probe-$sh.log" 2>&1
                          cat "$w/probe-$sh.log"; done
