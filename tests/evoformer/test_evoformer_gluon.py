@@ -62,6 +62,25 @@ def test_groups_bounded_by_the_rows():
     assert plan.groups(1000, 6, 512, 132) == 1
 
 
+@pytest.mark.parametrize("R", [40, 37])  # 37: rows padded to 16 bytes for TMA
+@pytest.mark.parametrize("mask_heads", [1, 2])
+def test_log2_biases(R, mask_heads):
+    """The biases as the kernels read them: fp32 · log2 e, the pair [B · H, R, R] (the dk/dv kernel's transposed
+    through a transposed view), the mask [B · S · Hm, R]; 16-byte rows; -inf stays -inf."""
+    B, S, H = 2, 3, 2
+    full = (B, S, H, R, R)
+    pair = torch.randn(B, 1, H, R, R, dtype=torch.bfloat16)
+    mask = torch.zeros(B, S, mask_heads, 1, R)
+    mask[..., ::3] = float("-inf")
+    pair2, mask2, heads = plan.log2_biases(pair.expand(full), mask.expand(full), B, S, H, R)
+    assert heads == mask_heads and pair2.shape == (B * H, R, R) and mask2.shape == (B * S * mask_heads, R)
+    assert pair2.stride(1) % 4 == 0 and mask2.stride(0) % 4 == 0 and pair2.dtype == mask2.dtype == torch.float32
+    assert torch.equal(pair2, (pair[:, 0].float() * plan.LOG2E).reshape(B * H, R, R))
+    assert torch.equal(mask2, (mask[:, :, :, 0] * plan.LOG2E).reshape(-1, R))
+    pair2t, _, _ = plan.log2_biases(pair.expand(full).transpose(3, 4), None, B, S, H, R)
+    assert torch.equal(pair2t, pair2.transpose(1, 2))
+
+
 def _gluon_triton():
     import triton
     return triton.__version__.startswith(gk.GLUON_TRITON_VERSIONS)

@@ -70,12 +70,13 @@ def log2_biases(pair, mask, B, S, H, R):
     R 384): made once per call."""
     RP = -(-R // 4) * 4
     pair2 = torch.empty((B * H, R, RP), device=pair.device, dtype=torch.float32)[..., :R]
-    torch.mul(pair[:, 0], LOG2E, out=pair2.view(B, H, R, R))
+    # converted first, then scaled in fp32 (torch.mul of a bf16 tensor into an fp32 out rounds the product to bf16)
+    pair2.view(B, H, R, R).copy_(pair[:, 0]).mul_(LOG2E)
     if mask is None:
         return pair2, None, 1
     mask_heads = 1 if mask.stride(2) == 0 else H
     mask2 = torch.empty((B * S * mask_heads, RP), device=pair.device, dtype=torch.float32)[:, :R]
-    torch.mul(mask[:, :, :mask_heads, 0], LOG2E, out=mask2.view(B, S, mask_heads, R))
+    mask2.view(B, S, mask_heads, R).copy_(mask[:, :, :mask_heads, 0]).mul_(LOG2E)
     return pair2, mask2, mask_heads
 
 
