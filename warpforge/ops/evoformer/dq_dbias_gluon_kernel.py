@@ -11,16 +11,15 @@ takes blocks j = w, w + 2, w + 4) and keep their [64, 64] tiles of it in registe
 
 Program (batch · head, 64-query block i, group g of MSA rows), 12 warps (two consumer warpgroups and a producer
 warp in a third):
-- producer (1 warp, setmaxnreg PRODUCER_REGS): per MSA row s of the group, in order, waits `row_free[s % 2]`, then
-  TMA-loads Q_s,i, dO_s,i [64, D] and the row's K_s, V_s as NJ tiles [64, D] each into row buffer s % 2, onto
-  `row_ready[s % 2]` (one expect-tx for them all). 4-D descriptors over q's [B · N_seq, N_res, H, D] with [1, 64, 1, D]
-  boxes: rows past N_res arrive as zeros.
+- producer (1 warp, setmaxnreg PRODUCER_REGS): first the pair bias's [64, N_res] strip (fp32, log2 units:
+  gluon_plan.log2_biases) into shared memory (`pair_bar`), the same for every MSA row of the walk; then per MSA row s
+  of the group, in order, waits `row_free[s % 2]` and TMA-loads Q_s,i, dO_s,i [64, D], the row's K_s, V_s as NJ tiles
+  [64, D] each and its mask row into row buffer s % 2, onto `row_ready[s % 2]` (one expect-tx for them all). 4-D
+  descriptors over q's [B · N_seq, N_res, H, D] with [1, 64, 1, D] boxes: rows past N_res arrive as zeros.
 - consumer warpgroup w (w = 0 the default partition, setmaxnreg CONSUMER_REGS): per row, lse and delta of its 64
   queries (plain loads, issued before the row's wait), then for each of its key blocks j:
       S = Q · K_jᵀ and dP = dO · V_jᵀ issued together (wgmma, [64, 64] fp32)
-      the pair bias's [64, 64] tile (b, h, i, j) and the mask's key row loaded meanwhile (global; the tile is the
-      same for every row of the walk, so it comes from L1 / L2)
-      x = S · scale · log2 e + (pair + mask) · log2 e (−inf for keys past N_res), p = exp2(x − lse2)
+      x = S · scale · log2 e + pair_j + mask_j (shared memory; −inf for keys past N_res), p = exp2(x − lse2)
       ds = p · (dP − delta); acc_j += ds; dq_w += ds · K_j (wgmma, ds the A operand from registers)
   then both arrive on `row_free[s % 2]`. Warpgroup 1 hands dq_1 to warpgroup 0 through a shared [64, D] fp32 tile
   (`dq_full` / `dq_free`), and warpgroup 0 stores (dq_0 + dq_1) · scale: a fixed order, deterministic.
@@ -28,9 +27,9 @@ warp in a third):
   host sums the G partials in a fixed order (torch.sum over a dim: no atomics) into the [B, H, N_res, N_res]
   gradient. G spreads B · H · NI programs over enough waves to fill the GPU.
 
-What it takes (`fits`): fp16 / bf16 q, k, v of head dim 16 or 32 (two row buffers of K and V: 96 KB at d 32), N_res
-<= 384, the biases a pair tile shared by the MSA rows (required: its gradient is the point) and at most one key-row
-mask; every other case keeps the portable passes. Gluon's API changes between Triton releases: built lazily
+What it takes (gluon_plan.fits): fp16 / bf16 q, k, v of head dim 16 or 32 (two row buffers of K and V, 96 KB at
+d 32, beside the 96 KB strip), N_res <= 384, the biases a pair tile shared by the MSA rows (required: its gradient
+is the point) and at most one key-row mask; every other case keeps the portable passes. Gluon's API changes between Triton releases: built lazily
 (`_build()`) and only for GLUON_TRITON_VERSIONS.
 """
 from __future__ import annotations
