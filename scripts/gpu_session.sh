@@ -182,6 +182,8 @@ for step in "$@"; do
                        tail -n 3 "$w/evo-gluon-tests.log"
                        for sh in row triangle; do timeout 100 python3 scripts/probe_evoformer.py --shape $sh > "$w/probe-$sh.log" 2>&1
                          cat "$w/probe-$sh.log"; done
+                       WARPFORGE_EVO_GLUON_FWD_CONSUMERS=3 timeout 100 python3 scripts/probe_evoformer.py --shape row \
+                         > "$w/probe-row-3consumers.log" 2>&1; grep gluon "$w/probe-row-3consumers.log"
                        SKIP_TESTS=1 timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/evo-bench.log" 2>&1
                        grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -24
                        timeout 150 python3 -m pytest -q $par -rf tests/evoformer > "$w/tests-evoformer.log" 2>&1

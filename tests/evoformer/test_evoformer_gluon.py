@@ -105,6 +105,15 @@ def test_compiles_for_sm90(case, kernel):
     assert r["spill_stores"] <= 256, r["ptxas_log"]  # a few registers around a row's first step (ptxas)
 
 
+@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
+def test_forward_with_three_consumers_compiles_for_sm90():
+    """The forward's knob WARPFORGE_EVO_GLUON_FWD_CONSUMERS=3: 16 warps, within sm_90's shared memory at N_res 384."""
+    from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess
+    r = compile_in_subprocess("warpforge.ops.evoformer.fwd_gluon_kernel", dict(R=384, D=32, nc=3), ROOT)
+    assert r["warp_specialize"] and r["num_warps"] == 16 and r["ptxas_rc"] == 0 and not r["wgmma_serialized"]
+    assert r["shared_bytes"] <= SMEM_MAX and r["spill_stores"] <= 64, r["ptxas_log"]
+
+
 def _on_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
 

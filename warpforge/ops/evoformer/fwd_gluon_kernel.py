@@ -28,7 +28,17 @@ from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
 from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
 
-STAGES = 4  # a warpgroup's ring of K / V slots (it holds two at a time: S_j and P·V_{j-1} in flight)
+# consumer warpgroups -> (a warpgroup's ring of K / V slots: it holds two at a time, S_j and P·V_{j-1} in flight;
+# registers a consumer thread, the launch's cap). Three consumers share the strip at 201 KB of shared memory (d 32,
+# N_res 384) and 152 registers (3 x 128 x 152 + 128 x 24 <= 64K); the knob WARPFORGE_EVO_GLUON_FWD_CONSUMERS.
+CONSUMER_PLANS = {2: (4, CONSUMER_REGS, MAXNREG), 3: (3, 152, 128)}
+CONSUMERS_ENV = "WARPFORGE_EVO_GLUON_FWD_CONSUMERS"
+CONSUMERS = 2
+
+
+def consumers() -> int:
+    import os
+    return int(os.environ.get(CONSUMERS_ENV, CONSUMERS))
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "fwd_gluon"]
 
@@ -45,35 +55,35 @@ def _build():
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar,
                   q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H: gl.constexpr, NI: gl.constexpr,
-                  NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr):
+                  NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, NC: gl.constexpr):
         bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
         mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
         for jp in gl.static_range(NJ):
             tma.async_copy_global_to_shared(pair_desc, [bh, i * 64, jp * 64], pair_bar, pair_bufs.index(jp))
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + HAS_MASK * NJ * mask_desc.block_type.nbytes
         kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
-        for u in range((n_rows + 1) // 2):
-            for w in gl.static_range(2):
-                if 2 * u + w < n_rows:
+        for u in range((n_rows + NC - 1) // NC):  # rows NC·u + w, one for each consumer w
+            for w in gl.static_range(NC):
+                if NC * u + w < n_rows:
                     qs = 2 * w + u % 2
                     mbarrier.wait(q_free.index(qs), ((u // 2) & 1) ^ 1)  # fresh barriers pass the first lap
                     bar = q_ready.index(qs)
                     mbarrier.expect(bar, q_bytes)
-                    bs = b * S + s0 + 2 * u + w
+                    bs = b * S + s0 + NC * u + w
                     tma.async_copy_global_to_shared(q_desc, [bs, i * 64, h, 0], bar, q_bufs.index(qs))
                     if HAS_MASK:
                         for jm in gl.static_range(NJ):
                             tma.async_copy_global_to_shared(mask_desc, [bs * mask_heads + h % mask_heads, jm * 64],
                                                             bar, mask_bufs.index(qs * NJ + jm))
             for j in range(NJ):
-                for w in gl.static_range(2):
-                    if 2 * u + w < n_rows:
+                for w in gl.static_range(NC):
+                    if NC * u + w < n_rows:
                         c = u * NJ + j
                         slot = w * STAGES + c % STAGES
                         mbarrier.wait(kv_free.index(slot), ((c // STAGES) & 1) ^ 1)
                         bar = kv_ready.index(slot)
                         mbarrier.expect(bar, kv_bytes)
-                        bs = b * S + s0 + 2 * u + w
+                        bs = b * S + s0 + NC * u + w
                         tma.async_copy_global_to_shared(k_desc, [bs, j * 64, h, 0], bar, k_bufs.index(slot))
                         tma.async_copy_global_to_shared(v_desc, [bs, j * 64, h, 0], bar, v_bufs.index(slot))
 
@@ -102,7 +112,7 @@ def _build():
     def _consumer(q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, OUT, LSE,
                   GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                   NI: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
-                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr):
+                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr, NC: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -118,8 +128,8 @@ def _build():
         cols0 = gl.arange(0, 64, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([64, 64], gl.float32, s_layout)
         mbarrier.wait(pair_bar, 0)
-        for u in range((n_rows - WG + 1) // 2):
-            s = s0 + 2 * u + WG
+        for u in range((n_rows - WG + NC - 1) // NC):
+            s = s0 + NC * u + WG
             qs = 2 * WG + u % 2
             mbarrier.wait(q_ready.index(qs), (u // 2) & 1)
             q = q_bufs.index(qs).reshape([64, D])
@@ -179,38 +189,56 @@ def _build():
     def evo_fwd_gluon_kernel(q_desc, k_desc, v_desc, pair_desc, mask_desc, OUT, LSE, GATE, BH, S, R, rows_per,
                              mask_heads, qk_scale, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
                              NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, HAS_GATE: gl.constexpr,
-                             EVEN: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [4] + q_desc.block_type.shape, q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2 * STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2 * STAGES] + v_desc.block_type.shape, v_desc.layout)
+                             EVEN: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr):
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * NC] + q_desc.block_type.shape, q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NC * STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NC * STAGES] + v_desc.block_type.shape, v_desc.layout)
         pair_bufs = gl.allocate_shared_memory(gl.float32, [NJ] + pair_desc.block_type.shape, pair_desc.layout)
         if HAS_MASK:
-            mask_bufs = gl.allocate_shared_memory(gl.float32, [4 * NJ] + mask_desc.block_type.shape, mask_desc.layout)
+            mask_bufs = gl.allocate_shared_memory(gl.float32, [2 * NC * NJ] + mask_desc.block_type.shape,
+                                                  mask_desc.layout)
         else:
             mask_bufs = pair_bufs  # not read
         pair_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-        kv_ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-        kv_free = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * NC, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [2 * NC, 1], mbarrier.MBarrierLayout())
+        kv_ready = gl.allocate_shared_memory(gl.int64, [NC * STAGES, 1], mbarrier.MBarrierLayout())
+        kv_free = gl.allocate_shared_memory(gl.int64, [NC * STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(pair_bar, count=1)
-        for x in gl.static_range(4):
+        for x in gl.static_range(2 * NC):
             mbarrier.init(q_ready.index(x), count=1)
             mbarrier.init(q_free.index(x), count=1)
-        for x in gl.static_range(2 * STAGES):
+        for x in gl.static_range(NC * STAGES):
             mbarrier.init(kv_ready.index(x), count=1)
             mbarrier.init(kv_free.index(x), count=1)
-        gl.warp_specialize([
-            (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free,
-                         OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK, HAS_GATE,
-                         EVEN)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free,
-                         OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK, HAS_GATE,
-                         EVEN)),
-            (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs,
-                         pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H, NI, NJ, STAGES,
-                         HAS_MASK)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        if NC == 3:  # (the partitions are a literal list: Gluon takes no tuple of a function in a variable)
+            gl.warp_specialize([
+                (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
+                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK,
+                             HAS_GATE, EVEN, NC)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
+                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK,
+                             HAS_GATE, EVEN, NC)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
+                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 2, H, D, NI, NJ, STAGES, HAS_MASK,
+                             HAS_GATE, EVEN, NC)),
+                (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
+                             mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
+                             NI, NJ, STAGES, HAS_MASK, NC)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
+                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK,
+                             HAS_GATE, EVEN, NC)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
+                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK,
+                             HAS_GATE, EVEN, NC)),
+                (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
+                             mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
+                             NI, NJ, STAGES, HAS_MASK, NC)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return evo_fwd_gluon_kernel, gl
 
@@ -221,35 +249,39 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G):
-    """(kernel, grid, args, constexpr kwargs) of the launch; shared by fwd_gluon and the compile test."""
+def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=2):
+    """(kernel, grid, args, constexpr kwargs) of the launch; shared by fwd_gluon and the compile test. nc: consumer
+    warpgroups (CONSUMER_PLANS)."""
     B, S, R, H, D = q.shape
+    stages, consumer_regs, maxnreg = CONSUMER_PLANS[nc]
     NJ = triton.cdiv(R, BLOCK)
     kernel, _ = _build()
     rows_per = triton.cdiv(S, G)
     args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse, q if gate is None else gate, B * H,
             S, R, rows_per, mask_heads, scale * LOG2E]
-    meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=STAGES, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
-                EVEN=R % BLOCK == 0, CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                maxnreg=MAXNREG)
+    meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=stages, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
+                EVEN=R % BLOCK == 0, NC=nc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                maxnreg=maxnreg)
     return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
 
 
 def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
     """(out like q, lse [B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_plan.fits holds).
-    The rows of a group are split between two warpgroups, so a group holds at least two."""
+    The rows of a group are split between the consumer warpgroups, so a group holds at least one for each."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = triton.cdiv(R, BLOCK)
-    G = groups(B * H, NJ, triton.cdiv(S, 2), n_sm)
+    nc = consumers()
+    G = groups(B * H, NJ, triton.cdiv(S, nc), n_sm)
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
-    kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *log2_biases(pair, mask, B, S, H, R), scale, G)
+    kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *log2_biases(pair, mask, B, S, H, R), scale, G,
+                                           nc)
     launch(kernel, grid, *args, **meta)
     return out, lse
 
 
-def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2):
+def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2, nc=2):
     """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched)."""
     from .._gluon import compile_report
     dt = getattr(torch, dtype)
@@ -259,5 +291,5 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
     kernel, grid, args, meta = launch_args(q, q, q, q, lse, q if gate else None,
-                                           *log2_biases(pair, m, B, S, H, R), D ** -0.5, G)
+                                           *log2_biases(pair, m, B, S, H, R), D ** -0.5, G, nc)
     return compile_report(kernel, args, grid, meta, arch)
