@@ -441,8 +441,9 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     want_dgate = want_dgate and gate is not None
     dgate = torch.empty_like(gate) if want_dgate else None
+    merged = dq_dbias is not None and want_dbias and not fused and q.numel() > 0  # (dq_dbias returns its own)
     # the dbias pass writes every [R, R] element of each (b, h): no memset needed, except for an empty N_seq
-    dbias = torch.empty((B, H, R, R), device=q.device, dtype=torch.float32) if want_dbias else None
+    dbias = torch.empty((B, H, R, R), device=q.device, dtype=torch.float32) if want_dbias and not merged else None
     if not q.numel():
         return (dq.zero_(), dk.zero_(), dv.zero_(), dgate.zero_() if want_dgate else None,
                 dbias.zero_() if want_dbias else None)
@@ -462,7 +463,6 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
             q, k, v, do, lse, delta, dq, dq_acc, dk, dv, b1[0], b2[0], *strides, *b1[1:], *b2[1:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1, KIND2=kind2,
             **_shape_flags(R, D, cfg), num_warps=cfg.warps, num_stages=cfg.stages)
-    merged = dq_dbias is not None and want_dbias and not fused
     passes = []  # the portable (tile, dq pass?) launches the callables leave
     if not fused:
         if dkdv is not None:
