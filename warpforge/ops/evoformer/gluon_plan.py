@@ -1,9 +1,10 @@
-"""What the Evoformer's Gluon kernels (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel) share on the host: which biases
-and shapes they take, how many MSA-row groups a launch splits into, and the tensors and TMA descriptors they read.
+"""What the Evoformer's Gluon kernels (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel) share on the
+host: which biases and shapes they take, how many MSA-row groups a launch splits into, and the tensors and TMA
+descriptors they read.
 
 Each kernel gives a program one (batch · head, 64-residue block) and a group of MSA rows, and reads the pair bias's
-[64, N_res] strip once (into shared memory, or for the dq pass's gradient into registers), fp32 in log2 units, where
-every MSA row's scores take it from.
+[64, N_res] strip once into shared memory, fp32 in log2 units, where every MSA row's scores take it from (the dq
+pass keeps its strip of the pair bias's gradient in registers besides).
 """
 from __future__ import annotations
 
