@@ -62,7 +62,8 @@ def main():
         merged = api._dq_dbias_pass(q, biases, scale) if name == "gluon" else None
         dkdv = api._dkdv_pass(q, biases, scale) if name == "gluon" else None
         if name == "gluon" and merged is None:
-            print(f"{name:16s}: not taken here (configs.gluon_dq_dbias, gluon_plan.fits, available)", flush=True)
+            print(f"{name:16s}: not taken here (configs.gluon_dq_dbias, gluon_shared_kernel.fits, available)",
+                  flush=True)
             continue
 
         def forward():

@@ -9,7 +9,7 @@ import torch
 
 import warpforge as wf
 from warpforge.ops.evoformer import configs
-from warpforge.ops.evoformer import dq_dbias_gluon_kernel as gk, gluon_plan as plan
+from warpforge.ops.evoformer import dq_dbias_gluon_kernel as gk, gluon_shared_kernel as plan
 from warpforge.testing import cosine, rel_l2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

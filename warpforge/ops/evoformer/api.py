@@ -38,9 +38,8 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: Optional
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
     biases = (_full(bias1, full), _full(bias2, full))
-    if _gluon_takes(q, biases, configs.gluon_fwd):
-        from .fwd_gluon_kernel import fwd_gluon
-        return fwd_gluon(q, k, v, biases, gate, scale, sm_count(q.device), cached_launch)
+    if _gluon_takes(q, biases, configs.gluon_fwd, _fwd_kernel):
+        return _fwd_kernel().fwd_gluon(q, k, v, biases, gate, scale, sm_count(q.device), cached_launch)
     return evoformer_fwd(q, k, v, biases, gate, scale, _tiles(q).fwd, cached_launch)
 
 
@@ -57,33 +56,46 @@ def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype).contiguous()
 
 
-def _gluon_takes(q: torch.Tensor, biases, switch) -> bool:
-    """Whether a Hopper Gluon kernel (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel) takes this call: an
-    sm_90 device, its switch on (configs), a shape and biases it takes (gluon_plan.fits), a Triton its Gluon was
-    written for."""
+def _gluon_takes(q: torch.Tensor, biases, switch, kernel) -> bool:
+    """Whether a Hopper Gluon kernel module (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel: `kernel`)
+    takes this call: an sm_90 device, its switch on (configs), a shape and biases it takes
+    (gluon_shared_kernel.fits), a Triton its Gluon was written for (the module's available())."""
     if q.device.type != "cuda" or arch_key(q.device) != "sm90" or not switch():
         return False
-    from . import gluon_plan
-    return gluon_plan.fits(q, biases) and gluon_plan.available()
+    from .gluon_shared_kernel import fits
+    return fits(q, biases) and kernel().available()
+
+
+def _fwd_kernel():
+    from . import fwd_gluon_kernel
+    return fwd_gluon_kernel
+
+
+def _dkdv_kernel():
+    from . import dkdv_gluon_kernel
+    return dkdv_gluon_kernel
+
+
+def _dq_dbias_kernel():
+    from . import dq_dbias_gluon_kernel
+    return dq_dbias_gluon_kernel
 
 
 def _dq_dbias_pass(q: torch.Tensor, biases, scale: float):
     """The Hopper pass that computes dq and the pair bias's gradient in one walk (dq_dbias_gluon_kernel), as the
     callable evoformer_bwd takes, where it applies (_gluon_takes); else None (the portable passes)."""
-    if not _gluon_takes(q, biases, configs.gluon_dq_dbias):
+    if not _gluon_takes(q, biases, configs.gluon_dq_dbias, _dq_dbias_kernel):
         return None
-    from . import dq_dbias_gluon_kernel as gk
-    return functools.partial(gk.dq_dbias_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
+    return functools.partial(_dq_dbias_kernel().dq_dbias_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
                              launch=cached_launch)
 
 
 def _dkdv_pass(q: torch.Tensor, biases, scale: float):
     """The Hopper dk/dv pass (dkdv_gluon_kernel), as the callable evoformer_bwd takes, where it applies
     (_gluon_takes); else None (the portable pass)."""
-    if not _gluon_takes(q, biases, configs.gluon_dkdv):
+    if not _gluon_takes(q, biases, configs.gluon_dkdv, _dkdv_kernel):
         return None
-    from . import dkdv_gluon_kernel as gk
-    return functools.partial(gk.dkdv_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
+    return functools.partial(_dkdv_kernel().dkdv_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
                              launch=cached_launch)
 
 
@@ -98,8 +110,9 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     full = (B, S, H, R, R)
     biases = (_full(bias1, full), _full(bias2, full))
     dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, biases, gate, scale, want1 or want2,
-                                             _tiles(q), want_gate, configs.bwd_fused(), _dq_dbias_pass(q, biases, scale),
-                                             _dkdv_pass(q, biases, scale), cached_launch)
+                                             _tiles(q), want_gate, configs.bwd_fused(),
+                                             _dq_dbias_pass(q, biases, scale), _dkdv_pass(q, biases, scale),
+                                             cached_launch)
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
         ([dgate] if dgate is not None else [])
 

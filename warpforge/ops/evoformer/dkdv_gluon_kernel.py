@@ -3,8 +3,8 @@ evoformer_kernel._walk_queries) with the pair bias read as the forward's Gluon k
 
 A step's pair-bias tile depends on (batch, head, key block, query block) and not on the MSA row, so a program owns
 one key block of one (batch, head) for a group of MSA rows and keeps the transposed pair bias's [64 keys, N_res]
-strip in shared memory, fp32 in log2 units (gluon_plan.log2_biases, transposed once per backward), for the whole
-walk. dK and dV of a (row, key block) have one writer: no atomics.
+strip in shared memory, fp32 in log2 units (gluon_shared_kernel.log2_biases, transposed once per backward), for the
+whole walk. dK and dV of a (row, key block) have one writer: no atomics.
 
 Program (batch · head, 64-key block j, group g of MSA rows), 12 warps (two consumer warpgroups and a producer warp
 in a third):
@@ -25,7 +25,8 @@ import triton
 
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors,
+                                  split_biases)
 
 STAGES = 4  # a warpgroup's ring of Q / dO slots (it holds two at a time: block i's and i - 1's)
 
@@ -232,8 +233,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scal
 
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm, launch=triton_launch):
-    """Writes dk and dv (like k, v; gluon_plan.fits holds). do: the gated output gradient, delta its rowsum with
-    the output, lse the forward's (natural log)."""
+    """Writes dk and dv (like k, v; gluon_shared_kernel.fits holds). do: the gated output gradient, delta its rowsum
+    with the output, lse the forward's (natural log)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = triton.cdiv(R, BLOCK)

@@ -12,10 +12,11 @@ takes blocks j = w, w + 2, w + 4) and keep their [64, 64] tiles of it in registe
 Program (batch · head, 64-query block i, group g of MSA rows), 12 warps (two consumer warpgroups and a producer
 warp in a third):
 - producer (1 warp, setmaxnreg PRODUCER_REGS): first the pair bias's [64, N_res] strip (fp32, log2 units:
-  gluon_plan.log2_biases) into shared memory (`pair_bar`), the same for every MSA row of the walk; then per MSA row s
-  of the group, in order, waits `row_free[s % 2]` and TMA-loads Q_s,i, dO_s,i [64, D], the row's K_s, V_s as NJ tiles
-  [64, D] each and its mask row into row buffer s % 2, onto `row_ready[s % 2]` (one expect-tx for them all). 4-D
-  descriptors over q's [B · N_seq, N_res, H, D] with [1, 64, 1, D] boxes: rows past N_res arrive as zeros.
+  gluon_shared_kernel.log2_biases) into shared memory (`pair_bar`), the same for every MSA row of the walk; then
+  per MSA row s of the group, in order, waits `row_free[s % 2]` and TMA-loads Q_s,i, dO_s,i [64, D], the row's K_s,
+  V_s as NJ tiles [64, D] each and its mask row into row buffer s % 2, onto `row_ready[s % 2]` (one expect-tx for
+  them all). 4-D descriptors over q's [B · N_seq, N_res, H, D] with [1, 64, 1, D] boxes: rows past N_res arrive as
+  zeros.
 - consumer warpgroup w (w = 0 the default partition, setmaxnreg CONSUMER_REGS): per row, lse and delta of its 64
   queries (plain loads, issued before the row's wait), then for each of its key blocks j:
       S = Q · K_jᵀ and dP = dO · V_jᵀ issued together (wgmma, [64, 64] fp32)
@@ -27,10 +28,10 @@ warp in a third):
   host sums the G partials in a fixed order (torch.sum over a dim: no atomics) into the [B, H, N_res, N_res]
   gradient. G spreads B · H · NI programs over enough waves to fill the GPU.
 
-What it takes (gluon_plan.fits): fp16 / bf16 q, k, v of head dim 16 or 32 (two row buffers of K and V, 96 KB at
-d 32, beside the 96 KB strip), N_res <= 384, the biases a pair tile shared by the MSA rows (required: its gradient
-is the point) and at most one key-row mask; every other case keeps the portable passes. Gluon's API changes between Triton releases: built lazily
-(`_build()`) and only for GLUON_TRITON_VERSIONS.
+What it takes (gluon_shared_kernel.fits): fp16 / bf16 q, k, v of head dim 16 or 32 (two row buffers of K and V,
+96 KB at d 32, beside the 96 KB strip), N_res <= 384, the biases a pair tile shared by the MSA rows (required: its
+gradient is the point) and at most one key-row mask; every other case keeps the portable passes. Gluon's API
+changes between Triton releases: built lazily (`_build()`) and only for GLUON_TRITON_VERSIONS.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ import triton
 
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors,
+                                  split_biases)
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "dq_dbias_gluon"]
 
@@ -83,8 +85,9 @@ def _build():
 
     @gluon.jit
     def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, dq_x, pair_bar, row_ready, row_free, dq_full,
-                  dq_free, DQ, LSE, DELTA, PART, BH, S, R, rows_per, qk_scale, sm_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
-                  NJ: gl.constexpr, HAS_MASK: gl.constexpr, EVEN: gl.constexpr):
+                  dq_free, DQ, LSE, DELTA, PART, BH, S, R, rows_per, qk_scale, sm_scale, WG: gl.constexpr,
+                  H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr, NJ: gl.constexpr, HAS_MASK: gl.constexpr,
+                  EVEN: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -233,8 +236,8 @@ def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, sca
     NJ = triton.cdiv(R, BLOCK)
     kernel, _ = _build()
     rows_per = triton.cdiv(S, G)
-    args = [*row_descriptors(q, k, v, do), *bias_descriptors(pair2, mask2), dq, lse, delta, part, B * H, S, R, rows_per, mask_heads,
-            scale * LOG2E, scale]
+    args = [*row_descriptors(q, k, v, do), *bias_descriptors(pair2, mask2), dq, lse, delta, part, B * H, S, R,
+            rows_per, mask_heads, scale * LOG2E, scale]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, HAS_MASK=mask2 is not None, EVEN=R % BLOCK == 0,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta

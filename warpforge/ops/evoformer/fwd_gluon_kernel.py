@@ -4,8 +4,8 @@ At the models' head dims (16-32) a score's matmul share is small and its element
 portable forward ~13.5 instructions a score, ~4.5 of them the biases (the pair tile's 4-byte global loads in the
 MMA layout, converts, scalings, the mask's add; benchmarks/NOTES.md "Session 31"). The pair bias is the same for
 every MSA row, so here a program keeps its [64, N_res] strip in shared memory for a whole group of rows, already in
-fp32 log2 units (gluon_plan.log2_biases): a score takes one shared load (two a 64-bit word), one FMA and one add for
-its biases.
+fp32 log2 units (gluon_shared_kernel.log2_biases): a score takes one shared load (two a 64-bit word), one FMA and
+one add for its biases.
 
 Program (batch · head, 64-query block i, group g of MSA rows), 12 warps (two consumer warpgroups and a producer
 warp in a third):
@@ -26,7 +26,8 @@ import triton
 
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_plan import BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors, split_biases
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors,
+                                  split_biases)
 
 # consumer warpgroups -> (a warpgroup's ring of K / V slots: it holds two at a time, S_j and P·V_{j-1} in flight;
 # registers a consumer thread, the launch's cap). Three consumers share the strip at 201 KB of shared memory (d 32,
@@ -266,8 +267,8 @@ def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=
 
 
 def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
-    """(out like q, lse [B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_plan.fits holds).
-    The rows of a group are split between the consumer warpgroups, so a group holds at least one for each."""
+    """(out like q, lse [B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_shared_kernel.fits
+    holds). The rows of a group are split between the consumer warpgroups, so a group holds at least one for each."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = triton.cdiv(R, BLOCK)

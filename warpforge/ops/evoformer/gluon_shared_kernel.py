@@ -100,18 +100,6 @@ def bias_descriptors(pair2, mask2):
 
 
 
-def available() -> bool:
-    """This Triton's Gluon is one both kernels were written for, and they build."""
-    from .._gluon import builds
-
-    def build():
-        from . import dkdv_gluon_kernel, dq_dbias_gluon_kernel, fwd_gluon_kernel
-        for kernel in (fwd_gluon_kernel, dkdv_gluon_kernel, dq_dbias_gluon_kernel):
-            kernel._build()
-    from .._gluon_flash_fwd import GLUON_TRITON_VERSIONS
-    return builds(build, GLUON_TRITON_VERSIONS)
-
-
 def build_program():
     """The Gluon function the kernels place their programs with (built on first use: importing warpforge never
     touches Gluon): program id -> (batch · head, residue block, group, batch, head, the group's first MSA row, its
