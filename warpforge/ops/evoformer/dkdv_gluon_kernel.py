@@ -25,7 +25,7 @@ import triton
 
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors,
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_biases, row_descriptors,
                                   split_biases)
 
 STAGES = 4  # a warpgroup's ring of Q / dO slots (it holds two at a time: block i's and i - 1's)
@@ -40,16 +40,14 @@ def _build():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    _program = build_program()
+    _program, _load_strip = build_helpers()
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, pair_desc, q_bufs, k_bufs, v_bufs, do_bufs, pair_bufs, pair_bar,
                   kv_ready, kv_free, q_ready, q_free, BH, S, rows_per, H: gl.constexpr, NJ: gl.constexpr,
                   STAGES: gl.constexpr):
         bh, j, g, b, h, s0, n_rows = _program(BH, NJ, H, S, rows_per)
-        mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
-        for ip in gl.static_range(NJ):
-            tma.async_copy_global_to_shared(pair_desc, [bh, j * 64, ip * 64], pair_bar, pair_bufs.index(ip))
+        _load_strip(pair_desc, pair_bufs, pair_bar, bh, j, NJ)
         box: gl.constexpr = 2 * q_desc.block_type.nbytes
         for u in range((n_rows + 1) // 2):
             for w in gl.static_range(2):

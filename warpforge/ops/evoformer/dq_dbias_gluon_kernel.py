@@ -42,7 +42,7 @@ import triton
 
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors,
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_biases, row_descriptors,
                                   split_biases)
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "dq_dbias_gluon"]
@@ -55,7 +55,7 @@ def _build():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    _program = build_program()
+    _program, _load_strip = build_helpers()
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, pair_desc, mask_desc, q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs,
@@ -63,9 +63,7 @@ def _build():
                   NI: gl.constexpr, NJ: gl.constexpr, HAS_MASK: gl.constexpr):
         bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
         # the pair bias's strip (log2 units, fp32) once: the same for every MSA row of the walk
-        mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
-        for j in gl.static_range(NJ):
-            tma.async_copy_global_to_shared(pair_desc, [bh, i * 64, j * 64], pair_bar, pair_bufs.index(j))
+        _load_strip(pair_desc, pair_bufs, pair_bar, bh, i, NJ)
         row_bytes: gl.constexpr = (2 * q_desc.block_type.nbytes + 2 * NJ * k_desc.block_type.nbytes
                                    + HAS_MASK * NJ * mask_desc.block_type.nbytes)
         for t in range(n_rows):

@@ -26,7 +26,7 @@ import triton
 
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_program, groups, log2_biases, row_descriptors,
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_biases, row_descriptors,
                                   split_biases)
 
 # consumer warpgroups -> (a warpgroup's ring of K / V slots: it holds two at a time, S_j and P·V_{j-1} in flight;
@@ -51,16 +51,14 @@ def _build():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-    _program = build_program()
+    _program, _load_strip = build_helpers()
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar,
                   q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H: gl.constexpr, NI: gl.constexpr,
                   NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, NC: gl.constexpr):
         bh, i, g, b, h, s0, n_rows = _program(BH, NI, H, S, rows_per)
-        mbarrier.expect(pair_bar, NJ * pair_desc.block_type.nbytes)
-        for jp in gl.static_range(NJ):
-            tma.async_copy_global_to_shared(pair_desc, [bh, i * 64, jp * 64], pair_bar, pair_bufs.index(jp))
+        _load_strip(pair_desc, pair_bufs, pair_bar, bh, i, NJ)
         q_bytes: gl.constexpr = q_desc.block_type.nbytes + HAS_MASK * NJ * mask_desc.block_type.nbytes
         kv_bytes: gl.constexpr = 2 * k_desc.block_type.nbytes
         for u in range((n_rows + NC - 1) // NC):  # rows NC·u + w, one for each consumer w

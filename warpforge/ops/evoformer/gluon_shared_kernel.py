@@ -100,12 +100,15 @@ def bias_descriptors(pair2, mask2):
 
 
 
-def build_program():
-    """The Gluon function the kernels place their programs with (built on first use: importing warpforge never
-    touches Gluon): program id -> (batch · head, residue block, group, batch, head, the group's first MSA row, its
-    row count); residue blocks fastest, so that the NI programs that read the same MSA rows run side by side."""
+def build_helpers():
+    """The Gluon functions every kernel here uses (built on first use: importing warpforge never touches Gluon):
+    - _program: program id -> (batch · head, residue block, group, batch, head, the group's first MSA row, its row
+      count); residue blocks fastest, so that the NI programs that read the same MSA rows run side by side;
+    - _load_strip: the producer's TMA loads of the log2 pair bias's strip for residue block `blk` (NB [1, 64, 64]
+      boxes along the other residue axis) onto one barrier, once per program."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     @gluon.jit
     def _program(BH, NI: gl.constexpr, H: gl.constexpr, S, rows_per):
@@ -114,4 +117,10 @@ def build_program():
         g = pid // (NI * BH)
         s0 = g * rows_per
         return bh, pid % NI, g, bh // H, bh % H, s0, gl.minimum(rows_per, S - s0)
-    return _program
+
+    @gluon.jit
+    def _load_strip(pair_desc, pair_bufs, pair_bar, bh, blk, NB: gl.constexpr):
+        mbarrier.expect(pair_bar, NB * pair_desc.block_type.nbytes)
+        for x in gl.static_range(NB):
+            tma.async_copy_global_to_shared(pair_desc, [bh, blk * 64, x * 64], pair_bar, pair_bufs.index(x))
+    return _program, _load_strip
