@@ -198,6 +198,12 @@ for step in "$@"; do
                      WARPFORGE_EVO_GLUON_FWD_CONSUMERS=3 timeout 100 python3 scripts/probe_evoformer.py --shape row \
                        > "$w/probe-row-3consumers.log" 2>&1; grep gluon "$w/probe-row-3consumers.log"
                      unset WARPFORGE_EVO_GLUON WARPFORGE_EVO_GLUON_FWD WARPFORGE_EVO_GLUON_DKDV ;;
+    evoformer-profile) # where a triangle / row fwd+bwd call's time goes: wall beside kernels (warpforge, flex), then the host
+                     for m in "triangle fwd\+bwd" "row fwd\+bwd"; do
+                       timeout 120 python3 scripts/profile_case.py --family evoformer --match "$m" --impl "warpforge|flex" \
+                         --iters 20 --top 14 > "$w/profile-${m%% *}.log" 2>&1; grep -B1 -A15 "a call" "$w/profile-${m%% *}.log"; done
+                     timeout 120 python3 scripts/profile_case.py --family evoformer --match "triangle fwd\+bwd" --impl warpforge \
+                       --host --iters 20 --top 25 > "$w/profile-host.log" 2>&1; head -c 6000 "$w/profile-host.log" ;;
     evoformer-default) # issue 16 with the tables' defaults (configs: the dq + pair-bias Gluon pass on): tests/evoformer, then the bench's row and triangle
                      # (the sm_90 compile tests run on any CPU: skipped on the device)
                      timeout 240 python3 -m pytest -q $par -rf -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1
