@@ -204,6 +204,9 @@ for step in "$@"; do
                          --iters 20 --top 14 > "$w/profile-${m%% *}.log" 2>&1; grep -B1 -A15 "a call" "$w/profile-${m%% *}.log"; done
                      timeout 120 python3 scripts/profile_case.py --family evoformer --match "triangle fwd\+bwd" --impl warpforge \
                        --host --iters 20 --top 25 > "$w/profile-host.log" 2>&1; head -c 6000 "$w/profile-host.log" ;;
+    evo-host) # where an eager Evoformer fwd+bwd call's host time goes (scripts/evo_host_breakdown.py), triangle then row
+                     for sh in triangle row; do timeout 120 python3 scripts/evo_host_breakdown.py --shape $sh > "$w/evo-host-$sh.log" 2>&1
+                       cat "$w/evo-host-$sh.log"; done ;;
     evoformer-default) # issue 16 with the tables' defaults (configs: the dq + pair-bias Gluon pass on): tests/evoformer, then the bench's row and triangle
                      # (the sm_90 compile tests run on any CPU: skipped on the device)
                      timeout 240 python3 -m pytest -q $par -rf -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1
