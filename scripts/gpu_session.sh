@@ -207,6 +207,14 @@ for step in "$@"; do
     evo-host) # where an eager Evoformer fwd+bwd call's host time goes (scripts/evo_host_breakdown.py), triangle then row
                      for sh in triangle row; do timeout 120 python3 scripts/evo_host_breakdown.py --shape $sh > "$w/evo-host-$sh.log" 2>&1
                        cat "$w/evo-host-$sh.log"; done ;;
+    evo-lean) # issue 16's triangle line (host-bound): the leaner backward (one launch for the log2 biases, one for the partials'
+              # sum and cast) against .before in the same call: tests/evoformer, the host breakdown, the bench's row and triangle
+              timeout 100 python3 -m pytest -q $par -rf -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1
+              grep -E "FAILED|passed|failed" "$w/tests-evoformer.log" | tail -8
+              timeout 60 python3 scripts/evo_host_breakdown.py --shape triangle --reps 100 > "$w/evo-host-triangle.log" 2>&1
+              cat "$w/evo-host-triangle.log"
+              COMPARE=$PWD/.before SKIP_TESTS=1 MATCH='row|triangle' timeout 200 bash scripts/gpu_check.sh "$w/cmp" evoformer \
+                > "$w/$step.log" 2>&1; grep -E "warpforge|flex" "$w/cmp/bench-before-evoformer.log" "$w/cmp/bench-evoformer.log" | grep "fwd+bwd" ;;
     evoformer-default) # issue 16 with the tables' defaults (configs: the dq + pair-bias Gluon pass on): tests/evoformer, then the bench's row and triangle
                      # (the sm_90 compile tests run on any CPU: skipped on the device)
                      timeout 240 python3 -m pytest -q $par -rf -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1

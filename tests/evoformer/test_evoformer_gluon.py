@@ -10,6 +10,7 @@ import torch
 import warpforge as wf
 from warpforge.ops.evoformer import configs
 from warpforge.ops.evoformer import dq_dbias_gluon_kernel as gk, gluon_shared_kernel as plan
+from warpforge.ops.shared_kernels import triton_launch
 from warpforge.testing import cosine, rel_l2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,20 +66,50 @@ def test_groups_bounded_by_the_rows():
 @pytest.mark.parametrize("R", [40, 37])  # 37: rows padded to 16 bytes for TMA
 @pytest.mark.parametrize("mask_heads", [1, 2])
 def test_log2_biases(R, mask_heads):
-    """The biases as the kernels read them: fp32 · log2 e, the pair [B · H, R, R] (the dk/dv kernel's transposed
-    through a transposed view), the mask [B · S · Hm, R]; 16-byte rows; -inf stays -inf."""
+    """The biases as the kernels read them (evo_log2_biases_kernel, one launch): fp32 · log2 e, the pair [B · H, R, R]
+    (the dk/dv kernel's transposed through a transposed view), the mask [B · S · Hm, R]; 16-byte rows; -inf stays
+    -inf."""
     B, S, H = 2, 3, 2
     full = (B, S, H, R, R)
     pair = torch.randn(B, 1, H, R, R, dtype=torch.bfloat16)
     mask = torch.zeros(B, S, mask_heads, 1, R)
     mask[..., ::3] = float("-inf")
-    pair2, mask2, heads = plan.log2_biases(pair.expand(full), mask.expand(full), B, S, H, R)
+    pair2, mask2, heads = plan.log2_biases(pair.expand(full), mask.expand(full), B, S, H, R, triton_launch)
     assert heads == mask_heads and pair2.shape == (B * H, R, R) and mask2.shape == (B * S * mask_heads, R)
     assert pair2.stride(1) % 4 == 0 and mask2.stride(0) % 4 == 0 and pair2.dtype == mask2.dtype == torch.float32
     assert torch.equal(pair2, (pair[:, 0].float() * plan.LOG2E).reshape(B * H, R, R))
     assert torch.equal(mask2, (mask[:, :, :, 0] * plan.LOG2E).reshape(-1, R))
-    pair2t, _, _ = plan.log2_biases(pair.expand(full).transpose(3, 4), None, B, S, H, R)
+    pair2t, _, _ = plan.log2_biases(pair.expand(full).transpose(3, 4), None, B, S, H, R, triton_launch)
     assert torch.equal(pair2t, pair2.transpose(1, 2))
+
+
+@pytest.mark.parametrize("G", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_partials(G, dtype):
+    """The merged pass's G fp32 partials summed in group order and cast once, into the bias's dtype."""
+    n = 3000  # crosses the 1024-element blocks
+    part = torch.randn(G, n)
+    out = torch.empty(n, dtype=dtype)
+    triton_launch(gk.evo_sum_partials_kernel, (-(-n // gk.SUM_BLOCK),), part, out, n, G, BLOCK=gk.SUM_BLOCK)
+    want = part[0].clone()
+    for g in range(1, G):
+        want += part[g]
+    if dtype == torch.float32:
+        assert torch.equal(out, want)
+    else:  # the interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): within one bf16 step
+        torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=0)
+
+
+def test_dbias_dtype_is_the_bias_dtype_only_where_nothing_is_summed():
+    """The backward writes the pair bias's gradient in its dtype when it has the score gradient's shape (one cast in
+    the kernel), in fp32 where the result is summed further (a bias broadcast over B or H) or two biases want it."""
+    from warpforge.ops.evoformer import api
+    q = torch.empty(2, 3, 8, 4, 16, dtype=torch.float16)
+    pair = torch.empty(2, 1, 4, 8, 8, dtype=torch.bfloat16)
+    assert api._dbias_dtype(q, [pair]) == torch.bfloat16
+    assert api._dbias_dtype(q, [torch.empty(4, 8, 8, dtype=torch.bfloat16)]) == torch.float32  # summed over B
+    assert api._dbias_dtype(q, [torch.empty(2, 1, 1, 8, 8, dtype=torch.bfloat16)]) == torch.float32  # over H
+    assert api._dbias_dtype(q, [pair, pair]) == torch.float32
 
 
 def _gluon_triton():

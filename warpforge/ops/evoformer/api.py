@@ -48,12 +48,27 @@ def _fwd_fake(q, k, v, bias1, bias2, gate, scale):
     return torch.empty_like(q), q.new_empty((B, S, H, R), dtype=torch.float32)
 
 
-def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """The [B, H, R, R] score gradient (already summed over N_seq) summed down to bias's own shape."""
-    grad = dbias[:, None]  # [B, 1, H, R, R]
+def _sum_dims(bias: torch.Tensor, grad_shape) -> tuple:
+    """The dims of the [B, 1, H, R, R] score gradient that bias broadcasts over (summed down to its shape)."""
     shape = (1,) * (5 - bias.dim()) + tuple(bias.shape)
-    dims = tuple(i for i in range(5) if shape[i] == 1 and grad.shape[i] != 1)
+    return tuple(i for i in range(5) if shape[i] == 1 and grad_shape[i] != 1)
+
+
+def _summed_to(dbias: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The [B, H, R, R] score gradient (already summed over N_seq) summed down to bias's own shape and dtype (a
+    view, without a copy, where the backward already wrote it in bias's dtype and nothing is left to sum)."""
+    grad = dbias[:, None]  # [B, 1, H, R, R]
+    dims = _sum_dims(bias, grad.shape)
     return (grad.sum(dims, keepdim=True) if dims else grad).reshape(bias.shape).to(bias.dtype).contiguous()
+
+
+def _dbias_dtype(q: torch.Tensor, wanted) -> torch.dtype:
+    """The dtype the backward writes the summed score gradient in: the one wanted bias's own where nothing is left to
+    sum (the pair bias [B, 1, H, R, R]: one cast in the kernel instead of a copy after it), else fp32."""
+    B, S, R, H, _ = q.shape
+    if len(wanted) == 1 and not _sum_dims(wanted[0], (B, 1, H, R, R)):
+        return wanted[0].dtype
+    return torch.float32
 
 
 def _gluon_takes(q: torch.Tensor, biases, switch, kernel) -> bool:
@@ -81,13 +96,13 @@ def _dq_dbias_kernel():
     return dq_dbias_gluon_kernel
 
 
-def _dq_dbias_pass(q: torch.Tensor, biases, scale: float):
+def _dq_dbias_pass(q: torch.Tensor, biases, scale: float, dbias_dtype: torch.dtype = torch.float32):
     """The Hopper pass that computes dq and the pair bias's gradient in one walk (dq_dbias_gluon_kernel), as the
     callable evoformer_bwd takes, where it applies (_gluon_takes); else None (the portable passes)."""
     if not _gluon_takes(q, biases, configs.gluon_dq_dbias, _dq_dbias_kernel):
         return None
     return functools.partial(_dq_dbias_kernel().dq_dbias_gluon, biases=biases, scale=scale, n_sm=sm_count(q.device),
-                             launch=cached_launch)
+                             launch=cached_launch, out_dtype=dbias_dtype)
 
 
 def _dkdv_pass(q: torch.Tensor, biases, scale: float):
@@ -109,10 +124,11 @@ def _bwd_impl(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     B, S, R, H, _ = q.shape
     full = (B, S, H, R, R)
     biases = (_full(bias1, full), _full(bias2, full))
+    dtype = _dbias_dtype(q, [bias for bias, want in ((bias1, want1), (bias2, want2)) if want])
     dq, dk, dv, dgate, dbias = evoformer_bwd(do.contiguous(), q, k, v, out, lse, biases, gate, scale, want1 or want2,
                                              _tiles(q), want_gate, configs.bwd_fused(),
-                                             _dq_dbias_pass(q, biases, scale), _dkdv_pass(q, biases, scale),
-                                             cached_launch)
+                                             _dq_dbias_pass(q, biases, scale, dtype), _dkdv_pass(q, biases, scale),
+                                             cached_launch, dtype)
     return [dq, dk, dv] + [_summed_to(dbias, bias) for bias, want in ((bias1, want1), (bias2, want2)) if want] + \
         ([dgate] if dgate is not None else [])
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
+from ...runtime import cdiv
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_biases, row_descriptors,
-                                  split_biases)
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_bias_buffers, log2_biases,
+                                  row_descriptors, split_biases)
 
 STAGES = 4  # a warpgroup's ring of Q / dO slots (it holds two at a time: block i's and i - 1's)
 
@@ -218,16 +218,16 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scal
     """(kernel, grid, args, constexpr kwargs) of the launch; shared by dkdv_gluon and the compile test. pair2t: the
     log2 pair bias transposed, [B · H, keys, queries]."""
     B, S, R, H, D = q.shape
-    NJ = triton.cdiv(R, BLOCK)
+    NJ = cdiv(R, BLOCK)
     kernel, _ = _build()
-    rows_per = triton.cdiv(S, G)
+    rows_per = cdiv(S, G)
     pair_desc = bias_descriptors(pair2t, None)[0]
     mask_args = [pair2t, 0, 1] if mask2 is None else [mask2, mask2.stride(0), mask_heads]
     args = [*row_descriptors(q, k, v, do), pair_desc, dk, dv, lse, delta, *mask_args, B * H, S, R, rows_per,
             scale * LOG2E, scale]
     meta = dict(H=H, D=D, NJ=NJ, STAGES=STAGES, HAS_MASK=mask2 is not None, CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
-    return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
+    return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm, launch=triton_launch):
@@ -235,9 +235,9 @@ def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm, launch=trit
     with the output, lse the forward's (natural log)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
-    NJ = triton.cdiv(R, BLOCK)
-    G = groups(B * H, NJ, triton.cdiv(S, 2), n_sm)
-    pair2t, mask2, mask_heads = log2_biases(pair.transpose(3, 4), mask, B, S, H, R)
+    NJ = cdiv(R, BLOCK)
+    G = groups(B * H, NJ, cdiv(S, 2), n_sm)
+    pair2t, mask2, mask_heads = log2_biases(pair.transpose(3, 4), mask, B, S, H, R, launch)
     kernel, grid, args, meta = launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scale, G)
     launch(kernel, grid, *args, **meta)
 
@@ -251,6 +251,6 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=9
     full = (B, S, H, R, R)
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
-    pair2t, mask2, mask_heads = log2_biases(pair.transpose(3, 4), m, B, S, H, R)
+    pair2t, mask2, mask_heads = log2_bias_buffers(pair.transpose(3, 4), m, B, S, H, R)
     kernel, grid, args, meta = launch_args(q, q, q, q, lse, lse, q, q, pair2t, mask2, mask_heads, D ** -0.5, G)
     return compile_report(kernel, args, grid, meta, arch)

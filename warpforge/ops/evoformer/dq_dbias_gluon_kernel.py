@@ -39,11 +39,13 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
+from ...runtime import cdiv
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_biases, row_descriptors,
-                                  split_biases)
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_bias_buffers, log2_biases,
+                                  row_descriptors, split_biases)
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "dq_dbias_gluon"]
 
@@ -231,33 +233,53 @@ def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, sca
     """(kernel, grid, args, constexpr kwargs) of the launch; shared by dq_dbias_gluon and the compile test. part:
     fp32 [G, B · H, R, R]; pair2, mask2, mask_heads: log2_biases'."""
     B, S, R, H, D = q.shape
-    NJ = triton.cdiv(R, BLOCK)
+    NJ = cdiv(R, BLOCK)
     kernel, _ = _build()
-    rows_per = triton.cdiv(S, G)
+    rows_per = cdiv(S, G)
     args = [*row_descriptors(q, k, v, do), *bias_descriptors(pair2, mask2), dq, lse, delta, part, B * H, S, R,
             rows_per, mask_heads, scale * LOG2E, scale]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, HAS_MASK=mask2 is not None, EVEN=R % BLOCK == 0,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
-    return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
+    return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
 
-def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm, launch=triton_launch):
-    """Writes dq (like q) and returns the scores' gradient summed over N_seq, [B, H, R, R] fp32 (fits() holds).
-    do: the gated output gradient, delta its rowsum with the output, lse the forward's (natural log)."""
+def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm, launch=triton_launch, out_dtype=torch.float32):
+    """Writes dq (like q) and returns the scores' gradient summed over N_seq, [B, H, R, R] in out_dtype (fits() holds;
+    the groups' fp32 partials are summed in fp32, then cast once). do: the gated output gradient, delta its rowsum
+    with the output, lse the forward's (natural log)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
-    NJ = triton.cdiv(R, BLOCK)
+    NJ = cdiv(R, BLOCK)
     G = groups(B * H, NJ, S, n_sm)
-    G = triton.cdiv(S, triton.cdiv(S, G))  # no empty group
-    dbias = torch.empty((B, H, R, R), device=q.device, dtype=torch.float32)
-    part = dbias.view(1, B * H, R, R) if G == 1 else torch.empty((G, B * H, R, R), device=q.device,
+    G = cdiv(S, cdiv(S, G))  # no empty group
+    dbias = torch.empty((B, H, R, R), device=q.device, dtype=out_dtype)
+    direct = G == 1 and out_dtype == torch.float32  # the one partial is the result
+    part = dbias.view(1, B * H, R, R) if direct else torch.empty((G, B * H, R, R), device=q.device,
                                                                  dtype=torch.float32)
-    kernel, grid, args, meta = launch_args(q, k, v, do, lse, delta, dq, part, *log2_biases(pair, mask, B, S, H, R),
-                                           scale, G)
+    biases2 = log2_biases(pair, mask, B, S, H, R, launch)
+    kernel, grid, args, meta = launch_args(q, k, v, do, lse, delta, dq, part, *biases2, scale, G)
     launch(kernel, grid, *args, **meta)
-    if G > 1:
-        torch.sum(part, 0, out=dbias.view(B * H, R, R))
+    if not direct:
+        n = B * H * R * R
+        launch(evo_sum_partials_kernel, (cdiv(n, SUM_BLOCK),), part, dbias, n, G, BLOCK=SUM_BLOCK)
     return dbias
+
+
+SUM_BLOCK = 1024
+
+
+@triton.jit
+def evo_sum_partials_kernel(PART, OUT, n, G, BLOCK: tl.constexpr):
+    """OUT = the sum of the G fp32 partials [G, n] in group order (bitwise reproducible), cast to OUT's dtype: one
+    launch where torch.sum and a cast were two."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    ptrs = PART + offs
+    acc = tl.load(ptrs, mask=inside, other=0.0)
+    for _ in range(1, G):
+        ptrs += n
+        acc += tl.load(ptrs, mask=inside, other=0.0)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=inside)
 
 
 def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=90, G=2):
@@ -270,6 +292,6 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=9
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
     part = torch.empty((G, B * H, R, R), dtype=torch.float32)
-    kernel, grid, args, meta = launch_args(q, q, q, q, lse, lse, q, part, *log2_biases(pair, m, B, S, H, R),
+    kernel, grid, args, meta = launch_args(q, q, q, q, lse, lse, q, part, *log2_bias_buffers(pair, m, B, S, H, R),
                                            D ** -0.5, G)
     return compile_report(kernel, args, grid, meta, arch)

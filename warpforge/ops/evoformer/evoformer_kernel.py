@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...runtime import cdiv, next_pow2
 from ..shared_kernels import dot, online_softmax, triton_launch
 
 LOG2E = 1.4426950408889634
@@ -370,7 +371,7 @@ def evo_bwd_dbias_kernel(
 
 # ------------------------------------------------------------------------------------------ launch
 def _block(d):
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def _bias_args(biases, dummy, transposed=False):
@@ -416,7 +417,7 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg, launch=triton_launch):
     if q.numel():
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
-        launch(evo_fwd_kernel, (B * S * H, triton.cdiv(R, cfg.block_m)),
+        launch(evo_fwd_kernel, (B * S * H, cdiv(R, cfg.block_m)),
             q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
             q.stride(3), *b1[1:], *b2[1:],
             S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
@@ -429,12 +430,13 @@ PREP_ROWS = 64
 
 
 def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, tiles, want_dgate=True, fused=False,
-                  dq_dbias=None, dkdv=None, launch=triton_launch):
+                  dq_dbias=None, dkdv=None, launch=triton_launch, dbias_dtype=torch.float32):
     """(dq, dk, dv, dgate (None without a gate or without want_dgate), and with want_dbias the scores' gradient
-    summed over N_seq, [B, H, R, R] fp32: the gradient of a pair bias [B, 1, H, R, R], else None). out is the
+    summed over N_seq (in fp32), [B, H, R, R] in dbias_dtype: the gradient of a pair bias [B, 1, H, R, R], else
+    None). out is the
     forward's (gated) output, d_out its gradient. fused: dk, dv and dq from evo_bwd_fused_kernel (one walk over the
     scores, tiles.fused's tile) instead of the dk/dv and dq passes. dq_dbias: a callable (q, k, v, do, lse, delta,
-    dq) -> the summed gradient that writes dq too (the Hopper pass, dq_dbias_gluon_kernel), replacing the dq and
+    dq) -> the summed gradient (in dbias_dtype) that writes dq too (the Hopper pass, dq_dbias_gluon_kernel), replacing the dq and
     pair-bias passes (with want_dbias, not fused). dkdv: a callable (q, k, v, do, lse, delta, dk, dv) that writes
     dk and dv (dkdv_gluon_kernel), replacing the dk/dv pass (not fused)."""
     B, S, R, H, D = q.shape
@@ -443,16 +445,16 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     dgate = torch.empty_like(gate) if want_dgate else None
     merged = dq_dbias is not None and want_dbias and not fused and q.numel() > 0  # (dq_dbias returns its own)
     # the dbias pass writes every [R, R] element of each (b, h): no memset needed, except for an empty N_seq
-    dbias = torch.empty((B, H, R, R), device=q.device, dtype=torch.float32) if want_dbias and not merged else None
+    dbias = torch.empty((B, H, R, R), device=q.device, dtype=dbias_dtype) if want_dbias and not merged else None
     if not q.numel():
         return (dq.zero_(), dk.zero_(), dv.zero_(), dgate.zero_() if want_dgate else None,
                 dbias.zero_() if want_dbias else None)
     delta = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
     do = d_out if gate is None else torch.empty_like(d_out)
     n_rows = B * S * R * H
-    launch(evo_bwd_prep_kernel, (triton.cdiv(n_rows, PREP_ROWS),),
+    launch(evo_bwd_prep_kernel, (cdiv(n_rows, PREP_ROWS),),
         out, d_out, q if gate is None else gate, do, dgate if want_dgate else q, delta, n_rows, S, R, H=H, D=D,
-        BLOCK_ROWS=PREP_ROWS, BLOCK_D=triton.next_power_of_2(D), HAS_GATE=gate is not None, WANT_DGATE=want_dgate)
+        BLOCK_ROWS=PREP_ROWS, BLOCK_D=next_pow2(D), HAS_GATE=gate is not None, WANT_DGATE=want_dgate)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (kind1, kind2) = _bias_args(biases, q)
     b1, b2 = bias_args[:6], bias_args[6:]
@@ -474,7 +476,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
     for cfg, dq_pass in passes:
         key_rows = cfg.key_rows and not dq_pass
         args, kinds = _bias_args(biases, q, transposed=True) if key_rows else (bias_args, (kind1, kind2))
-        launch(evo_bwd_kernel, (B * S * H, triton.cdiv(R, cfg.block_m if dq_pass else cfg.block_n)),
+        launch(evo_bwd_kernel, (B * S * H, cdiv(R, cfg.block_m if dq_pass else cfg.block_n)),
             q, k, v, do, lse, delta, dq, dk, dv, args[0], args[6], *strides, *args[1:6], *args[7:], S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kinds[0], KIND2=kinds[1],
             **_shape_flags(R, D, cfg), DQ_PASS=dq_pass, KEY_ROWS=key_rows, num_warps=cfg.warps,
@@ -484,7 +486,7 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
         dbias = dq_dbias(q, k, v, do, lse, delta, dq)
     elif want_dbias:
         db = dbias
-        launch(evo_bwd_dbias_kernel, (triton.cdiv(R, cfg.block_m), triton.cdiv(R, cfg.block_n), B * H),
+        launch(evo_bwd_dbias_kernel, (cdiv(R, cfg.block_m), cdiv(R, cfg.block_n), B * H),
             q, k, v, do, lse, delta, db, b1[0], b2[0], *strides, *b1[1:], *b2[1:],
             db.stride(0), db.stride(1), db.stride(2), S, R, scale,
             H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D),

@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
+from ...runtime import cdiv
 from ..shared_kernels import triton_launch
 from .._gluon_flash_fwd import CONSUMER_REGS, GLUON_TRITON_VERSIONS, LOG2E, MAXNREG, PRODUCER_REGS
-from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_biases, row_descriptors,
-                                  split_biases)
+from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups, log2_bias_buffers, log2_biases,
+                                  row_descriptors, split_biases)
 
 # consumer warpgroups -> (a warpgroup's ring of K / V slots: it holds two at a time, S_j and P·V_{j-1} in flight;
 # registers a consumer thread, the launch's cap). Three consumers share the strip at 201 KB of shared memory (d 32,
@@ -253,15 +253,15 @@ def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=
     warpgroups (CONSUMER_PLANS)."""
     B, S, R, H, D = q.shape
     stages, consumer_regs, maxnreg = CONSUMER_PLANS[nc]
-    NJ = triton.cdiv(R, BLOCK)
+    NJ = cdiv(R, BLOCK)
     kernel, _ = _build()
-    rows_per = triton.cdiv(S, G)
+    rows_per = cdiv(S, G)
     args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse, q if gate is None else gate, B * H,
             S, R, rows_per, mask_heads, scale * LOG2E]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=stages, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
                 EVEN=R % BLOCK == 0, NC=nc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                 maxnreg=maxnreg)
-    return kernel, (B * H * NJ * triton.cdiv(S, rows_per),), args, meta
+    return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
 
 def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
@@ -269,13 +269,13 @@ def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
     holds). The rows of a group are split between the consumer warpgroups, so a group holds at least one for each."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
-    NJ = triton.cdiv(R, BLOCK)
+    NJ = cdiv(R, BLOCK)
     nc = consumers()
-    G = groups(B * H, NJ, triton.cdiv(S, nc), n_sm)
+    G = groups(B * H, NJ, cdiv(S, nc), n_sm)
     out = torch.empty_like(q)
     lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
-    kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *log2_biases(pair, mask, B, S, H, R), scale, G,
-                                           nc)
+    biases2 = log2_biases(pair, mask, B, S, H, R, launch)
+    kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *biases2, scale, G, nc)
     launch(kernel, grid, *args, **meta)
     return out, lse
 
@@ -290,5 +290,5 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
     kernel, grid, args, meta = launch_args(q, q, q, q, lse, q if gate else None,
-                                           *log2_biases(pair, m, B, S, H, R), D ** -0.5, G, nc)
+                                           *log2_bias_buffers(pair, m, B, S, H, R), D ** -0.5, G, nc)
     return compile_report(kernel, args, grid, meta, arch)

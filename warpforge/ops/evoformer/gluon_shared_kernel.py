@@ -9,10 +9,14 @@ pass keeps its strip of the pair bias's gradient in registers besides).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from ...runtime import next_pow2
 from .._gluon import tma_addressable, tma_descriptor
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
 BLOCK = 64        # queries a program, keys a step: one warpgroup's wgmma rows
 MAX_BLOCKS = 6    # key blocks a row: N_res <= 384 (the strip's 96 KB; the backward's three register tiles a warpgroup)
 HEAD_DIMS = (16, 32)
@@ -64,21 +68,51 @@ def groups(BH: int, NI: int, S: int, n_sm: int) -> int:
     return best
 
 
-def log2_biases(pair, mask, B, S, H, R):
-    """The biases as the kernel reads them, fp32 in log2 units (· log2 e, so a score takes one add a bias): pair
-    [B · H, R, R] and mask [B · S · Hm, R] (Hm 1 for a mask the same for every head, else H), rows padded to 16 bytes
-    for TMA (the views' shapes stay R: the padding is never read). Both are small (the pair bias 4.7 MB at B 1, H 8,
-    R 384): made once per call."""
+def log2_bias_buffers(pair, mask, B, S, H, R):
+    """log2_biases' outputs, allocated (unfilled): pair2 [B · H, R, R], mask2 [B · S · Hm, R] or None, and Hm (1 for
+    a mask the same for every head, else H); fp32, rows padded to 16 bytes for TMA (the views' shapes stay R: the
+    padding is never read)."""
     RP = -(-R // 4) * 4
     pair2 = torch.empty((B * H, R, RP), device=pair.device, dtype=torch.float32)[..., :R]
-    # converted first, then scaled in fp32 (torch.mul of a bf16 tensor into an fp32 out rounds the product to bf16)
-    pair2.view(B, H, R, R).copy_(pair[:, 0]).mul_(LOG2E)
     if mask is None:
         return pair2, None, 1
     mask_heads = 1 if mask.stride(2) == 0 else H
-    mask2 = torch.empty((B * S * mask_heads, RP), device=pair.device, dtype=torch.float32)[:, :R]
-    mask2.view(B, S, mask_heads, R).copy_(mask[:, :, :mask_heads, 0]).mul_(LOG2E)
+    return pair2, torch.empty((B * S * mask_heads, RP), device=pair.device, dtype=torch.float32)[:, :R], mask_heads
+
+
+def log2_biases(pair, mask, B, S, H, R, launch):
+    """The biases as the kernels read them, fp32 in log2 units (· log2 e, so a score takes one add a bias): pair
+    [B · H, R, R] and mask [B · S · Hm, R] (log2_bias_buffers), filled by one launch of evo_log2_biases_kernel
+    (an eager backward's host pays per CUDA op: four torch ops before). Both are small (the pair bias 4.7 MB at
+    B 1, H 8, R 384): made once per call. pair, mask: [B, S, H, R, R] views (stride 0 where broadcast)."""
+    pair2, mask2, mask_heads = log2_bias_buffers(pair, mask, B, S, H, R)
+    p = pair[:, 0]  # [B, H, R, R]
+    m = mask[:, :, :mask_heads, 0] if mask is not None else p  # [B, S, Hm, R]
+    n_pair = B * H * R
+    launch(evo_log2_biases_kernel, (n_pair + (B * S * mask_heads if mask is not None else 0),),
+           p, m, pair2, pair2 if mask2 is None else mask2, n_pair, H, S, mask_heads, R, pair2.stride(1),
+           *p.stride(), *m.stride(), BLOCK_R=max(16, next_pow2(R)), HAS_MASK=mask is not None)
     return pair2, mask2, mask_heads
+
+
+@triton.jit
+def evo_log2_biases_kernel(PAIR, MASK, PAIR2, MASK2, n_pair_rows, H, S, HM, R, row_stride, p_b, p_h, p_i, p_j,
+                           m_b, m_s, m_h, m_j, BLOCK_R: tl.constexpr, HAS_MASK: tl.constexpr):
+    """One row a program: the pair bias's rows (b, h, i) first, then the mask's (b, s, h); each converted to fp32,
+    then scaled by log2 e in fp32 (as the kernels' scores are in log2 units)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_R)
+    inside = cols < R
+    if row < n_pair_rows:
+        b, h, i = row // (H * R), (row // R) % H, row % R
+        x = tl.load(PAIR + b * p_b + h * p_h + i * p_i + cols * p_j, mask=inside, other=0.0)
+        tl.store(PAIR2 + row * row_stride + cols, x.to(tl.float32) * _LOG2E, mask=inside)
+    else:
+        if HAS_MASK:
+            r = row - n_pair_rows
+            b, s, h = r // (S * HM), (r // HM) % S, r % HM
+            x = tl.load(MASK + b * m_b + s * m_s + h * m_h + cols * m_j, mask=inside, other=0.0)
+            tl.store(MASK2 + r * row_stride + cols, x.to(tl.float32) * _LOG2E, mask=inside)
 
 
 def row_descriptors(*tensors):
