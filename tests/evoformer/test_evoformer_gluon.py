@@ -71,8 +71,9 @@ def test_log2_biases(R, mask_heads):
     -inf."""
     B, S, H = 2, 3, 2
     full = (B, S, H, R, R)
-    pair = torch.randn(B, 1, H, R, R, dtype=torch.bfloat16)
-    mask = torch.zeros(B, S, mask_heads, 1, R)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    pair = torch.randn(B, 1, H, R, R, dtype=torch.bfloat16, device=dev)
+    mask = torch.zeros(B, S, mask_heads, 1, R, device=dev)
     mask[..., ::3] = float("-inf")
     pair2, mask2, heads = plan.log2_biases(pair.expand(full), mask.expand(full), B, S, H, R, triton_launch)
     assert heads == mask_heads and pair2.shape == (B * H, R, R) and mask2.shape == (B * S * mask_heads, R)
@@ -88,14 +89,15 @@ def test_log2_biases(R, mask_heads):
 def test_sum_partials(G, dtype):
     """The merged pass's G fp32 partials summed in group order and cast once, into the bias's dtype."""
     n = 3000  # crosses the 1024-element blocks
-    part = torch.randn(G, n)
-    out = torch.empty(n, dtype=dtype)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    part = torch.randn(G, n, device=dev)
+    out = torch.empty(n, dtype=dtype, device=dev)
     triton_launch(gk.evo_sum_partials_kernel, (-(-n // gk.SUM_BLOCK),), part, out, n, G, BLOCK=gk.SUM_BLOCK)
     want = part[0].clone()
     for g in range(1, G):
         want += part[g]
-    if dtype == torch.float32:
-        assert torch.equal(out, want)
+    if dtype == torch.float32 or dev == "cuda":
+        assert torch.equal(out, want.to(dtype))
     else:  # the interpreter's fp32 -> bf16 cast truncates (a GPU's rounds to nearest even): within one bf16 step
         torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=0)
 

@@ -105,14 +105,14 @@ def evo_log2_biases_kernel(PAIR, MASK, PAIR2, MASK2, n_pair_rows, H, S, HM, R, r
     inside = cols < R
     if row < n_pair_rows:
         b, h, i = row // (H * R), (row // R) % H, row % R
-        x = tl.load(PAIR + b * p_b + h * p_h + i * p_i + cols * p_j, mask=inside, other=0.0)
-        tl.store(PAIR2 + row * row_stride + cols, x.to(tl.float32) * _LOG2E, mask=inside)
+        pair = tl.load(PAIR + b * p_b + h * p_h + i * p_i + cols * p_j, mask=inside, other=0.0).to(tl.float32)
+        tl.store(PAIR2 + row * row_stride + cols, pair * _LOG2E, mask=inside)
     else:
         if HAS_MASK:
             r = row - n_pair_rows
             b, s, h = r // (S * HM), (r // HM) % S, r % HM
-            x = tl.load(MASK + b * m_b + s * m_s + h * m_h + cols * m_j, mask=inside, other=0.0)
-            tl.store(MASK2 + r * row_stride + cols, x.to(tl.float32) * _LOG2E, mask=inside)
+            mask = tl.load(MASK + b * m_b + s * m_s + h * m_h + cols * m_j, mask=inside, other=0.0).to(tl.float32)
+            tl.store(MASK2 + r * row_stride + cols, mask * _LOG2E, mask=inside)
 
 
 def row_descriptors(*tensors):
