@@ -104,8 +104,8 @@ def main():
             dq = torch.empty_like(q)
             row("  dq_dbias_gluon (one call)", host_us(lambda: merged(q, k, v, do, lse, delta, dq), args.reps))
             p, m = gs.split_biases(biases, S)
-            row("    log2_biases", host_us(lambda: gs.log2_biases(p, m, 1, S, H, R), args.reps))
-            p2, m2, _ = gs.log2_biases(p, m, 1, S, H, R)
+            row("    log2_biases", host_us(lambda: gs.log2_biases(p, m, 1, S, H, R, cached_launch), args.reps))
+            p2, m2, _ = gs.log2_biases(p, m, 1, S, H, R, cached_launch)
             row("    6 TMA descriptors", host_us(lambda: (gs.row_descriptors(q, k, v, do),
                                                           gs.bias_descriptors(p2, m2)), args.reps))
         row("  _bias_args (transposed: the pair copy)", host_us(lambda: ek._bias_args(biases, q, transposed=True),
