@@ -433,12 +433,12 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
                   dq_dbias=None, dkdv=None, launch=triton_launch, dbias_dtype=torch.float32):
     """(dq, dk, dv, dgate (None without a gate or without want_dgate), and with want_dbias the scores' gradient
     summed over N_seq (in fp32), [B, H, R, R] in dbias_dtype: the gradient of a pair bias [B, 1, H, R, R], else
-    None). out is the
-    forward's (gated) output, d_out its gradient. fused: dk, dv and dq from evo_bwd_fused_kernel (one walk over the
-    scores, tiles.fused's tile) instead of the dk/dv and dq passes. dq_dbias: a callable (q, k, v, do, lse, delta,
-    dq) -> the summed gradient (in dbias_dtype) that writes dq too (the Hopper pass, dq_dbias_gluon_kernel), replacing the dq and
-    pair-bias passes (with want_dbias, not fused). dkdv: a callable (q, k, v, do, lse, delta, dk, dv) that writes
-    dk and dv (dkdv_gluon_kernel), replacing the dk/dv pass (not fused)."""
+    None). out is the forward's (gated) output, d_out its gradient. fused: dk, dv and dq from evo_bwd_fused_kernel
+    (one walk over the scores, tiles.fused's tile) instead of the dk/dv and dq passes. dq_dbias: a callable (q, k,
+    v, do, lse, delta, dq) -> the summed gradient (in dbias_dtype) that writes dq too (the Hopper pass,
+    dq_dbias_gluon_kernel), replacing the dq and pair-bias passes (with want_dbias, not fused). dkdv: a callable
+    (q, k, v, do, lse, delta, dk, dv) that writes dk and dv (dkdv_gluon_kernel), replacing the dk/dv pass (not
+    fused)."""
     B, S, R, H, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     want_dgate = want_dgate and gate is not None
