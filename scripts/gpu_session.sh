@@ -215,6 +215,9 @@ for step in "$@"; do
               cat "$w/evo-host-triangle.log"
               COMPARE=$PWD/.before SKIP_TESTS=1 MATCH='row|triangle' timeout 200 bash scripts/gpu_check.sh "$w/cmp" evoformer \
                 > "$w/$step.log" 2>&1; grep -E "warpforge|flex" "$w/cmp/bench-before-evoformer.log" "$w/cmp/bench-evoformer.log" | grep "fwd+bwd" ;;
+    evo-groups) # the merged dq + pair-bias pass's MSA-row groups at the triangle shape: the default (G 11, two waves) vs one wave
+                for g in 0 5 11; do timeout 80 python3 scripts/probe_evoformer.py --shape triangle $([ $g != 0 ] && echo --groups $g) \
+                  > "$w/probe-triangle-g$g.log" 2>&1; echo "G $g"; grep -E "^gluon" "$w/probe-triangle-g$g.log"; done ;;
     evoformer-default) # issue 16 with the tables' defaults (configs: the dq + pair-bias Gluon pass on): tests/evoformer, then the bench's row and triangle
                      # (the sm_90 compile tests run on any CPU: skipped on the device)
                      timeout 240 python3 -m pytest -q $par -rf -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1

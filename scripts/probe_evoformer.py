@@ -42,7 +42,12 @@ def kernel_times(fn, reps=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="row")
+    ap.add_argument("--groups", type=int, default=None,
+                    help="the merged dq + pair-bias pass's MSA-row groups (default: gluon_shared_kernel.groups)")
     args = ap.parse_args()
+    if args.groups:
+        from warpforge.ops.evoformer import dq_dbias_gluon_kernel
+        dq_dbias_gluon_kernel.groups = lambda BH, NI, S, n_sm: args.groups
     S, R, H, D = (SHAPES[args.shape][key] for key in ("S", "R", "H", "D"))
     gen = torch.Generator(device="cuda").manual_seed(0)
 
