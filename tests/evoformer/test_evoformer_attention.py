@@ -110,6 +110,16 @@ def test_softmax_scale_and_mixed_bias_dtypes():
     _check(q, k, v, [_mask(1, 2, 21).half(), pair], g, scale=0.3)
 
 
+def test_bf16_pair_bias_beside_fp16_qkv():
+    """A bf16 tile bias (the kernels widen it through its bits, evoformer_kernel._widen) beside fp16 q, k, v, with
+    its gradient; -inf entries stay -inf."""
+    q, k, v, g = _qkv(1, 2, 21, 2, 16, torch.float16)
+    pair = _pair((1, 1, 2, 21, 21), torch.bfloat16)
+    with torch.no_grad():
+        pair[0, 0, 1, 3, ::2] = NEG
+    _check(q, k, v, [_mask(1, 2, 21).half(), pair], g)
+
+
 def test_fully_masked_rows_give_zero_and_no_nan_gradient():
     B, S, R, H, D = 2, 3, 19, 2, 16
     q, k, v, g = _qkv(B, S, R, H, D, torch.float32)
