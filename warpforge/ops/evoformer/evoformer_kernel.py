@@ -29,6 +29,15 @@ BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_ROWS, BIAS_GIVEN = 0, 1, 2, 3, 4
 
 
 @triton.jit
+def _widen(x):
+    """x in fp32; a bf16 x through its bits (the high half of an fp32's): one LOP3 for a high half of a register
+    pair, where the compiler's cast takes a PRMT and a shift."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN_M: tl.constexpr,
                EVEN_N: tl.constexpr):
     """The [rows, cols] tile of one bias (BIAS already at this (b, s, h)) in fp32, 0 past the residues; a [1, cols]
@@ -38,19 +47,19 @@ def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN
     if KIND == 1:
         ptrs = BIAS + rows[:, None] * stride_i + cols[None, :] * stride_j
         if EVEN_M and EVEN_N:
-            tile = tl.load(ptrs).to(tl.float32)
+            tile = _widen(tl.load(ptrs))
         else:
-            tile = tl.load(ptrs, mask=(rows < R)[:, None] & (cols < R)[None, :], other=0.0).to(tl.float32)
+            tile = _widen(tl.load(ptrs, mask=(rows < R)[:, None] & (cols < R)[None, :], other=0.0))
     elif KIND == 2:
         if EVEN_N:
-            tile = tl.load(BIAS + cols * stride_j).to(tl.float32)[None, :]
+            tile = _widen(tl.load(BIAS + cols * stride_j))[None, :]
         else:
-            tile = tl.load(BIAS + cols * stride_j, mask=cols < R, other=0.0).to(tl.float32)[None, :]
+            tile = _widen(tl.load(BIAS + cols * stride_j, mask=cols < R, other=0.0))[None, :]
     elif KIND == 3:
         if EVEN_M:
-            tile = tl.load(BIAS + rows * stride_i).to(tl.float32)[:, None]
+            tile = _widen(tl.load(BIAS + rows * stride_i))[:, None]
         else:
-            tile = tl.load(BIAS + rows * stride_i, mask=rows < R, other=0.0).to(tl.float32)[:, None]
+            tile = _widen(tl.load(BIAS + rows * stride_i, mask=rows < R, other=0.0))[:, None]
     elif KIND == 4:
         tile = BIAS
     else:
