@@ -74,12 +74,10 @@ def _scores(q, k, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1: t
     h)'s slice of each bias). Natural, not log2, units: the scale and the biases' sum are one FFMA a score, and the
     log2 e goes into the FFMA that the exponent's subtraction is anyway (_exp_minus); in log2 units the biases took
     an FMUL a score more (session 33's SASS of the forward)."""
-    x = dot(q, tl.trans(k))
+    x = dot(q, tl.trans(k)) * scale
     if KIND1 != 0 or KIND2 != 0:
-        x = x * scale + (_bias_tile(B1, rows, cols, b1_i, b1_j, R, KIND1, EVEN_M, EVEN_N) +
-                         _bias_tile(B2, rows, cols, b2_i, b2_j, R, KIND2, EVEN_M, EVEN_N))
-    else:
-        x = x * scale
+        x += _bias_tile(B1, rows, cols, b1_i, b1_j, R, KIND1, EVEN_M, EVEN_N) + \
+            _bias_tile(B2, rows, cols, b2_i, b2_j, R, KIND2, EVEN_M, EVEN_N)
     if not EVEN_N:
         x = tl.where((cols < R)[None, :], x, float("-inf"))
     return x
