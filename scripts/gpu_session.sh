@@ -295,6 +295,9 @@ for step in "$@"; do
     norms) timeout 100 python3 -m warpforge bench --family fused --match "norm fwd" --json "$w/fused-norms.json" > "$w/bench-norms.log" 2>&1
            timeout 60 python3 -m warpforge tune norm --shapes 16384x768 --budget 45 --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1
            tail -20 "$w/bench-norms.log" ;;
+    gpt-profile) # issue 20's step line: the gpt2-124m step kernel by kernel, ours beside torch.compile's (no graphs)
+                 timeout 240 python3 scripts/profile_case.py --family gpt --match "s1024$" --impl "^(warpforge|torch.compile)$" \
+                   --iters 5 --top 45 > "$w/gpt-profile.log" 2>&1; grep -E -A3 "a call" "$w/gpt-profile.log" | head -20 ;;
     gpt) timeout 200 python3 -m warpforge bench --family gpt --quick --json "$w/gpt.json" > "$w/gpt.log" 2>&1 ;;
     # the Gluon kernel for <= 16 rows over FP8 caches: its GPU tests, then h_q 16 bf16 / fp8 at every L (the bar's
     # ratio, one process), and fp8 at 4k / 16k on the portable kernel
