@@ -49,6 +49,14 @@ for step in "$@"; do
                       > "$w/cmp-sparse.log" 2>&1; cat "$w/cmp/compare-sparse.log" ;;
     compare-moe) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='T(1024|4096|8192)' timeout 240 bash scripts/gpu_check.sh "$w/cmp" moe > "$w/cmp-moe.log" 2>&1 ;;
     bench-mla-check) SKIP_TESTS=1 MATCH='L(1k|8k) (bf16|fp8)' timeout 200 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1 ;;
+    fp8-residual) # issue 14's FP8 accuracy line: q's residual codes (the e4m3 default): the FP8 GPU tests, the headline's
+                  # 1 - cos with and without them (printed), then the fp8 bench case (a row without the residual beside)
+                  timeout 200 python3 -m pytest -q $par -rf -m gpu -k "not headline" tests/attention/test_attention_fp8_gluon.py \
+                    tests/attention/test_flash_attention_fp8.py > "$w/fp8_tests.log" 2>&1; grep -E "FAILED|passed|failed" "$w/fp8_tests.log" | tail -8
+                  timeout 90 python3 -m pytest -q -s -m gpu -k headline tests/attention/test_attention_fp8_gluon.py > "$w/fp8_headline.log" 2>&1
+                  grep -E "1 - cos|passed|failed" "$w/fp8_headline.log"
+                  SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/bench-fp8.log" 2>&1
+                  grep -E "warpforge|cudnn" "$w/bench/bench-attention.log" | tail -6 ;;
     bench-fp8) SKIP_TESTS=1 MATCH=fp8 timeout 120 bash scripts/gpu_check.sh "$w/bench" attention > "$w/$step.log" 2>&1 ;;
     compare-mla) SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='L(1k|8k) (bf16|fp8)' timeout 300 bash scripts/gpu_check.sh "$w/cmp" mla > "$w/cmp-mla.log" 2>&1 ;;
     bench-mla) SKIP_TESTS=1 timeout 330 bash scripts/gpu_check.sh "$w/bench" mla > "$w/$step.log" 2>&1; tail -n 40 "$w/$step.log" | grep -E "warpforge  " ;;

@@ -65,20 +65,46 @@ def test_a_query_that_sees_nothing_gets_zero_and_minus_inf():
 def test_triton_quantiser_matches_the_reference(qk_format):
     q, k, v = _inputs(2, 9, 21, 4, 2, 32, 48)
     got, want = (quantize_qkv(q, k, v, qk_format=qk_format, backend=b) for b in ("triton", "reference"))
-    for name in ("q", "q_scale", "k", "k_scale", "v_t", "v_scale", "lse_shift"):
+    assert (got.q_lo is None) == (want.q_lo is None) == (qk_format == "int8")  # q's residual: e4m3's default
+    q_carried = None
+    for name in ("q", "q_scale", "k", "k_scale", "v_t", "v_scale", "lse_shift", "q_lo"):
         a, b = getattr(got, name), getattr(want, name)
         if a is None:
             assert b is None
             continue
         assert a.dtype == b.dtype and a.shape == b.shape, name
         a, b = a.float(), b.float()
-        if ON_CPU and a.dtype == b.dtype and name in ("q", "k", "v_t"):
+        if ON_CPU and a.dtype == b.dtype and name in ("q", "k", "v_t", "q_lo"):
             # The interpreter's fp32 -> e4m3 conversion drops the carry when rounding up crosses a power of two
             # (124.2 -> 64, not 128): those codes come out at half the value. The GPU converts exactly.
             carried = (a != b) & (a * 2 == b)
-            assert carried.float().mean() < 0.05, name
+            assert name == "q_lo" or carried.float().mean() < 0.05, name
             a = torch.where(carried, b, a)
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+            q_carried = carried if name == "q" else q_carried
+            assert name != "q_lo" or carried.float().mean() < 0.1, name
+        atol = 0
+        if name == "q_lo" and q_carried is not None:  # a residual of a carried code is a residual of another code
+            a, b = a[~q_carried], b[~q_carried]
+            atol = 2 ** -9  # and the interpreter rounds e4m3 subnormals (|x| < 2^-6) down: one step of 2^-9 off
+        torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_q_residual_carries_q_to_seven_bits(backend):
+    """q's residual codes (the e4m3 default) hold q to ~2^-7 of each value where one code holds it to ~2^-4, and
+    the output of the kernel on them is closer to fp32 attention than without them (same k, v codes)."""
+    q, k, v = _inputs(1, 96, 96, 4, 4, 64)
+    with_lo, without = (quantize_qkv(q, k, v, q_residual=r, backend=backend) for r in (True, False))
+    assert without.q_lo is None and with_lo.q_lo.dtype == FP8 and with_lo.q_lo.shape == with_lo.q.shape
+    assert torch.equal(with_lo.q.float(), without.q.float())
+    scale = with_lo.q_scale[..., None]
+    # medians of the relative errors: the interpreter's e4m3 conversion misrounds a few % of the codes (above)
+    err_one = ((without.q.float() * scale - q.float()) / q.float()).abs().median()
+    err_two = (((with_lo.q.float() + with_lo.q_lo.float()) * scale - q.float()) / q.float()).abs().median()
+    assert err_one > 8 * err_two and err_two < 2 ** -8, (err_one, err_two)
+    exact = wf.flash_attention(q.float(), k.float(), v.float(), causal=True, backend="reference")
+    errs = [1 - cosine(flash_attention_quantized(x, causal=True, backend=backend), exact) for x in (with_lo, without)]
+    assert errs[0] < 0.9 * errs[1], errs
 
 
 def test_quantised_format():
@@ -101,6 +127,8 @@ def test_quantised_format():
     (lambda q, k, v: wf.flash_attention_fp8(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1)),
      "k"),
     (lambda q, k, v: flash_attention_quantized(q), "qkv"),
+    (lambda q, k, v: wf.flash_attention_fp8(q, k, v, qk_format="int8", q_residual=True), "q_residual"),
+    (lambda q, k, v: quantize_qkv(q, k, v, q_residual=1), "q_residual"),
 ])
 def test_bad_input(call, name):
     q, k, v = _inputs(1, 8, 8, 4, 2, 32)
@@ -166,6 +194,11 @@ def _bad(qkv, **fields):
     (lambda a: _bad(a, v_t=a.v_t.float()), "qkv.v_t"),
     (lambda a: _bad(a, v_scale=a.v_scale[..., :16]), "qkv.v_scale"),
     (lambda a: _bad(a, lse_shift=torch.zeros(2, 4, 8)), "qkv.lse_shift"),
+    (lambda a: _bad(a, q_lo=a.q_lo.float()), "qkv.q_lo"),
+    (lambda a: _bad(a, q_lo=a.q_lo[:, :4]), "qkv.q_lo"),
+    (lambda a: _bad(a, q_lo=a.q_lo.transpose(1, 2).contiguous().transpose(1, 2)), "qkv.q_lo"),  # q's strides
+    (lambda a: _bad(a, q_lo=a.q_lo, qk_format="int8", q=a.q.float().to(torch.int8),
+                    k=a.k.float().to(torch.int8)), "qkv.q_lo"),
 ])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_bad_quantised_fields(edit, name, backend):

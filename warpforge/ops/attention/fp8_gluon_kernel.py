@@ -66,11 +66,12 @@ P_CONVERT = 0
 MAXNREG = 168           # 12 warps x 168 registers = 64K: what setmaxnreg redistributes
 
 
-def smem_bytes(d: int, block_n: int, stages: int, persistent: bool = False, out_bytes: int = 2) -> int:
-    """Shared memory of the schedule: Q codes (two slots when persistent), the K/V ring (1-byte codes), the two
-    output staging buffers, barriers."""
-    return ((2 if persistent else 1) * BLOCK_M * d + stages * (2 * block_n * d + 4 * block_n) + BLOCK_M * d * out_bytes
-            + 1024)
+def smem_bytes(d: int, block_n: int, stages: int, persistent: bool = False, out_bytes: int = 2,
+               q_lo: bool = False) -> int:
+    """Shared memory of the schedule: Q codes (two slots when persistent; q's residual codes beside them), the K/V
+    ring (1-byte codes), the two output staging buffers, barriers."""
+    return ((2 if persistent else 1) * (2 if q_lo else 1) * BLOCK_M * d + stages * (2 * block_n * d + 4 * block_n)
+            + BLOCK_M * d * out_bytes + 1024)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,24 +107,31 @@ def _build():
         return b, h, h // GROUP, m_lo, gl.maximum(gl.cdiv(hi, BLOCK_N), 0)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready,
-                  v_ready, k_empty,
+    def _producer(q_desc, ql_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty,
+                  k_ready, v_ready, k_empty,
                   v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, H_KV, S16, CAUSAL: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr, PERMUTE_K: gl.constexpr):
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, QBUF: gl.constexpr, PERMUTE_K: gl.constexpr,
+                  Q_LO: gl.constexpr):
         gl.static_assert(STAGES >= 2)  # S_j is issued before tile j-1's slot is freed: one slot would deadlock
         it = 0
         tc = 0
         for k in range(n_rounds):
             t = _item(k)
             if t < total:
-                q_bytes: gl.constexpr = 2 * q_desc.block_type.nbytes
+                NQ: gl.constexpr = 4 if Q_LO else 2  # Q tiles an item: a warpgroup's codes (and residual codes)
+                q_bytes: gl.constexpr = NQ * q_desc.block_type.nbytes
                 b, h, kvh, m_lo, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N)
                 qs = tc % QBUF
                 mbarrier.wait(q_empty.index(qs), ((tc // QBUF) & 1) ^ 1)
                 mbarrier.expect(q_ready.index(qs), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [b, m_lo, h, 0], q_ready.index(qs), q_bufs.index(2 * qs))
+                tma.async_copy_global_to_shared(q_desc, [b, m_lo, h, 0], q_ready.index(qs), q_bufs.index(NQ * qs))
                 tma.async_copy_global_to_shared(q_desc, [b, m_lo + 64, h, 0], q_ready.index(qs),
-                                                q_bufs.index(2 * qs + 1))
+                                                q_bufs.index(NQ * qs + 1))
+                if Q_LO:
+                    tma.async_copy_global_to_shared(ql_desc, [b, m_lo, h, 0], q_ready.index(qs),
+                                                    q_bufs.index(NQ * qs + 2))
+                    tma.async_copy_global_to_shared(ql_desc, [b, m_lo + 64, h, 0], q_ready.index(qs),
+                                                    q_bufs.index(NQ * qs + 3))
                 for j in range(n_tiles):
                     slot = it % STAGES
                     phase = ((it // STAGES) & 1) ^ 1
@@ -143,6 +151,14 @@ def _build():
                                                     v_bufs.index(slot))
                     it += 1
                 tc += 1
+
+    @gluon.jit
+    def _qk(q, q_lo, k_t, s_zero, Q_LO):
+        """S = Q·Kᵀ issued async (Q_LO: plus q's residual codes times K, into the same accumulator, issued next)."""
+        s_tok = warpgroup_mma(q, k_t, s_zero, use_acc=False, is_async=True)
+        if Q_LO:
+            s_tok = warpgroup_mma(q_lo, k_t, s_tok, is_async=True)
+        return s_tok
 
     @gluon.jit
     def _key_scales(ks_bufs, slot, col_layout, BLOCK_N):
@@ -207,8 +223,9 @@ def _build():
                   stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                   stride_lb, stride_lh, WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr,
-                  INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr):
+                  INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr, Q_LO: gl.constexpr):
         KINSTR: gl.constexpr = 32  # an 8-bit wgmma's K
+        NQ: gl.constexpr = 4 if Q_LO else 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, KINSTR])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -231,7 +248,8 @@ def _build():
             if t < total:
                 b, h, kvh, m_lo, n_tiles = _tile(t, n_m, H_Q, GROUP, s_q, s_k, CAUSAL, BLOCK_N)
                 qs = tc % QBUF
-                q = q_bufs.index(2 * qs + WG).reshape([64, D])
+                q = q_bufs.index(NQ * qs + WG).reshape([64, D])
+                q_lo = q_bufs.index(NQ * qs + 2 * Q_LO + WG).reshape([64, D])  # (q itself without Q_LO: unused)
                 r0 = m_lo + WG * 64
                 rows = r0 + gl.arange(0, 64, layout=row_s)
                 limit_row = rows + (s_k - s_q)
@@ -255,8 +273,7 @@ def _build():
                             mbarrier.wait(turn.index(0), (tn + 1) & 1, pred=tn > 0)
                         else:
                             mbarrier.wait(turn.index(1), tn & 1)
-                    s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
-                                          use_acc=False, is_async=True)
+                    s_tok = _qk(q, q_lo, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, Q_LO)
                     if PINGPONG:
                         mbarrier.arrive(turn.index(1 - WG))
                     s = warpgroup_mma_wait(0, deps=(s_tok, ))
@@ -279,13 +296,13 @@ def _build():
                         mbarrier.wait(v_ready.index(prev), ((g - 1) // STAGES) & 1)
                         if PINGPONG:
                             mbarrier.wait(turn.index(WG), (tn + j + 1 + WG) & 1)
-                        s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
-                                              use_acc=False, is_async=True)
+                        s_tok = _qk(q, q_lo, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero,
+                                    Q_LO)
                         acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([D, BLOCK_N]).permute((1, 0)),
                                                 acc, is_async=True)
                         if PINGPONG:
                             mbarrier.arrive(turn.index(1 - WG))
-                        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
+                        s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done (both halves); P·V_{j-1} may run
                         ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
                         mbarrier.arrive(k_empty.index(slot))
                         x = _scores(s, ks, INT8_QK)
@@ -336,14 +353,15 @@ def _build():
                 tc += 1
 
     @gluon.jit
-    def flash_fp8_fwd_gluon_kernel(q_desc, k_desc, ks_desc, v_desc, o_desc, QS, VS, LSE, s_q, s_k, H_KV, S16, qk_scale,
+    def flash_fp8_fwd_gluon_kernel(q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, QS, VS, LSE, s_q, s_k, H_KV, S16, qk_scale,
                                    stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                                    stride_lb, stride_lh, H_Q, GROUP, n_m, total, n_rounds, D: gl.constexpr,
                                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    PINGPONG: gl.constexpr, QBUF: gl.constexpr, INT8_QK: gl.constexpr,
-                                   P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                   PRODUCER_REGS: gl.constexpr):
-        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * QBUF] + q_desc.block_type.shape, q_desc.layout)
+                                   P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr, Q_LO: gl.constexpr,
+                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+        NQ: gl.constexpr = 4 if Q_LO else 2
+        q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NQ * QBUF] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
         ks_bufs = gl.allocate_shared_memory(ks_desc.dtype, [STAGES] + ks_desc.block_type.shape, ks_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -371,16 +389,16 @@ def _build():
                          v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                          stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                          stride_lb, stride_lh, 0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT,
-                         PERMUTE_K)),
+                         PERMUTE_K, Q_LO)),
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
                          v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                          stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
                          stride_lb, stride_lh, 1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT,
-                         PERMUTE_K)),
-            (_producer, (q_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready, q_empty, k_ready,
-                         v_ready, k_empty,
+                         PERMUTE_K, Q_LO)),
+            (_producer, (q_desc, ql_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready,
+                         q_empty, k_ready, v_ready, k_empty,
                          v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, H_KV, S16, CAUSAL, BLOCK_N, STAGES, QBUF,
-                         PERMUTE_K)),
+                         PERMUTE_K, Q_LO)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
     return flash_fp8_fwd_gluon_kernel, gl
@@ -397,8 +415,9 @@ def fits(qkv) -> bool:
     address (16-byte aligned bases and strides, unit stride along the last dim), an fp16/bf16 output."""
     q, k, vt = qkv.q, qkv.k, qkv.v_t
     d = q.shape[-1]
+    codes = (q, k, vt) if qkv.q_lo is None else (q, k, vt, qkv.q_lo)
     return (q.dim() == 4 and d in HEAD_DIMS and k.shape[-1] == d and vt.shape[2] == d
-            and qkv.dtype in (torch.float16, torch.bfloat16) and all(tma_addressable(t) for t in (q, k, vt)))
+            and qkv.dtype in (torch.float16, torch.bfloat16) and all(tma_addressable(t) for t in codes))
 
 
 def key_scales_by_head(k_scale: torch.Tensor) -> torch.Tensor:
@@ -448,7 +467,8 @@ def key_scales_permuted(k_scale: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _descriptors(q, k, ks, vt, out, block_n, gl, permute_k=False):
-    """TMA descriptors (q, k, key scales, v_t, out) and S16 (PERMUTE_K: K's padded length / 16, else 0)."""
+    """TMA descriptors (q, k, key scales, v_t, out) and S16 (PERMUTE_K: K's padded length / 16, else 0). q may be
+    q's residual codes too (the same shape and strides: the same descriptor over other memory)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     d = q.shape[-1]
     s_k = k.shape[1]
@@ -487,14 +507,19 @@ def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, pers
         raise ValueError(f"flash_fp8_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
                          "tile j-1 is freed")
     q, k, vt = qkv.q, qkv.k, qkv.v_t
+    q_lo = getattr(qkv, "q_lo", None)
     d = q.shape[-1]
-    check_smem("flash_fp8_fwd_gluon", smem_bytes(d, block_n, stages, persistent),
-               f"BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent})")
+    check_smem("flash_fp8_fwd_gluon", smem_bytes(d, block_n, stages, persistent, q_lo=q_lo is not None),
+               f"BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent}, q residual "
+               f"{q_lo is not None})")
     kernel, gl = _build()
     b, s_q, h_q, _ = q.shape
     s_k, h_kv = k.shape[1], k.shape[2]
     ks = qkv.k_scale if permute_k else key_scales_by_head(qkv.k_scale)
     (q_desc, k_desc, ks_desc, v_desc, o_desc), s16 = _descriptors(q, k, ks, vt, out, block_n, gl, permute_k)
+    ql_desc = q_desc
+    if q_lo is not None:
+        ql_desc = type(q_desc)(q_lo, list(q_lo.shape), list(q_lo.stride()), q_desc.block_shape, q_desc.layout)
     n_m = -(-s_q // BLOCK_M)
     total = n_m * b * h_q
     if persistent:
@@ -505,12 +530,12 @@ def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, pers
     qsc, vsc = qkv.q_scale, qkv.v_scale
     if vsc.stride(-1) != 1:  # the epilogue reads a head's channel scales at unit stride
         vsc = vsc.contiguous()
-    args = (q_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, s_q, s_k, h_kv, s16, sm_scale * LOG2E,
+    args = (q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, s_q, s_k, h_kv, s16, sm_scale * LOG2E,
             qsc.stride(0), qsc.stride(1), qsc.stride(2), vsc.stride(0), vsc.stride(1),
             lse.stride(0), lse.stride(1), h_q, h_q // h_kv, n_m, total, -(-total // progs))
     meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
                 QBUF=2 if persistent else 1, INT8_QK=qkv.qk_format == "int8", P_CONVERT=P_CONVERT,
-                PERMUTE_K=bool(permute_k),
+                PERMUTE_K=bool(permute_k), Q_LO=q_lo is not None,
                 CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, (progs, ), args, meta
@@ -540,7 +565,7 @@ def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=T
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
-                 qk_format="fp8", dtype="bfloat16", s=300, permute_k=False, arch=90):
+                 qk_format="fp8", dtype="bfloat16", s=300, permute_k=False, arch=90, q_lo=False):
     """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched). Returns
     compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus the wgmma types and counts."""
     import re
@@ -554,7 +579,8 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
     qkv = SimpleNamespace(qk_format=qk_format, q=torch.empty(b, s, h_q, d, dtype=code), q_scale=torch.empty(b, s, h_q),
                           k=torch.empty(b, s, h_kv, d, dtype=code), k_scale=torch.empty(b, s, h_kv),
                           v_t=torch.empty(b, h_kv, d, s_pad, dtype=torch.float8_e4m3fn),
-                          v_scale=torch.empty(b, h_kv, d), dtype=getattr(torch, dtype))
+                          v_scale=torch.empty(b, h_kv, d), dtype=getattr(torch, dtype),
+                          q_lo=torch.empty(b, s, h_q, d, dtype=code) if q_lo else None)
     out = torch.empty(b, s, h_q, d, dtype=qkv.dtype)
     lse = torch.empty(b, h_q, s)
     kernel, grid, args, meta = launch_args(qkv, out, lse, d ** -0.5, causal, block_n, stages, pingpong,

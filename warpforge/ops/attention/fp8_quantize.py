@@ -3,6 +3,11 @@
 - q, k: e4m3 (or int8, qk_format="int8", SageAttention's INT8 Q·Kᵀ) with one fp32 scale per token and head,
   amax over the head dim mapped to the format's largest value (448 / 127); int8 rounds half up. A NaN in a row
   makes its scale NaN (the amax propagates it), so the NaN reaches the scores instead of vanishing in the codes.
+- q_lo (e4m3 q only, q_residual=True): q's rounding residual as a second e4m3 code at the same scale, q ≈ (q̂ +
+  q̂_lo) · scale, ~7 significant bits instead of 4; the kernels add q̂_lo · k̂ into the same score accumulator (one
+  more Q·Kᵀ MMA, no work per score). e4m3 in all four operands costs ~1e-3 of cosine on Gaussian inputs (each of
+  q, k, v and P ~2-3e-4, benchmarks/NOTES.md "Session 34"), the issue's whole budget; q's residual takes ~2.5e-4
+  of it back.
 - int8 K is smoothed first (SageAttention): the per-head mean over tokens is subtracted, which shifts every score
   of a query row by the same q · mean and leaves the softmax unchanged; the shift comes back into lse.
 - v: e4m3 with one fp32 scale per channel (amax over tokens), stored transposed as v_t [b, h_kv, d_v, s_k_pad]
@@ -32,6 +37,7 @@ class QuantizedQKV:
     v_scale: torch.Tensor           # [b, h_kv, d_v] fp32
     lse_shift: Optional[torch.Tensor]  # [b, h_q, s_q] fp32: q · mean(k), what smoothing took out of the scores
     dtype: torch.dtype              # the unquantised inputs' (the output's)
+    q_lo: Optional[torch.Tensor] = None  # [b, s_q, h_q, d] e4m3 like q (its strides too): q's rounding residual
 
     @property
     def s_k(self) -> int:
@@ -67,35 +73,44 @@ def padded_tokens(s_k: int) -> int:
     return s_k + (-s_k % 16)
 
 
-def _per_row(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_row(x: torch.Tensor, fmt: str, residual: bool = False):
     """x [..., d] -> (codes, fp32 scale [...]) with amax over the last dim at the format's largest value, both
     contiguous: the kernel indexes the codes' last dim with stride 1, and any q / k quantize_qkv takes (a strided
-    last dim included) must give codes flash_attention_quantized takes, as the Triton quantiser's do."""
+    last dim included) must give codes flash_attention_quantized takes, as the Triton quantiser's do. residual (e4m3):
+    (codes, scale, residual codes), the residual x / scale - codes in e4m3 at the same scale."""
     x = x.float().contiguous()
     scale = x.abs().amax(-1).clamp(min=_TINY) / FORMAT_MAX[fmt]
     scaled = x / scale[..., None]
     codes = torch.floor(scaled + 0.5).clamp(-127, 127).to(torch.int8) if fmt == "int8" else scaled.to(FP8)
+    if residual:
+        return codes, scale, (scaled - codes.float()).to(FP8)
     return codes, scale
 
 
-def quantize_qkv_reference(q, k, v, qk_format: str = "fp8") -> QuantizedQKV:
-    """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (validated) -> QuantizedQKV."""
+def quantize_qkv_reference(q, k, v, qk_format: str = "fp8", q_residual: bool = False) -> QuantizedQKV:
+    """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (validated) -> QuantizedQKV; q_residual (fp8
+    only): with q's rounding residual, q_lo."""
     b, s_k, h_kv = k.shape[:3]
-    lse_shift = None
+    lse_shift = q_lo = None
     if qk_format == "int8":
         mean, lse_shift = smoothing(q, k)
         k = k.float() - mean[:, None]
-    q8, q_scale = _per_row(q, qk_format)
+    if q_residual:
+        q8, q_scale, q_lo = _per_row(q, qk_format, residual=True)
+    else:
+        q8, q_scale = _per_row(q, qk_format)
     k8, k_scale = _per_row(k, qk_format)
     v_scale = v_channel_scale(v)
     v_t = torch.zeros(b, h_kv, v.shape[-1], padded_tokens(s_k), dtype=FP8, device=v.device)
     v_t[..., :s_k] = (v.float() / v_scale[:, None]).permute(0, 2, 3, 1).to(FP8)
-    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype)
+    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype, q_lo)
 
 
 def dequantize_qkv_reference(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q, k, v) fp32 as the kernel sees them (k without the smoothing mean: the softmax does not see it)."""
-    q = qkv.q.float() * qkv.q_scale[..., None]
+    """(q, k, v) fp32 as the kernel sees them (k without the smoothing mean: the softmax does not see it; q with its
+    residual codes added, where there are)."""
+    q = qkv.q.float() if qkv.q_lo is None else qkv.q.float() + qkv.q_lo.float()
+    q = q * qkv.q_scale[..., None]
     k = qkv.k.float() * qkv.k_scale[..., None]
     v = (qkv.v_t[..., :qkv.s_k].float() * qkv.v_scale[..., None]).permute(0, 3, 1, 2)
     return q, k, v

@@ -20,13 +20,15 @@ def _row_scale(x, fmt_max: tl.constexpr):
 
 
 @triton.jit
-def quantize_rows_kernel(X, MEAN, OUT, SCALE, SHIFT, n_rows, seq_heads, seq, stride_sb, stride_ss, stride_sh,
+def quantize_rows_kernel(X, MEAN, OUT, LO, SCALE, SHIFT, n_rows, seq_heads, seq, stride_sb, stride_ss, stride_sh,
                          stride_ob, stride_os, stride_oh, H: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_D: tl.constexpr, INT8: tl.constexpr, SMOOTH: tl.constexpr, WITH_SHIFT: tl.constexpr):
+                         BLOCK_D: tl.constexpr, INT8: tl.constexpr, SMOOTH: tl.constexpr, WITH_SHIFT: tl.constexpr,
+                         RESIDUAL: tl.constexpr):
     """Rows of a contiguous [b, s, h, d] tensor: scale = amax / (127 or 448), codes = x / scale (SMOOTH: x minus
     its (batch, head)'s mean first). The scales go to SCALE [b, s, h] at its strides. WITH_SHIFT (int8 q): also
     x · mean of the row's kv head (head // GROUP of MEAN [b, h / GROUP, d]) into SHIFT [b, h, s] contiguous, the
-    smoothing's lse shift, in the same pass (no fp32 copy of q)."""
+    smoothing's lse shift, in the same pass (no fp32 copy of q). RESIDUAL (e4m3): x / scale - codes, in e4m3, to LO
+    at OUT's strides."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
@@ -46,9 +48,12 @@ def quantize_rows_kernel(X, MEAN, OUT, SCALE, SHIFT, n_rows, seq_heads, seq, str
         codes = tl.minimum(tl.maximum(y, -127.0), 127.0).to(tl.int8)
     else:
         scale = _row_scale(x, 448.0)
-        codes = (x / scale[:, None]).to(tl.float8e4nv)
+        scaled = x / scale[:, None]
+        codes = scaled.to(tl.float8e4nv)
     o_off = (rows // seq_heads) * stride_ob + ((rows % seq_heads) // H) * stride_os + (rows % H) * stride_oh
     tl.store(OUT + o_off[:, None] + cols[None, :], codes, mask=ok)
+    if RESIDUAL:
+        tl.store(LO + o_off[:, None] + cols[None, :], (scaled - codes.to(tl.float32)).to(tl.float8e4nv), mask=ok)
     s_off = (rows // seq_heads) * stride_sb + ((rows % seq_heads) // H) * stride_ss + (rows % H) * stride_sh
     tl.store(SCALE + s_off, scale, mask=rows < n_rows)
 
@@ -71,15 +76,17 @@ def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, st
              mask=ch_ok[:, None] & (toks < s_pad)[None, :])
 
 
-def quantize_rows(x, mean, fmt, scale=None, shift_mean=None, codes=None):
+def quantize_rows(x, mean, fmt, scale=None, shift_mean=None, codes=None, residual=False):
     """(codes like x, scale [b, s, h] fp32) of a contiguous [b, s, h, d] tensor; mean [b, h, d] smooths (int8 k).
     scale: where the scales go, any [b, s, h] fp32 view (e.g. of [b, h, s] memory, keys contiguous); by default a
     new contiguous tensor. shift_mean [b, h_kv, d] fp32 contiguous (int8 q): returns (codes, scale, lse_shift
     [b, h, s] = x · shift_mean of each row's kv head), computed in the same pass. codes: where the codes go, any
-    [b, s, h, d] view with unit stride along d (e.g. of [b, h, s_pad, d] memory); by default a new contiguous tensor."""
+    [b, s, h, d] view with unit stride along d (e.g. of [b, h, s_pad, d] memory); by default a new contiguous tensor.
+    residual (e4m3, no shift): returns (codes, scale, residual codes like codes), written in the same pass."""
     b, s, h, d = x.shape
     if codes is None:
         codes = torch.empty(x.shape, device=x.device, dtype=torch.int8 if fmt == "int8" else torch.float8_e4m3fn)
+    lo = torch.empty_like(codes) if residual else None
     if scale is None:
         scale = torch.empty((b, s, h), device=x.device, dtype=torch.float32)
     shift = None
@@ -91,10 +98,13 @@ def quantize_rows(x, mean, fmt, scale=None, shift_mean=None, codes=None):
     if n_rows:
         means = mean if mean is not None else shift_mean
         quantize_rows_kernel[(triton.cdiv(n_rows, block_r),)](
-            x, means if means is not None else scale, codes, scale, shift if shift is not None else scale, n_rows,
+            x, means if means is not None else scale, codes, lo if residual else codes, scale,
+            shift if shift is not None else scale, n_rows,
             s * h, s, *scale.stride(), *codes.stride()[:3], H=h, GROUP=h // shift_mean.shape[1] if shift_mean is not None else 1, D=d,
             BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(d), INT8=fmt == "int8", SMOOTH=mean is not None,
-            WITH_SHIFT=shift is not None, num_warps=4)
+            WITH_SHIFT=shift is not None, RESIDUAL=residual, num_warps=4)
+    if residual:
+        return codes, scale, lo
     return (codes, scale) if shift is None else (codes, scale, shift)
 
 
