@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ...runtime import cdiv, next_pow2
-from ..shared_kernels import dot, triton_launch
+from ..shared_kernels import dot, online_softmax, triton_launch
 
 LOG2E = 1.4426950408889634
 BIAS_NONE, BIAS_TILE, BIAS_KEYS, BIAS_ROWS, BIAS_GIVEN = 0, 1, 2, 3, 4
@@ -68,36 +68,18 @@ def _bias_tile(BIAS, rows, cols, stride_i, stride_j, R, KIND: tl.constexpr, EVEN
 
 
 @triton.jit
-def _scores(q, k, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1: tl.constexpr,
+def _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1: tl.constexpr,
             KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr):
-    """q · kᵀ · scale + biases in natural units, [rows, cols], -inf past the residues (B1 / B2 point at this (b, s,
-    h)'s slice of each bias). Natural, not log2, units: the scale and the biases' sum are one FFMA a score, and the
-    log2 e goes into the FFMA that the exponent's subtraction is anyway (_exp_minus); in log2 units the biases took
-    an FMUL a score more (session 33's SASS of the forward)."""
-    x = dot(q, tl.trans(k)) * scale
+    """(q · kᵀ · scale + biases) in log2 units (qk_scale = scale · log2 e), [rows, cols], -inf past the residues.
+    B1 / B2 point at this (b, s, h)'s slice of each bias."""
+    x = dot(q, tl.trans(k)) * qk_scale
     if KIND1 != 0 or KIND2 != 0:
-        x += _bias_tile(B1, rows, cols, b1_i, b1_j, R, KIND1, EVEN_M, EVEN_N) + \
+        bias = _bias_tile(B1, rows, cols, b1_i, b1_j, R, KIND1, EVEN_M, EVEN_N) + \
             _bias_tile(B2, rows, cols, b2_i, b2_j, R, KIND2, EVEN_M, EVEN_N)
+        x += bias * 1.4426950408889634
     if not EVEN_N:
         x = tl.where((cols < R)[None, :], x, float("-inf"))
     return x
-
-
-@triton.jit
-def _exp_minus(x, m2):
-    """2^(x · log2 e − m2) for natural-unit scores x and a log2-unit offset m2 (one FFMA and one MUFU a score)."""
-    return tl.math.exp2(x * 1.4426950408889634 - m2)
-
-
-@triton.jit
-def _online_softmax(x, m_i, l_i):
-    """shared_kernels.online_softmax for natural-unit scores (maxima m_i natural too): (p, alpha, new row sums, new
-    row maxima); a row that has seen nothing yet keeps max -inf and gets p 0."""
-    m_new = tl.maximum(m_i, tl.max(x, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = _exp_minus(x, (m_use * 1.4426950408889634)[:, None])
-    alpha = _exp_minus(m_i, m_use * 1.4426950408889634)
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
 
 
 @triton.jit
@@ -156,6 +138,7 @@ def evo_fwd_kernel(
     """out = softmax(q · kᵀ · scale + biases) · v, times sigmoid(gate) with HAS_GATE (GATE laid out as q)."""
     bsh, m0, base, B1, B2 = _slice(BLOCK_M, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b,
                                    b2_s, b2_h)
+    qk_scale = scale * 1.4426950408889634
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q = _rows_tile(Q + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
@@ -166,12 +149,12 @@ def evo_fwd_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        x = _scores(q, k, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
-        p, alpha, l_i, m_i = _online_softmax(x, m_i, l_i)
+        x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
+        p, alpha, l_i, m_i = online_softmax(x, m_i, l_i)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     if EVEN_M:
         tl.store(LSE + bsh * R + rows, lse)
     else:
@@ -227,24 +210,24 @@ def _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D: tl.constexp
 
 
 @triton.jit
-def _dscores(q, k, v, do, lse2, delta, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
              KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
              KEY_ROWS: tl.constexpr = False):
     """(p, ds = p · (do · vᵀ − delta)) of a [rows, cols] tile: the softmax's gradient w.r.t. the scores. KEY_ROWS:
     (pᵀ, dsᵀ), [cols, rows], keys as rows, the biases given transposed (_bias_args(transposed=True))."""
     if KEY_ROWS:
-        x = _scores(k, q, cols, rows, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_N, EVEN_M)
-        p = _exp_minus(x, lse2[None, :])
+        x = _scores(k, q, cols, rows, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_N, EVEN_M)
+        p = tl.math.exp2(x - lse2[None, :])
         ds = p * (dot(v, tl.trans(do)) - delta[None, :])
     else:
-        x = _scores(q, k, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
-        p = _exp_minus(x, lse2[:, None])
+        x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
+        p = tl.math.exp2(x - lse2[:, None])
         ds = p * (dot(do, tl.trans(v)) - delta[:, None])
     return p, ds
 
 
 @triton.jit
-def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride_r, R, scale, B1, b1_i, b1_j, B2,
+def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride_r, R, qk_scale, B1, b1_i, b1_j, B2,
                   b2_i, b2_j, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
                   EVEN_D: tl.constexpr, SUM_DQ: tl.constexpr, KEY_ROWS: tl.constexpr = False):
@@ -259,7 +242,7 @@ def _walk_queries(Q, DO, LSE, DELTA, DQ_ACC, k, v, bsh, n0, cols, offs_d, stride
     for m0 in range(0, R, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         q, do, lse2, delta = _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
                          KIND1, KIND2, EVEN_M, EVEN_N, KEY_ROWS)
         if KEY_ROWS:
             dv = dot(p.to(do.dtype), do, dv)
@@ -291,6 +274,7 @@ def evo_bwd_kernel(
     BLOCK: tl.constexpr = BLOCK_M if DQ_PASS else BLOCK_N
     bsh, start, base, B1, B2 = _slice(BLOCK, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b,
                                       b2_s, b2_h)
+    qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     if DQ_PASS:
         rows = start + tl.arange(0, BLOCK_M)
@@ -301,7 +285,7 @@ def evo_bwd_kernel(
             cols = n0 + tl.arange(0, BLOCK_N)
             k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
             v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
+            p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j,
                              KIND1, KIND2, EVEN_M, EVEN_N)
             dq = dot(ds.to(k.dtype), k, dq)
         _store_rows(DQ + base, dq * scale, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D)
@@ -310,7 +294,7 @@ def evo_bwd_kernel(
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        dk, dv = _walk_queries(Q + base, DO + base, LSE, DELTA, DQ, k, v, bsh, n0, cols, offs_d, stride_r, R, scale,
+        dk, dv = _walk_queries(Q + base, DO + base, LSE, DELTA, DQ, k, v, bsh, n0, cols, offs_d, stride_r, R, qk_scale,
                                B1, b1_i, b1_j, B2, b2_i, b2_j, D, BLOCK_M, BLOCK_N, BLOCK_D, KIND1, KIND2, EVEN_M,
                                EVEN_N, EVEN_D, False, KEY_ROWS)
         _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
@@ -332,13 +316,14 @@ def evo_bwd_fused_kernel(
     sum is in a fixed order (deterministic) and stays in L1/L2; at the end dq · scale goes to DQ."""
     bsh, _, base, B1, B2 = _slice(0, S, H, stride_b, stride_s, stride_h, B1, b1_b, b1_s, b1_h, B2, b2_b, b2_s,
                                   b2_h)
+    qk_scale = scale * 1.4426950408889634
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(0, R, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         dk, dv = _walk_queries(Q + base, DO + base, LSE, DELTA, DQ_ACC + base, k, v, bsh, n0, cols, offs_d, stride_r,
-                               R, scale, B1, b1_i, b1_j, B2, b2_i, b2_j, D, BLOCK_M, BLOCK_N, BLOCK_D, KIND1, KIND2,
+                               R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, D, BLOCK_M, BLOCK_N, BLOCK_D, KIND1, KIND2,
                                EVEN_M, EVEN_N, EVEN_D, True)
         _store_rows(DK + base, dk * scale, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         _store_rows(DV + base, dv, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
@@ -362,6 +347,7 @@ def evo_bwd_dbias_kernel(
     is a [R, R] tile bias the same for every MSA row (the pair bias): its tile is read once, before the walk."""
     b = (tl.program_id(2) // H).to(tl.int64)
     h = (tl.program_id(2) % H).to(tl.int64)
+    qk_scale = scale * 1.4426950408889634
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -382,7 +368,7 @@ def evo_bwd_dbias_kernel(
                                         EVEN_D)
         k = _rows_tile(K + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
         v = _rows_tile(V + base, cols, offs_d, stride_r, R, D, EVEN_N, EVEN_D)
-        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, scale, src1, b1_i, b1_j, src2, b2_i, b2_j,
+        p, ds = _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, src1, b1_i, b1_j, src2, b2_i, b2_j,
                          KIND1, KIND2, EVEN_M, EVEN_N)
         acc += ds
     ptrs = DBIAS + b * db_b + h * db_h + rows[:, None] * db_i + cols[None, :]
