@@ -508,15 +508,15 @@ def test_gpu_matches_reference(shape, causal, d, qk_format, gluon_on, monkeypatc
 @pytest.mark.gpu
 @needs_h200
 @pytest.mark.parametrize("block_n,stages,pingpong,persistent,qk_format,q_residual", [
-    (128, 2, False, False, "fp8", True), (64, 4, True, False, "int8", None), (128, 2, True, True, "fp8", True),
-    (128, 3, True, True, "int8", None), (128, 3, True, False, "fp8", False), (128, 2, True, True, "fp8", False)])
+    (128, 2, False, False, "fp8", True), (64, 4, True, False, "int8", False), (128, 2, True, True, "fp8", True),
+    (128, 3, True, True, "int8", False), (128, 3, True, False, "fp8", False), (128, 2, True, True, "fp8", False)])
 def test_gpu_knobs(block_n, stages, pingpong, persistent, qk_format, q_residual):
     """Every knob the bench sweeps gives the same answer (direct calls; fp16 output too); persistent with more items
     than SMs and items without keys (s_q > s_k, causal); e4m3 with and without q's residual codes."""
     for d, dtype, causal, shape in ((128, torch.bfloat16, True, (3, 1000 + 5, 1000 + 5, 16, 2)),
                                     (64, torch.float16, False, (2, 1000 + 5, 1000 + 5, 4, 2)),
                                     (128, torch.bfloat16, True, (5, 1100, 300, 8, 8))):
-        if fk.smem_bytes(d, block_n, stages, persistent, q_lo=q_residual is not False) > fk.SMEM_MAX:
+        if fk.smem_bytes(d, block_n, stages, persistent, q_lo=q_residual) > fk.SMEM_MAX:
             continue
         q, k, v = _inputs(*shape, d, dtype)
         qkv = quantize_qkv(q, k, v, qk_format=qk_format, q_residual=q_residual)
@@ -530,18 +530,19 @@ def test_gpu_knobs(block_n, stages, pingpong, persistent, qk_format, q_residual)
 
 @pytest.mark.gpu
 @needs_h200
-@pytest.mark.parametrize("qk_format,q_residual", [("fp8", None), ("fp8", False), ("int8", None)])
+@pytest.mark.parametrize("qk_format,q_residual", [("fp8", True), ("fp8", False), ("int8", False)])
 def test_gpu_headline_shape_accuracy(qk_format, q_residual, gluon_on):
     """b1 h4 s8192 d128 causal through flash_attention_fp8 (quantiser included) against fp32 attention on the
-    unquantised inputs, computed head by head (the bar's measure). The default e4m3 path (q's residual codes on)
-    and int8 are held to the bar's cos >= 0.999; single-code e4m3 to what its format gives."""
+    unquantised inputs, computed head by head (the bar's measure). e4m3 with q's residual codes and int8 are held
+    to the bar's cos >= 0.999 (H100, session 34: 8.85e-4 and 6.13e-4); single-code e4m3 (1.15e-3) to what its
+    format gives."""
     q, k, v = _inputs(1, 8192, 8192, 4, 4, 128)
     out = wf.flash_attention_fp8(q, k, v, causal=True, qk_format=qk_format, q_residual=q_residual)
     assert gluon_on == [True]
     exact = torch.cat([_exact(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], True)[0] for i in range(4)], 2)
     c = cosine(out, exact)
     print(f"\n{qk_format} (q residual {q_residual}): 1 - cos = {1 - c:.2e}")
-    assert c >= (COS_EXACT[qk_format] if q_residual is False else 0.999)
+    assert c >= (0.999 if q_residual else COS_EXACT[qk_format])
 
 
 @pytest.mark.gpu

@@ -34,12 +34,12 @@ CASES = [  # b, s_q, s_k, h_q, h_kv, d, d_v, causal, window
 ]
 
 
-@pytest.mark.parametrize("qk_format", ["fp8", "int8"])
+@pytest.mark.parametrize("qk_format,q_residual", [("fp8", False), ("int8", False), ("fp8", True)])
 @pytest.mark.parametrize("case", CASES)
-def test_kernel_matches_reference_on_the_quantised_inputs(case, qk_format):
+def test_kernel_matches_reference_on_the_quantised_inputs(case, qk_format, q_residual):
     b, s_q, s_k, h_q, h_kv, d, d_v, causal, window = case
     q, k, v = _inputs(b, s_q, s_k, h_q, h_kv, d, d_v)
-    qkv = quantize_qkv(q, k, v, qk_format=qk_format)
+    qkv = quantize_qkv(q, k, v, qk_format=qk_format, q_residual=q_residual)
     out, lse = flash_attention_quantized(qkv, causal=causal, window=window, return_lse=True, backend="triton")
     ref, ref_lse = flash_attention_quantized(qkv, causal=causal, window=window, return_lse=True,
                                              backend="reference")
@@ -64,8 +64,10 @@ def test_a_query_that_sees_nothing_gets_zero_and_minus_inf():
 @pytest.mark.parametrize("qk_format", ["fp8", "int8"])
 def test_triton_quantiser_matches_the_reference(qk_format):
     q, k, v = _inputs(2, 9, 21, 4, 2, 32, 48)
-    got, want = (quantize_qkv(q, k, v, qk_format=qk_format, backend=b) for b in ("triton", "reference"))
-    assert (got.q_lo is None) == (want.q_lo is None) == (qk_format == "int8")  # q's residual: e4m3's default
+    res = qk_format == "fp8"  # q's residual codes too (opt-in, e4m3 only)
+    got, want = (quantize_qkv(q, k, v, qk_format=qk_format, q_residual=res, backend=b) for b in ("triton", "reference"))
+    assert (got.q_lo is None) == (want.q_lo is None) == (not res)
+    assert quantize_qkv(q, k, v, qk_format=qk_format).q_lo is None  # off by default
     q_carried = None
     for name in ("q", "q_scale", "k", "k_scale", "v_t", "v_scale", "lse_shift", "q_lo"):
         a, b = getattr(got, name), getattr(want, name)
@@ -91,7 +93,7 @@ def test_triton_quantiser_matches_the_reference(qk_format):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_q_residual_carries_q_to_seven_bits(backend):
-    """q's residual codes (the e4m3 default) hold q to ~2^-7 of each value where one code holds it to ~2^-4, and
+    """q's residual codes (q_residual=True) hold q to ~2^-7 of each value where one code holds it to ~2^-4, and
     the output of the kernel on them is closer to fp32 attention than without them (same k, v codes)."""
     q, k, v = _inputs(1, 96, 96, 4, 4, 64)
     with_lo, without = (quantize_qkv(q, k, v, q_residual=r, backend=backend) for r in (True, False))
@@ -202,7 +204,7 @@ def _bad(qkv, **fields):
 ])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_bad_quantised_fields(edit, name, backend):
-    qkv = quantize_qkv(*_inputs(2, 9, 21, 4, 2, 32, 48))
+    qkv = quantize_qkv(*_inputs(2, 9, 21, 4, 2, 32, 48), q_residual=True)  # every field there, q_lo too
     with pytest.raises(WarpforgeInputError, match=f"^{name}:"):
         flash_attention_quantized(edit(qkv), backend=backend)
 

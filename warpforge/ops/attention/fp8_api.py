@@ -185,23 +185,22 @@ def _check_quantized(qkv):
                  f"{tuple(qkv.q_lo.shape)} / {qkv.q_lo.stride()}")
 
 
-def _q_residual(qk_format: str, q_residual: Optional[bool]) -> bool:
-    """q_residual as asked (None: on for e4m3 Q·Kᵀ, off for int8, whose codes carry 8 bits already)."""
-    if q_residual is None:
-        return qk_format == "fp8"
+def _q_residual(qk_format: str, q_residual: bool) -> bool:
+    """q_residual, checked: a bool, and only with e4m3 Q·Kᵀ (int8's codes carry 8 bits already)."""
     check_bool("q_residual", q_residual)
     if q_residual and qk_format != "fp8":
-        fail("q_residual", "False or None with qk_format 'int8' (the residual is an e4m3 code)", q_residual)
+        fail("q_residual", "False with qk_format 'int8' (the residual is an e4m3 code)", q_residual)
     return q_residual
 
 
-def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: Optional[bool] = None,
+def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: bool = False,
                  backend=None) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (fp16 / bf16 / fp32; d, d_v multiples of 16
     up to 256) -> a QuantizedQKV for flash_attention_quantized: e4m3 (or int8 q/k, qk_format="int8") with
     per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised.
-    q_residual (e4m3 only; None: on for "fp8"): q's rounding residual as a second e4m3 code (QuantizedQKV.q_lo), so
-    that the scores see q to ~7 significant bits for one more Q·Kᵀ MMA.
+    q_residual (e4m3 only): q's rounding residual as a second e4m3 code (QuantizedQKV.q_lo), so that the scores see
+    q to ~7 significant bits for one more Q·Kᵀ MMA: 1 - cos 1.15e-3 -> 8.9e-4 at b1 h4 s8192 d128 causal, ~10%
+    slower (H100, benchmarks/NOTES.md "Session 34").
 
     Values are not read on the host (no sync): a NaN propagates instead. A row's amax keeps it, so its scale is NaN
     and so is every output it reaches (int8 smooths K by its per-head mean, so there a NaN key reaches all of its
@@ -281,12 +280,12 @@ def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softma
 
 def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-                        qk_format: str = "fp8", q_residual: Optional[bool] = None, return_lse: bool = False,
+                        qk_format: str = "fp8", q_residual: bool = False, return_lse: bool = False,
                         backend: Optional[str] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
     quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
-    smoothed K); P·V is e4m3 either way. q_residual (quantize_qkv's; on by default for "fp8"): q's rounding residual
-    as a second e4m3 code, one more Q·Kᵀ MMA for ~25% less output error. Forward only (inference), on both
+    smoothed K); P·V is e4m3 either way. q_residual (quantize_qkv's, e4m3 only): q's rounding residual as a
+    second e4m3 code, one more Q·Kᵀ MMA (~10% of the time) for ~25% less output error. Forward only (inference), on both
     backends: inputs that require grad are refused while grad mode is on (call it under torch.no_grad(), or detach
     them). NaN and inf propagate to the outputs they reach without a host read (quantize_qkv); s_k = 0 gives zeros
     and lse -inf, as flash_attention."""
