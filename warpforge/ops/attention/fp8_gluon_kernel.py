@@ -8,6 +8,8 @@ smoothing shift to lse, as for the portable kernel.
 
 Operands (FP8 wgmma takes both shared-memory operands K-major, i.e. contiguous along the reduction):
 - S = Q·Kᵀ: Q [64 rows, d] and K [BLOCK_N, d] tiles of the [b, s, h, d] codes, contiguous along d: K-major for both.
+  Q_LO (q_residual): q's residual codes come with Q (two more tiles an item) and a second wgmma adds their product
+  into the same accumulator, issued right after the first.
 - O += P·V: V comes channel-major, v_t [b, h_kv, d, s_pad], so a [d, BLOCK_N] tile is contiguous along the keys,
   the reduction: its permuted view [BLOCK_N, d] is the K-major B operand. P is the register A operand.
 - scores: s_ij = (q̂_i · k̂_j) · qs_i · ks_j. Per tile: t = s · ks_j (one MUL; the tile's BLOCK_N key scales arrive
