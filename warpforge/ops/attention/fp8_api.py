@@ -78,10 +78,10 @@ def fp8_gluon_gate(qkv: QuantizedQKV, left: int, right: int) -> bool:
 
 def _fp8_impl(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v_t: torch.Tensor,
               v_scale: torch.Tensor, qk_format: str, out_dtype: torch.dtype, sm_scale: float, left: int,
-              right: int, q_lo: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+              right: int, q_lo: Optional[torch.Tensor], k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .fp8_kernel import _block, flash_fp8_fwd
     b, s_q, h_q, d = q.shape
-    qkv = QuantizedQKV(qk_format, q, q_scale, k, k_scale, v_t, v_scale, None, out_dtype, q_lo)
+    qkv = QuantizedQKV(qk_format, q, q_scale, k, k_scale, v_t, v_scale, None, out_dtype, q_lo, k_block)
     if fp8_gluon_gate(qkv, left, right):  # Hopper: QGMMA on the Gluon forward's schedule
         from .fp8_gluon_kernel import flash_fp8_fwd_gluon
         return flash_fp8_fwd_gluon(qkv, sm_scale, right == 0, *fp8_gluon_knobs(d, right == 0),
@@ -94,7 +94,7 @@ def _fp8_impl(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: 
     return out, lse
 
 
-def _fp8_fake(q, q_scale, k, k_scale, v_t, v_scale, qk_format, out_dtype, sm_scale, left, right, q_lo):
+def _fp8_fake(q, q_scale, k, k_scale, v_t, v_scale, qk_format, out_dtype, sm_scale, left, right, q_lo, k_block):
     b, s_q, h_q, _ = q.shape
     return q.new_empty((b, s_q, h_q, v_t.shape[2]), dtype=out_dtype), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -183,6 +183,17 @@ def _check_quantized(qkv):
         if qkv.q_lo.shape != qkv.q.shape or qkv.q_lo.stride() != qkv.q.stride():
             fail("qkv.q_lo", f"the shape and strides of qkv.q, {tuple(qkv.q.shape)} / {qkv.q.stride()}",
                  f"{tuple(qkv.q_lo.shape)} / {qkv.q_lo.stride()}")
+    _check_k_block("qkv.k_block", qkv.k_block, qkv.qk_format)
+
+
+K_BLOCKS = (0, 128)  # k_block: per-key scales, or one scale per aligned 128 keys
+
+
+def _check_k_block(name: str, k_block, qk_format: str) -> None:
+    if isinstance(k_block, bool) or k_block not in K_BLOCKS:
+        fail(name, f"one of {K_BLOCKS} (0: a scale per key)", k_block)
+    if k_block and qk_format != "fp8":
+        fail(name, "0 with qk_format 'int8' (block scales are an e4m3 option)", k_block)
 
 
 def _q_residual(qk_format: str, q_residual: bool) -> bool:
@@ -193,14 +204,16 @@ def _q_residual(qk_format: str, q_residual: bool) -> bool:
     return q_residual
 
 
-def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: bool = False,
+def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: bool = False, k_block: int = 0,
                  backend=None) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (fp16 / bf16 / fp32; d, d_v multiples of 16
     up to 256) -> a QuantizedQKV for flash_attention_quantized: e4m3 (or int8 q/k, qk_format="int8") with
     per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised.
     q_residual (e4m3 only): q's rounding residual as a second e4m3 code (QuantizedQKV.q_lo), so that the scores see
     q to ~7 significant bits for one more Q·Kᵀ MMA: 1 - cos 1.15e-3 -> 8.9e-4 at b1 h4 s8192 d128 causal, ~10%
-    slower (H100, benchmarks/NOTES.md "Session 34").
+    slower (H100, benchmarks/NOTES.md "Session 34"). k_block (e4m3 only; 0 or 128): 128 gives k one scale per
+    aligned block of 128 keys of a head instead of one per key, which the Hopper kernel applies once a key tile rather
+    than once a score (emulated accuracy cost ~4e-5 of cosine on Gaussian inputs).
 
     Values are not read on the host (no sync): a NaN propagates instead. A row's amax keeps it, so its scale is NaN
     and so is every output it reaches (int8 smooths K by its per-head mean, so there a NaN key reaches all of its
@@ -208,7 +221,9 @@ def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: bool = False,
     refused while grad mode is on."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
-    return _quantize(q, k, v, qk_format, backend, True, q_residual=_q_residual(qk_format, q_residual))
+    _check_k_block("k_block", k_block, qk_format)
+    return _quantize(q, k, v, qk_format, backend, True, q_residual=_q_residual(qk_format, q_residual),
+                     k_block=k_block)
 
 
 def _keys_for_gluon(q, k) -> bool:
@@ -219,13 +234,14 @@ def _keys_for_gluon(q, k) -> bool:
 
 
 def _quantize(q, k, v, qk_format, backend, lse_shift_needed: bool, keys_by_head: bool = False,
-              q_residual: bool = False) -> QuantizedQKV:
+              q_residual: bool = False, k_block: int = 0) -> QuantizedQKV:
     """quantize_qkv on validated inputs. Without lse_shift_needed (flash_attention_fp8 when lse is not returned) the
     Triton path skips int8's lse shift, q · mean(k) over every query in fp32: it only ever feeds lse. keys_by_head:
-    k's codes go to [b, h_kv, s_pad16, d] memory (_keys_for_gluon). q_residual: with q's residual codes (fp8)."""
+    k's codes go to [b, h_kv, s_pad16, d] memory (_keys_for_gluon). q_residual: with q's residual codes (fp8).
+    k_block: k's scales per block of that many keys (fp8)."""
     if resolve_backend(backend, q.device) == "reference":
-        return quantize_qkv_reference(q, k, v, qk_format, q_residual)
-    from .fp8_quantize_kernel import quantize_rows, quantize_v
+        return quantize_qkv_reference(q, k, v, qk_format, q_residual, k_block)
+    from .fp8_quantize_kernel import quantize_key_blocks, quantize_rows, quantize_v
     if qk_format != "int8":
         mean = lse_shift = None
     elif lse_shift_needed:
@@ -244,10 +260,13 @@ def _quantize(q, k, v, qk_format, backend, lse_shift_needed: bool, keys_by_head:
         buf = torch.empty((b, h_kv, pad, d), device=k.device, dtype=torch.int8 if qk_format == "int8" else FP8)
         buf[:, :, s_k:].zero_()
         codes = buf.transpose(1, 2)[:, :s_k]
-    k8, k_scale = quantize_rows(k.contiguous(), mean, qk_format, codes=codes)
+    if k_block:
+        k8, k_scale = quantize_key_blocks(k, k_block, codes=codes)
+    else:
+        k8, k_scale = quantize_rows(k.contiguous(), mean, qk_format, codes=codes)
     v_scale = v_channel_scale(v)
     v_t = quantize_v(v, v_scale, padded_tokens(k.shape[1]))
-    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype, q_lo)
+    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype, q_lo, k_block)
 
 
 def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softmax_scale: Optional[float] = None,
@@ -270,7 +289,7 @@ def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softma
         out = out.to(qkv.dtype)
     else:
         out, lse = _flash_fp8(qkv.q, qkv.q_scale, qkv.k, qkv.k_scale, qkv.v_t, qkv.v_scale, qkv.qk_format,
-                              qkv.dtype, scale, *kernel_window, qkv.q_lo)
+                              qkv.dtype, scale, *kernel_window, qkv.q_lo, qkv.k_block)
     if not return_lse:
         return out
     if qkv.lse_shift is not None:  # the smoothing's per-row shift, back in the natural-log lse
@@ -280,20 +299,23 @@ def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softma
 
 def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-                        qk_format: str = "fp8", q_residual: bool = False, return_lse: bool = False,
+                        qk_format: str = "fp8", q_residual: bool = False, k_block: int = 0,
+                        return_lse: bool = False,
                         backend: Optional[str] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
     quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
     smoothed K); P·V is e4m3 either way. q_residual (quantize_qkv's, e4m3 only): q's rounding residual as a
-    second e4m3 code, one more Q·Kᵀ MMA (~10% of the time) for ~25% less output error. Forward only (inference), on both
+    second e4m3 code, one more Q·Kᵀ MMA (~10% of the time) for ~25% less output error; k_block (0 or 128,
+    e4m3 only): k's scales per aligned block of 128 keys (quantize_qkv's). Forward only (inference), on both
     backends: inputs that require grad are refused while grad mode is on (call it under torch.no_grad(), or detach
     them). NaN and inf propagate to the outputs they reach without a host read (quantize_qkv); s_k = 0 gives zeros
     and lse -inf, as flash_attention."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
     check_bool("return_lse", return_lse)
+    _check_k_block("k_block", k_block, qk_format)
     qkv = _quantize(q, k, v, qk_format, backend, return_lse,
                     resolve_backend(backend, q.device) != "reference" and _keys_for_gluon(q, k),
-                    q_residual=_q_residual(qk_format, q_residual))
+                    q_residual=_q_residual(qk_format, q_residual), k_block=k_block)
     return flash_attention_quantized(qkv, causal=causal, softmax_scale=softmax_scale, window=window,
                                      return_lse=return_lse, backend=backend)

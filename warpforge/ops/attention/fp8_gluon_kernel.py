@@ -10,6 +10,8 @@ Operands (FP8 wgmma takes both shared-memory operands K-major, i.e. contiguous a
 - S = Q·Kᵀ: Q [64 rows, d] and K [BLOCK_N, d] tiles of the [b, s, h, d] codes, contiguous along d: K-major for both.
   Q_LO (q_residual): q's residual codes come with Q (two more tiles an item) and a second wgmma adds their product
   into the same accumulator, issued right after the first.
+- K_BLOCK (k_block 128, e4m3): k's scale is one per aligned 128 keys, so a tile's is one number, loaded from k_scale
+  while S runs and folded into the row factor (qs2 · ks): the per-score MUL below goes (its smem copy is not read).
 - O += P·V: V comes channel-major, v_t [b, h_kv, d, s_pad], so a [d, BLOCK_N] tile is contiguous along the keys,
   the reduction: its permuted view [BLOCK_N, d] is the K-major B operand. P is the register A operand.
 - scores: s_ij = (q̂_i · k̂_j) · qs_i · ks_j. Per tile: t = s · ks_j (one MUL; the tile's BLOCK_N key scales arrive
@@ -221,11 +223,12 @@ def _build():
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                  o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
+                  o_desc, QS, VS, LSE, KS, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
                   stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                  stride_lb, stride_lh, WG: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, QBUF: gl.constexpr,
-                  INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr, Q_LO: gl.constexpr):
+                  stride_lb, stride_lh, stride_ksb, stride_kss, stride_ksh, WG: gl.constexpr, D: gl.constexpr,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                  QBUF: gl.constexpr, INT8_QK: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr,
+                  Q_LO: gl.constexpr, K_BLOCK: gl.constexpr):
         KINSTR: gl.constexpr = 32  # an 8-bit wgmma's K
         NQ: gl.constexpr = 4 if Q_LO else 2
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -262,6 +265,7 @@ def _build():
                 b64 = b.to(gl.int64)
                 qs2 = gl.load(QS + b64 * stride_qsb + h.to(gl.int64) * stride_qsh + rows.to(gl.int64) * stride_qss,
                               mask=rows < s_q, other=0.0) * qk_scale
+                ks_row = KS + b64 * stride_ksb + kvh.to(gl.int64) * stride_ksh  # K_BLOCK: this head's key scales
                 m_i = gl.full([64], float("-inf"), gl.float32, row_s)
                 l_i = gl.zeros([64], gl.float32, row_s)
                 acc = gl.zeros([64, D], gl.float32, o_layout)
@@ -278,15 +282,23 @@ def _build():
                     s_tok = _qk(q, q_lo, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, Q_LO)
                     if PINGPONG:
                         mbarrier.arrive(turn.index(1 - WG))
+                    if K_BLOCK:  # the tile's one key scale, loaded while S runs
+                        kb = gl.load(ks_row)
                     s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                    ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
-                    mbarrier.arrive(k_empty.index(slot))  # K and its scales read
-                    x = _scores(s, ks, INT8_QK)
+                    if K_BLOCK:
+                        mbarrier.arrive(k_empty.index(slot))
+                        x = s
+                        qsx = qs2 * kb
+                    else:
+                        ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
+                        mbarrier.arrive(k_empty.index(slot))  # K and its scales read
+                        x = _scores(s, ks, INT8_QK)
+                        qsx = qs2
                     if first_masked <= 0:
-                        p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qs2, True, CAUSAL, s_layout,
+                        p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qsx, True, CAUSAL, s_layout,
                                                       BLOCK_N, PERMUTE_K)
                     else:
-                        p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qs2, False, CAUSAL, s_layout,
+                        p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qsx, False, CAUSAL, s_layout,
                                                       BLOCK_N, PERMUTE_K)
                     p_op = _p_operand(p, p_layout, P_CONVERT, PERMUTE_K)
                     # ---- key tiles 1 .. n-1: S_j and P_{j-1}·V_{j-1} in flight together
@@ -304,15 +316,23 @@ def _build():
                                                 acc, is_async=True)
                         if PINGPONG:
                             mbarrier.arrive(turn.index(1 - WG))
+                        if K_BLOCK:
+                            kb = gl.load(ks_row + (j * BLOCK_N).to(gl.int64) * stride_kss)
                         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done (both halves); P·V_{j-1} may run
-                        ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
-                        mbarrier.arrive(k_empty.index(slot))
-                        x = _scores(s, ks, INT8_QK)
+                        if K_BLOCK:
+                            mbarrier.arrive(k_empty.index(slot))
+                            x = s
+                            qsx = qs2 * kb
+                        else:
+                            ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
+                            mbarrier.arrive(k_empty.index(slot))
+                            x = _scores(s, ks, INT8_QK)
+                            qsx = qs2
                         if j >= first_masked:
-                            p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qs2, True,
+                            p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qsx, True,
                                                           CAUSAL, s_layout, BLOCK_N, PERMUTE_K)
                         else:
-                            p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qs2, False,
+                            p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qsx, False,
                                                           CAUSAL, s_layout, BLOCK_N, PERMUTE_K)
                         # P_{j-1} (e4m3 registers) is not passed as a dep: Triton 3.6 cannot lower an 8-bit dep
                         # ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"); P is built again only after this wait, and
@@ -355,13 +375,14 @@ def _build():
                 tc += 1
 
     @gluon.jit
-    def flash_fp8_fwd_gluon_kernel(q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, QS, VS, LSE, s_q, s_k, H_KV, S16, qk_scale,
-                                   stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                                   stride_lb, stride_lh, H_Q, GROUP, n_m, total, n_rounds, D: gl.constexpr,
+    def flash_fp8_fwd_gluon_kernel(q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, QS, VS, LSE, KS, s_q, s_k, H_KV,
+                                   S16, qk_scale, stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
+                                   stride_lb, stride_lh, stride_ksb, stride_kss, stride_ksh, H_Q, GROUP, n_m, total,
+                                   n_rounds, D: gl.constexpr,
                                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    PINGPONG: gl.constexpr, QBUF: gl.constexpr, INT8_QK: gl.constexpr,
                                    P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr, Q_LO: gl.constexpr,
-                                   CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                                   K_BLOCK: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         NQ: gl.constexpr = 4 if Q_LO else 2
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [NQ * QBUF] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -388,15 +409,15 @@ def _build():
 
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
-                         stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                         stride_lb, stride_lh, 0, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT,
-                         PERMUTE_K, Q_LO)),
+                         v_empty, turn, o_desc, QS, VS, LSE, KS, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k,
+                         qk_scale, stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
+                         stride_lb, stride_lh, stride_ksb, stride_kss, stride_ksh, 0, D, BLOCK_N, STAGES, CAUSAL,
+                         PINGPONG, QBUF, INT8_QK, P_CONVERT, PERMUTE_K, Q_LO, K_BLOCK)),
             (_consumer, (q_bufs, k_bufs, ks_bufs, v_bufs, o_bufs, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, o_desc, QS, VS, LSE, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, qk_scale,
-                         stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
-                         stride_lb, stride_lh, 1, D, BLOCK_N, STAGES, CAUSAL, PINGPONG, QBUF, INT8_QK, P_CONVERT,
-                         PERMUTE_K, Q_LO)),
+                         v_empty, turn, o_desc, QS, VS, LSE, KS, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k,
+                         qk_scale, stride_qsb, stride_qss, stride_qsh, stride_vsb, stride_vsh,
+                         stride_lb, stride_lh, stride_ksb, stride_kss, stride_ksh, 1, D, BLOCK_N, STAGES, CAUSAL,
+                         PINGPONG, QBUF, INT8_QK, P_CONVERT, PERMUTE_K, Q_LO, K_BLOCK)),
             (_producer, (q_desc, ql_desc, k_desc, ks_desc, v_desc, q_bufs, k_bufs, ks_bufs, v_bufs, q_ready,
                          q_empty, k_ready, v_ready, k_empty,
                          v_empty, n_m, total, n_rounds, H_Q, GROUP, s_q, s_k, H_KV, S16, CAUSAL, BLOCK_N, STAGES, QBUF,
@@ -532,12 +553,18 @@ def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, pers
     qsc, vsc = qkv.q_scale, qkv.v_scale
     if vsc.stride(-1) != 1:  # the epilogue reads a head's channel scales at unit stride
         vsc = vsc.contiguous()
-    args = (q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, s_q, s_k, h_kv, s16, sm_scale * LOG2E,
-            qsc.stride(0), qsc.stride(1), qsc.stride(2), vsc.stride(0), vsc.stride(1),
-            lse.stride(0), lse.stride(1), h_q, h_q // h_kv, n_m, total, -(-total // progs))
+    # k_block: the key scales are constant over aligned blocks that hold whole key tiles, read once a tile (the
+    # block's first key) from k_scale as given
+    k_block = getattr(qkv, "k_block", 0)
+    kblk = bool(k_block) and k_block % block_n == 0 and qkv.qk_format == "fp8"
+    ksc = qkv.k_scale
+    args = (q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, ksc, s_q, s_k, h_kv, s16,
+            sm_scale * LOG2E, qsc.stride(0), qsc.stride(1), qsc.stride(2), vsc.stride(0), vsc.stride(1),
+            lse.stride(0), lse.stride(1), ksc.stride(0), ksc.stride(1), ksc.stride(2), h_q, h_q // h_kv, n_m, total,
+            -(-total // progs))
     meta = dict(D=d, BLOCK_N=block_n, STAGES=stages, CAUSAL=bool(causal), PINGPONG=bool(pingpong),
                 QBUF=2 if persistent else 1, INT8_QK=qkv.qk_format == "int8", P_CONVERT=P_CONVERT,
-                PERMUTE_K=bool(permute_k), Q_LO=q_lo is not None,
+                PERMUTE_K=bool(permute_k), Q_LO=q_lo is not None, K_BLOCK=kblk,
                 CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, (progs, ), args, meta
@@ -567,7 +594,7 @@ def flash_fp8_fwd_gluon(qkv, sm_scale, causal, block_n=128, stages=2, pingpong=T
 
 # ------------------------------------------------------------------------------------ compile-only check
 def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persistent=False, h_q=4, h_kv=2,
-                 qk_format="fp8", dtype="bfloat16", s=300, permute_k=False, arch=90, q_lo=False):
+                 qk_format="fp8", dtype="bfloat16", s=300, permute_k=False, arch=90, q_lo=False, k_block=0):
     """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched). Returns
     compile_report's dict (PTX features, warps, shared memory, the compiled kernel) plus the wgmma types and counts."""
     import re
@@ -582,7 +609,7 @@ def compile_sm90(d=128, causal=True, block_n=128, stages=2, pingpong=True, persi
                           k=torch.empty(b, s, h_kv, d, dtype=code), k_scale=torch.empty(b, s, h_kv),
                           v_t=torch.empty(b, h_kv, d, s_pad, dtype=torch.float8_e4m3fn),
                           v_scale=torch.empty(b, h_kv, d), dtype=getattr(torch, dtype),
-                          q_lo=torch.empty(b, s, h_q, d, dtype=code) if q_lo else None)
+                          q_lo=torch.empty(b, s, h_q, d, dtype=code) if q_lo else None, k_block=k_block)
     out = torch.empty(b, s, h_q, d, dtype=qkv.dtype)
     lse = torch.empty(b, h_q, s)
     kernel, grid, args, meta = launch_args(qkv, out, lse, d ** -0.5, causal, block_n, stages, pingpong,

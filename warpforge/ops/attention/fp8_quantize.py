@@ -10,6 +10,9 @@
   of it back (H100: 1 - cos 1.15e-3 -> 8.9e-4 at s 8192, for ~10% more time).
 - int8 K is smoothed first (SageAttention): the per-head mean over tokens is subtracted, which shifts every score
   of a query row by the same q · mean and leaves the softmax unchanged; the shift comes back into lse.
+- k_block (e4m3 k only, opt-in: k_block=128): one scale per aligned block of 128 keys of a head instead of one per
+  key (k_scale keeps its [b, s_k, h_kv] shape, the block's scale at each of its keys). The Gluon kernel then takes a
+  key tile's scale once into the row's exponent factor instead of multiplying every score by its key's scale.
 - v: e4m3 with one fp32 scale per channel (amax over tokens), stored transposed as v_t [b, h_kv, d_v, s_k_pad]
   (s_k padded to 16 with zeros): the P·V product's B operand must be K-major for FP8 MMAs.
 """
@@ -38,6 +41,7 @@ class QuantizedQKV:
     lse_shift: Optional[torch.Tensor]  # [b, h_q, s_q] fp32: q · mean(k), what smoothing took out of the scores
     dtype: torch.dtype              # the unquantised inputs' (the output's)
     q_lo: Optional[torch.Tensor] = None  # [b, s_q, h_q, d] e4m3 like q (its strides too): q's rounding residual
+    k_block: int = 0                # 0: k_scale per key; 128: the same over each aligned block of 128 keys
 
     @property
     def s_k(self) -> int:
@@ -87,9 +91,21 @@ def _per_row(x: torch.Tensor, fmt: str, residual: bool = False):
     return codes, scale
 
 
-def quantize_qkv_reference(q, k, v, qk_format: str = "fp8", q_residual: bool = False) -> QuantizedQKV:
+def _per_key_block(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [b, s, h, d] -> (e4m3 codes, fp32 scale [b, s, h]) with one amax over each aligned block of `block` keys of a
+    head (the last block short), the block's scale repeated at each of its keys."""
+    b, s, h, d = k.shape
+    x = k.float().contiguous()
+    pad = -s % block
+    amax = torch.nn.functional.pad(x.abs().amax(-1), (0, 0, 0, pad)).view(b, -1, block, h).amax(2)
+    scale = (amax.clamp(min=_TINY) / FORMAT_MAX["fp8"]).repeat_interleave(block, 1)[:, :s].contiguous()
+    return (x / scale[..., None]).to(FP8), scale
+
+
+def quantize_qkv_reference(q, k, v, qk_format: str = "fp8", q_residual: bool = False,
+                           k_block: int = 0) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (validated) -> QuantizedQKV; q_residual (fp8
-    only): with q's rounding residual, q_lo."""
+    only): with q's rounding residual, q_lo; k_block (fp8 only): k's scales per block of that many keys."""
     b, s_k, h_kv = k.shape[:3]
     lse_shift = q_lo = None
     if qk_format == "int8":
@@ -99,11 +115,11 @@ def quantize_qkv_reference(q, k, v, qk_format: str = "fp8", q_residual: bool = F
         q8, q_scale, q_lo = _per_row(q, qk_format, residual=True)
     else:
         q8, q_scale = _per_row(q, qk_format)
-    k8, k_scale = _per_row(k, qk_format)
+    k8, k_scale = _per_key_block(k, k_block) if k_block else _per_row(k, qk_format)
     v_scale = v_channel_scale(v)
     v_t = torch.zeros(b, h_kv, v.shape[-1], padded_tokens(s_k), dtype=FP8, device=v.device)
     v_t[..., :s_k] = (v.float() / v_scale[:, None]).permute(0, 2, 3, 1).to(FP8)
-    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype, q_lo)
+    return QuantizedQKV(qk_format, q8, q_scale, k8, k_scale, v_t, v_scale, lse_shift, q.dtype, q_lo, k_block)
 
 
 def dequantize_qkv_reference(qkv: QuantizedQKV) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -59,6 +59,27 @@ def quantize_rows_kernel(X, MEAN, OUT, LO, SCALE, SHIFT, n_rows, seq_heads, seq,
 
 
 @triton.jit
+def quantize_key_blocks_kernel(K, OUT, SCALE, s_k, stride_kb, stride_ks, stride_kh, stride_ob, stride_os, stride_oh,
+                               stride_sb, stride_ss, stride_sh, H: tl.constexpr, D: tl.constexpr,
+                               BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One aligned block of BLOCK_K keys of one head: scale = amax over the block / 448 (NaN kept), e4m3 codes to OUT
+    and the scale to SCALE at each of the block's keys (both at their strides). K's head dim has stride 1."""
+    b = (tl.program_id(0) // H).to(tl.int64)  # grid (b · H, key blocks): axis 1 stops at 65535, axis 0 doesn't
+    h = (tl.program_id(0) % H).to(tl.int64)
+    keys = (tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (keys < s_k)[:, None] & (cols < D)[None, :]
+    x = tl.load(K + b * stride_kb + h * stride_kh + keys[:, None] * stride_ks + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    amax = tl.reduce(tl.reduce(tl.abs(x), 1, _max_keep_nan), 0, _max_keep_nan)
+    scale = tl.maximum(amax, 1e-20, propagate_nan=tl.PropagateNan.ALL) / 448.0
+    tl.store(OUT + b * stride_ob + h * stride_oh + keys[:, None] * stride_os + cols[None, :],
+             (x / scale).to(tl.float8e4nv), mask=ok)
+    tl.store(SCALE + b * stride_sb + h * stride_sh + keys * stride_ss, tl.zeros([BLOCK_K], tl.float32) + scale,
+             mask=keys < s_k)
+
+
+@triton.jit
 def quantize_v_kernel(V, VS, VT, s_k, s_pad, stride_vb, stride_vs, stride_vh, stride_tb, stride_th, stride_td,
                       H: tl.constexpr, DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """A [BLOCK_S tokens, d_v] tile of one head divided by its channel scales, written channel-major (zeros for the
@@ -106,6 +127,23 @@ def quantize_rows(x, mean, fmt, scale=None, shift_mean=None, codes=None, residua
     if residual:
         return codes, scale, lo
     return (codes, scale) if shift is None else (codes, scale, shift)
+
+
+def quantize_key_blocks(k, block, codes=None):
+    """(e4m3 codes like k, scale [b, s, h] fp32 contiguous) of k [b, s, h, d] with one scale per aligned block of
+    `block` keys of a head (fp8_quantize._per_key_block's format). codes: where the codes go, any [b, s, h, d] view
+    with unit stride along d; by default a new contiguous tensor."""
+    b, s, h, d = k.shape
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if codes is None:
+        codes = torch.empty(k.shape, device=k.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((b, s, h), device=k.device, dtype=torch.float32)
+    if k.numel():
+        quantize_key_blocks_kernel[(b * h, triton.cdiv(s, block))](
+            k, codes, scale, s, k.stride(0), k.stride(1), k.stride(2), *codes.stride()[:3], *scale.stride(), H=h,
+            D=d, BLOCK_K=block, BLOCK_D=triton.next_power_of_2(d), num_warps=8 if d > 128 else 4)
+    return codes, scale
 
 
 def quantize_v(v, v_scale, s_pad):
