@@ -95,3 +95,21 @@ def test_bad_options(kw, name, backend):
         kw = dict(bias=kw["bias"].to(DEV))
     with pytest.raises(WarpforgeInputError, match=f"^{name}"):
         wf.linear_cross_entropy(x, w, torch.zeros(2, dtype=torch.long, device=DEV), backend=backend, **kw)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_masked_vocabulary_entries_keep_the_loss_finite(backend):
+    """A -inf bias on part of the vocabulary (padding) without label smoothing: the loss and its gradients are
+    finite and match plain cross-entropy (the smoothing term's 0 · sum of logits was NaN there)."""
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(4, 8, generator=g), torch.randn(10, 8, generator=g)
+    bias = torch.zeros(10)
+    bias[5:] = float("-inf")
+    targets = torch.tensor([1, 2, 3, 4])
+    h, w, bias, targets = (t.to(DEV) for t in (h, w, bias, targets))
+    h.requires_grad_()
+    loss = wf.linear_cross_entropy(h, w, targets, bias=bias, backend=backend)
+    want = torch.nn.functional.cross_entropy(h.detach() @ w.T + bias, targets)
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(loss, h)
+    assert torch.isfinite(grad).all()

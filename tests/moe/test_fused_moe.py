@@ -167,6 +167,8 @@ def test_bad_shapes_and_dtypes():
         wf.fused_moe(hidden, w13.float(), w2, logits, 2, backend="triton")
     with pytest.raises(WarpforgeInputError, match="^router_logits"):
         wf.fused_moe(hidden, w13, w2, logits[:3], 2, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^w13: .*nonzero"):  # I = 0: no program would write the output
+        wf.fused_moe(hidden, w13[:, :0], w2[:, :, :0], logits, 2, backend="triton")
 
 
 @pytest.mark.gpu

@@ -47,7 +47,9 @@ def ce_grad_kernel(LOGITS, TARGETS, LOSS, GRAD_SCALE, BIAS, stride_l, stride_gs,
     bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))  # the door checks but under capture: NaN
     t_col = tl.where(ignored | bad, 0, target)
     z_t = tl.sum(_logits(base, BIAS, t_col + tl.arange(0, 1), tl.arange(0, 1) < 1, cap, HAS_BIAS, SOFTCAP), 0)
-    loss = lse - (1.0 - smoothing) * z_t - smoothing * z_sum / n_cols + z_scale * lse * lse
+    # without smoothing the logits' sum is not used: 0 · it would make a -inf logit (a masked vocabulary entry) NaN
+    smooth = tl.where(smoothing == 0.0, 0.0, smoothing * z_sum / n_cols)
+    loss = lse - (1.0 - smoothing) * z_t - smooth + z_scale * lse * lse
     tl.store(LOSS + row, tl.where(ignored, 0.0, tl.where(bad, float("nan"), loss)))
     if WRITE_GRAD:
         scale = tl.where(ignored, 0.0, tl.where(bad, float("nan"), tl.load(GRAD_SCALE + row * stride_gs)))

@@ -25,7 +25,9 @@ def linear_cross_entropy_reference(hidden, weight, targets, ignore_index=-100, b
     else:
         lse = torch.logsumexp(logits, -1)
         z_t = logits.gather(1, torch.where(counted, targets, 0).long()[:, None])[:, 0]
-        loss = lse - (1 - label_smoothing) * z_t - label_smoothing * logits.mean(-1) + lse_square_scale * lse ** 2
+        # the mean only with smoothing: 0 · it is NaN when a logit is -inf (a masked vocabulary entry)
+        smooth = label_smoothing * logits.mean(-1) if label_smoothing else 0.0
+        loss = lse - (1 - label_smoothing) * z_t - smooth + lse_square_scale * lse ** 2
     loss = torch.where(counted, loss, 0.0)
     if reduction == "none":
         return loss

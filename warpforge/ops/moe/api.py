@@ -361,8 +361,8 @@ def _check_experts(hidden, w13, w2, w_format, w_scales, backend) -> str:
     e, two_i, h13 = w13.shape
     if h13 != h:
         fail("w13", f"[E, 2I, {h}] (H of hidden)", tuple(w13.shape))
-    if two_i % 2:
-        fail("w13", "an even middle dim (gate rows, then up rows)", two_i)
+    if two_i % 2 or two_i == 0:  # I = 0 would launch no program, leaving the outputs as allocated
+        fail("w13", "an even, nonzero middle dim (gate rows, then up rows)", two_i)
     if tuple(w2.shape) != (e, h, two_i // 2):
         fail("w2", f"[{e}, {h}, {two_i // 2}] ([E, H, I])", tuple(w2.shape))
     if w_format == "fp8":
