@@ -174,6 +174,10 @@ def attention_fp8_setup(device, tiny, *, b, s, h, d, causal):
     impls["warpforge fp8 (q residual)"] = step(
         lambda q, k, v: flash_attention_fp8(q, k, v, causal=causal, q_residual=True, backend="triton"),
         ("q", "k", "v"), _same)
+    # k's scales per aligned 128 keys (opt-in): the Hopper kernel's per-score scale MUL goes
+    impls["warpforge fp8 (k block 128)"] = step(
+        lambda q, k, v: flash_attention_fp8(q, k, v, causal=causal, k_block=128, backend="triton"),
+        ("q", "k", "v"), _same)
     impls["warpforge bf16"] = step(lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"),
                                    ("q", "k", "v"), _same)
     if device.type == "cuda":
