@@ -137,9 +137,10 @@ def test_fully_masked_rows_give_zero_and_no_nan_gradient():
         assert torch.isfinite(t).all()
 
 
-@pytest.mark.xfail(strict=True, reason="open (benchmarks/NOTES.md, session 34): a row whose every key carries a huge finite "
-                   "mask bias (OpenFold's -1e9) keeps its lse only to ~64 in fp32, so the backward's p = 2^(x - lse) is "
-                   "1 where the forward's was 1 / (keys at the maximum): that row's gradients come out too large")
+@pytest.mark.xfail(strict=True, reason="open (benchmarks/NOTES.md, session 34): a row whose every key carries a "
+                   "huge finite mask bias (OpenFold's -1e9) keeps its lse only to ~64 in fp32, so the backward's "
+                   "p = 2^(x - lse) is 1 where the forward's was 1 / (keys at the maximum): that row's gradients come "
+                   "out too large")
 def test_fully_masked_rows_with_a_finite_mask_bias_match_the_fp32_reference_gradient():
     """OpenFold's mask bias is finite (inf · (mask - 1), inf = 1e9): a fully masked row is then attended, near
     uniformly (the scores round to the bias in fp32), where -inf gives zeros. The gradient should be that of the

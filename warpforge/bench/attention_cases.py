@@ -193,8 +193,9 @@ def attention_fp8_setup(device, tiny, *, b, s, h, d, causal):
         return 1.0 - cosine(out[:1, :, :1], reference["ref"])
 
     # tol: e4m3's 3-bit mantissa on q, k, v and p costs ~1.1e-3 of cosine on random data at d128 (the bar asks
-    # 1e-3; q's residual takes ~2.5e-4 of it back; INT8 Q·Kᵀ ~6e-4): above 2e-3 is a bug, not the format. The interpreter's short rows average less, and
-    # its fp32 -> e4m3 conversion drops rounding carries (benchmarks/NOTES.md): 5e-3 there.
+    # 1e-3; q's residual takes ~2.5e-4 of it back; INT8 Q·Kᵀ ~6e-4): above 2e-3 is a bug, not the format. The
+    # interpreter's short rows average less, and its fp32 -> e4m3 conversion drops rounding carries
+    # (benchmarks/NOTES.md): 5e-3 there.
     return Setup(flops=flops, bytes=nbytes, impls=impls, score=score, reset=rot.reset, err_kind="1-cos",
                  tol=5e-3 if tiny else 2e-3,
                  ran=f"b{b} s{s} h{h} d{d} {_name(dtype)} in")

@@ -135,5 +135,6 @@ def flash_fp8_fwd(qkv, sm_scale, left, right, cfg, out, lse):
         *vt.stride()[:3], *qkv.v_scale.stride()[:2], *out.stride()[:3], *lse.stride()[:2],
         s_q, s_k, left, right, sm_scale * 1.4426950408889634,
         H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(d),
-        BLOCK_DV=_block(dv), INT8_QK=qkv.qk_format == "int8", Q_LO=q_lo is not None, num_warps=cfg.warps, num_stages=cfg.stages,
+        BLOCK_DV=_block(dv), INT8_QK=qkv.qk_format == "int8", Q_LO=q_lo is not None, num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )
