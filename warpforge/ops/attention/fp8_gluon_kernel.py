@@ -180,6 +180,18 @@ def _build():
             return s * ks[None, :]
 
     @gluon.jit
+    def _tile_scores(s, kb, ks_bufs, k_empty, slot, qs2, col_layout, BLOCK_N, INT8_QK, K_BLOCK):
+        """(the tile's scores, the rows' factor) from S, K's slot released once its scales are read. K_BLOCK: S as is
+        and qs2 times the tile's one key scale kb; else S times each key's scale (_scores), and qs2."""
+        if K_BLOCK:
+            mbarrier.arrive(k_empty.index(slot))
+            return s, qs2 * kb
+        else:
+            ks = _key_scales(ks_bufs, slot, col_layout, BLOCK_N)
+            mbarrier.arrive(k_empty.index(slot))  # K and its scales read
+            return _scores(s, ks, INT8_QK), qs2
+
+    @gluon.jit
     def _p_operand(p, p_layout: gl.constexpr, P_CONVERT: gl.constexpr, PERMUTE_K: gl.constexpr):
         """P · 448 (fp32, wgmma accumulator layout) -> e4m3 in the register A operand's layout. PERMUTE_K: S's column
         16g + 8i + 2c + e holds key 16g + 4c + 2i + e (K's rows were loaded so); relabelling the columns to
@@ -282,18 +294,11 @@ def _build():
                     s_tok = _qk(q, q_lo, k_bufs.index(slot).reshape([BLOCK_N, D]).permute((1, 0)), s_zero, Q_LO)
                     if PINGPONG:
                         mbarrier.arrive(turn.index(1 - WG))
+                    kb = 1.0
                     if K_BLOCK:  # the tile's one key scale, loaded while S runs
                         kb = gl.load(ks_row)
                     s = warpgroup_mma_wait(0, deps=(s_tok, ))
-                    if K_BLOCK:
-                        mbarrier.arrive(k_empty.index(slot))
-                        x = s
-                        qsx = qs2 * kb
-                    else:
-                        ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
-                        mbarrier.arrive(k_empty.index(slot))  # K and its scales read
-                        x = _scores(s, ks, INT8_QK)
-                        qsx = qs2
+                    x, qsx = _tile_scores(s, kb, ks_bufs, k_empty, slot, qs2, col_s, BLOCK_N, INT8_QK, K_BLOCK)
                     if first_masked <= 0:
                         p, alpha, l_i, m_i = _softmax(x, 0, limit_row, s_k, m_i, l_i, qsx, True, CAUSAL, s_layout,
                                                       BLOCK_N, PERMUTE_K)
@@ -319,15 +324,7 @@ def _build():
                         if K_BLOCK:
                             kb = gl.load(ks_row + (j * BLOCK_N).to(gl.int64) * stride_kss)
                         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done (both halves); P·V_{j-1} may run
-                        if K_BLOCK:
-                            mbarrier.arrive(k_empty.index(slot))
-                            x = s
-                            qsx = qs2 * kb
-                        else:
-                            ks = _key_scales(ks_bufs, slot, col_s, BLOCK_N)
-                            mbarrier.arrive(k_empty.index(slot))
-                            x = _scores(s, ks, INT8_QK)
-                            qsx = qs2
+                        x, qsx = _tile_scores(s, kb, ks_bufs, k_empty, slot, qs2, col_s, BLOCK_N, INT8_QK, K_BLOCK)
                         if j >= first_masked:
                             p, alpha, l_i, m_i = _softmax(x, j * BLOCK_N, limit_row, s_k, m_i, l_i, qsx, True,
                                                           CAUSAL, s_layout, BLOCK_N, PERMUTE_K)
