@@ -111,10 +111,13 @@ def attention_ws():
 
 def attention_fp8():
     from warpforge.ops.attention import fp8_api
-    for d, fmt in ((64, "fp8"), (128, "fp8"), (128, "int8"), (256, "fp8")):
+    # d 128 e4m3 with q's residual codes and per-block k scales (their quantiser kernels and the Q_LO kernel)
+    for d, fmt, extra in ((64, "fp8", {}), (128, "fp8", dict(q_residual=True, k_block=128)), (128, "int8", {}),
+                          (256, "fp8", {})):
         q, k, v = (torch.randn(2, 256, 4, d, dtype=torch.bfloat16) for _ in range(3))
-        x = fp8_api.quantize_qkv(q, k, v, qk_format=fmt)  # the Triton quantiser (compiled, not run: x is empty)
-        fp8_api._fp8_impl(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, fmt, torch.bfloat16, 0.1, 1 << 30, 0)
+        x = fp8_api.quantize_qkv(q, k, v, qk_format=fmt, **extra)  # the Triton quantiser (compiled, not run: x is empty)
+        fp8_api._fp8_impl(x.q, x.q_scale, x.k, x.k_scale, x.v_t, x.v_scale, fmt, torch.bfloat16, 0.1, 1 << 30, 0,
+                          x.q_lo, x.k_block)
 
 
 def mla():
