@@ -527,7 +527,7 @@ def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, pers
         raise ValueError(f"flash_fp8_fwd_gluon: stages must be >= 2 (got {stages}): S_j is issued before the slot of "
                          "tile j-1 is freed")
     q, k, vt = qkv.q, qkv.k, qkv.v_t
-    q_lo = getattr(qkv, "q_lo", None)
+    q_lo = qkv.q_lo
     d = q.shape[-1]
     check_smem("flash_fp8_fwd_gluon", smem_bytes(d, block_n, stages, persistent, q_lo=q_lo is not None),
                f"BLOCK_N {block_n} x {stages} stages at d {d} (persistent {persistent}, q residual "
@@ -552,7 +552,7 @@ def launch_args(qkv, out, lse, sm_scale, causal, block_n, stages, pingpong, pers
         vsc = vsc.contiguous()
     # k_block: the key scales are constant over aligned blocks that hold whole key tiles, read once a tile (the
     # block's first key) from k_scale as given
-    k_block = getattr(qkv, "k_block", 0)
+    k_block = qkv.k_block
     kblk = bool(k_block) and k_block % block_n == 0 and qkv.qk_format == "fp8"
     ksc = qkv.k_scale
     args = (q_desc, ql_desc, k_desc, ks_desc, v_desc, o_desc, qsc, vsc, lse, ksc, s_q, s_k, h_kv, s16,

@@ -128,7 +128,7 @@ def flash_fp8_fwd(qkv, sm_scale, left, right, cfg, out, lse):
     q, k, vt = qkv.q, qkv.k, qkv.v_t
     b, s_q, h_q, d = q.shape
     s_k, h_kv, dv = k.shape[1], k.shape[2], vt.shape[2]
-    q_lo = getattr(qkv, "q_lo", None)
+    q_lo = qkv.q_lo
     flash_fp8_fwd_kernel[(triton.cdiv(s_q, cfg.block_m) * b * h_q,)](
         q, q_lo if q_lo is not None else q, qkv.q_scale, k, qkv.k_scale, vt, qkv.v_scale, out, lse,
         *q.stride()[:3], *qkv.q_scale.stride(), *k.stride()[:3], *qkv.k_scale.stride(),
