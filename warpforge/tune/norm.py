@@ -393,7 +393,7 @@ def _breakdown(issue, x, w, b, gu, dev, Empty) -> None:
             grid, _ = nk.bwd_programs(rows, programs, cfg_b.block_rows)
             part = torch.empty(grid * 768, device=dev, dtype=torch.float32)
             dw = torch.empty_like(wd)
-            block_p = min(nk._pow2(grid), 512)
+            block_p = min(nk.next_pow2(grid), 512)
             add("rms_norm: one Launcher launch of part_sum_kernel",
                 lambda part=part, dw=dw, grid=grid, block_p=block_p: _op.cached_launch(
                     nk.part_sum_kernel, (24, 1), part, dw, dw, grid, 768, BLOCK_P=block_p, BLOCK_N=32,
@@ -477,7 +477,7 @@ def main(argv=None):
         return time.perf_counter() - start > args.budget - reserve
 
     for shape, (x, dy, w, b, n) in data.items():  # backward first
-        block = nk._pow2(n)
+        block = nk.next_pow2(n)
         for name in ("add_rms_norm", "rms_norm", "layer_norm"):  # the one furthest from its bar first
             # add_rms_norm as the GPT and the bench run it: an fp32 residual stream (the sum and its gradient from
             # downstream in fp32) with a bf16 branch, whose gradient the kernel also writes ("add_bwd" in NORM)
@@ -524,7 +524,7 @@ def main(argv=None):
             layer, add = name == "layer_norm", name == "add_rms_norm"
             xs, ws, res = (x32, w32, x) if add else (x, w, None)
             nbytes = x.numel() * (4 + 2 + 4 + 2 if add else 2 * 2)
-            for warps, rows_per in FWD_TILES.get(nk._pow2(n), [(4, 1), (8, 1)]):
+            for warps, rows_per in FWD_TILES.get(nk.next_pow2(n), [(4, 1), (8, 1)]):
                 if out_of_time():
                     break
                 cfg = N(warps, 4, rows_per)

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...runtime import next_pow2
 from ..shared_kernels import triton_launch  # the helpers' default launch
 
 
@@ -138,10 +139,6 @@ def part_sum_kernel(PART, DW, DB, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_
 _SUM_N = 32  # columns per program of the dw/db sum: 24 programs at 768, 128 at 4096
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def norm_fwd(x, weight, bias, eps, layer, out_dtype, residual, cfg, launch=triton_launch):
     """Returns (y like x, in out_dtype if given; mean or None; rstd; x + residual or None), statistics fp32 per
     row. With a residual, y normalises x + residual (stored in their promoted dtype). x, weight, bias and residual
@@ -156,8 +153,8 @@ def norm_fwd(x, weight, bias, eps, layer, out_dtype, residual, cfg, launch=trito
     if rows:
         br = cfg.block_rows
         launch(norm_fwd_kernel, ((rows + br - 1) // br,), x, residual if add else x, total if add else y, weight,
-               bias if layer else weight, y, mean if layer else rstd, rstd, rows, n, eps, BLOCK_R=br, BLOCK=_pow2(n),
-               LAYER=layer, ADD=add, num_warps=cfg.warps)
+               bias if layer else weight, y, mean if layer else rstd, rstd, rows, n, eps, BLOCK_R=br,
+               BLOCK=next_pow2(n), LAYER=layer, ADD=add, num_warps=cfg.warps)
     return y, mean, rstd, total
 
 
@@ -185,10 +182,10 @@ def norm_bwd(dy, x, weight, mean, rstd, programs, layer, d_sum, cfg, dx_dtype=No
     part = torch.empty((2 if layer else 1) * grid * n, device=x.device, dtype=torch.float32)
     two = dx2 is not None
     launch(norm_bwd_kernel, (grid,), x, weight, dy, d_sum if d_sum is not None else dy, mean if layer else rstd, rstd,
-           dx, dx2 if two else dx, part, rows, n, per, BLOCK_R=cfg.block_rows, BLOCK=_pow2(n), LAYER=layer,
+           dx, dx2 if two else dx, part, rows, n, per, BLOCK_R=cfg.block_rows, BLOCK=next_pow2(n), LAYER=layer,
            HAS_DSUM=d_sum is not None, TWO_DX=two, PREFETCH=cfg.prefetch, num_warps=cfg.warps)
     # all partials of a column block in one tile where they fit (<= 512: one round trip to memory, not several)
-    block_p = min(_pow2(grid), 512)
+    block_p = min(next_pow2(grid), 512)
     launch(part_sum_kernel, ((n + _SUM_N - 1) // _SUM_N, 2 if layer else 1), part, dw, db if layer else dw, grid, n,
            BLOCK_P=block_p, BLOCK_N=_SUM_N, num_warps=8 if block_p >= 256 else 4)
     return dx, dx2, dw, db
