@@ -153,9 +153,9 @@ def evoformer():
         out, lse = api._fwd_impl(q, k, v, mask, pair, gate, 0.1)
         from warpforge.ops.evoformer.evoformer_kernel import evoformer_bwd
         full = (1, s, 8, 384, 384)
-        evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(1, s, 8, 384), (api._full(mask, full),
+        evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(2, 1, s, 8, 384), (api._full(mask, full),
                       api._full(pair, full)), gate, 0.1, True, api._tiles(q))
-        evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(1, s, 8, 384), (api._full(mask, full),
+        evoformer_bwd(torch.randn_like(q), q, k, v, q, torch.zeros(2, 1, s, 8, 384), (api._full(mask, full),
                       api._full(pair, full)), gate, 0.1, False, api._tiles(q), fused=True)
 
 

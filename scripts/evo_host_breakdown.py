@@ -116,9 +116,9 @@ def main():
         row("  one small torch kernel (x.mul_(1.0))", host_us(lambda: dbias.mul_(1.0), args.reps))
         prep_args = dict(H=H, D=D, BLOCK_ROWS=ek.PREP_ROWS, BLOCK_D=32, HAS_GATE=True, WANT_DGATE=True)
         n_rows = S * R * H
-        dgate, delta2, do2 = torch.empty_like(g), torch.empty_like(lse), torch.empty_like(do)
+        dgate, delta2, do2 = torch.empty_like(g), torch.empty_like(lse[0]), torch.empty_like(do)
         row("  one cached launch (bwd prep)", host_us(lambda: cached_launch(
-            ek.evo_bwd_prep_kernel, ((n_rows + 63) // 64,), out, do, g, do2, dgate, delta2, n_rows, S, R,
+            ek.evo_bwd_prep_kernel, ((n_rows + 63) // 64,), out, do, g, lse[1], do2, dgate, delta2, n_rows, S, R,
             **prep_args), args.reps))
 
 

@@ -137,16 +137,14 @@ def test_fully_masked_rows_give_zero_and_no_nan_gradient():
         assert torch.isfinite(t).all()
 
 
-@pytest.mark.xfail(strict=True, reason="open (benchmarks/NOTES.md, session 34): a row whose every key carries a "
-                   "huge finite mask bias (OpenFold's -1e9) keeps its lse only to ~64 in fp32, so the backward's "
-                   "p = 2^(x - lse) is 1 where the forward's was 1 / (keys at the maximum): that row's gradients come "
-                   "out too large")
-def test_fully_masked_rows_with_a_finite_mask_bias_match_the_fp32_reference_gradient():
+@pytest.mark.parametrize("gate", [True, False])
+def test_fully_masked_rows_with_a_finite_mask_bias_match_the_fp32_reference_gradient(gate):
     """OpenFold's mask bias is finite (inf · (mask - 1), inf = 1e9): a fully masked row is then attended, near
     uniformly (the scores round to the bias in fp32), where -inf gives zeros. The gradient should be that of the
-    function the forward computed (the fp32 reference's, whose forward matches)."""
+    function the forward computed (the fp32 reference's, whose forward matches): fp32 cannot hold such a row's lse
+    to better than ~64 in the exponent, so the forward keeps the row's maximum and 1 / l instead (row_stats)."""
     B, S, R, H, D = 1, 2, 16, 2, 16
-    q, k, v, g = _qkv(B, S, R, H, D, torch.float32)
+    q, k, v, g = _qkv(B, S, R, H, D, torch.float32, gate=gate)
     mask = torch.zeros(B, S, 1, 1, R, device=DEV)
     mask[0, 1] = -1e9
     pair = _pair((B, 1, H, R, R), torch.float32)

@@ -45,7 +45,7 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias1: Optional
 
 def _fwd_fake(q, k, v, bias1, bias2, gate, scale):
     B, S, R, H, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, S, H, R), dtype=torch.float32)
+    return torch.empty_like(q), q.new_empty((2, B, S, H, R), dtype=torch.float32)
 
 
 def _sum_dims(bias: torch.Tensor, grad_shape) -> tuple:

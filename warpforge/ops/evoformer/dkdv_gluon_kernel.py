@@ -75,7 +75,7 @@ def _build():
     def _stats(LSE, DELTA, stat, qrows, R):
         """lse2 (log2 units; +inf for a query that saw nothing or past R, whose p is 0) and delta of a query block."""
         lse = gl.load(LSE + stat + qrows, mask=qrows < R, other=float("-inf"))
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse)
         return lse2, gl.load(DELTA + stat + qrows, mask=qrows < R, other=0.0)
 
     @gluon.jit
@@ -232,7 +232,7 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scal
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm, launch=triton_launch):
     """Writes dk and dv (like k, v; gluon_shared_kernel.fits holds). do: the gated output gradient, delta its rowsum
-    with the output, lse the forward's (natural log)."""
+    with the output (both times the row scale), lse the forward's lse2 (log2 units; evoformer_kernel.row_stats)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = cdiv(R, BLOCK)

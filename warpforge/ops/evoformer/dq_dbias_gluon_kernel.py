@@ -111,7 +111,7 @@ def _build():
             s = s0 + t
             stat = ((b * S + s) * H + h).to(gl.int64) * R
             lse = gl.load(LSE + stat + rows, mask=live, other=float("-inf"))
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse)
             delta = gl.load(DELTA + stat + rows, mask=live, other=0.0)
             mbarrier.wait(row_ready.index(p), (t // 2) & 1)
             # z = t >> 30: 0 for every real row count but loop-variant to LLVM and ptxas, so the fixed strip tiles'
@@ -246,7 +246,7 @@ def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, sca
 def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm, launch=triton_launch, out_dtype=torch.float32):
     """Writes dq (like q) and returns the scores' gradient summed over N_seq, [B, H, R, R] in out_dtype (fits() holds;
     the groups' fp32 partials are summed in fp32, then cast once). do: the gated output gradient, delta its rowsum
-    with the output, lse the forward's (natural log)."""
+    with the output (both times the row scale), lse the forward's lse2 (log2 units; evoformer_kernel.row_stats)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = cdiv(R, BLOCK)

@@ -8,8 +8,9 @@ of one (batch, head) and walks the rows in order, recomputing the probabilities,
 tensor and no float atomics (bitwise reproducible). On sm_90 the api hands the dq and pair-bias passes to one Gluon
 pass (dq_dbias_gluon_kernel: each ds computed once), and can hand the forward and dk/dv to Gluon kernels too.
 
-Layouts: q, k, v, out, do and the gradients contiguous [B, N_seq, N_res, H, D] (one set of strides); lse and delta
-[B, N_seq, H, N_res], indexed by the program's (b, s, h) row bsh = (b · N_seq + s) · H + h.
+Layouts: q, k, v, out, do and the gradients contiguous [B, N_seq, N_res, H, D] (one set of strides); delta
+[B, N_seq, H, N_res] and the forward's row statistics [2, B, N_seq, H, N_res] (lse2 in log2 units, then the row
+scale: row_stats), indexed by the program's (b, s, h) row bsh = (b · N_seq + s) · H + h.
 
 At the small head dims of these models (8-64) the matmuls are cheap and a score costs ~15 instructions, so the
 kernels spend their care there: a bias that is the same for every query (the residue mask, stride 0 over the
@@ -125,12 +126,32 @@ def _slice(BLOCK: tl.constexpr, S, H: tl.constexpr, stride_b, stride_s, stride_h
             B2 + (b * b2_b + s * b2_s + h * b2_h))
 
 
+# 2^14: a row maximum (log2 units) from which fp32's spacing (2^-9 there) makes m + log2(l) round by over 0.1% of p
+BIG_MAX2 = tl.constexpr(16384.0)
+
+
+@triton.jit
+def row_stats(m, l):
+    """(l, or 1 where the row saw nothing; lse2; the row's scale) of a finished row (m its maximum, log2 units, l its
+    sum): what the forward stores for the backward, which computes p' = 2^(x − lse2) and takes p = p' · scale by
+    scaling the row's do and delta (evo_bwd_prep_kernel). Ordinary rows: lse2 = m + log2(l), scale 1. A row whose
+    maximum is huge (a fully masked row under OpenFold's -1e9 bias: m ~ -1.4e9, where fp32's spacing is 128)
+    cannot hold m + log2(l) to better than ±64 in the exponent, so p' would be off by up to 2^64: there lse2 = m
+    (exact, so p' ≤ 1 as in the forward) and scale = 1 / l. Rows that saw nothing: lse2 -inf (p 0), scale 1.
+    fwd_gluon_kernel repeats this in Gluon."""
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    big = tl.abs(m) >= BIG_MAX2
+    lse2 = tl.where(empty, float("-inf"), tl.where(big, m, m + tl.math.log2(l_safe)))
+    return l_safe, lse2, tl.where(big & ~empty, 1.0 / l_safe, 1.0)
+
+
 @triton.jit
 def evo_fwd_kernel(
     Q, K, V, GATE, OUT, LSE, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
-    S, R, scale,
+    S, R, scale, stat_plane,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_GATE: tl.constexpr,
@@ -152,13 +173,13 @@ def evo_fwd_kernel(
         x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
         p, alpha, l_i, m_i = online_softmax(x, m_i, l_i)
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    l_safe, lse2, row_scale = row_stats(m_i, l_i)
     if EVEN_M:
-        tl.store(LSE + bsh * R + rows, lse)
+        tl.store(LSE + bsh * R + rows, lse2)
+        tl.store(LSE + stat_plane + bsh * R + rows, row_scale)
     else:
-        tl.store(LSE + bsh * R + rows, lse, mask=rows < R)
+        tl.store(LSE + bsh * R + rows, lse2, mask=rows < R)
+        tl.store(LSE + stat_plane + bsh * R + rows, row_scale, mask=rows < R)
     out = acc / l_safe[:, None]
     if HAS_GATE:
         gate = _rows_tile(GATE + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D).to(tl.float32)
@@ -167,13 +188,14 @@ def evo_fwd_kernel(
 
 
 @triton.jit
-def evo_bwd_prep_kernel(OUT, DOUT, GATE, DO, DGATE, DELTA, n_rows, S, R, H: tl.constexpr, D: tl.constexpr,
+def evo_bwd_prep_kernel(OUT, DOUT, GATE, ROW_SCALE, DO, DGATE, DELTA, n_rows, S, R, H: tl.constexpr, D: tl.constexpr,
                         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
                         WANT_DGATE: tl.constexpr):
-    """Per row (b, s, r, h) of the [B, S, R, H, D] tensors: delta = Σ_d out · d_out and, with a gate, the gradient
-    reaching the attention, do = d_out · sigmoid(gate), and the gate's, d_out · out · (1 − sigmoid(gate)). out is
+    """Per row (b, s, r, h) of the [B, S, R, H, D] tensors: delta = Σ_d out · d_out and the gradient reaching the
+    attention, do = d_out (times sigmoid(gate) with a gate), both times the forward's row scale (row_stats: 1 but
+    for rows with a huge maximum), and with a gate the gate's gradient, d_out · out · (1 − sigmoid(gate)). out is
     the gated output, so out · d_out is also the ungated pair's product and nothing ungated needs keeping. delta
-    goes to [B, S, H, R] (row (b · S + s) · H + h, column r)."""
+    and ROW_SCALE are [B, S, H, R] (row (b · S + s) · H + h, column r)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (rows < n_rows)[:, None] & (offs_d < D)[None, :]
@@ -183,13 +205,17 @@ def evo_bwd_prep_kernel(OUT, DOUT, GATE, DO, DGATE, DELTA, n_rows, S, R, H: tl.c
     h = rows % H
     r = (rows // H) % R
     bs = rows // H // R
-    tl.store(DELTA + (bs * H + h) * R + r, tl.sum(out * d_out, 1), mask=rows < n_rows)
+    stat = (bs * H + h) * R + r
+    row_scale = tl.load(ROW_SCALE + stat, mask=rows < n_rows, other=1.0)
+    tl.store(DELTA + stat, tl.sum(out * d_out, 1) * row_scale, mask=rows < n_rows)
     if HAS_GATE:
         sig = 1.0 / (1.0 + tl.math.exp2(-tl.load(GATE + offs, mask=ok, other=0.0).to(tl.float32)
                                         * 1.4426950408889634))
-        tl.store(DO + offs, (d_out * sig).to(DO.dtype.element_ty), mask=ok)
+        tl.store(DO + offs, (d_out * sig * row_scale[:, None]).to(DO.dtype.element_ty), mask=ok)
         if WANT_DGATE:
             tl.store(DGATE + offs, (d_out * out * (1.0 - sig)).to(DGATE.dtype.element_ty), mask=ok)
+    else:
+        tl.store(DO + offs, (d_out * row_scale[:, None]).to(DO.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -205,7 +231,7 @@ def _grad_rows(Q, DO, LSE, DELTA, bsh, rows, offs_d, stride_r, R, D: tl.constexp
     else:
         lse = tl.load(LSE + bsh * R + rows, mask=rows < R, other=float("-inf"))
         delta = tl.load(DELTA + bsh * R + rows, mask=rows < R, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse)
     return q, do, lse2, delta
 
 
@@ -417,19 +443,19 @@ def _shape_flags(R, D, cfg):
 
 
 def evoformer_fwd(q, k, v, biases, gate, scale, cfg, launch=triton_launch):
-    """(out like q, lse [B, S, H, R] fp32). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast);
+    """(out like q, the row statistics [2, B, S, H, R] fp32: row_stats). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast);
     gate None or laid out as q (out is then the gated output). launch: how a kernel is launched (shared_kernels'
     triton_launch; api passes the cached launcher)."""
     B, S, R, H, D = q.shape
     out = torch.empty_like(q)
-    lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
+    lse = torch.empty((2, B, S, H, R), device=q.device, dtype=torch.float32)
     if q.numel():
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
         launch(evo_fwd_kernel, (B * S * H, cdiv(R, cfg.block_m)),
             q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
             q.stride(3), *b1[1:], *b2[1:],
-            S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
+            S, R, scale, lse[0].numel(), H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
             KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, num_warps=cfg.warps,
             num_stages=cfg.stages, **_regs(cfg))
     return out, lse
@@ -459,10 +485,11 @@ def evoformer_bwd(d_out, q, k, v, out, lse, biases, gate, scale, want_dbias, til
         return (dq.zero_(), dk.zero_(), dv.zero_(), dgate.zero_() if want_dgate else None,
                 dbias.zero_() if want_dbias else None)
     delta = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
-    do = d_out if gate is None else torch.empty_like(d_out)
+    do = torch.empty_like(d_out)  # d_out times the row scale (and the gate's sigmoid): written even without a gate
     n_rows = B * S * R * H
     launch(evo_bwd_prep_kernel, (cdiv(n_rows, PREP_ROWS),),
-        out, d_out, q if gate is None else gate, do, dgate if want_dgate else q, delta, n_rows, S, R, H=H, D=D,
+        out, d_out, q if gate is None else gate, lse[1], do, dgate if want_dgate else q, delta, n_rows, S, R, H=H,
+        D=D,
         BLOCK_ROWS=PREP_ROWS, BLOCK_D=next_pow2(D), HAS_GATE=gate is not None, WANT_DGATE=want_dgate)
     strides = (q.stride(0), q.stride(1), q.stride(2), q.stride(3))
     bias_args, (kind1, kind2) = _bias_args(biases, q)

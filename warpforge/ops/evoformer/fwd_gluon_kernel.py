@@ -15,7 +15,7 @@ warp in a third):
   of STAGES slots (`kv_ready` / `kv_free`), so both consumers advance together.
 - consumer warpgroup w takes the group's rows w, w + 2, ...: per key block S = Q · K_jᵀ (wgmma), x = S · scale ·
   log2 e + pair_j + mask_j (shared memory), the online softmax, O += P · V_j (wgmma, P from registers); per row
-  lse (natural log, -inf for a row that saw nothing, whose output is 0) and O / l, times sigmoid(gate) with a gate.
+  lse2 and the row scale (evoformer_kernel.row_stats) and O / l, times sigmoid(gate) with a gate.
 """
 from __future__ import annotations
 
@@ -171,11 +171,15 @@ def _build():
             mbarrier.arrive(kv_free.index(last))
             gl.thread_barrier()                     # and past the row's Q and mask
             mbarrier.arrive(q_free.index(qs))
+            # evoformer_kernel.row_stats: lse2 (log2 units) and the row scale the backward's prep applies
             empty = l == 0.0
             l_safe = gl.where(empty, 1.0, l)
-            lse = gl.where(empty, float("-inf"), (m + gl.log2(l_safe)) * 0.6931471805599453)
+            big = gl.abs(m) >= 16384.0  # evoformer_kernel.BIG_MAX2
+            lse2 = gl.where(empty, float("-inf"), gl.where(big, m, m + gl.log2(l_safe)))
             stat = ((b * S + s) * H + h).to(gl.int64) * R
-            gl.store(LSE + stat + rows, lse, mask=rows < R)
+            gl.store(LSE + stat + rows, lse2, mask=rows < R)
+            gl.store(LSE + BH.to(gl.int64) * S * R + stat + rows, gl.where(big & ~empty, 1.0 / l_safe, 1.0),
+                     mask=rows < R)
             out = acc / gl.convert_layout(l_safe, orow_l)[:, None]
             at = ((b * S + s).to(gl.int64) * R + orows[:, None]) * (H * D) + h * D + dcols[None, :]
             live = (orows < R)[:, None]
@@ -265,7 +269,7 @@ def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=
 
 
 def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
-    """(out like q, lse [B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_shared_kernel.fits
+    """(out like q, lse [2, B, S, H, R] fp32), as evoformer_kernel.evoformer_fwd returns them (gluon_shared_kernel.fits
     holds). The rows of a group are split between the consumer warpgroups, so a group holds at least one for each."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
@@ -273,7 +277,7 @@ def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
     nc = consumers()
     G = groups(B * H, NJ, cdiv(S, nc), n_sm)
     out = torch.empty_like(q)
-    lse = torch.empty((B, S, H, R), device=q.device, dtype=torch.float32)
+    lse = torch.empty((2, B, S, H, R), device=q.device, dtype=torch.float32)
     biases2 = log2_biases(pair, mask, B, S, H, R, launch)
     kernel, grid, args, meta = launch_args(q, k, v, out, lse, gate, *biases2, scale, G, nc)
     launch(kernel, grid, *args, **meta)
@@ -285,7 +289,7 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat
     from .._gluon import compile_report
     dt = getattr(torch, dtype)
     q = torch.empty(B, S, R, H, D, dtype=dt)
-    lse = torch.empty(B, S, H, R, dtype=torch.float32)
+    lse = torch.empty(2, B, S, H, R, dtype=torch.float32)
     full = (B, S, H, R, R)
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
