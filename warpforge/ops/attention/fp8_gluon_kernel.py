@@ -321,8 +321,9 @@ def _build():
                                                 acc, is_async=True)
                         if PINGPONG:
                             mbarrier.arrive(turn.index(1 - WG))
-                        if K_BLOCK:
-                            kb = gl.load(ks_row + (j * BLOCK_N).to(gl.int64) * stride_kss)
+                        if K_BLOCK:  # a pointer stepped a tile at a time: an index from j widened the causal
+                            ks_row += BLOCK_N * stride_kss  # mask's compares to 64 bits (ISETP pairs)
+                            kb = gl.load(ks_row)
                         s = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done (both halves); P·V_{j-1} may run
                         x, qsx = _tile_scores(s, kb, ks_bufs, k_empty, slot, qs2, col_s, BLOCK_N, INT8_QK, K_BLOCK)
                         if j >= first_masked:
