@@ -147,6 +147,19 @@ def test_forward_with_three_consumers_compiles_for_sm90():
     assert r["shared_bytes"] <= SMEM_MAX and r["spill_stores"] <= 64, r["ptxas_log"]
 
 
+@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
+def test_forward_with_two_key_blocks_a_step_compiles_for_sm90():
+    """The forward's paired consumers (WARPFORGE_EVO_GLUON_FWD_PAIRED=1): rings of 6 slots within sm_90's shared
+    memory at N_res 384, no more spills than the single-block walk."""
+    from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess
+    mod = "warpforge.ops.evoformer.fwd_gluon_kernel"
+    one = compile_in_subprocess(mod, dict(R=384, D=32, two_blocks=False), ROOT)
+    two = compile_in_subprocess(mod, dict(R=384, D=32, two_blocks=True), ROOT)
+    assert two["warp_specialize"] and two["num_warps"] == 12 and two["ptxas_rc"] == 0 and not two["wgmma_serialized"]
+    assert one["shared_bytes"] < two["shared_bytes"] <= SMEM_MAX
+    assert two["spill_stores"] <= one["spill_stores"], two["ptxas_log"]
+
+
 def _on_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and _gluon_triton()
 
@@ -162,7 +175,11 @@ GPU_CASES = [  # B, S, R, H, D, mask ("row": [B, S, 1, 1, R], "head": [B, S, H, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Gluon pass runs on sm_90 with its Triton")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "b{}_s{}_r{}_h{}_d{}_{}".format(*c[:6]))
-def test_gpu_matches_the_portable_passes_and_the_reference(case, monkeypatch):
+@pytest.mark.parametrize("two_blocks", ["0", "1"])
+def test_gpu_matches_the_portable_passes_and_the_reference(case, two_blocks, monkeypatch):
+    """two_blocks: the forward's consumers take one or two key blocks a step (fwd_gluon_kernel.PAIRED_ENV)."""
+    from warpforge.ops.evoformer import fwd_gluon_kernel
+    monkeypatch.setenv(fwd_gluon_kernel.PAIRED_ENV, two_blocks)
     B, S, R, H, D, mask_kind, dtype = case
     dev = "cuda"
     q, k, v, g = (torch.randn(B, S, R, H, D, device=dev, dtype=dtype).requires_grad_() for _ in range(4))

@@ -35,11 +35,27 @@ from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups
 CONSUMER_PLANS = {2: (4, CONSUMER_REGS, MAXNREG), 3: (3, 152, 128)}
 CONSUMERS_ENV = "WARPFORGE_EVO_GLUON_FWD_CONSUMERS"
 CONSUMERS = 2
+# Two key blocks a consumer step (_keys_paired; an even number of 64-key blocks): off until timed on a GPU.
+# A warpgroup then holds four ring slots at a time, so its ring grows to 6 where shared memory allows (d <= 32, two
+# consumers: 214 KB at N_res 384). The knob WARPFORGE_EVO_GLUON_FWD_PAIRED (0 / 1).
+PAIRED_ENV = "WARPFORGE_EVO_GLUON_FWD_PAIRED"
+PAIRED = False
+PAIRED_STAGES = 6
 
 
 def consumers() -> int:
     import os
     return int(os.environ.get(CONSUMERS_ENV, CONSUMERS))
+
+
+def paired(NJ: int, nc: int, D: int, want=None) -> bool:
+    """Whether the consumers take two key blocks a step: wanted (None: PAIRED, or the knob) and NJ even, two
+    consumers, d <= 32."""
+    if want is None:
+        import os
+        on = os.environ.get(PAIRED_ENV)
+        want = PAIRED if on is None else on == "1"
+    return bool(want) and NJ % 2 == 0 and nc == 2 and D <= 32
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "fwd_gluon"]
 
@@ -108,10 +124,130 @@ def _build():
         return p, alpha, l * alpha + gl.sum(p, 1), m_new
 
     @gluon.jit
+    def _softmax2(sca, scb, bias_a, bias_b, j, m, l, qk_scale, R, cols0, EVEN: gl.constexpr):
+        """_softmax over key blocks j and j + 1 at once: (p_a, p_b, rescale, row sums, row maxima). One row-max and
+        one row-sum reduction for the two blocks, and two independent chains of elementwise work between them."""
+        xa = sca * qk_scale + bias_a
+        xb = scb * qk_scale + bias_b
+        if not EVEN:
+            xa = gl.where((j * 64 + cols0 < R)[None, :], xa, float("-inf"))
+            xb = gl.where(((j + 1) * 64 + cols0 < R)[None, :], xb, float("-inf"))
+        m_new = gl.maximum(m, gl.max(gl.maximum(xa, xb), 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        pa = gl.exp2(xa - m_use[:, None])
+        pb = gl.exp2(xb - m_use[:, None])
+        alpha = gl.exp2(m - m_use)
+        return pa, pb, alpha, l * alpha + gl.sum(pa + pb, 1), m_new
+
+    @gluon.jit
+    def _keys(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc, qk_scale, R, cols0,
+              s_zero, WG: gl.constexpr, D: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr,
+              HAS_MASK: gl.constexpr, EVEN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+              orow_l: gl.constexpr):
+        """One MSA row's walk over the key blocks, one a step: (acc, m, l). Block 0: S only; then block j's S and
+        block j - 1's P·V in flight together (the attention family's Gluon forward's order), so S_j computes while
+        the softmax of j - 1 finishes its P·V wait."""
+        dtype: gl.constexpr = k_bufs.dtype
+        c = u * NJ
+        slot = WG * STAGES + c % STAGES
+        mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        bias = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
+        sc = warpgroup_mma_wait(0, deps=(s_tok, ))
+        p, alpha, l, m = _softmax(sc, bias, 0, m, l, qk_scale, R, cols0, EVEN)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, NJ):
+            c = u * NJ + j
+            slot = WG * STAGES + c % STAGES
+            prev = WG * STAGES + (c - 1) % STAGES
+            mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero,
+                                  use_acc=False, is_async=True)
+            acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([64, D]), acc, is_async=True)
+            bias = _bias(pair_bufs, mask_bufs, j, qs * NJ + j, HAS_MASK, s_layout)
+            sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
+            p, alpha, l, m = _softmax(sc, bias, j, m, l, qk_scale, R, cols0, EVEN)
+            # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
+            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+            gl.thread_barrier()                 # every warp is past slot j - 1's reads
+            mbarrier.arrive(kv_free.index(prev))
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        c = u * NJ + NJ - 1
+        last = WG * STAGES + c % STAGES
+        acc_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([64, D]), acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
+        gl.thread_barrier()
+        mbarrier.arrive(kv_free.index(last))
+        return acc, m, l
+
+    @gluon.jit
+    def _keys_paired(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc, qk_scale, R,
+                     cols0, s_zero, WG: gl.constexpr, D: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr,
+                     HAS_MASK: gl.constexpr, EVEN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+                     orow_l: gl.constexpr):
+        """_keys two key blocks a step (NJ even): the step's two S wgmmas and the previous step's two P·V in flight
+        together, one softmax over both blocks. The row's work is one chain of dependent steps, latency-bound at two
+        consumer warpgroups an SM (~3x its issue time, NOTES session 32); pairing halves the chain's length and its
+        reductions, and gives the scheduler two independent blocks of elementwise work a step."""
+        dtype: gl.constexpr = k_bufs.dtype
+        c = u * NJ
+        sa = WG * STAGES + c % STAGES
+        sb = WG * STAGES + (c + 1) % STAGES
+        mbarrier.wait(kv_ready.index(sa), (c // STAGES) & 1)
+        mbarrier.wait(kv_ready.index(sb), ((c + 1) // STAGES) & 1)
+        ta = warpgroup_mma(q, k_bufs.index(sa).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        tb = warpgroup_mma(q, k_bufs.index(sb).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                           is_async=True)
+        bias_a = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
+        bias_b = _bias(pair_bufs, mask_bufs, 1, qs * NJ + 1, HAS_MASK, s_layout)
+        sca, scb = warpgroup_mma_wait(0, deps=(ta, tb))
+        pa, pb, alpha, l, m = _softmax2(sca, scb, bias_a, bias_b, 0, m, l, qk_scale, R, cols0, EVEN)
+        pa_op = gl.convert_layout(pa.to(dtype), p_layout)
+        pb_op = gl.convert_layout(pb.to(dtype), p_layout)
+        for t in range(1, NJ // 2):
+            c = u * NJ + 2 * t
+            sa = WG * STAGES + c % STAGES
+            sb = WG * STAGES + (c + 1) % STAGES
+            pva = WG * STAGES + (c - 2) % STAGES
+            pvb = WG * STAGES + (c - 1) % STAGES
+            mbarrier.wait(kv_ready.index(sa), (c // STAGES) & 1)
+            mbarrier.wait(kv_ready.index(sb), ((c + 1) // STAGES) & 1)
+            ta = warpgroup_mma(q, k_bufs.index(sa).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            tb = warpgroup_mma(q, k_bufs.index(sb).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                               is_async=True)
+            acc_tok = warpgroup_mma(pa_op, v_bufs.index(pva).reshape([64, D]), acc, is_async=True)
+            acc_tok = warpgroup_mma(pb_op, v_bufs.index(pvb).reshape([64, D]), acc_tok, is_async=True)
+            bias_a = _bias(pair_bufs, mask_bufs, 2 * t, qs * NJ + 2 * t, HAS_MASK, s_layout)
+            bias_b = _bias(pair_bufs, mask_bufs, 2 * t + 1, qs * NJ + 2 * t + 1, HAS_MASK, s_layout)
+            sca, scb = warpgroup_mma_wait(2, deps=(ta, tb))  # both S done; the two P·V may still run
+            pa, pb, alpha, l, m = _softmax2(sca, scb, bias_a, bias_b, 2 * t, m, l, qk_scale, R, cols0, EVEN)
+            acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, pa_op, pb_op))
+            gl.thread_barrier()                 # every warp is past the previous step's slots
+            mbarrier.arrive(kv_free.index(pva))
+            mbarrier.arrive(kv_free.index(pvb))
+            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
+            pa_op = gl.convert_layout(pa.to(dtype), p_layout)
+            pb_op = gl.convert_layout(pb.to(dtype), p_layout)
+        c = u * NJ + NJ - 2
+        la = WG * STAGES + c % STAGES
+        lb = WG * STAGES + (c + 1) % STAGES
+        acc_tok = warpgroup_mma(pa_op, v_bufs.index(la).reshape([64, D]), acc, is_async=True)
+        acc_tok = warpgroup_mma(pb_op, v_bufs.index(lb).reshape([64, D]), acc_tok, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, pa_op, pb_op))
+        gl.thread_barrier()
+        mbarrier.arrive(kv_free.index(la))
+        mbarrier.arrive(kv_free.index(lb))
+        return acc, m, l
+
+    @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, OUT, LSE,
                   GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                   NI: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
-                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr, NC: gl.constexpr):
+                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr, NC: gl.constexpr, PAIRED: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -135,43 +271,16 @@ def _build():
             m = gl.full([64], float("-inf"), gl.float32, row_l)  # (log2 units)
             l = gl.zeros([64], gl.float32, row_l)
             acc = gl.zeros([64, D], gl.float32, o_layout)
-            # key block 0: S only; then block j's S and block j - 1's P·V in flight together (the attention
-            # family's Gluon forward's order), so S_j computes while the softmax of j - 1 finishes its P·V wait
-            c = u * NJ
-            slot = WG * STAGES + c % STAGES
-            mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
-                                  is_async=True)
-            bias = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
-            sc = warpgroup_mma_wait(0, deps=(s_tok, ))
-            p, alpha, l, m = _softmax(sc, bias, 0, m, l, qk_scale, R, cols0, EVEN)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            for j in range(1, NJ):
-                c = u * NJ + j
-                slot = WG * STAGES + c % STAGES
-                prev = WG * STAGES + (c - 1) % STAGES
-                mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
-                s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero,
-                                      use_acc=False, is_async=True)
-                acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([64, D]), acc, is_async=True)
-                bias = _bias(pair_bufs, mask_bufs, j, qs * NJ + j, HAS_MASK, s_layout)
-                sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
-                p, alpha, l, m = _softmax(sc, bias, j, m, l, qk_scale, R, cols0, EVEN)
-                # P_{j-1}'s registers are the in-flight wgmma's A operand: kept alive (deps) until it is done
-                acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-                gl.thread_barrier()                 # every warp is past slot j - 1's reads
-                mbarrier.arrive(kv_free.index(prev))
-                acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            c = u * NJ + NJ - 1
-            last = WG * STAGES + c % STAGES
-            acc_tok = warpgroup_mma(p_op, v_bufs.index(last).reshape([64, D]), acc, is_async=True)
-            acc, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op))
-            gl.thread_barrier()
-            mbarrier.arrive(kv_free.index(last))
+            if PAIRED:
+                acc, m, l = _keys_paired(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l,
+                                         acc, qk_scale, R, cols0, s_zero, WG, D, NJ, STAGES, HAS_MASK, EVEN, s_layout,
+                                         p_layout, orow_l)
+            else:
+                acc, m, l = _keys(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc,
+                                  qk_scale, R, cols0, s_zero, WG, D, NJ, STAGES, HAS_MASK, EVEN, s_layout, p_layout,
+                                  orow_l)
             gl.thread_barrier()                     # and past the row's Q and mask
             mbarrier.arrive(q_free.index(qs))
-            # evoformer_kernel.row_stats: lse2 (log2 units) and the row scale the backward's prep applies
             empty = l == 0.0
             l_safe = gl.where(empty, 1.0, l)
             big = gl.abs(m) >= 16384.0  # evoformer_kernel.BIG_MAX2
@@ -192,8 +301,8 @@ def _build():
     def evo_fwd_gluon_kernel(q_desc, k_desc, v_desc, pair_desc, mask_desc, OUT, LSE, GATE, BH, S, R, rows_per,
                              mask_heads, qk_scale, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
                              NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, HAS_GATE: gl.constexpr,
-                             EVEN: gl.constexpr, NC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                             PRODUCER_REGS: gl.constexpr):
+                             EVEN: gl.constexpr, NC: gl.constexpr, PAIRED: gl.constexpr,
+                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * NC] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NC * STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_bufs = gl.allocate_shared_memory(v_desc.dtype, [NC * STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -219,13 +328,13 @@ def _build():
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC)),
+                             HAS_GATE, EVEN, NC, PAIRED)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC)),
+                             HAS_GATE, EVEN, NC, PAIRED)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 2, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC)),
+                             HAS_GATE, EVEN, NC, PAIRED)),
                 (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
                              mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
                              NI, NJ, STAGES, HAS_MASK, NC)),
@@ -234,10 +343,10 @@ def _build():
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC)),
+                             HAS_GATE, EVEN, NC, PAIRED)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC)),
+                             HAS_GATE, EVEN, NC, PAIRED)),
                 (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
                              mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
                              NI, NJ, STAGES, HAS_MASK, NC)),
@@ -252,18 +361,20 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=2):
+def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=2, two_blocks=None):
     """(kernel, grid, args, constexpr kwargs) of the launch; shared by fwd_gluon and the compile test. nc: consumer
-    warpgroups (CONSUMER_PLANS)."""
+    warpgroups (CONSUMER_PLANS); two_blocks: two key blocks a step where they apply (None: paired()'s choice)."""
     B, S, R, H, D = q.shape
     stages, consumer_regs, maxnreg = CONSUMER_PLANS[nc]
     NJ = cdiv(R, BLOCK)
+    two = paired(NJ, nc, D, two_blocks)
+    stages = PAIRED_STAGES if two else stages
     kernel, _ = _build()
     rows_per = cdiv(S, G)
     args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse, q if gate is None else gate, B * H,
             S, R, rows_per, mask_heads, scale * LOG2E]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=stages, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
-                EVEN=R % BLOCK == 0, NC=nc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
+                EVEN=R % BLOCK == 0, NC=nc, PAIRED=two, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
                 maxnreg=maxnreg)
     return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
@@ -284,7 +395,8 @@ def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
     return out, lse
 
 
-def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2, nc=2):
+def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2, nc=2,
+                 two_blocks=None):
     """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched)."""
     from .._gluon import compile_report
     dt = getattr(torch, dtype)
@@ -294,5 +406,5 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
     kernel, grid, args, meta = launch_args(q, q, q, q, lse, q if gate else None,
-                                           *log2_bias_buffers(pair, m, B, S, H, R), D ** -0.5, G, nc)
+                                           *log2_bias_buffers(pair, m, B, S, H, R), D ** -0.5, G, nc, two_blocks)
     return compile_report(kernel, args, grid, meta, arch)
