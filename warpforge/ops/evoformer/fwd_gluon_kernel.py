@@ -140,6 +140,14 @@ def _build():
         return pa, pb, alpha, l * alpha + gl.sum(pa + pb, 1), m_new
 
     @gluon.jit
+    def _s_block(q, k_bufs, kv_ready, slot, c, s_zero, D, STAGES):
+        """Waits for ring slot `slot` (the row's block c) and issues S = Q · Kᵀ on it (async). (D and STAGES come in
+        as the callers' constexprs; an annotation would need `gl` in this closure.)"""
+        mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
+        return warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
+                             is_async=True)
+
+    @gluon.jit
     def _keys(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc, qk_scale, R, cols0,
               s_zero, WG: gl.constexpr, D: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr,
               HAS_MASK: gl.constexpr, EVEN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
@@ -149,10 +157,7 @@ def _build():
         the softmax of j - 1 finishes its P·V wait."""
         dtype: gl.constexpr = k_bufs.dtype
         c = u * NJ
-        slot = WG * STAGES + c % STAGES
-        mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
+        s_tok = _s_block(q, k_bufs, kv_ready, WG * STAGES + c % STAGES, c, s_zero, D, STAGES)
         bias = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
         sc = warpgroup_mma_wait(0, deps=(s_tok, ))
         p, alpha, l, m = _softmax(sc, bias, 0, m, l, qk_scale, R, cols0, EVEN)
@@ -161,9 +166,7 @@ def _build():
             c = u * NJ + j
             slot = WG * STAGES + c % STAGES
             prev = WG * STAGES + (c - 1) % STAGES
-            mbarrier.wait(kv_ready.index(slot), (c // STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_bufs.index(slot).reshape([64, D]).permute((1, 0)), s_zero,
-                                  use_acc=False, is_async=True)
+            s_tok = _s_block(q, k_bufs, kv_ready, slot, c, s_zero, D, STAGES)
             acc_tok = warpgroup_mma(p_op, v_bufs.index(prev).reshape([64, D]), acc, is_async=True)
             bias = _bias(pair_bufs, mask_bufs, j, qs * NJ + j, HAS_MASK, s_layout)
             sc = warpgroup_mma_wait(1, deps=(s_tok, ))  # S_j done; P·V_{j-1} may still run
@@ -193,14 +196,8 @@ def _build():
         reductions, and gives the scheduler two independent blocks of elementwise work a step."""
         dtype: gl.constexpr = k_bufs.dtype
         c = u * NJ
-        sa = WG * STAGES + c % STAGES
-        sb = WG * STAGES + (c + 1) % STAGES
-        mbarrier.wait(kv_ready.index(sa), (c // STAGES) & 1)
-        mbarrier.wait(kv_ready.index(sb), ((c + 1) // STAGES) & 1)
-        ta = warpgroup_mma(q, k_bufs.index(sa).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
-        tb = warpgroup_mma(q, k_bufs.index(sb).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
-                           is_async=True)
+        ta = _s_block(q, k_bufs, kv_ready, WG * STAGES + c % STAGES, c, s_zero, D, STAGES)
+        tb = _s_block(q, k_bufs, kv_ready, WG * STAGES + (c + 1) % STAGES, c + 1, s_zero, D, STAGES)
         bias_a = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
         bias_b = _bias(pair_bufs, mask_bufs, 1, qs * NJ + 1, HAS_MASK, s_layout)
         sca, scb = warpgroup_mma_wait(0, deps=(ta, tb))
@@ -209,16 +206,10 @@ def _build():
         pb_op = gl.convert_layout(pb.to(dtype), p_layout)
         for t in range(1, NJ // 2):
             c = u * NJ + 2 * t
-            sa = WG * STAGES + c % STAGES
-            sb = WG * STAGES + (c + 1) % STAGES
             pva = WG * STAGES + (c - 2) % STAGES
             pvb = WG * STAGES + (c - 1) % STAGES
-            mbarrier.wait(kv_ready.index(sa), (c // STAGES) & 1)
-            mbarrier.wait(kv_ready.index(sb), ((c + 1) // STAGES) & 1)
-            ta = warpgroup_mma(q, k_bufs.index(sa).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            tb = warpgroup_mma(q, k_bufs.index(sb).reshape([64, D]).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
+            ta = _s_block(q, k_bufs, kv_ready, WG * STAGES + c % STAGES, c, s_zero, D, STAGES)
+            tb = _s_block(q, k_bufs, kv_ready, WG * STAGES + (c + 1) % STAGES, c + 1, s_zero, D, STAGES)
             acc_tok = warpgroup_mma(pa_op, v_bufs.index(pva).reshape([64, D]), acc, is_async=True)
             acc_tok = warpgroup_mma(pb_op, v_bufs.index(pvb).reshape([64, D]), acc_tok, is_async=True)
             bias_a = _bias(pair_bufs, mask_bufs, 2 * t, qs * NJ + 2 * t, HAS_MASK, s_layout)
