@@ -158,6 +158,9 @@ def test_forward_with_two_key_blocks_a_step_compiles_for_sm90():
     assert two["warp_specialize"] and two["num_warps"] == 12 and two["ptxas_rc"] == 0 and not two["wgmma_serialized"]
     assert one["shared_bytes"] < two["shared_bytes"] <= SMEM_MAX
     assert two["spill_stores"] <= one["spill_stores"], two["ptxas_log"]
+    # d 16 with a ragged last block, and B · H = 1 (an int argument of 1 is a constant to Triton)
+    small = compile_in_subprocess(mod, dict(R=200, D=16, H=1, B=1, two_blocks=True), ROOT)
+    assert small["ptxas_rc"] == 0 and small["shared_bytes"] <= SMEM_MAX, small["ptxas_log"]
 
 
 def _on_sm90():
@@ -169,6 +172,7 @@ GPU_CASES = [  # B, S, R, H, D, mask ("row": [B, S, 1, 1, R], "head": [B, S, H, 
     (2, 7, 300, 2, 16, "head", torch.float16),      # a ragged last block, a per-head mask
     (1, 3, 100, 3, 32, None, torch.bfloat16),       # one group (written straight), no mask
     (1, 64, 65, 2, 32, "row", torch.bfloat16),      # one key past a block
+    (1, 5, 256, 1, 16, "row", torch.float16),       # four whole blocks at d 16 (paired), B · H = 1
 ]
 
 

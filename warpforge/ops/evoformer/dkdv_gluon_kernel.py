@@ -232,7 +232,8 @@ def launch_args(q, k, v, do, lse, delta, dk, dv, pair2t, mask2, mask_heads, scal
 
 def dkdv_gluon(q, k, v, do, lse, delta, dk, dv, biases, scale, n_sm, launch=triton_launch):
     """Writes dk and dv (like k, v; gluon_shared_kernel.fits holds). do: the gated output gradient, delta its rowsum
-    with the output (both times the row scale), lse the forward's lse2 (log2 units; evoformer_kernel.row_stats)."""
+    with the output (both times the row scale), lse the forward's row statistics
+    [2, B, S, H, R] (plane 0, lse2 in log2 units, is read; evoformer_kernel.row_stats)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = cdiv(R, BLOCK)

@@ -246,7 +246,8 @@ def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, sca
 def dq_dbias_gluon(q, k, v, do, lse, delta, dq, biases, scale, n_sm, launch=triton_launch, out_dtype=torch.float32):
     """Writes dq (like q) and returns the scores' gradient summed over N_seq, [B, H, R, R] in out_dtype (fits() holds;
     the groups' fp32 partials are summed in fp32, then cast once). do: the gated output gradient, delta its rowsum
-    with the output (both times the row scale), lse the forward's lse2 (log2 units; evoformer_kernel.row_stats)."""
+    with the output (both times the row scale), lse the forward's row statistics
+    [2, B, S, H, R] (plane 0, lse2 in log2 units, is read; evoformer_kernel.row_stats)."""
     B, S, R, H, D = q.shape
     pair, mask = split_biases(biases, S)
     NJ = cdiv(R, BLOCK)

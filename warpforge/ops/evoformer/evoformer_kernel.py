@@ -126,7 +126,7 @@ def _slice(BLOCK: tl.constexpr, S, H: tl.constexpr, stride_b, stride_s, stride_h
             B2 + (b * b2_b + s * b2_s + h * b2_h))
 
 
-# 2^14: a row maximum (log2 units) from which fp32's spacing (2^-9 there) makes m + log2(l) round by over 0.1% of p
+# 2^14: a row maximum (log2 units) from which fp32's spacing (2^-9 there) rounds m + log2(l) by up to ~0.07% of p
 BIG_MAX2 = tl.constexpr(16384.0)
 
 
@@ -148,10 +148,10 @@ def row_stats(m, l):
 
 @triton.jit
 def evo_fwd_kernel(
-    Q, K, V, GATE, OUT, LSE, B1, B2,
+    Q, K, V, GATE, OUT, LSE, ROW_SCALE, B1, B2,
     stride_b, stride_s, stride_r, stride_h,
     b1_b, b1_s, b1_h, b1_i, b1_j, b2_b, b2_s, b2_h, b2_i, b2_j,
-    S, R, scale, stat_plane,
+    S, R, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
     HAS_GATE: tl.constexpr,
@@ -176,10 +176,10 @@ def evo_fwd_kernel(
     l_safe, lse2, row_scale = row_stats(m_i, l_i)
     if EVEN_M:
         tl.store(LSE + bsh * R + rows, lse2)
-        tl.store(LSE + stat_plane + bsh * R + rows, row_scale)
+        tl.store(ROW_SCALE + bsh * R + rows, row_scale)
     else:
         tl.store(LSE + bsh * R + rows, lse2, mask=rows < R)
-        tl.store(LSE + stat_plane + bsh * R + rows, row_scale, mask=rows < R)
+        tl.store(ROW_SCALE + bsh * R + rows, row_scale, mask=rows < R)
     out = acc / l_safe[:, None]
     if HAS_GATE:
         gate = _rows_tile(GATE + base, rows, offs_d, stride_r, R, D, EVEN_M, EVEN_D).to(tl.float32)
@@ -443,8 +443,8 @@ def _shape_flags(R, D, cfg):
 
 
 def evoformer_fwd(q, k, v, biases, gate, scale, cfg, launch=triton_launch):
-    """(out like q, the row statistics [2, B, S, H, R] fp32: row_stats). biases: expanded views [B, S, H, R, R] (stride 0 where broadcast);
-    gate None or laid out as q (out is then the gated output). launch: how a kernel is launched (shared_kernels'
+    """(out like q, the row statistics [2, B, S, H, R] fp32: row_stats's lse2, then its row scale). biases: expanded
+    views [B, S, H, R, R] (stride 0 where broadcast); gate None or laid out as q (out is then the gated output). launch: how a kernel is launched (shared_kernels'
     triton_launch; api passes the cached launcher)."""
     B, S, R, H, D = q.shape
     out = torch.empty_like(q)
@@ -453,9 +453,9 @@ def evoformer_fwd(q, k, v, biases, gate, scale, cfg, launch=triton_launch):
         bias_args, (kind1, kind2) = _bias_args(biases, q)
         b1, b2 = bias_args[:6], bias_args[6:]
         launch(evo_fwd_kernel, (B * S * H, cdiv(R, cfg.block_m)),
-            q, k, v, q if gate is None else gate, out, lse, b1[0], b2[0], q.stride(0), q.stride(1), q.stride(2),
-            q.stride(3), *b1[1:], *b2[1:],
-            S, R, scale, lse[0].numel(), H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
+            q, k, v, q if gate is None else gate, out, lse[0], lse[1], b1[0], b2[0], q.stride(0), q.stride(1),
+            q.stride(2), q.stride(3), *b1[1:], *b2[1:],
+            S, R, scale, H=H, D=D, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=_block(D), KIND1=kind1,
             KIND2=kind2, **_shape_flags(R, D, cfg), HAS_GATE=gate is not None, num_warps=cfg.warps,
             num_stages=cfg.stages, **_regs(cfg))
     return out, lse

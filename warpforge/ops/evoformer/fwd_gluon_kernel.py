@@ -54,7 +54,7 @@ def paired(NJ: int, nc: int, D: int, want=None) -> bool:
     if want is None:
         import os
         on = os.environ.get(PAIRED_ENV)
-        want = PAIRED if on is None else on == "1"
+        want = PAIRED if on is None else on != "0"  # (configs._switch's reading)
     return bool(want) and NJ % 2 == 0 and nc == 2 and D <= 32
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "fwd_gluon"]
@@ -236,7 +236,7 @@ def _build():
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, OUT, LSE,
-                  GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
+                  ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                   NI: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
                   HAS_GATE: gl.constexpr, EVEN: gl.constexpr, NC: gl.constexpr, PAIRED: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -278,8 +278,7 @@ def _build():
             lse2 = gl.where(empty, float("-inf"), gl.where(big, m, m + gl.log2(l_safe)))
             stat = ((b * S + s) * H + h).to(gl.int64) * R
             gl.store(LSE + stat + rows, lse2, mask=rows < R)
-            gl.store(LSE + BH.to(gl.int64) * S * R + stat + rows, gl.where(big & ~empty, 1.0 / l_safe, 1.0),
-                     mask=rows < R)
+            gl.store(ROW_SCALE + stat + rows, gl.where(big & ~empty, 1.0 / l_safe, 1.0), mask=rows < R)
             out = acc / gl.convert_layout(l_safe, orow_l)[:, None]
             at = ((b * S + s).to(gl.int64) * R + orows[:, None]) * (H * D) + h * D + dcols[None, :]
             live = (orows < R)[:, None]
@@ -289,8 +288,8 @@ def _build():
             gl.store(OUT + at, out.to(dtype), mask=live)
 
     @gluon.jit
-    def evo_fwd_gluon_kernel(q_desc, k_desc, v_desc, pair_desc, mask_desc, OUT, LSE, GATE, BH, S, R, rows_per,
-                             mask_heads, qk_scale, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
+    def evo_fwd_gluon_kernel(q_desc, k_desc, v_desc, pair_desc, mask_desc, OUT, LSE, ROW_SCALE, GATE, BH, S, R,
+                             rows_per, mask_heads, qk_scale, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
                              NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, HAS_GATE: gl.constexpr,
                              EVEN: gl.constexpr, NC: gl.constexpr, PAIRED: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -318,14 +317,14 @@ def _build():
         if NC == 3:  # (the partitions are a literal list: Gluon takes no tuple of a function in a variable)
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
-                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC, PAIRED)),
+                             kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ,
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
-                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC, PAIRED)),
+                             kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ,
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
-                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 2, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC, PAIRED)),
+                             kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 2, H, D, NI, NJ,
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
                 (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
                              mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
                              NI, NJ, STAGES, HAS_MASK, NC)),
@@ -333,11 +332,11 @@ def _build():
         else:
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
-                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC, PAIRED)),
+                             kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ,
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
-                             kv_free, OUT, LSE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ, STAGES, HAS_MASK,
-                             HAS_GATE, EVEN, NC, PAIRED)),
+                             kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ,
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
                 (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
                              mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
                              NI, NJ, STAGES, HAS_MASK, NC)),
@@ -362,11 +361,12 @@ def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=
     stages = PAIRED_STAGES if two else stages
     kernel, _ = _build()
     rows_per = cdiv(S, G)
-    args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse, q if gate is None else gate, B * H,
-            S, R, rows_per, mask_heads, scale * LOG2E]
+    # lse's two planes as two pointers (an int argument of 1, B · H here, is specialised to a constant by Triton)
+    args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse[0], lse[1],
+            q if gate is None else gate, B * H, S, R, rows_per, mask_heads, scale * LOG2E]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=stages, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
-                EVEN=R % BLOCK == 0, NC=nc, PAIRED=two, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS, num_warps=4,
-                maxnreg=maxnreg)
+                EVEN=R % BLOCK == 0, NC=nc, PAIRED=two, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
+                num_warps=4, maxnreg=maxnreg)
     return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
 
