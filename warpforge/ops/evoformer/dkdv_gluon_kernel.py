@@ -131,7 +131,8 @@ def _build():
             dpt_tok = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
             bias = _bias_t(pair_bufs, 0, mcol, HAS_MASK, st_layout)
             st = warpgroup_mma_wait(1, deps=(st_tok, ))
-            pt = gl.exp2(st * qk_scale + bias - lse2[None, :])
+            # the exponent clamped at 0 (why: evoformer_kernel._dscores)
+            pt = gl.exp2(gl.minimum(st * qk_scale + bias - lse2[None, :], 0.0))
             dpt = warpgroup_mma_wait(0, deps=(dpt_tok, ))
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
             ds_op = gl.convert_layout((pt * (dpt - delta[None, :])).to(dtype), a_layout)
@@ -149,7 +150,7 @@ def _build():
                 dk_tok = warpgroup_mma(ds_op, q_bufs.index(prev).reshape([64, D]), dk, is_async=True)
                 bias = _bias_t(pair_bufs, i, mcol, HAS_MASK, st_layout)
                 st = warpgroup_mma_wait(3, deps=(st_tok, ))   # Sᵀ_i done; dPᵀ_i, dV and dK of i - 1 may run
-                pt = gl.exp2(st * qk_scale + bias - lse2[None, :])
+                pt = gl.exp2(gl.minimum(st * qk_scale + bias - lse2[None, :], 0.0))
                 dpt = warpgroup_mma_wait(2, deps=(dpt_tok, ))
                 dst = pt * (dpt - delta[None, :])
                 # block i - 1's A operands stay alive (deps) until its wgmmas are done

@@ -137,7 +137,8 @@ def _build():
                         if j == NJ - 1:
                             cols = j * 64 + gl.arange(0, 64, layout=col_l)
                             x = gl.where((cols < R)[None, :], x, float("-inf"))
-                    pr = gl.exp2(x - lse2[:, None])
+                    # the exponent clamped at 0 (why: evoformer_kernel._dscores)
+                    pr = gl.exp2(gl.minimum(x - lse2[:, None], 0.0))
                     dpv = warpgroup_mma_wait(0, deps=(dp_tok, ))
                     ds = pr * (dpv - delta[:, None])
                     if jj == 0:

@@ -240,14 +240,17 @@ def _dscores(q, k, v, do, lse2, delta, rows, cols, R, qk_scale, B1, b1_i, b1_j, 
              KIND1: tl.constexpr, KIND2: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
              KEY_ROWS: tl.constexpr = False):
     """(p, ds = p · (do · vᵀ − delta)) of a [rows, cols] tile: the softmax's gradient w.r.t. the scores. KEY_ROWS:
-    (pᵀ, dsᵀ), [cols, rows], keys as rows, the biases given transposed (_bias_args(transposed=True))."""
+    (pᵀ, dsᵀ), [cols, rows], keys as rows, the biases given transposed (_bias_args(transposed=True)).
+    The exponent is clamped at 0 (p <= 1, exact in real arithmetic): in a row under a huge finite mask bias (lse2 =
+    the forward's maximum, row_stats) a score the backward rounds one fp32 step above the forward's would give
+    2^128 = inf, and NaN in ds."""
     if KEY_ROWS:
         x = _scores(k, q, cols, rows, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_N, EVEN_M)
-        p = tl.math.exp2(x - lse2[None, :])
+        p = tl.math.exp2(tl.minimum(x - lse2[None, :], 0.0))
         ds = p * (dot(v, tl.trans(do)) - delta[None, :])
     else:
         x = _scores(q, k, rows, cols, R, qk_scale, B1, b1_i, b1_j, B2, b2_i, b2_j, KIND1, KIND2, EVEN_M, EVEN_N)
-        p = tl.math.exp2(x - lse2[:, None])
+        p = tl.math.exp2(tl.minimum(x - lse2[:, None], 0.0))
         ds = p * (dot(do, tl.trans(v)) - delta[:, None])
     return p, ds
 
