@@ -195,6 +195,17 @@ for step in "$@"; do
                    "$w/evo-quick$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
                  echo "gluon fwd, paired $v:"; grep -E "row fwd s" "$w/evo-quick$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
                  tar czf "$out/all.tgz" -C "$w" .; done ;;
+    evo-fwd-ab) # evo-quick's timing half alone (after evoformer-full's tests): the row forward portable / Gluon single /
+                # Gluon paired, twice each, each beside Flex in its own process
+                r=0; for v in 00 10 11 00 10 11; do r=$((r + 1))  # Gluon fwd, paired
+                  WARPFORGE_EVO_GLUON_FWD=${v:0:1} WARPFORGE_EVO_GLUON_FWD_PAIRED=${v:1:1} SKIP_TESTS=1 MATCH='(row|triangle) fwd [sr]' timeout 60 bash scripts/gpu_check.sh \
+                    "$w/evo-ab$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
+                  echo "gluon fwd, paired $v:"; grep -E "(row|triangle) fwd [sr]" "$w/evo-ab$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
+                  tar czf "$out/all.tgz" -C "$w" .; done ;;
+    evo-clamp) # the backward's clamped exponent (a huge-masked row's NaN guard, one FMNMX a score): row / triangle
+               # fwd+bwd at .before (the commit without it) and here, same process order, bench_compare's 3%
+               SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='^(row|triangle) fwd\+bwd' timeout 200 bash scripts/gpu_check.sh "$w/cmp" evoformer \
+                 > "$w/$step.log" 2>&1; cat "$w/cmp/compare-evoformer.log" ;;
     evoformer-full) # issue 16 on the H200: the GPU tests, then every case of the family bench (results/h200/evoformer.json)
                     timeout 240 python3 -m pytest -q $par -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1; tail -n 1 "$w/tests-evoformer.log"
                     SKIP_TESTS=1 timeout 400 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
