@@ -197,6 +197,8 @@ def test_bad_projection_input():
     _raises("nblocks", lambda: monarch_project(w, 0))
     _raises("d_mid", lambda: monarch_project(w, 4, d_mid=30))
     _raises("linear", lambda: MonarchLinear.from_dense(torch.nn.Conv1d(2, 2, 1), 2))
+    _raises("linear", lambda: MonarchLinear.from_dense(torch.nn.Linear(32, 30), 4))  # its out_features, not d_out
+    _raises("nblocks", lambda: MonarchLinear.from_dense(torch.nn.Linear(32, 32), 0))
     _raises("d_in", lambda: MonarchLinear(30, 32, 4))
     _raises("backend", lambda: MonarchLinear(32, 32, 4, backend="cuda"))
 

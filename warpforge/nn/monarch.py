@@ -86,6 +86,10 @@ class MonarchLinear(nn.Module):
             fail("linear", "an initialised nn.Linear", "a lazy module not yet run")
         if w.dtype not in F.FLOATS:
             fail("linear", "weights in float16, bfloat16 or float32 (what monarch_linear runs on)", str(w.dtype))
+        F.check_size("nblocks", nblocks)
+        for name, width in (("in_features", linear.in_features), ("out_features", linear.out_features)):
+            if width % nblocks:  # named here: the constructor's d_in / d_out are not from_dense's arguments
+                fail("linear", f"{name} a multiple of nblocks ({nblocks})", f"{name} {width}")
         out = cls(linear.in_features, linear.out_features, nblocks, bias=linear.bias is not None, backend=backend,
                   device=w.device, dtype=w.dtype)
         w_left, w_right = monarch_project(w.detach(), nblocks, out.d_mid)
