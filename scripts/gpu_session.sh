@@ -215,10 +215,6 @@ for step in "$@"; do
                # fwd+bwd at .before (the commit without it) and here, same process order, bench_compare's 3%
                SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='^(row|triangle) fwd\+bwd' timeout 200 bash scripts/gpu_check.sh "$w/cmp" evoformer \
                  > "$w/$step.log" 2>&1; cat "$w/cmp/compare-evoformer.log" ;;
-    evo-dq-flight) # the dq + pair-bias pass with each dq wgmma left running (WARPFORGE_EVO_DQ_IN_FLIGHT), off then on
-                   for v in 0 1; do WARPFORGE_EVO_DQ_IN_FLIGHT=$v SKIP_TESTS=1 MATCH='^(row|triangle) fwd\+bwd' timeout 90 \
-                     bash scripts/gpu_check.sh "$w/dq-flight$v" evoformer > "$w/$step$v.log" 2>&1
-                     echo "dq in flight $v:"; grep -E "fwd\+bwd" "$w/dq-flight$v/bench-evoformer.log" | grep -E " (warpforge|flex) "; done ;;
     evoformer-full) # issue 16 on the H200: the GPU tests, then every case of the family bench (results/h200/evoformer.json)
                     timeout 240 python3 -m pytest -q $par -k "not compiles" tests/evoformer > "$w/tests-evoformer.log" 2>&1; tail -n 1 "$w/tests-evoformer.log"
                     SKIP_TESTS=1 timeout 400 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1

@@ -148,18 +148,6 @@ def test_forward_with_three_consumers_compiles_for_sm90():
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
-def test_dq_left_in_flight_compiles_for_sm90():
-    """The dq + pair-bias pass with each dq wgmma left running (WARPFORGE_EVO_DQ_IN_FLIGHT=1): it compiles, no
-    more spills than the default."""
-    from warpforge.ops._gluon import compile_in_subprocess
-    mod = "warpforge.ops.evoformer.dq_dbias_gluon_kernel"
-    now = compile_in_subprocess(mod, dict(R=384, D=32, in_flight=False), ROOT)
-    flight = compile_in_subprocess(mod, dict(R=384, D=32, in_flight=True), ROOT)
-    assert flight["ptxas_rc"] == 0 and not flight["wgmma_serialized"], flight["ptxas_log"]
-    assert flight["spill_stores"] <= now["spill_stores"], flight["ptxas_log"]
-
-
-@pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
 def test_forward_with_two_key_blocks_a_step_compiles_for_sm90():
     """The forward's paired consumers (WARPFORGE_EVO_GLUON_FWD_PAIRED=1): rings of 6 slots within sm_90's shared
     memory at N_res 384, no more spills than the single-block walk."""
@@ -191,14 +179,11 @@ GPU_CASES = [  # B, S, R, H, D, mask ("row": [B, S, 1, 1, R], "head": [B, S, H, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Gluon pass runs on sm_90 with its Triton")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "b{}_s{}_r{}_h{}_d{}_{}".format(*c[:6]))
-@pytest.mark.parametrize("two_blocks, dq_in_flight", [("0", "0"), ("1", "0"), ("0", "1")],
-                         ids=["single", "paired", "dq_in_flight"])
-def test_gpu_matches_the_portable_passes_and_the_reference(case, two_blocks, dq_in_flight, monkeypatch):
-    """two_blocks: the forward's consumers take one or two key blocks a step (fwd_gluon_kernel.PAIRED_ENV);
-    dq_in_flight: the dq + pair-bias pass leaves each dq wgmma running (dq_dbias_gluon_kernel.DQ_IN_FLIGHT_ENV)."""
-    from warpforge.ops.evoformer import dq_dbias_gluon_kernel, fwd_gluon_kernel
+@pytest.mark.parametrize("two_blocks", ["0", "1"])
+def test_gpu_matches_the_portable_passes_and_the_reference(case, two_blocks, monkeypatch):
+    """two_blocks: the forward's consumers take one or two key blocks a step (fwd_gluon_kernel.PAIRED_ENV)."""
+    from warpforge.ops.evoformer import fwd_gluon_kernel
     monkeypatch.setenv(fwd_gluon_kernel.PAIRED_ENV, two_blocks)
-    monkeypatch.setenv(dq_dbias_gluon_kernel.DQ_IN_FLIGHT_ENV, dq_in_flight)
     B, S, R, H, D, mask_kind, dtype = case
     dev = "cuda"
     q, k, v, g = (torch.randn(B, S, R, H, D, device=dev, dtype=dtype).requires_grad_() for _ in range(4))

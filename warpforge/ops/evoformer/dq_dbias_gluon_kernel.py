@@ -36,7 +36,6 @@ changes between Triton releases: built lazily (`_build()`) and only for GLUON_TR
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -49,17 +48,6 @@ from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups
                                   row_descriptors, split_biases)
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "dq_dbias_gluon"]
-
-# Each key block's dq wgmma left in flight beside the next block's S and dP wgmmas (waited on with the next S) instead
-# of waited for at once: compiled (995 -> 1001 instructions in the loop, registers unchanged), not yet timed, so off;
-# the knob WARPFORGE_EVO_DQ_IN_FLIGHT (0 / 1) for the GPU's A/B.
-DQ_IN_FLIGHT_ENV = "WARPFORGE_EVO_DQ_IN_FLIGHT"
-DQ_IN_FLIGHT = False
-
-
-def dq_in_flight() -> bool:
-    on = os.environ.get(DQ_IN_FLIGHT_ENV)
-    return DQ_IN_FLIGHT if on is None else on != "0"  # (configs._switch's reading)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,7 +87,7 @@ def _build():
     def _consumer(q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, dq_x, pair_bar, row_ready, row_free, dq_full,
                   dq_free, DQ, LSE, DELTA, PART, BH, S, R, rows_per, qk_scale, sm_scale, WG: gl.constexpr,
                   H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr, NJ: gl.constexpr, HAS_MASK: gl.constexpr,
-                  EVEN: gl.constexpr, DQ_IN_FLIGHT: gl.constexpr):
+                  EVEN: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -132,7 +120,6 @@ def _build():
             q = q_bufs.index(p).reshape([64, D])
             do = do_bufs.index(p).reshape([64, D])
             dq = gl.zeros([64, D], gl.float32, o_layout)
-            ds_op = gl.zeros([64, 64], dtype, a_layout)  # (DQ_IN_FLIGHT: the first S wait's dep, as a block's ds is)
             for jj in gl.static_range(3):
                 j = 2 * jj + WG
                 if j < NJ:
@@ -144,10 +131,7 @@ def _build():
                     bias = pair_bufs.index(j + z).reshape([64, 64]).load(s_layout)
                     if HAS_MASK:
                         bias = bias + mask_bufs.index(p * NJ + j).load(s_layout)
-                    if DQ_IN_FLIGHT:  # the previous block's dq wgmma is done here too: its ds operand may go
-                        sc, _ = warpgroup_mma_wait(1, deps=(s_tok, ds_op))
-                    else:
-                        sc = warpgroup_mma_wait(1, deps=(s_tok, ))
+                    sc = warpgroup_mma_wait(1, deps=(s_tok, ))
                     x = sc * qk_scale + bias
                     if not EVEN:
                         if j == NJ - 1:
@@ -163,14 +147,8 @@ def _build():
                         acc1 += ds
                     else:
                         acc2 += ds
-                    ds_op = gl.convert_layout(ds.to(dtype), a_layout)
-                    dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)
-                    if DQ_IN_FLIGHT:  # left running beside the next block's S and dP (the next S wait covers it)
-                        dq = warpgroup_mma_wait(1, deps=(dq_tok, ))
-                    else:
-                        dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
-            if DQ_IN_FLIGHT:
-                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                    dq_tok = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k, dq, is_async=True)
+                    dq = warpgroup_mma_wait(0, deps=(dq_tok, ))
             gl.thread_barrier()                    # every warp of the warpgroup is past the row buffer's reads
             mbarrier.arrive(row_free.index(p))
             # dq of the row: warpgroup 1's partial through shared memory into warpgroup 0's, which stores the sum
@@ -207,8 +185,8 @@ def _build():
     def evo_dq_dbias_kernel(q_desc, k_desc, v_desc, do_desc, pair_desc, mask_desc, DQ, LSE, DELTA, PART, BH, S, R,
                             rows_per, mask_heads, qk_scale, sm_scale,
                             H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr, NJ: gl.constexpr,
-                            HAS_MASK: gl.constexpr, EVEN: gl.constexpr, DQ_IN_FLIGHT: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                            HAS_MASK: gl.constexpr, EVEN: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            PRODUCER_REGS: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         do_bufs = gl.allocate_shared_memory(do_desc.dtype, [2] + do_desc.block_type.shape, do_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2 * NJ] + k_desc.block_type.shape, k_desc.layout)
@@ -234,10 +212,10 @@ def _build():
         gl.warp_specialize([
             (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, dq_x, pair_bar, row_ready, row_free,
                          dq_full, dq_free, DQ, LSE, DELTA, PART, BH, S, R, rows_per, qk_scale, sm_scale, 0, H, D, NI,
-                         NJ, HAS_MASK, EVEN, DQ_IN_FLIGHT)),
+                         NJ, HAS_MASK, EVEN)),
             (_consumer, (q_bufs, do_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, dq_x, pair_bar, row_ready, row_free,
                          dq_full, dq_free, DQ, LSE, DELTA, PART, BH, S, R, rows_per, qk_scale, sm_scale, 1, H, D, NI,
-                         NJ, HAS_MASK, EVEN, DQ_IN_FLIGHT)),
+                         NJ, HAS_MASK, EVEN)),
             (_producer, (q_desc, k_desc, v_desc, do_desc, pair_desc, mask_desc, q_bufs, do_bufs, k_bufs, v_bufs,
                          pair_bufs, mask_bufs, pair_bar, row_ready, row_free, BH, S, rows_per, mask_heads, H, NI, NJ,
                          HAS_MASK)),
@@ -252,16 +230,16 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, scale, G, in_flight=None):
+def launch_args(q, k, v, do, lse, delta, dq, part, pair2, mask2, mask_heads, scale, G):
     """(kernel, grid, args, constexpr kwargs) of the launch; shared by dq_dbias_gluon and the compile test. part:
-    fp32 [G, B · H, R, R]; pair2, mask2, mask_heads: log2_biases'; in_flight: DQ_IN_FLIGHT (None: the knob's)."""
+    fp32 [G, B · H, R, R]; pair2, mask2, mask_heads: log2_biases'."""
     B, S, R, H, D = q.shape
     NJ = cdiv(R, BLOCK)
     kernel, _ = _build()
     rows_per = cdiv(S, G)
     args = [*row_descriptors(q, k, v, do), *bias_descriptors(pair2, mask2), dq, lse, delta, part, B * H, S, R,
             rows_per, mask_heads, scale * LOG2E, scale]
-    meta = dict(H=H, D=D, NI=NJ, NJ=NJ, HAS_MASK=mask2 is not None, EVEN=R % BLOCK == 0, DQ_IN_FLIGHT=dq_in_flight() if in_flight is None else in_flight,
+    meta = dict(H=H, D=D, NI=NJ, NJ=NJ, HAS_MASK=mask2 is not None, EVEN=R % BLOCK == 0,
                 CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
     return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
@@ -306,7 +284,7 @@ def evo_sum_partials_kernel(PART, OUT, n, G, BLOCK: tl.constexpr):
     tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=inside)
 
 
-def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=90, G=2, in_flight=None):
+def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=90, G=2):
     """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched)."""
     from .._gluon import compile_report
     dt = getattr(torch, dtype)
@@ -317,5 +295,5 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, dtype="bfloat16", arch=9
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
     part = torch.empty((G, B * H, R, R), dtype=torch.float32)
     kernel, grid, args, meta = launch_args(q, q, q, q, lse, lse, q, part, *log2_bias_buffers(pair, m, B, S, H, R),
-                                           D ** -0.5, G, in_flight)
+                                           D ** -0.5, G)
     return compile_report(kernel, args, grid, meta, arch)
