@@ -187,29 +187,21 @@ for step in "$@"; do
                          timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
     evoformer-bench) SKIP_TESTS=1 MATCH='row|triangle' timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
                      grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16 ;;
-    evo-paired) # issue 16's forward with two key blocks a consumer step: the Gluon GPU tests (both walks), then the row /
-                # triangle cases: portable forward (the default), Gluon single, Gluon paired, twice each, beside Flex
-                timeout 200 python3 -m pytest -q $par -m gpu tests/evoformer/test_evoformer_gluon.py > "$w/evo-paired-tests.log" 2>&1
-                tail -n 2 "$w/evo-paired-tests.log"
-                r=0; for v in 00 10 11 00 10 11; do r=$((r + 1))  # Gluon fwd, paired
-                  WARPFORGE_EVO_GLUON_FWD=${v:0:1} WARPFORGE_EVO_GLUON_FWD_PAIRED=${v:1:1} SKIP_TESTS=1 MATCH='(row|triangle) fwd' timeout 150 bash scripts/gpu_check.sh \
-                    "$w/evo-paired$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
-                  echo "gluon fwd, paired $v:"; grep -E "(row|triangle) fwd" "$w/evo-paired$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "; done ;;
-    evo-quick) # the least a short call can check: tests/evoformer on the GPU (both forward walks), then the row forward
-               # portable (the default) / Gluon single / Gluon paired, twice each (each beside Flex in its own process)
+    evo-quick) # the least a short call can check: tests/evoformer on the GPU, then the row forward portable (the
+               # default) / Gluon, twice each (each beside Flex in its own process)
                timeout 150 python3 -m pytest -q $par -m gpu tests/evoformer > "$w/evo-quick-tests.log" 2>&1; tail -n 2 "$w/evo-quick-tests.log"
                tar czf "$out/all.tgz" -C "$w" .
-               r=0; for v in 00 10 11 00 10 11; do r=$((r + 1))  # Gluon fwd, paired
-                 WARPFORGE_EVO_GLUON_FWD=${v:0:1} WARPFORGE_EVO_GLUON_FWD_PAIRED=${v:1:1} SKIP_TESTS=1 MATCH='row fwd s' timeout 60 bash scripts/gpu_check.sh \
+               r=0; for v in 0 1 0 1; do r=$((r + 1))  # Gluon fwd
+                 WARPFORGE_EVO_GLUON_FWD=$v SKIP_TESTS=1 MATCH='row fwd s' timeout 60 bash scripts/gpu_check.sh \
                    "$w/evo-quick$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
-                 echo "gluon fwd, paired $v:"; grep -E "row fwd s" "$w/evo-quick$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
+                 echo "gluon fwd $v:"; grep -E "row fwd s" "$w/evo-quick$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
                  tar czf "$out/all.tgz" -C "$w" .; done ;;
-    evo-fwd-ab) # evo-quick's timing half alone (after evoformer-full's tests): the row forward portable / Gluon single /
-                # Gluon paired, twice each, each beside Flex in its own process
-                r=0; for v in 00 10 11 00 10 11; do r=$((r + 1))  # Gluon fwd, paired
-                  WARPFORGE_EVO_GLUON_FWD=${v:0:1} WARPFORGE_EVO_GLUON_FWD_PAIRED=${v:1:1} SKIP_TESTS=1 MATCH='(row|triangle) fwd [sr]' timeout 60 bash scripts/gpu_check.sh \
+    evo-fwd-ab) # evo-quick's timing half alone (after evoformer-full's tests): the row and triangle forwards portable /
+                # Gluon, twice each, each beside Flex in its own process
+                r=0; for v in 0 1 0 1; do r=$((r + 1))  # Gluon fwd
+                  WARPFORGE_EVO_GLUON_FWD=$v SKIP_TESTS=1 MATCH='(row|triangle) fwd [sr]' timeout 60 bash scripts/gpu_check.sh \
                     "$w/evo-ab$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
-                  echo "gluon fwd, paired $v:"; grep -E "(row|triangle) fwd [sr]" "$w/evo-ab$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
+                  echo "gluon fwd $v:"; grep -E "(row|triangle) fwd [sr]" "$w/evo-ab$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
                   tar czf "$out/all.tgz" -C "$w" .; done ;;
     evo-clamp) # the backward's clamped exponent (a huge-masked row's NaN guard, one FMNMX a score): row / triangle
                # fwd+bwd at .before (the commit without it) and here, same process order, bench_compare's 3%

@@ -148,18 +148,11 @@ def test_forward_with_three_consumers_compiles_for_sm90():
 
 
 @pytest.mark.skipif(not _gluon_triton(), reason=f"the Gluon kernel is written for Triton {gk.GLUON_TRITON_VERSIONS}")
-def test_forward_with_two_key_blocks_a_step_compiles_for_sm90():
-    """The forward's paired consumers (WARPFORGE_EVO_GLUON_FWD_PAIRED=1): rings of 6 slots within sm_90's shared
-    memory at N_res 384, no more spills than the single-block walk."""
+def test_forward_at_one_batch_head_and_d16_compiles_for_sm90():
+    """d 16 with a ragged last block, and B · H = 1 (an int argument of 1 is a constant to Triton: the row-scale
+    plane once took its offset from one and failed to compile)."""
     from warpforge.ops._gluon import SMEM_MAX, compile_in_subprocess
-    mod = "warpforge.ops.evoformer.fwd_gluon_kernel"
-    one = compile_in_subprocess(mod, dict(R=384, D=32, two_blocks=False), ROOT)
-    two = compile_in_subprocess(mod, dict(R=384, D=32, two_blocks=True), ROOT)
-    assert two["warp_specialize"] and two["num_warps"] == 12 and two["ptxas_rc"] == 0 and not two["wgmma_serialized"]
-    assert one["shared_bytes"] < two["shared_bytes"] <= SMEM_MAX
-    assert two["spill_stores"] <= one["spill_stores"], two["ptxas_log"]
-    # d 16 with a ragged last block, and B · H = 1 (an int argument of 1 is a constant to Triton)
-    small = compile_in_subprocess(mod, dict(R=200, D=16, H=1, B=1, two_blocks=True), ROOT)
+    small = compile_in_subprocess("warpforge.ops.evoformer.fwd_gluon_kernel", dict(R=200, D=16, H=1, B=1), ROOT)
     assert small["ptxas_rc"] == 0 and small["shared_bytes"] <= SMEM_MAX, small["ptxas_log"]
 
 
@@ -172,18 +165,14 @@ GPU_CASES = [  # B, S, R, H, D, mask ("row": [B, S, 1, 1, R], "head": [B, S, H, 
     (2, 7, 300, 2, 16, "head", torch.float16),      # a ragged last block, a per-head mask
     (1, 3, 100, 3, 32, None, torch.bfloat16),       # one group (written straight), no mask
     (1, 64, 65, 2, 32, "row", torch.bfloat16),      # one key past a block
-    (1, 5, 256, 1, 16, "row", torch.float16),       # four whole blocks at d 16 (paired), B · H = 1
+    (1, 5, 256, 1, 16, "row", torch.float16),       # four whole blocks at d 16, B · H = 1
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _on_sm90(), reason="the Gluon pass runs on sm_90 with its Triton")
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "b{}_s{}_r{}_h{}_d{}_{}".format(*c[:6]))
-@pytest.mark.parametrize("two_blocks", ["0", "1"])
-def test_gpu_matches_the_portable_passes_and_the_reference(case, two_blocks, monkeypatch):
-    """two_blocks: the forward's consumers take one or two key blocks a step (fwd_gluon_kernel.PAIRED_ENV)."""
-    from warpforge.ops.evoformer import fwd_gluon_kernel
-    monkeypatch.setenv(fwd_gluon_kernel.PAIRED_ENV, two_blocks)
+def test_gpu_matches_the_portable_passes_and_the_reference(case, monkeypatch):
     B, S, R, H, D, mask_kind, dtype = case
     dev = "cuda"
     q, k, v, g = (torch.randn(B, S, R, H, D, device=dev, dtype=dtype).requires_grad_() for _ in range(4))

@@ -35,27 +35,12 @@ from .gluon_shared_kernel import (BLOCK, bias_descriptors, build_helpers, groups
 CONSUMER_PLANS = {2: (4, CONSUMER_REGS, MAXNREG), 3: (3, 152, 128)}
 CONSUMERS_ENV = "WARPFORGE_EVO_GLUON_FWD_CONSUMERS"
 CONSUMERS = 2
-# Two key blocks a consumer step (_keys_paired; an even number of 64-key blocks): off until timed on a GPU.
-# A warpgroup then holds four ring slots at a time, so its ring grows to 6 where shared memory allows (d <= 32, two
-# consumers: 214 KB at N_res 384). The knob WARPFORGE_EVO_GLUON_FWD_PAIRED (0 / 1).
-PAIRED_ENV = "WARPFORGE_EVO_GLUON_FWD_PAIRED"
-PAIRED = False
-PAIRED_STAGES = 6
 
 
 def consumers() -> int:
     import os
     return int(os.environ.get(CONSUMERS_ENV, CONSUMERS))
 
-
-def paired(NJ: int, nc: int, D: int, want=None) -> bool:
-    """Whether the consumers take two key blocks a step: wanted (None: PAIRED, or the knob) and NJ even, two
-    consumers, d <= 32."""
-    if want is None:
-        import os
-        on = os.environ.get(PAIRED_ENV)
-        want = PAIRED if on is None else on != "0"  # (configs._switch's reading)
-    return bool(want) and NJ % 2 == 0 and nc == 2 and D <= 32
 
 __all__ = ["GLUON_TRITON_VERSIONS", "available", "compile_sm90", "fwd_gluon"]
 
@@ -124,22 +109,6 @@ def _build():
         return p, alpha, l * alpha + gl.sum(p, 1), m_new
 
     @gluon.jit
-    def _softmax2(sca, scb, bias_a, bias_b, j, m, l, qk_scale, R, cols0, EVEN: gl.constexpr):
-        """_softmax over key blocks j and j + 1 at once: (p_a, p_b, rescale, row sums, row maxima). One row-max and
-        one row-sum reduction for the two blocks, and two independent chains of elementwise work between them."""
-        xa = sca * qk_scale + bias_a
-        xb = scb * qk_scale + bias_b
-        if not EVEN:
-            xa = gl.where((j * 64 + cols0 < R)[None, :], xa, float("-inf"))
-            xb = gl.where(((j + 1) * 64 + cols0 < R)[None, :], xb, float("-inf"))
-        m_new = gl.maximum(m, gl.max(gl.maximum(xa, xb), 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        pa = gl.exp2(xa - m_use[:, None])
-        pb = gl.exp2(xb - m_use[:, None])
-        alpha = gl.exp2(m - m_use)
-        return pa, pb, alpha, l * alpha + gl.sum(pa + pb, 1), m_new
-
-    @gluon.jit
     def _s_block(q, k_bufs, kv_ready, slot, c, s_zero, D, STAGES):
         """Waits for ring slot `slot` (the row's block c) and issues S = Q · Kᵀ on it (async). (D and STAGES come in
         as the callers' constexprs; an annotation would need `gl` in this closure.)"""
@@ -186,59 +155,10 @@ def _build():
         return acc, m, l
 
     @gluon.jit
-    def _keys_paired(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc, qk_scale, R,
-                     cols0, s_zero, WG: gl.constexpr, D: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr,
-                     HAS_MASK: gl.constexpr, EVEN: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
-                     orow_l: gl.constexpr):
-        """_keys two key blocks a step (NJ even): the step's two S wgmmas and the previous step's two P·V in flight
-        together, one softmax over both blocks. The row's work is one chain of dependent steps, latency-bound at two
-        consumer warpgroups an SM (~3x its issue time, NOTES session 32); pairing halves the chain's length and its
-        reductions, and gives the scheduler two independent blocks of elementwise work a step."""
-        dtype: gl.constexpr = k_bufs.dtype
-        c = u * NJ
-        ta = _s_block(q, k_bufs, kv_ready, WG * STAGES + c % STAGES, c, s_zero, D, STAGES)
-        tb = _s_block(q, k_bufs, kv_ready, WG * STAGES + (c + 1) % STAGES, c + 1, s_zero, D, STAGES)
-        bias_a = _bias(pair_bufs, mask_bufs, 0, qs * NJ, HAS_MASK, s_layout)
-        bias_b = _bias(pair_bufs, mask_bufs, 1, qs * NJ + 1, HAS_MASK, s_layout)
-        sca, scb = warpgroup_mma_wait(0, deps=(ta, tb))
-        pa, pb, alpha, l, m = _softmax2(sca, scb, bias_a, bias_b, 0, m, l, qk_scale, R, cols0, EVEN)
-        pa_op = gl.convert_layout(pa.to(dtype), p_layout)
-        pb_op = gl.convert_layout(pb.to(dtype), p_layout)
-        for t in range(1, NJ // 2):
-            c = u * NJ + 2 * t
-            pva = WG * STAGES + (c - 2) % STAGES
-            pvb = WG * STAGES + (c - 1) % STAGES
-            ta = _s_block(q, k_bufs, kv_ready, WG * STAGES + c % STAGES, c, s_zero, D, STAGES)
-            tb = _s_block(q, k_bufs, kv_ready, WG * STAGES + (c + 1) % STAGES, c + 1, s_zero, D, STAGES)
-            acc_tok = warpgroup_mma(pa_op, v_bufs.index(pva).reshape([64, D]), acc, is_async=True)
-            acc_tok = warpgroup_mma(pb_op, v_bufs.index(pvb).reshape([64, D]), acc_tok, is_async=True)
-            bias_a = _bias(pair_bufs, mask_bufs, 2 * t, qs * NJ + 2 * t, HAS_MASK, s_layout)
-            bias_b = _bias(pair_bufs, mask_bufs, 2 * t + 1, qs * NJ + 2 * t + 1, HAS_MASK, s_layout)
-            sca, scb = warpgroup_mma_wait(2, deps=(ta, tb))  # both S done; the two P·V may still run
-            pa, pb, alpha, l, m = _softmax2(sca, scb, bias_a, bias_b, 2 * t, m, l, qk_scale, R, cols0, EVEN)
-            acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, pa_op, pb_op))
-            gl.thread_barrier()                 # every warp is past the previous step's slots
-            mbarrier.arrive(kv_free.index(pva))
-            mbarrier.arrive(kv_free.index(pvb))
-            acc = acc * gl.convert_layout(alpha, orow_l)[:, None]
-            pa_op = gl.convert_layout(pa.to(dtype), p_layout)
-            pb_op = gl.convert_layout(pb.to(dtype), p_layout)
-        c = u * NJ + NJ - 2
-        la = WG * STAGES + c % STAGES
-        lb = WG * STAGES + (c + 1) % STAGES
-        acc_tok = warpgroup_mma(pa_op, v_bufs.index(la).reshape([64, D]), acc, is_async=True)
-        acc_tok = warpgroup_mma(pb_op, v_bufs.index(lb).reshape([64, D]), acc_tok, is_async=True)
-        acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, pa_op, pb_op))
-        gl.thread_barrier()
-        mbarrier.arrive(kv_free.index(la))
-        mbarrier.arrive(kv_free.index(lb))
-        return acc, m, l
-
-    @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, OUT, LSE,
                   ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, WG: gl.constexpr, H: gl.constexpr, D: gl.constexpr,
                   NI: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr,
-                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr, NC: gl.constexpr, PAIRED: gl.constexpr):
+                  HAS_GATE: gl.constexpr, EVEN: gl.constexpr, NC: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 64, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -262,14 +182,8 @@ def _build():
             m = gl.full([64], float("-inf"), gl.float32, row_l)  # (log2 units)
             l = gl.zeros([64], gl.float32, row_l)
             acc = gl.zeros([64, D], gl.float32, o_layout)
-            if PAIRED:
-                acc, m, l = _keys_paired(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l,
-                                         acc, qk_scale, R, cols0, s_zero, WG, D, NJ, STAGES, HAS_MASK, EVEN, s_layout,
-                                         p_layout, orow_l)
-            else:
-                acc, m, l = _keys(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc,
-                                  qk_scale, R, cols0, s_zero, WG, D, NJ, STAGES, HAS_MASK, EVEN, s_layout, p_layout,
-                                  orow_l)
+            acc, m, l = _keys(q, k_bufs, v_bufs, pair_bufs, mask_bufs, kv_ready, kv_free, u, qs, m, l, acc, qk_scale,
+                              R, cols0, s_zero, WG, D, NJ, STAGES, HAS_MASK, EVEN, s_layout, p_layout, orow_l)
             gl.thread_barrier()                     # and past the row's Q and mask
             mbarrier.arrive(q_free.index(qs))
             empty = l == 0.0
@@ -291,7 +205,7 @@ def _build():
     def evo_fwd_gluon_kernel(q_desc, k_desc, v_desc, pair_desc, mask_desc, OUT, LSE, ROW_SCALE, GATE, BH, S, R,
                              rows_per, mask_heads, qk_scale, H: gl.constexpr, D: gl.constexpr, NI: gl.constexpr,
                              NJ: gl.constexpr, STAGES: gl.constexpr, HAS_MASK: gl.constexpr, HAS_GATE: gl.constexpr,
-                             EVEN: gl.constexpr, NC: gl.constexpr, PAIRED: gl.constexpr,
+                             EVEN: gl.constexpr, NC: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2 * NC] + q_desc.block_type.shape, q_desc.layout)
         k_bufs = gl.allocate_shared_memory(k_desc.dtype, [NC * STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -318,13 +232,13 @@ def _build():
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ,
-                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ,
-                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 2, H, D, NI, NJ,
-                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC)),
                 (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
                              mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
                              NI, NJ, STAGES, HAS_MASK, NC)),
@@ -333,10 +247,10 @@ def _build():
             gl.warp_specialize([
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 0, H, D, NI, NJ,
-                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC)),
                 (_consumer, (q_bufs, k_bufs, v_bufs, pair_bufs, mask_bufs, pair_bar, q_ready, q_free, kv_ready,
                              kv_free, OUT, LSE, ROW_SCALE, GATE, BH, S, R, rows_per, qk_scale, 1, H, D, NI, NJ,
-                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC, PAIRED)),
+                             STAGES, HAS_MASK, HAS_GATE, EVEN, NC)),
                 (_producer, (q_desc, k_desc, v_desc, pair_desc, mask_desc, q_bufs, k_bufs, v_bufs, pair_bufs,
                              mask_bufs, pair_bar, q_ready, q_free, kv_ready, kv_free, BH, S, rows_per, mask_heads, H,
                              NI, NJ, STAGES, HAS_MASK, NC)),
@@ -351,21 +265,19 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=2, two_blocks=None):
+def launch_args(q, k, v, out, lse, gate, pair2, mask2, mask_heads, scale, G, nc=2):
     """(kernel, grid, args, constexpr kwargs) of the launch; shared by fwd_gluon and the compile test. nc: consumer
-    warpgroups (CONSUMER_PLANS); two_blocks: two key blocks a step where they apply (None: paired()'s choice)."""
+    warpgroups (CONSUMER_PLANS)."""
     B, S, R, H, D = q.shape
     stages, consumer_regs, maxnreg = CONSUMER_PLANS[nc]
     NJ = cdiv(R, BLOCK)
-    two = paired(NJ, nc, D, two_blocks)
-    stages = PAIRED_STAGES if two else stages
     kernel, _ = _build()
     rows_per = cdiv(S, G)
     # lse's two planes as two pointers (an int argument of 1, B · H here, is specialised to a constant by Triton)
     args = [*row_descriptors(q, k, v), *bias_descriptors(pair2, mask2), out, lse[0], lse[1],
             q if gate is None else gate, B * H, S, R, rows_per, mask_heads, scale * LOG2E]
     meta = dict(H=H, D=D, NI=NJ, NJ=NJ, STAGES=stages, HAS_MASK=mask2 is not None, HAS_GATE=gate is not None,
-                EVEN=R % BLOCK == 0, NC=nc, PAIRED=two, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
+                EVEN=R % BLOCK == 0, NC=nc, CONSUMER_REGS=consumer_regs, PRODUCER_REGS=PRODUCER_REGS,
                 num_warps=4, maxnreg=maxnreg)
     return kernel, (B * H * NJ * cdiv(S, rows_per),), args, meta
 
@@ -386,8 +298,7 @@ def fwd_gluon(q, k, v, biases, gate, scale, n_sm, launch=triton_launch):
     return out, lse
 
 
-def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2, nc=2,
-                 two_blocks=None):
+def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat16", arch=90, G=2, nc=2):
     """Compile the kernel for sm_<arch> without a GPU (ops/_gluon.py's stub target; nothing is launched)."""
     from .._gluon import compile_report
     dt = getattr(torch, dtype)
@@ -397,5 +308,5 @@ def compile_sm90(R=384, D=32, S=4, H=2, B=1, mask=True, gate=True, dtype="bfloat
     pair = torch.empty(B, 1, H, R, R, dtype=dt).expand(full)
     m = torch.empty(B, S, 1, 1, R, dtype=dt).expand(full) if mask else None
     kernel, grid, args, meta = launch_args(q, q, q, q, lse, q if gate else None,
-                                           *log2_bias_buffers(pair, m, B, S, H, R), D ** -0.5, G, nc, two_blocks)
+                                           *log2_bias_buffers(pair, m, B, S, H, R), D ** -0.5, G, nc)
     return compile_report(kernel, args, grid, meta, arch)
