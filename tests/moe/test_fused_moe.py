@@ -169,6 +169,8 @@ def test_bad_shapes_and_dtypes():
         wf.fused_moe(hidden, w13, w2, logits[:3], 2, backend="triton")
     with pytest.raises(WarpforgeInputError, match="^w13: .*nonzero"):  # I = 0: no program would write the output
         wf.fused_moe(hidden, w13[:, :0], w2[:, :, :0], logits, 2, backend="triton")
+    with pytest.raises(WarpforgeInputError, match="^hidden: .*nonzero"):  # H = 0 crashed the decode pass
+        wf.fused_moe(hidden[:, :0], w13[..., :0], w2[:, :0], logits, 2, backend="triton")
 
 
 @pytest.mark.gpu

@@ -358,6 +358,8 @@ def _check_experts(hidden, w13, w2, w_format, w_scales, backend) -> str:
         check_same_dtype("w13", w13, "hidden", hidden)
         check_same_dtype("w2", w2, "hidden", hidden)
     h = hidden.shape[1]
+    if h == 0:  # the decode pass's last-block offset goes negative, the sorted pass's block size to 0
+        fail("hidden", "a nonzero hidden size (dim 1)", tuple(hidden.shape))
     e, two_i, h13 = w13.shape
     if h13 != h:
         fail("w13", f"[E, 2I, {h}] (H of hidden)", tuple(w13.shape))
