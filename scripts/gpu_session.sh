@@ -27,6 +27,12 @@ spec_cleanup() { grep -E "done" "$w"/target.log "$w"/draft*.log
 paged_gluon_tests() { timeout 300 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_decode.py \
                         -k "gpu and (fp8 or fp4 or gluon or graph or portable or helper or quantised)" \
                         > "$w/paged-gluon-tests.log" 2>&1; tail -n 8 "$w/paged-gluon-tests.log"; }
+# the Evoformer forward portable (the default) / Gluon, twice each, each beside Flex in its own process: the cases MATCH $1
+evo_fwd_ab() { local r=0 v; for v in 0 1 0 1; do r=$((r + 1))
+                 WARPFORGE_EVO_GLUON_FWD=$v SKIP_TESTS=1 MATCH="$1" timeout 60 bash scripts/gpu_check.sh "$w/evo-ab$v-$r" evoformer \
+                   > "$w/$step$v-$r.log" 2>&1
+                 echo "gluon fwd $v:"; grep -E "$1" "$w/evo-ab$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
+                 tar czf "$out/all.tgz" -C "$w" .; done; }
 for step in "$@"; do
   t0=$(date +%s)
   case $step in
@@ -187,22 +193,11 @@ for step in "$@"; do
                          timeout 125 python3 scripts/bench_attention_gluon.py --bwd --bwd-sweep --bwd-cases 0,1,3 --json "$w/attention_gluon_bwd_sweep.json" > "$w/bwd_sweep.log" 2>&1; cat "$w/bwd_sweep.log" ;;
     evoformer-bench) SKIP_TESTS=1 MATCH='row|triangle' timeout 260 bash scripts/gpu_check.sh "$w/bench" evoformer > "$w/$step.log" 2>&1
                      grep -E "warpforge|flex" "$w/bench/bench-evoformer.log" | tail -16 ;;
-    evo-quick) # the least a short call can check: tests/evoformer on the GPU, then the row forward portable (the
-               # default) / Gluon, twice each (each beside Flex in its own process)
+    evo-quick) # the least a short call can check: tests/evoformer on the GPU, then the row forward A/B (evo_fwd_ab)
                timeout 150 python3 -m pytest -q $par -m gpu tests/evoformer > "$w/evo-quick-tests.log" 2>&1; tail -n 2 "$w/evo-quick-tests.log"
                tar czf "$out/all.tgz" -C "$w" .
-               r=0; for v in 0 1 0 1; do r=$((r + 1))  # Gluon fwd
-                 WARPFORGE_EVO_GLUON_FWD=$v SKIP_TESTS=1 MATCH='row fwd s' timeout 60 bash scripts/gpu_check.sh \
-                   "$w/evo-quick$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
-                 echo "gluon fwd $v:"; grep -E "row fwd s" "$w/evo-quick$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
-                 tar czf "$out/all.tgz" -C "$w" .; done ;;
-    evo-fwd-ab) # evo-quick's timing half alone (after evoformer-full's tests): the row and triangle forwards portable /
-                # Gluon, twice each, each beside Flex in its own process
-                r=0; for v in 0 1 0 1; do r=$((r + 1))  # Gluon fwd
-                  WARPFORGE_EVO_GLUON_FWD=$v SKIP_TESTS=1 MATCH='(row|triangle) fwd [sr]' timeout 60 bash scripts/gpu_check.sh \
-                    "$w/evo-ab$v-$r" evoformer > "$w/$step$v-$r.log" 2>&1
-                  echo "gluon fwd $v:"; grep -E "(row|triangle) fwd [sr]" "$w/evo-ab$v-$r/bench-evoformer.log" | grep -E " (warpforge|flex) "
-                  tar czf "$out/all.tgz" -C "$w" .; done ;;
+               evo_fwd_ab 'row fwd s' ;;
+    evo-fwd-ab) evo_fwd_ab '(row|triangle) fwd [sr]' ;;  # the row and triangle forwards' A/B alone (after evoformer-full's tests)
     evo-clamp) # the backward's clamped exponent (a huge-masked row's NaN guard, one FMNMX a score): row / triangle
                # fwd+bwd at .before (the commit without it) and here, same process order, bench_compare's 3%
                SKIP_TESTS=1 COMPARE=$PWD/.before MATCH='^(row|triangle) fwd\+bwd' timeout 200 bash scripts/gpu_check.sh "$w/cmp" evoformer \
