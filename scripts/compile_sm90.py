@@ -262,7 +262,7 @@ def monarch():
         w_right, w_left = (torch.randn(nb, d // nb, d // nb, dtype=dtype) for _ in range(2))
         y, g = api._fwd_impl(x, w_left, w_right, torch.zeros(d, dtype=dtype))
         api._bwd_impl(torch.randn_like(y), x, w_left, w_right, g, True)
-        api._fwd_impl(x, w_left, w_right, None)  # without a bias the forward may take the interleaved L GEMM
+        api._fwd_impl(x, w_left, w_right, None)  # the L GEMM without a bias
 
 
 def sparse():

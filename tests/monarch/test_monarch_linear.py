@@ -78,15 +78,30 @@ def test_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("shape", [(32, 64, 96, 2), (48, 48, 48, 4), (96, 40, 56, 4), (32, 256, 64, 8),
-                                   (64, 64, 64, 16)])
-@pytest.mark.parametrize("interleave", ["0", "1"])
-def test_interleaved_stores_match_reference(shape, interleave, monkeypatch):
-    """The GEMMs that write in P_out's order, with 2-4 blocks a tile interleaved in registers (configs' interleave,
-    WARPFORGE_MONARCH_INTERLEAVE) or block by block and shuffled: both against the reference, without a bias (the
-    forward's interleaved path) and with one, in fp16 and fp32."""
-    monkeypatch.setenv("WARPFORGE_MONARCH_INTERLEAVE", interleave)
+                                   (64, 64, 64, 16), (64, 128, 64, 4)])
+@pytest.mark.parametrize("runs,tma_store", [("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")])
+def test_knobs_match_reference(shape, runs, tma_store, monkeypatch):
+    """R's GEMMs with w_right's rows run by run (WARPFORGE_MONARCH_RUNS: the forward's intermediate stored as runs,
+    the backward reading its gradient from L's block order, no shuffle) or not, outputs through tensor descriptors
+    (WARPFORGE_MONARCH_TMA_STORE) or pointers: each against the reference, with and without a bias, fp16 and fp32.
+    (64, 128, 64, 4): runs of 8 columns, half a CPU tile (pointer loads in mode 3); (32, 64, 96, 2): runs of 16,
+    one tile (descriptor loads and stores in mode 3)."""
+    monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", runs)
+    monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", tma_store)
     for dtype, bias in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
         _check((37,), *shape, dtype, bias)
+
+
+def test_runs_shorter_than_the_k_tile(monkeypatch):
+    """A K tile of the config longer than a run (32 vs runs of 16): R's backward GEMM takes K tiles of one run
+    (more stages) through the descriptors; the result is the reference's."""
+    monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", "1")
+    table = configs.MONARCH
+    try:
+        configs.MONARCH = table.map(lambda c: c._replace(gemm=c.gemm._replace(block_k=32)))
+        _check((37,), 32, 64, 96, 2, torch.float16, False)
+    finally:
+        configs.MONARCH = table
 
 
 @pytest.mark.parametrize("lead", [(1,), (2, 3), (0,), (2, 0, 5)])
@@ -254,10 +269,11 @@ def test_monarch_linear_module():
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb", [4, 16])
-@pytest.mark.parametrize("bias,interleave", [(True, None), (False, "0"), (False, "1")])
-def test_real_size_bf16(nb, bias, interleave, monkeypatch):
-    if interleave is not None:  # the GEMMs writing in P_out's order: interleaved in registers, or shuffled
-        monkeypatch.setenv("WARPFORGE_MONARCH_INTERLEAVE", interleave)
+@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "00"), (False, "11"), (True, "11")])
+def test_real_size_bf16(nb, bias, knobs, monkeypatch):
+    if knobs is not None:  # WARPFORGE_MONARCH_RUNS and _TMA_STORE, else the table's
+        monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", knobs[0])
+        monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", knobs[1])
     d, t = 4096, 4096
     w_left, w_right = _factors(d, d, d, nb, torch.bfloat16)
     w_left.requires_grad_()

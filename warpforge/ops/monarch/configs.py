@@ -6,7 +6,10 @@ tokens. Tile edges are shrunk to the block's dimensions at launch (a power of tw
 Triton interpreter: tiles of 16 so that CI's small blocks (12, 24, 40 columns) cross tile edges, descriptor loads
 on for fp16 so the interpreter runs that path too. The sm90 row comes from `warpforge tune monarch` on the H200
 (benchmarks/NOTES.md: 128x256x64 tiles, 8 warps, 3 stages won the GEMM sweep; 128x128x64 the weight gradients);
-fp32 operands take smaller tiles (their shared-memory stages are twice the size).
+fp32 operands take smaller tiles (their shared-memory stages are twice the size). `runs` and `tma_store` (R's
+GEMMs with w_right's rows run by run, no shuffle of the intermediate's gradient; tiles stored through descriptors)
+are on in the interpreter so that CI runs those paths, off on sm90 until the H200 times them
+(WARPFORGE_MONARCH_RUNS / _TMA_STORE for the A/B).
 """
 from typing import NamedTuple
 
@@ -21,8 +24,7 @@ class GemmCfg(NamedTuple):
     stages: int
     tma: bool = False          # A and W through tensor descriptors (where the block's K is whole tiles)
     programs_per_sm: int = 1   # the persistent grid: this many programs per SM, each walking tiles
-    interleave: bool = False   # the GEMMs that write in P_out's order (L forward, Lᵀ backward) take 2-4 blocks a
-                               # tile and interleave them in registers: no shuffle pass (off until timed on a GPU)
+    tma_store: bool = False    # tiles that are one box of the output leave through a tensor descriptor
 
 
 class WgradCfg(NamedTuple):
@@ -39,13 +41,14 @@ class MonarchCfg(NamedTuple):
     gemm: GemmCfg
     wgrad: WgradCfg
     shuffle_elements: int = 4096  # elements per program of the backward's reordering of dy
+    runs: bool = False  # R's GEMMs take w_right's rows run by run (mode 3): no shuffle of the intermediate's gradient
 
 
 C, G, W = MonarchCfg, GemmCfg, WgradCfg
 _FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
 MONARCH = TileTable({
-    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, interleave=True), W(16, 16, 16, 1, 1, tma=True), 256),
-            "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
+    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, tma_store=True), W(16, 16, 16, 1, 1, tma=True), 256, runs=True),
+            "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256, runs=True)},
     "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
     "sm90": {"any": C(G(128, 256, 64, 8, 3, tma=True), W(128, 128, 64, 8, 3, tma=True)), "fp32": _FP32},
 })

@@ -2,24 +2,31 @@
 as two launches of one block-diagonal GEMM and a shuffle pass, and the backward as two more of the GEMM, two
 shuffles and a per-block weight-gradient GEMM over tokens.
 
-Each operand's columns are named per block b and position i within the block, in one of three ways (MODE):
+Each operand's columns are named per block b and position i within the block, in one of four ways (MODE):
   0  contiguous:  b·BLK + i                    (x, dx; the intermediate in R's order; L's outputs block by block)
   1  shuffled:    i·NB + b                     (y: P_out; dh, the intermediate's gradient in R's order)
   2  shuffling:   n = b·BLK + i stored at (n mod NB)·BLK + n div NB   (R's output written in L's order)
-The intermediate [T, d_mid] is written once, by the first GEMM, already in the order the second reads (mode 2's
-stores are regrouped in registers into runs, one per l, when nb is a power of two dividing the block), and kept
-for the backward. A GEMM's loads are always contiguous (mode 0): a tile is loaded once per output tile, streams
-through shared memory (tensor descriptors where the block's K is whole tiles) and uses every byte it fetches.
-Mode 1 is never a GEMM's store either: one block's outputs are nb columns apart, so every 2-byte store lands in
-its own sector and the GEMM ran 5x slower on the H200 (benchmarks/NOTES.md). Those outputs are written block by
-block and moved by `shuffle` (one pass: contiguous runs on both sides, the transpose in registers):
+  3  runs first:  (i div R)·BLK + b·R + i mod R, R = BLK / NB  (mode 2's columns, the positions renumbered so that
+                  R consecutive ones are R consecutive columns; the GEMM's w_right rows renumbered to match:
+                  `runs_first`)
+The intermediate [T, d_mid] is written once, by the first GEMM, already in the order the second reads (mode 3 where
+d_mid / nb is a multiple of nb and the table's `runs` is on: whole runs from the GEMM's tile, through a tensor
+descriptor; else mode 2, regrouped in registers into runs when nb is a power of two dividing the block), and kept
+for the backward. A GEMM's loads are contiguous runs (mode 0, or 3): a tile is loaded once per output tile,
+streams through shared memory (tensor descriptors where the block's K is whole tiles) and uses every byte it
+fetches. Mode 1 is never a GEMM's store: one block's outputs are nb columns apart, so every 2-byte store lands in
+its own sector and the GEMM ran 5x slower on the H200 (benchmarks/NOTES.md); joining 2-4 blocks' tiles in
+registers to store runs ran 2x slower than a shuffle pass (NOTES "Monarch interleaved stores"). Those outputs are
+written block by block and moved by `shuffle` (one pass: contiguous runs on both sides, the transpose in
+registers):
 
-    forward   g   = R-GEMM(x)              A mode 0 (x),    out mode 2 (g in L's block order)
+    forward   g   = R-GEMM(x)              A mode 0 (x),    out mode 3 / 2 (g in L's block order)
               yb  = L-GEMM(g) (+ bias)     A mode 0 (g),    out mode 0;   y = P_out(yb)
     backward  dyb = P_outᵀ(dy)             dy in L's block order
-              dhb = Lᵀ-GEMM(dyb)           A mode 0,        out mode 0;   dh = P_out(dhb) (R's order)
-              dx  = Rᵀ-GEMM(dh)            A mode 0,        out mode 0
-              dL[l] = Σ_t dyb_lᵀ g_l,  dR[k] = Σ_t dh_kᵀ x_k   (and dbias = Σ_t dy, in dL's programs)
+              dhb = Lᵀ-GEMM(dyb)           A mode 0,        out mode 0 (dh in L's block order)
+              dx  = Rᵀ-GEMM(dh)            A mode 3 (dhb)   or, without runs, dh = P_out(dhb) then A mode 0
+              dL[l] = Σ_t dyb_lᵀ g_l,  dR[k] = Σ_t dh_kᵀ x_k   (dh as the Rᵀ-GEMM reads it; dbias = Σ_t dy, in dL's
+              programs)
 Weight gradients walk their tokens in order in fp32 (no atomics); when (blocks × tiles) would leave SMs idle
 the tokens are cut into a few ranges whose fp32 partials are summed in a fixed order: deterministic.
 Row offsets are int64 (T · d passes 2^31 at 16k tokens · 128k columns).
@@ -28,7 +35,7 @@ Floors on an H200 (cuBLAS bf16 GEMM ~790 TFLOP/s, HBM copy ~4.25 TB/s), d_in = d
 bf16; forward FLOPs 2·T·(d_mid·d_in + d_out·d_mid)/nb, fwd+bwd 3x that; forward bytes x + intermediate written
 and read + y + weights; the backward adds dy read twice, the intermediate read, dh written and read twice, x
 read, dx written, weights read and their gradients written (plus the shuffles, 2 · T · d · 2 bytes each,
-0.063 ms at copy speed: one forward, two backward, not in the floors below):
+0.063 ms at copy speed: one forward, one backward (two without runs), not in the floors below):
   nblocks 4:  fwd 2.75e11 FLOP -> 0.348 ms, 554 MB -> 0.130 ms (compute bound: 0.35 ms);
               fwd+bwd 8.25e11 FLOP -> 1.044 ms, 1.66 GB -> 0.391 ms (floor 1.04 ms)
   nblocks 16: fwd 6.87e10 FLOP -> 0.087 ms, 541 MB -> 0.127 ms (memory bound: 0.13 ms);
@@ -43,7 +50,7 @@ import triton.language as tl
 from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
 from ..shared_kernels import dot
 
-CONTIGUOUS, SHUFFLED, SHUFFLING = 0, 1, 2
+CONTIGUOUS, SHUFFLED, SHUFFLING, RUNS_FIRST = 0, 1, 2, 3
 
 
 @triton.jit
@@ -53,10 +60,21 @@ def _cols(b, idx, NB, BLK, MODE: tl.constexpr):
         col = b * BLK + idx
     elif MODE == 1:
         col = idx * NB + b
-    else:
+    elif MODE == 2:
         n = b * BLK + idx
         col = (n % NB) * BLK + n // NB
+    else:
+        col = _run_col(b, idx, NB, BLK)
     return col.to(tl.int64)
+
+
+@triton.jit
+def _run_col(b, idx, NB, BLK):
+    """Mode 3: position idx of block b at (idx div R)·BLK + b·R + idx mod R, R = BLK / NB: mode 2's columns with
+    the positions renumbered run by run (idx = l·R + r stands for mode 2's r·NB + l), so that R consecutive
+    positions are R consecutive columns. Scalar or tensor idx."""
+    run = BLK // NB
+    return (idx // run) * BLK + b * run + idx % run
 
 
 @triton.jit
@@ -69,12 +87,12 @@ def _gemm_tile(tile, num_n, NB):
 
 @triton.jit
 def _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a, stride_wb, stride_wk,
-              stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+              W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block b's operand tiles at k0: A [BLOCK_M, BLOCK_K] (columns a(b, k0 ..)) and W[b] [BLOCK_K, BLOCK_N], through
     the tensor descriptors (USE_TMA) or masked pointer loads."""
-    if USE_TMA:
-        a = a_desc.load([pid_m * BLOCK_M, b * A_BLK + k0])
+    if USE_TMA:  # (mode 3: the K tile is a piece of one run)
+        a = a_desc.load([pid_m * BLOCK_M, _run_col(b, k0, NB, A_BLK) if A_MODE == 3 else b * A_BLK + k0])
         if W_KMAJOR:
             w = tl.trans(w_desc.load([b * N + pid_n * BLOCK_N, k0]))
         else:
@@ -91,23 +109,35 @@ def _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k
 
 @triton.jit
 def _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb, stride_wk,
-               stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr,
+               W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block b's [BLOCK_M, BLOCK_N] output tile, fp32: the sum over its K of A's tiles times W[b]'s."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a, stride_wb,
-                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K)
+                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
+                         BLOCK_K)
         acc = dot(a, w, acc)
     return acc
 
 
 @triton.jit
-def _store_tile(acc, OUT, BIAS, rows, m_ok, offs_n, n_ok, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
+def _store_tile(acc, OUT, o_desc, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
                 O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_MODE: tl.constexpr, RUNS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One block's output tile into OUT, its columns addressed as O_MODE says (RUNS: see the kernel)."""
-    if RUNS:
+                TMA_STORE: tl.constexpr, O_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One block's output tile into OUT, its columns addressed as O_MODE says (RUNS, TMA_STORE: see the kernel)."""
+    if HAS_BIAS:  # the bias in the layer's output order (BIAS_MODE), wherever this tile is written
+        b_cols = _cols(b, offs_n, NB, O_BLK, BIAS_MODE)
+        acc += tl.load(BIAS + b_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if TMA_STORE:
+        out = acc.to(OUT.dtype.element_ty)
+        if O_SPLIT > 1:  # mode 3, a tile across O_SPLIT runs: one [BLOCK_M, O_SPLIT, R] box of OUT as [T, NB, O_BLK]
+            run: tl.constexpr = BLOCK_N // O_SPLIT
+            o_desc.store([pid_m * BLOCK_M, pid_n * O_SPLIT, b * run], tl.reshape(out, (BLOCK_M, O_SPLIT, run)))
+        else:
+            col = _run_col(b, pid_n * BLOCK_N, NB, O_BLK) if O_MODE == 3 else b * O_BLK + pid_n * BLOCK_N
+            o_desc.store([pid_m * BLOCK_M, col], out)
+    elif RUNS:
         # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
         lb = tl.arange(0, RUNS)
         ii = tl.arange(0, BLOCK_N // RUNS)
@@ -118,55 +148,32 @@ def _store_tile(acc, OUT, BIAS, rows, m_ok, offs_n, n_ok, pid_n, b, stride_o, N,
         tl.store(OUT + rows[:, None, None] * stride_o + cols[None, :, :], out, mask=ok)
     else:
         o_cols = _cols(b, offs_n, NB, O_BLK, O_MODE)
-        if HAS_BIAS:  # the bias in the layer's output order (BIAS_MODE), wherever this tile is written
-            b_cols = _cols(b, offs_n, NB, O_BLK, BIAS_MODE)
-            acc += tl.load(BIAS + b_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(OUT + rows[:, None] * stride_o + o_cols[None, :], acc.to(OUT.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _store_group(accs, OUT, rows, m_ok, pid_n, b0, stride_o, N, NB, GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """GROUP consecutive blocks' tiles (blocks b0 .. b0 + GROUP - 1, positions pid_n·BLOCK_N ..) into OUT in P_out's
-    order, position i of block b at column i·NB + b: interleaved in registers first, so that the stores are runs of
-    GROUP columns (the whole tile one run when GROUP == NB)."""
-    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if GROUP == 2:  # [m, i, j] = acc_j[m, i]; stored as it is (no layout conversion), column i·NB + b0 + j
-        y = tl.join(accs[0], accs[1])
-        j = tl.arange(0, 2)
-        cols = (i[:, None] * NB + b0 + j[None, :]).to(tl.int64)[None, :, :]
-        ok = m_ok[:, None, None] & (i < N)[None, :, None]
-        row_off = rows[:, None, None] * stride_o
-    else:  # [m, i, p, q] = acc_(2p + q)[m, i], column i·NB + b0 + 2p + q
-        y = tl.join(tl.join(accs[0], accs[2]), tl.join(accs[1], accs[3]))
-        p = tl.arange(0, 2)
-        cols = (i[:, None, None] * NB + b0 + 2 * p[None, :, None] + p[None, None, :]).to(tl.int64)[None, :, :, :]
-        ok = m_ok[:, None, None, None] & (i < N)[None, :, None, None]
-        row_off = rows[:, None, None, None] * stride_o
-    tl.store(OUT + row_off + cols, y.to(OUT.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride_wk, stride_wn,
                           T, K, N, NB, A_BLK, O_BLK, O_RUN, num_tiles,
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr, PROGRAMS: tl.constexpr,
-                          GROUP: tl.constexpr = 1):
+                          BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
+                          TMA_STORE: tl.constexpr, O_SPLIT: tl.constexpr, PROGRAMS: tl.constexpr):
     """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[bias(b, n)]) for every block b. Persistent: each
     of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
     loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
 
-    USE_TMA (A_MODE 0, K a multiple of BLOCK_K, so no tile crosses a block's edge along K): A and W through
+    USE_TMA (A_MODE 0 or 3, K a multiple of BLOCK_K, so no tile crosses a block's edge along K): A and W through
     tensor descriptors (W_KMAJOR: W[b][kk, n] at w[b, n, kk], else at w[b, kk, n]); a W tile past its block's N
-    reads the next block's rows, whose output columns the store masks.
+    reads the next block's rows, whose output columns the store masks. In mode 3 a K tile is a piece of one run
+    (a K tile across runs, a 3-d box reshaped, became a register operand: the wgmma serialized).
+    TMA_STORE (O_MODE 0 or 3, N a multiple of BLOCK_N): the tile leaves through a tensor descriptor, an asynchronous
+    copy the next tile's loads and MMAs run under; in mode 3 as a piece of one run or (O_SPLIT > 1) O_SPLIT runs.
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
-    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run.
-    GROUP 2 or 4 (O_MODE 1, NB a multiple of GROUP, no bias): a tile is GROUP consecutive blocks' outputs at the same
-    positions, stored interleaved in P_out's order (_store_group), where one block's columns alone would be NB apart
-    (one sector per 2-byte store)."""
+    n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
     num_n = tl.cdiv(N, BLOCK_N)
-    a_desc, w_desc = A, W  # stand-ins where the loads take pointers
+    O_RUN_BOX: tl.constexpr = BLOCK_N // O_SPLIT if O_SPLIT > 1 else BLOCK_N  # a 3-d box's runs
+    a_desc, w_desc, o_desc = A, W, OUT  # stand-ins where the loads / stores take pointers
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[T, NB * A_BLK], strides=[stride_a, 1],
                                            block_shape=[BLOCK_M, BLOCK_K])
@@ -176,25 +183,24 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
         else:
             w_desc = tl.make_tensor_descriptor(W, shape=[NB * K, N], strides=[stride_wk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
+    if TMA_STORE:
+        if O_SPLIT > 1:
+            o_desc = tl.make_tensor_descriptor(OUT, shape=[T, NB, O_BLK], strides=[stride_o, O_BLK, 1],
+                                               block_shape=[BLOCK_M, O_SPLIT, O_RUN_BOX])
+        else:
+            o_desc = tl.make_tensor_descriptor(OUT, shape=[T, NB * O_BLK], strides=[stride_o, 1],
+                                               block_shape=[BLOCK_M, BLOCK_N])
     for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
-        pid_m, pid_n, b = _gemm_tile(tile, num_n, NB // GROUP)  # b: the block (GROUP > 1: the group of blocks)
+        pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rows < T
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        if GROUP > 1:
-            accs = ()
-            for j in tl.static_range(GROUP):
-                accs = accs + (_block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n,
-                                          b * GROUP + j, stride_a, stride_wb, stride_wk, stride_wn, K, N, NB, A_BLK,
-                                          A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N, BLOCK_K),)
-            _store_group(accs, OUT, rows, m_ok, pid_n, b * GROUP, stride_o, N, NB, GROUP, BLOCK_N)
-        else:
-            acc = _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb,
-                             stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
-                             BLOCK_K)
-            _store_tile(acc, OUT, BIAS, rows, m_ok, offs_n, n_ok, pid_n, b, stride_o, N, NB, O_BLK, O_RUN, O_MODE,
-                        HAS_BIAS, BIAS_MODE, RUNS, BLOCK_M, BLOCK_N)
+        acc = _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb,
+                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
+                         BLOCK_K)
+        _store_tile(acc, OUT, o_desc, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
+                    O_MODE, HAS_BIAS, BIAS_MODE, RUNS, TMA_STORE, O_SPLIT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -242,9 +248,13 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
     program per (tile, block, token range). With HAS_DBIAS the programs of the first kk tile also sum G's
     columns into DBIAS[split, column], the column addressed as DB_MODE says.
 
-    USE_TMA (both modes 0, tokens_per_split a multiple of BLOCK_T, so no tile crosses into another split's tokens):
-    G and A through tensor descriptors; a tile past its block's N or K reads the next block's columns, whose
-    rows / columns of DW the store masks (and whose column sums go nowhere)."""
+    G_MODE 3 numbers DW's rows as the columns (position l·R + r is row r·NB + l, R = G_BLK / NB): DW comes out in
+    w's own row order.
+
+    USE_TMA (A mode 0, G mode 0 or 3 (then BLOCK_N dividing a run), tokens_per_split a multiple of BLOCK_T, so no
+    tile crosses into another split's tokens): G and A through tensor descriptors; a tile past its block's N or K
+    reads the next block's columns, whose rows / columns of DW the store masks (and whose column sums go
+    nowhere)."""
     pid_n = tl.program_id(0) // tl.cdiv(K, BLOCK_K)
     pid_k = tl.program_id(0) % tl.cdiv(K, BLOCK_K)
     b = tl.program_id(1)
@@ -266,7 +276,8 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
     t_hi = tl.minimum(t_lo + tokens_per_split, T)
     for t0 in range(t_lo, t_hi, BLOCK_T):
         if USE_TMA:
-            g = g_desc.load([t0, b * G_BLK + pid_n * BLOCK_N])
+            g = g_desc.load([t0, _run_col(b, pid_n * BLOCK_N, NB, G_BLK) if G_MODE == 3
+                             else b * G_BLK + pid_n * BLOCK_N])
             a = a_desc.load([t0, b * A_BLK + pid_k * BLOCK_K])
         else:
             rows = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -279,7 +290,11 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
         if HAS_DBIAS:
             col_sum += tl.sum(g.to(tl.float32), 0)
     dw = DW + split.to(tl.int64) * stride_dws + b.to(tl.int64) * stride_dwb
-    tl.store(dw + offs_n[:, None].to(tl.int64) * stride_dwn + offs_k[None, :], acc.to(DW.dtype.element_ty),
+    dw_rows = offs_n
+    if G_MODE == 3:
+        run = G_BLK // NB
+        dw_rows = (offs_n % run) * NB + offs_n // run
+    tl.store(dw + dw_rows[:, None].to(tl.int64) * stride_dwn + offs_k[None, :], acc.to(DW.dtype.element_ty),
              mask=n_ok[:, None] & k_ok[None, :])
     if HAS_DBIAS:
         if pid_k == 0:
@@ -293,40 +308,65 @@ def _tile(want, size):
     return max(16, min(want, triton.next_power_of_2(max(size, 1))))
 
 
-def interleave_group(nb: int, cfg) -> int:
-    """Blocks per tile of a GEMM that writes in P_out's order (_store_group): up to 4 where cfg.interleave is on and
-    nb is a power of two (the register interleave), else 1 (block by block, then a shuffle pass)."""
-    if not cfg.interleave or nb < 2 or nb & (nb - 1):
+def runs_apply(nb: int, q: int, cfg) -> bool:
+    """Whether R's GEMMs take w_right's rows run by run (mode 3; cfg.runs, and d_mid / nb a multiple of nb): the
+    forward stores whole runs of the intermediate, the backward reads its gradient straight from L's block order
+    (no shuffle pass)."""
+    return cfg.runs and q % nb == 0
+
+
+def runs_first(w_right: torch.Tensor) -> torch.Tensor:
+    """w_right [nb, q, p] with its rows renumbered as mode 3 numbers positions: row l·R + r holds row r·nb + l
+    (R = q / nb). A copy of the weight (q · p · nb elements), not of an activation."""
+    nb, q, p = w_right.shape
+    return w_right.view(nb, q // nb, nb, p).transpose(1, 2).reshape(nb, q, p)
+
+
+def _split(run, edge, itemsize):
+    """Mode 3 through a tensor descriptor, a tile edge `edge` along runs of `run` columns: 1 where the tile is a
+    piece of one run (run a multiple of edge), edge / run where it is whole runs (a 3-d box, each run at least 16
+    bytes), 0 where neither holds (pointers)."""
+    if run % edge == 0:
         return 1
-    return min(nb, 4)
+    if edge % run == 0 and run * itemsize % 16 == 0:
+        return edge // run
+    return 0
 
 
-def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None, group=1):
+def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None):
     """out[t, o(b, ·)] = a[t, a(b, ·)] @ w[b] (+ bias[bias_mode(b, ·)]) for every block b; w[b][kk, n] at w_strides
-    (kk, n). group > 1 (o_mode SHUFFLED, no bias): `group` blocks a tile, a tile's width per block the config's
-    divided by group (the same accumulator registers)."""
+    (kk, n)."""
     t = a.shape[0]
-    bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n // group, n), _tile(cfg.block_k, k)
-    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * (nb // group)
+    bm, bn, bk = _tile(cfg.block_m, t), _tile(cfg.block_n, n), _tile(cfg.block_k, k)
+    tiles = triton.cdiv(t, bm) * triton.cdiv(n, bn) * nb
     pow2 = nb & (nb - 1) == 0
     runs = nb if o_mode == SHUFFLING and bias is None and pow2 and 1 < nb < bn and o_blk % nb == 0 else 0
-    if group > 1 and not (o_mode == SHUFFLED and nb % group == 0 and bias is None):
-        raise ValueError(f"a grouped GEMM writes in P_out's order (o_mode {o_mode}, nb {nb}, group {group})")
     w_kmajor = w_strides[0] == 1
     # a W tile is one 2-d descriptor box over the blocks stacked: [nb · n, k] (k-major) or [nb · k, n]
     stacked = w.stride(0) == (n * w_strides[1] if w_kmajor else k * w_strides[0])
-    # a box's innermost coordinate (b · a_blk + k0) must fall on 16 bytes
-    use_tma = cfg.tma and a_mode == CONTIGUOUS and k % bk == 0 and stacked and tma_compatible(a, w) and \
-        a_blk * a.element_size() % 16 == 0
-    if use_tma:
+    # a box's innermost coordinate (b · a_blk + k0, or a run's start in mode 3) must fall on 16 bytes
+    stages = cfg.stages
+    run = a_blk // nb
+    if a_mode == RUNS_FIRST and run % bk and bk % run == 0 and run >= 16:
+        # a K tile a piece of one run: shorter K tiles, more of them in flight (the same bytes)
+        stages, bk = min(8, stages * bk // run), run
+    use_tma = cfg.tma and (a_mode == CONTIGUOUS or a_mode == RUNS_FIRST and run % bk == 0) and k % bk == 0 and \
+        stacked and tma_compatible(a, w) and a_blk * a.element_size() % 16 == 0
+    tma_store = cfg.tma_store and o_mode in (CONTIGUOUS, RUNS_FIRST) and n % bn == 0 and tma_compatible(out) and \
+        o_blk * out.element_size() % 16 == 0
+    o_split = 1
+    if tma_store and o_mode == RUNS_FIRST:  # a tile is a piece of one run, or whole runs (a 3-d box)
+        o_split = _split(o_blk // nb, bn, out.element_size())
+        tma_store = o_split > 0
+    if use_tma or tma_store:
         ensure_tma_allocator(a.device)
     programs = min(tiles, cfg.programs_per_sm * sm_count(a.device))
     blockdiag_gemm_kernel[(programs,)](
         a, w, out, bias if bias is not None else out, a.stride(0), out.stride(0), w.stride(0), *w_strides,
         t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
         BIAS_MODE=o_mode if bias_mode is None else bias_mode,
-        RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, PROGRAMS=programs,
-        GROUP=group, num_warps=cfg.warps, num_stages=cfg.stages)
+        RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, TMA_STORE=tma_store,
+        O_SPLIT=o_split, PROGRAMS=programs, num_warps=cfg.warps, num_stages=stages)
 
 
 def _splits(t, tiles, cfg, device):
@@ -347,8 +387,12 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
     splits = _splits(t, tiles * nb, cfg, g.device)
     per_split = triton.cdiv(triton.cdiv(t, splits), bt) * bt  # whole token tiles: no tile spans two splits
     splits = triton.cdiv(t, per_split) if t else 1
-    use_tma = cfg.tma and g_mode == a_mode == CONTIGUOUS and tma_compatible(g, a) and \
-        all(blk * t.element_size() % 16 == 0 for blk, t in ((g_blk, g), (a_blk, a)))  # boxes start on 16 bytes
+    if dbias is not None and g_mode == RUNS_FIRST:
+        raise ValueError("the bias gradient sums columns in their own order, not mode 3's")
+    g_box = g_blk if g_mode == CONTIGUOUS else g_blk // nb
+    use_tma = cfg.tma and a_mode == CONTIGUOUS and (g_mode == CONTIGUOUS or g_mode == RUNS_FIRST and g_box % bn == 0) and \
+        tma_compatible(g, a) and \
+        all(blk * t.element_size() % 16 == 0 for blk, t in ((g_box, g), (a_blk, a)))  # boxes start on 16 bytes
     if use_tma:
         ensure_tma_allocator(g.device)
     part = dw.unsqueeze(0) if splits == 1 else torch.empty((splits, *dw.shape), device=dw.device,
@@ -391,15 +435,15 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)
     if t == 0:
         return y, g
-    # R: B[k][kk = pp, n = j] = w_right[k, j, pp]
-    _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q, cfg.gemm)
-    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], in P_out's order: from the GEMM where blocks interleave in
-    # registers (interleave_group), else written block by block and then shuffled
-    group = interleave_group(nb, cfg.gemm) if bias is None else 1  # (a bias there pushed ptxas into spills)
-    if group > 1:
-        _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, SHUFFLED, s, cfg.gemm,
-              group=group)
-        return y, g
+    # R: B[k][kk = pp, n = j] = w_right[k, j, pp], its outputs into L's block order: with the rows run by run
+    # (mode 3: a tile's columns are runs of g), else mode 2 (RUNS regroups them in registers)
+    if runs_apply(nb, q, cfg):
+        w_r = runs_first(w_right)
+        _gemm(x, w_r, (w_r.stride(2), w_r.stride(1)), g, p, q, nb, CONTIGUOUS, p, RUNS_FIRST, q, cfg.gemm)
+    else:
+        _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q,
+              cfg.gemm)
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order
     _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
           bias=bias, bias_mode=SHUFFLED)
     return shuffle(y, nb, cfg, to_blocks=False), g
@@ -416,18 +460,19 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
     if t == 0:
         return dx, dwl.zero_(), dwr.zero_(), dbias.zero_()
     dyb = shuffle(dy, nb, cfg, to_blocks=True)  # dyb[t, l·s + si] = dy[t, si·nb + l]
-    dh = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)  # in L's block order, then R's
-    # dh[t, ri·nb + l] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]
-    group = interleave_group(nb, cfg.gemm)
-    if group > 1:  # straight into R's order
-        _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, SHUFFLED, q, cfg.gemm,
-              group=group)
-    else:
-        _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q,
-              cfg.gemm)
-        dh = shuffle(dh, nb, cfg, to_blocks=False)
-    # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp]
-    _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.gemm)
+    # dhb[t, l·q + ri] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]: the intermediate's gradient in L's block order
+    dhb = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
+    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dhb, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
     _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
-    _wgrad(dh, x, dwr, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.wgrad)
+    # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp] and dR[k][j, pp] = Σ_t dh[t, k·q + j] · x[t, k·p + pp],
+    # dh (R's order) read from dhb in mode 3 against w_right's rows run by run; else shuffled into R's order first
+    if runs_apply(nb, q, cfg):
+        w_r = runs_first(w_right)
+        _gemm(dhb, w_r, (w_r.stride(1), w_r.stride(2)), dx, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.gemm)
+        _wgrad(dhb, x, dwr, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.wgrad)
+    else:
+        dh = shuffle(dhb, nb, cfg, to_blocks=False)
+        _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p,
+              cfg.gemm)
+        _wgrad(dh, x, dwr, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.wgrad)
     return dx, dwl, dwr, dbias
