@@ -25,6 +25,8 @@ class GemmCfg(NamedTuple):
     tma: bool = False          # A and W through tensor descriptors (where the block's K is whole tiles)
     programs_per_sm: int = 1   # the persistent grid: this many programs per SM, each walking tiles
     tma_store: bool = False    # tiles that are one box of the output leave through a tensor descriptor
+    warp_specialize: bool = False  # the tile loop split into a TMA producer and MMA consumers where the loads are
+                                   # descriptors (launched at 4 warps: Triton specializes there only)
 
 
 class WgradCfg(NamedTuple):

@@ -158,7 +158,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-                          TMA_STORE: tl.constexpr, O_SPLIT: tl.constexpr, PROGRAMS: tl.constexpr):
+                          TMA_STORE: tl.constexpr, O_SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, WS: tl.constexpr):
     """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[bias(b, n)]) for every block b. Persistent: each
     of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
     loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
@@ -167,6 +167,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
     tensor descriptors (W_KMAJOR: W[b][kk, n] at w[b, n, kk], else at w[b, kk, n]); a W tile past its block's N
     reads the next block's rows, whose output columns the store masks. In mode 3 a K tile is a piece of one run
     (a K tile across runs, a 3-d box reshaped, became a register operand: the wgmma serialized).
+    WS: the tile loop warp-specialized (a TMA producer, MMA consumers; Triton does it at num_warps 4), not flattened.
     TMA_STORE (O_MODE 0 or 3, N a multiple of BLOCK_N): the tile leaves through a tensor descriptor, an asynchronous
     copy the next tile's loads and MMAs run under; in mode 3 as a piece of one run or (O_SPLIT > 1) O_SPLIT runs.
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
@@ -190,7 +191,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
         else:
             o_desc = tl.make_tensor_descriptor(OUT, shape=[T, NB * O_BLK], strides=[stride_o, 1],
                                                block_shape=[BLOCK_M, BLOCK_N])
-    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=not WS, warp_specialize=WS):
         pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rows < T
@@ -360,13 +361,15 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
         tma_store = o_split > 0
     if use_tma or tma_store:
         ensure_tma_allocator(a.device)
+    # Triton 3.6's warp specialization fails to compile (PassManager) on a tile reshaped or permuted before its store
+    ws = cfg.warp_specialize and use_tma and not runs and o_split == 1
     programs = min(tiles, cfg.programs_per_sm * sm_count(a.device))
     blockdiag_gemm_kernel[(programs,)](
         a, w, out, bias if bias is not None else out, a.stride(0), out.stride(0), w.stride(0), *w_strides,
         t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
         BIAS_MODE=o_mode if bias_mode is None else bias_mode,
         RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, TMA_STORE=tma_store,
-        O_SPLIT=o_split, PROGRAMS=programs, num_warps=cfg.warps, num_stages=stages)
+        O_SPLIT=o_split, PROGRAMS=programs, WS=ws, num_warps=4 if ws else cfg.warps, num_stages=stages)
 
 
 def _splits(t, tiles, cfg, device):
