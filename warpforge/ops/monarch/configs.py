@@ -37,6 +37,7 @@ class WgradCfg(NamedTuple):
     stages: int
     splits: int = 0  # token ranges summed in fp32 afterwards; 0: enough to fill the SMs twice
     tma: bool = False  # G and A through tensor descriptors
+    warp_specialize: bool = False  # the token walk split into a TMA producer and MMA consumers (4 warps), with tma
 
 
 class MonarchCfg(NamedTuple):

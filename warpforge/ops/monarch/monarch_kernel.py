@@ -244,7 +244,7 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
                            T, N, K, NB, G_BLK, A_BLK, tokens_per_split,
                            G_MODE: tl.constexpr, A_MODE: tl.constexpr, HAS_DBIAS: tl.constexpr, DB_MODE: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_TMA: tl.constexpr):
+                           USE_TMA: tl.constexpr, WS: tl.constexpr):
     """DW[split, b][n, kk] = Σ over the split's tokens t of G[t, g(b, n)] · A[t, a(b, kk)], in order, fp32: one
     program per (tile, block, token range). With HAS_DBIAS the programs of the first kk tile also sum G's
     columns into DBIAS[split, column], the column addressed as DB_MODE says.
@@ -275,7 +275,7 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
     col_sum = tl.zeros([BLOCK_N], tl.float32)
     t_lo = split * tokens_per_split  # token indices fit int32; row offsets below are int64
     t_hi = tl.minimum(t_lo + tokens_per_split, T)
-    for t0 in range(t_lo, t_hi, BLOCK_T):
+    for t0 in tl.range(t_lo, t_hi, BLOCK_T, warp_specialize=WS):
         if USE_TMA:
             g = g_desc.load([t0, _run_col(b, pid_n * BLOCK_N, NB, G_BLK) if G_MODE == 3
                              else b * G_BLK + pid_n * BLOCK_N])
@@ -398,6 +398,7 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         all(blk * t.element_size() % 16 == 0 for blk, t in ((g_box, g), (a_blk, a)))  # boxes start on 16 bytes
     if use_tma:
         ensure_tma_allocator(g.device)
+    ws = use_tma and cfg.warp_specialize  # the token walk warp-specialized (a TMA producer; 4 warps)
     part = dw.unsqueeze(0) if splits == 1 else torch.empty((splits, *dw.shape), device=dw.device,
                                                            dtype=torch.float32)
     bias_part = None
@@ -407,7 +408,8 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         g, a, part, bias_part if bias_part is not None else part, g.stride(0), a.stride(0), part.stride(0),
         part.stride(1), part.stride(2), bias_part.stride(0) if bias_part is not None else 0,
         t, n, k, nb, g_blk, a_blk, per_split, G_MODE=g_mode, A_MODE=a_mode, HAS_DBIAS=dbias is not None, DB_MODE=db_mode,
-        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, num_warps=cfg.warps, num_stages=cfg.stages)
+        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, WS=ws, num_warps=4 if ws else cfg.warps,
+        num_stages=cfg.stages)
     if splits > 1:
         dw.copy_(part.sum(0))  # a fixed-order sum: deterministic
     if dbias is not None:
