@@ -65,10 +65,12 @@ def test_a_query_that_sees_nothing_gets_zero_and_minus_inf():
 @pytest.mark.parametrize("qk_format", ["fp8", "int8"])
 def test_triton_quantiser_matches_the_reference(qk_format):
     q, k, v = _inputs(2, 9, 21, 4, 2, 32, 48)
-    res = qk_format == "fp8"  # q's residual codes too (opt-in, e4m3 only)
-    got, want = (quantize_qkv(q, k, v, qk_format=qk_format, q_residual=res, backend=b) for b in ("triton", "reference"))
+    res = qk_format == "fp8"  # q's residual codes too (e4m3 only), per-key scales
+    got, want = (quantize_qkv(q, k, v, qk_format=qk_format, q_residual=res, k_block=0, backend=b)
+                 for b in ("triton", "reference"))
     assert (got.q_lo is None) == (want.q_lo is None) == (not res)
-    assert quantize_qkv(q, k, v, qk_format=qk_format).q_lo is None  # off by default
+    default = quantize_qkv(q, k, v, qk_format=qk_format)  # e4m3: q's residual and 128-key scales by default
+    assert (default.q_lo is None) == (not res) and default.k_block == (128 if res else 0)
     q_carried = None
     for name in ("q", "q_scale", "k", "k_scale", "v_t", "v_scale", "lse_shift", "q_lo"):
         a, b = getattr(got, name), getattr(want, name)
@@ -98,7 +100,7 @@ def test_key_block_scales(s_k):
     writes what the reference writes; the codes of a block's largest key reach e4m3's largest value."""
     q, k, v = _inputs(2, 9, s_k, 4, 2, 32)
     got, want = (quantize_qkv(q, k, v, k_block=128, backend=b) for b in ("triton", "reference"))
-    assert got.k_block == want.k_block == 128 and quantize_qkv(q, k, v).k_block == 0
+    assert got.k_block == want.k_block == 128 and quantize_qkv(q, k, v, k_block=0).k_block == 0
     for name in ("k", "k_scale"):
         a, b = getattr(got, name).float(), getattr(want, name).float()
         atol = 0

@@ -170,13 +170,9 @@ def attention_fp8_setup(device, tiny, *, b, s, h, d, causal):
     impls = {f"warpforge {fmt}": step(lambda q, k, v, fmt=fmt: flash_attention_fp8(q, k, v, causal=causal,
                                                                                   qk_format=fmt, backend="triton"),
                                       ("q", "k", "v"), _same) for fmt in ("fp8", "int8")}
-    # q's rounding residual as a second e4m3 code (opt-in, one more Q·Kᵀ MMA): its time and 1 - cos beside
-    impls["warpforge fp8 (q residual)"] = step(
-        lambda q, k, v: flash_attention_fp8(q, k, v, causal=causal, q_residual=True, backend="triton"),
-        ("q", "k", "v"), _same)
-    # k's scales per aligned 128 keys (opt-in): the Hopper kernel's per-score scale MUL goes
-    impls["warpforge fp8 (k block 128)"] = step(
-        lambda q, k, v: flash_attention_fp8(q, k, v, causal=causal, k_block=128, backend="triton"),
+    # e4m3's defaults are q's residual code and k's scales per 128 keys; the single code with per-key scales beside
+    impls["warpforge fp8 (single code)"] = step(
+        lambda q, k, v: flash_attention_fp8(q, k, v, causal=causal, q_residual=False, k_block=0, backend="triton"),
         ("q", "k", "v"), _same)
     impls["warpforge bf16"] = step(lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"),
                                    ("q", "k", "v"), _same)

@@ -189,6 +189,14 @@ def _check_quantized(qkv):
 K_BLOCKS = (0, 128)  # k_block: per-key scales, or one scale per aligned 128 keys
 
 
+def _k_block(name: str, k_block: Optional[int], qk_format: str) -> int:
+    """k_block, checked; None: 128 for e4m3 (4% faster on the Hopper kernel, within the accuracy), 0 for int8."""
+    if k_block is None:
+        return 128 if qk_format == "fp8" else 0
+    _check_k_block(name, k_block, qk_format)
+    return k_block
+
+
 def _check_k_block(name: str, k_block, qk_format: str) -> None:
     if isinstance(k_block, bool) or k_block not in K_BLOCKS:
         fail(name, f"one of {K_BLOCKS} (0: a scale per key)", k_block)
@@ -196,24 +204,28 @@ def _check_k_block(name: str, k_block, qk_format: str) -> None:
         fail(name, "0 with qk_format 'int8' (block scales are an e4m3 option)", k_block)
 
 
-def _q_residual(qk_format: str, q_residual: bool) -> bool:
-    """q_residual, checked: a bool, and only with e4m3 Q·Kᵀ (int8's codes carry 8 bits already)."""
+def _q_residual(qk_format: str, q_residual: Optional[bool]) -> bool:
+    """q_residual, checked: a bool, and only with e4m3 Q·Kᵀ (int8's codes carry 8 bits already); None: on for e4m3
+    (the accuracy the bar asks, cos >= 0.999, needs it), off for int8."""
+    if q_residual is None:
+        return qk_format == "fp8"
     check_bool("q_residual", q_residual)
     if q_residual and qk_format != "fp8":
         fail("q_residual", "False with qk_format 'int8' (the residual is an e4m3 code)", q_residual)
     return q_residual
 
 
-def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: bool = False, k_block: int = 0,
-                 backend=None) -> QuantizedQKV:
+def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: Optional[bool] = None,
+                 k_block: Optional[int] = None, backend=None) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (fp16 / bf16 / fp32; d, d_v multiples of 16
     up to 256) -> a QuantizedQKV for flash_attention_quantized: e4m3 (or int8 q/k, qk_format="int8") with
     per-token q/k scales and per-channel v scales (fp8_quantize.py). A cache can keep k and v quantised.
-    q_residual (e4m3 only): q's rounding residual as a second e4m3 code (QuantizedQKV.q_lo), so that the scores see
-    q to ~7 significant bits for one more Q·Kᵀ MMA: 1 - cos 1.15e-3 -> 8.9e-4 at b1 h4 s8192 d128 causal, ~10%
-    slower (H100, benchmarks/NOTES.md "Session 34"). k_block (e4m3 only; 0 or 128): 128 gives k one scale per
-    aligned block of 128 keys of a head instead of one per key, which the Hopper kernel applies once a key tile rather
-    than once a score (emulated accuracy cost ~4e-5 of cosine on Gaussian inputs).
+    q_residual (e4m3 only; on by default there): q's rounding residual as a second e4m3 code (QuantizedQKV.q_lo), so
+    that the scores see q to ~7 significant bits for one more Q·Kᵀ MMA: 1 - cos 1.15e-3 -> 8.9e-4 at b1 h4 s8192
+    d128 causal, ~10% slower (H100, benchmarks/NOTES.md "Session 34"); False gives the single code. k_block (e4m3
+    only; 0 or 128, 128 by default there): one scale per aligned block of 128 keys of a head instead of one per key
+    (0), which the Hopper kernel applies once a key tile rather than once a score: 4% faster; with q's residual
+    1 - cos 9.1e-4 (H100, session 36). int8 takes neither (the defaults are off for it).
 
     Values are not read on the host (no sync): a NaN propagates instead. A row's amax keeps it, so its scale is NaN
     and so is every output it reaches (int8 smooths K by its per-head mean, so there a NaN key reaches all of its
@@ -221,9 +233,8 @@ def quantize_qkv(q, k, v, *, qk_format: str = "fp8", q_residual: bool = False, k
     refused while grad mode is on."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
-    _check_k_block("k_block", k_block, qk_format)
     return _quantize(q, k, v, qk_format, backend, True, q_residual=_q_residual(qk_format, q_residual),
-                     k_block=k_block)
+                     k_block=_k_block("k_block", k_block, qk_format))
 
 
 def _keys_for_gluon(q, k) -> bool:
@@ -299,21 +310,21 @@ def flash_attention_quantized(qkv: QuantizedQKV, *, causal: bool = False, softma
 
 def flash_attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                         softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-                        qk_format: str = "fp8", q_residual: bool = False, k_block: int = 0,
+                        qk_format: str = "fp8", q_residual: Optional[bool] = None, k_block: Optional[int] = None,
                         return_lse: bool = False,
                         backend: Optional[str] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """FP8 attention forward from unquantised inputs: quantize_qkv then flash_attention_quantized (the
     quantisation's cost included). qk_format "fp8" (e4m3 Q·Kᵀ) or "int8" (SageAttention's INT8 Q·Kᵀ with
-    smoothed K); P·V is e4m3 either way. q_residual (quantize_qkv's, e4m3 only): q's rounding residual as a
-    second e4m3 code, one more Q·Kᵀ MMA (~10% of the time) for ~25% less output error; k_block (0 or 128,
-    e4m3 only): k's scales per aligned block of 128 keys (quantize_qkv's). Forward only (inference), on both
+    smoothed K); P·V is e4m3 either way. q_residual (quantize_qkv's, e4m3 only, on by default): q's rounding
+    residual as a second e4m3 code, one more Q·Kᵀ MMA (~10% of the time) for ~25% less output error; k_block (0 or
+    128, e4m3 only, 128 by default): k's scales per aligned block of 128 keys (quantize_qkv's). Forward only (inference), on both
     backends: inputs that require grad are refused while grad mode is on (call it under torch.no_grad(), or detach
     them). NaN and inf propagate to the outputs they reach without a host read (quantize_qkv); s_k = 0 gives zeros
     and lse -inf, as flash_attention."""
     _check_qkv(q, k, v)
     check_choice("qk_format", qk_format, QK_FORMATS)
     check_bool("return_lse", return_lse)
-    _check_k_block("k_block", k_block, qk_format)
+    k_block = _k_block("k_block", k_block, qk_format)
     qkv = _quantize(q, k, v, qk_format, backend, return_lse,
                     resolve_backend(backend, q.device) != "reference" and _keys_for_gluon(q, k),
                     q_residual=_q_residual(qk_format, q_residual), k_block=k_block)
