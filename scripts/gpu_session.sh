@@ -44,6 +44,9 @@ for step in "$@"; do
               timeout 90 python3 -m warpforge tune mla --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
     tune-paged-q) timeout 240 python3 -m warpforge tune paged --formats fp8,nvfp4,mxfp4 --L 16384 --out "$w/tune_paged_q.json" > "$w/tune_paged_q.log" 2>&1 ;;
     tune-monarch) timeout 300 python3 -m warpforge tune monarch --out "$w/tune_monarch.json" > "$w/tune_monarch.log" 2>&1 ;;
+    monarch-parts) # issue 17: each launch of a Monarch step alone at the table's tiles, plain / +store / +store+ws, mode 2 / 3
+                   timeout 200 python3 -m warpforge tune monarch --parts-only --out "$w/monarch_parts.json" > "$w/monarch_parts.log" 2>&1
+                   grep "^nb " "$w/monarch_parts.log" ;;
     gpt-monarch) for mlp in swiglu monarch; do
                    SKIP_PREPARE=1 WARPFORGE_CACHE=$PWD/.wfcache timeout 240 bash scripts/gpt_train_check.sh shakespeare 1.6 \
                      "$w/gpt-shakespeare-$mlp.json" --mlp $mlp > "$w/gpt-$mlp.log" 2>&1; tail -3 "$w/gpt-$mlp.log"; done ;;

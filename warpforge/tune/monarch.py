@@ -1,8 +1,9 @@
 """Sweep the Monarch kernels' tiles on this GPU at the bench's shape (d 4096 square, 16k tokens, bf16, nblocks 4
 and 16): the block-diagonal GEMM's tiles (timed as the forward's two launches), then the weight-gradient tiles
-(timed as the backward), then, with both winners, each launch of the step alone.
+(timed as the backward), then, with both winners, each launch of the step alone, plain and with the knobs
+(descriptor stores, warp specialization, mode 3).
 
-    warpforge tune monarch [--nblocks 4,16] [--out tune_monarch.json]
+    warpforge tune monarch [--nblocks 4,16] [--out tune_monarch.json] [--parts-only]
 
 Winners go into warpforge/ops/monarch/configs.py's MONARCH table, the numbers into benchmarks/NOTES.md.
 """
@@ -30,6 +31,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="warpforge tune monarch")
     ap.add_argument("--nblocks", default="4,16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parts-only", action="store_true", help="no sweep: each launch alone at the table's tiles")
     args = ap.parse_args(argv)
     t, d = 16 * 1024, 4096
     results = []
@@ -42,7 +44,7 @@ def main(argv=None):
                            .to(torch.bfloat16) for _ in range(2))
         flops = 2.0 * t * 2 * d * d / nb
         best_g, best_ms = base.gemm, None
-        for g in GEMMS:
+        for g in ([] if args.parts_only else GEMMS):
             cfg = base._replace(gemm=g)
             ms = time_candidate(lambda: mk.monarch_fwd(x, w_left, w_right, None, cfg))
             if ms is None:
@@ -51,9 +53,9 @@ def main(argv=None):
             print(f"nb {nb} fwd {tuple(g)}: {ms:.4f} ms {flops / ms / 1e9:.0f} TFLOP/s", flush=True)
             if best_ms is None or ms < best_ms:
                 best_g, best_ms = g, ms
-        y, inter = mk.monarch_fwd(x, w_left, w_right, None, base._replace(gemm=best_g))
+        inter = mk.monarch_fwd(x, w_left, w_right, None, base._replace(gemm=best_g))[1]
         best_w, best_ms = base.wgrad, None
-        for w in WGRADS:
+        for w in ([] if args.parts_only else WGRADS):
             cfg = base._replace(gemm=best_g, wgrad=w)
             ms = time_candidate(lambda: mk.monarch_bwd(dy, x, w_left, w_right, inter, False, cfg))
             if ms is None:
@@ -64,37 +66,53 @@ def main(argv=None):
                   flush=True)
             if best_ms is None or ms < best_ms:
                 best_w, best_ms = w, ms
-        # each launch of the step alone, with the winners
+        # each launch of the step alone, with the winners, and again with the knobs (descriptor stores; those and
+        # warp specialization; R's GEMMs run by run: mode 3)
         g, w = best_g, best_w
         q = p = s = d // nb
         dyb = mk.shuffle(dy, nb, base, to_blocks=True)
         dh = torch.empty_like(x)
         out = torch.empty_like(x)
         dwl, dwr = torch.empty_like(w_left), torch.empty_like(w_right)
-        parts = {
-            "R (x -> g, shuffling stores)": lambda: mk._gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), out,
-                                                             p, q, nb, mk.CONTIGUOUS, p, mk.SHUFFLING, q, g),
-            "L (g -> y in block order)": lambda: mk._gemm(inter, w_left, (w_left.stride(2), w_left.stride(1)), out,
-                                                          q, s, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, s, g),
-            "L, stride-nb stores (the old way)": lambda: mk._gemm(
-                inter, w_left, (w_left.stride(2), w_left.stride(1)), out, q, s, nb, mk.CONTIGUOUS, q, mk.SHUFFLED,
-                s, g),
-            "P_out (y's shuffle)": lambda: mk.shuffle(out, nb, base, to_blocks=False),
-            "P_out^T (dy's shuffle)": lambda: mk.shuffle(dy, nb, base, to_blocks=True),
-            "Lt (dy -> dh in block order)": lambda: mk._gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh,
-                                                             s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, g),
-            "Rt (dh -> dx)": lambda: mk._gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), out, q, p, nb,
-                                              mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, g),
-            "dL": lambda: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, w),
-            "dR": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, w),
-        }
+        w_r = mk.runs_first(w_right)
+        gemms = {"": g, " +store": g._replace(tma_store=True), " +store+ws": g._replace(tma_store=True,
+                                                                                        warp_specialize=True)}
+        wgrads = {"": w, " +ws": w._replace(warp_specialize=True)}
+        parts = {"P_out (y's shuffle)": lambda: mk.shuffle(out, nb, base, to_blocks=False),
+                 "P_out^T (dy's shuffle)": lambda: mk.shuffle(dy, nb, base, to_blocks=True),
+                 "runs_first (w_right's rows renumbered)": lambda: mk.runs_first(w_right)}
+        for tag, gg in gemms.items():
+            parts.update({
+                f"R (x -> g, mode 2 stores){tag}": lambda gg=gg: mk._gemm(
+                    x, w_right, (w_right.stride(2), w_right.stride(1)), out, p, q, nb, mk.CONTIGUOUS, p, mk.SHUFFLING,
+                    q, gg),
+                f"R (x -> g, mode 3){tag}": lambda gg=gg: mk._gemm(
+                    x, w_r, (w_r.stride(2), w_r.stride(1)), out, p, q, nb, mk.CONTIGUOUS, p, mk.RUNS_FIRST, q, gg),
+                f"L (g -> y in block order){tag}": lambda gg=gg: mk._gemm(
+                    inter, w_left, (w_left.stride(2), w_left.stride(1)), out, q, s, nb, mk.CONTIGUOUS, q,
+                    mk.CONTIGUOUS, s, gg),
+                f"Lt (dy -> dh in block order){tag}": lambda gg=gg: mk._gemm(
+                    dyb, w_left, (w_left.stride(1), w_left.stride(2)), dh, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS,
+                    q, gg),
+                f"Rt (dh -> dx){tag}": lambda gg=gg: mk._gemm(
+                    dh, w_right, (w_right.stride(1), w_right.stride(2)), out, q, p, nb, mk.CONTIGUOUS, q,
+                    mk.CONTIGUOUS, p, gg),
+                f"Rt (dhb -> dx, mode 3){tag}": lambda gg=gg: mk._gemm(
+                    dh, w_r, (w_r.stride(1), w_r.stride(2)), out, q, p, nb, mk.RUNS_FIRST, q, mk.CONTIGUOUS, p, gg)})
+        for tag, ww in wgrads.items():
+            parts.update({
+                f"dL{tag}": lambda ww=ww: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q,
+                                                    ww),
+                f"dR{tag}": lambda ww=ww: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, ww),
+                f"dR (dhb, mode 3){tag}": lambda ww=ww: mk._wgrad(dh, x, dwr, q, p, nb, mk.RUNS_FIRST, q,
+                                                                  mk.CONTIGUOUS, p, ww)})
         for name, fn in parts.items():
             ms = time_candidate(fn)
             if ms is not None:
                 results.append(dict(nb=nb, part=name, gemm=list(g), wgrad=list(w), ms=ms))
                 print(f"nb {nb} {name}: {ms:.4f} ms", flush=True)
         print(f"nb {nb} winners: gemm {tuple(best_g)} wgrad {tuple(best_w)}", flush=True)
-        del x, dy, y, inter, dyb, dh, out
+        x = dy = inter = dyb = dh = out = None  # freed before the next nblocks
         torch.cuda.empty_cache()
     if args.out:
         write_json(results, args.out)
