@@ -79,17 +79,16 @@ def test_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("shape", [(32, 64, 96, 2), (48, 48, 48, 4), (96, 40, 56, 4), (32, 256, 64, 8),
                                    (64, 64, 64, 16), (64, 128, 64, 4)])
-@pytest.mark.parametrize("runs,tma_store", [("0", "0"), ("1", "0"), ("1", "1"), ("0", "1")])
+@pytest.mark.parametrize("runs,tma_store", [("0", "0"), ("1", "0")])
 def test_knobs_match_reference(shape, runs, tma_store, monkeypatch):
-    """R's GEMMs with w_right's rows run by run (WARPFORGE_MONARCH_RUNS: the forward's intermediate stored as runs,
-    the backward reading its gradient from L's block order, no shuffle) or not, outputs through tensor descriptors
-    (WARPFORGE_MONARCH_TMA_STORE) or pointers: each against the reference, with and without a bias, fp16 and fp32.
-    (64, 128, 64, 4): runs of 8 columns, half a CPU tile (pointer loads in mode 3); (32, 64, 96, 2): runs of 16,
-    one tile (descriptor loads and stores in mode 3)."""
+    """The interpreter's table has R's GEMMs run by run and descriptor stores on (test_matches_reference); here
+    without them (sm90's table today: mode 2, the dh shuffle, pointer stores) and with runs but pointer stores
+    (mode 3's pointer path): against the reference, fp16 with and without a bias. (64, 128, 64, 4): runs of 8
+    columns, half a CPU tile (pointer loads in mode 3, a 3-d store box); (32, 64, 96, 2): runs of 16, one tile."""
     monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", runs)
     monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", tma_store)
-    for dtype, bias in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
-        _check((37,), *shape, dtype, bias)
+    for bias in (False, True):
+        _check((37,), *shape, torch.float16, bias)
 
 
 def test_runs_shorter_than_the_k_tile(monkeypatch):
