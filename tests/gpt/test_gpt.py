@@ -5,7 +5,6 @@ import torch
 
 from warpforge.models.gpt import GPT, GPTConfig
 from warpforge.models.gpt import data as gdata
-from warpforge.models.gpt.config import PRESETS
 from warpforge.models.gpt.model import sample_next
 from warpforge.models.gpt.train import TrainError, train
 
@@ -198,34 +197,64 @@ def test_deepseek_mini_blocks_train_and_decode():
 
 
 TORCHRUN_2 = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+# the tiny preset at 2 of its 4 layers, 32-token sequences and 8 of them a step (its widths, vocabulary and settings
+# as they are): the same code runs, in a fraction of the time
+SHRUNK_BATCH, SHRUNK_SEQ = 8, 32
+SHRUNK = ["--n_layer=2", f"--seq_len={SHRUNK_SEQ}", f"--batch_size={SHRUNK_BATCH}"]
 
 
-def _gpt_train(tmp_path, args, *, procs=2, backend=None):
-    """`warpforge gpt train ARGS` (tiny preset, random tokens) as a finished subprocess: under torchrun with 2 CPU
-    processes (gloo) or, procs=1, one process. CPU even on a GPU machine (which may have fewer GPUs than ranks):
-    this checks the logic. --standalone: a free rendezvous port, not the fixed 29500 a lingering process may hold."""
+def _gpt_train(tmp_path, runs, *, procs=2, backend=None):
+    """`warpforge gpt train --preset tiny --data random ARGS` (random tokens) for each ARGS in runs, one run after
+    another in one finished subprocess (train_runs.py: starting the processes is most of a small run's time), under
+    torchrun with 2 CPU processes (gloo) or, procs=1, one process; returns each run's output (rank 0's). CPU even on
+    a GPU machine (which may have fewer GPUs than ranks): this checks the logic. --standalone: a free rendezvous
+    port, not the fixed 29500 a lingering process may hold."""
+    import json
     import os
     import subprocess
     import sys
+    from pathlib import Path
+
+    from .train_runs import MARK
     env = dict(os.environ, WARPFORGE_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     if backend:
         env["WARPFORGE_BACKEND"] = backend
     launch = TORCHRUN_2 if procs == 2 else []
-    done = subprocess.run([sys.executable, *launch, "-m", "warpforge", "gpt", "train", "--preset", "tiny", "--data",
-                           "random", *args], env=env, capture_output=True, text=True, timeout=300)
+    runs = [["--preset", "tiny", "--data", "random", *args] for args in runs]
+    done = subprocess.run([sys.executable, *launch, str(Path(__file__).with_name("train_runs.py")), json.dumps(runs)],
+                          env=env, capture_output=True, text=True, timeout=300 * len(runs))
     assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    outs, rest = [], done.stdout
+    for i in range(len(runs)):
+        out, mark, rest = rest.partition(f"{MARK} {i}\n")
+        assert mark, (i, done.stdout[-3000:])
+        outs.append(out)
+    return outs
 
 
-def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(tmp_path):
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """The shrunk tiny preset under torchrun with 2 CPU processes: one launch trains DDP, ZeRO-2 and FSDP2 runs to
+    step 4 (each in its own process group, one after another) and a ZeRO-2 run with --batch-scaling weak for 2
+    steps; a second launch resumes the first three to step 8. Returns the folder of the runs and the weak run's
+    output."""
+    tmp = tmp_path_factory.mktemp("sharded")
+    modes = ("ddp", "zero2", "fsdp")
+    base = {parallel: SHRUNK + ["--parallel", parallel, "--out", str(tmp / parallel)] for parallel in modes}
+    weak = SHRUNK + ["--max-steps", "2", "--batch-scaling", "weak", "--parallel", "zero2", "--out", str(tmp / "weak")]
+    outs = _gpt_train(tmp, [base[parallel] + ["--max-steps", "4"] for parallel in modes] + [weak])
+    _gpt_train(tmp, [base[parallel] + ["--max-steps", "8", "--resume"] for parallel in modes])
+    return tmp, outs[-1]
+
+
+def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(sharded_runs):
     """torchrun with 2 CPU processes (gloo), DDP, ZeRO-2 and FSDP2: each trains, checkpoints every rank's data
-    position with full weights, resumes; all give the same losses (the same averaged gradients, sharded or not)."""
+    position with full weights, resumes (in a later launch); all give the same losses (the same averaged gradients,
+    sharded or not)."""
+    tmp, _ = sharded_runs
     runs = {}
     for parallel in ("ddp", "zero2", "fsdp"):
-        base = ["--parallel", parallel, "--out", str(tmp_path / parallel)]
-        _gpt_train(tmp_path, base + ["--max-steps", "4"])
-        _gpt_train(tmp_path, base + ["--max-steps", "8", "--resume"])
-        ckpt = read_ckpt(tmp_path / parallel)
+        ckpt = read_ckpt(tmp / parallel)
         assert ckpt["step"] == 8 and len(ckpt["data_state"]) == 2
         assert not torch.equal(ckpt["data_state"][0], ckpt["data_state"][1])
         assert all(not hasattr(v, "device_mesh") for v in ckpt["model"].values())  # full tensors, not shards
@@ -235,30 +264,32 @@ def test_ddp_zero2_and_fsdp_two_processes_train_and_resume(tmp_path):
     assert runs["ddp"] == pytest.approx(runs["zero2"], rel=1e-4)
 
 
-def test_weak_scaling_keeps_each_process_batch(tmp_path):
-    """--batch-scaling weak: each of 2 processes takes the preset's batch, so a step is twice the preset's tokens."""
-    done = _gpt_train(tmp_path, ["--max-steps", "2", "--batch-scaling", "weak", "--parallel", "zero2", "--out",
-                                 str(tmp_path / "run")])
-    tiny = PRESETS["tiny"]
-    assert f"{2 * tiny.train.batch_size * tiny.model.seq_len} tokens/step" in done.stderr + done.stdout
+def test_weak_scaling_keeps_each_process_batch(sharded_runs):
+    """--batch-scaling weak: each of 2 processes takes the whole configured batch (--batch_size), so a step is
+    twice its tokens."""
+    _, weak_out = sharded_runs
+    assert f"{2 * SHRUNK_BATCH * SHRUNK_SEQ} tokens/step" in weak_out
 
 
 def test_expert_parallel_matches_ddp(tmp_path):
     """--expert-parallel over 2 CPU processes (each keeps 2 of an MoE model's 4 experts per layer, tokens exchanged
     by all-to-all) trains as plain DDP does: the same losses and weights; its checkpoint holds every expert and a
-    resumed run continues."""
+    resumed run (a later launch) continues."""
     import re
     moe = ["--moe_experts=4", "--moe_topk=2", "--moe_ffn_dim=64", "--n_layer=2", "--seq_len=32", "--batch_size=8"]
 
-    def run(name, *flags, steps=3, resume=False):
-        done = _gpt_train(tmp_path, ["--max-steps", str(steps), "--out", str(tmp_path / name), *moe, *flags]
-                          + (["--resume"] if resume else []), backend="reference")
-        assert ("each process holds 2 of every MoE layer's 4 experts" in done.stdout) == ("--expert-parallel" in flags)
-        params[name] = re.search(r"([0-9.]+)M parameters", done.stdout).group(1)  # the whole model's, sharded or not
+    def args(name, *flags, steps=3, resume=False):
+        return (["--max-steps", str(steps), "--out", str(tmp_path / name), *moe, *flags]
+                + (["--resume"] if resume else []))
+
+    def check(name, out, *flags):
+        assert ("each process holds 2 of every MoE layer's 4 experts" in out) == ("--expert-parallel" in flags)
+        params[name] = re.search(r"([0-9.]+)M parameters", out).group(1)  # the whole model's, sharded or not
         return read_ckpt(tmp_path / name)
 
     params = {}
-    ddp, ep = run("ddp"), run("ep", "--expert-parallel")
+    outs = _gpt_train(tmp_path, [args("ddp"), args("ep", "--expert-parallel")], backend="reference")
+    ddp, ep = check("ddp", outs[0]), check("ep", outs[1], "--expert-parallel")
     assert params["ddp"] == params["ep"]
     losses = [[h["loss"] for h in c["history"] if "loss" in h] for c in (ddp, ep)]
     assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-5)
@@ -266,22 +297,36 @@ def test_expert_parallel_matches_ddp(tmp_path):
     for k, w in ddp["model"].items():
         assert ep["model"][k].shape == w.shape, k  # every expert, gathered
         torch.testing.assert_close(ep["model"][k], w, atol=1e-5, rtol=0, msg=k)
-    again = run("ep", "--expert-parallel", steps=5, resume=True)
+    (out,) = _gpt_train(tmp_path, [args("ep", "--expert-parallel", steps=5, resume=True)], backend="reference")
+    again = check("ep", out, "--expert-parallel")
     assert again["step"] == 5
 
 
-@pytest.mark.parametrize("attention,flags", [("mha", []), ("sparse", []), ("sparse", ["--checkpoint-activations"])])
-def test_context_parallel_matches_one_process(tmp_path, attention, flags):
+CONTEXT_PARALLEL = {"mha": ("mha", []), "sparse": ("sparse", []),
+                    "sparse-recompute": ("sparse", ["--checkpoint-activations"])}
+
+
+@pytest.fixture(scope="module")
+def context_parallel_runs(tmp_path_factory):
+    """Each case of CONTEXT_PARALLEL trained 3 steps in one process on whole sequences (one process runs the three,
+    one after another) and with --context-parallel under torchrun with 2 CPU processes (one launch for the three).
+    Returns the folder: CASE/one and CASE/cp."""
+    tmp = tmp_path_factory.mktemp("cp")
+    args = {case: ["--max-steps", "3", "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile",
+                   "off", f"--attention={attention}", "--sparse_block=16", "--sparse_topk=2", "--sparse_index_dim=8",
+                   *flags] for case, (attention, flags) in CONTEXT_PARALLEL.items()}
+    _gpt_train(tmp, [args[case] + ["--out", str(tmp / case / "one")] for case in args], procs=1, backend="reference")
+    _gpt_train(tmp, [args[case] + ["--context-parallel", "--out", str(tmp / case / "cp")] for case in args],
+               backend="reference")
+    return tmp
+
+
+@pytest.mark.parametrize("case", list(CONTEXT_PARALLEL))
+def test_context_parallel_matches_one_process(context_parallel_runs, case):
     """--context-parallel over 2 CPU processes (dense: each sequence in zigzag shards and ring attention; sparse:
-    contiguous chunks, sparse_attention_cp and its index loss; the same sequences on both) trains as one process on
-    whole sequences does: the same losses and weights."""
-    args = ["--max-steps", "3", "--n_layer=2", "--seq_len=64", "--batch_size=4", "--n_kv_head=2", "--compile", "off",
-            f"--attention={attention}", "--sparse_block=16", "--sparse_topk=2", "--sparse_index_dim=8"]
-    runs = {}
-    for name, procs in (("one", 1), ("cp", 2)):
-        extra = (["--context-parallel"] if name == "cp" else []) + flags
-        _gpt_train(tmp_path, args + extra + ["--out", str(tmp_path / name)], procs=procs, backend="reference")
-        runs[name] = read_ckpt(tmp_path / name)
+    contiguous chunks, sparse_attention_cp and its index loss, with and without --checkpoint-activations; the same
+    sequences on both) trains as one process on whole sequences does: the same losses and weights."""
+    runs = {name: read_ckpt(context_parallel_runs / case / name) for name in ("one", "cp")}
     losses = [[h["loss"] for h in runs[n]["history"] if "loss" in h] for n in ("one", "cp")]
     assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-5)
     for k, w in runs["one"]["model"].items():
