@@ -209,9 +209,10 @@ def test_attention_warp_specialized_forward_512_x_128_fits_the_grid(monkeypatch)
 
 
 def test_attention_fp8_512_sequences_x_128_heads_fit_the_grid(monkeypatch):
-    """FP8 attention, 512 x 128: quantize_qkv's row and v passes, then the forward kernel (heads and row blocks on
-    axis 0; v's (sequence, head) pairs on axis 0, its token tiles on axis 1)."""
-    stubs = stub_kernels(monkeypatch, fp8_quantize_kernel, "quantize_rows_kernel", "quantize_v_kernel")
+    """FP8 attention, 512 x 128: quantize_qkv's row, key-block and v passes, then the forward kernel (heads and row
+    blocks on axis 0; the key blocks' and v's (sequence, head) pairs on axis 0, their token tiles on axis 1)."""
+    stubs = stub_kernels(monkeypatch, fp8_quantize_kernel, "quantize_rows_kernel", "quantize_key_blocks_kernel",
+                         "quantize_v_kernel")
     stubs.update(stub_kernels(monkeypatch, fp8_kernel, "flash_fp8_fwd_kernel"))
     batch, heads, seq, d = 512, 128, 16, 32
     x = torch.zeros(batch, seq, heads, d, dtype=torch.bfloat16)
@@ -219,6 +220,7 @@ def test_attention_fp8_512_sequences_x_128_heads_fit_the_grid(monkeypatch):
     fp8_api.flash_attention_quantized(qkv, causal=True, backend="triton")
     assert_within_limits(stubs)
     assert stubs["quantize_v_kernel"].grids == [(batch * heads, 1, 1)]
+    assert stubs["quantize_key_blocks_kernel"].grids == [(batch * heads, 1, 1)]  # e4m3's default 128-key scales
     assert [programs(g) for g in stubs["flash_fp8_fwd_kernel"].grids] == [batch * heads]
 
 
