@@ -95,12 +95,8 @@ def test_runs_shorter_than_the_k_tile(monkeypatch):
     """A K tile of the config longer than a run (32 vs runs of 16): R's backward GEMM takes K tiles of one run
     (more stages) through the descriptors; the result is the reference's."""
     monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", "1")
-    table = configs.MONARCH
-    try:
-        configs.MONARCH = table.map(lambda c: c._replace(gemm=c.gemm._replace(block_k=32)))
-        _check((37,), 32, 64, 96, 2, torch.float16, False)
-    finally:
-        configs.MONARCH = table
+    monkeypatch.setattr(configs, "MONARCH", configs.MONARCH.map(lambda c: c._replace(gemm=c.gemm._replace(block_k=32))))
+    _check((37,), 32, 64, 96, 2, torch.float16, False)
 
 
 @pytest.mark.parametrize("lead", [(1,), (2, 3), (0,), (2, 0, 5)])
@@ -109,15 +105,11 @@ def test_token_counts_and_bias(lead, bias):
     _check(lead, 48, 48, 48, 4, torch.float32, bias)
 
 
-def test_many_tokens_split_weight_gradients():
+def test_many_tokens_split_weight_gradients(monkeypatch):
     """Enough tokens for the weight gradients to cut them into ranges (a forced count of 3, and the automatic one)."""
-    table = configs.MONARCH
-    try:
-        configs.MONARCH = table.map(lambda c: c._replace(wgrad=c.wgrad._replace(splits=3)))
-        _check((131,), 32, 32, 32, 2, torch.float32, True)
-    finally:
-        configs.MONARCH = table
     _check((300,), 32, 32, 32, 2, torch.float32, True)
+    monkeypatch.setattr(configs, "MONARCH", configs.MONARCH.map(lambda c: c._replace(wgrad=c.wgrad._replace(splits=3))))
+    _check((131,), 32, 32, 32, 2, torch.float32, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if not ON_CPU else []))
