@@ -3,14 +3,14 @@
 - q, k: e4m3 (or int8, qk_format="int8", SageAttention's INT8 Q·Kᵀ) with one fp32 scale per token and head,
   amax over the head dim mapped to the format's largest value (448 / 127); int8 rounds half up. A NaN in a row
   makes its scale NaN (the amax propagates it), so the NaN reaches the scores instead of vanishing in the codes.
-- q_lo (e4m3 q only, opt-in: q_residual=True): q's rounding residual as a second e4m3 code at the same scale, q ≈ (q̂ +
+- q_lo (e4m3 q only, on by default in quantize_qkv / flash_attention_fp8): q's rounding residual as a second e4m3 code at the same scale, q ≈ (q̂ +
   q̂_lo) · scale, ~7 significant bits instead of 4; the kernels add q̂_lo · k̂ into the same score accumulator (one
   more Q·Kᵀ MMA, no work per score). e4m3 in all four operands costs ~1e-3 of cosine on Gaussian inputs (each of
   q, k, v and P ~2-3e-4, benchmarks/NOTES.md "Session 34"), the issue's whole budget; q's residual takes ~2.5e-4
   of it back (H100: 1 - cos 1.15e-3 -> 8.9e-4 at s 8192, for ~10% more time).
 - int8 K is smoothed first (SageAttention): the per-head mean over tokens is subtracted, which shifts every score
   of a query row by the same q · mean and leaves the softmax unchanged; the shift comes back into lse.
-- k_block (e4m3 k only, opt-in: k_block=128): one scale per aligned block of 128 keys of a head instead of one per
+- k_block (e4m3 k only, 128 by default in quantize_qkv / flash_attention_fp8): one scale per aligned block of 128 keys of a head instead of one per
   key (k_scale keeps its [b, s_k, h_kv] shape, the block's scale at each of its keys). The Gluon kernel then takes a
   key tile's scale once into the row's exponent factor instead of multiplying every score by its key's scale.
 - v: e4m3 with one fp32 scale per channel (amax over tokens), stored transposed as v_t [b, h_kv, d_v, s_k_pad]

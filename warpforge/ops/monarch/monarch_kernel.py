@@ -398,7 +398,9 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         all(blk * t.element_size() % 16 == 0 for blk, t in ((g_box, g), (a_blk, a)))  # boxes start on 16 bytes
     if use_tma:
         ensure_tma_allocator(g.device)
-    ws = use_tma and cfg.warp_specialize  # the token walk warp-specialized (a TMA producer; 4 warps)
+    # the token walk warp-specialized (a TMA producer; 4 warps); not with the bias's column sum in the loop: Triton's
+    # pass failed there on 64-wide blocks (3.6 and 3.9, a review's compile runs)
+    ws = use_tma and cfg.warp_specialize and dbias is None
     part = dw.unsqueeze(0) if splits == 1 else torch.empty((splits, *dw.shape), device=dw.device,
                                                            dtype=torch.float32)
     bias_part = None
