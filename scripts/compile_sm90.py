@@ -111,8 +111,10 @@ def attention_ws():
 
 def attention_fp8():
     from warpforge.ops.attention import fp8_api
-    # d 128 e4m3 with q's residual codes and per-block k scales (their quantiser kernels and the Q_LO kernel)
-    for d, fmt, extra in ((64, "fp8", {}), (128, "fp8", dict(q_residual=True, k_block=128)), (128, "int8", {}),
+    # e4m3's defaults (q's residual codes, per-block k scales: their quantiser kernels and the Q_LO kernel) and the
+    # single-code kernel (per-row scales, no residual) that q_residual=False, k_block=0 asks for
+    single = dict(q_residual=False, k_block=0)
+    for d, fmt, extra in ((64, "fp8", single), (128, "fp8", {}), (128, "fp8", single), (128, "int8", {}),
                           (256, "fp8", {})):
         q, k, v = (torch.randn(2, 256, 4, d, dtype=torch.bfloat16) for _ in range(3))
         x = fp8_api.quantize_qkv(q, k, v, qk_format=fmt, **extra)  # the Triton quantiser (compiled, not run: x is empty)

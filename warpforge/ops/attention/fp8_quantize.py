@@ -102,8 +102,7 @@ def _per_key_block(k: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     return (x / scale[..., None]).to(FP8), scale
 
 
-def quantize_qkv_reference(q, k, v, qk_format: str = "fp8", q_residual: bool = False,
-                           k_block: int = 0) -> QuantizedQKV:
+def quantize_qkv_reference(q, k, v, qk_format: str, q_residual: bool, k_block: int) -> QuantizedQKV:
     """q [b, s_q, h_q, d], k [b, s_k, h_kv, d], v [b, s_k, h_kv, d_v] (validated) -> QuantizedQKV; q_residual (fp8
     only): with q's rounding residual, q_lo; k_block (fp8 only): k's scales per block of that many keys."""
     b, s_k, h_kv = k.shape[:3]
