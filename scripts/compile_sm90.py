@@ -258,8 +258,10 @@ def norm():
 
 def monarch():
     from warpforge.ops.monarch import api
-    d, t = 4096, 256  # tiles depend on the config, not the token count (above one tile)
-    for nb, dtype in ((4, torch.bfloat16), (16, torch.bfloat16), (4, torch.float32)):
+    t = 256  # tiles depend on the config, not the token count (above one tile)
+    # d 1024 / nb 16: 64-wide blocks, where the weight gradient that sums the bias takes another path
+    for d, nb, dtype in ((4096, 4, torch.bfloat16), (4096, 16, torch.bfloat16), (1024, 16, torch.bfloat16),
+                         (4096, 4, torch.float32)):
         x = torch.randn(t, d, dtype=dtype)
         w_right, w_left = (torch.randn(nb, d // nb, d // nb, dtype=dtype) for _ in range(2))
         y, g = api._fwd_impl(x, w_left, w_right, torch.zeros(d, dtype=dtype))
