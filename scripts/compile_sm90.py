@@ -41,7 +41,7 @@ def _compile_only():
 
     def run(self, *args, grid, warmup, **kwargs):
         kernel = real_run(self, *args, grid=grid, warmup=True, **kwargs)
-        COMPILED.append((self.fn.__name__, kernel, bool(kwargs.get("WS"))))
+        COMPILED.append((self.fn.__name__, kernel))
         return kernel
     JITFunction.run = run
     driver.set_active(_StubDriver())
@@ -309,13 +309,12 @@ def main():
         except Exception as exc:  # noqa: BLE001 - report and go on to the next family
             failed += 1
             print(f"{name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-        for i, (kname, k, ws_asked) in enumerate(COMPILED):
+        for i, (kname, k) in enumerate(COMPILED):
             ptx = k.asm.get("ptx", "")
             feats = [f for f, tag in (("wgmma", "wgmma.mma_async"), ("tma", "cp.async.bulk.tensor"),
                                       ("setmaxnreg", "setmaxnreg"), ("cp.async", "cp.async.cg"),
                                       ("e4m3 mma", ".e4m3.e4m3"), ("s8 mma", ".s8.s8")) if tag in ptx]
             ws = "warp-specialized, " if "ttg.warp_specialize" in k.asm.get("ttgir", "") else ""
-            ws += "WS asked, " if ws_asked else ""  # a kernel with a WS constexpr launched with it on
             print(f"{name}: {kname} warps {k.metadata.num_warps} smem {k.metadata.shared} B, {ws}{_ptxas(ptx)}, "
                   f"ptx has {feats}")
             if args.ptx_dir:

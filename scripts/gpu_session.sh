@@ -44,7 +44,7 @@ for step in "$@"; do
               timeout 90 python3 -m warpforge tune mla --L 1024 --only 16:bf16,128:bf16 --out "$w/tune_mla_1k.json" > "$w/tune_mla_1k.log" 2>&1 ;;
     tune-paged-q) timeout 240 python3 -m warpforge tune paged --formats fp8,nvfp4,mxfp4 --L 16384 --out "$w/tune_paged_q.json" > "$w/tune_paged_q.log" 2>&1 ;;
     tune-monarch) timeout 300 python3 -m warpforge tune monarch --out "$w/tune_monarch.json" > "$w/tune_monarch.log" 2>&1 ;;
-    monarch-parts) # issue 17: each launch of a Monarch step alone at the table's tiles, plain / +store / +store+ws, mode 2 / 3
+    monarch-parts) # issue 17: each launch of a Monarch step alone at the table's tiles, pointer / descriptor stores, mode 2 / 3
                    timeout 200 python3 -m warpforge tune monarch --parts-only --out "$w/monarch_parts.json" > "$w/monarch_parts.log" 2>&1
                    grep "^nb " "$w/monarch_parts.log" ;;
     gpt-monarch) for mlp in swiglu monarch; do
@@ -363,15 +363,15 @@ for step in "$@"; do
     probe-mma8) timeout 60 python3 scripts/probe_mma_sync_fp8.py > "$w/probe-mma8.log" 2>&1; grep -v Warn "$w/probe-mma8.log" ;;
     probe-rows16) timeout 240 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/probe-rows16.log" 2>&1; cat "$w/probe-rows16.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
-    monarch-ab) # issue 17: R's GEMMs with w_right's rows run by run (RUNS: no shuffle of dh), the GEMMs' tiles stored through
-                # tensor descriptors (TMA_STORE), the GEMMs warp-specialized at 4 warps (WS): the GPU tests (runs and stores on),
-                # then the family bench once a setting (three digits: RUNS TMA_STORE WS), each its own process
-                WARPFORGE_MONARCH_RUNS=1 WARPFORGE_MONARCH_TMA_STORE=1 timeout 150 python3 -m pytest -q -m gpu tests/monarch \
-                  > "$w/monarch-tests.log" 2>&1; tail -n 3 "$w/monarch-tests.log"
-                for f in ${MONARCH_KNOBS:-000 110 111}; do
-                  WARPFORGE_MONARCH_RUNS=${f:0:1} WARPFORGE_MONARCH_TMA_STORE=${f:1:1} WARPFORGE_MONARCH_WS=${f:2:1} SKIP_TESTS=1 \
+    monarch-ab) # issue 17: the GPU tests (the table's runs and stores), then the family bench once a setting (two
+                # digits: WARPFORGE_MONARCH_RUNS, _TMA_STORE; the table's own last), each its own process
+                timeout 150 python3 -m pytest -q -m gpu tests/monarch > "$w/monarch-tests.log" 2>&1; tail -n 3 "$w/monarch-tests.log"
+                for f in ${MONARCH_KNOBS:-00 11}; do
+                  WARPFORGE_MONARCH_RUNS=${f:0:1} WARPFORGE_MONARCH_TMA_STORE=${f:1:1} SKIP_TESTS=1 \
                     timeout 150 bash scripts/gpu_check.sh "$w/monarch-$f" monarch > "$w/monarch-$f.log" 2>&1
-                  echo "runs ${f:0:1} tma_store ${f:1:1} ws ${f:2:1}"; grep -E "warpforge  " "$w/monarch-$f.log" | tail -8; done ;;
+                  echo "runs ${f:0:1} tma_store ${f:1:1}"; grep -E "warpforge  " "$w/monarch-$f.log" | tail -8; done
+                SKIP_TESTS=1 timeout 150 bash scripts/gpu_check.sh "$w/monarch" monarch > "$w/monarch.log" 2>&1
+                echo "the table's settings"; grep -E "warpforge  " "$w/monarch.log" | tail -8 ;;
     sparse-gluon) timeout 150 python3 -m pytest -q -m gpu tests/sparse/test_sparse_gluon.py > "$w/sparse-gluon-tests.log" 2>&1
                   tail -n 3 "$w/sparse-gluon-tests.log"
                   timeout 120 python3 scripts/bench_sparse_gluon.py > "$w/sparse-fwd.log" 2>&1; tail -n 3 "$w/sparse-fwd.log"

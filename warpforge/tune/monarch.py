@@ -66,8 +66,8 @@ def main(argv=None):
                   flush=True)
             if best_ms is None or ms < best_ms:
                 best_w, best_ms = w, ms
-        # each launch of the step alone, with the winners, and again with the knobs (descriptor stores; those and
-        # warp specialization; R's GEMMs run by run: mode 3)
+        # each launch of the step alone, with the winners, and again with descriptor stores; R's GEMMs in mode 2 and
+        # run by run (mode 3)
         g, w = best_g, best_w
         q = p = s = d // nb
         dyb = mk.shuffle(dy, nb, base, to_blocks=True)
@@ -75,9 +75,7 @@ def main(argv=None):
         out = torch.empty_like(x)
         dwl, dwr = torch.empty_like(w_left), torch.empty_like(w_right)
         w_r = mk.runs_first(w_right)
-        gemms = {"": g, " +store": g._replace(tma_store=True), " +store+ws": g._replace(tma_store=True,
-                                                                                        warp_specialize=True)}
-        wgrads = {"": w, " +ws": w._replace(warp_specialize=True)}
+        gemms = {"": g._replace(tma_store=False), " +store": g._replace(tma_store=True)}
         parts = {"P_out (y's shuffle)": lambda: mk.shuffle(out, nb, base, to_blocks=False),
                  "P_out^T (dy's shuffle)": lambda: mk.shuffle(dy, nb, base, to_blocks=True),
                  "runs_first (w_right's rows renumbered)": lambda: mk.runs_first(w_right)}
@@ -99,13 +97,10 @@ def main(argv=None):
                     mk.CONTIGUOUS, p, gg),
                 f"Rt (dhb -> dx, mode 3){tag}": lambda gg=gg: mk._gemm(
                     dh, w_r, (w_r.stride(1), w_r.stride(2)), out, q, p, nb, mk.RUNS_FIRST, q, mk.CONTIGUOUS, p, gg)})
-        for tag, ww in wgrads.items():
-            parts.update({
-                f"dL{tag}": lambda ww=ww: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q,
-                                                    ww),
-                f"dR{tag}": lambda ww=ww: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, ww),
-                f"dR (dhb, mode 3){tag}": lambda ww=ww: mk._wgrad(dh, x, dwr, q, p, nb, mk.RUNS_FIRST, q,
-                                                                  mk.CONTIGUOUS, p, ww)})
+        parts.update({
+            "dL": lambda: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, w),
+            "dR": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, w),
+            "dR (dhb, mode 3)": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.RUNS_FIRST, q, mk.CONTIGUOUS, p, w)})
         for name, fn in parts.items():
             ms = time_candidate(fn)
             if ms is not None:

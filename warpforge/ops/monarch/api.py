@@ -27,10 +27,6 @@ def _config(x: torch.Tensor) -> configs.MonarchCfg:
         cfg = cfg._replace(runs=runs != "0")
     if store is not None:
         cfg = cfg._replace(gemm=cfg.gemm._replace(tma_store=store != "0"))
-    ws = os.environ.get("WARPFORGE_MONARCH_WS")  # the GEMMs warp-specialized (at 4 warps) where they can be
-    if ws is not None:
-        cfg = cfg._replace(gemm=cfg.gemm._replace(warp_specialize=ws != "0"),
-                           wgrad=cfg.wgrad._replace(warp_specialize=ws != "0"))
     return cfg
 
 

@@ -7,9 +7,10 @@ Triton interpreter: tiles of 16 so that CI's small blocks (12, 24, 40 columns) c
 on for fp16 so the interpreter runs that path too. The sm90 row comes from `warpforge tune monarch` on the H200
 (benchmarks/NOTES.md: 128x256x64 tiles, 8 warps, 3 stages won the GEMM sweep; 128x128x64 the weight gradients);
 fp32 operands take smaller tiles (their shared-memory stages are twice the size). `runs` and `tma_store` (R's
-GEMMs with w_right's rows run by run, no shuffle of the intermediate's gradient; tiles stored through descriptors)
-are on in the interpreter so that CI runs those paths, off on sm90 until the H200 times them
-(WARPFORGE_MONARCH_RUNS / _TMA_STORE for the A/B).
+GEMMs with w_right's rows run by run, no shuffle of the intermediate's gradient, where the runs are whole tiles:
+monarch_kernel.runs_apply; tiles stored through descriptors) are on: on an H100 (session 38) the stores took ~2%
+off each GEMM and the runs 4.6% off nb 4's fwd+bwd (WARPFORGE_MONARCH_RUNS / _TMA_STORE for A/B). Triton's
+automatic warp specialization (4 warps) was timed there too and dropped: slower in every launch.
 """
 from typing import NamedTuple
 
@@ -25,8 +26,6 @@ class GemmCfg(NamedTuple):
     tma: bool = False          # A and W through tensor descriptors (where the block's K is whole tiles)
     programs_per_sm: int = 1   # the persistent grid: this many programs per SM, each walking tiles
     tma_store: bool = False    # tiles that are one box of the output leave through a tensor descriptor
-    warp_specialize: bool = False  # the tile loop split into a TMA producer and MMA consumers where the loads are
-                                   # descriptors (launched at 4 warps: Triton specializes there only)
 
 
 class WgradCfg(NamedTuple):
@@ -37,7 +36,6 @@ class WgradCfg(NamedTuple):
     stages: int
     splits: int = 0  # token ranges summed in fp32 afterwards; 0: enough to fill the SMs twice
     tma: bool = False  # G and A through tensor descriptors
-    warp_specialize: bool = False  # the token walk split into a TMA producer and MMA consumers (4 warps), with tma
 
 
 class MonarchCfg(NamedTuple):
@@ -51,7 +49,8 @@ C, G, W = MonarchCfg, GemmCfg, WgradCfg
 _FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
 MONARCH = TileTable({
     "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, tma_store=True), W(16, 16, 16, 1, 1, tma=True), 256, runs=True),
-            "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256, runs=True)},
+            "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
     "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
-    "sm90": {"any": C(G(128, 256, 64, 8, 3, tma=True), W(128, 128, 64, 8, 3, tma=True)), "fp32": _FP32},
+    "sm90": {"any": C(G(128, 256, 64, 8, 3, tma=True, tma_store=True), W(128, 128, 64, 8, 3, tma=True), runs=True),
+             "fp32": _FP32},
 })

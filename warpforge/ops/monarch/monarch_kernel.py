@@ -124,19 +124,14 @@ def _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, 
 @triton.jit
 def _store_tile(acc, OUT, o_desc, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
                 O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_MODE: tl.constexpr, RUNS: tl.constexpr,
-                TMA_STORE: tl.constexpr, O_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                TMA_STORE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One block's output tile into OUT, its columns addressed as O_MODE says (RUNS, TMA_STORE: see the kernel)."""
     if HAS_BIAS:  # the bias in the layer's output order (BIAS_MODE), wherever this tile is written
         b_cols = _cols(b, offs_n, NB, O_BLK, BIAS_MODE)
         acc += tl.load(BIAS + b_cols, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if TMA_STORE:
-        out = acc.to(OUT.dtype.element_ty)
-        if O_SPLIT > 1:  # mode 3, a tile across O_SPLIT runs: one [BLOCK_M, O_SPLIT, R] box of OUT as [T, NB, O_BLK]
-            run: tl.constexpr = BLOCK_N // O_SPLIT
-            o_desc.store([pid_m * BLOCK_M, pid_n * O_SPLIT, b * run], tl.reshape(out, (BLOCK_M, O_SPLIT, run)))
-        else:
-            col = _run_col(b, pid_n * BLOCK_N, NB, O_BLK) if O_MODE == 3 else b * O_BLK + pid_n * BLOCK_N
-            o_desc.store([pid_m * BLOCK_M, col], out)
+    if TMA_STORE:  # (mode 3: the tile is a piece of one run)
+        col = _run_col(b, pid_n * BLOCK_N, NB, O_BLK) if O_MODE == 3 else b * O_BLK + pid_n * BLOCK_N
+        o_desc.store([pid_m * BLOCK_M, col], acc.to(OUT.dtype.element_ty))
     elif RUNS:
         # position n of block b is column (n mod NB)·O_BLK + n div NB; the tile starts at a multiple of NB
         lb = tl.arange(0, RUNS)
@@ -158,22 +153,19 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
                           A_MODE: tl.constexpr, O_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BIAS_MODE: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr, W_KMAJOR: tl.constexpr,
-                          TMA_STORE: tl.constexpr, O_SPLIT: tl.constexpr, PROGRAMS: tl.constexpr, WS: tl.constexpr):
+                          TMA_STORE: tl.constexpr, PROGRAMS: tl.constexpr):
     """OUT[t, o(b, n)] = Σ_kk A[t, a(b, kk)] · W[b][kk, n] (+ BIAS[bias(b, n)]) for every block b. Persistent: each
     of PROGRAMS programs walks tiles pid, pid + PROGRAMS, ... (`_gemm_tile` orders them), so the next tile's
     loads run under this one's epilogue (the blocks' K is short: 256 at nblocks 16).
 
     USE_TMA (A_MODE 0 or 3, K a multiple of BLOCK_K, so no tile crosses a block's edge along K): A and W through
     tensor descriptors (W_KMAJOR: W[b][kk, n] at w[b, n, kk], else at w[b, kk, n]); a W tile past its block's N
-    reads the next block's rows, whose output columns the store masks. In mode 3 a K tile is a piece of one run
-    (a K tile across runs, a 3-d box reshaped, became a register operand: the wgmma serialized).
-    WS: the tile loop warp-specialized (a TMA producer, MMA consumers; Triton does it at num_warps 4), not flattened.
-    TMA_STORE (O_MODE 0 or 3, N a multiple of BLOCK_N): the tile leaves through a tensor descriptor, an asynchronous
-    copy the next tile's loads and MMAs run under; in mode 3 as a piece of one run or (O_SPLIT > 1) O_SPLIT runs.
+    reads the next block's rows, whose output columns the store masks. In mode 3 a K tile is a piece of one run.
+    TMA_STORE (O_MODE 0 or 3, N a multiple of BLOCK_N; in mode 3 BLOCK_N dividing a run): the tile leaves through a
+    tensor descriptor, an asynchronous copy the next tile's loads and MMAs run under.
     RUNS (O_MODE 2 with NB a power of two dividing BLOCK_N and O_BLK; O_RUN = O_BLK / NB): the tile's columns
     n = l + NB·i are regrouped in registers to [NB, BLOCK_N / NB], so that each l's stores are one run."""
     num_n = tl.cdiv(N, BLOCK_N)
-    O_RUN_BOX: tl.constexpr = BLOCK_N // O_SPLIT if O_SPLIT > 1 else BLOCK_N  # a 3-d box's runs
     a_desc, w_desc, o_desc = A, W, OUT  # stand-ins where the loads / stores take pointers
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(A, shape=[T, NB * A_BLK], strides=[stride_a, 1],
@@ -185,13 +177,9 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
             w_desc = tl.make_tensor_descriptor(W, shape=[NB * K, N], strides=[stride_wk, 1],
                                                block_shape=[BLOCK_K, BLOCK_N])
     if TMA_STORE:
-        if O_SPLIT > 1:
-            o_desc = tl.make_tensor_descriptor(OUT, shape=[T, NB, O_BLK], strides=[stride_o, O_BLK, 1],
-                                               block_shape=[BLOCK_M, O_SPLIT, O_RUN_BOX])
-        else:
-            o_desc = tl.make_tensor_descriptor(OUT, shape=[T, NB * O_BLK], strides=[stride_o, 1],
-                                               block_shape=[BLOCK_M, BLOCK_N])
-    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=not WS, warp_specialize=WS):
+        o_desc = tl.make_tensor_descriptor(OUT, shape=[T, NB * O_BLK], strides=[stride_o, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+    for tile in tl.range(tl.program_id(0), num_tiles, PROGRAMS, flatten=True):
         pid_m, pid_n, b = _gemm_tile(tile, num_n, NB)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rows < T
@@ -201,7 +189,7 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
                          stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
                          BLOCK_K)
         _store_tile(acc, OUT, o_desc, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
-                    O_MODE, HAS_BIAS, BIAS_MODE, RUNS, TMA_STORE, O_SPLIT, BLOCK_M, BLOCK_N)
+                    O_MODE, HAS_BIAS, BIAS_MODE, RUNS, TMA_STORE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -244,7 +232,7 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
                            T, N, K, NB, G_BLK, A_BLK, tokens_per_split,
                            G_MODE: tl.constexpr, A_MODE: tl.constexpr, HAS_DBIAS: tl.constexpr, DB_MODE: tl.constexpr,
                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           USE_TMA: tl.constexpr, WS: tl.constexpr):
+                           USE_TMA: tl.constexpr):
     """DW[split, b][n, kk] = Σ over the split's tokens t of G[t, g(b, n)] · A[t, a(b, kk)], in order, fp32: one
     program per (tile, block, token range). With HAS_DBIAS the programs of the first kk tile also sum G's
     columns into DBIAS[split, column], the column addressed as DB_MODE says.
@@ -275,7 +263,7 @@ def blockdiag_wgrad_kernel(G, A, DW, DBIAS, stride_g, stride_a, stride_dws, stri
     col_sum = tl.zeros([BLOCK_N], tl.float32)
     t_lo = split * tokens_per_split  # token indices fit int32; row offsets below are int64
     t_hi = tl.minimum(t_lo + tokens_per_split, T)
-    for t0 in tl.range(t_lo, t_hi, BLOCK_T, warp_specialize=WS):
+    for t0 in range(t_lo, t_hi, BLOCK_T):
         if USE_TMA:
             g = g_desc.load([t0, _run_col(b, pid_n * BLOCK_N, NB, G_BLK) if G_MODE == 3
                              else b * G_BLK + pid_n * BLOCK_N])
@@ -310,10 +298,14 @@ def _tile(want, size):
 
 
 def runs_apply(nb: int, q: int, cfg) -> bool:
-    """Whether R's GEMMs take w_right's rows run by run (mode 3; cfg.runs, and d_mid / nb a multiple of nb): the
-    forward stores whole runs of the intermediate, the backward reads its gradient straight from L's block order
-    (no shuffle pass)."""
-    return cfg.runs and q % nb == 0
+    """Whether R's GEMMs take w_right's rows run by run (mode 3): the forward stores whole runs of the intermediate,
+    the backward reads its gradient straight from L's block order (no shuffle pass). Only with cfg.runs, tiles
+    through descriptors both ways, and each run (d_mid / nb² columns) whole tiles of the GEMMs' K and N and of the
+    weight gradient's rows: on an H100 (session 38) K tiles of one short run, 3-d store boxes, mode 3's pointer
+    stores and its weight gradient's pointer loads all ran slower than mode 2 and the shuffle (nb 16's dR 6x)."""
+    run = q // nb if q % nb == 0 else 0
+    return cfg.runs and cfg.gemm.tma and cfg.gemm.tma_store and cfg.wgrad.tma and run > 0 and \
+        all(run % _tile(edge, q) == 0 for edge in (cfg.gemm.block_k, cfg.gemm.block_n, cfg.wgrad.block_n))
 
 
 def runs_first(w_right: torch.Tensor) -> torch.Tensor:
@@ -321,17 +313,6 @@ def runs_first(w_right: torch.Tensor) -> torch.Tensor:
     (R = q / nb). A copy of the weight (q · p · nb elements), not of an activation."""
     nb, q, p = w_right.shape
     return w_right.view(nb, q // nb, nb, p).transpose(1, 2).reshape(nb, q, p)
-
-
-def _split(run, edge, itemsize):
-    """Mode 3 through a tensor descriptor, a tile edge `edge` along runs of `run` columns: 1 where the tile is a
-    piece of one run (run a multiple of edge), edge / run where it is whole runs (a 3-d box, each run at least 16
-    bytes), 0 where neither holds (pointers)."""
-    if run % edge == 0:
-        return 1
-    if edge % run == 0 and run * itemsize % 16 == 0:
-        return edge // run
-    return 0
 
 
 def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bias=None, bias_mode=None):
@@ -346,30 +327,20 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
     # a W tile is one 2-d descriptor box over the blocks stacked: [nb · n, k] (k-major) or [nb · k, n]
     stacked = w.stride(0) == (n * w_strides[1] if w_kmajor else k * w_strides[0])
     # a box's innermost coordinate (b · a_blk + k0, or a run's start in mode 3) must fall on 16 bytes
-    stages = cfg.stages
     run = a_blk // nb
-    if a_mode == RUNS_FIRST and run % bk and bk % run == 0 and run >= 16:
-        # a K tile a piece of one run: shorter K tiles, more of them in flight (the same bytes)
-        stages, bk = min(8, stages * bk // run), run
     use_tma = cfg.tma and (a_mode == CONTIGUOUS or a_mode == RUNS_FIRST and run % bk == 0) and k % bk == 0 and \
         stacked and tma_compatible(a, w) and a_blk * a.element_size() % 16 == 0
     tma_store = cfg.tma_store and o_mode in (CONTIGUOUS, RUNS_FIRST) and n % bn == 0 and tma_compatible(out) and \
-        o_blk * out.element_size() % 16 == 0
-    o_split = 1
-    if tma_store and o_mode == RUNS_FIRST:  # a tile is a piece of one run, or whole runs (a 3-d box)
-        o_split = _split(o_blk // nb, bn, out.element_size())
-        tma_store = o_split > 0
+        o_blk * out.element_size() % 16 == 0 and (o_mode == CONTIGUOUS or (o_blk // nb) % bn == 0)
     if use_tma or tma_store:
         ensure_tma_allocator(a.device)
-    # Triton 3.6's warp specialization fails to compile (PassManager) on a tile reshaped or permuted before its store
-    ws = cfg.warp_specialize and use_tma and not runs and o_split == 1
     programs = min(tiles, cfg.programs_per_sm * sm_count(a.device))
     blockdiag_gemm_kernel[(programs,)](
         a, w, out, bias if bias is not None else out, a.stride(0), out.stride(0), w.stride(0), *w_strides,
         t, k, n, nb, a_blk, o_blk, o_blk // nb, tiles, A_MODE=a_mode, O_MODE=o_mode, HAS_BIAS=bias is not None,
         BIAS_MODE=o_mode if bias_mode is None else bias_mode,
         RUNS=runs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, W_KMAJOR=w_kmajor, TMA_STORE=tma_store,
-        O_SPLIT=o_split, PROGRAMS=programs, WS=ws, num_warps=4 if ws else cfg.warps, num_stages=stages)
+        PROGRAMS=programs, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
 def _splits(t, tiles, cfg, device):
@@ -398,9 +369,6 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         all(blk * t.element_size() % 16 == 0 for blk, t in ((g_box, g), (a_blk, a)))  # boxes start on 16 bytes
     if use_tma:
         ensure_tma_allocator(g.device)
-    # the token walk warp-specialized (a TMA producer; 4 warps); not with the bias's column sum in the loop: Triton's
-    # pass failed there on 64-wide blocks (3.6 and 3.9, a review's compile runs)
-    ws = use_tma and cfg.warp_specialize and dbias is None
     part = dw.unsqueeze(0) if splits == 1 else torch.empty((splits, *dw.shape), device=dw.device,
                                                            dtype=torch.float32)
     bias_part = None
@@ -410,8 +378,7 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         g, a, part, bias_part if bias_part is not None else part, g.stride(0), a.stride(0), part.stride(0),
         part.stride(1), part.stride(2), bias_part.stride(0) if bias_part is not None else 0,
         t, n, k, nb, g_blk, a_blk, per_split, G_MODE=g_mode, A_MODE=a_mode, HAS_DBIAS=dbias is not None, DB_MODE=db_mode,
-        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, WS=ws, num_warps=4 if ws else cfg.warps,
-        num_stages=cfg.stages)
+        BLOCK_T=bt, BLOCK_N=bn, BLOCK_K=bk, USE_TMA=use_tma, num_warps=cfg.warps, num_stages=cfg.stages)
     if splits > 1:
         dw.copy_(part.sum(0))  # a fixed-order sum: deterministic
     if dbias is not None:
