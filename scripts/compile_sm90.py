@@ -264,8 +264,8 @@ def monarch():
                          (4096, 4, torch.float32)):
         x = torch.randn(t, d, dtype=dtype)
         w_right, w_left = (torch.randn(nb, d // nb, d // nb, dtype=dtype) for _ in range(2))
-        y, g = api._fwd_impl(x, w_left, w_right, torch.zeros(d, dtype=dtype))
-        api._bwd_impl(torch.randn_like(y), x, w_left, w_right, g, True)
+        y, g, w_runs = api._fwd_impl(x, w_left, w_right, torch.zeros(d, dtype=dtype))
+        api._bwd_impl(torch.randn_like(y), x, w_left, w_right, g, w_runs, True)
         api._fwd_impl(x, w_left, w_right, None)  # the L GEMM without a bias
 
 

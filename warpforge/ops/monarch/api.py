@@ -31,25 +31,29 @@ def _config(x: torch.Tensor) -> configs.MonarchCfg:
 
 
 def _fwd_impl(x: torch.Tensor, w_left: torch.Tensor, w_right: torch.Tensor,
-              bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [T, d_out], the intermediate [T, d_mid] in L's block order: kept for the backward)."""
+              bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [T, d_out], the intermediate [T, d_mid] in L's block order, w_right's rows run by run where the kernels
+    take them (else empty): the last two kept for the backward)."""
     from .monarch_kernel import monarch_fwd
     return monarch_fwd(x, w_left, w_right, bias, _config(x))
 
 
 def _fwd_fake(x, w_left, w_right, bias):
+    from .monarch_kernel import runs_apply
     t = x.shape[0]
-    return x.new_empty(t, w_left.shape[0] * w_left.shape[1]), x.new_empty(t, w_right.shape[0] * w_right.shape[1])
+    nb, q = w_right.shape[:2]
+    return (x.new_empty(t, w_left.shape[0] * w_left.shape[1]), x.new_empty(t, nb * q),
+            w_right.new_empty(w_right.shape if runs_apply(nb, q, _config(x)) else (0,)))
 
 
 def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, w_left: torch.Tensor, w_right: torch.Tensor, g: torch.Tensor,
-              has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              w_runs: torch.Tensor, has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d w_left, d w_right, d bias fp32 [d_out], empty without a bias)."""
     from .monarch_kernel import monarch_bwd
-    return monarch_bwd(dy, x, w_left, w_right, g, has_bias, _config(x))
+    return monarch_bwd(dy, x, w_left, w_right, g, has_bias, _config(x), w_runs)
 
 
-def _bwd_fake(dy, x, w_left, w_right, g, has_bias):
+def _bwd_fake(dy, x, w_left, w_right, g, w_runs, has_bias):
     d_out = w_left.shape[0] * w_left.shape[1] if has_bias else 0
     return (torch.empty_like(x), torch.empty_like(w_left), torch.empty_like(w_right),
             x.new_empty(d_out, dtype=torch.float32))
@@ -60,14 +64,14 @@ _bwd = kernel_op("monarch_linear_bwd", _bwd_impl, _bwd_fake)
 
 def _setup(ctx, inputs, output):
     x, w_left, w_right, bias = inputs
-    ctx.save_for_backward(x, w_left, w_right, output[1])
+    ctx.save_for_backward(x, w_left, w_right, output[1], output[2])
     ctx.has_bias = bias is not None
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-def _backward(ctx, dy, _dg):
-    x, w_left, w_right, g = ctx.saved_tensors
-    dx, dwl, dwr, dbias = _bwd(dy.contiguous(), x, w_left, w_right, g, ctx.has_bias)
+def _backward(ctx, dy, _dg, _dw_runs):
+    x, w_left, w_right, g, w_runs = ctx.saved_tensors
+    dx, dwl, dwr, dbias = _bwd(dy.contiguous(), x, w_left, w_right, g, w_runs, ctx.has_bias)
     return dx, dwl, dwr, dbias.to(x.dtype) if ctx.has_bias else None
 
 

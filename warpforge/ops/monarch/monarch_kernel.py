@@ -401,18 +401,20 @@ def shuffle(src, nb, cfg, to_blocks):
 
 
 def monarch_fwd(x, w_left, w_right, bias, cfg):
-    """x [T, d_in] -> (y [T, d_out], g [T, d_mid]: the intermediate in L's block order, for the backward)."""
+    """x [T, d_in] -> (y [T, d_out], g [T, d_mid]: the intermediate in L's block order, w_runs: runs_first(w_right)
+    where mode 3 applies, else empty; both kept for the backward)."""
     t = x.shape[0]
     nb, q, p = w_right.shape
     s = w_left.shape[1]
     g = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
     y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)
+    w_runs = runs_first(w_right) if runs_apply(nb, q, cfg) else w_right.new_empty(0)
     if t == 0:
-        return y, g
+        return y, g, w_runs
     # R: B[k][kk = pp, n = j] = w_right[k, j, pp], its outputs into L's block order: with the rows run by run
     # (mode 3: a tile's columns are runs of g), else mode 2 (RUNS regroups them in registers)
-    if runs_apply(nb, q, cfg):
-        w_r = runs_first(w_right)
+    if w_runs.numel():
+        w_r = w_runs
         _gemm(x, w_r, (w_r.stride(2), w_r.stride(1)), g, p, q, nb, CONTIGUOUS, p, RUNS_FIRST, q, cfg.gemm)
     else:
         _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q,
@@ -420,11 +422,12 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order
     _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
           bias=bias, bias_mode=SHUFFLED)
-    return shuffle(y, nb, cfg, to_blocks=False), g
+    return shuffle(y, nb, cfg, to_blocks=False), g, w_runs
 
 
-def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
-    """Gradients of monarch_fwd: (dx, d w_left, d w_right, dbias [d_out] fp32, or empty without a bias)."""
+def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg, w_runs=None):
+    """Gradients of monarch_fwd: (dx, d w_left, d w_right, dbias [d_out] fp32, or empty without a bias). w_runs: the
+    forward's runs_first(w_right), where it made one (renumbering the weight again costs ~1% of a step at nb 4)."""
     t = x.shape[0]
     nb, q, p = w_right.shape
     s = w_left.shape[1]
@@ -441,7 +444,7 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg):
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp] and dR[k][j, pp] = Σ_t dh[t, k·q + j] · x[t, k·p + pp],
     # dh (R's order) read from dhb in mode 3 against w_right's rows run by run; else shuffled into R's order first
     if runs_apply(nb, q, cfg):
-        w_r = runs_first(w_right)
+        w_r = w_runs if w_runs is not None and w_runs.numel() else runs_first(w_right)
         _gemm(dhb, w_r, (w_r.stride(1), w_r.stride(2)), dx, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.gemm)
         _wgrad(dhb, x, dwr, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.wgrad)
     else:
