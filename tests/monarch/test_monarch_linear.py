@@ -267,11 +267,13 @@ def test_monarch_linear_module():
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb", [4, 16])
-@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "00"), (False, "11"), (True, "11")])
+@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "00"), (False, "11"), (True, "11"), (True, "113"),
+                                       (False, "004")])
 def test_real_size_bf16(nb, bias, knobs, monkeypatch):
-    if knobs is not None:  # WARPFORGE_MONARCH_RUNS and _TMA_STORE, else the table's
+    if knobs is not None:  # WARPFORGE_MONARCH_RUNS, _TMA_STORE and _OVERLAP (the side stream's chunks), else the table's
         monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", knobs[0])
         monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", knobs[1])
+        monkeypatch.setenv("WARPFORGE_MONARCH_OVERLAP", knobs[2:] or "0")
     d, t = 4096, 4096
     w_left, w_right = _factors(d, d, d, nb, torch.bfloat16)
     w_left.requires_grad_()

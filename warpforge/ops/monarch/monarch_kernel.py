@@ -385,11 +385,12 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         dbias.copy_(bias_part.sum(0))
 
 
-def shuffle(src, nb, cfg, to_blocks):
-    """src [T, nb · S] -> [T, nb · S]: to_blocks, column si·nb + l moved to l·S + si (P_outᵀ); else back."""
+def shuffle(src, nb, cfg, to_blocks, dst=None):
+    """src [T, nb · S] -> dst [T, nb · S] (new unless given): to_blocks, column si·nb + l moved to l·S + si
+    (P_outᵀ); else back."""
     t, d = src.shape
     s = d // nb
-    dst = torch.empty_like(src)
+    dst = torch.empty_like(src) if dst is None else dst
     nb_p2 = triton.next_power_of_2(nb)
     bs = max(1, min(triton.next_power_of_2(s), cfg.shuffle_elements // nb_p2))
     bm = max(1, min(triton.next_power_of_2(t), cfg.shuffle_elements // (bs * nb_p2)))
@@ -398,6 +399,45 @@ def shuffle(src, nb, cfg, to_blocks):
                                                                   BLOCK_M=bm, BLOCK_S=bs, NB_P2=nb_p2,
                                                                   TO_BLOCKS=to_blocks)
     return dst
+
+
+def _token_chunks(t, cfg):
+    """cfg.overlap token ranges of whole GEMM row tiles (fewer where t is short), for _pipelined."""
+    bm = cfg.gemm.block_m
+    step = triton.cdiv(triton.cdiv(t, max(cfg.overlap, 1)), bm) * bm
+    return [(t0, min(t0 + step, t)) for t0 in range(0, t, step)]
+
+
+def _pipelined(chunks, first, second, device):
+    """first(t0, t1), then second(t0, t1), chunk by chunk, first's launches on a side stream and second's on the
+    current one, each second waiting only for its own chunk's first: the shuffle passes (memory-bound, a few KB
+    of shared memory a program) run beside the neighbouring chunk's GEMM (tensor-bound) on the same SMs. The
+    current stream has waited for all of first when this returns; everything first touches was allocated before
+    (the caching allocator's streams stay ordered). One chunk, or no CUDA: in order on the current stream."""
+    if len(chunks) < 2 or device.type != "cuda":
+        for t0, t1 in chunks:
+            first(t0, t1)
+            second(t0, t1)
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    for t0, t1 in chunks:
+        with torch.cuda.stream(side):
+            first(t0, t1)
+            done = torch.cuda.Event()
+            done.record(side)
+        main.wait_event(done)
+        second(t0, t1)
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def monarch_fwd(x, w_left, w_right, bias, cfg):
@@ -419,10 +459,14 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     else:
         _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q,
               cfg.gemm)
-    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order
-    _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), y, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
-          bias=bias, bias_mode=SHUFFLED)
-    return shuffle(y, nb, cfg, to_blocks=False), g, w_runs
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order (with
+    # cfg.overlap, chunk by chunk beside the next chunk's GEMM)
+    yb = torch.empty_like(y)
+    _pipelined(_token_chunks(t, cfg),
+               lambda t0, t1: _gemm(g[t0:t1], w_left, (w_left.stride(2), w_left.stride(1)), yb[t0:t1], q, s, nb,
+                                    CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm, bias=bias, bias_mode=SHUFFLED),
+               lambda t0, t1: shuffle(yb[t0:t1], nb, cfg, to_blocks=False, dst=y[t0:t1]), x.device)
+    return y, g, w_runs
 
 
 def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg, w_runs=None):
@@ -436,10 +480,14 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg, w_runs=None):
     dbias = torch.empty((nb * s if has_bias else 0,), device=x.device, dtype=torch.float32)
     if t == 0:
         return dx, dwl.zero_(), dwr.zero_(), dbias.zero_()
-    dyb = shuffle(dy, nb, cfg, to_blocks=True)  # dyb[t, l·s + si] = dy[t, si·nb + l]
-    # dhb[t, l·q + ri] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]: the intermediate's gradient in L's block order
+    # dyb[t, l·s + si] = dy[t, si·nb + l]; dhb[t, l·q + ri] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]: the
+    # intermediate's gradient in L's block order (with cfg.overlap, the shuffle chunk by chunk beside the GEMM)
+    dyb = torch.empty_like(dy)
     dhb = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
-    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dhb, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
+    _pipelined(_token_chunks(t, cfg),
+               lambda t0, t1: shuffle(dy[t0:t1], nb, cfg, to_blocks=True, dst=dyb[t0:t1]),
+               lambda t0, t1: _gemm(dyb[t0:t1], w_left, (w_left.stride(1), w_left.stride(2)), dhb[t0:t1], s, q, nb,
+                                    CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm), x.device)
     _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp] and dR[k][j, pp] = Σ_t dh[t, k·q + j] · x[t, k·p + pp],
     # dh (R's order) read from dhb in mode 3 against w_right's rows run by run; else shuffled into R's order first
