@@ -454,8 +454,7 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     # R: B[k][kk = pp, n = j] = w_right[k, j, pp], its outputs into L's block order: with the rows run by run
     # (mode 3: a tile's columns are runs of g), else mode 2 (RUNS regroups them in registers)
     if w_runs.numel():
-        w_r = w_runs
-        _gemm(x, w_r, (w_r.stride(2), w_r.stride(1)), g, p, q, nb, CONTIGUOUS, p, RUNS_FIRST, q, cfg.gemm)
+        _gemm(x, w_runs, (w_runs.stride(2), w_runs.stride(1)), g, p, q, nb, CONTIGUOUS, p, RUNS_FIRST, q, cfg.gemm)
     else:
         _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q,
               cfg.gemm)
