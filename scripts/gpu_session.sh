@@ -367,7 +367,7 @@ for step in "$@"; do
                 # (WARPFORGE_MONARCH_RUNS, _TMA_STORE, then _OVERLAP's chunk count, 0 if absent; the table's own last),
                 # each its own process
                 timeout 150 python3 -m pytest -q -m gpu tests/monarch > "$w/monarch-tests.log" 2>&1; tail -n 3 "$w/monarch-tests.log"
-                for f in ${MONARCH_KNOBS:-00 11 112 114}; do
+                for f in ${MONARCH_KNOBS:-00 112 114}; do
                   o=${f:2}; WARPFORGE_MONARCH_RUNS=${f:0:1} WARPFORGE_MONARCH_TMA_STORE=${f:1:1} WARPFORGE_MONARCH_OVERLAP=${o:-0} \
                     SKIP_TESTS=1 timeout 150 bash scripts/gpu_check.sh "$w/monarch-$f" monarch > "$w/monarch-$f.log" 2>&1
                   echo "runs ${f:0:1} tma_store ${f:1:1} overlap ${o:-0}"; grep -E "warpforge  " "$w/monarch-$f.log" | tail -8; done

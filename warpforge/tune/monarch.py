@@ -1,7 +1,8 @@
 """Sweep the Monarch kernels' tiles on this GPU at the bench's shape (d 4096 square, 16k tokens, bf16, nblocks 4
 and 16): the block-diagonal GEMM's tiles (timed as the forward's two launches), then the weight-gradient tiles
-(timed as the backward), then, with both winners, each launch of the step alone, plain and with the knobs
-(descriptor stores, warp specialization, mode 3).
+(timed as the backward), then, with both winners, each launch of the step alone, with pointer and descriptor
+stores, mode 2 and mode 3. The sweep keeps the table's descriptor stores and runs, so it times the path the table
+ships.
 
     warpforge tune monarch [--nblocks 4,16] [--out tune_monarch.json] [--parts-only]
 
@@ -45,6 +46,7 @@ def main(argv=None):
         flops = 2.0 * t * 2 * d * d / nb
         best_g, best_ms = base.gemm, None
         for g in ([] if args.parts_only else GEMMS):
+            g = g._replace(tma_store=base.gemm.tma_store)
             cfg = base._replace(gemm=g)
             ms = time_candidate(lambda: mk.monarch_fwd(x, w_left, w_right, None, cfg))
             if ms is None:

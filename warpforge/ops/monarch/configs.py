@@ -6,11 +6,13 @@ tokens. Tile edges are shrunk to the block's dimensions at launch (a power of tw
 Triton interpreter: tiles of 16 so that CI's small blocks (12, 24, 40 columns) cross tile edges, descriptor loads
 on for fp16 so the interpreter runs that path too. The sm90 row comes from `warpforge tune monarch` on the H200
 (benchmarks/NOTES.md: 128x256x64 tiles, 8 warps, 3 stages won the GEMM sweep; 128x128x64 the weight gradients);
-fp32 operands take smaller tiles (their shared-memory stages are twice the size). `runs` and `tma_store` (R's
-GEMMs with w_right's rows run by run, no shuffle of the intermediate's gradient, where the runs are whole tiles:
-monarch_kernel.runs_apply; tiles stored through descriptors) are on: on an H100 (session 38) the stores took ~2%
-off each GEMM and the runs 4.6% off nb 4's fwd+bwd (WARPFORGE_MONARCH_RUNS / _TMA_STORE for A/B). Triton's
-automatic warp specialization (4 warps) was timed there too and dropped: slower in every launch.
+fp32 operands take smaller tiles (their shared-memory stages are twice the size). sm90 bf16 / fp16 and the
+interpreter have `runs` and `tma_store` on (R's GEMMs with w_right's rows run by run, no shuffle of the
+intermediate's gradient, where the runs are whole tiles: monarch_kernel.runs_apply; tiles stored through
+descriptors): on an H100 (session 38) the stores took ~2% off each GEMM and the runs 4% off nb 4's fwd+bwd
+(WARPFORGE_MONARCH_RUNS / _TMA_STORE for A/B). Triton's automatic warp specialization (4 warps) was timed there too
+and dropped: slower in every launch. `overlap` (the shuffles beside the GEMMs, WARPFORGE_MONARCH_OVERLAP) is 2
+chunks in the interpreter so that CI runs the chunked path, off on sm90 until timed.
 """
 from typing import NamedTuple
 
@@ -44,7 +46,7 @@ class MonarchCfg(NamedTuple):
     shuffle_elements: int = 4096  # elements per program of the backward's reordering of dy
     runs: bool = False  # R's GEMMs take w_right's rows run by run (mode 3): no shuffle of the intermediate's gradient
     overlap: int = 0  # token chunks of the L GEMM / its shuffle pass, the shuffles on a side stream beside the
-    #                   neighbouring chunk's GEMM (monarch_kernel._pipelined); 0 or 1: one launch each, in order
+    #                   neighbouring chunk's GEMM (runtime.pipelined); 0 or 1: one launch each, in order
 
 
 C, G, W = MonarchCfg, GemmCfg, WgradCfg

@@ -10,9 +10,9 @@ Each operand's columns are named per block b and position i within the block, in
                   R consecutive ones are R consecutive columns; the GEMM's w_right rows renumbered to match:
                   `runs_first`)
 The intermediate [T, d_mid] is written once, by the first GEMM, already in the order the second reads (mode 3 where
-d_mid / nb is a multiple of nb and the table's `runs` is on: whole runs from the GEMM's tile, through a tensor
-descriptor; else mode 2, regrouped in registers into runs when nb is a power of two dividing the block), and kept
-for the backward. A GEMM's loads are contiguous runs (mode 0, or 3): a tile is loaded once per output tile,
+`runs_apply` holds: each run of d_mid / nb² columns whole tiles, stored through a tensor descriptor; else mode 2,
+regrouped in registers into runs when nb is a power of two dividing the block), and kept for the backward with
+the renumbered weight (mode 3). A GEMM's loads are contiguous runs (mode 0, or 3): a tile is loaded once per output tile,
 streams through shared memory (tensor descriptors where the block's K is whole tiles) and uses every byte it
 fetches. Mode 1 is never a GEMM's store: one block's outputs are nb columns apart, so every 2-byte store lands in
 its own sector and the GEMM ran 5x slower on the H200 (benchmarks/NOTES.md); joining 2-4 blocks' tiles in
@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
+from ...runtime import ensure_tma_allocator, pipelined, sm_count, tma_compatible
 from ..shared_kernels import dot
 
 CONTIGUOUS, SHUFFLED, SHUFFLING, RUNS_FIRST = 0, 1, 2, 3
@@ -303,8 +303,8 @@ def runs_apply(nb: int, q: int, cfg) -> bool:
     through descriptors both ways, and each run (d_mid / nb² columns) whole tiles of the GEMMs' K and N and of the
     weight gradient's rows: on an H100 (session 38) K tiles of one short run, 3-d store boxes, mode 3's pointer
     stores and its weight gradient's pointer loads all ran slower than mode 2 and the shuffle (nb 16's dR 6x)."""
-    run = q // nb if q % nb == 0 else 0
-    return cfg.runs and cfg.gemm.tma and cfg.gemm.tma_store and cfg.wgrad.tma and run > 0 and \
+    run = q // nb if q % nb == 0 else 0  # (nb 1: mode 3 is mode 0, and runs_first a view of the weight)
+    return cfg.runs and nb > 1 and cfg.gemm.tma and cfg.gemm.tma_store and cfg.wgrad.tma and run > 0 and \
         all(run % _tile(edge, q) == 0 for edge in (cfg.gemm.block_k, cfg.gemm.block_n, cfg.wgrad.block_n))
 
 
@@ -402,42 +402,12 @@ def shuffle(src, nb, cfg, to_blocks, dst=None):
 
 
 def _token_chunks(t, cfg):
-    """cfg.overlap token ranges of whole GEMM row tiles (fewer where t is short), for _pipelined."""
+    """cfg.overlap token ranges of whole GEMM row tiles (fewer where t is short), for runtime.pipelined: the
+    shuffle passes (memory-bound, <= 8 KB of shared memory a program) run beside the neighbouring chunk's GEMM
+    (tensor-bound) on the same SMs."""
     bm = cfg.gemm.block_m
     step = triton.cdiv(triton.cdiv(t, max(cfg.overlap, 1)), bm) * bm
     return [(t0, min(t0 + step, t)) for t0 in range(0, t, step)]
-
-
-def _pipelined(chunks, first, second, device):
-    """first(t0, t1), then second(t0, t1), chunk by chunk, first's launches on a side stream and second's on the
-    current one, each second waiting only for its own chunk's first: the shuffle passes (memory-bound, a few KB
-    of shared memory a program) run beside the neighbouring chunk's GEMM (tensor-bound) on the same SMs. The
-    current stream has waited for all of first when this returns; everything first touches was allocated before
-    (the caching allocator's streams stay ordered). One chunk, or no CUDA: in order on the current stream."""
-    if len(chunks) < 2 or device.type != "cuda":
-        for t0, t1 in chunks:
-            first(t0, t1)
-            second(t0, t1)
-        return
-    main = torch.cuda.current_stream(device)
-    side = _side_stream(device)
-    side.wait_stream(main)
-    for t0, t1 in chunks:
-        with torch.cuda.stream(side):
-            first(t0, t1)
-            done = torch.cuda.Event()
-            done.record(side)
-        main.wait_event(done)
-        second(t0, t1)
-
-
-_SIDE_STREAMS = {}
-
-
-def _side_stream(device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 def monarch_fwd(x, w_left, w_right, bias, cfg):
@@ -461,7 +431,7 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order (with
     # cfg.overlap, chunk by chunk beside the next chunk's GEMM)
     yb = torch.empty_like(y)
-    _pipelined(_token_chunks(t, cfg),
+    pipelined(_token_chunks(t, cfg),
                lambda t0, t1: _gemm(g[t0:t1], w_left, (w_left.stride(2), w_left.stride(1)), yb[t0:t1], q, s, nb,
                                     CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm, bias=bias, bias_mode=SHUFFLED),
                lambda t0, t1: shuffle(yb[t0:t1], nb, cfg, to_blocks=False, dst=y[t0:t1]), x.device)
@@ -483,7 +453,7 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg, w_runs=None):
     # intermediate's gradient in L's block order (with cfg.overlap, the shuffle chunk by chunk beside the GEMM)
     dyb = torch.empty_like(dy)
     dhb = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
-    _pipelined(_token_chunks(t, cfg),
+    pipelined(_token_chunks(t, cfg),
                lambda t0, t1: shuffle(dy[t0:t1], nb, cfg, to_blocks=True, dst=dyb[t0:t1]),
                lambda t0, t1: _gemm(dyb[t0:t1], w_left, (w_left.stride(1), w_left.stride(2)), dhb[t0:t1], s, q, nb,
                                     CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm), x.device)
