@@ -65,6 +65,24 @@ def ragged_cu_seqlens(lengths: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
+def graph_replayed(step):
+    """step()'s tensors from one CUDA-graph capture of it, replayed once: warmed up on a side stream first (its
+    kernels compiled, its workspaces made), as torch's graph docs ask. A step that runs autograd must not be
+    captured while an earlier output still holds its graph (the captured backward would sync with the default
+    stream: cudaErrorStreamCaptureImplicit); detach what it keeps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def device_under_test() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 

@@ -12,7 +12,8 @@ from warpforge import WarpforgeInputError
 from warpforge.ops.sparse import (index_block_scores_reference, index_loss_reference, sparse_attention_reference,
                                   sparse_attention_varlen_reference)
 from warpforge.ops.sparse.select import blocks_per_sequence, canonical, top_blocks
-from warpforge.testing import REL_L2, device_under_test, dtypes_under_test, poisoned_outputs, ragged_cu_seqlens, rel_l2
+from warpforge.testing import (REL_L2, device_under_test, dtypes_under_test, graph_replayed, poisoned_outputs,
+                               ragged_cu_seqlens, rel_l2)
 
 DEV = device_under_test()
 DTYPES = dtypes_under_test()
@@ -451,16 +452,7 @@ def test_gpu_selection_and_attention_capture_in_a_cuda_graph(gluon, monkeypatch)
     # detached: an output that keeps its graph keeps q/k/v's AccumulateGrad nodes, made on the default stream, and
     # the captured backward would then sync with that stream (torch 2.11 refuses: cudaErrorStreamCaptureImplicit)
     want = tuple(t.detach() for t in step())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got = step()
-    graph.replay()
-    torch.cuda.synchronize()
+    got = graph_replayed(step)
     assert torch.equal(got[0], want[0])
     for a, b in zip(got[1:], want[1:]):
         if gluon == "0":
