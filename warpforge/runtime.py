@@ -74,42 +74,6 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
                all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
-def pipelined(chunks, first, second, device: torch.device) -> None:
-    """first(t0, t1), then second(t0, t1), for each (t0, t1) in chunks: first's launches on a side stream, second's
-    on the current one, each second waiting only for its own chunk's first (events, so a CUDA graph captures the
-    fork and join), so that second's chunk c runs beside first's chunk c + 1. The current stream has waited for all
-    of first when this returns. first must only touch tensors allocated before the call (the caching allocator's
-    reuse stays ordered; Triton's descriptor scratch is allocated and used on the side stream). One chunk, no CUDA,
-    or a side stream that is the current one: in order on the current stream."""
-    side = _side_stream(device) if len(chunks) > 1 and device.type == "cuda" else None
-    main = torch.cuda.current_stream(device) if side is not None else None
-    if side is None or side == main:
-        for t0, t1 in chunks:
-            first(t0, t1)
-            second(t0, t1)
-        return
-    side.wait_stream(main)
-    with torch.cuda.device(device):
-        for t0, t1 in chunks:
-            with torch.cuda.stream(side):
-                first(t0, t1)
-                done = torch.cuda.Event()
-                done.record(side)
-            main.wait_event(done)
-            second(t0, t1)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device):
-    """One side stream per device, made once (torch's pool hands streams out in rotation)."""
-    key = torch.device(device.type, device.index if device.index is not None else torch.cuda.current_device())
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(key)
-    return _SIDE_STREAMS[key]
-
-
 def _triton_compiled_mode() -> bool:
     """True when triton was imported without the interpreter (its own jit helpers are then compiled-only)."""
     tl = sys.modules.get("triton.language")

@@ -11,8 +11,8 @@ interpreter have `runs` and `tma_store` on (R's GEMMs with w_right's rows run by
 intermediate's gradient, where the runs are whole tiles: monarch_kernel.runs_apply; tiles stored through
 descriptors): on an H100 (session 38) the stores took ~2% off each GEMM and the runs 4% off nb 4's fwd+bwd
 (WARPFORGE_MONARCH_RUNS / _TMA_STORE for A/B). Triton's automatic warp specialization (4 warps) was timed there too
-and dropped: slower in every launch. `overlap` (the shuffles beside the GEMMs, WARPFORGE_MONARCH_OVERLAP) is 2
-chunks in the interpreter so that CI runs the chunked path, off on sm90 until timed.
+and dropped: slower in every launch, as was running the shuffle passes on a side stream beside token chunks of the
+GEMMs (session 39: the persistent GEMM leaves them nothing to overlap with).
 """
 from typing import NamedTuple
 
@@ -45,15 +45,12 @@ class MonarchCfg(NamedTuple):
     wgrad: WgradCfg
     shuffle_elements: int = 4096  # elements per program of the backward's reordering of dy
     runs: bool = False  # R's GEMMs take w_right's rows run by run (mode 3): no shuffle of the intermediate's gradient
-    overlap: int = 0  # token chunks of the L GEMM / its shuffle pass, the shuffles on a side stream beside the
-    #                   neighbouring chunk's GEMM (runtime.pipelined); 0 or 1: one launch each, in order
 
 
 C, G, W = MonarchCfg, GemmCfg, WgradCfg
 _FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
 MONARCH = TileTable({
-    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, tma_store=True), W(16, 16, 16, 1, 1, tma=True), 256, runs=True,
-                     overlap=2),
+    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, tma_store=True), W(16, 16, 16, 1, 1, tma=True), 256, runs=True),
             "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
     "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
     "sm90": {"any": C(G(128, 256, 64, 8, 3, tma=True, tma_store=True), W(128, 128, 64, 8, 3, tma=True), runs=True),

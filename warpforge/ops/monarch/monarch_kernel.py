@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...runtime import ensure_tma_allocator, pipelined, sm_count, tma_compatible
+from ...runtime import ensure_tma_allocator, sm_count, tma_compatible
 from ..shared_kernels import dot
 
 CONTIGUOUS, SHUFFLED, SHUFFLING, RUNS_FIRST = 0, 1, 2, 3
@@ -401,15 +401,6 @@ def shuffle(src, nb, cfg, to_blocks, dst=None):
     return dst
 
 
-def _token_chunks(t, cfg):
-    """cfg.overlap token ranges of whole GEMM row tiles (fewer where t is short), for runtime.pipelined: the
-    shuffle passes (memory-bound, <= 8 KB of shared memory a program) run beside the neighbouring chunk's GEMM
-    (tensor-bound) on the same SMs."""
-    bm = cfg.gemm.block_m
-    step = triton.cdiv(triton.cdiv(t, max(cfg.overlap, 1)), bm) * bm
-    return [(t0, min(t0 + step, t)) for t0 in range(0, t, step)]
-
-
 def monarch_fwd(x, w_left, w_right, bias, cfg):
     """x [T, d_in] -> (y [T, d_out], g [T, d_mid]: the intermediate in L's block order, w_runs: runs_first(w_right)
     where mode 3 applies, else empty; both kept for the backward)."""
@@ -428,13 +419,11 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     else:
         _gemm(x, w_right, (w_right.stride(2), w_right.stride(1)), g, p, q, nb, CONTIGUOUS, p, SHUFFLING, q,
               cfg.gemm)
-    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order (with
-    # cfg.overlap, chunk by chunk beside the next chunk's GEMM)
+    # L: B[l][kk = ri, n = si] = w_left[l, si, ri], written block by block, then shuffled into P_out's order
     yb = torch.empty_like(y)
-    pipelined(_token_chunks(t, cfg),
-               lambda t0, t1: _gemm(g[t0:t1], w_left, (w_left.stride(2), w_left.stride(1)), yb[t0:t1], q, s, nb,
-                                    CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm, bias=bias, bias_mode=SHUFFLED),
-               lambda t0, t1: shuffle(yb[t0:t1], nb, cfg, to_blocks=False, dst=y[t0:t1]), x.device)
+    _gemm(g, w_left, (w_left.stride(2), w_left.stride(1)), yb, q, s, nb, CONTIGUOUS, q, CONTIGUOUS, s, cfg.gemm,
+          bias=bias, bias_mode=SHUFFLED)
+    shuffle(yb, nb, cfg, to_blocks=False, dst=y)
     return y, g, w_runs
 
 
@@ -450,13 +439,10 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg, w_runs=None):
     if t == 0:
         return dx, dwl.zero_(), dwr.zero_(), dbias.zero_()
     # dyb[t, l·s + si] = dy[t, si·nb + l]; dhb[t, l·q + ri] = Σ_si dy[t, si·nb + l] · w_left[l, si, ri]: the
-    # intermediate's gradient in L's block order (with cfg.overlap, the shuffle chunk by chunk beside the GEMM)
-    dyb = torch.empty_like(dy)
+    # intermediate's gradient in L's block order
+    dyb = shuffle(dy, nb, cfg, to_blocks=True)
     dhb = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
-    pipelined(_token_chunks(t, cfg),
-               lambda t0, t1: shuffle(dy[t0:t1], nb, cfg, to_blocks=True, dst=dyb[t0:t1]),
-               lambda t0, t1: _gemm(dyb[t0:t1], w_left, (w_left.stride(1), w_left.stride(2)), dhb[t0:t1], s, q, nb,
-                                    CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm), x.device)
+    _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dhb, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
     _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp] and dR[k][j, pp] = Σ_t dh[t, k·q + j] · x[t, k·p + pp],
     # dh (R's order) read from dhb in mode 3 against w_right's rows run by run; else shuffled into R's order first
