@@ -199,15 +199,15 @@ def monarch_fwd_fused_kernel(X, WR, WL, G, YB, Y, BIAS, stride_x, stride_g, stri
                              NB: tl.constexpr, HAS_BIAS: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N_R: tl.constexpr, BLOCK_K_R: tl.constexpr, BLOCK_N_L: tl.constexpr,
                              BLOCK_K_L: tl.constexpr, SHUF_M: tl.constexpr, SHUF_S: tl.constexpr,
-                             NB_P2: tl.constexpr, X_TMA: tl.constexpr, WR_TMA: tl.constexpr, WL_TMA: tl.constexpr):
-    """The forward in one launch: program pid takes row tile pid of the tokens through all three steps, G =
-    R-GEMM(X) (mode 2), YB = L-GEMM(G) (+ BIAS), Y = P_out(YB), so that G's and YB's rows are read back from L2 by
-    the program that has just written them, and no program waits for another. One row tile a program, not a
-    persistent walk: Triton flattens (pipelines across tiles) only loop nests at the top of a kernel, as each step's
-    tile loop then is. w_right and w_left are k-major ([nb, q, p], [nb, s, q]). G and YB are written by pointer
-    stores and read by pointer loads (the generic proxy, ordered by the CTA barrier between the steps; a descriptor
-    store's completion is not ordered with the next step's loads); X and the weights may come through descriptors
-    (X_TMA, WR_TMA, WL_TMA)."""
+                             NB_P2: tl.constexpr, X_TMA: tl.constexpr, WR_TMA: tl.constexpr, WL_TMA: tl.constexpr,
+                             PROGRAMS: tl.constexpr):
+    """The forward in one launch: each program takes whole row tiles of tokens (pid, pid + PROGRAMS, ...) through
+    all three steps, G = R-GEMM(X) (mode 2), YB = L-GEMM(G) (+ BIAS), Y = P_out(YB), so that G's and YB's rows are
+    read back from L2 by the program that has just written them, and no program waits for another. w_right and
+    w_left are k-major ([nb, q, p], [nb, s, q]). G and YB are written by pointer stores and read by pointer loads
+    (the generic proxy, ordered by the CTA barrier between the steps; a descriptor store's completion is not
+    ordered with the next step's loads); X and the weights may come through descriptors (X_TMA, WR_TMA, WL_TMA)."""
+    num_m = tl.cdiv(T, BLOCK_M)
     x_desc, wr_desc, wl_desc = X, WR, WL  # stand-ins where the loads take pointers
     if X_TMA:
         x_desc = tl.make_tensor_descriptor(X, shape=[T, NB * P], strides=[stride_x, 1],
@@ -220,33 +220,33 @@ def monarch_fwd_fused_kernel(X, WR, WL, G, YB, Y, BIAS, stride_x, stride_g, stri
                                             block_shape=[BLOCK_N_L, BLOCK_K_L])
     num_n_r = tl.cdiv(Q, BLOCK_N_R)
     num_n_l = tl.cdiv(S, BLOCK_N_L)
-    pid_m = tl.program_id(0)
-    rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # (token indices fit int32)
-    m_ok = rows < T
-    for tile in tl.range(0, num_n_r * NB, flatten=True):  # R: the row tile's intermediate, in L's block order
-        pid_n = tile // NB
-        b = tile % NB
-        offs_n = pid_n * BLOCK_N_R + tl.arange(0, BLOCK_N_R)
-        n_ok = offs_n < Q
-        acc = _block_acc(X, WR, x_desc, wr_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_x, stride_rb, 1,
-                         stride_rn, P, Q, NB, P, 0, X_TMA, WR_TMA, True, BLOCK_M, BLOCK_N_R, BLOCK_K_R)
-        _store_tile(acc, G, G, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_g, Q, NB, Q, Q // NB, 2,
-                    False, 0, RUNS, False, BLOCK_M, BLOCK_N_R)
-    tl.debug_barrier()  # the row tile's G stored by every thread before any thread loads it
-    for tile in tl.range(0, num_n_l * NB, flatten=True):  # L: block by block into YB
-        pid_n = tile // NB
-        b = tile % NB
-        offs_n = pid_n * BLOCK_N_L + tl.arange(0, BLOCK_N_L)
-        n_ok = offs_n < S
-        acc = _block_acc(G, WL, G, wl_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_g, stride_lb, 1,
-                         stride_ln, Q, S, NB, Q, 0, False, WL_TMA, True, BLOCK_M, BLOCK_N_L, BLOCK_K_L)
-        _store_tile(acc, YB, YB, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_yb, S, NB, S, S // NB, 0,
-                    HAS_BIAS, 1, 0, False, BLOCK_M, BLOCK_N_L)
-    tl.debug_barrier()
-    for r0 in range(0, BLOCK_M, SHUF_M):  # P_out, the row tile's YB into Y
-        srows = tl.arange(0, SHUF_M).to(tl.int64) + (pid_m * BLOCK_M + r0)
-        for s0 in range(0, S, SHUF_S):
-            _shuffle_piece(YB, Y, stride_yb, stride_y, srows, srows < T, s0, S, NB, SHUF_S, NB_P2, False)
+    for pid_m in range(tl.program_id(0), num_m, PROGRAMS):
+        rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # (token indices fit int32)
+        m_ok = rows < T
+        for tile in tl.range(0, num_n_r * NB, flatten=True):  # R: the row tile's intermediate, in L's block order
+            pid_n = tile // NB
+            b = tile % NB
+            offs_n = pid_n * BLOCK_N_R + tl.arange(0, BLOCK_N_R)
+            n_ok = offs_n < Q
+            acc = _block_acc(X, WR, x_desc, wr_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_x, stride_rb, 1,
+                             stride_rn, P, Q, NB, P, 0, X_TMA, WR_TMA, True, BLOCK_M, BLOCK_N_R, BLOCK_K_R)
+            _store_tile(acc, G, G, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_g, Q, NB, Q, Q // NB, 2,
+                        False, 0, RUNS, False, BLOCK_M, BLOCK_N_R)
+        tl.debug_barrier()  # the row tile's G stored by every thread before any thread loads it
+        for tile in tl.range(0, num_n_l * NB, flatten=True):  # L: block by block into YB
+            pid_n = tile // NB
+            b = tile % NB
+            offs_n = pid_n * BLOCK_N_L + tl.arange(0, BLOCK_N_L)
+            n_ok = offs_n < S
+            acc = _block_acc(G, WL, G, wl_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_g, stride_lb, 1,
+                             stride_ln, Q, S, NB, Q, 0, False, WL_TMA, True, BLOCK_M, BLOCK_N_L, BLOCK_K_L)
+            _store_tile(acc, YB, YB, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_yb, S, NB, S, S // NB, 0,
+                        HAS_BIAS, 1, 0, False, BLOCK_M, BLOCK_N_L)
+        tl.debug_barrier()
+        for r0 in range(0, BLOCK_M, SHUF_M):  # P_out, the row tile's YB into Y
+            srows = tl.arange(0, SHUF_M).to(tl.int64) + (pid_m * BLOCK_M + r0)
+            for s0 in range(0, S, SHUF_S):
+                _shuffle_piece(YB, Y, stride_yb, stride_y, srows, srows < T, s0, S, NB, SHUF_S, NB_P2, False)
 
 
 @triton.jit
@@ -443,12 +443,13 @@ def _fused_fwd(x, w_left, w_right, bias, g, y, cfg):
     shuf_s = max(1, min(triton.next_power_of_2(s), elements // nb_p2))
     shuf_m = max(1, min(bm, elements // (shuf_s * nb_p2)))
     yb = torch.empty_like(y)
-    monarch_fwd_fused_kernel[(triton.cdiv(t, bm),)](
+    programs = min(triton.cdiv(t, bm), gc.programs_per_sm * sm_count(x.device))
+    monarch_fwd_fused_kernel[(programs,)](
         x, w_right, w_left, g, yb, y, bias if bias is not None else y, x.stride(0), g.stride(0), yb.stride(0),
         y.stride(0), w_right.stride(0), w_right.stride(1), w_left.stride(0), w_left.stride(1), t, p, q, s,
         NB=nb, HAS_BIAS=bias is not None, RUNS=runs, BLOCK_M=bm, BLOCK_N_R=bn_r, BLOCK_K_R=bk_r, BLOCK_N_L=bn_l,
         BLOCK_K_L=bk_l, SHUF_M=shuf_m, SHUF_S=shuf_s, NB_P2=nb_p2, X_TMA=x_tma, WR_TMA=wr_tma, WL_TMA=wl_tma,
-        num_warps=gc.warps, num_stages=gc.stages)
+        PROGRAMS=programs, num_warps=gc.warps, num_stages=gc.stages)
 
 
 def _splits(t, tiles, cfg, device):
