@@ -79,27 +79,16 @@ def test_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("shape", [(32, 64, 96, 2), (48, 48, 48, 4), (96, 40, 56, 4), (32, 256, 64, 8),
                                    (64, 64, 64, 16), (64, 128, 64, 4), (64, 128, 64, 2)])
-@pytest.mark.parametrize("runs,tma_store,fused", [("0", "0", "0"), ("0", "1", "1"), ("1", "1", "0")])
-def test_knobs_match_reference(shape, runs, tma_store, fused, monkeypatch):
-    """The interpreter's table has R's GEMMs run by run, descriptor stores and the one-launch forward on
-    (test_matches_reference); here without runs (mode 3 needs the stores), with and without the stores, and the
-    forward in three launches: against the reference, fp16 with and without a bias. Runs of 16 (32, 64, 96, 2) and
-    32 (64, 128, 64, 2) columns are one and two CPU tiles (mode 3); runs of 8 (64, 128, 64, 4) fall back to mode 2."""
+@pytest.mark.parametrize("runs,tma_store", [("0", "0"), ("0", "1")])
+def test_knobs_match_reference(shape, runs, tma_store, monkeypatch):
+    """The interpreter's table has R's GEMMs run by run and descriptor stores on (test_matches_reference); here
+    without runs (mode 3 needs the stores), with and without the stores: against the reference, fp16 with and
+    without a bias. Runs of 16 (32, 64, 96, 2) and 32
+    (64, 128, 64, 2) columns are one and two CPU tiles (mode 3); runs of 8 (64, 128, 64, 4) fall back to mode 2."""
     monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", runs)
     monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", tma_store)
-    monkeypatch.setenv("WARPFORGE_MONARCH_FUSED", fused)
     for bias in (False, True):
         _check((37,), *shape, torch.float16, bias)
-
-
-def test_fused_forward_walks_several_row_tiles():
-    """The one-launch forward with more row tiles (10 of 16 tokens) than programs (the interpreter's 4 SMs): each
-    program takes its tiles in turn; a ragged last tile, nb 3 (not a power of two: no runs), a bias."""
-    from warpforge.ops.monarch import api, monarch_kernel
-    w_left, w_right = _factors(48, 24, 36, 3, torch.float16)
-    x = torch.randn(150, 48, device=DEV, dtype=torch.float16)
-    assert monarch_kernel.fused_fwd_apply(api._config(x), x, w_left, w_right)
-    _check((150,), 48, 24, 36, 3, torch.float16, bias=True)
 
 
 def test_runs_apply_where_runs_are_whole_tiles():
@@ -279,12 +268,11 @@ def test_monarch_linear_module():
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb", [4, 16])
-@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "000"), (False, "110"), (True, "110"), (False, "001"),
-                                       (True, "111")])
+@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "00"), (False, "11"), (True, "11")])
 def test_real_size_bf16(nb, bias, knobs, monkeypatch):
-    if knobs is not None:  # WARPFORGE_MONARCH_RUNS, _TMA_STORE and _FUSED, else the table's
-        for name, knob in zip(("RUNS", "TMA_STORE", "FUSED"), knobs):
-            monkeypatch.setenv(f"WARPFORGE_MONARCH_{name}", knob)
+    if knobs is not None:  # WARPFORGE_MONARCH_RUNS and _TMA_STORE, else the table's
+        monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", knobs[0])
+        monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", knobs[1])
     d, t = 4096, 4096
     w_left, w_right = _factors(d, d, d, nb, torch.bfloat16)
     w_left.requires_grad_()
@@ -305,11 +293,9 @@ def test_real_size_bf16(nb, bias, knobs, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", ["0", "1"])
-def test_real_size_odd_tokens_rectangular_bf16(fused, monkeypatch):
-    """3003 tokens (a ragged last tile), d_in 2048 -> d_out 3072 through d_mid 1024 (runs of 16: mode 2), the forward
-    in three launches and in one, eagerly and replayed from a CUDA graph, gradients included."""
-    monkeypatch.setenv("WARPFORGE_MONARCH_FUSED", fused)
+def test_real_size_odd_tokens_rectangular_bf16():
+    """3003 tokens (a ragged last tile), d_in 2048 -> d_out 3072 through d_mid 1024 (runs of 16: mode 2), eagerly
+    and replayed from a CUDA graph, gradients included."""
     w_left, w_right = (w.requires_grad_() for w in _factors(2048, 1024, 3072, 8, torch.bfloat16))
     x = torch.randn(3, 1001, 2048, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(3, 1001, 3072, device=DEV, dtype=torch.bfloat16)

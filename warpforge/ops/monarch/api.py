@@ -20,12 +20,9 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 def _config(x: torch.Tensor) -> configs.MonarchCfg:
     """The tile table's entry; WARPFORGE_MONARCH_RUNS and WARPFORGE_MONARCH_TMA_STORE (1 / 0) override its `runs`
-    and `gemm.tma_store`, WARPFORGE_MONARCH_FUSED its `fused` (for A/B timing)."""
+    and `gemm.tma_store` (for A/B timing)."""
     cfg = configs.MONARCH.lookup(x.device, "fp32" if x.dtype == torch.float32 else "any")
     runs, store = os.environ.get("WARPFORGE_MONARCH_RUNS"), os.environ.get("WARPFORGE_MONARCH_TMA_STORE")
-    fused = os.environ.get("WARPFORGE_MONARCH_FUSED")
-    if fused is not None:
-        cfg = cfg._replace(fused=fused != "0")
     if runs is not None:
         cfg = cfg._replace(runs=runs != "0")
     if store is not None:

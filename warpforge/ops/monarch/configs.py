@@ -44,16 +44,13 @@ class MonarchCfg(NamedTuple):
     gemm: GemmCfg
     wgrad: WgradCfg
     shuffle_elements: int = 4096  # elements per program of the backward's reordering of dy
-    fused: bool = False  # the forward in one launch, each program taking row tiles through R, L and P_out
-    #                      (monarch_kernel.monarch_fwd_fused_kernel: the intermediate read back from L2)
     runs: bool = False  # R's GEMMs take w_right's rows run by run (mode 3): no shuffle of the intermediate's gradient
 
 
 C, G, W = MonarchCfg, GemmCfg, WgradCfg
 _FP32 = C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3))
 MONARCH = TileTable({
-    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, tma_store=True), W(16, 16, 16, 1, 1, tma=True), 256, runs=True,
-                     fused=True),
+    "cpu": {"any": C(G(16, 16, 16, 1, 1, tma=True, tma_store=True), W(16, 16, 16, 1, 1, tma=True), 256, runs=True),
             "fp32": C(G(16, 16, 16, 1, 1), W(16, 16, 16, 1, 1), 256)},
     "default": {"any": C(G(64, 64, 32, 4, 3), W(64, 64, 32, 4, 3)), "fp32": _FP32},
     "sm90": {"any": C(G(128, 256, 64, 8, 3, tma=True, tma_store=True), W(128, 128, 64, 8, 3, tma=True), runs=True),

@@ -87,22 +87,21 @@ def _gemm_tile(tile, num_n, NB):
 
 @triton.jit
 def _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a, stride_wb, stride_wk,
-              stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
+              stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr,
               W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Block b's operand tiles at k0: A [BLOCK_M, BLOCK_K] (columns a(b, k0 ..)) and W[b] [BLOCK_K, BLOCK_N], each
-    through its tensor descriptor (A_TMA, W_TMA) or masked pointer loads."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    if A_TMA:  # (mode 3: the K tile is a piece of one run)
+    """Block b's operand tiles at k0: A [BLOCK_M, BLOCK_K] (columns a(b, k0 ..)) and W[b] [BLOCK_K, BLOCK_N], through
+    the tensor descriptors (USE_TMA) or masked pointer loads."""
+    if USE_TMA:  # (mode 3: the K tile is a piece of one run)
         a = a_desc.load([pid_m * BLOCK_M, _run_col(b, k0, NB, A_BLK) if A_MODE == 3 else b * A_BLK + k0])
+        if W_KMAJOR:
+            w = tl.trans(w_desc.load([b * N + pid_n * BLOCK_N, k0]))
+        else:
+            w = w_desc.load([b * K + k0, pid_n * BLOCK_N])
     else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
         a = tl.load(A + rows[:, None] * stride_a + _cols(b, offs_k, NB, A_BLK, A_MODE)[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    if W_TMA and W_KMAJOR:
-        w = tl.trans(w_desc.load([b * N + pid_n * BLOCK_N, k0]))
-    elif W_TMA:
-        w = w_desc.load([b * K + k0, pid_n * BLOCK_N])
-    else:
         w = tl.load(W + b.to(tl.int64) * stride_wb + offs_n[None, :].to(tl.int64) * stride_wn
                     + offs_k[:, None].to(tl.int64) * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     return a, w
@@ -110,13 +109,13 @@ def _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k
 
 @triton.jit
 def _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb, stride_wk,
-               stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, A_TMA: tl.constexpr, W_TMA: tl.constexpr,
+               stride_wn, K, N, NB, A_BLK, A_MODE: tl.constexpr, USE_TMA: tl.constexpr,
                W_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Block b's [BLOCK_M, BLOCK_N] output tile, fp32: the sum over its K of A's tiles times W[b]'s."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a, w = _ab_tiles(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, k0, stride_a, stride_wb,
-                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, A_TMA, W_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
+                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
                          BLOCK_K)
         acc = dot(a, w, acc)
     return acc
@@ -187,85 +186,29 @@ def blockdiag_gemm_kernel(A, W, OUT, BIAS, stride_a, stride_o, stride_wb, stride
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         acc = _block_acc(A, W, a_desc, w_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_a, stride_wb,
-                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
+                         stride_wk, stride_wn, K, N, NB, A_BLK, A_MODE, USE_TMA, W_KMAJOR, BLOCK_M, BLOCK_N,
                          BLOCK_K)
         _store_tile(acc, OUT, o_desc, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_o, N, NB, O_BLK, O_RUN,
                     O_MODE, HAS_BIAS, BIAS_MODE, RUNS, TMA_STORE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
-def monarch_fwd_fused_kernel(X, WR, WL, G, YB, Y, BIAS, stride_x, stride_g, stride_yb, stride_y,
-                             stride_rb, stride_rn, stride_lb, stride_ln, T, P, Q, S,
-                             NB: tl.constexpr, HAS_BIAS: tl.constexpr, RUNS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N_R: tl.constexpr, BLOCK_K_R: tl.constexpr, BLOCK_N_L: tl.constexpr,
-                             BLOCK_K_L: tl.constexpr, SHUF_M: tl.constexpr, SHUF_S: tl.constexpr,
-                             NB_P2: tl.constexpr, X_TMA: tl.constexpr, WR_TMA: tl.constexpr, WL_TMA: tl.constexpr,
-                             PROGRAMS: tl.constexpr):
-    """The forward in one launch: each program takes whole row tiles of tokens (pid, pid + PROGRAMS, ...) through
-    all three steps, G = R-GEMM(X) (mode 2), YB = L-GEMM(G) (+ BIAS), Y = P_out(YB), so that G's and YB's rows are
-    read back from L2 by the program that has just written them, and no program waits for another. w_right and
-    w_left are k-major ([nb, q, p], [nb, s, q]). G and YB are written by pointer stores and read by pointer loads
-    (the generic proxy, ordered by the CTA barrier between the steps; a descriptor store's completion is not
-    ordered with the next step's loads); X and the weights may come through descriptors (X_TMA, WR_TMA, WL_TMA)."""
-    num_m = tl.cdiv(T, BLOCK_M)
-    x_desc, wr_desc, wl_desc = X, WR, WL  # stand-ins where the loads take pointers
-    if X_TMA:
-        x_desc = tl.make_tensor_descriptor(X, shape=[T, NB * P], strides=[stride_x, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K_R])
-    if WR_TMA:
-        wr_desc = tl.make_tensor_descriptor(WR, shape=[NB * Q, P], strides=[stride_rn, 1],
-                                            block_shape=[BLOCK_N_R, BLOCK_K_R])
-    if WL_TMA:
-        wl_desc = tl.make_tensor_descriptor(WL, shape=[NB * S, Q], strides=[stride_ln, 1],
-                                            block_shape=[BLOCK_N_L, BLOCK_K_L])
-    num_n_r = tl.cdiv(Q, BLOCK_N_R)
-    num_n_l = tl.cdiv(S, BLOCK_N_L)
-    for pid_m in range(tl.program_id(0), num_m, PROGRAMS):
-        rows = tl.arange(0, BLOCK_M).to(tl.int64) + pid_m * BLOCK_M  # (token indices fit int32)
-        m_ok = rows < T
-        for tile in tl.range(0, num_n_r * NB, flatten=True):  # R: the row tile's intermediate, in L's block order
-            pid_n = tile // NB
-            b = tile % NB
-            offs_n = pid_n * BLOCK_N_R + tl.arange(0, BLOCK_N_R)
-            n_ok = offs_n < Q
-            acc = _block_acc(X, WR, x_desc, wr_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_x, stride_rb, 1,
-                             stride_rn, P, Q, NB, P, 0, X_TMA, WR_TMA, True, BLOCK_M, BLOCK_N_R, BLOCK_K_R)
-            _store_tile(acc, G, G, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_g, Q, NB, Q, Q // NB, 2,
-                        False, 0, RUNS, False, BLOCK_M, BLOCK_N_R)
-        tl.debug_barrier()  # the row tile's G stored by every thread before any thread loads it
-        for tile in tl.range(0, num_n_l * NB, flatten=True):  # L: block by block into YB
-            pid_n = tile // NB
-            b = tile % NB
-            offs_n = pid_n * BLOCK_N_L + tl.arange(0, BLOCK_N_L)
-            n_ok = offs_n < S
-            acc = _block_acc(G, WL, G, wl_desc, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_g, stride_lb, 1,
-                             stride_ln, Q, S, NB, Q, 0, False, WL_TMA, True, BLOCK_M, BLOCK_N_L, BLOCK_K_L)
-            _store_tile(acc, YB, YB, BIAS, rows, m_ok, offs_n, n_ok, pid_m, pid_n, b, stride_yb, S, NB, S, S // NB, 0,
-                        HAS_BIAS, 1, 0, False, BLOCK_M, BLOCK_N_L)
-        tl.debug_barrier()
-        for r0 in range(0, BLOCK_M, SHUF_M):  # P_out, the row tile's YB into Y
-            srows = tl.arange(0, SHUF_M).to(tl.int64) + (pid_m * BLOCK_M + r0)
-            for s0 in range(0, S, SHUF_S):
-                _shuffle_piece(YB, Y, stride_yb, stride_y, srows, srows < T, s0, S, NB, SHUF_S, NB_P2, False)
-
-
-@triton.jit
-def _shuffle_piece(SRC, DST, stride_s, stride_d, rows, r_ok, s0, S, NB, BLOCK_S: tl.constexpr, NB_P2: tl.constexpr,
-                   TO_BLOCKS: tl.constexpr):
+def shuffle_kernel(SRC, DST, stride_s, stride_d, T, S, NB: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_S: tl.constexpr, NB_P2: tl.constexpr, TO_BLOCKS: tl.constexpr):
     """TO_BLOCKS: DST[t, l·S + si] = SRC[t, si·NB + l] (P_outᵀ: dy's columns in L's block order); else the
-    inverse, DST[t, si·NB + l] = SRC[t, l·S + si] (P_out: L's block outputs into y's order), for rows (int64, r_ok
-    the real ones) and si in [s0, s0 + BLOCK_S). The interleaved side is one contiguous [rows, BLOCK_S · NB] run (NB
-    a power of two) and is transposed in registers; the block side moves in runs of BLOCK_S."""
-    BLOCK_M: tl.constexpr = rows.shape[0]
-    si = s0 + tl.arange(0, BLOCK_S)
+    inverse, DST[t, si·NB + l] = SRC[t, l·S + si] (P_out: L's block outputs into y's order). The interleaved side
+    is one contiguous [BLOCK_M, BLOCK_S · NB] run (NB a power of two) and is transposed in registers; the block
+    side moves in runs of BLOCK_S."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    si = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
     lb = tl.arange(0, NB_P2)
-    ok = r_ok[:, None, None] & (si < S)[None, :, None] & (lb < NB)[None, None, :]  # [BLOCK_M, BLOCK_S, NB]
+    ok = (rows < T)[:, None, None] & (si < S)[None, :, None] & (lb < NB)[None, None, :]  # [BLOCK_M, BLOCK_S, NB]
     inter = rows[:, None, None] * stride_s + (si[None, :, None] * NB + lb[None, None, :]).to(tl.int64)
     blocks = (lb[None, :, None] * S + si[None, None, :]).to(tl.int64)  # [1, NB, BLOCK_S]
     if TO_BLOCKS:
         if NB == NB_P2:  # one 2-d contiguous load, split into (si, l) by a reshape
-            cols = s0 * NB + tl.arange(0, BLOCK_S * NB)
-            run_ok = r_ok[:, None] & (cols < S * NB)[None, :]
+            cols = tl.program_id(1) * (BLOCK_S * NB) + tl.arange(0, BLOCK_S * NB)
+            run_ok = (rows < T)[:, None] & (cols < S * NB)[None, :]
             v = tl.load(SRC + rows[:, None] * stride_s + cols[None, :].to(tl.int64), mask=run_ok, other=0.0)
             v = tl.reshape(v, (BLOCK_M, BLOCK_S, NB_P2))
         else:
@@ -276,21 +219,12 @@ def _shuffle_piece(SRC, DST, stride_s, stride_d, rows, r_ok, s0, S, NB, BLOCK_S:
         v = tl.permute(tl.load(SRC + rows[:, None, None] * stride_s + blocks, mask=tl.permute(ok, (0, 2, 1)),
                                other=0.0), (0, 2, 1))
         if NB == NB_P2:  # one 2-d contiguous store of the (si, l) pairs
-            cols = s0 * NB + tl.arange(0, BLOCK_S * NB)
-            run_ok = r_ok[:, None] & (cols < S * NB)[None, :]
+            cols = tl.program_id(1) * (BLOCK_S * NB) + tl.arange(0, BLOCK_S * NB)
+            run_ok = (rows < T)[:, None] & (cols < S * NB)[None, :]
             tl.store(DST + rows[:, None] * stride_d + cols[None, :].to(tl.int64),
                      tl.reshape(v, (BLOCK_M, BLOCK_S * NB_P2)), mask=run_ok)
         else:
             tl.store(DST + rows[:, None, None] * stride_d + (inter - rows[:, None, None] * stride_s), v, mask=ok)
-
-
-@triton.jit
-def shuffle_kernel(SRC, DST, stride_s, stride_d, T, S, NB: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_S: tl.constexpr, NB_P2: tl.constexpr, TO_BLOCKS: tl.constexpr):
-    """_shuffle_piece over [T, NB · S]: program (row tile, si tile)."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    _shuffle_piece(SRC, DST, stride_s, stride_d, rows, rows < T, tl.program_id(1) * BLOCK_S, S, NB, BLOCK_S, NB_P2,
-                   TO_BLOCKS)
 
 
 @triton.jit
@@ -409,49 +343,6 @@ def _gemm(a, w, w_strides, out, k, n, nb, a_mode, a_blk, o_mode, o_blk, cfg, bia
         PROGRAMS=programs, num_warps=cfg.warps, num_stages=cfg.stages)
 
 
-def _a_tma(a, k, bk, a_blk):
-    """Whether mode-0 A tiles [·, bk] can come through a descriptor: K whole tiles, each box starting on 16 bytes."""
-    return k % bk == 0 and tma_compatible(a) and a_blk * a.element_size() % 16 == 0
-
-
-def _w_kmajor_tma(w, k, bk):
-    """Whether a k-major weight [nb, n, k] (contiguous blocks) can be read as one [nb · n, k] descriptor."""
-    return k % bk == 0 and w.stride(2) == 1 and w.stride(0) == w.shape[1] * w.stride(1) and tma_compatible(w)
-
-
-def fused_fwd_apply(cfg, x, w_left, w_right) -> bool:
-    """Whether monarch_fwd takes the one-launch forward (cfg.fused, k-major factors)."""
-    return cfg.fused and w_right.stride(2) == 1 and w_left.stride(2) == 1
-
-
-def _fused_fwd(x, w_left, w_right, bias, g, y, cfg):
-    """monarch_fwd in one launch (monarch_fwd_fused_kernel): g and y written as the three-launch path writes them."""
-    t = x.shape[0]
-    nb, q, p = w_right.shape
-    s = w_left.shape[1]
-    gc = cfg.gemm
-    bm = _tile(gc.block_m, t)
-    bn_r, bk_r, bn_l, bk_l = _tile(gc.block_n, q), _tile(gc.block_k, p), _tile(gc.block_n, s), _tile(gc.block_k, q)
-    runs = nb if nb & (nb - 1) == 0 and 1 < nb < bn_r and q % nb == 0 else 0
-    x_tma = gc.tma and _a_tma(x, p, bk_r, p)
-    wr_tma = gc.tma and _w_kmajor_tma(w_right, p, bk_r)
-    wl_tma = gc.tma and _w_kmajor_tma(w_left, q, bk_l)
-    if x_tma or wr_tma or wl_tma:
-        ensure_tma_allocator(x.device)
-    nb_p2 = triton.next_power_of_2(nb)
-    elements = cfg.shuffle_elements * gc.warps // 4
-    shuf_s = max(1, min(triton.next_power_of_2(s), elements // nb_p2))
-    shuf_m = max(1, min(bm, elements // (shuf_s * nb_p2)))
-    yb = torch.empty_like(y)
-    programs = min(triton.cdiv(t, bm), gc.programs_per_sm * sm_count(x.device))
-    monarch_fwd_fused_kernel[(programs,)](
-        x, w_right, w_left, g, yb, y, bias if bias is not None else y, x.stride(0), g.stride(0), yb.stride(0),
-        y.stride(0), w_right.stride(0), w_right.stride(1), w_left.stride(0), w_left.stride(1), t, p, q, s,
-        NB=nb, HAS_BIAS=bias is not None, RUNS=runs, BLOCK_M=bm, BLOCK_N_R=bn_r, BLOCK_K_R=bk_r, BLOCK_N_L=bn_l,
-        BLOCK_K_L=bk_l, SHUF_M=shuf_m, SHUF_S=shuf_s, NB_P2=nb_p2, X_TMA=x_tma, WR_TMA=wr_tma, WL_TMA=wl_tma,
-        PROGRAMS=programs, num_warps=gc.warps, num_stages=gc.stages)
-
-
 def _splits(t, tiles, cfg, device):
     """Token ranges for the weight gradients: enough programs to fill the SMs twice, each range at least four
     token tiles long (cfg.splits > 0 forces a count)."""
@@ -520,9 +411,6 @@ def monarch_fwd(x, w_left, w_right, bias, cfg):
     y = torch.empty((t, nb * s), device=x.device, dtype=x.dtype)
     w_runs = runs_first(w_right) if runs_apply(nb, q, cfg) else w_right.new_empty(0)
     if t == 0:
-        return y, g, w_runs
-    if fused_fwd_apply(cfg, x, w_left, w_right):
-        _fused_fwd(x, w_left, w_right, bias, g, y, cfg)
         return y, g, w_runs
     # R: B[k][kk = pp, n = j] = w_right[k, j, pp], its outputs into L's block order: with the rows run by run
     # (mode 3: a tile's columns are runs of g), else mode 2 (RUNS regroups them in registers)
