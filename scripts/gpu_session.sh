@@ -184,7 +184,7 @@ for step in "$@"; do
                # folded into it (1) and in a second launch (0), alternating, each its own process
                timeout 120 python3 -m pytest -q -m gpu tests/norm > "$w/norm-tests.log" 2>&1; tail -n 3 "$w/norm-tests.log"
                r=0; for v in 0 1 0 1; do WARPFORGE_NORM_FOLD=$v timeout 120 python3 -m warpforge bench --family fused \
-                 --match 'norm' --json "$w/norms-fold$v-$((++r)).json" > "$w/norms-fold$v-$r.log" 2>&1
+                 --match "${NORM_MATCH:-norm.*x 768}" --json "$w/norms-fold$v-$((++r)).json" > "$w/norms-fold$v-$r.log" 2>&1
                  echo "fold $v"; grep -E " (warpforge|torch.compile) " "$w/norms-fold$v-$r.log"; done ;;
     tune-norm) timeout 240 python3 -m warpforge tune norm --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1 ;;
     tune-evoformer) timeout 300 python3 -m warpforge tune evoformer --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1 ;;
