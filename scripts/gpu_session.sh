@@ -180,12 +180,6 @@ for step in "$@"; do
     serve-profile) timeout 150 python3 -m warpforge.serve.bench --shape llama3-8b --batch 64 --context 1024 --profile \
                      > "$w/serve-profile-b64.log" 2>&1; grep -A30 "^profile" "$w/serve-profile-b64.log" | cut -c1-160 ;;
     gpt-graphs-test) timeout 120 python3 -m pytest -q -m gpu tests/gpt/test_gpu_graphs.py > "$w/gpt-graphs-test.log" 2>&1; tail -n 3 "$w/gpt-graphs-test.log" ;;
-    norm-fold) # issue 20: the norm GPU tests, then the norm cases of the fused bench with the backward's dw / db sum
-               # folded into it (1) and in a second launch (0), alternating, each its own process
-               timeout 120 python3 -m pytest -q -m gpu tests/norm > "$w/norm-tests.log" 2>&1; tail -n 3 "$w/norm-tests.log"
-               r=0; for v in 0 1 0 1; do WARPFORGE_NORM_FOLD=$v timeout 120 python3 -m warpforge bench --family fused \
-                 --match "${NORM_MATCH:-norm.*x 768}" --json "$w/norms-fold$v-$((++r)).json" > "$w/norms-fold$v-$r.log" 2>&1
-                 echo "fold $v"; grep -E " (warpforge|torch.compile) " "$w/norms-fold$v-$r.log"; done ;;
     tune-norm) timeout 240 python3 -m warpforge tune norm --out "$w/tune_norm.json" > "$w/tune_norm.log" 2>&1 ;;
     tune-evoformer) timeout 300 python3 -m warpforge tune evoformer --out "$w/tune_evoformer.json" > "$w/tune_evoformer.log" 2>&1 ;;
     tune-sparse) timeout 200 python3 -m warpforge tune sparse --s 65536 --out "$w/tune_sparse.json" > "$w/tune_sparse.log" 2>&1 ;;

@@ -2,7 +2,6 @@
 (the reference, or the Triton kernels as ops with autograd)."""
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -33,15 +32,11 @@ _FWD_KIND, _BWD_KIND = ("rms_fwd", "layer_fwd"), ("rms_bwd", "layer_bwd")  # by 
 def _cfg(x: torch.Tensor, kind: str) -> tuple[configs.NormCfg, int]:
     """(the table's config for x's device, the kind and x's width; the backward's program count), looked up once per
     (table, device, kind, width): an eager call would otherwise pay the lookup and the SM count on every call. The
-    table is part of the key so that a swapped table (tests force tiles that way) is seen; configs.FOLD_ENV is read
-    at that first lookup."""
+    table is part of the key so that a swapped table (tests force tiles that way) is seen."""
     key = (x.device, kind, x.shape[-1])
     hit = _CFGS.get(key)
     if hit is None or hit[0] is not configs.NORM:
         cfg = configs.NORM.lookup(x.device, kind, size=x.shape[-1])
-        fold = os.environ.get(configs.FOLD_ENV)  # "0": the dw / db sum in a second launch (A/B timing)
-        if fold is not None:
-            cfg = cfg._replace(fold=fold != "0")
         hit = _CFGS[key] = (configs.NORM, cfg, cfg.programs_per_sm * sm_count(x.device))
     return hit[1], hit[2]
 

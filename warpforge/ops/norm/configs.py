@@ -11,12 +11,9 @@ class NormCfg(NamedTuple):
     programs_per_sm: int = 4  # backward: persistent programs per multiprocessor, each walking a run of rows
     block_rows: int = 1       # rows per tile (forward program, backward step); a power of two
     prefetch: bool = True     # backward: load the next tile before working on this one (norm_bwd_kernel)
-    fold: bool = True         # backward: dw (db) summed from the programs' partials by the last programs to finish,
-    #                           not by a second launch (norm_bwd_kernel's FOLD)
 
 
 N = NormCfg
-FOLD_ENV = "WARPFORGE_NORM_FOLD"  # "0" turns `fold` off (read at a width's first lookup)
 # a row per program: one warp holds up to 256 columns, wider rows spread over more warps
 _BY_WIDTH = {0: N(1), 257: N(4), 2049: N(8)}
 

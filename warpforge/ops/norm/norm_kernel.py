@@ -59,10 +59,9 @@ def _bwd_tile(X, DY, DSUM, MEAN, RSTD, rows, end, cols, c_ok, n_cols, LAYER: tl.
 
 
 @triton.jit
-def norm_bwd_kernel(X, W, DY, DSUM, MEAN, RSTD, DX, DX2, PART, SEM, DW, DB, n_rows, n_cols, rows_per_prog, summers,
-                    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr, HAS_DSUM: tl.constexpr,
-                    TWO_DX: tl.constexpr, PREFETCH: tl.constexpr, FOLD: tl.constexpr, SUM_N: tl.constexpr,
-                    BLOCK_P: tl.constexpr):
+def norm_bwd_kernel(X, W, DY, DSUM, MEAN, RSTD, DX, DX2, PART, n_rows, n_cols, rows_per_prog, BLOCK_R: tl.constexpr,
+                    BLOCK: tl.constexpr, LAYER: tl.constexpr, HAS_DSUM: tl.constexpr, TWO_DX: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """dx = rstd · (g − [mean(g)] − x̂ · mean(g · x̂)) with g = dy · w, x̂ the normalised x (the bracket is
     LayerNorm's), plus DSUM when the normalised x was a residual sum that is also used downstream (its gradient
     from there); TWO_DX: dx is also stored to DX2 in DX2's dtype (the residual sum's two inputs of different dtypes
@@ -70,15 +69,7 @@ def norm_bwd_kernel(X, W, DY, DSUM, MEAN, RSTD, DX, DX2, PART, SEM, DW, DB, n_ro
     loads the next tile before it works on this one, so that those loads are in flight while this tile's row sums
     and stores run (a program then has twice the bytes in flight, for the registers the next tile takes). dw (and
     db) accumulate as [BLOCK] sums over each tile's rows, so their registers do not grow with BLOCK_R; PART[p] (and
-    PART[programs + p]) gets them once, at the end.
-
-    FOLD: the partials are also summed here, not by part_sum_kernel (one launch less). Each program takes a ticket
-    from SEM[0] once its partials are stored; the last `summers` to arrive wait until all have, then sum SUM_N-column
-    slices of PART (slice j, j + summers, ...) in program order: the same fixed-order sum as part_sum_kernel. The
-    last summer to finish (SEM[1]) sets both counters back to 0 for the next launch. No deadlock while 2 · summers
-    - 1 programs can be resident at once (the waiting summers and the at most summers - 1 unfinished programs):
-    the launcher keeps summers <= (SMs + 1) / 2 (one program an SM always resides), and 1 in the interpreter, which
-    runs the programs one after another."""
+    PART[programs + p]) gets them once, at the end."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     c_ok = cols < n_cols
@@ -122,65 +113,30 @@ def norm_bwd_kernel(X, W, DY, DSUM, MEAN, RSTD, DX, DX2, PART, SEM, DW, DB, n_ro
     tl.store(PART + pid.to(tl.int64) * n_cols + cols, dw, mask=c_ok)
     if LAYER:
         tl.store(PART + (tl.num_programs(0) + pid).to(tl.int64) * n_cols + cols, db, mask=c_ok)
-    if FOLD:
-        tl.debug_barrier()  # every thread's partial stores before the ticket's release publishes them
-        n_prog = tl.num_programs(0)
-        ticket = tl.atomic_add(SEM, 1, sem="acq_rel", scope="gpu")
-        first = n_prog - summers
-        if ticket >= first:
-            while tl.atomic_add(SEM, 0, sem="acquire", scope="gpu") < n_prog:
-                pass
-            _sum_slices(PART, DW, DB, n_prog, n_cols, ticket - first, summers, LAYER, SUM_N, BLOCK_P)
-            if tl.atomic_add(SEM + 1, 1, sem="acq_rel", scope="gpu") == summers - 1:
-                tl.atomic_xchg(SEM, 0)
-                tl.atomic_xchg(SEM + 1, 0)
 
 
 @triton.jit
-def _sum_slices(PART, DW, DB, n_parts, n_cols, first_slice, step, LAYER: tl.constexpr, SUM_N: tl.constexpr,
-                BLOCK_P: tl.constexpr):
-    """DW's (and, LAYER, DB's) SUM_N-column slices first_slice, first_slice + step, ... (DW's slices first, then
-    DB's): each the sum over PART's n_parts rows in order, in the output's dtype."""
-    n_slices = tl.cdiv(n_cols, SUM_N)
-    for sl in range(first_slice, n_slices * (2 if LAYER else 1), step):
-        which = sl // n_slices
-        cols = (sl % n_slices) * SUM_N + tl.arange(0, SUM_N)
-        c_ok = cols < n_cols
-        base = PART + which * n_parts * n_cols  # (< 2^31: two planes of programs x columns)
-        acc = tl.zeros([BLOCK_P, SUM_N], tl.float32)
-        for p in range(0, n_parts, BLOCK_P):
-            parts = p + tl.arange(0, BLOCK_P)
-            acc += tl.load(base + parts[:, None].to(tl.int64) * n_cols + cols[None, :],
-                           mask=(parts < n_parts)[:, None] & c_ok[None, :], other=0.0)
-        total = tl.sum(acc, 0)
-        if which == 0:
-            tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=c_ok)
-        else:
-            tl.store(DB + cols, total.to(DB.dtype.element_ty), mask=c_ok)
-
-
-@triton.jit
-def part_sum_kernel(PART, DW, DB, n_parts, n_cols, LAYER: tl.constexpr, SUM_N: tl.constexpr, BLOCK_P: tl.constexpr):
-    """DW (and DB) from the backward's partials when it did not sum them itself: program i sums slice i (_sum_slices'
-    numbering: DW's slices, then DB's)."""
-    _sum_slices(PART, DW, DB, n_parts, n_cols, tl.program_id(0), tl.num_programs(0), LAYER, SUM_N, BLOCK_P)
+def part_sum_kernel(PART, DW, DB, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """DW (program_id(1) 0) or DB (1) = the sum over n_parts rows of PART's first or second [n_parts, n_cols] half,
+    in a fixed order, cast to the output's dtype."""
+    which = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ok = cols < n_cols
+    base = PART + which.to(tl.int64) * n_parts * n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
+    for p in range(0, n_parts, BLOCK_P):
+        parts = p + tl.arange(0, BLOCK_P)
+        acc += tl.load(base + parts[:, None].to(tl.int64) * n_cols + cols[None, :],
+                       mask=(parts < n_parts)[:, None] & c_ok[None, :], other=0.0)
+    total = tl.sum(acc, 0)
+    if which == 0:
+        tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=c_ok)
+    else:
+        tl.store(DB + cols, total.to(DB.dtype.element_ty), mask=c_ok)
 
 
 # ------------------------------------------------------------------------------------------ launch
-_SUM_N = 32  # columns per slice of the dw/db sum: 24 slices at 768, 128 at 4096
-_SEMAPHORES: dict = {}
-
-
-def _semaphores(device):
-    """The folded sum's two counters (norm_bwd_kernel's SEM) for this device and stream, zeros made once; each launch
-    leaves them at zero. One pair per stream, so that backwards running side by side on two streams never share one
-    (a CUDA graph replays on whatever stream it is given: two graphs captured on one stream must not be replayed
-    side by side). Made inside a capture, the zeroing is part of that graph, which re-zeroes them each replay."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    sem = _SEMAPHORES.get(key)
-    if sem is None:
-        sem = _SEMAPHORES[key] = torch.zeros(2, device=device, dtype=torch.int32)
-    return sem
+_SUM_N = 32  # columns per program of the dw/db sum: 24 programs at 768, 128 at 4096
 
 
 def norm_fwd(x, weight, bias, eps, layer, out_dtype, residual, cfg, launch=triton_launch):
@@ -225,18 +181,11 @@ def norm_bwd(dy, x, weight, mean, rstd, programs, layer, d_sum, cfg, dx_dtype=No
     grid, per = bwd_programs(rows, programs, cfg.block_rows)
     part = torch.empty((2 if layer else 1) * grid * n, device=x.device, dtype=torch.float32)
     two = dx2 is not None
-    slices = ((n + _SUM_N - 1) // _SUM_N) * (2 if layer else 1)
-    sem = _semaphores(x.device) if cfg.fold else None
-    sms = programs // cfg.programs_per_sm
-    summers = 0 if sem is None else 1 if x.device.type == "cpu" else min(slices, (sms + 1) // 2, grid)
-    # up to 128 partials of a column slice a load (the backward's registers hold the tile); the same either way, so
-    # that the folded and the separate sum add in the same order (bitwise equal)
-    block_p = min(next_pow2(grid), 128)
     launch(norm_bwd_kernel, (grid,), x, weight, dy, d_sum if d_sum is not None else dy, mean if layer else rstd, rstd,
-           dx, dx2 if two else dx, part, sem if summers else part, dw, db if layer else dw, rows, n, per, summers,
-           BLOCK_R=cfg.block_rows, BLOCK=next_pow2(n), LAYER=layer, HAS_DSUM=d_sum is not None, TWO_DX=two,
-           PREFETCH=cfg.prefetch, FOLD=summers > 0, SUM_N=_SUM_N, BLOCK_P=block_p, num_warps=cfg.warps)
-    if not summers:
-        launch(part_sum_kernel, (slices,), part, dw, db if layer else dw, grid, n, LAYER=layer, SUM_N=_SUM_N,
-               BLOCK_P=block_p, num_warps=8 if block_p >= 256 else 4)
+           dx, dx2 if two else dx, part, rows, n, per, BLOCK_R=cfg.block_rows, BLOCK=next_pow2(n), LAYER=layer,
+           HAS_DSUM=d_sum is not None, TWO_DX=two, PREFETCH=cfg.prefetch, num_warps=cfg.warps)
+    # all partials of a column block in one tile where they fit (<= 512: one round trip to memory, not several)
+    block_p = min(next_pow2(grid), 512)
+    launch(part_sum_kernel, ((n + _SUM_N - 1) // _SUM_N, 2 if layer else 1), part, dw, db if layer else dw, grid, n,
+           BLOCK_P=block_p, BLOCK_N=_SUM_N, num_warps=8 if block_p >= 256 else 4)
     return dx, dx2, dw, db
