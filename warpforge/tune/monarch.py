@@ -1,7 +1,7 @@
 """Sweep the Monarch kernels' tiles on this GPU at the bench's shape (d 4096 square, 16k tokens, bf16, nblocks 4
 and 16): the block-diagonal GEMM's tiles (timed as the forward's two launches), then the weight-gradient tiles
 (timed as the backward), then, with both winners, each launch of the step alone, with pointer and descriptor
-stores, mode 2 and mode 3. The sweep keeps the table's descriptor stores and runs, so it times the path the table
+stores, mode 2 and mode 3, beside cuBLAS on the same block GEMM and on the dense layer. The sweep keeps the table's descriptor stores and runs, so it times the path the table
 ships.
 
     warpforge tune monarch [--nblocks 4,16] [--out tune_monarch.json] [--parts-only]
@@ -99,6 +99,16 @@ def main(argv=None):
                     mk.CONTIGUOUS, p, gg),
                 f"Rt (dhb -> dx, mode 3){tag}": lambda gg=gg: mk._gemm(
                     dh, w_r, (w_r.stride(1), w_r.stride(2)), out, q, p, nb, mk.RUNS_FIRST, q, mk.CONTIGUOUS, p, gg)})
+        # cuBLAS on the same block-diagonal GEMM (x's blocks as a strided batch, no copy, and copied contiguous) and
+        # on the dense layer the bench compares against: what these shapes allow a vendor GEMM, same process
+        xb = x.view(t, nb, p).transpose(0, 1)
+        xbc, w_t, w_dense = xb.contiguous(), w_right.transpose(1, 2), torch.randn(d, d, device="cuda",
+                                                                                   dtype=torch.bfloat16)
+        b_out = torch.empty(nb, t, q, device="cuda", dtype=torch.bfloat16)
+        parts.update({
+            "cuBLAS bmm (R's GEMM, x's blocks strided)": lambda: torch.bmm(xb, w_t, out=b_out),
+            "cuBLAS bmm (R's GEMM, blocks contiguous)": lambda: torch.bmm(xbc, w_t, out=b_out),
+            "cuBLAS dense (x @ W^T, d x d)": lambda: torch.nn.functional.linear(x, w_dense)})
         parts.update({
             "dL": lambda: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, w),
             "dR": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, w),
@@ -109,7 +119,7 @@ def main(argv=None):
                 results.append(dict(nb=nb, part=name, gemm=list(g), wgrad=list(w), ms=ms))
                 print(f"nb {nb} {name}: {ms:.4f} ms", flush=True)
         print(f"nb {nb} winners: gemm {tuple(best_g)} wgrad {tuple(best_w)}", flush=True)
-        x = dy = inter = dyb = dh = out = None  # freed before the next nblocks
+        x = dy = inter = dyb = dh = out = xb = xbc = b_out = None  # freed before the next nblocks
         torch.cuda.empty_cache()
     if args.out:
         write_json(results, args.out)
