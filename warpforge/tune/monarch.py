@@ -108,7 +108,16 @@ def main(argv=None):
         parts.update({
             "cuBLAS bmm (R's GEMM, x's blocks strided)": lambda: torch.bmm(xb, w_t, out=b_out),
             "cuBLAS bmm (R's GEMM, blocks contiguous)": lambda: torch.bmm(xbc, w_t, out=b_out),
-            "cuBLAS dense (x @ W^T, d x d)": lambda: torch.nn.functional.linear(x, w_dense)})
+            "cuBLAS dense (x @ W^T, d x d)": lambda: torch.nn.functional.linear(x, w_dense),
+            # the other steps as cuBLAS could run them on these layouts, no copies: L (g's blocks into yb's), dL
+            # (dyb's blocks transposed times g's), R run by run (nb calls, each writing its run of every block of g)
+            "cuBLAS bmm (L's GEMM, g's blocks into yb's)": lambda: torch.bmm(
+                inter.view(t, nb, q).transpose(0, 1), w_left.transpose(1, 2), out=out.view(t, nb, s).transpose(0, 1)),
+            "cuBLAS bmm (dL, dyb's blocks^T @ g's)": lambda: torch.bmm(
+                dyb.view(t, nb, s).permute(1, 2, 0), inter.view(t, nb, q).transpose(0, 1), out=dwl),
+            "cuBLAS bmm x nb (R run by run, into g)": lambda: [torch.bmm(
+                xb, w_r[:, l * (q // nb):(l + 1) * (q // nb)].transpose(1, 2),
+                out=out.view(t, nb, nb, q // nb)[:, l].transpose(0, 1)) for l in range(nb)]})
         parts.update({
             "dL": lambda: mk._wgrad(dyb, inter, dwl, s, q, nb, mk.CONTIGUOUS, s, mk.CONTIGUOUS, q, w),
             "dR": lambda: mk._wgrad(dh, x, dwr, q, p, nb, mk.CONTIGUOUS, q, mk.CONTIGUOUS, p, w),
