@@ -364,13 +364,12 @@ for step in "$@"; do
     probe-rows16) timeout 240 python3 scripts/probe_mla_rows16.py $PROBE_ARGS > "$w/probe-rows16.log" 2>&1; cat "$w/probe-rows16.log" ;;
     mla-tests) timeout 200 python3 -m pytest -q $par -m gpu tests/mla > "$w/mla-tests.log" 2>&1; tail -n 3 "$w/mla-tests.log" ;;
     monarch-ab) # issue 17: the GPU tests (the table's settings and the knobs), then the family bench once a setting
-                # (WARPFORGE_MONARCH_RUNS, _TMA_STORE; the table's own last),
-                # each its own process
+                # (WARPFORGE_MONARCH_RUNS, _TMA_STORE, _WGRAD_BLAS; the table's own last), each its own process
                 timeout 150 python3 -m pytest -q -m gpu tests/monarch > "$w/monarch-tests.log" 2>&1; tail -n 3 "$w/monarch-tests.log"
-                for f in ${MONARCH_KNOBS:-00}; do
-                  WARPFORGE_MONARCH_RUNS=${f:0:1} WARPFORGE_MONARCH_TMA_STORE=${f:1:1} \
+                for f in ${MONARCH_KNOBS:-110}; do
+                  WARPFORGE_MONARCH_RUNS=${f:0:1} WARPFORGE_MONARCH_TMA_STORE=${f:1:1} WARPFORGE_MONARCH_WGRAD_BLAS=${f:2:1} \
                     SKIP_TESTS=1 timeout 150 bash scripts/gpu_check.sh "$w/monarch-$f" monarch > "$w/monarch-$f.log" 2>&1
-                  echo "runs ${f:0:1} tma_store ${f:1:1}"; grep -E "warpforge  " "$w/monarch-$f.log" | tail -8; done
+                  echo "runs ${f:0:1} tma_store ${f:1:1} wgrad_blas ${f:2:1}"; grep -E "warpforge  " "$w/monarch-$f.log" | tail -8; done
                 SKIP_TESTS=1 timeout 150 bash scripts/gpu_check.sh "$w/monarch" monarch > "$w/monarch.log" 2>&1
                 echo "the table's settings"; grep -E "warpforge  " "$w/monarch.log" | tail -8 ;;
     sparse-gluon) timeout 150 python3 -m pytest -q -m gpu tests/sparse/test_sparse_gluon.py > "$w/sparse-gluon-tests.log" 2>&1

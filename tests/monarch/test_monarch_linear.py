@@ -91,6 +91,18 @@ def test_knobs_match_reference(shape, runs, tma_store, monkeypatch):
         _check((37,), *shape, torch.float16, bias)
 
 
+@pytest.mark.parametrize("shape", [(48, 48, 48, 4), (32, 64, 96, 2), (64, 64, 64, 16), (48, 24, 36, 3)])
+@pytest.mark.parametrize("runs", ["0", "1"])
+def test_wgrad_blas_matches_reference(shape, runs, monkeypatch):
+    """The weight gradients by torch.bmm on views (the sm90 table's wgrad_blas) and the bias gradient as a sum of dy:
+    fp16 and fp32, with a bias, without runs and with them (mode 3 at (32, 64, 96, 2): every nb-th row of w_right's
+    gradient per batched GEMM)."""
+    monkeypatch.setenv("WARPFORGE_MONARCH_WGRAD_BLAS", "1")
+    monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", runs)
+    for dtype in (torch.float16, torch.float32):
+        _check((37,), *shape, dtype, bias=True)
+
+
 def test_runs_apply_where_runs_are_whole_tiles():
     """Mode 3 only where a run of the intermediate (d_mid / nb² columns) is whole tiles of both GEMM edges and the
     weight gradient's rows, with descriptors both ways: at the bar's d 4096 on sm90 nb 4 (runs of 256) takes it, nb 16
@@ -268,11 +280,12 @@ def test_monarch_linear_module():
 # ------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb", [4, 16])
-@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "00"), (False, "11"), (True, "11")])
+@pytest.mark.parametrize("bias,knobs", [(True, None), (False, "000"), (False, "110"), (True, "110"), (False, "001"),
+                                       (True, "111")])
 def test_real_size_bf16(nb, bias, knobs, monkeypatch):
-    if knobs is not None:  # WARPFORGE_MONARCH_RUNS and _TMA_STORE, else the table's
-        monkeypatch.setenv("WARPFORGE_MONARCH_RUNS", knobs[0])
-        monkeypatch.setenv("WARPFORGE_MONARCH_TMA_STORE", knobs[1])
+    if knobs is not None:  # WARPFORGE_MONARCH_RUNS, _TMA_STORE and _WGRAD_BLAS, else the table's
+        for name, knob in zip(("RUNS", "TMA_STORE", "WGRAD_BLAS"), knobs):
+            monkeypatch.setenv(f"WARPFORGE_MONARCH_{name}", knob)
     d, t = 4096, 4096
     w_left, w_right = _factors(d, d, d, nb, torch.bfloat16)
     w_left.requires_grad_()

@@ -20,13 +20,16 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 def _config(x: torch.Tensor) -> configs.MonarchCfg:
     """The tile table's entry; WARPFORGE_MONARCH_RUNS and WARPFORGE_MONARCH_TMA_STORE (1 / 0) override its `runs`
-    and `gemm.tma_store` (for A/B timing)."""
+    and `gemm.tma_store`, WARPFORGE_MONARCH_WGRAD_BLAS its `wgrad_blas` (for A/B timing)."""
     cfg = configs.MONARCH.lookup(x.device, "fp32" if x.dtype == torch.float32 else "any")
     runs, store = os.environ.get("WARPFORGE_MONARCH_RUNS"), os.environ.get("WARPFORGE_MONARCH_TMA_STORE")
     if runs is not None:
         cfg = cfg._replace(runs=runs != "0")
     if store is not None:
         cfg = cfg._replace(gemm=cfg.gemm._replace(tma_store=store != "0"))
+    blas = os.environ.get("WARPFORGE_MONARCH_WGRAD_BLAS")
+    if blas is not None:
+        cfg = cfg._replace(wgrad_blas=blas != "0")
     return cfg
 
 

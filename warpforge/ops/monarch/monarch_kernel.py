@@ -385,6 +385,23 @@ def _wgrad(g, a, dw, n, k, nb, g_mode, g_blk, a_mode, a_blk, cfg, dbias=None, db
         dbias.copy_(bias_part.sum(0))
 
 
+def _wgrad_blas(g, a, dw, nb, g_mode):
+    """_wgrad's dw (no bias) by the vendor's batched GEMM on views of the same tensors, no copies: dw[b] = g_bᵀ a_b
+    over all tokens, g's blocks contiguous (mode 0), or, mode 3, g = dhb with w_right's rows run by run (dw's rows
+    r·nb + l of block k are dhb's columns l·q + k·R + r: one batched GEMM per l, writing every nb-th row of dw)."""
+    t = g.shape[0]
+    nb_, n, k = dw.shape
+    a_b = a.unflatten(1, (nb, k)).transpose(0, 1)               # [nb, T, k]
+    if g_mode == CONTIGUOUS:
+        torch.bmm(g.unflatten(1, (nb, n)).permute(1, 2, 0), a_b, out=dw)
+        return
+    run = n // nb
+    g_runs = g.unflatten(1, (nb, nb, run))                      # [T, l, k, r]
+    dw_rows = dw.view(nb, run, nb, k)                           # [k, r, l, ·]: row r·nb + l
+    for l in range(nb):
+        torch.bmm(g_runs[:, l].permute(1, 2, 0), a_b, out=dw_rows[:, :, l])
+
+
 def shuffle(src, nb, cfg, to_blocks, dst=None):
     """src [T, nb · S] -> dst [T, nb · S] (new unless given): to_blocks, column si·nb + l moved to l·S + si
     (P_outᵀ); else back."""
@@ -443,16 +460,29 @@ def monarch_bwd(dy, x, w_left, w_right, g, has_bias, cfg, w_runs=None):
     dyb = shuffle(dy, nb, cfg, to_blocks=True)
     dhb = torch.empty((t, nb * q), device=x.device, dtype=x.dtype)
     _gemm(dyb, w_left, (w_left.stride(1), w_left.stride(2)), dhb, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.gemm)
-    _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None, SHUFFLED)
+    blas = cfg.wgrad_blas and dwl.is_contiguous() and dwr.is_contiguous()
+    if blas:
+        _wgrad_blas(dyb, g, dwl, nb, CONTIGUOUS)
+        if has_bias:
+            torch.sum(dy, 0, dtype=torch.float32, out=dbias)
+    else:
+        _wgrad(dyb, g, dwl, s, q, nb, CONTIGUOUS, s, CONTIGUOUS, q, cfg.wgrad, dbias if has_bias else None,
+               SHUFFLED)
     # dx[t, k·p + pp] = Σ_j dh[t, k·q + j] · w_right[k, j, pp] and dR[k][j, pp] = Σ_t dh[t, k·q + j] · x[t, k·p + pp],
     # dh (R's order) read from dhb in mode 3 against w_right's rows run by run; else shuffled into R's order first
     if runs_apply(nb, q, cfg):
         w_r = w_runs if w_runs is not None and w_runs.numel() else runs_first(w_right)
         _gemm(dhb, w_r, (w_r.stride(1), w_r.stride(2)), dx, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.gemm)
-        _wgrad(dhb, x, dwr, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.wgrad)
+        if blas:
+            _wgrad_blas(dhb, x, dwr, nb, RUNS_FIRST)
+        else:
+            _wgrad(dhb, x, dwr, q, p, nb, RUNS_FIRST, q, CONTIGUOUS, p, cfg.wgrad)
     else:
         dh = shuffle(dhb, nb, cfg, to_blocks=False)
         _gemm(dh, w_right, (w_right.stride(1), w_right.stride(2)), dx, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p,
               cfg.gemm)
-        _wgrad(dh, x, dwr, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.wgrad)
+        if blas:
+            _wgrad_blas(dh, x, dwr, nb, CONTIGUOUS)
+        else:
+            _wgrad(dh, x, dwr, q, p, nb, CONTIGUOUS, q, CONTIGUOUS, p, cfg.wgrad)
     return dx, dwl, dwr, dbias
