@@ -389,7 +389,7 @@ def _wgrad_blas(g, a, dw, nb, g_mode):
     """_wgrad's dw (no bias) by the vendor's batched GEMM on views of the same tensors, no copies: dw[b] = g_bᵀ a_b
     over all tokens, g's blocks contiguous (mode 0), or, mode 3, g = dhb with w_right's rows run by run (dw's rows
     r·nb + l of block k are dhb's columns l·q + k·R + r: one batched GEMM per l, writing every nb-th row of dw)."""
-    nb_, n, k = dw.shape
+    n, k = dw.shape[1:]
     a_b = a.unflatten(1, (nb, k)).transpose(0, 1)               # [nb, T, k]
     if g_mode == CONTIGUOUS:
         torch.bmm(g.unflatten(1, (nb, n)).permute(1, 2, 0), a_b, out=dw)
