@@ -69,9 +69,10 @@ def ensure_tma_allocator(device: torch.device) -> None:
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Whether tensor descriptors can address these tensors: 16-byte aligned bases and row strides, unit inner
-    strides. Which shapes use TMA at all is each family's config table's decision."""
+    strides, no zero strides (an expanded row: a tensor map's strides are byte offsets between distinct rows, so
+    such a view takes the pointer path). Which shapes use TMA at all is each family's config table's decision."""
     return all(t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and
-               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+               all(st > 0 and st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
 
 
 def _triton_compiled_mode() -> bool:

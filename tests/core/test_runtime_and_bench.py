@@ -24,6 +24,17 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         resolve_backend("triton", torch.device("cpu"))
 
 
+def test_tma_compatible_refuses_expanded_rows():
+    """Tensor descriptors need 16-byte multiples between distinct rows: a row-contiguous bf16 matrix of 8-multiple
+    width passes; a stride-0 (expanded) row, a transposed view and an odd width do not."""
+    from warpforge.runtime import tma_compatible
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    assert tma_compatible(x)
+    assert not tma_compatible(x[:1].expand(4, 64))
+    assert not tma_compatible(x.t())
+    assert not tma_compatible(torch.zeros(4, 60, dtype=torch.bfloat16)[:, :30])
+
+
 def test_error_is_a_value_error():
     assert issubclass(WarpforgeInputError, ValueError)
 
