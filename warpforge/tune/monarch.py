@@ -115,6 +115,9 @@ def main(argv=None):
                 inter.view(t, nb, q).transpose(0, 1), w_left.transpose(1, 2), out=out.view(t, nb, s).transpose(0, 1)),
             "cuBLAS bmm (dL, dyb's blocks^T @ g's)": lambda: torch.bmm(
                 dyb.view(t, nb, s).permute(1, 2, 0), inter.view(t, nb, q).transpose(0, 1), out=dwl),
+            "cuBLAS dR (wgrad_blas: mode 2 one bmm)": lambda: mk._wgrad_blas(dh, x, dwr, nb, mk.CONTIGUOUS),
+            "cuBLAS dR (wgrad_blas: mode 3, a bmm per l)": lambda: mk._wgrad_blas(dh, x, dwr, nb, mk.RUNS_FIRST),
+            "cuBLAS dL (wgrad_blas)": lambda: mk._wgrad_blas(dyb, inter, dwl, nb, mk.CONTIGUOUS),
             "cuBLAS bmm x nb (R run by run, into g)": lambda: [torch.bmm(
                 xb, w_r[:, l * (q // nb):(l + 1) * (q // nb)].transpose(1, 2),
                 out=out.view(t, nb, nb, q // nb)[:, l].transpose(0, 1)) for l in range(nb)]})
