@@ -1,8 +1,8 @@
 """Sweep the Monarch kernels' tiles on this GPU at the bench's shape (d 4096 square, 16k tokens, bf16, nblocks 4
 and 16): the block-diagonal GEMM's tiles (timed as the forward's two launches), then the weight-gradient tiles
 (timed as the backward), then, with both winners, each launch of the step alone, with pointer and descriptor
-stores, mode 2 and mode 3, beside cuBLAS on the same block GEMM and on the dense layer. The sweep keeps the table's descriptor stores and runs, so it times the path the table
-ships.
+stores, mode 2 and mode 3, beside cuBLAS on the same GEMMs and on the dense layer. The sweep keeps the table's
+descriptor stores and runs, so it times the path the table ships.
 
     warpforge tune monarch [--nblocks 4,16] [--out tune_monarch.json] [--parts-only]
 
@@ -109,12 +109,10 @@ def main(argv=None):
             "cuBLAS bmm (R's GEMM, x's blocks strided)": lambda: torch.bmm(xb, w_t, out=b_out),
             "cuBLAS bmm (R's GEMM, blocks contiguous)": lambda: torch.bmm(xbc, w_t, out=b_out),
             "cuBLAS dense (x @ W^T, d x d)": lambda: torch.nn.functional.linear(x, w_dense),
-            # the other steps as cuBLAS could run them on these layouts, no copies: L (g's blocks into yb's), dL
-            # (dyb's blocks transposed times g's), R run by run (nb calls, each writing its run of every block of g)
+            # the other steps as cuBLAS could run them on these layouts, no copies: L (g's blocks into yb's), the
+            # weight gradients (the table's wgrad_blas), R run by run (nb calls, each writing its run of every block)
             "cuBLAS bmm (L's GEMM, g's blocks into yb's)": lambda: torch.bmm(
                 inter.view(t, nb, q).transpose(0, 1), w_left.transpose(1, 2), out=out.view(t, nb, s).transpose(0, 1)),
-            "cuBLAS bmm (dL, dyb's blocks^T @ g's)": lambda: torch.bmm(
-                dyb.view(t, nb, s).permute(1, 2, 0), inter.view(t, nb, q).transpose(0, 1), out=dwl),
             "cuBLAS dR (wgrad_blas: mode 2 one bmm)": lambda: mk._wgrad_blas(dh, x, dwr, nb, mk.CONTIGUOUS),
             "cuBLAS dR (wgrad_blas: mode 3, a bmm per l)": lambda: mk._wgrad_blas(dh, x, dwr, nb, mk.RUNS_FIRST),
             "cuBLAS dL (wgrad_blas)": lambda: mk._wgrad_blas(dyb, inter, dwl, nb, mk.CONTIGUOUS),
