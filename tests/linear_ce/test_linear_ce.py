@@ -113,3 +113,23 @@ def test_masked_vocabulary_entries_keep_the_loss_finite(backend):
     torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-5)
     (grad,) = torch.autograd.grad(loss, h)
     assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_masked_first_vocabulary_block_keeps_the_loss_finite(backend, monkeypatch):
+    """The whole first block of the kernel's walk over a row masked (-inf bias on the vocabulary's first 16 ids, the
+    block forced to 16): its running max is -inf there, which must not make the row's sum NaN (-inf - -inf)."""
+    from warpforge.ops.linear_ce import configs
+    monkeypatch.setattr(configs, "LINEAR_CE", configs.LINEAR_CE.map(lambda c: c._replace(block=16)))
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(3, 8, generator=g), torch.randn(40, 8, generator=g)
+    bias = torch.zeros(40)
+    bias[:16] = float("-inf")
+    targets = torch.tensor([20, 30, 39])
+    h, w, bias, targets = (t.to(DEV) for t in (h, w, bias, targets))
+    h.requires_grad_()
+    loss = wf.linear_cross_entropy(h, w, targets, bias=bias, backend=backend)
+    want = torch.nn.functional.cross_entropy(h.detach() @ w.T + bias, targets)
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-5)
+    (grad,) = torch.autograd.grad(loss, h)
+    assert torch.isfinite(grad).all()

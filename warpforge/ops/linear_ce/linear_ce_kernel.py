@@ -40,7 +40,10 @@ def ce_grad_kernel(LOGITS, TARGETS, LOSS, GRAD_SCALE, BIAS, stride_l, stride_gs,
         z_sum += tl.sum(tl.where(ok, z, 0.0), 0)
         z = tl.where(ok, z, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, 0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), 0)
+        # while every logit so far is -inf (a masked vocabulary's first blocks) subtract 0, not -inf (-inf - -inf
+        # is NaN); d stays 0 there
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - m_use) + tl.sum(tl.exp(z - m_use), 0)
         m = m_new
     lse = m + tl.log(d)
     ignored = target == ignore_index
