@@ -352,6 +352,16 @@ def test_bad_input_names_the_argument(over, name):
                                backend=args.pop("backend", "triton"), **args)
 
 
+def test_per_row_bias_requiring_grad_is_fine_without_grad_mode():
+    """A per-row bias [B, S, H, R, R] that requires a gradient is refused only where one would be computed: under
+    torch.no_grad the forward runs and matches the reference."""
+    args = _bad(biases=[_t(1, 2, 2, 8, 8, grad=True)])
+    with torch.no_grad():
+        got = wf.evoformer_attention(args["q"], args["k"], args["v"], args["biases"], backend="triton")
+        want = wf.evoformer_attention(args["q"], args["k"], args["v"], args["biases"], backend="reference")
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
 def test_bf16_refused_on_the_interpreter():
     if DEV.type != "cpu":
         pytest.skip("the interpreter only")

@@ -189,7 +189,7 @@ def _check(q, k, v, biases, gate, softmax_scale, backend):
         st = _full(bias, full).stride()
         if (R - 1) * (abs(st[3]) + abs(st[4])) >= 2 ** 31:  # the kernels' offsets inside one (b, s, h) are int32
             fail(name, "strides over the residues that keep one (b, s, h) slice under 2^31 elements", st[3:])
-        if bias.requires_grad and bias.dim() >= 4 and bias.shape[-4] != 1 and S != 1:
+        if bias.requires_grad and torch.is_grad_enabled() and bias.dim() >= 4 and bias.shape[-4] != 1 and S != 1:
             fail(name, "no gradient unless it is shared by the MSA rows (N_seq dim 1, as the pair bias "
                  "[B, 1, H, N_res, N_res]): a per-row bias's gradient is as large as the scores", "requires_grad=True")
     if gate is not None:
