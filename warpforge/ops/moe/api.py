@@ -298,8 +298,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_
     """out [T, H] = Σ_k weight_k · W2_e (SiLU(gate) ⊙ up) with [gate; up] = W13_e · hidden.
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; router_logits [T, E].
-    w_format="fp8": w13 / w2 from quantize_weights, w_scales their scales; inference only. Where a tuned entry
-    says so (configs.py, `fp8_fp16_math`) the GEMMs run in fp16: hidden and SiLU(gate) ⊙ up must then stay
+    The kernels keep SiLU(gate) ⊙ up between the two GEMMs in hidden's dtype (as vLLM does; the reference keeps
+    fp32): with fp16 activations a product past 65504 becomes inf where the reference stays finite. bf16 has the
+    range. w_format="fp8": w13 / w2 from quantize_weights, w_scales their scales; inference only. Where a tuned
+    entry says so (configs.py, `fp8_fp16_math`) the GEMMs run in fp16: hidden and SiLU(gate) ⊙ up must then stay
     within fp16's range (|x| < 65504), as they do after a norm.
     """
     backend = _check_experts(hidden, w13, w2, w_format, w_scales, backend)
