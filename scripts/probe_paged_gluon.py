@@ -2,9 +2,11 @@
 one launch per (format, slots, register cap) at the tune's shape (b 64, h_q 32 / h_kv 8, d 128, page 16, one
 split), timed from a CUDA graph, with the compiled kernel's registers, spills and shared memory.
 
-    python scripts/probe_paged_gluon.py [--L 4096] [--formats nvfp4,fp8] [--slots 2,3,4] [--maxnreg 0,168]
+    python scripts/probe_paged_gluon.py [--L 4096] [--formats nvfp4,fp8] [--slots 2,3,4] [--maxnreg 0,168] [--planar]
 
 A register cap is a launch option here only (the kernel's tiles have none): this is for deciding whether one pays.
+--planar also times each FP4 launch on the same bytes split into two tensors (the 64 value bytes of a row, its
+block scales apart: 16-byte copies), and prints how far its output is from the row layout's.
 """
 import argparse
 
@@ -24,6 +26,7 @@ def main(argv=None):
     ap.add_argument("--slots", default="2,3,4")
     ap.add_argument("--maxnreg", default="0,168")
     ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--planar", action="store_true")
     args = ap.parse_args(argv)
     b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
     pages = b * (-(-L // page))
@@ -37,23 +40,34 @@ def main(argv=None):
         seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d)
         _, _, o_part, lse_part = decode_outputs(q, 1)
+        layouts = [("rows", k_cache, v_cache, None, None)]
+        if args.planar and KV_FORMATS[fmt].fp4:
+            layouts.append(("planar", k_cache[..., :d // 2].contiguous(), v_cache[..., :d // 2].contiguous(),
+                            k_cache[..., d // 2:].contiguous(), v_cache[..., d // 2:].contiguous()))
         for slots in map(int, args.slots.split(",")):
             for cap in map(int, args.maxnreg.split(",")):
-                cfg = PagedCfg(16, args.block_n, 4, slots, gluon=True)
-                kernel, grid, kargs, meta = dg.launch_args(q, k_cache, v_cache, table, seqlens, scale, scale,
-                                                           d ** -0.5, o_part, lse_part, 1, cfg, code)
-                if cap:
-                    meta["maxnreg"] = cap
-                try:
-                    compiled = kernel[grid](*kargs, **meta)
-                    ms = triton.testing.do_bench_cudagraph(lambda: kernel[grid](*kargs, **meta), rep=30,
-                                                           return_mode="median")
-                except Exception as exc:   # out of shared memory, say
-                    print(f"{fmt} slots {slots} maxnreg {cap}: {type(exc).__name__} {str(exc)[:120]}", flush=True)
-                    continue
-                print(f"{fmt} block_n {args.block_n} slots {slots} maxnreg {cap}: {ms:.4f} ms "
-                      f"{kv_bytes / ms / 1e9:.2f} TB/s, {compiled.n_regs} registers, {compiled.n_spills} spills, "
-                      f"{compiled.metadata.shared} B shared", flush=True)
+                outs = []
+                for name, kc, vc, kbs, vbs in layouts:
+                    cfg = PagedCfg(16, args.block_n, 4, slots, gluon=True)
+                    kernel, grid, kargs, meta = dg.launch_args(q, kc, vc, table, seqlens, scale, scale, d ** -0.5,
+                                                               o_part, lse_part, 1, cfg, code, kbs, vbs)
+                    if cap:
+                        meta["maxnreg"] = cap
+                    try:
+                        compiled = kernel[grid](*kargs, **meta)
+                        outs.append(o_part.clone())
+                        ms = triton.testing.do_bench_cudagraph(lambda: kernel[grid](*kargs, **meta), rep=30,
+                                                               return_mode="median")
+                    except Exception as exc:   # out of shared memory, say
+                        print(f"{fmt} {name} slots {slots} maxnreg {cap}: {type(exc).__name__} {str(exc)[:120]}",
+                              flush=True)
+                        continue
+                    print(f"{fmt} {name} block_n {args.block_n} slots {slots} maxnreg {cap}: {ms:.4f} ms "
+                          f"{kv_bytes / ms / 1e9:.2f} TB/s, {compiled.n_regs} registers, {compiled.n_spills} spills, "
+                          f"{compiled.metadata.shared} B shared", flush=True)
+                if len(outs) == 2:
+                    print(f"  planar vs rows: max |diff| {(outs[1].float() - outs[0].float()).abs().max().item():.3g}",
+                          flush=True)
         k_cache = v_cache = None
         torch.cuda.empty_cache()
 

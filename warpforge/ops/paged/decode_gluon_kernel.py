@@ -67,7 +67,7 @@ def perm_c(c: int) -> int:
     return (c & ~7) | ((c >> 2) & 1) | ((c & 1) << 1) | (((c >> 1) & 1) << 2)
 
 
-def _layouts(gl, tpw: int, code: int = 1):
+def _layouts(gl, tpw: int, code: int = 1, planar: bool = False):
     """(MMA, A, B, LK, LV, CP, CPS, SMEM, SMEM_S) for TPW tokens per warp and a cache format (kv_format.py's code).
     LK / LV hold a warp's [TPW, ·] K / V bytes with 32 (LK) or 16 (LV) consecutive head-dim values of a token in one
     thread's registers (FP8: that many bytes; FP4: half as many, two values a byte); decoded to 16-bit values and
@@ -97,7 +97,8 @@ def _layouts(gl, tpw: int, code: int = 1):
                 reg_bases=[[0, 0, 1], [0, 1, 0], [0, 8, 0]] + more,
                 lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]], warp_bases=warps, block_bases=[],
                 shape=[WARPS, tpw, D // 8])
-        vec = 8 if code == 2 else 4   # the rows (72 / 68 bytes) are 8- / 4-byte aligned
+        # rows of 72 / 68 bytes (values then scales) are 8- / 4-byte aligned; planar 64-byte value rows 16
+        vec = 16 if planar else (8 if code == 2 else 4)
         cp = gl.BlockedLayout([1, 1, vec], [1, 32 // (64 // vec), 64 // vec], [WARPS, 1, 1], [2, 1, 0])
         n_scales = D // (16 if code == 2 else 32)
         cps = gl.BlockedLayout([1, 1, n_scales], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])   # a token's scales a thread
@@ -118,8 +119,9 @@ def _layouts(gl, tpw: int, code: int = 1):
 
 
 @functools.lru_cache(maxsize=None)
-def _build(code: int = 1):
-    """The kernel for one cache format (kv_format.py's code: 1 fp8, 2 nvfp4, 3 mxfp4)."""
+def _build(code: int = 1, planar: bool = False):
+    """The kernel for one cache format (kv_format.py's code: 1 fp8, 2 nvfp4, 3 mxfp4); FP4 planar: the values and the
+    block scales in tensors of their own (64-byte value rows)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -130,6 +132,9 @@ def _build(code: int = 1):
     BLK = gl.constexpr(16 if code == 2 else 32)      # FP4 values a block scale covers
     N_SCALES = gl.constexpr(D // BLK.value)
     WIDTH = gl.constexpr(D // 2 + D // BLK.value)    # FP4: a head's bytes in a token row
+    # FP4: bytes from one (token, head)'s value row to the next's, and from one block-scale row to the next's
+    VPITCH = gl.constexpr(D // 2 if planar else WIDTH.value)
+    SPITCH = gl.constexpr(D // BLK.value if planar else WIDTH.value)
     # the dots' operand type: fp16 (finer than bf16) unless MXFP4, whose power-of-two block scales may leave fp16's
     # range
     DOT = gl.constexpr(gl.bfloat16 if code == 3 else gl.float16)
@@ -168,8 +173,8 @@ def _build(code: int = 1):
     @gluon.jit
     def _fp4_rows(bt_row, n0, end, last_page, kvh, L: gl.constexpr, PAGE: gl.constexpr, TPW: gl.constexpr,
                   H_KV: gl.constexpr, OFF64: gl.constexpr):
-        """(byte offsets of the tokens' FP4 rows of head kvh, tokens < end) in SliceLayout(2, L): a contiguous cache
-        of H_KV · WIDTH-byte token rows, the strides constexpr so that the copies' alignment (8 / 4 bytes) is known."""
+        """(the (token, head) rows of head kvh's FP4 bytes for tokens n0 .., tokens < end) in SliceLayout(2, L): a
+        contiguous cache of H_KV rows a token, the pitches constexpr so that the copies' alignment is known."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
         tok = n0 + w[:, None] * TPW + t[None, :]
@@ -178,26 +183,29 @@ def _build(code: int = 1):
         slot = page * PAGE + tok % PAGE
         if OFF64:
             slot = slot.to(gl.int64)
-        return slot * (H_KV * WIDTH) + kvh * WIDTH, ok
+        return slot * H_KV + kvh, ok
 
     @gluon.jit
-    def _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end, last_page, kvh,
-                   PAGE: gl.constexpr, TPW: gl.constexpr, H_KV: gl.constexpr, CP: gl.constexpr,
+    def _issue_fp4(K_CACHE, V_CACHE, K_BS, V_BS, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end,
+                   last_page, kvh, PAGE: gl.constexpr, TPW: gl.constexpr, H_KV: gl.constexpr, CP: gl.constexpr,
                    CPS: gl.constexpr, OFF64: gl.constexpr):
-        """_issue for FP4 rows: their 64 value bytes and their block scales into the rings' slot (zeros past end)."""
-        off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
+        """_issue for FP4 rows: their 64 value bytes and their block scales (K_BS / V_BS: the first scale byte of
+        row 0) into the rings' slot (zeros past end)."""
+        rows, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
+        off = rows * VPITCH
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
         mask = ok[:, :, None] & (d >= 0)[None, None, :]
         async_copy.async_copy_global_to_shared(k_ring.index(slot), K_CACHE + off[:, :, None] + d[None, None, :],
                                                mask=mask)
         async_copy.async_copy_global_to_shared(v_ring.index(slot), V_CACHE + off[:, :, None] + d[None, None, :],
                                                mask=mask)
-        off, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CPS, PAGE, TPW, H_KV, OFF64)
+        rows, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CPS, PAGE, TPW, H_KV, OFF64)
+        off = rows * SPITCH
         c = gl.arange(0, N_SCALES, layout=gl.SliceLayout(0, gl.SliceLayout(1, CPS)))
         mask = ok[:, :, None] & (c >= 0)[None, None, :]
-        async_copy.async_copy_global_to_shared(ks_ring.index(slot), K_CACHE + (off + 64)[:, :, None] + c[None, None, :],
+        async_copy.async_copy_global_to_shared(ks_ring.index(slot), K_BS + off[:, :, None] + c[None, None, :],
                                                mask=mask)
-        async_copy.async_copy_global_to_shared(vs_ring.index(slot), V_CACHE + (off + 64)[:, :, None] + c[None, None, :],
+        async_copy.async_copy_global_to_shared(vs_ring.index(slot), V_BS + off[:, :, None] + c[None, None, :],
                                                mask=mask)
 
     @gluon.jit
@@ -295,7 +303,7 @@ def _build(code: int = 1):
 
     @gluon.jit
     def paged_decode_gluon_kernel(
-        Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
+        Q, K_CACHE, V_CACHE, K_BS, V_BS, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
         stride_qb, stride_qs, stride_qh,
         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
         stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
@@ -339,8 +347,8 @@ def _build(code: int = 1):
             vs_ring = v_ring
         for i in gl.static_range(STAGES - 1):
             if FP4:
-                _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, i, bt_row, start + i * BLOCK_N, end,
-                           last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+                _issue_fp4(K_CACHE, V_CACHE, K_BS, V_BS, k_ring, v_ring, ks_ring, vs_ring, i, bt_row,
+                           start + i * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
             else:
                 _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
                        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
@@ -381,7 +389,7 @@ def _build(code: int = 1):
             gl.thread_barrier()   # step i's bytes from every thread; step i - 1's slot read by every warp
             ahead = (i + STAGES - 1) % STAGES
             if FP4:
-                _issue_fp4(K_CACHE, V_CACHE, k_ring, v_ring, ks_ring, vs_ring, ahead, bt_row,
+                _issue_fp4(K_CACHE, V_CACHE, K_BS, V_BS, k_ring, v_ring, ks_ring, vs_ring, ahead, bt_row,
                            start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
             else:
                 _issue(K_CACHE, V_CACHE, k_ring, v_ring, ahead, bt_row, start + (i + STAGES - 1) * BLOCK_N, end,
@@ -461,13 +469,18 @@ def cache_ok(k_cache, v_cache, code) -> bool:
 
 
 def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, o_part, lse_part,
-                num_splits, cfg, code=1):
+                num_splits, cfg, code=1, k_bs=None, v_bs=None):
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
     code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; the caches as cache_ok takes them).
     o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
-    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages)."""
+    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages). k_bs / v_bs: FP4 block scales in
+    tensors of their own (contiguous [num_pages, page_size, h_kv, d / block]; the caches then hold the values
+    alone, [.., d / 2]), or None (they follow each row's values)."""
     tpw = cfg.block_n // 4
-    kernel, gl = _build(code)
+    planar = k_bs is not None
+    kernel, gl = _build(code, planar)
+    if not planar:   # the scales sit 64 bytes into each row (FP8: pointers the kernel does not read)
+        k_bs, v_bs = (c.view(-1)[64:] if code >= 2 else c for c in (k_cache, v_cache))
     b, s_q, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     final = num_splits == 1
@@ -479,8 +492,8 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
 
     def scale_strides(t):
         return (0, 0) if mode != 2 else (t.stride(0), t.stride(1))
-    mma, a, bl, lk, lv, cp, cps, smem, smem_s = _layouts(gl, tpw, code)
-    args = (q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, o_part, lse_part,
+    mma, a, bl, lk, lv, cp, cps, smem, smem_s = _layouts(gl, tpw, code, planar)
+    args = (q, k_cache, v_cache, k_bs, v_bs, block_table, cache_seqlens, k_scale, v_scale, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
             v_cache.stride(2), block_table.stride(0), *scale_strides(k_scale), *scale_strides(v_scale),
