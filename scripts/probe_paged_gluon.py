@@ -14,6 +14,7 @@ import torch
 import triton.testing
 
 from warpforge.ops.paged import KV_FORMATS, quantize_kv
+from warpforge.ops.paged.kv_format import split_fp4
 from warpforge.ops.paged import decode_gluon_kernel as dg
 from warpforge.ops.paged.configs import PagedCfg
 from warpforge.ops.paged.decode_kernel import decode_outputs
@@ -40,10 +41,13 @@ def main(argv=None):
         seqlens = torch.full((b,), L, device="cuda", dtype=torch.int32)
         kv_bytes = 2.0 * b * L * h_kv * KV_FORMATS[fmt].width(d)
         _, _, o_part, lse_part = decode_outputs(q, 1)
-        layouts = [("rows", k_cache, v_cache, None, None)]
-        if args.planar and KV_FORMATS[fmt].fp4:
-            layouts.append(("planar", k_cache[..., :d // 2].contiguous(), v_cache[..., :d // 2].contiguous(),
-                            k_cache[..., d // 2:].contiguous(), v_cache[..., d // 2:].contiguous()))
+        if KV_FORMATS[fmt].fp4:   # the kernel reads values and block scales apart: the row layout's views
+            (kc, kbs), (vc, vbs) = split_fp4(k_cache, d), split_fp4(v_cache, d)
+            layouts = [("rows", kc, vc, kbs, vbs)]
+            if args.planar:   # the same bytes as two tensors a side (quantize_kv(..., split_scales=True))
+                layouts.append(("planar", kc.contiguous(), vc.contiguous(), kbs.contiguous(), vbs.contiguous()))
+        else:
+            layouts = [("rows", k_cache, v_cache, None, None)]
         for slots in map(int, args.slots.split(",")):
             for cap in map(int, args.maxnreg.split(",")):
                 outs = []

@@ -57,16 +57,24 @@ def test_nvfp4_word_decode():
 
 
 def test_cache_layouts_the_kernel_reads():
-    """FP8: 16-byte aligned rows (16-byte copies), any strides else; FP4: contiguous caches (constexpr strides)."""
+    """FP8: 16-byte aligned rows (16-byte copies), any strides else; FP4: values and block scales (the row
+    layout's views, or a pair) in packed rows, K's pitches V's (constexpr pitches)."""
     fp8 = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)
     assert dg.cache_ok(fp8, fp8, 1)
     assert dg.cache_ok(fp8[:, :, 1:], fp8[:, :, 1:], 1)   # one head of two: strided, rows still aligned
     odd = torch.zeros(4, 16, 2, 136, dtype=torch.float8_e4m3fn)[..., :128]   # 136-byte head stride
     assert not dg.cache_ok(odd, fp8, 1)
+    def parts(c):
+        return c[..., :64], c[..., 64:]
     fp4 = torch.zeros(4, 16, 2, 72, dtype=torch.uint8)
-    assert dg.cache_ok(fp4, fp4, 2)
-    wide = torch.zeros(4, 16, 2, 80, dtype=torch.uint8)[..., :72]
-    assert not dg.cache_ok(fp4, wide, 2)
+    assert dg.cache_ok(parts(fp4)[0], parts(fp4)[0], 2, parts(fp4)[1], parts(fp4)[1])
+    pair = (torch.zeros(4, 16, 2, 64, dtype=torch.uint8), torch.zeros(4, 16, 2, 8, dtype=torch.uint8))
+    assert dg.cache_ok(pair[0], pair[0], 2, pair[1], pair[1])
+    wide = torch.zeros(4, 16, 2, 80, dtype=torch.uint8)[..., :72]   # 80-byte rows: packed, 16-byte aligned
+    assert dg.cache_ok(parts(wide)[0], parts(wide)[0], 2, parts(wide)[1], parts(wide)[1])
+    assert not dg.cache_ok(parts(fp4)[0], parts(wide)[0], 2, parts(fp4)[1], parts(wide)[1])   # K's pitch not V's
+    one_head = parts(fp4[:, :, 1:])   # rows 144 bytes apart a token, one head: not packed
+    assert not dg.cache_ok(one_head[0], one_head[0], 2, one_head[1], one_head[1])
 
 
 def test_gate_off_where_it_does_not_apply(monkeypatch):
@@ -211,3 +219,18 @@ def test_gpu_strided_fp4_cache_takes_the_portable_kernel(fmt, gluon_calls):
     out = _decode(p)[0]
     assert not gluon_calls
     assert 1 - cosine(out, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("b,s_q,h_q,h_kv,page,lens,splits", GPU_SHAPES[:3])
+def test_gpu_split_scales_read_as_the_rows(b, s_q, h_q, h_kv, page, lens, splits, fmt, gluon_calls):
+    """An FP4 cache as the pair (values, block scales) (16-byte copies of its 64-byte value rows) gives the row
+    layout's answer, bitwise, both on the Gluon kernel."""
+    p = _problem(b, s_q, h_q, h_kv, 128, page, lens, fmt, torch.bfloat16)
+    rows = _decode(p, num_splits=splits)
+    pair = {name: (p[name][..., :64].contiguous(), p[name][..., 64:].contiguous()) for name in ("k_cache", "v_cache")}
+    split = _decode({**p, **pair}, num_splits=splits)
+    assert len(gluon_calls) == 2
+    assert torch.equal(rows[0], split[0]) and torch.equal(rows[1], split[1])

@@ -6,7 +6,9 @@ PyTorch, replayed from graphs too: "gather+sdpa" gathers each request's pages in
 index is built once, outside the timing) and calls F.scaled_dot_product_attention on the [b, h_kv, L, d] view
 with enable_gqa (what a serving stack without a paged kernel runs); "sdpa-contiguous" is the same SDPA call on a
 cache that is already contiguous per request (no paging at all: the floor a paged kernel is held to).
-Quantised caches (FP8 per-tensor scale, NVFP4, MXFP4) at L 4k and 16k, ours only.
+Quantised caches (FP8 per-tensor scale, NVFP4, MXFP4) at L 4k and 16k, ours only; the FP4 formats in both layouts
+(kv_format.py): rows of values then block scales ("warpforge nvfp4"), and the same bytes as FlashInfer's pair of
+tensors ("warpforge nvfp4 split").
 
 Scored as 1 - cos against the fp32 reference on the unquantised cache (the bf16 values; for the quantised
 formats the values before quantisation), request 0. bytes: the K and V bytes read (the floor of a decode step).
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.paged import KV_FORMATS, paged_decode_reference, plan, quantize_kv
+from ..ops.paged.kv_format import split_fp4
 from ..testing import cosine
 from .cases import Rotation, Setup, graphed, register
 
@@ -54,6 +57,7 @@ def paged_setup(device, tiny, *, L, fmt, b=64, s_q=1):
     elif fmt == "nvfp4":
         kv_scale = torch.full((1,), AMAX / (6.0 * 448.0), device=device)
     baselines = fmt == "bf16"
+    split = KV_FORMATS[kv_format].fp4   # the FP4 formats run in both layouts
     made = []
 
     def to_cache(vals):
@@ -75,21 +79,25 @@ def paged_setup(device, tiny, *, L, fmt, b=64, s_q=1):
             if baselines:
                 st[f"{name}_bhld"] = vals[table.long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
             st[name] = to_cache(vals)
+            if split:
+                st[f"{name}_split"] = tuple(t.contiguous() for t in split_fp4(st[name], d))
             del vals
         if baselines:
             st["table_long"] = table.long()
         made.append(True)
         return st
 
-    rot = Rotation(make_set, kv_bytes * (2 if baselines else 1), device)
+    rot = Rotation(make_set, kv_bytes * (2 if baselines or split else 1), device)
     the_plan = plan(rot.sets[0]["q"], rot.sets[0]["k"], rot.sets[0]["table"], kv_format=kv_format,
                     softmax_scale=scale)
 
-    def decode(st):
-        return the_plan.run(st["q"], st["k"], st["v"], st["table"], seqlens, k_scale=kv_scale, v_scale=kv_scale,
-                            backend="triton")
+    def decode(st, layout=""):
+        return the_plan.run(st["q"], st["k" + layout], st["v" + layout], st["table"], seqlens, k_scale=kv_scale,
+                            v_scale=kv_scale, backend="triton")
 
     impls = {"warpforge" if fmt == "bf16" else f"warpforge {fmt}": graphed(decode, rot, device)}
+    if split:
+        impls[f"warpforge {fmt} split"] = graphed(lambda st: decode(st, "_split"), rot, device)
     if baselines:
         def sdpa(q, k, v):  # q [b, s_q, h_q, d]; k, v [b, h_kv, L, d] (any strides, last dim contiguous)
             out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=scale, enable_gqa=h_q != h_kv)

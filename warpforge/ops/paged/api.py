@@ -22,8 +22,9 @@ from ...runtime import check_interpreted_matmul_dtype, resolve_backend, sm_count
 from .._op import kernel_op
 from .._plan import DecodePlan
 from . import configs
-from .kv_format import BY_DTYPE, KV_FORMATS
-from .reference import append_kv_slots_reference, fp8_scales, paged_decode_reference, quantize_kv_reference
+from .kv_format import BY_DTYPE, KV_FORMATS, split_fp4
+from .reference import (append_kv_slots_reference, fp8_scales, paged_decode_reference, quantize_kv_reference,
+                        write_entries)
 
 PAGE_SIZES = (1, 8, 16, 32, 64, 128)
 MAX_S_Q = 16
@@ -43,21 +44,25 @@ def head_dims(kv_format: Optional[str] = None) -> tuple:
 
 
 # ------------------------------------------------------------------------------------------- op
-def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 cache_seqlens: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                 kv_format: str, softmax_scale: float, softcap: float, window: int, num_splits: int,
-                 cfg: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_bs: Optional[torch.Tensor],
+                 v_bs: Optional[torch.Tensor], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                 k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], kv_format: str, softmax_scale: float,
+                 softcap: float, window: int, num_splits: int, cfg: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = configs.PagedCfg(*cfg)
     fmt = KV_FORMATS[kv_format]
+    if fmt.fp4:  # the kernels read an FP4 cache as its values and block scales (a row-layout cache: views)
+        d = q.shape[3]
+        (k_cache, k_bs), (v_cache, v_bs) = (split_fp4(c if bs is None else (c, bs), d)
+                                            for c, bs in ((k_cache, k_bs), (v_cache, v_bs)))
     if cfg.gluon:  # plan()'s gluon_gate held (decode_gluon_kernel.py)
         from . import decode_gluon_kernel as dg
-        if dg.cache_ok(k_cache, v_cache, fmt.code):
+        if dg.cache_ok(k_cache, v_cache, fmt.code, k_bs, v_bs):
             return dg.paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
-                                         softmax_scale, num_splits, cfg, fmt.code)
+                                         softmax_scale, num_splits, cfg, fmt.code, k_bs, v_bs)
         cfg = _portable_cfg(q, fmt, k_cache.shape[2])  # a cache laid out otherwise: the portable kernel
     from .decode_kernel import paged_decode_fwd
     return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt,
-                            softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg)
+                            softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg, k_bs, v_bs)
 
 
 def _portable_cfg(q, fmt, h_kv) -> configs.PagedCfg:
@@ -67,8 +72,8 @@ def _portable_cfg(q, fmt, h_kv) -> configs.PagedCfg:
     return cfg._replace(block_h=plan_block_h(cfg.block_h, (q.shape[2] // h_kv) * q.shape[1]))
 
 
-def _decode_fake(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, kv_format, softmax_scale, softcap,
-                 window, num_splits, cfg):
+def _decode_fake(q, k_cache, v_cache, k_bs, v_bs, block_table, cache_seqlens, k_scale, v_scale, kv_format,
+                 softmax_scale, softcap, window, num_splits, cfg):
     b, s_q, h_q, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -103,7 +108,8 @@ class PagedPlan(DecodePlan):
                                               k_scale=k_scale, v_scale=v_scale, softcap=self.softcap,
                                               window=self.window)
         else:
-            out, lse = _paged_decode(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
+            (k_cache, k_bs), (v_cache, v_bs) = (_op_parts(c) for c in (k_cache, v_cache))
+            out, lse = _paged_decode(q, k_cache, v_cache, k_bs, v_bs, block_table, cache_seqlens, k_scale, v_scale,
                                      self.kv_format, self.softmax_scale, float(self.softcap or 0.0),
                                      -1 if self.window is None else self.window, self.num_splits, list(self.config))
         return (out, lse) if return_lse else out
@@ -112,8 +118,8 @@ class PagedPlan(DecodePlan):
 def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap=None, window=None,
          num_splits=None) -> PagedPlan:
     """A PagedPlan for decode steps shaped like these tensors (only shapes, dtypes and device are read): q [b, s_q,
-    h_q, d]; k_cache [num_pages, page_size, h_kv, width] in kv_format (see paged_decode); block_table int32 [b,
-    max_pages]. num_splits: None plans it from the shapes, an int forces it."""
+    h_q, d]; k_cache [num_pages, page_size, h_kv, width] in kv_format, or an FP4 pair (see paged_decode);
+    block_table int32 [b, max_pages]. num_splits: None plans it from the shapes, an int forces it."""
     from .decode_kernel import plan_num_splits
     kv_format = _check_shapes(q, k_cache, block_table, kv_format)
     check_positive_float("softmax_scale", softmax_scale)
@@ -121,6 +127,7 @@ def plan(q, k_cache, block_table, *, kv_format=None, softmax_scale=None, softcap
     if window is not None:
         check_int("window", window, lo=0, what="None or an int >= 0 (tokens before the query's own that it sees)")
     b, s_q, h_q, d = q.shape
+    k_cache = _values(k_cache)
     h_kv = k_cache.shape[2]
     max_tokens = block_table.shape[1] * k_cache.shape[1]
     if window is not None:
@@ -171,7 +178,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     reference.py for the exact rule). kv_format (None: from the cache's dtype): "bf16" / "fp16" / "fp32" (q's
     dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a one-element fp32 tensor, or fp32 [num_pages, h_kv]),
     "nvfp4" (uint8 rows, width d/2 + d/16; k_scale / v_scale the one-element fp32 tensor scales) or "mxfp4" (uint8,
-    d/2 + d/32); `quantize_kv` and `append_kv` write them. softcap: c · tanh(s / c); window: a query at position p
+    d/2 + d/32); an FP4 cache may also be the pair (values [.., d/2], block scales [.., d/16 or d/32]), FlashInfer's
+    layout (kv_format.py); `quantize_kv` and `append_kv` write them. softcap: c · tanh(s / c); window: a query at position p
     sees tokens p - window .. p. Forward only: tensors that require grad are refused while grad mode is on (the
     Triton op has no backward; call it under torch.no_grad() or detach).
     """
@@ -182,13 +190,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 # ------------------------------------------------------------------------------------ cache helpers
-def quantize_kv(x, kv_format, *, scale=None, per_page=False):
+def quantize_kv(x, kv_format, *, scale=None, per_page=False, split_scales=False):
     """Values x [..., h_kv, d] (e.g. whole pages [num_pages, page_size, h_kv, d]) -> (cache entries, scale) in
     kv_format. fp8: scale None computes one (per tensor, or with per_page=True per page and head from x's pages);
     nvfp4: scale None computes the tensor scale (amax over x); mxfp4 and the values formats take no scale (None
     comes back). Pass the returned scale to paged_decode as k_scale / v_scale. The values formats ("bf16", "fp16",
     "fp32") are a plain cast, as Tensor.to: a value past fp16's range becomes ±inf there (checking would need a host
-    read)."""
+    read). split_scales (nvfp4 / mxfp4 only): the entries as the pair (values [..., d/2], block scales [...,
+    d/block]), FlashInfer's layout, which paged_decode and the append helpers take wherever a cache goes."""
     check_tensor("x", x)
     check_dtype("x", x, FLOATS)
     check_choice("kv_format", kv_format, KV_FORMATS)
@@ -198,6 +207,8 @@ def quantize_kv(x, kv_format, *, scale=None, per_page=False):
     _check_fp4_head_dim(kv_format, x.shape[-1])
     if not isinstance(per_page, bool) or (per_page and (kv_format != "fp8" or x.dim() != 4)):
         fail("per_page", "a bool, True only for fp8 pages [num_pages, page_size, h_kv, d]", repr(per_page))
+    if not isinstance(split_scales, bool) or (split_scales and not fmt.fp4):
+        fail("split_scales", "a bool, True only for nvfp4 / mxfp4", repr(split_scales))
     # before a scale is computed from x: a NaN would make it NaN and the error would name `scale`
     if fmt.quantized and host_reads_allowed(x) and not bool(torch.isfinite(x).all()):
         fail("x", "finite values (a NaN or inf has no place in a quantised cache)", "NaN or inf")
@@ -213,7 +224,7 @@ def quantize_kv(x, kv_format, *, scale=None, per_page=False):
                               per_page_ok=kv_format == "fp8")
     elif scale is not None:
         fail("scale", f"None for kv_format {kv_format!r}", type(scale).__name__)
-    return quantize_kv_reference(x, kv_format, scale), scale
+    return quantize_kv_reference(x, kv_format, scale, split_scales), scale
 
 
 def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_format=None, k_scale=None,
@@ -230,54 +241,58 @@ def append_kv(k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, *, kv_
     of the writes would win)."""
     _check_tokens("k_new", k_new, 1 << 30)
     kv_format = _check_cache("k_cache", k_cache, kv_format, k_new.dtype, k_new.shape[3], "k_new", k_new)
-    if k_cache.shape[2] != k_new.shape[2]:
-        fail("k_new", f"{k_cache.shape[2]} kv heads (the cache's)", k_new.shape[2])
+    kc = _values(k_cache)
+    if kc.shape[2] != k_new.shape[2]:
+        fail("k_new", f"{kc.shape[2]} kv heads (the cache's)", k_new.shape[2])
     _check_int32("block_table", block_table, "k_new", k_new, 2)
-    for name, t in (("v_cache", v_cache), ("v_new", v_new)):
-        check_tensor(name, t)
-        check_same_device(name, t, "k_cache", k_cache)
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
-             f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    _check_like_k_cache(v_cache, k_cache)
+    check_tensor("v_new", v_new)
+    check_same_device("v_new", v_new, "k_cache", kc)
     _check_writable(k_cache, v_cache, "append_kv")
     if v_new.shape != k_new.shape:
         fail("v_new", f"k_new's shape {tuple(k_new.shape)}", tuple(v_new.shape))
     check_same_dtype("v_new", v_new, "k_new", k_new)
     b, s_new = k_new.shape[:2]
     _check_int32("cache_seqlens", cache_seqlens, "k_new", k_new, 1)
-    scales = _append_scales(kv_format, k_cache, k_scale, v_scale)
-    num_pages, page = k_cache.shape[:2]
+    scales = _append_scales(kv_format, kc, k_scale, v_scale)
+    num_pages, page = kc.shape[:2]
     capacity = block_table.shape[1] * page
     if b and num_pages == 0:
         fail("k_cache", "at least one page to append to", "0 pages")
     if b and capacity < s_new:
         fail("block_table", f"room for {s_new} new tokens per request ({page}-token pages)",
              f"{block_table.shape[1]} pages per request")
-    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=k_cache.device)[None, :]  # [b, s_new]
+    pos = cache_seqlens.long()[:, None] + torch.arange(s_new, device=kc.device)[None, :]  # [b, s_new]
     # The values go unchecked under capture: positions are clamped into the table and page numbers into the cache,
     # so no write lands outside them (the tokens of a bad entry overwrite some page instead).
     pos = pos.clamp(0, capacity - 1)
     entries = torch.gather(block_table, 1, pos // page)
     slots = pos % page
-    if host_reads_allowed(k_cache):
+    if host_reads_allowed(kc):
         _check_append_values(cache_seqlens, entries, entries.long() * page + slots, num_pages, capacity, s_new,
                              (k_new, v_new) if KV_FORMATS[kv_format].quantized else ())
     pages = entries.long().clamp(0, num_pages - 1)
     for cache, new, scale in ((k_cache, k_new, scales[0]), (v_cache, v_new, scales[1])):
-        cache[pages, slots] = quantize_kv_reference(new, kv_format, scale).to(cache.dtype)
+        write_entries(cache, (pages, slots), quantize_kv_reference(new, kv_format, scale, _is_pair(cache)))
 
 
-def _append_slots_impl(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-                       kv_format: str) -> None:
+def _append_slots_impl(k_cache: torch.Tensor, v_cache: torch.Tensor, k_bs: Optional[torch.Tensor],
+                       v_bs: Optional[torch.Tensor], k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], kv_format: str) -> None:
     from .append_kernel import append_slots_fwd
-    append_slots_fwd(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, KV_FORMATS[kv_format],
-                     configs.APPEND.lookup(k.device))
+    fmt = KV_FORMATS[kv_format]
+    if fmt.fp4:  # the kernel writes an FP4 cache as its values and block scales (a row-layout cache: views)
+        d = k.shape[2]
+        (k_cache, k_bs), (v_cache, v_bs) = (split_fp4(c if bs is None else (c, bs), d)
+                                            for c, bs in ((k_cache, k_bs), (v_cache, v_bs)))
+    append_slots_fwd(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, fmt, configs.APPEND.lookup(k.device),
+                     k_bs, v_bs)
 
 
-# registered with the caches as mutated arguments: torch.compile and functionalisation see the write
+# registered with the caches (and an FP4 pair's block scales) as mutated arguments: torch.compile and
+# functionalisation see the write
 _append_slots_op = kernel_op("paged_append_kv_slots", _append_slots_impl, lambda *args: None,
-                             mutates_args=("k_cache", "v_cache"))
+                             mutates_args=("k_cache", "v_cache", "k_bs", "v_bs"))
 
 
 def append_kv_slots(k_cache, v_cache, k, v, slot_mapping, *, kv_format=None, k_scale=None, v_scale=None,
@@ -300,15 +315,13 @@ def append_kv_slots(k_cache, v_cache, k, v, slot_mapping, *, kv_format=None, k_s
         fail("k", f"head dim {_HEAD_DIMS_SAY}", k.shape[2])
     check_last_dim_contiguous("k", k)
     kv_format = _check_cache("k_cache", k_cache, kv_format, k.dtype, k.shape[2], "k", k)
-    if k_cache.shape[2] != k.shape[1]:
-        fail("k", f"{k_cache.shape[2]} kv heads (the cache's)", k.shape[1])
-    for name, t in (("v_cache", v_cache), ("v", v), ("slot_mapping", slot_mapping)):
+    kc = _values(k_cache)
+    if kc.shape[2] != k.shape[1]:
+        fail("k", f"{kc.shape[2]} kv heads (the cache's)", k.shape[1])
+    _check_like_k_cache(v_cache, k_cache)
+    for name, t in (("v", v), ("slot_mapping", slot_mapping)):
         check_tensor(name, t)
         check_same_device(name, t, "k", k)
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
-        fail("v_cache", f"k_cache's shape and dtype {tuple(k_cache.shape)} {k_cache.dtype}",
-             f"{tuple(v_cache.shape)} {v_cache.dtype}")
-    check_last_dim_contiguous("v_cache", v_cache)
     _check_writable(k_cache, v_cache, "append_kv_slots")
     if v.shape != k.shape:
         fail("v", f"k's shape {tuple(k.shape)}", tuple(v.shape))
@@ -320,15 +333,16 @@ def append_kv_slots(k_cache, v_cache, k, v, slot_mapping, *, kv_format=None, k_s
         fail("slot_mapping", f"{k.shape[0]} slots (one per token of k)", slot_mapping.shape[0])
     if slot_mapping.numel() and slot_mapping.stride(0) != 1:
         fail("slot_mapping", "a contiguous tensor", f"stride {slot_mapping.stride(0)}")
-    k_scale, v_scale = _append_scales(kv_format, k_cache, k_scale, v_scale)
+    k_scale, v_scale = _append_scales(kv_format, kc, k_scale, v_scale)
     backend = resolve_backend(backend, k.device)
-    capacity = k_cache.shape[0] * k_cache.shape[1]
+    capacity = kc.shape[0] * kc.shape[1]
     if host_reads_allowed(k) and k.shape[0]:
         _check_slot_values(slot_mapping, capacity, (k, v) if KV_FORMATS[kv_format].quantized else ())
     if backend == "reference":
         append_kv_slots_reference(k_cache, v_cache, k, v, slot_mapping, kv_format, k_scale, v_scale)
     else:
-        _append_slots_op(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, kv_format)
+        (kc, k_bs), (vc, v_bs) = (_op_parts(c) for c in (k_cache, v_cache))
+        _append_slots_op(kc, vc, k_bs, v_bs, k, v, slot_mapping, k_scale, v_scale, kv_format)
 
 
 def _slot_flags(flat, capacity):
@@ -383,17 +397,43 @@ def _append_scales(kv_format, k_cache, k_scale, v_scale):
 
 
 def _check_writable(k_cache, v_cache, op):
-    """Caches a writer may fill in place: each element its own memory, K apart from V, no grad required."""
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+    """Caches a writer may fill in place: each element its own memory, K apart from V (an FP4 pair: each of its
+    four tensors apart from the others), no grad required."""
+    if _is_pair(k_cache):
+        named = _named_parts("k_cache", k_cache) + _named_parts("v_cache", v_cache)
+        for (kn, kp), (vn, vp) in zip(named[:2], named[2:]):
+            _check_writable_pair(kn, kp, vn, vp, op)
+        for i, (an, a) in enumerate(named):
+            for bn, b in named[i + 1:]:
+                if a.shape != b.shape and _bytes_meet(a, b):
+                    fail(bn, f"a tensor apart from {an} ({op} writes both)", f"memory shared with {an}")
+        return
+    _check_writable_pair("k_cache", k_cache, "v_cache", v_cache, op)
+
+
+def _bytes_meet(a, b) -> bool:
+    """Whether the byte ranges a and b span in one storage meet (metadata only)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    lo = [t.storage_offset() * t.element_size() for t in (a, b)]
+    hi = [lo_t + (sum((n - 1) * st for st, n in zip(t.stride(), t.shape)) + 1) * t.element_size()
+          for lo_t, t in zip(lo, (a, b))]
+    return lo[0] < hi[1] and lo[1] < hi[0]
+
+
+def _check_writable_pair(k_name, k_cache, v_name, v_cache, op):
+    for name, cache in ((k_name, k_cache), (v_name, v_cache)):
         # an expanded cache (stride 0) has one slot under many indices: a write to one page would show in all
         # (metadata only, but not traceable: unchecked while torch.compile traces, like _overlaps)
         if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(cache) == 1:
             fail(name, f"a cache whose elements are each their own memory ({op} writes it in place)",
                  f"an expanded or self-overlapping view, strides {cache.stride()}")
     if _overlaps(k_cache, v_cache):
-        fail("v_cache", "a tensor apart from k_cache (the V write would overwrite the K tokens)",
-             "memory shared with k_cache")
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        fail(v_name, f"a tensor apart from {k_name} (the V write would overwrite the K tokens)",
+             f"memory shared with {k_name}")
+    for name, cache in ((k_name, k_cache), (v_name, v_cache)):
         # autograd refuses the in-place write on a leaf (a raw RuntimeError), and a cache in a graph is of no use
         # to the forward-only decode
         if torch.is_grad_enabled() and cache.requires_grad:
@@ -401,35 +441,92 @@ def _check_writable(k_cache, v_cache, op):
                  "torch.no_grad() or pass cache.detach(), which shares its memory)", "requires_grad=True")
 
 
+def _is_pair(cache) -> bool:
+    """An FP4 cache given as (values, block scales) (kv_format.py)."""
+    return isinstance(cache, (tuple, list))
+
+
+def _values(cache):
+    """The tensor that carries a cache's [num_pages, page_size, h_kv, ·] shape: the cache, or a pair's values."""
+    return cache[0] if _is_pair(cache) and len(cache) else cache
+
+
+def _op_parts(cache):
+    """(cache tensor, block scales or None): what the ops take."""
+    return (cache[0], cache[1]) if _is_pair(cache) else (cache, None)
+
+
+def _named_parts(name, cache):
+    """[(name, tensor)] of a cache argument: itself, or a pair's values and block scales."""
+    if not _is_pair(cache):
+        return [(name, cache)]
+    if len(cache) != 2:
+        fail(name, "a tensor, or for nvfp4 / mxfp4 the pair (values, block scales)",
+             f"a {type(cache).__name__} of {len(cache)}")
+    return [(f"{name}[0]", cache[0]), (f"{name}[1]", cache[1])]
+
+
+def _part_widths(name, cache, fmt, d):
+    """[(name, tensor, last dim)] a cache argument must have in format fmt at head dim d: one tensor of
+    fmt.width(d), or for an FP4 pair the values (d / 2) and the block scales (d / block)."""
+    parts = _named_parts(name, cache)
+    if len(parts) == 1:
+        return [(name, cache, fmt.width(d))]
+    if not fmt.fp4:
+        fail(name, f"a tensor for kv_format {fmt.name!r} (a pair (values, block scales) only for nvfp4 / mxfp4)",
+             f"a {type(cache).__name__}")
+    return [parts[0] + (d // 2,), parts[1] + (fmt.scale_width(d),)]
+
+
 def _check_cache(name, cache, kv_format, dtype, d, ref_name, ref):
-    """A [num_pages, page_size, h_kv, width] cache for values of `dtype` (ref's) and head dim d; returns its format's
-    name (kv_format, or the one the cache's dtype implies)."""
-    check_tensor(name, cache)
-    check_same_device(name, cache, ref_name, ref)
-    check_rank(name, cache, 4)
+    """A [num_pages, page_size, h_kv, width] cache (FP4: or the pair (values [.., d/2], block scales [.., d/block]))
+    for values of `dtype` (ref's) and head dim d; returns its format's name (kv_format, or the one the cache's dtype
+    implies)."""
+    lead_name, lead = _named_parts(name, cache)[0]
+    check_tensor(lead_name, lead)
     if kv_format is None:
-        kv_format = BY_DTYPE.get(cache.dtype)
-        if kv_format is None and cache.dtype == torch.uint8:
+        kv_format = BY_DTYPE.get(lead.dtype)
+        if kv_format is None and lead.dtype == torch.uint8:
             fail("kv_format", "given for a uint8 cache (\"nvfp4\" or \"mxfp4\")", None)
         if kv_format is None:
-            fail(name, "dtype in (bfloat16, float16, float32, float8_e4m3fn), or uint8 with kv_format \"nvfp4\" or "
-                 "\"mxfp4\"", str(cache.dtype).replace("torch.", ""))
+            fail(lead_name, "dtype in (bfloat16, float16, float32, float8_e4m3fn), or uint8 with kv_format "
+                 "\"nvfp4\" or \"mxfp4\"", str(lead.dtype).replace("torch.", ""))
     check_choice("kv_format", kv_format, KV_FORMATS)
     fmt = KV_FORMATS[kv_format]
     _check_fp4_head_dim(kv_format, d)
-    # the cache against its format first, then an unquantised format against the values' dtype: either mismatch
-    # names what is wrong (an fp32 cache under kv_format 'fp16' is not "q's dtype")
-    if cache.dtype != fmt.storage:
-        fail(name, f"dtype {_short(fmt.storage)} for kv_format {kv_format!r}", _short(cache.dtype))
-    if not fmt.quantized and fmt.storage != dtype:
-        fail(name, f"dtype {_short(dtype)} ({ref_name}'s: an unquantised cache holds {ref_name}'s dtype; kv_format "
-             f"{kv_format!r} is {_short(fmt.storage)})", _short(cache.dtype))
-    if cache.shape[1] not in PAGE_SIZES:
-        fail(name, f"page size in {PAGE_SIZES}", cache.shape[1])
-    if cache.shape[3] != fmt.width(d):
-        fail(name, f"{fmt.width(d)} entries per token and head for {kv_format} at head dim {d}", cache.shape[3])
-    check_last_dim_contiguous(name, cache)
+    for part_name, part, width in _part_widths(name, cache, fmt, d):
+        check_tensor(part_name, part)
+        check_same_device(part_name, part, ref_name, ref)
+        check_rank(part_name, part, 4)
+        # the cache against its format first, then an unquantised format against the values' dtype: either
+        # mismatch names what is wrong (an fp32 cache under kv_format 'fp16' is not "q's dtype")
+        if part.dtype != fmt.storage:
+            fail(part_name, f"dtype {_short(fmt.storage)} for kv_format {kv_format!r}", _short(part.dtype))
+        if not fmt.quantized and fmt.storage != dtype:
+            fail(part_name, f"dtype {_short(dtype)} ({ref_name}'s: an unquantised cache holds {ref_name}'s dtype; "
+                 f"kv_format {kv_format!r} is {_short(fmt.storage)})", _short(part.dtype))
+        if part.shape[1] not in PAGE_SIZES:
+            fail(part_name, f"page size in {PAGE_SIZES}", part.shape[1])
+        if part.shape[:3] != lead.shape[:3]:
+            fail(part_name, f"{lead_name}'s [num_pages, page_size, h_kv] {tuple(lead.shape[:3])}",
+                 tuple(part.shape[:3]))
+        if part.shape[3] != width:
+            fail(part_name, f"{width} entries per token and head for {kv_format} at head dim {d}", part.shape[3])
+        check_last_dim_contiguous(part_name, part)
     return kv_format
+
+
+def _check_like_k_cache(v_cache, k_cache):
+    """v_cache: k_cache's form (tensor or pair), shapes, dtypes and device (k_cache checked by _check_cache)."""
+    if _is_pair(v_cache) != _is_pair(k_cache):
+        fail("v_cache", "a pair (values, block scales) like k_cache" if _is_pair(k_cache) else "a tensor like "
+             "k_cache", type(v_cache).__name__)
+    for (kn, kp), (vn, vp) in zip(_named_parts("k_cache", k_cache), _named_parts("v_cache", v_cache)):
+        check_tensor(vn, vp)
+        check_same_device(vn, vp, kn, kp)
+        if vp.shape != kp.shape or vp.dtype != kp.dtype:
+            fail(vn, f"{kn}'s shape and dtype {tuple(kp.shape)} {kp.dtype}", f"{tuple(vp.shape)} {vp.dtype}")
+        check_last_dim_contiguous(vn, vp)
 
 
 _HEAD_DIMS_SAY = "a multiple of 8 from 8 to 256"
@@ -464,7 +561,7 @@ def _check_shapes(q, k_cache, block_table, kv_format):
     """What plan() reads: shapes, dtypes, the format. Returns the format's name."""
     _check_tokens("q", q, MAX_S_Q)
     kv_format = _check_cache("k_cache", k_cache, kv_format, q.dtype, q.shape[3], "q", q)
-    h_q, h_kv = q.shape[2], k_cache.shape[2]
+    h_q, h_kv = q.shape[2], _values(k_cache).shape[2]
     if h_kv < 1 or h_q % h_kv:
         fail("k_cache", f"a number of kv heads dividing q's {h_q}", h_kv)
     _check_int32("block_table", block_table, "q", q, 2)
@@ -480,18 +577,21 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
         fail("q", f"[{p.batch}, {p.s_q}, {p.h_q}, {p.head_dim}] {p.dtype} (the plan's)", f"{tuple(q.shape)} {q.dtype}")
     check_last_dim_contiguous("q", q)
     fmt = KV_FORMATS[p.kv_format]
-    width = fmt.width(p.head_dim)
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, cache)
-        check_same_device(name, cache, "q", q)
-        check_no_grad(name, cache, "paged_decode")
-        if cache.dim() != 4 or tuple(cache.shape[1:]) != (p.page_size, p.h_kv, width) or \
-                cache.dtype != (fmt.storage if fmt.quantized else q.dtype):
-            fail(name, f"a [num_pages, {p.page_size}, {p.h_kv}, {width}] {p.kv_format} cache (the plan's)",
-                 f"{tuple(cache.shape)} {cache.dtype}")
-        check_last_dim_contiguous(name, cache)
-    if v_cache.shape[0] != k_cache.shape[0]:
-        fail("v_cache", f"{k_cache.shape[0]} pages (like k_cache)", v_cache.shape[0])
+    num_pages = None
+    for side, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        for name, part, width in _part_widths(side, cache, fmt, p.head_dim):
+            check_tensor(name, part)
+            check_same_device(name, part, "q", q)
+            check_no_grad(name, part, "paged_decode")
+            if part.dim() != 4 or tuple(part.shape[1:]) != (p.page_size, p.h_kv, width) or \
+                    part.dtype != (fmt.storage if fmt.quantized else q.dtype):
+                fail(name, f"a [num_pages, {p.page_size}, {p.h_kv}, {width}] {p.kv_format} cache (the plan's)",
+                     f"{tuple(part.shape)} {part.dtype}")
+            check_last_dim_contiguous(name, part)
+            if num_pages is None:
+                num_pages = part.shape[0]
+            elif part.shape[0] != num_pages:
+                fail(name, f"{num_pages} pages (like k_cache)", part.shape[0])
     _check_int32("block_table", block_table, "q", q, 2)
     if block_table.shape[1] != p.max_pages:
         fail("block_table", f"{p.max_pages} pages per request (the plan's)", block_table.shape[1])
@@ -499,8 +599,7 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
     scales = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if p.kv_format == "fp8":
-            scales.append(_scale_tensor(name, 1.0 if scale is None else scale, "q", q, k_cache.shape[0], p.h_kv,
-                                        True))
+            scales.append(_scale_tensor(name, 1.0 if scale is None else scale, "q", q, num_pages, p.h_kv, True))
         elif p.kv_format == "nvfp4":
             if scale is None:
                 fail(name, "nvfp4's one-element fp32 tensor scale (from quantize_kv)", None)
@@ -512,7 +611,7 @@ def _check_step(p: PagedPlan, q, k_cache, v_cache, block_table, cache_seqlens, k
         if scales[-1] is not None:
             check_no_grad(name, scales[-1], "paged_decode")
     if host_reads_allowed(q):
-        _check_table_values(k_cache.shape[0], p.page_size, block_table, cache_seqlens, p.s_q)
+        _check_table_values(num_pages, p.page_size, block_table, cache_seqlens, p.s_q)
     return scales[0], scales[1]
 
 

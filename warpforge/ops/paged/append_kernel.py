@@ -122,10 +122,10 @@ def _fp4_rows(xe, xo, SCALE, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _write_rows(SRC, DST, t64, h64, ok, dst_row, stride_st, stride_sh, stride_dh, SCALE, D: tl.constexpr,
-                BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
+def _write_rows(SRC, DST, BS, t64, h64, ok, dst_row, bs_row, stride_st, stride_sh, stride_dh, stride_bh, SCALE,
+                D: tl.constexpr, BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
     """Tokens t64 of head h64 of SRC [T, h_kv, d] quantised into the cache rows at element offsets dst_row
-    (int64) of DST; rows where ok is False untouched."""
+    (int64) of DST (FP4: the packed values; their block scales at bs_row of BS); rows where ok is False untouched."""
     src = SRC + t64[:, None] * stride_st + h64 * stride_sh
     dst = DST + dst_row[:, None] + h64 * stride_dh
     if KV_FMT < 2:
@@ -149,14 +149,16 @@ def _write_rows(SRC, DST, t64, h64, ok, dst_row, stride_st, stride_sh, stride_dh
         tl.store(dst + cols[None, :], packed, mask=m)
         NB: tl.constexpr = BLOCK_D // GROUP
         offs_s = tl.arange(0, NB)
-        tl.store(dst + D // 2 + offs_s[None, :], sbytes, mask=ok[:, None] & (offs_s < D // GROUP)[None, :])
+        bs = BS + bs_row[:, None] + h64 * stride_bh
+        tl.store(bs + offs_s[None, :], sbytes, mask=ok[:, None] & (offs_s < D // GROUP)[None, :])
 
 
 @triton.jit
 def append_slots_kernel(
-    K, V, K_CACHE, V_CACHE, SLOTS, K_SCALE, V_SCALE, num_tokens, capacity,
+    K, V, K_CACHE, V_CACHE, K_BS, V_BS, SLOTS, K_SCALE, V_SCALE, num_tokens, capacity,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcp, stride_kct, stride_kch, stride_vcp, stride_vct, stride_vch,
+    stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt, stride_vbh,   # FP4: the block scales'
     PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -170,28 +172,31 @@ def append_slots_kernel(
     page = slot // PAGE
     row = slot % PAGE
     t64 = t.to(tl.int64)
-    _write_rows(K, K_CACHE, t64, h64, ok, page * stride_kcp + row * stride_kct, stride_kt, stride_kh, stride_kch,
-                K_SCALE, D, BLOCK_D, KV_FMT, GROUP)
-    _write_rows(V, V_CACHE, t64, h64, ok, page * stride_vcp + row * stride_vct, stride_vt, stride_vh, stride_vch,
-                V_SCALE, D, BLOCK_D, KV_FMT, GROUP)
+    _write_rows(K, K_CACHE, K_BS, t64, h64, ok, page * stride_kcp + row * stride_kct, page * stride_kbp +
+                row * stride_kbt, stride_kt, stride_kh, stride_kch, stride_kbh, K_SCALE, D, BLOCK_D, KV_FMT, GROUP)
+    _write_rows(V, V_CACHE, V_BS, t64, h64, ok, page * stride_vcp + row * stride_vct, page * stride_vbp +
+                row * stride_vbt, stride_vt, stride_vh, stride_vch, stride_vbh, V_SCALE, D, BLOCK_D, KV_FMT, GROUP)
 
 
-def append_slots_fwd(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, fmt, cfg):
+def append_slots_fwd(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale, fmt, cfg, k_bs=None, v_bs=None):
     """Launches append_slots_kernel: k / v [T, h_kv, d], slot_mapping [T] (int32 or int64), scales fp32 one-element
-    tensors (fp8 / nvfp4) or None."""
+    tensors (fp8 / nvfp4) or None. FP4: the caches are the packed values and k_bs / v_bs the block scales
+    (kv_format.split_fp4)."""
     t, h_kv, d = k.shape
     if t == 0 or k_cache.shape[0] == 0:
         return
     group = max(fmt.group, 1)
     block_d = max(32 if fmt.fp4 else 16, triton.next_power_of_2(d))
     dummy = slot_mapping
+    if k_bs is None:   # no block scales: pointers the kernel does not read
+        k_bs, v_bs = k_cache, v_cache
     grid = (triton.cdiv(t, cfg.block_t), h_kv)
     append_slots_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, k_scale if k_scale is not None else dummy,
+        k, v, k_cache, v_cache, k_bs, v_bs, slot_mapping, k_scale if k_scale is not None else dummy,
         v_scale if v_scale is not None else dummy, t, k_cache.shape[0] * k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2),
+        v_cache.stride(2), *k_bs.stride()[:3], *v_bs.stride()[:3],
         PAGE=k_cache.shape[1], D=d, BLOCK_D=block_d, KV_FMT=fmt.code, GROUP=group, BLOCK_T=cfg.block_t,
         num_warps=cfg.warps,
     )

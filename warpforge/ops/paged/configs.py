@@ -52,8 +52,9 @@ DECODE = TileTable({
 
 
 # The Gluon kernel (decode_gluon_kernel.py), where api.gluon_gate holds: sm_90 and a Triton in GLUON_TRITON_VERSIONS,
-# an fp8 / nvfp4 / mxfp4 cache (mxfp4 under bf16 q), d 128, GQA group · s_q <= 16, no softcap or window; FP4 caches
-# contiguous, FP8 rows 16-byte aligned (else the portable kernel, decided per call: decode_gluon_kernel.cache_ok).
+# an fp8 / nvfp4 / mxfp4 cache (mxfp4 under bf16 q), d 128, GQA group · s_q <= 16, no softcap or window; FP4 values
+# and block scales in packed rows, FP8 rows 16-byte aligned (else the portable kernel, decided per call:
+# decode_gluon_kernel.cache_ok).
 # WARPFORGE_PAGED_GLUON=0 turns it off.
 GLUON_ENV = "WARPFORGE_PAGED_GLUON"
 GLUON_TRITON_VERSIONS = ("3.6",)   # the kernel module's copy; tests check they agree

@@ -2,8 +2,8 @@
 its own tokens.
 
 The same problem and outputs as decode_kernel.paged_decode_split_kernel for the case the api gate sends here (a
-quantised cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window; FP4 caches
-contiguous): program (request · split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at a time and writes the
+quantised cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window; FP4 values
+and block scales in packed rows): program (request · split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at a time and writes the
 split's partials, or with one split the final out / lse. Any page size: every token row is its own cp.async.
 
 Why this kernel (benchmarks/NOTES.md, "Session 19 on the H200"): the portable kernel reads FP8 at 62-65%
@@ -24,8 +24,9 @@ probabilities round to fp16, finer than bf16), accumulate in fp32; the softmax s
 Per-tensor scales multiply the scores and the output; per-page-head scales multiply each token's scores and
 probabilities. Steps wholly inside the split and before every query row's position skip the mask.
 
-FP4 (one kernel built per format): each token row's 64 value bytes and its block scales come in by cp.async of 8 /
-4 bytes (the 72 / 68-byte rows' alignment, known because a contiguous cache's strides are compile-time constants).
+FP4 (one kernel built per format): each token row's 64 value bytes and its block scales come in by cp.async, the
+values as wide as their rows' pitch aligns them (a compile-time constant): 16 bytes for the 64-byte rows of a cache
+whose block scales are a tensor apart (kv_format.py), 8 / 4 bytes for the 72 / 68-byte rows of the row layout.
 NVFP4 reads them as 32-bit words and turns a word's eight e2m1 values into e4m3 bytes with two shift-and-mask pairs
 (_e2m1_words: one cvt a pair to fp16, the columns relabelled once more by perm_c); MXFP4 uses Gluon's fp4_to_fp
 (byte i holds values 2i and 2i + 1) and runs its dots in bf16 (its power-of-two scales may leave fp16's range). The
@@ -67,13 +68,14 @@ def perm_c(c: int) -> int:
     return (c & ~7) | ((c >> 2) & 1) | ((c & 1) << 1) | (((c >> 1) & 1) << 2)
 
 
-def _layouts(gl, tpw: int, code: int = 1, planar: bool = False):
+def _layouts(gl, tpw: int, code: int = 1, vec: int = 16):
     """(MMA, A, B, LK, LV, CP, CPS, SMEM, SMEM_S) for TPW tokens per warp and a cache format (kv_format.py's code).
     LK / LV hold a warp's [TPW, ·] K / V bytes with 32 (LK) or 16 (LV) consecutive head-dim values of a token in one
     thread's registers (FP8: that many bytes; FP4: half as many, two values a byte); decoded to 16-bit values and
     reshaped so that logical column k is head-dim column sigma_k(k) (sigma_v for V), they are the mma.sync B
     fragments of Kᵀ [128, TPW] and V [TPW, 128] with no data movement. CP / CPS: the cp.async layouts of the values
-    and (FP4) the block scales; SMEM / SMEM_S their rings' layouts."""
+    (FP4: `vec` bytes a copy, what the rows' pitch aligns) and (FP4) the block scales; SMEM / SMEM_S their rings'
+    layouts."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1], instr_shape=[1, 16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -97,8 +99,6 @@ def _layouts(gl, tpw: int, code: int = 1, planar: bool = False):
                 reg_bases=[[0, 0, 1], [0, 1, 0], [0, 8, 0]] + more,
                 lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]], warp_bases=warps, block_bases=[],
                 shape=[WARPS, tpw, D // 8])
-        # rows of 72 / 68 bytes (values then scales) are 8- / 4-byte aligned; planar 64-byte value rows 16
-        vec = 16 if planar else (8 if code == 2 else 4)
         cp = gl.BlockedLayout([1, 1, vec], [1, 32 // (64 // vec), 64 // vec], [WARPS, 1, 1], [2, 1, 0])
         n_scales = D // (16 if code == 2 else 32)
         cps = gl.BlockedLayout([1, 1, n_scales], [1, 32, 1], [WARPS, 1, 1], [2, 1, 0])   # a token's scales a thread
@@ -119,9 +119,8 @@ def _layouts(gl, tpw: int, code: int = 1, planar: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def _build(code: int = 1, planar: bool = False):
-    """The kernel for one cache format (kv_format.py's code: 1 fp8, 2 nvfp4, 3 mxfp4); FP4 planar: the values and the
-    block scales in tensors of their own (64-byte value rows)."""
+def _build(code: int = 1):
+    """The kernel for one cache format (kv_format.py's code: 1 fp8, 2 nvfp4, 3 mxfp4)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -131,10 +130,6 @@ def _build(code: int = 1, planar: bool = False):
     NVFP4 = gl.constexpr(code == 2)
     BLK = gl.constexpr(16 if code == 2 else 32)      # FP4 values a block scale covers
     N_SCALES = gl.constexpr(D // BLK.value)
-    WIDTH = gl.constexpr(D // 2 + D // BLK.value)    # FP4: a head's bytes in a token row
-    # FP4: bytes from one (token, head)'s value row to the next's, and from one block-scale row to the next's
-    VPITCH = gl.constexpr(D // 2 if planar else WIDTH.value)
-    SPITCH = gl.constexpr(D // BLK.value if planar else WIDTH.value)
     # the dots' operand type: fp16 (finer than bf16) unless MXFP4, whose power-of-two block scales may leave fp16's
     # range
     DOT = gl.constexpr(gl.bfloat16 if code == 3 else gl.float16)
@@ -173,8 +168,8 @@ def _build(code: int = 1, planar: bool = False):
     @gluon.jit
     def _fp4_rows(bt_row, n0, end, last_page, kvh, L: gl.constexpr, PAGE: gl.constexpr, TPW: gl.constexpr,
                   H_KV: gl.constexpr, OFF64: gl.constexpr):
-        """(the (token, head) rows of head kvh's FP4 bytes for tokens n0 .., tokens < end) in SliceLayout(2, L): a
-        contiguous cache of H_KV rows a token, the pitches constexpr so that the copies' alignment is known."""
+        """(the (token, head) rows of head kvh's FP4 bytes for tokens n0 .., tokens < end) in SliceLayout(2, L): rows
+        packed H_KV a token and PAGE tokens a page, their pitches constexpr so that the copies' alignment is known."""
         w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
         t = gl.arange(0, TPW, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
         tok = n0 + w[:, None] * TPW + t[None, :]
@@ -188,9 +183,9 @@ def _build(code: int = 1, planar: bool = False):
     @gluon.jit
     def _issue_fp4(K_CACHE, V_CACHE, K_BS, V_BS, k_ring, v_ring, ks_ring, vs_ring, slot, bt_row, n0, end,
                    last_page, kvh, PAGE: gl.constexpr, TPW: gl.constexpr, H_KV: gl.constexpr, CP: gl.constexpr,
-                   CPS: gl.constexpr, OFF64: gl.constexpr):
-        """_issue for FP4 rows: their 64 value bytes and their block scales (K_BS / V_BS: the first scale byte of
-        row 0) into the rings' slot (zeros past end)."""
+                   CPS: gl.constexpr, OFF64: gl.constexpr, VPITCH: gl.constexpr, SPITCH: gl.constexpr):
+        """_issue for FP4 rows: their 64 value bytes (rows VPITCH bytes apart) and their block scales (K_BS / V_BS,
+        rows SPITCH bytes apart) into the rings' slot (zeros past end)."""
         rows, ok = _fp4_rows(bt_row, n0, end, last_page, kvh, CP, PAGE, TPW, H_KV, OFF64)
         off = rows * VPITCH
         d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
@@ -312,7 +307,7 @@ def _build(code: int = 1, planar: bool = False):
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
         FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
-        OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr,
+        OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr, VPITCH: gl.constexpr, SPITCH: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
         CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
     ):
@@ -348,7 +343,7 @@ def _build(code: int = 1, planar: bool = False):
         for i in gl.static_range(STAGES - 1):
             if FP4:
                 _issue_fp4(K_CACHE, V_CACHE, K_BS, V_BS, k_ring, v_ring, ks_ring, vs_ring, i, bt_row,
-                           start + i * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+                           start + i * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64, VPITCH, SPITCH)
             else:
                 _issue(K_CACHE, V_CACHE, k_ring, v_ring, i, bt_row, start + i * BLOCK_N, end, last_page, kvh,
                        stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW, CP, OFF64,
@@ -390,7 +385,8 @@ def _build(code: int = 1, planar: bool = False):
             ahead = (i + STAGES - 1) % STAGES
             if FP4:
                 _issue_fp4(K_CACHE, V_CACHE, K_BS, V_BS, k_ring, v_ring, ks_ring, vs_ring, ahead, bt_row,
-                           start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64)
+                           start + (i + STAGES - 1) * BLOCK_N, end, last_page, kvh, PAGE, TPW, H_KV, CP, CPS, OFF64,
+                           VPITCH, SPITCH)
             else:
                 _issue(K_CACHE, V_CACHE, k_ring, v_ring, ahead, bt_row, start + (i + STAGES - 1) * BLOCK_N, end,
                        last_page, kvh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, TPW,
@@ -458,12 +454,21 @@ def available() -> bool:
     return builds(_build, GLUON_TRITON_VERSIONS)
 
 
-def cache_ok(k_cache, v_cache, code) -> bool:
-    """Caches the kernel reads (code: the format's): 16-byte aligned, and FP8 rows 16-byte aligned (its copies are 16
-    bytes), FP4 caches contiguous (their row strides are compile-time constants, so that the 8- / 4-byte alignment
-    of the 72- / 68-byte rows is known to the copies)."""
+def _packed_rows(t) -> bool:
+    """A [num_pages, page_size, h_kv, n] tensor whose (token, head) rows follow one another at one pitch
+    (t.stride(2)), 16-byte aligned at the start: the FP4 copies address row (page · page_size + token) · h_kv + head."""
+    p, ps, h, n = t.shape
+    return (t.stride(3) == 1 and t.stride(2) >= n and t.stride(1) == h * t.stride(2) and
+            (p <= 1 or t.stride(0) == ps * t.stride(1)) and t.data_ptr() % 16 == 0)
+
+
+def cache_ok(k_cache, v_cache, code, k_bs=None, v_bs=None) -> bool:
+    """Caches the kernel reads (code: the format's; k_bs / v_bs: FP4's block scales): FP8 16-byte aligned with
+    16-byte aligned rows (its copies are 16 bytes); FP4 values and scales in packed rows (_packed_rows), K's
+    pitches V's (the pitches are compile-time constants, so that the copies know the rows' alignment)."""
     if code >= 2:
-        return all(c.is_contiguous() and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache))
+        return (all(_packed_rows(t) for t in (k_cache, v_cache, k_bs, v_bs))
+                and k_cache.stride() == v_cache.stride() and k_bs.stride() == v_bs.stride())
     return all(c.data_ptr() % 16 == 0 and c.stride(3) == 1 and all(st % 16 == 0 for st in c.stride()[:3])
                for c in (k_cache, v_cache))
 
@@ -473,14 +478,11 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
     """(kernel, grid, args, constexpr kwargs) of one launch; shared by paged_decode_gluon and the compile check.
     code: the cache format's (kv_format.py: 1 fp8, 2 nvfp4, 3 mxfp4; the caches as cache_ok takes them).
     o_part / lse_part: out [b, s_q, h_q, d] / lse [b, h_q, s_q] when num_splits is 1, else the partials; cfg a
-    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages). k_bs / v_bs: FP4 block scales in
-    tensors of their own (contiguous [num_pages, page_size, h_kv, d / block]; the caches then hold the values
-    alone, [.., d / 2]), or None (they follow each row's values)."""
+    configs.PagedCfg with gluon set (block_n = 4 · tokens per warp, stages). FP4: k_cache / v_cache the packed
+    values [.., d / 2] and k_bs / v_bs the block scales [.., d / block] (kv_format.split_fp4), as cache_ok takes
+    them."""
     tpw = cfg.block_n // 4
-    planar = k_bs is not None
-    kernel, gl = _build(code, planar)
-    if not planar:   # the scales sit 64 bytes into each row (FP8: pointers the kernel does not read)
-        k_bs, v_bs = (c.view(-1)[64:] if code >= 2 else c for c in (k_cache, v_cache))
+    kernel, gl = _build(code)
     b, s_q, h_q, _ = q.shape
     h_kv = k_cache.shape[2]
     final = num_splits == 1
@@ -492,7 +494,12 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
 
     def scale_strides(t):
         return (0, 0) if mode != 2 else (t.stride(0), t.stride(1))
-    mma, a, bl, lk, lv, cp, cps, smem, smem_s = _layouts(gl, tpw, code, planar)
+    vpitch = spitch = 0
+    if code >= 2:   # the values' copies as wide as the rows' pitch aligns them (64-byte rows: 16 bytes)
+        vpitch, spitch = k_cache.stride(2), k_bs.stride(2)
+    else:           # pointers the kernel does not read
+        k_bs, v_bs = k_cache, v_cache
+    mma, a, bl, lk, lv, cp, cps, smem, smem_s = _layouts(gl, tpw, code, min(16, vpitch & -vpitch) if vpitch else 16)
     args = (q, k_cache, v_cache, k_bs, v_bs, block_table, cache_seqlens, k_scale, v_scale, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -502,14 +509,15 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
             max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
                 STAGES=cfg.stages,
-                OFF64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
-                KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3],
+                # element offsets past int32 (a tensor's span: its pages times their stride)
+                OFF64=max(t.shape[0] * t.stride(0) for t in (k_cache, v_cache, k_bs, v_bs)) >= 2 ** 31,
+                KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3], VPITCH=vpitch, SPITCH=spitch,
                 MMA=mma, A=a, B=bl, LK=lk, LV=lv, CP=cp, CPS=cps, SMEM=smem, SMEM_S=smem_s, num_warps=WARPS)
     return kernel, (num_splits * b * h_kv, ), args, meta
 
 
 def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, softmax_scale, num_splits,
-                       cfg, code=1):
+                       cfg, code=1, k_bs=None, v_bs=None):
     """The Gluon path of paged_decode_fwd (see api.gluon_gate; code: the cache format's): (out,
     lse) as the portable launcher returns them, through the same partials + combine_splits when num_splits > 1."""
     from ..shared_kernels import combine_splits
@@ -519,7 +527,7 @@ def paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale,
         return out, lse
     final = num_splits == 1
     kernel, grid, args, meta = launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
-                                           softmax_scale, o_part, lse_part, num_splits, cfg, code)
+                                           softmax_scale, o_part, lse_part, num_splits, cfg, code, k_bs, v_bs)
     kernel[grid](*args, **meta)
     if not final:
         combine_splits(o_part, lse_part, out, lse, h_q, s_q)
@@ -539,6 +547,7 @@ def compile_sm90(cfg, group=4, s_q=1, num_splits=1, page=16, scale_mode=1, code=
     h_q = group * h_kv
     q = torch.empty(b, s_q, h_q, D, dtype=torch.bfloat16)
     kc = torch.empty(pages, page, h_kv, width, dtype=storage)
+    kc, kbs = (kc[..., :D // 2], kc[..., D // 2:]) if code >= 2 else (kc, None)   # FP4: kv_format.split_fp4
     if code >= 2:   # FP4 scales: NVFP4's per tensor, MXFP4 none
         scale_mode = 1 if code == 2 else 0
     table = torch.zeros(b, max_pages, dtype=torch.int32)
@@ -546,5 +555,5 @@ def compile_sm90(cfg, group=4, s_q=1, num_splits=1, page=16, scale_mode=1, code=
     _, _, o_part, lse_part = decode_outputs(q, num_splits)
     scale = [None, torch.ones(1), torch.ones(pages, h_kv)][scale_mode]
     kernel, grid, args, meta = launch_args(q, kc, kc, table, lens, scale, scale, D ** -0.5, o_part, lse_part,
-                                           num_splits, cfg, code)
+                                           num_splits, cfg, code, kbs, kbs)
     return compile_report(kernel, args, grid, meta, arch)

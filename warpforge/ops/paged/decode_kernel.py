@@ -33,12 +33,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _raw_tile(CACHE, row_off, kvh64, tok_ok, stride_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
-              KV_FMT: tl.constexpr, GROUP: tl.constexpr):
-    """The stored bytes of the token rows at element offsets row_off (int64) of one kv head, undecoded: (values or
-    e4m3 codes [BLOCK_N, BLOCK_D], a dummy) for KV_FMT 0 / 1; (packed e2m1 [BLOCK_N, BLOCK_D / 2], block-scale
-    bytes [BLOCK_N, BLOCK_D / GROUP]) for FP4 (kv_format.py's rows)."""
-    base = CACHE + row_off[:, None] + kvh64 * stride_h
+def _raw_tile(CACHE, BS, page, slot, kvh64, tok_ok, stride_p, stride_t, stride_h, bs_p, bs_t, bs_h, D: tl.constexpr,
+              BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
+    """The stored bytes of one kv head's token rows (pages `page`, rows `slot`, int64), undecoded: (values or e4m3
+    codes [BLOCK_N, BLOCK_D], a dummy) for KV_FMT 0 / 1; (packed e2m1 [BLOCK_N, BLOCK_D / 2], block-scale bytes
+    [BLOCK_N, BLOCK_D / GROUP] from BS with strides bs_*) for FP4 (kv_format.py)."""
+    base = CACHE + (page * stride_p + slot * stride_t + kvh64 * stride_h)[:, None]
     if KV_FMT < 2:
         offs = tl.arange(0, BLOCK_D)
         data = tl.load(base + offs[None, :], mask=tok_ok[:, None] & (offs < D)[None, :], other=0.0)
@@ -47,24 +47,25 @@ def _raw_tile(CACHE, row_off, kvh64, tok_ok, stride_h, D: tl.constexpr, BLOCK_D:
         cols = tl.arange(0, BLOCK_D // 2)
         data = tl.load(base + cols[None, :], mask=tok_ok[:, None] & (cols < D // 2)[None, :], other=0)
         offs_s = tl.arange(0, BLOCK_D // GROUP)
-        sbytes = tl.load(base + D // 2 + offs_s[None, :], mask=tok_ok[:, None] & (offs_s < D // GROUP)[None, :],
-                         other=0)
+        sbase = BS + (page * bs_p + slot * bs_t + kvh64 * bs_h)[:, None]
+        sbytes = tl.load(sbase + offs_s[None, :], mask=tok_ok[:, None] & (offs_s < D // GROUP)[None, :], other=0)
     return data, sbytes
 
 
 @triton.jit
-def _step_bytes(K_CACHE, V_CACHE, bt_row, tok, end, last_page, kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
-                stride_vt, stride_vh, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                KV_FMT: tl.constexpr, GROUP: tl.constexpr):
+def _step_bytes(K_CACHE, V_CACHE, K_BS, V_BS, bt_row, tok, end, last_page, kvh64, stride_kp, stride_kt, stride_kh,
+                stride_vp, stride_vt, stride_vh, stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt,
+                stride_vbh, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr,
+                GROUP: tl.constexpr):
     """The raw K and V bytes of tokens `tok` (those >= end masked off), page ids looked up and clamped here: the
     prefetch's load of a step ahead."""
     ok = tok < end
     page = tl.minimum(tl.maximum(tl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page).to(tl.int64)
     slot = (tok % PAGE).to(tl.int64)
-    k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, ok, stride_kh, D, BLOCK_D, KV_FMT,
-                            GROUP)
-    v_raw, v_sb = _raw_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, ok, stride_vh, D, BLOCK_D, KV_FMT,
-                            GROUP)
+    k_raw, k_sb = _raw_tile(K_CACHE, K_BS, page, slot, kvh64, ok, stride_kp, stride_kt, stride_kh, stride_kbp,
+                            stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT, GROUP)
+    v_raw, v_sb = _raw_tile(V_CACHE, V_BS, page, slot, kvh64, ok, stride_vp, stride_vt, stride_vh, stride_vbp,
+                            stride_vbt, stride_vbh, D, BLOCK_D, KV_FMT, GROUP)
     return k_raw, k_sb, v_raw, v_sb
 
 
@@ -76,8 +77,8 @@ def _v_bytes(V_CACHE, bt_row, tok, end, last_page, kvh64, stride_vp, stride_vt, 
     registers, which no asynchronous copy can do)."""
     ok = tok < end
     page = tl.minimum(tl.maximum(tl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page).to(tl.int64)
-    v_raw, _ = _raw_tile(V_CACHE, page * stride_vp + (tok % PAGE).to(tl.int64) * stride_vt, kvh64, ok, stride_vh, D,
-                         BLOCK_D, 1, 1)
+    v_raw, _ = _raw_tile(V_CACHE, V_CACHE, page, (tok % PAGE).to(tl.int64), kvh64, ok, stride_vp, stride_vt,
+                         stride_vh, 0, 0, 0, D, BLOCK_D, 1, 1)
     return v_raw
 
 
@@ -149,9 +150,10 @@ def _fp8_step_t(q8, q8_lo, q_scale, k8, v8, ks, vs, tok, tok_ok, pos, window, ac
 
 @triton.jit
 def paged_decode_split_kernel(
-    Q, K_CACHE, V_CACHE, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
+    Q, K_CACHE, V_CACHE, K_BS, V_BS, BLOCK_TABLE, SEQLENS, K_SCALE, V_SCALE, O_PART, LSE_PART,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt, stride_vbh,   # FP4: the block scales'
     stride_bt, stride_ksp, stride_ksh, stride_vsp, stride_vsh,
     stride_ob, stride_os, stride_oh,   # FINAL: out [b, s_q, h_q, d]; else partials [split, b, s_q · h_q, d]
     stride_ls, stride_lb,
@@ -217,9 +219,11 @@ def paged_decode_split_kernel(
         v_next = _v_bytes(V_CACHE, bt_row, start + offs_n, end, last_page, kvh64, stride_vp, stride_vt, stride_vh,
                           PAGE, D, BLOCK_D)
     elif PREFETCH:  # the first step's bytes; each step then loads the next step's (see the module docstring)
-        k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, bt_row, start + offs_n, end, last_page,
-                                                       kvh64, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                                       stride_vh, PAGE, D, BLOCK_D, KV_FMT, FP4_GROUP)
+        k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, K_BS, V_BS, bt_row, start + offs_n, end,
+                                                       last_page, kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
+                                                       stride_vt, stride_vh, stride_kbp, stride_kbt, stride_kbh,
+                                                       stride_vbp, stride_vbt, stride_vbh, PAGE, D, BLOCK_D, KV_FMT,
+                                                       FP4_GROUP)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
@@ -230,24 +234,26 @@ def paged_decode_split_kernel(
             page = tl.load(bt_row + tok // PAGE, mask=tok_ok, other=0)
         page = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64)
         if V_AHEAD:
-            slot = (tok % PAGE).to(tl.int64)
-            k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D,
-                                    BLOCK_D, KV_FMT, FP4_GROUP)
+            k_raw, k_sb = _raw_tile(K_CACHE, K_BS, page, (tok % PAGE).to(tl.int64), kvh64, tok_ok, stride_kp,
+                                    stride_kt, stride_kh, stride_kbp, stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT,
+                                    FP4_GROUP)
             v_raw = v_next
             v_sb = k_sb
             v_next = _v_bytes(V_CACHE, bt_row, tok + BLOCK_N, end, last_page, kvh64, stride_vp, stride_vt, stride_vh,
                               PAGE, D, BLOCK_D)
         elif PREFETCH:
             k_raw, k_sb, v_raw, v_sb = k_next, ks_next, v_next, vs_next
-            k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, bt_row, tok + BLOCK_N, end, last_page,
-                                                           kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
-                                                           stride_vt, stride_vh, PAGE, D, BLOCK_D, KV_FMT, FP4_GROUP)
+            k_next, ks_next, v_next, vs_next = _step_bytes(K_CACHE, V_CACHE, K_BS, V_BS, bt_row, tok + BLOCK_N, end,
+                                                           last_page, kvh64, stride_kp, stride_kt, stride_kh,
+                                                           stride_vp, stride_vt, stride_vh, stride_kbp, stride_kbt,
+                                                           stride_kbh, stride_vbp, stride_vbt, stride_vbh, PAGE, D,
+                                                           BLOCK_D, KV_FMT, FP4_GROUP)
         else:
             slot = (tok % PAGE).to(tl.int64)
-            k_raw, k_sb = _raw_tile(K_CACHE, page * stride_kp + slot * stride_kt, kvh64, tok_ok, stride_kh, D,
-                                    BLOCK_D, KV_FMT, FP4_GROUP)
-            v_raw, v_sb = _raw_tile(V_CACHE, page * stride_vp + slot * stride_vt, kvh64, tok_ok, stride_vh, D,
-                                    BLOCK_D, KV_FMT, FP4_GROUP)
+            k_raw, k_sb = _raw_tile(K_CACHE, K_BS, page, slot, kvh64, tok_ok, stride_kp, stride_kt, stride_kh,
+                                    stride_kbp, stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+            v_raw, v_sb = _raw_tile(V_CACHE, V_BS, page, slot, kvh64, tok_ok, stride_vp, stride_vt, stride_vh,
+                                    stride_vbp, stride_vbt, stride_vbh, D, BLOCK_D, KV_FMT, FP4_GROUP)
         if FP8_TOKENS_M:
             ks = l_i  # dummies
             vs = l_i
@@ -361,9 +367,11 @@ def part_strides(o_part, lse_part, final):
 
 
 def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt, softmax_scale,
-                     softcap, window, num_splits, cfg):
+                     softcap, window, num_splits, cfg, k_bs=None, v_bs=None):
     """(out [b, s_q, h_q, d] in q's dtype, lse [b, h_q, s_q] natural-log). k_scale / v_scale: fp32 tensors with
-    (page, head) strides taken from their shape ([num_pages, h_kv], or one element: strides 0), or None."""
+    (page, head) strides taken from their shape ([num_pages, h_kv], or one element: strides 0), or None. FP4: the
+    caches hold the packed values ([.., d / 2]) and k_bs / v_bs the block scales ([.., d / block], any strides):
+    kv_format.split_fp4 of a row-format cache, or a split cache's two tensors."""
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -379,13 +387,15 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
 
     def scale_strides(t):
         return (0, 0) if t is None or t.numel() == 1 else (t.stride(0), t.stride(1))
+    if k_bs is None:   # no block scales: pointers the kernel does not read
+        k_bs, v_bs = k_cache, v_cache
     grid = (num_splits * b, h_kv * tiles)  # the batch on axis 0 (see the kernel)
     paged_decode_split_kernel[grid](
-        q, k_cache, v_cache, block_table, cache_seqlens, k_scale if scaled else lse, v_scale if scaled else lse,
-        o_part, lse_part,
+        q, k_cache, v_cache, k_bs, v_bs, block_table, cache_seqlens, k_scale if scaled else lse,
+        v_scale if scaled else lse, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_table.stride(0), *scale_strides(k_scale), *scale_strides(v_scale),
+        v_cache.stride(2), *k_bs.stride()[:3], *v_bs.stride()[:3], block_table.stride(0), *scale_strides(k_scale), *scale_strides(v_scale),
         *o_strides, *l_strides,
         softmax_scale * LOG2E, softmax_scale / softcap if softcap else 0.0, softcap * LOG2E if softcap else 0.0,
         window if window is not None else 0,

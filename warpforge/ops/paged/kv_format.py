@@ -7,6 +7,9 @@
 - "nvfp4": uint8 rows of d/2 bytes of packed e2m1 (low nibble = even element) then d/16 e4m3 block scales, times
   one fp32 tensor scale (k_scale / v_scale, required); width d/2 + d/16.
 - "mxfp4": uint8 rows of d/2 bytes of e2m1 then d/32 e8m0 (power-of-two) block scales; width d/2 + d/32.
+An FP4 cache may instead be a pair of tensors, FlashInfer's layout (its kv_cache_sf): the packed values
+[num_pages, page_size, h_kv, d/2] and the block scales [num_pages, page_size, h_kv, d/block] apart (quantize_kv(...,
+split_scales=True)). Its 64-byte value rows (at d 128) take 16-byte copies, where a 72-byte row is only 8-byte aligned.
 Values and block scales are quant.py's; the kernel decodes them with shared_kernels.e2m1_to_float.
 """
 from __future__ import annotations
@@ -38,6 +41,10 @@ class PagedKVFormat:
         """The cache's last dim for head dim d."""
         return d // 2 + d // self.group if self.fp4 else d
 
+    def scale_width(self, d: int) -> int:
+        """FP4: block scales per token and head for head dim d."""
+        return d // self.group
+
     def head_dim(self, width: int) -> int:
         """The head dim a cache of this last dim holds (the inverse of width)."""
         return width * 2 * self.group // (self.group + 2) if self.fp4 else width
@@ -52,3 +59,11 @@ KV_FORMATS = {
     "mxfp4": PagedKVFormat("mxfp4", 3, torch.uint8, quant.FP4_GROUP["mxfp4"]),
 }
 BY_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8"}
+
+
+def split_fp4(cache, d: int):
+    """(packed values [.., d/2], block scales [.., d/block]) of an FP4 cache: the pair itself, or views of a cache
+    in the row layout (values then scales in each row)."""
+    if isinstance(cache, (tuple, list)):
+        return cache[0], cache[1]
+    return cache[..., :d // 2], cache[..., d // 2:]

@@ -18,7 +18,7 @@ import torch
 
 from ... import quant
 from ...errors import host_reads_allowed
-from .kv_format import KV_FORMATS
+from .kv_format import KV_FORMATS, split_fp4
 
 
 def fp8_scales(x: torch.Tensor, per_page: bool) -> torch.Tensor:
@@ -39,10 +39,11 @@ def _scale_view(scale, x: torch.Tensor, lead_dims: int) -> torch.Tensor:
     return scale.reshape(scale.shape[0], *([1] * (lead_dims - 1)), scale.shape[1], 1)
 
 
-def quantize_kv_reference(x: torch.Tensor, kv_format: str, scale=None) -> torch.Tensor:
+def quantize_kv_reference(x: torch.Tensor, kv_format: str, scale=None, split_scales: bool = False):
     """Values x [..., h_kv, d] -> cache entries of kv_format. fp8: x / scale in e4m3 (scale one element, or
     [num_pages, h_kv] when x is [num_pages, page_size, h_kv, d]); nvfp4: packed e2m1 + e4m3 block scales under
-    the fp32 tensor scale; mxfp4: packed e2m1 + e8m0 block scales; values formats: x in that dtype."""
+    the fp32 tensor scale; mxfp4: packed e2m1 + e8m0 block scales (split_scales: the pair (values, block scales),
+    else one row each); values formats: x in that dtype."""
     fmt = KV_FORMATS[kv_format]
     if not fmt.quantized:
         return x.to(fmt.storage)
@@ -50,18 +51,21 @@ def quantize_kv_reference(x: torch.Tensor, kv_format: str, scale=None) -> torch.
         scaled = x.float() / _scale_view(scale, x, x.dim() - 2)
         return scaled.clamp(-quant.E4M3_MAX, quant.E4M3_MAX).to(torch.float8_e4m3fn)
     packed, scale_bytes = quant.quantize_fp4(x, kv_format, scale)
-    return torch.cat([packed, scale_bytes], -1)
+    return (packed, scale_bytes) if split_scales else torch.cat([packed, scale_bytes], -1)
 
 
-def dequantize_kv_reference(cache: torch.Tensor, kv_format: str, scale=None) -> torch.Tensor:
-    """Cache entries [num_pages, page_size, h_kv, width] of kv_format -> fp32 values [..., d]."""
+def dequantize_kv_reference(cache, kv_format: str, scale=None) -> torch.Tensor:
+    """Cache entries [num_pages, page_size, h_kv, width] of kv_format (FP4: or the pair (values, block scales)) ->
+    fp32 values [..., d]."""
     fmt = KV_FORMATS[kv_format]
     if kv_format == "fp8":
         return cache.float() * _scale_view(scale if scale is not None else 1.0, cache, cache.dim() - 2)
     if not fmt.fp4:
         return cache.float()
-    d = fmt.head_dim(cache.shape[-1])
-    return quant.dequantize_fp4(cache[..., :d // 2], cache[..., d // 2:], kv_format, scale)
+    if isinstance(cache, (tuple, list)):
+        return quant.dequantize_fp4(cache[0], cache[1], kv_format, scale)
+    values, scales = split_fp4(cache, fmt.head_dim(cache.shape[-1]))
+    return quant.dequantize_fp4(values, scales, kv_format, scale)
 
 
 def paged_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, *, softmax_scale=None, kv_format=None,
@@ -74,7 +78,7 @@ def paged_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, *, s
     meta tensors, under torch.compile or a CUDA-graph capture every request spans the table's tokens, masked."""
     b, s_q, h_q, d = q.shape
     kv_format = kv_format or "bf16"
-    num_pages, page_size, h_kv = k_cache.shape[:3]
+    num_pages, page_size, h_kv = (k_cache[0] if isinstance(k_cache, (tuple, list)) else k_cache).shape[:3]
     capacity = block_table.shape[1] * page_size if num_pages else 0
     if window is not None:
         window = min(window, capacity)  # a wider window hides nothing (and 2**70 overflows int64)
@@ -108,11 +112,21 @@ def paged_decode_reference(q, k_cache, v_cache, block_table, cache_seqlens, *, s
 
 def append_kv_slots_reference(k_cache, v_cache, k, v, slot_mapping, kv_format, k_scale=None, v_scale=None) -> None:
     """append_kv_slots in PyTorch: token t of k / v [T, h_kv, d] quantised into slot slot_mapping[t] (page ·
-    page_size + offset) of each cache, slots < 0 or past the cache skipped (a boolean selection: reads the mask
-    back, so not for a CUDA-graph capture)."""
-    num_pages, page = k_cache.shape[:2]
+    page_size + offset) of each cache (FP4: a tensor or the pair (values, block scales)), slots < 0 or past the
+    cache skipped (a boolean selection: reads the mask back, so not for a CUDA-graph capture)."""
+    pair = isinstance(k_cache, (tuple, list))
+    num_pages, page = (k_cache[0] if pair else k_cache).shape[:2]
     slots = slot_mapping.long()
     keep = (slots >= 0) & (slots < num_pages * page)
     slots = slots[keep]
     for cache, new, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
-        cache[slots // page, slots % page] = quantize_kv_reference(new[keep], kv_format, scale).to(cache.dtype)
+        write_entries(cache, (slots // page, slots % page), quantize_kv_reference(new[keep], kv_format, scale, pair))
+
+
+def write_entries(cache, index, entries) -> None:
+    """cache[index] = entries, in the cache's dtype; an FP4 pair's values and block scales each from their own."""
+    if isinstance(cache, (tuple, list)):
+        for part, new in zip(cache, entries):
+            part[index] = new.to(part.dtype)
+    else:
+        cache[index] = entries.to(cache.dtype)
