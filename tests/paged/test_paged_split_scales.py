@@ -100,7 +100,8 @@ def test_bad_pairs_are_refused_naming_the_part():
     assert torch.equal(decode(kc, vc), decode(kc, torch.cat(vc, -1)))   # K and V may differ in layout
     cases = [
         ((kc[0], kc[1], kc[1]), vc, {}, r"^k_cache: expected a tensor, or for nvfp4 / mxfp4 the pair"),
-        (kc, vc, {"kv_format": "fp8", "k_scale": None, "v_scale": None}, r"^k_cache: expected a tensor for kv_format 'fp8'"),
+        (kc, vc, {"kv_format": "fp8", "k_scale": None, "v_scale": None},
+         r"^k_cache: expected a tensor for kv_format 'fp8'"),
         ((kc[0], kc[1][..., :2]), vc, {}, r"^k_cache\[1\]: expected 4 entries per token and head"),
         ((kc[0], kc[1][:3]), vc, {}, r"^k_cache\[1\]: expected k_cache\[0\]'s \[num_pages, page_size, h_kv\]"),
         ((kc[0], kc[1].float()), vc, {}, r"^k_cache\[1\]: expected dtype uint8"),
