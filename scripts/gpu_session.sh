@@ -289,16 +289,19 @@ for step in "$@"; do
     paged-fp4-gluon) paged_gluon_tests
                      timeout 90 python3 -m warpforge tune paged --L 4096 --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_4k.json" > "$w/tune_paged_fp4_gluon_4k.log" 2>&1
                      tail -n 40 "$w/tune_paged_fp4_gluon_4k.log" ;;
-    paged-split) # issue 18: FP4 caches as (values, block scales) pairs: the GPU tests, the probe on the same bytes in both
-                 # layouts (16 / 4k tokens), FP8 at 4k with a register cap / 64-token steps (4 programs an SM), the family bench (every case: both FP4 layouts beside bf16 and fp8, one process)
-                 timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
-                   > "$w/paged-split-tests.log" 2>&1; tail -n 4 "$w/paged-split-tests.log"
+    paged-split) # issue 18: FP4 caches as (values, block scales) pairs: the probe on the same bytes in both layouts (16 / 4k
+                 # tokens), FP8 at 4k with a register cap / 64-token steps (4 programs an SM), the family bench (every case:
+                 # both FP4 layouts beside bf16 and fp8, one process), then the GPU tests (the tar after each part)
                  for L in 16384 4096; do timeout 100 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2,3 \
                    --maxnreg 0 --planar --L $L; done > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log"
                  for n in 128 64; do timeout 60 python3 scripts/probe_paged_gluon.py --formats fp8 --slots 2,3,4 --maxnreg 0,128 \
                    --block-n $n --L 4096; done > "$w/probe_paged_fp8.log" 2>&1; grep -v "^$" "$w/probe_paged_fp8.log"
+                 tar czf "$out/all.tgz" -C "$w" .
                  SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
-                 grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;
+                 grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20
+                 tar czf "$out/all.tgz" -C "$w" .
+                 timeout 200 python3 -m pytest -q tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
+                   > "$w/paged-split-tests.log" 2>&1; tail -n 4 "$w/paged-split-tests.log" ;;
     probe-paged) timeout 200 python3 scripts/probe_paged_gluon.py ${PROBE_ARGS:-} > "$w/probe_paged.log" 2>&1; cat "$w/probe_paged.log" | tail -n 30 ;;
     probe-slots) for f in fp8 nvfp4; do timeout 60 python3 scripts/probe_slots_bytes.py --fmt $f > "$w/probe_slots_$f.log" 2>&1; tail -n 8 "$w/probe_slots_$f.log"; done ;;
     paged-fp8-4k) timeout 90 python3 -m warpforge tune paged --L 4096 --formats fp8gluon --out "$w/tune_paged_fp8_gluon_4k.json" > "$w/tune_paged_fp8_gluon_4k.log" 2>&1
