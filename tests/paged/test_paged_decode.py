@@ -339,6 +339,37 @@ def test_quantised_cache_keeps_the_answer(fmt):
     assert cosine(out, exact) >= END_TO_END[fmt]
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "nvfp4"])
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4])
+def test_small_values_keep_their_digits_under_fp16_q(fmt, magnitude):
+    """A cache of small values has small V scales; the probabilities meet them relative to the program's first page
+    (its output takes that scale), so p · v_scale never sinks into fp16's subnormals (found by a fuzzing helper:
+    1e-2 to 0.3 relative error at |V| ~ 1e-3 .. 1e-4 when p took V's scale itself)."""
+    p = _problem(2, 1, 8, 2, 64, 16, [120, 37], fmt, torch.float16, spread=False)
+    p["v_cache"], p["v_scale"] = _to_cache(p["v"] * magnitude, fmt)
+    out, _ = _decode(p)
+    ref, _ = _reference(p)
+    assert rel_l2(out, ref) <= 2e-3
+
+
+def test_mxfp4_under_fp16_q_saturates_past_fp16():
+    """MXFP4's power-of-two block scales hold values fp16 cannot: an fp16 model's largest values (65504 quantises to
+    65536) decode saturated at 65504, so the output stays finite and within fp16's rounding of the reference."""
+    d = 64
+    k = torch.randn(2, 16, 1, d, device=DEV)
+    v = torch.randn(2, 16, 1, d, device=DEV)
+    v[0, 3, 0, 5] = 65504.0
+    kc, _ = wf.paged.quantize_kv(k, "mxfp4")
+    vc, _ = wf.paged.quantize_kv(v, "mxfp4")
+    assert wf.paged.dequantize_kv_reference(vc, "mxfp4").abs().max() > 65504   # the cache holds 65536
+    q = torch.randn(1, 1, 2, d, device=DEV, dtype=torch.float16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEV)
+    out = wf.paged_decode(q, kc, vc, table, lens, kv_format="mxfp4", backend="triton")
+    ref, _ = paged_decode_reference(q.float(), kc, vc, table, lens, kv_format="mxfp4")
+    assert torch.isfinite(out).all() and rel_l2(out, ref.clamp(-65504, 65504)) <= 2e-3
+
+
 def test_lse_is_the_log_normaliser():
     """lse [b, h_q, s_q] is natural-log: exp(scores - lse) sums to 1 over the tokens each query sees."""
     p = _problem(1, 2, 4, 2, 64, 16, [20], "fp32")

@@ -130,6 +130,12 @@ def test_appends_refuse_pairs_that_meet_in_memory():
     scales = buf[kc[0].numel():].view(kc[1].shape)
     wf.paged.append_kv((values, scales), vc, new, new, table, lens, **kw)   # side by side in one buffer
     assert values.any() and scales.any()
+    rows = torch.zeros(*kc[0].shape[:3], 32 + kc[1].shape[3], dtype=torch.uint8, device=DEV)
+    interleaved = (rows[..., :32], rows[..., 32:])                            # a row cache's two views: apart too
+    wf.paged.append_kv(interleaved, vc, new, new, table, lens, **kw)
+    assert torch.equal(rows[..., :32], values) and torch.equal(rows[..., 32:], scales)
+    wf.paged.append_kv_slots(interleaved, vc, new[0], new[0], torch.tensor([40, 41], device=DEV), **kw)
+    assert rows[2, 8:10].any()
     overlapping = buf[:kc[1].numel()].view(kc[1].shape)                        # the scales inside the values
     with pytest.raises(WarpforgeInputError, match=r"^k_cache\[1\]: expected a tensor apart from k_cache\[0\]"):
         wf.paged.append_kv((values, overlapping), vc, new, new, table, lens, **kw)

@@ -405,22 +405,10 @@ def _check_writable(k_cache, v_cache, op):
             _check_writable_pair(kn, kp, vn, vp, op)
         for i, (an, a) in enumerate(named):
             for bn, b in named[i + 1:]:
-                if a.shape != b.shape and _bytes_meet(a, b):
+                if a.shape != b.shape and _overlaps(a, b):
                     fail(bn, f"a tensor apart from {an} ({op} writes both)", f"memory shared with {an}")
         return
     _check_writable_pair("k_cache", k_cache, "v_cache", v_cache, op)
-
-
-def _bytes_meet(a, b) -> bool:
-    """Whether the byte ranges a and b span in one storage meet (metadata only)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or torch.compiler.is_compiling():
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    lo = [t.storage_offset() * t.element_size() for t in (a, b)]
-    hi = [lo_t + (sum((n - 1) * st for st, n in zip(t.stride(), t.shape)) + 1) * t.element_size()
-          for lo_t, t in zip(lo, (a, b))]
-    return lo[0] < hi[1] and lo[1] < hi[0]
 
 
 def _check_writable_pair(k_name, k_cache, v_name, v_cache, op):
@@ -637,35 +625,40 @@ def _scale_tensor(name, scale, ref_name, ref, num_pages, h_kv, per_page_ok):
 
 
 def _overlaps(a, b) -> bool:
-    """Whether a and b (one shape and dtype) have an element at the same address. Views of one buffer that
-    interleave without overlapping (k = kv[:, 0], v = kv[:, 1] of a [pages, 2, page, h_kv, width] buffer) do not:
-    with equal strides, a bounded search for index differences whose strides add up to the offset between them;
-    with different strides over shared bytes, True. Metadata only (no device read); meta tensors and a
-    torch.compile trace (no addresses) are not checked."""
+    """Whether a and b (one dtype; one shape but maybe for the last dim) have an element at the same address. Views of
+    one buffer that interleave without overlapping (k = kv[:, 0], v = kv[:, 1] of a [pages, 2, page, h_kv, width]
+    buffer, or an FP4 pair's values and scales as row[..., :d/2] and row[..., d/2:]) do not: with equal strides, a
+    bounded search for index differences whose strides add up to the offset between them (a last dim of stride 1 as
+    a window, so its extents may differ); with different strides or leading shapes over shared bytes, True.
+    Metadata only (no device read); meta tensors and a torch.compile trace (no addresses) are not checked."""
     if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or torch.compiler.is_compiling():
         return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    dims = sorted(((st, n) for st, n in zip(a.stride(), a.shape) if n > 1 and st > 0), reverse=True)
-    reach = [0] * (len(dims) + 1)  # reach[i]: the largest offset dims i.. can span
-    for i in range(len(dims) - 1, -1, -1):
-        reach[i] = reach[i + 1] + (dims[i][1] - 1) * dims[i][0]
     delta = b.storage_offset() - a.storage_offset()
     span_a, span_b = (sum((n - 1) * st for st, n in zip(t.stride(), t.shape)) for t in (a, b))
     if not -span_b <= delta <= span_a:  # apart in memory
         return False
-    if a.stride() != b.stride():
+    tail = a.stride()[-1:] == (1,)   # the last dim: a window of element differences, each tensor its own extent
+    if a.stride() != b.stride() or a.shape[:-1] != b.shape[:-1] or (not tail and a.shape != b.shape):
         return True
+    ta, tb = (a.shape[-1], b.shape[-1]) if tail else (1, 1)
+    lead = list(zip(a.stride(), a.shape))[:-1] if tail else list(zip(a.stride(), a.shape))
+    dims = sorted(((st, n) for st, n in lead if n > 1 and st > 0), reverse=True)
+    reach = [0] * (len(dims) + 1)  # reach[i]: the largest offset dims i.. can span
+    for i in range(len(dims) - 1, -1, -1):
+        reach[i] = reach[i + 1] + (dims[i][1] - 1) * dims[i][0]
     budget = [4096]  # nested strides leave at most 3 candidates a dim; stranger ones give up as overlapping
 
-    def hits(rest, i):
+    def hits(rest, i):  # rest: what dims i.. and the window (a's element j minus b's j') must make up
         if i == len(dims):
-            return rest == 0
+            return 1 - tb <= rest <= ta - 1
         budget[0] -= 1
         if budget[0] < 0:
             return True
         st, n = dims[i]
-        lo, hi = max(1 - n, -((reach[i + 1] - rest) // st)), min(n - 1, (rest + reach[i + 1]) // st)
+        lo = max(1 - n, -((reach[i + 1] + ta - 1 - rest) // st))
+        hi = min(n - 1, (rest + reach[i + 1] + tb - 1) // st)
         return any(hits(rest - d * st, i + 1) for d in range(lo, hi + 1))
     return hits(delta, 0)
 

@@ -102,9 +102,16 @@ def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DT
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
         lo = tl.reshape(tl.reshape(e2m1_to_float(data & 15), [BLOCK_N, N_SCALES, PER]) * scales[:, :, None],
-                        [BLOCK_N, HALF]).to(OUT_DTYPE)
+                        [BLOCK_N, HALF])
         hi = tl.reshape(tl.reshape(e2m1_to_float(data >> 4), [BLOCK_N, N_SCALES, PER]) * scales[:, :, None],
-                        [BLOCK_N, HALF]).to(OUT_DTYPE)
+                        [BLOCK_N, HALF])
+        if KV_FMT == 3 and OUT_DTYPE == tl.float16:
+            # MXFP4's power-of-two scales reach past fp16: saturate, not inf (values an fp16 model wrote stay within
+            # a rounding of themselves: 65504 quantises to 4 · 2^14 = 65536)
+            lo = tl.minimum(tl.maximum(lo, -65504.0), 65504.0)
+            hi = tl.minimum(tl.maximum(hi, -65504.0), 65504.0)
+        lo = lo.to(OUT_DTYPE)
+        hi = hi.to(OUT_DTYPE)
     return lo, hi
 
 
@@ -211,6 +218,12 @@ def paged_decode_split_kernel(
     acc_t = tl.zeros([WIDTH if FP8_TOKENS_M else 16, BLOCK_H], tl.float32)  # fp8_tokens_m only
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BLOCK_TABLE + b64 * stride_bt
+    v_ref = 1.0
+    if SCALED:  # V's scales enter p relative to this program's first page's (its output takes v_ref): p · v_scale
+        # itself would fall into fp16's subnormals for small V (|V| ~ 1e-3 under fp16 q: 1e-2 error, session 40)
+        page0 = tl.load(bt_row + start // PAGE, mask=start < end, other=0)
+        page0 = tl.minimum(tl.maximum(page0, 0), last_page).to(tl.int64)
+        v_ref = tl.load(V_SCALE + page0 * stride_vsp + kvh64 * stride_vsh)
     page_next = 0
     if INDEX_AHEAD:  # the first step's page ids; each step then loads the next step's (see the module docstring)
         page_next = tl.load(bt_row + (start + offs_n) // PAGE, mask=start + offs_n < end, other=0)
@@ -259,7 +272,8 @@ def paged_decode_split_kernel(
             vs = l_i
             if SCALED:
                 ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
-                vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
+                vs = tl.math.div_rn(tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0),
+                                    v_ref)
             acc_t, m_i, l_i = _fp8_step_t(q, q_lo, q_scale, k_raw, v_raw, ks, vs, tok, tok_ok, pos, window, acc_t,
                                           m_i, l_i, qk_scale, cap_in, cap_out, SCALED, SOFTCAP, WINDOW, FP8_MMA)
         else:
@@ -278,7 +292,8 @@ def paged_decode_split_kernel(
                 s = s * q_scale[:, None]
             if SCALED:  # per-token dequantisation scales, on the scores and probabilities
                 ks = tl.load(K_SCALE + page * stride_ksp + kvh64 * stride_ksh, mask=tok_ok, other=0.0)
-                vs = tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0)
+                vs = tl.math.div_rn(tl.load(V_SCALE + page * stride_vsp + kvh64 * stride_vsh, mask=tok_ok, other=0.0),
+                                    v_ref)   # 1 exactly for a per-tensor scale
                 s = s * ks[None, :]
             if SOFTCAP:
                 s = cap_out * tanh(s * cap_in)
@@ -310,8 +325,8 @@ def paged_decode_split_kernel(
     lse2 = tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe))
     if FP8_TOKENS_M:
         acc = tl.trans(acc_t)
-    out = acc / l_safe[:, None]
-    out_odd = acc_odd / l_safe[:, None]
+    out = acc * (v_ref / l_safe)[:, None]
+    out_odd = acc_odd * (v_ref / l_safe)[:, None]
     if FINAL:
         o_ptrs = O_PART + b64 * stride_ob + j[:, None].to(tl.int64) * stride_os + h[:, None].to(tl.int64) * stride_oh
         tl.store(LSE_PART + b64 * stride_lb + h * S_Q + j, lse2 * 0.6931471805599453, mask=r_ok)
