@@ -175,15 +175,19 @@ def paged():
         cache, scale = paged_ops.quantize_kv(values, fmt) if fmt != "bf16" else (values, None)
         table = torch.arange(pages, dtype=torch.int32).view(b, -1)
         plan = paged_ops.plan(q, cache, table, kv_format=fmt)
-        _decode_impl(q, cache, cache, table, torch.full((b,), 100, dtype=torch.int32), scale, scale, fmt,
+        _decode_impl(q, cache, cache, None, None, table, torch.full((b,), 100, dtype=torch.int32), scale, scale, fmt,
                      plan.softmax_scale, 0.0, -1, plan.num_splits, list(plan.config))
+        if paged_ops.KV_FORMATS[fmt].fp4:   # the same bytes as a pair (values, block scales): 16-byte value copies
+            pair = [t.contiguous() for t in (cache[..., :d // 2], cache[..., d // 2:])]
+            _decode_impl(q, pair[0], pair[0], pair[1], pair[1], table, torch.full((b,), 100, dtype=torch.int32), scale,
+                         scale, fmt, plan.softmax_scale, 0.0, -1, plan.num_splits, list(plan.config))
     # append_kv_slots: the cache writer of every format
     for d, fmt in ((128, "bf16"), (128, "fp8"), (128, "nvfp4"), (128, "mxfp4"), (256, "nvfp4")):
         kv = paged_ops.KV_FORMATS[fmt]
         cache = torch.zeros(pages, page, h_kv, kv.width(d), dtype=kv.storage)
         new = torch.randn(64, h_kv, d, dtype=torch.bfloat16)
         scale = torch.ones(1) if fmt in ("fp8", "nvfp4") else None
-        _append_slots_impl(cache, cache.clone(), new, new, torch.arange(64), scale, scale, fmt)
+        _append_slots_impl(cache, cache.clone(), None, None, new, new, torch.arange(64), scale, scale, fmt)
 
 
 def moe():
