@@ -178,7 +178,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     reference.py for the exact rule). kv_format (None: from the cache's dtype): "bf16" / "fp16" / "fp32" (q's
     dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a one-element fp32 tensor, or fp32 [num_pages, h_kv]),
     "nvfp4" (uint8 rows, width d/2 + d/16; k_scale / v_scale the one-element fp32 tensor scales) or "mxfp4" (uint8,
-    d/2 + d/32); an FP4 cache may also be the pair (values [.., d/2], block scales [.., d/16 or d/32]), FlashInfer's
+    d/2 + d/32; under fp16 q its values saturate at fp16's ±65504); an FP4 cache may also be the pair (values [.., d/2], block scales [.., d/16 or d/32]), FlashInfer's
     layout (kv_format.py); `quantize_kv` and `append_kv` write them. softcap: c · tanh(s / c); window: a query at
     position p sees tokens p - window .. p. Forward only: tensors that require grad are refused while grad mode is on (the
     Triton op has no backward; call it under torch.no_grad() or detach).
