@@ -3,8 +3,8 @@ its own tokens.
 
 The same problem and outputs as decode_kernel.paged_decode_split_kernel for the case the api gate sends here (a
 quantised cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window; FP4 values
-and block scales in packed rows): program (request · split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at a time and writes the
-split's partials, or with one split the final out / lse. Any page size: every token row is its own cp.async.
+and block scales in packed rows): program (request · split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at
+a time and writes the split's partials, or with one split the final out / lse. Any page size: every token row is its own cp.async.
 
 Why this kernel (benchmarks/NOTES.md, "Session 19 on the H200"): the portable kernel reads FP8 at 62-65%
 of the copy bandwidth. Its pipeliner waits for every copy at the top of each step (`cp.async.wait_group 0`), so a
