@@ -12,7 +12,7 @@ from warpforge.ops.paged import configs
 from warpforge.ops.paged import decode_gluon_kernel as dg
 from warpforge.testing import REL_L2, cosine, gluon_triton, on_sm90_gluon, rel_l2, spy_launches, triton_version
 
-from .test_paged_decode import DEV, _check, _decode, _problem, _reference
+from .test_paged_decode import DEV, _check, _decode, _problem, _reference, _to_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -234,3 +234,15 @@ def test_gpu_split_scales_read_as_the_rows(b, s_q, h_q, h_kv, page, lens, splits
     split = _decode({**p, **pair}, num_splits=splits)
     assert len(gluon_calls) == 2
     assert torch.equal(rows[0], split[0]) and torch.equal(rows[1], split[1])
+
+
+@pytest.mark.gpu
+@needs_gate
+def test_gpu_small_values_under_per_page_scales(gluon_calls):
+    """Per-page V scales of a cache of small values (|V| ~ 1e-4) under fp16 q: p takes them relative to the first
+    page's, so p · v_scale does not sink into fp16's subnormals (NOTES session 40)."""
+    p = _problem(2, 1, 32, 8, 128, 16, [700, 37], "fp8-page", torch.float16)
+    p["v_cache"], p["v_scale"] = _to_cache(p["v"] * 1e-4, "fp8-page")
+    out = _decode(p)[0]
+    assert gluon_calls
+    assert rel_l2(out, _reference(p)[0]) <= REL_L2[torch.float16]

@@ -260,8 +260,8 @@ def _build(code: int = 1):
         return gl.load(SCALE + page * stride_sp + kvh64 * stride_sh, mask=ok, other=1.0)
 
     @gluon.jit
-    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, K_SCALE, V_SCALE, bt_row,
-              last_page, kvh64,
+    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, v_ref, K_SCALE, V_SCALE,
+              bt_row, last_page, kvh64,
               stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
               TPW: gl.constexpr, MASKED: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
               LK: gl.constexpr, LV: gl.constexpr):
@@ -287,9 +287,10 @@ def _build(code: int = 1):
         p = gl.exp2(s - m_new[:, :, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=2)
-        if SCALE_MODE == 2:
-            p = p * _token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
-                                 PAGE)[:, None, :]
+        if SCALE_MODE == 2:   # relative to the program's first page's (v_ref, applied to the output): p · v_scale
+            # itself would sink into fp16's subnormals for small V (as in the portable kernel, NOTES session 40)
+            p = p * gl.div_rn(_token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
+                                           PAGE), v_ref)[:, None, :]
         pa = gl.convert_layout(p.to(DOT), A, assert_trivial=True)
         vx = _values(v_tile, vs_tile, LV, TPW)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
@@ -374,6 +375,10 @@ def _build(code: int = 1):
         if SCALE_MODE == 1:
             s_scale = qk_scale * gl.load(K_SCALE)
             v_s = gl.load(V_SCALE)
+        if SCALE_MODE == 2:   # the first page's V scale: p takes the others relative to it (_step)
+            page0 = gl.load(bt_row + start // PAGE, mask=start < end, other=0)
+            page0 = gl.minimum(gl.maximum(page0, 0), last_page).to(gl.int64)
+            v_s = gl.load(V_SCALE + page0 * stride_vsp + kvh64 * stride_vsh)
         m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
         l_i = gl.zeros([4, 16], gl.float32, ROW)
         acc = gl.zeros([4, 16, 128], gl.float32, MMA)
@@ -400,12 +405,12 @@ def _build(code: int = 1):
             vs_tile = vs_ring.index(cur)
             if n0 + BLOCK_N <= full_end:
                 m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                      K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
-                                      stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
+                                      v_s, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
+                                      stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
             else:
                 m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                      K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh, stride_vsp,
-                                      stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
+                                      v_s, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
+                                      stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
         async_copy.wait_group(0)
 
         # the four warps' partials -> one: the common max, each warp's rescale, the sums
