@@ -438,3 +438,25 @@ def check_dequantised(out, lse, q, cache, table, seqlens, fmt, causal, kv_scale)
     assert torch.equal(torch.isfinite(lse), finite)
     tol = 5e-3 if fmt == "nvfp4" else 1e-5
     assert torch.allclose(lse[finite], ref_lse[finite], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4])
+@pytest.mark.parametrize("splits", [None, 2])
+def test_fp8_small_latents_under_fp16_math(magnitude, splits, monkeypatch):
+    """FP8 chunk scales (~|latent| / 448) enter p before its fp16 P·V dot relative to the program's first ones (its
+    output takes them back in fp32): p times the scale itself underflowed fp16 (4% error at latents ~1e-4). The
+    portable kernel under fp16 q; the rows16 Gluon kernel reads bf16 q only."""
+    from warpforge.ops.mla import configs
+    monkeypatch.setenv(configs.GLUON_ROWS16_ENV, "0")
+    torch.manual_seed(0)
+    q, latent, _, table, seqlens, _ = _problem(2, 1, 4, 16, [40, 21], "fp8", dtype=torch.float16)
+    latent = latent.float() * magnitude
+    latent[:, :4] *= 16   # scales differ across the tokens of one program
+    cache = wf.mla.quantize_kv(latent, "fp8")
+    q = (q.float() * 1e3).half()
+    out, lse = wf.mla_decode(q, cache, table, seqlens, kv_format="fp8", num_splits=splits, backend="triton")
+    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    print("REL", magnitude, splits, rel, 1 - cosine(out.float() / magnitude, ref / magnitude))
+    assert rel <= 2e-3   # the output's own fp16 rounding: ~3e-4
+    assert torch.allclose(lse, ref_lse, rtol=1e-4, atol=1e-4)

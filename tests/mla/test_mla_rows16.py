@@ -235,3 +235,24 @@ def test_gpu_cache_tma_cannot_read_takes_the_portable_kernel(calls):
     assert not d16.cache_ok(shifted)
     _check(q, shifted, table, seqlens, "fp8", False)   # the portable kernel: exact fp16 scores
     assert calls == []
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("magnitude", [1e-3, 1e-4])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_gpu_small_latents(magnitude, splits, calls):
+    """P times the tokens' chunk scales relative to the program's first step (fp16 P·V): P times the scale itself
+    (~|latent| / 448) underflowed fp16, 4% error at latents ~1e-4 (benchmarks/NOTES.md, session 40)."""
+    lens = [40, 1000, 21]
+    q, latent, _, table, seqlens, _ = _problem(len(lens), 1, 4, 16, lens, "fp8", torch.bfloat16)
+    latent = latent.float() * magnitude
+    latent[:, :4] *= 16   # scales differ across the tokens of one step
+    cache = wf.mla.quantize_kv(latent, "fp8")
+    q = q * 1e3
+    out, lse = wf.mla_decode(q, cache, table, seqlens, kv_format="fp8", num_splits=splits)
+    assert len(calls) == 1
+    ref, ref_lse = mla_decode_reference(q.float(), cache, table, seqlens, kv_format="fp8")
+    floor = ((ref.bfloat16().float() - ref).norm() / ref.norm()).item()   # the output's own bf16 rounding
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= 2 * floor + 1e-3
+    assert torch.allclose(lse, ref_lse, rtol=LSE_TOL_ROWS16, atol=LSE_TOL_ROWS16)

@@ -116,11 +116,38 @@ def _chunk_scores(s, q_c, lat_c, scale_c, ROW_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ROW_SCALE: tl.constexpr):
-    """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8)."""
+def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ref_c, ROW_SCALE: tl.constexpr, REL_SCALE: tl.constexpr):
+    """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8). Under
+    REL_SCALE (fp16 P·V) the scales enter relative to ref_c (_scale_refs): p times a scale of ~|latent| / 448
+    underflows fp16 at small latents. The output then takes ref_c in fp32."""
     if ROW_SCALE:
-        p = p * scale_c[None, :]
+        if REL_SCALE:
+            p = p * tl.math.div_rn(scale_c, ref_c)[None, :]
+        else:
+            p = p * scale_c[None, :]
     return dot(p.to(lat_c.dtype), lat_c, acc_c * alpha[:, None])
+
+
+@triton.jit
+def _scale_refs(CACHE, bt_row, idx_row, start, end, offs_n, last_page, slots, row_stride, PAGE: tl.constexpr,
+                SPARSE: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """FP8's four reference chunk scales of a program: the largest of its first step's tokens (1 where that is 0,
+    an all-zero chunk; the rows16 Gluon kernel takes the same)."""
+    index = _step_index(bt_row, idx_row, start, offs_n, end, last_page, PAGE, SPARSE)
+    tok = start + offs_n
+    ok = tok < end
+    if SPARSE:
+        ok = ok & (index >= 0) & (index < slots)
+        rows64 = tl.maximum(index, 0).to(tl.int64)
+    else:
+        rows64 = index.to(tl.int64) * PAGE + (tok % PAGE)
+    ptr = (CACHE + rows64 * row_stride + SCALE_OFF).to(tl.pointer_type(tl.float32))
+    ref0 = tl.max(tl.load(ptr, mask=ok, other=0.0), 0)
+    ref1 = tl.max(tl.load(ptr + 1, mask=ok, other=0.0), 0)
+    ref2 = tl.max(tl.load(ptr + 2, mask=ok, other=0.0), 0)
+    ref3 = tl.max(tl.load(ptr + 3, mask=ok, other=0.0), 0)
+    return (tl.where(ref0 > 0.0, ref0, 1.0), tl.where(ref1 > 0.0, ref1, 1.0), tl.where(ref2 > 0.0, ref2, 1.0),
+            tl.where(ref3 > 0.0, ref3, 1.0))
 
 
 @triton.jit
@@ -199,6 +226,8 @@ def mla_decode_split_kernel(
         dt = tl.float16
         q0, q1, q2, q3 = q0.to(dt), q1.to(dt), q2.to(dt), q3.to(dt)
 
+    REL_SCALE: tl.constexpr = ROW_SCALE and dt == tl.float16
+    ref0, ref1, ref2, ref3 = 1.0, 1.0, 1.0, 1.0
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, 128], tl.float32)
@@ -210,6 +239,9 @@ def mla_decode_split_kernel(
     bt_row = BLOCK_TABLE + b64 * stride_bt
     raw0, raw1, raw2, raw3 = 0, 0, 0, 0
     index_next = 0
+    if REL_SCALE:
+        ref0, ref1, ref2, ref3 = _scale_refs(CACHE, bt_row, idx_row, start, end, offs_n, last_page, slots, row_stride,
+                                             PAGE, SPARSE, SCALE_OFF)
     if INDEX_AHEAD:  # the first step's page ids (slots, when sparse); each step then loads the next step's
         index_next = _step_index(bt_row, idx_row, start, offs_n, end, last_page, PAGE, SPARSE)
     if PREFETCH:  # FP8, dense (launcher): the first step's bytes before the loop, each step loads the next's
@@ -258,10 +290,10 @@ def mla_decode_split_kernel(
         s = (s * latent_scale + dot(q_rope, tl.trans(rope))) * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
         p, alpha, l_i, m_new = online_softmax(tl.where(ok, s, float("-inf")), m_i, l_i)
-        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ROW_SCALE)
-        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ROW_SCALE)
-        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ROW_SCALE)
-        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, ROW_SCALE)
+        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ref0, ROW_SCALE, REL_SCALE)
+        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ref1, ROW_SCALE, REL_SCALE)
+        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ref2, ROW_SCALE, REL_SCALE)
+        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, ref3, ROW_SCALE, REL_SCALE)
         m_i = m_new
 
     empty = l_i == 0.0
@@ -271,6 +303,8 @@ def mla_decode_split_kernel(
     o_ptrs = O_PART + split.to(tl.int64) * stride_ps + b64 * stride_pb + r[:, None].to(tl.int64) * D_V + \
         offs_c[None, :]
     o_dtype = O_PART.dtype.element_ty
+    if REL_SCALE:
+        acc0, acc1, acc2, acc3 = acc0 * ref0, acc1 * ref1, acc2 * ref2, acc3 * ref3
     tl.store(o_ptrs, (acc0 * norm).to(o_dtype), mask=r_ok[:, None])
     tl.store(o_ptrs + 128, (acc1 * norm).to(o_dtype), mask=r_ok[:, None])
     tl.store(o_ptrs + 256, (acc2 * norm).to(o_dtype), mask=r_ok[:, None])

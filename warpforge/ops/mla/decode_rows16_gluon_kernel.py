@@ -100,6 +100,10 @@ def _build():
                           gl.constexpr(D_V))
     NT = gl.constexpr(Q_TERMS)
     D_R_C, QMAX = gl.constexpr(D_R), gl.constexpr(E4M3_MAX)
+    # the tokens' four chunk scales: one 16-byte row a thread, at the score accumulator's rows
+    SCL = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BLOCK_N, 4]))
     ROPE_COL, SCALE_COL = gl.constexpr(ROPE_OFF // 2), gl.constexpr(SCALE_OFF // 4)   # in the bf16 / fp32 views
 
     @gluon.jit
@@ -161,17 +165,13 @@ def _build():
 
     @gluon.jit
     def _step(ring8, ring_lv, r_ring, s_ring, cur, q_s, qr_s, q_a, p_buf, mx_buf, m_i, m_pv, l_acc, acc, n0, visible,
-              ok_end, qk_scale, MASKED: gl.constexpr, S: gl.constexpr, SQ: gl.constexpr, A: gl.constexpr,
+              ok_end, qk_scale, ref_inv, MASKED: gl.constexpr, S: gl.constexpr, SQ: gl.constexpr, A: gl.constexpr,
               B: gl.constexpr, LV: gl.constexpr):
         """One step of 64 tokens (n0 ..): the scores, the online softmax (the rows' max over the four warps' tokens
         through mx_buf), P per chunk through p_buf, each warp's P·V over its chunk in two 32-token halves. MASKED:
         tokens at or past a row's visible count are kept out, and rows at or past ok_end (whatever TMA brought from
         past the split) are zeroed in V and the scales. m_i / m_pv: the running max in the scores' and the
         accumulator's row layouts."""
-        # the tokens' four chunk scales: one 16-byte row a thread, at the score accumulator's rows
-        SCL: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[BN, 4])
         sc = s_ring.index(cur).load(SCL)
         if MASKED:
             tks = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, SCL))
@@ -196,8 +196,9 @@ def _build():
         m_pv_new = gl.maximum(m_pv, gl.convert_layout(gl.max(mx_buf.load(MXP), axis=0), ARL, assert_trivial=True))
         p = gl.exp2(s - m_new[None, :])
         l_acc = l_acc * gl.exp2(m_i - m_new)[None, :] + p
-        # P times each chunk's scales, the four [64, 16] in one store
-        even, odd = gl.split(gl.reshape(sc, [BN, 2, 2]))   # chunks 0, 2 / 1, 3
+        # P times each chunk's scales relative to the program's (ref_inv: p times a scale of ~|latent| / 448 would
+        # underflow fp16 at small latents), the four [64, 16] in one store
+        even, odd = gl.split(gl.reshape(sc * ref_inv[None, :], [BN, 2, 2]))   # chunks 0, 2 / 1, 3
         sc0, sc2 = gl.split(even)
         sc1, sc3 = gl.split(odd)
         ROWS_S: gl.constexpr = gl.SliceLayout(1, S)
@@ -303,6 +304,16 @@ def _build():
         m_pv = gl.full([NR], MAX_INIT_C, gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         l_acc = gl.zeros([BN, NR], gl.float32, S)       # summed over tokens at the end
         acc = gl.zeros([NW, NR, 128], gl.float32, MMA)
+        # the four chunks' reference scales: the largest of the first step's tokens (1 for an all-zero chunk; the
+        # portable kernel takes the same), in P · V relative to them and put back on the output
+        ref = gl.full([4], 1.0, gl.float32, gl.SliceLayout(0, SCL))
+        if n_steps > 0:
+            mbarrier.wait(bars[2].index(0), 0)
+            first = gl.where((start + gl.arange(0, BN, layout=gl.SliceLayout(1, SCL)) < end)[:, None],
+                             s_ring.index(0).load(SCL), 0.0)
+            first_max = gl.max(first, axis=0)
+            ref = gl.where(first_max > 0.0, first_max, 1.0)
+        ref_inv = 1.0 / ref
         if CAUSAL:
             full_end = gl.minimum(end, length - S_Q + 1)
         else:
@@ -317,11 +328,12 @@ def _build():
             n0 = start + i * BN
             if n0 + BN <= full_end:
                 m_i, m_pv, l_acc, acc = _step(ring8, ring_lv, r_ring, s_ring, cur, q_s, qr_s, q_a, p_buf, mx_buf, m_i,
-                                              m_pv, l_acc, acc, n0, visible, end, qk_scale, False, S, SQ, A, B, LV)
+                                              m_pv, l_acc, acc, n0, visible, end, qk_scale, ref_inv, False, S, SQ, A, B,
+                                              LV)
             else:
                 m_i, m_pv, l_acc, acc = _step(ring8, ring_lv, r_ring, s_ring, cur, q_s, qr_s, q_a, p_buf, mx_buf, m_i,
-                                              m_pv, l_acc, acc, n0, gl.minimum(visible, end), end, qk_scale, True, S,
-                                              SQ, A, B, LV)
+                                              m_pv, l_acc, acc, n0, gl.minimum(visible, end), end, qk_scale, ref_inv,
+                                              True, S, SQ, A, B, LV)
         for i in gl.static_range(STAGES):
             for j in gl.static_range(3):
                 mbarrier.invalidate(bars[j].index(i))
@@ -329,7 +341,8 @@ def _build():
         l_i = gl.sum(l_acc, axis=0)
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
-        out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
+        out = acc * gl.convert_layout(1.0 / l_safe, gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None] * \
+            gl.convert_layout(ref, gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]   # chunk = warp
         wo = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         ro = gl.arange(0, NR, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         n = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
