@@ -116,13 +116,14 @@ def _chunk_scores(s, q_c, lat_c, scale_c, ROW_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ref_c, ROW_SCALE: tl.constexpr, REL_SCALE: tl.constexpr):
+def _chunk_update(acc_c, alpha, p, lat_c, scale_c, ref_inv_c, ROW_SCALE: tl.constexpr, REL_SCALE: tl.constexpr):
     """acc_c = alpha · acc_c + p · lat_c, p's columns times the tokens' chunk scales when ROW_SCALE (FP8). Under
-    REL_SCALE (fp16 P·V) the scales enter relative to ref_c (_scale_refs): p times a scale of ~|latent| / 448
-    underflows fp16 at small latents. The output then takes ref_c in fp32."""
+    REL_SCALE (fp16 P·V) the scales enter relative to the program's reference (_scale_refs; ref_inv_c its
+    reciprocal): p times a scale of ~|latent| / 448 underflows fp16 at small latents. The output then takes the
+    reference in fp32."""
     if ROW_SCALE:
         if REL_SCALE:
-            p = p * tl.math.div_rn(scale_c, ref_c)[None, :]
+            p = p * (scale_c * ref_inv_c)[None, :]
         else:
             p = p * scale_c[None, :]
     return dot(p.to(lat_c.dtype), lat_c, acc_c * alpha[:, None])
@@ -242,6 +243,7 @@ def mla_decode_split_kernel(
     if REL_SCALE:
         ref0, ref1, ref2, ref3 = _scale_refs(CACHE, bt_row, idx_row, start, end, offs_n, last_page, slots, row_stride,
                                              PAGE, SPARSE, SCALE_OFF)
+    inv0, inv1, inv2, inv3 = 1.0 / ref0, 1.0 / ref1, 1.0 / ref2, 1.0 / ref3
     if INDEX_AHEAD:  # the first step's page ids (slots, when sparse); each step then loads the next step's
         index_next = _step_index(bt_row, idx_row, start, offs_n, end, last_page, PAGE, SPARSE)
     if PREFETCH:  # FP8, dense (launcher): the first step's bytes before the loop, each step loads the next's
@@ -290,10 +292,10 @@ def mla_decode_split_kernel(
         s = (s * latent_scale + dot(q_rope, tl.trans(rope))) * qk_scale
         ok = tok_ok[None, :] & (tok[None, :] < visible[:, None])
         p, alpha, l_i, m_new = online_softmax(tl.where(ok, s, float("-inf")), m_i, l_i)
-        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, ref0, ROW_SCALE, REL_SCALE)
-        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, ref1, ROW_SCALE, REL_SCALE)
-        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, ref2, ROW_SCALE, REL_SCALE)
-        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, ref3, ROW_SCALE, REL_SCALE)
+        acc0 = _chunk_update(acc0, alpha, p, lat0, sc0, inv0, ROW_SCALE, REL_SCALE)
+        acc1 = _chunk_update(acc1, alpha, p, lat1, sc1, inv1, ROW_SCALE, REL_SCALE)
+        acc2 = _chunk_update(acc2, alpha, p, lat2, sc2, inv2, ROW_SCALE, REL_SCALE)
+        acc3 = _chunk_update(acc3, alpha, p, lat3, sc3, inv3, ROW_SCALE, REL_SCALE)
         m_i = m_new
 
     empty = l_i == 0.0
