@@ -253,14 +253,13 @@ def _build(code: int = 1):
             return tile.load(L).to(DOT)
 
     @gluon.jit
-    def _token_scale(SCALE, bt_row, tok, ok, last_page, kvh64, stride_sp, stride_sh, PAGE: gl.constexpr):
-        """Per-page-head fp32 scales of tokens tok (1 where not ok)."""
+    def _token_pages(bt_row, tok, ok, last_page, PAGE: gl.constexpr):
+        """The page ids of tokens tok (0 where not ok), clamped to [0, last_page], as int64."""
         page = gl.load(bt_row + tok // PAGE, mask=ok, other=0)
-        page = gl.minimum(gl.maximum(page, 0), last_page).to(gl.int64)
-        return gl.load(SCALE + page * stride_sp + kvh64 * stride_sh, mask=ok, other=1.0)
+        return gl.minimum(gl.maximum(page, 0), last_page).to(gl.int64)
 
     @gluon.jit
-    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, v_ref, K_SCALE, V_SCALE,
+    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, v_inv, K_SCALE, V_SCALE,
               bt_row, last_page, kvh64,
               stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
               TPW: gl.constexpr, MASKED: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
@@ -276,10 +275,13 @@ def _build(code: int = 1):
         tt = gl.arange(0, TPW, layout=gl.SliceLayout(0, TOK))
         tok = n0 + wt[:, None] * TPW + tt[None, :]
         t_ok = tok < end
-        s = s * s_scale
-        if SCALE_MODE == 2:
-            s = s * _token_scale(K_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_ksp, stride_ksh,
-                                 PAGE)[:, None, :]
+        if SCALE_MODE == 2:   # per page and head: each token's K and V scales (1 past the end)
+            pages = _token_pages(bt_row, tok, t_ok, last_page, PAGE)
+            k_tok = gl.load(K_SCALE + pages * stride_ksp + kvh64 * stride_ksh, mask=t_ok, other=1.0)
+            v_tok = gl.load(V_SCALE + pages * stride_vsp + kvh64 * stride_vsh, mask=t_ok, other=1.0)
+            s = s * (s_scale * k_tok)[:, None, :]
+        else:
+            s = s * s_scale
         if MASKED:
             seen = t_ok[:, None, :] & (tok[:, None, :] <= pos[None, :, None])
             s = gl.where(seen, s, float("-inf"))
@@ -287,10 +289,10 @@ def _build(code: int = 1):
         p = gl.exp2(s - m_new[:, :, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=2)
-        if SCALE_MODE == 2:   # relative to the program's first page's (v_ref, applied to the output): p · v_scale
-            # itself would sink into fp16's subnormals for small V (as in the portable kernel, NOTES session 40)
-            p = p * gl.div_rn(_token_scale(V_SCALE, bt_row, tok, t_ok, last_page, kvh64, stride_vsp, stride_vsh,
-                                           PAGE), v_ref)[:, None, :]
+        if SCALE_MODE == 2:   # relative to the program's first page's (v_inv its reciprocal; the output takes it):
+            # p · v_scale itself would sink into fp16's subnormals for small V (as in the portable kernel, NOTES
+            # session 40). A reciprocal, not a division a token: div_rn took 235 of the loop's 2000 SASS instructions
+            p = p * (v_tok * v_inv)[:, None, :]
         pa = gl.convert_layout(p.to(DOT), A, assert_trivial=True)
         vx = _values(v_tile, vs_tile, LV, TPW)
         vx = gl.reshape(gl.permute(gl.reshape(vx, [4, TPW, 8, 16]), [0, 1, 3, 2]), [4, TPW, 128])
@@ -379,6 +381,7 @@ def _build(code: int = 1):
             page0 = gl.load(bt_row + start // PAGE, mask=start < end, other=0)
             page0 = gl.minimum(gl.maximum(page0, 0), last_page).to(gl.int64)
             v_s = gl.load(V_SCALE + page0 * stride_vsp + kvh64 * stride_vsh)
+        v_inv = 1.0 / v_s
         m_i = gl.full([4, 16], MAX_INIT_C, gl.float32, ROW)
         l_i = gl.zeros([4, 16], gl.float32, ROW)
         acc = gl.zeros([4, 16, 128], gl.float32, MMA)
@@ -405,11 +408,11 @@ def _build(code: int = 1):
             vs_tile = vs_ring.index(cur)
             if n0 + BLOCK_N <= full_end:
                 m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                      v_s, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
+                                      v_inv, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
                                       stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
             else:
                 m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                      v_s, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
+                                      v_inv, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
                                       stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
         async_copy.wait_group(0)
 
