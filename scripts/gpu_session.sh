@@ -289,6 +289,14 @@ for step in "$@"; do
     paged-fp4-gluon) paged_gluon_tests
                      timeout 90 python3 -m warpforge tune paged --L 4096 --formats nvfp4gluon,mxfp4gluon --out "$w/tune_paged_fp4_gluon_4k.json" > "$w/tune_paged_fp4_gluon_4k.log" 2>&1
                      tail -n 40 "$w/tune_paged_fp4_gluon_4k.log" ;;
+    s41) # session 41 when the device time is short: the GPU tests of what changed since the last GPU run first (the
+         # paged Gluon kernel's FP4 pointers and pitches, per-page V scales relative to the first page, the MLA rows16
+         # kernel's relative chunk scales), then the paged family bench (both FP4 layouts, one process)
+         timeout 240 python3 -m pytest -q -m gpu tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
+           tests/mla/test_mla_rows16.py -k "not long" > "$w/s41-tests.log" 2>&1; grep -E "FAILED|passed|failed" "$w/s41-tests.log" | tail -n 12
+         tar czf "$out/all.tgz" -C "$w" .
+         SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
+         grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;
     paged-split) # issue 18: FP4 caches as (values, block scales) pairs: the probe on the same bytes in both layouts (16 / 4k
                  # tokens), FP8 at 4k with a register cap / 64-token steps (4 programs an SM), the family bench (every case:
                  # both FP4 layouts beside bf16 and fp8, one process), then the GPU tests (the tar after each part)
