@@ -497,3 +497,20 @@ def test_a_topk_past_the_blocks_pads_with_minus_one():
         got = wf.select_blocks(iq, ik, block_size=bs, topk=1000, backend=backend)
         assert got.shape == (b, h_kv, nb, 1000), backend
         assert torch.equal(got[..., :nb], want) and bool((got[..., nb:] == -1).all()), backend
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_no_query_heads_give_zero_gradients(varlen):
+    """h_q 0 (every head pruned) is an empty problem like an empty batch: empty outputs, zero key gradients (the
+    backward divided by the GQA group, 0, session 41's fuzz)."""
+    lead = (32,) if varlen else (1, 32)
+    q = torch.randn(*lead, 0, 16, device=DEV, requires_grad=True)
+    k, v = (torch.randn(*lead, 2, 16, device=DEV, requires_grad=True) for _ in range(2))
+    extra = dict(cu_seqlens=ragged_cu_seqlens([20, 12], DEV), max_seqlen=20) if varlen else {}
+    idx = torch.zeros(2 if varlen else 1, 2, 2, 1, dtype=torch.int32, device=DEV)
+    if varlen:
+        idx = idx[:, :, :, :1].expand(2, 2, 2, 1).contiguous()
+    out = wf.sparse_attention(q, k, v, block_indices=idx, block_size=16, backend="triton", **extra)
+    assert out.shape == (*lead, 0, 16)
+    out.sum().backward()
+    assert torch.all(k.grad == 0) and torch.all(v.grad == 0) and q.grad.shape == q.shape

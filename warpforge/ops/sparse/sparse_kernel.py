@@ -747,7 +747,7 @@ def sparse_bwd(do, q, k, v, out, lse, sel, n_sel, offsets, qblocks, cu, batch, m
     max_s_k = max_s if max_s_k is None else max_s_k
     # fresh contiguous gradients (empty_like of a view of a packed qkv would be laid out unlike it)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-    if batch == 0 or max_s == 0:  # no queries: keys before them (max_s_k > 0) get no gradient
+    if batch == 0 or max_s == 0 or h_q == 0:  # no queries: the keys (before them, or of no head) get no gradient
         return dq, dk.zero_(), dv.zero_()
     delta = _row_dots(out, do, cu, batch, max_s, lse)
     common = dict(H_Q=h_q, GROUP=h_q // h_kv, D=d, DV=d_v, BLOCK_D=_bd(d), BLOCK_DV=_bd(d_v), BS=block_size,
