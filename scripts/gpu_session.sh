@@ -293,7 +293,8 @@ for step in "$@"; do
          # paged Gluon kernel's FP4 pointers and pitches, per-page V scales relative to the first page, the MLA rows16
          # kernel's relative chunk scales), then the paged family bench (both FP4 layouts, one process)
          timeout 240 python3 -m pytest -q -m gpu tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
-           tests/mla/test_mla_rows16.py -k "not long" > "$w/s41-tests.log" 2>&1; grep -E "FAILED|passed|failed" "$w/s41-tests.log" | tail -n 12
+           tests/mla/test_mla_rows16.py -k "not long" > "$w/s41-tests.log" 2>&1
+         grep -E "FAILED|passed|failed" "$w/s41-tests.log" | tail -n 12
          tar czf "$out/all.tgz" -C "$w" .
          SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
          grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;

@@ -172,16 +172,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """Decode attention over paged K/V caches, GQA: `plan(...).run(...)` in one call (a serving loop makes the plan
     once instead). Returns out [b, s_q, h_q, d] like q (and lse [b, h_q, s_q] fp32 if return_lse).
 
-    q [b, s_q, h_q, d] (s_q 1-16: the newest tokens, causal among themselves; d a multiple of 8 up to 256,
-    for nvfp4 / mxfp4 caches a multiple of 16 / 32; h_q a multiple of h_kv); k_cache / v_cache [num_pages, page_size, h_kv, width] (page size 1, 8, 16, 32, 64 or 128); block_table
-    int32 [b, max_pages]; cache_seqlens int32 [b], the tokens in the cache including the s_q new ones (see
-    reference.py for the exact rule). kv_format (None: from the cache's dtype): "bf16" / "fp16" / "fp32" (q's
-    dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a one-element fp32 tensor, or fp32 [num_pages, h_kv]),
-    "nvfp4" (uint8 rows, width d/2 + d/16; k_scale / v_scale the one-element fp32 tensor scales) or "mxfp4" (uint8,
-    d/2 + d/32; under fp16 q its values saturate at fp16's ±65504); an FP4 cache may also be the pair (values [.., d/2], block scales [.., d/16 or d/32]), FlashInfer's
+    q [b, s_q, h_q, d] (s_q 1-16: the newest tokens, causal among themselves; d a multiple of 8 up to 256, for nvfp4
+    / mxfp4 caches a multiple of 16 / 32; h_q a multiple of h_kv); k_cache / v_cache [num_pages, page_size, h_kv,
+    width] (page size 1, 8, 16, 32, 64 or 128); block_table int32 [b, max_pages]; cache_seqlens int32 [b], the
+    tokens in the cache including the s_q new ones (see reference.py for the exact rule). kv_format (None: from the
+    cache's dtype): "bf16" / "fp16" / "fp32" (q's dtype), "fp8" (float8_e4m3fn; k_scale / v_scale a float, a
+    one-element fp32 tensor, or fp32 [num_pages, h_kv]), "nvfp4" (uint8 rows, width d/2 + d/16; k_scale / v_scale
+    the one-element fp32 tensor scales) or "mxfp4" (uint8, d/2 + d/32; under fp16 q its values saturate at fp16's
+    ±65504); an FP4 cache may also be the pair (values [.., d/2], block scales [.., d/16 or d/32]), FlashInfer's
     layout (kv_format.py); `quantize_kv` and `append_kv` write them. softcap: c · tanh(s / c); window: a query at
-    position p sees tokens p - window .. p. Forward only: tensors that require grad are refused while grad mode is on (the
-    Triton op has no backward; call it under torch.no_grad() or detach).
+    position p sees tokens p - window .. p. Forward only: tensors that require grad are refused while grad mode is
+    on (the Triton op has no backward; call it under torch.no_grad() or detach).
     """
     p = plan(q, k_cache, block_table, kv_format=kv_format, softmax_scale=softmax_scale, softcap=softcap,
              window=window, num_splits=num_splits)

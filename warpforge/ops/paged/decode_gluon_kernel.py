@@ -4,7 +4,8 @@ its own tokens.
 The same problem and outputs as decode_kernel.paged_decode_split_kernel for the case the api gate sends here (a
 quantised cache with d 128, at most 16 query rows per kv head (GQA group · s_q), no softcap or window; FP4 values
 and block scales in packed rows): program (request · split, kv head) walks its split's tokens BLOCK_N = 4 · TPW at
-a time and writes the split's partials, or with one split the final out / lse. Any page size: every token row is its own cp.async.
+a time and writes the split's partials, or with one split the final out / lse. Any page size: every token row is its
+own cp.async.
 
 Why this kernel (benchmarks/NOTES.md, "Session 19 on the H200"): the portable kernel reads FP8 at 62-65%
 of the copy bandwidth. Its pipeliner waits for every copy at the top of each step (`cp.async.wait_group 0`), so a
@@ -464,7 +465,8 @@ def available() -> bool:
 
 def _packed_rows(t) -> bool:
     """A [num_pages, page_size, h_kv, n] tensor whose (token, head) rows follow one another at one pitch
-    (t.stride(2)), 16-byte aligned at the start: the FP4 copies address row (page · page_size + token) · h_kv + head."""
+    (t.stride(2)), 16-byte aligned at the start: the FP4 copies address row (page · page_size + token) · h_kv +
+    head."""
     p, ps, h, n = t.shape
     return (t.stride(3) == 1 and t.stride(2) >= n and t.stride(1) == h * t.stride(2) and
             (p <= 1 or t.stride(0) == ps * t.stride(1)) and t.data_ptr() % 16 == 0)
