@@ -298,11 +298,19 @@ for step in "$@"; do
          tar czf "$out/all.tgz" -C "$w" .
          SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
          grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;
+    s42) # session 42: s41's GPU tests, then the FP4 probe of paged-split (both layouts, capped at 168 registers or not)
+         timeout 240 python3 -m pytest -q -m gpu tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
+           tests/mla/test_mla_rows16.py -k "not long" > "$w/s41-tests.log" 2>&1
+         grep -E "FAILED|passed|failed" "$w/s41-tests.log" | tail -n 12
+         tar czf "$out/all.tgz" -C "$w" .
+         for L in 16384 4096; do timeout 100 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2 \
+           --maxnreg 0,168 --planar --L $L; done > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
     paged-split) # issue 18: FP4 caches as (values, block scales) pairs: the probe on the same bytes in both layouts (16 / 4k
-                 # tokens), FP8 at 4k with a register cap / 64-token steps (4 programs an SM), the family bench (every case:
+                 # tokens; the pair compiles to 182 registers, 2 programs an SM, the rows to 168, 3: both also capped at
+                 # 168), FP8 at 4k with a register cap / 64-token steps (4 programs an SM), the family bench (every case:
                  # both FP4 layouts beside bf16 and fp8, one process), then the GPU tests (the tar after each part)
-                 for L in 16384 4096; do timeout 100 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2,3 \
-                   --maxnreg 0 --planar --L $L; done > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log"
+                 for L in 16384 4096; do timeout 100 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2 \
+                   --maxnreg 0,168 --planar --L $L; done > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log"
                  for n in 128 64; do timeout 60 python3 scripts/probe_paged_gluon.py --formats fp8 --slots 2,3,4 --maxnreg 0,128 \
                    --block-n $n --L 4096; done > "$w/probe_paged_fp8.log" 2>&1; grep -v "^$" "$w/probe_paged_fp8.log"
                  tar czf "$out/all.tgz" -C "$w" .
