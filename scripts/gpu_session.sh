@@ -305,6 +305,13 @@ for step in "$@"; do
          tar czf "$out/all.tgz" -C "$w" .
          for L in 16384 4096; do timeout 100 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2 \
            --maxnreg 0,168 --planar --L $L; done > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
+    s42b) # session 42's second call: the paged family bench (on the H200: results/h200/paged.json), then paged-split's
+          # FP8 probe at 4k (a register cap, 64-token steps)
+          SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
+          grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20
+          tar czf "$out/all.tgz" -C "$w" .
+          for n in 128 64; do timeout 60 python3 scripts/probe_paged_gluon.py --formats fp8 --slots 2,3,4 --maxnreg 0,128 \
+            --block-n $n --L 4096; done > "$w/probe_paged_fp8.log" 2>&1; grep -v "^$" "$w/probe_paged_fp8.log" ;;
     paged-split) # issue 18: FP4 caches as (values, block scales) pairs: the probe on the same bytes in both layouts (16 / 4k
                  # tokens; the pair compiles to 182 registers, 2 programs an SM, the rows to 168, 3: both also capped at
                  # 168), FP8 at 4k with a register cap / 64-token steps (4 programs an SM), the family bench (every case:
