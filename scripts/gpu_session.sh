@@ -298,13 +298,16 @@ for step in "$@"; do
          tar czf "$out/all.tgz" -C "$w" .
          SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
          grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;
-    s42) # session 42: s41's GPU tests, then the FP4 probe of paged-split (both layouts, capped at 168 registers or not)
+    s42) # session 42: s41's GPU tests, then the FP4 probe (paged-split's, both layouts) at 4k: 2 and 3 slots, capped at 168
+         # registers or not (the pair's 16-byte .cg copies may let 3 slots pay where the rows' 8-byte .ca did not:
+         # NOTES session 20; the pair compiles to 182 registers at 2 slots, 2 programs an SM, and to 168 at 3)
          timeout 240 python3 -m pytest -q -m gpu tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
            tests/mla/test_mla_rows16.py -k "not long" > "$w/s41-tests.log" 2>&1
          grep -E "FAILED|passed|failed" "$w/s41-tests.log" | tail -n 12
          tar czf "$out/all.tgz" -C "$w" .
-         for L in 16384 4096; do timeout 100 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2 \
-           --maxnreg 0,168 --planar --L $L; done > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
+         { timeout 120 python3 scripts/probe_paged_gluon.py --formats nvfp4 --slots 2,3 --maxnreg 0,168 --planar --L 4096
+           timeout 70 python3 scripts/probe_paged_gluon.py --formats mxfp4 --slots 2,3 --maxnreg 0 --planar --L 4096
+         } > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
     s42b) # session 42's second call: the paged family bench (on the H200: results/h200/paged.json), then paged-split's
           # FP8 probe at 4k (a register cap, 64-token steps)
           SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
