@@ -307,6 +307,9 @@ for step in "$@"; do
          tar czf "$out/all.tgz" -C "$w" .
          { timeout 120 python3 scripts/probe_paged_gluon.py --formats nvfp4 --slots 2,3 --maxnreg 0,168 --planar --L 4096
            timeout 70 python3 scripts/probe_paged_gluon.py --formats mxfp4 --slots 2,3 --maxnreg 0 --planar --L 4096
+           # 64-token steps under a 128-register cap: four programs an SM (~100 B spilled, none in the loop's top ten)
+           timeout 90 python3 scripts/probe_paged_gluon.py --formats nvfp4 --block-n 64 --slots 3,4 --maxnreg 0,128 \
+             --planar --L 4096
          } > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
     s42b) # session 42's second call: the paged family bench (on the H200: results/h200/paged.json), then paged-split's
           # FP8 probe at 4k (a register cap, 64-token steps)
