@@ -47,10 +47,12 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where((codes & 8) > 0, -vals, vals)
 
 
-def _block_error(blocks: torch.Tensor, eff: torch.Tensor) -> torch.Tensor:
-    """Squared error of each block [..., blocks, group] rounded to e2m1 under block scales eff [..., blocks, 1]."""
+def _block_error(blocks: torch.Tensor, eff: torch.Tensor, unit=1.0) -> torch.Tensor:
+    """Squared error of each block [..., blocks, group] rounded to e2m1 under block scales eff [..., blocks, 1], in
+    units of `unit` (a power of two: the same choices, without the square overflowing fp32 near its largest
+    values); inf where a dequantised value overflows fp32."""
     deq = e2m1_values(e2m1_codes((blocks / eff).clamp(-6, 6))) * eff
-    return (deq - blocks).square().sum(-1, keepdim=True)
+    return ((deq - blocks) / unit).square().sum(-1, keepdim=True)
 
 
 def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,9 @@ def quantize_fp4(x: torch.Tensor, fmt: str, tensor_scale=None) -> tuple[torch.Te
         eff = scale_bytes.unsqueeze(-1).view(torch.float8_e4m3fn).float() * ts
     else:  # mxfp4: of the two powers of two around amax / 6, the one with the smaller block error
         hi = torch.ceil(torch.log2(amax / E2M1_MAX)).clamp(-126, 127)
-        take_lo = _block_error(blocks, torch.exp2(hi - 1)) < _block_error(blocks, torch.exp2(hi))
+        # errors in units of 2^hi: near fp32's largest values 2^hi's 4 or 6 overflows (inf error: 2^(hi - 1) taken)
+        p_hi = torch.exp2(hi)
+        take_lo = _block_error(blocks, torch.exp2(hi - 1), p_hi) < _block_error(blocks, p_hi, p_hi)
         exp = torch.where(take_lo, hi - 1, hi)
         eff = torch.exp2(exp)
         scale_bytes = (exp.squeeze(-1) + 127).to(torch.uint8)

@@ -136,6 +136,20 @@ def test_no_tokens_and_all_skipped():
     assert torch.equal(kc.view(torch.uint8), before.view(torch.uint8))
 
 
+def test_mxfp4_near_fp32s_largest_values_stays_finite():
+    """A block holding 3e38 (fp32 holds it) takes the scale 2^125, whose 6 is finite, not 2^126, whose 4 overflows:
+    quantize_kv and the append kernel choose alike (their block errors in units of the larger scale)."""
+    k = torch.randn(3, 1, 64, device=DEV)
+    k[0, 0, 0], k[1, 0, 33], k[2, 0, 5] = 3.0e38, -3.3e38, 2.0e38
+    kc, vc = _caches("mxfp4", 1, 8, 1, 64)
+    wf.paged.append_kv_slots(kc, vc, k, k, torch.arange(3, device=DEV), kv_format="mxfp4", backend="triton")
+    want, _ = wf.paged.quantize_kv(k, "mxfp4")
+    assert torch.equal(kc[0, :3].view(torch.uint8), want.view(torch.uint8))
+    back = dequantize_kv_reference(kc[:, :3], "mxfp4", None)
+    assert torch.isfinite(back).all()
+    assert back[0, 0, 0, 0] == 6 * 2.0 ** 125 and back[0, 1, 0, 33] == -6 * 2.0 ** 125
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "nvfp4"])
 def test_unchecked_slots_stay_inside_the_caches(fmt, monkeypatch):
     """With the host checks skipped (a CUDA-graph capture), slots past the cache or below -1 are skipped by the

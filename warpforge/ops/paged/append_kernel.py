@@ -108,8 +108,11 @@ def _fp4_rows(xe, xo, SCALE, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
         co_hi, vo_hi = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, p_hi), -6.0), 6.0))
         ce_lo, ve_lo = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(e, p_lo), -6.0), 6.0))
         co_lo, vo_lo = _e2m1(tl.minimum(tl.maximum(tl.math.div_rn(o, p_lo), -6.0), 6.0))
-        de_hi, do_hi = ve_hi * p_hi - e, vo_hi * p_hi - o
-        de_lo, do_lo = ve_lo * p_lo - e, vo_lo * p_lo - o
+        # errors in units of 2^hi, as quant.quantize_fp4 (an overflowing 2^hi candidate: inf, so 2^(hi - 1) taken)
+        de_hi = tl.math.div_rn(ve_hi * p_hi - e, p_hi)
+        do_hi = tl.math.div_rn(vo_hi * p_hi - o, p_hi)
+        de_lo = tl.math.div_rn(ve_lo * p_lo - e, p_hi)
+        do_lo = tl.math.div_rn(vo_lo * p_lo - o, p_hi)
         err_hi = tl.sum(de_hi * de_hi, axis=2) + tl.sum(do_hi * do_hi, axis=2)
         err_lo = tl.sum(de_lo * de_lo, axis=2) + tl.sum(do_lo * do_lo, axis=2)
         take_lo = err_lo < err_hi
