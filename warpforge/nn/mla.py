@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import check_int, check_positive_float, fail
 from ..ops.attention import MAX_HEAD_DIM
+from ..ops.mla import PAGE_SIZES
 from ..ops.rope import rope_tables
 from . import functional as F
 
@@ -36,6 +37,8 @@ class MLACache:
     def allocate(cls, batch: int, max_tokens: int, page_size: int = 64, device=None, dtype=torch.bfloat16):
         for name, size in (("batch", batch), ("max_tokens", max_tokens), ("page_size", page_size)):
             F.check_size(name, size)
+        if page_size not in PAGE_SIZES:   # refused here, not at the first decode step after a prefill
+            fail("page_size", f"one of mla_decode's page sizes {PAGE_SIZES}", page_size)
         pages = -(-max_tokens // page_size)
         kv = torch.zeros(batch * pages, page_size, 1, 576, device=device, dtype=dtype)
         table = torch.arange(batch * pages, device=device, dtype=torch.int32).view(batch, pages)
