@@ -67,7 +67,8 @@ def test_probs_top_k_top_p():
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5),
-                                 dict(top_k=-3), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(seed=-1)])
+                                 dict(top_k=-3), dict(stop=[""]), dict(stop_token_ids=[-1]), dict(seed=-1),
+                                 dict(seed=2**64)])   # past manual_seed: was a 500 from the server
 def test_bad_sampling_params(bad):
     with pytest.raises(WarpforgeInputError):
         SamplingParams(**bad)

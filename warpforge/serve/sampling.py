@@ -35,7 +35,7 @@ class SamplingParams:
         if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
             fail("top_p", "a probability in (0, 1]", repr(self.top_p))
         if self.seed is not None:
-            check_int("seed", self.seed, lo=0)
+            check_int("seed", self.seed, lo=0, hi=2**64 - 1)   # what torch.Generator.manual_seed takes
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
