@@ -335,3 +335,16 @@ def test_align_trusted_ids_out_of_range():
     assert int(num_post) == 12 and expert_ids.tolist() == [0, 2, 3, -1, -1]
     assert sorted_ids.tolist()[:12] == [0, 5, 8, 8, 4, 8, 8, 8, 2, 7, 8, 8]
     assert (sorted_ids[12:] == 8).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_tokens_keep_the_graph(backend):
+    """0 tokens: the output stays in the autograd graph (zero gradients), on every backend (the reference's used to
+    be a plain zeros buffer, so backward raised)."""
+    w13 = torch.randn(2, 8, 16, device=DEV, requires_grad=True)
+    w2 = torch.randn(2, 16, 4, device=DEV, requires_grad=True)
+    hidden = torch.zeros(0, 16, device=DEV, requires_grad=True)
+    weights = torch.zeros(0, 1, device=DEV, requires_grad=True)
+    out = wf.moe.experts(hidden, w13, w2, weights, torch.zeros(0, 1, dtype=torch.int64, device=DEV), backend=backend)
+    out.sum().backward()
+    assert out.shape == (0, 16) and not w13.grad.any() and not w2.grad.any()

@@ -52,7 +52,10 @@ def experts_reference(hidden, w13, w2, topk_weights, topk_ids):
     """The expert computation for given routing, in fp32, looping over experts. Returns out in hidden's dtype."""
     t, h = hidden.shape
     inter = w2.shape[2]
-    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device)
+    # zero-sized slices of every input: 0 with zero gradients, so that out stays in the graph (as the kernels' does)
+    # when no expert gets a token (t 0)
+    out = torch.zeros(t, h, dtype=torch.float32, device=hidden.device) + sum(
+        a[:0].float().sum() for a in (hidden, w13, w2, topk_weights))
     x = hidden.float()
     for e in range(w13.shape[0]):
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
