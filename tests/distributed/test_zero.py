@@ -145,3 +145,41 @@ def _state_only(rank, world):
 def test_without_a_process_group_it_says_so():
     with pytest.raises(WarpforgeInputError, match="process group"):
         ShardedAdamW(_model().parameters())
+
+
+def _with_unused(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Linear(8, 8), torch.nn.Parameter(torch.ones(5))
+
+
+def _unused_ranks(rank, world):
+    lin, unused = _with_unused()
+    # bucket_mb small enough that the unused parameter has a bucket of its own (4 buckets)
+    opt = ShardedAdamW([unused, *lin.parameters()], lr=0.1, weight_decay=0.1, bucket_mb=1e-4)
+    for step in range(2):
+        lin(torch.full((2, 8), float(rank + step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    again = ShardedAdamW([unused, *_with_unused()[0].parameters()], lr=0.1, weight_decay=0.1, bucket_mb=1e-4)
+    again.load_state_dict(sd)   # no entry for the unused parameter: its bucket starts without state
+    back = again.state_dict()
+    return unused.detach().clone(), lin.weight.detach().clone(), sd, back
+
+
+def test_zero2_leaves_parameters_no_gradient_reached():
+    """A parameter no rank's backward reaches is left alone, as AdamW leaves a grad of None: no weight decay, no
+    state entry; a plain AdamW's state without that entry loads (it used to raise KeyError)."""
+    lin, unused = _with_unused()
+    ref = torch.optim.AdamW([unused, *lin.parameters()], lr=0.1, weight_decay=0.1)
+    for step in range(2):
+        lin.zero_grad()
+        (sum(lin(torch.full((2, 8), float(r + step))).sum() for r in range(2)) / 2).backward()   # the ranks' mean
+        ref.step()
+    want = ref.state_dict()
+    for got_unused, got_w, sd, back in run_ranks(_unused_ranks, 2):
+        assert torch.equal(got_unused, torch.ones(5))
+        torch.testing.assert_close(got_w, lin.weight.detach(), atol=1e-6, rtol=1e-5)
+        assert set(sd["state"]) == set(want["state"]) == {1, 2} and set(back["state"]) == {1, 2}
+        for i in (1, 2):
+            torch.testing.assert_close(sd["state"][i]["exp_avg"], want["state"][i]["exp_avg"], atol=1e-6, rtol=1e-5)

@@ -61,6 +61,11 @@ class ShardedAdamW:
     DDP's are. param_groups holds one group whose "lr" may be changed between steps. Parameters' .grad stay None:
     clip with clip_grad_norm_() here, not torch.nn.utils'.
 
+    A parameter that no rank's backward reached in a step is left alone, as AdamW leaves a parameter whose grad is
+    None: its values and moments keep (no weight decay), and one never reached has no state_dict entry. (Its bucket
+    shares one step count, so a parameter that skips some steps and not others sees AdamW's bias correction of
+    the bucket's count, not of its own.)
+
     bucket_mb: bytes of parameters per bucket (one reduce-scatter and one all-gather each); buckets are filled in
     reverse parameter order, the order in which the backward usually finishes them.
     """
@@ -99,6 +104,11 @@ class ShardedAdamW:
                 self._where[p] = (bi, off)
                 p.register_post_accumulate_grad_hook(self._grad_ready)
         self._launched = 0  # buckets [0, _launched) have their reduce-scatter under way or done
+        # which parameters a gradient reached this step: here, then over every rank (_finish_reduce); and which
+        # ever did (state_dict's entries)
+        self._arrived = [False] * len(params)
+        self._reached = torch.ones(len(params), dtype=torch.bool)
+        self._ever = torch.zeros(len(params), dtype=torch.bool)
         shards = [b.param_shard for b in self.buckets]
         self.inner = torch.optim.AdamW(shards, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                        foreach=foreach)
@@ -116,6 +126,7 @@ class ShardedAdamW:
         if b.grad is None:
             b.grad = torch.zeros_like(b.flat)
         b.grad[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        self._arrived[self._index[p]] = True
         p.grad = None  # the only copy is the bucket's: that is the memory ZeRO-2 saves once reduced
         b.arrived += 1
         self._launch_ready()
@@ -136,11 +147,27 @@ class ShardedAdamW:
         if self._reduced:
             return
         self._launch_ready(force=True)
+        flags = torch.tensor(self._arrived, dtype=torch.int32, device=self.buckets[0].flat.device)
+        reached = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         for b in self.buckets:
             b.work.wait()
             b.work, b.grad = None, None
             b.grad_shard.div_(self.world)
+        reached.wait()
+        # read back (a host sync) only where this rank missed a parameter: else every rank's gradients reached all
+        self._reached = torch.ones(len(self.params), dtype=torch.bool) if all(self._arrived) else flags.bool().cpu()
         self._reduced = True
+
+    def _unreached_slices(self):
+        """(bucket, slice of its shard) of each parameter that no rank's gradient reached this step, where the
+        parameter overlaps this rank's shard."""
+        for i in (~self._reached).nonzero().flatten().tolist():
+            p = self.params[i]
+            bi, off = self._where[p]
+            b = self.buckets[bi]
+            lo, hi = max(off, b.lo) - b.lo, min(off + p.numel(), b.lo + b.shard) - b.lo
+            if lo < hi:
+                yield b, slice(lo, hi)
 
     # ------------------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -162,7 +189,17 @@ class ShardedAdamW:
         self._finish_reduce()
         for b in self.buckets:
             b.param_shard.grad = b.grad_shard
+        # parameters no gradient reached: their values and moments as they were (AdamW skips a grad of None)
+        kept = [(b, sl, {"param": b.param_shard[sl].clone(),
+                         **{k: v[sl].clone() for k, v in self.inner.state.get(b.param_shard, {}).items()
+                            if k != "step"}}) for b, sl in self._unreached_slices()]
         self.inner.step()
+        for b, sl, old in kept:
+            b.param_shard[sl] = old.pop("param")
+            for k, v in self.inner.state[b.param_shard].items():   # moments first made by this step start at zero
+                if k != "step":
+                    v[sl] = old[k] if k in old else 0
+        self._ever |= self._reached
         works = [all_gather_into(b.flat, b.param_shard.clone(), group=self.group, async_op=True) for b in self.buckets]
         for w in works:
             w.wait()
@@ -176,6 +213,7 @@ class ShardedAdamW:
                 b.work.wait()
             b.work, b.grad, b.arrived = None, None, 0
             b.grad_shard.zero_()
+        self._arrived = [False] * len(self.params)
         self._launched, self._reduced = 0, False
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -185,14 +223,18 @@ class ShardedAdamW:
         collective, every rank calls it and gets the same dict."""
         state: dict = {}
         if self.inner.state:
-            step = self.inner.state[self.buckets[0].param_shard]["step"]
             for b in self.buckets:
+                if b.param_shard not in self.inner.state:   # loaded without state for any of its parameters
+                    continue
+                step = self.inner.state[b.param_shard]["step"]
                 for key in ("exp_avg", "exp_avg_sq"):
                     out = torch.empty_like(b.flat)
                     all_gather_into(out, self.inner.state[b.param_shard][key].contiguous(), group=self.group)
                     full = out.cpu()
                     del out
                     for p, off in zip(b.params, b.offsets):
+                        if not self._ever[self._index[p]]:   # never reached: no entry, as AdamW
+                            continue
                         entry = state.setdefault(self._index[p], {"step": step.detach().cpu().clone()})
                         entry[key] = full[off:off + p.numel()].view(p.shape).clone()
             state = dict(sorted(state.items()))
@@ -202,7 +244,7 @@ class ShardedAdamW:
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a state_dict of this optimizer or of a plain torch.optim.AdamW over the same parameters (each rank
-        keeps its shards)."""
+        keeps its shards). A parameter without an entry (one AdamW never stepped) starts with zero moments."""
         groups = sd["param_groups"]
         if len(groups) != 1 or len(groups[0]["params"]) != len(self.params):
             raise ValueError(f"ShardedAdamW: the state has {sum(len(g['params']) for g in groups)} parameters in "
@@ -216,17 +258,21 @@ class ShardedAdamW:
                 for key in ("exp_avg", "exp_avg_sq"):
                     flat = torch.zeros_like(b.flat)
                     for p, off in zip(b.params, b.offsets):
-                        entry = sd["state"][ids[index[p]]]
+                        entry = sd["state"].get(ids[index[p]])
+                        if entry is None:
+                            continue
                         if tuple(entry[key].shape) != tuple(p.shape):
                             raise ValueError(f"ShardedAdamW: a {key} of shape {tuple(entry[key].shape)} for a "
                                              f"parameter of shape {tuple(p.shape)}")
                         flat[off:off + p.numel()].copy_(entry[key].reshape(-1))
                         s["step"] = entry["step"]
                     s[key] = flat[b.lo:b.lo + b.shard].clone()
-                inner_state[b] = s
+                if s["step"] is not None:   # else no parameter of the bucket has state: none, as for AdamW
+                    inner_state[b] = s
         for g, saved in zip(self.inner.param_groups, groups):  # the hyperparameters, not how the writer ran
             g.update({k: v for k, v in saved.items() if k in HYPERPARAMETERS})
         self.inner.state.clear()
+        self._ever = torch.tensor([ids[i] in sd["state"] for i in range(len(self.params))], dtype=torch.bool)
         for b, s in inner_state.items():
             step = s["step"]
             step = step.clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
