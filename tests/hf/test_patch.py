@@ -36,10 +36,13 @@ def make_config(family, **over):
     if family == "mixtral":
         kw["intermediate_size"] = 48
         return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw)
+    if family == "mistral":   # its sliding window (4096 by default) makes transformers ask for a sliding-window mask
+        return transformers.MistralConfig(**kw)
     raise ValueError(family)
 
 
-CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+           "mistral": "MistralForCausalLM"}
 
 
 def build(family, attn="sdpa", seed=0, **over):
@@ -241,6 +244,18 @@ def test_generate_left_padded_batch_and_static_cache(family, monkeypatch):
     assert torch.equal(generate(wf, ids, mask), want)
     assert torch.equal(generate(wf, ids, mask, cache_implementation="static"), want)
     assert spy.calls["flash_attention"] > 0
+
+
+def test_sliding_window_model_with_a_static_cache():
+    """A window wider than the text: transformers' mask hook answers "plain causal" (None), which under a
+    StaticCache's unused slots past the text means the key-validity mask, not causal over every slot (the tokens
+    were wrong before)."""
+    wf = build("mistral", attn="warpforge").eval()
+    assert wf.config.sliding_window is not None
+    prompt = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(4))
+    want = generate(twin(wf, "eager"), prompt)
+    assert torch.equal(generate(wf, prompt), want)
+    assert torch.equal(generate(wf, prompt, cache_implementation="static"), want)
 
 
 def test_packed_positions_fall_back_to_sdpa(caplog):

@@ -49,17 +49,21 @@ def warpforge_mask(batch_size, q_length=None, kv_length=None, q_offset=0, kv_off
     positions as cache_position instead of q_length / q_offset."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-    if mask_function is not None and mask_function is not causal_mask_function:
-        given = dict(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
-                     attention_mask=attention_mask, **kwargs)
-        given.update(dict(cache_position=cache_position) if q_length is None else
-                     dict(q_length=q_length, q_offset=q_offset))
-        return sdpa_mask(**given)
+    given = dict(batch_size=batch_size, kv_length=kv_length, kv_offset=kv_offset, mask_function=mask_function,
+                 attention_mask=attention_mask, **kwargs)
+    given.update(dict(cache_position=cache_position) if q_length is None else
+                 dict(q_length=q_length, q_offset=q_offset))
     if q_length is None:
         q_length = cache_position.shape[0]
         q_offset = cache_position[0] if q_length else 0
     end = q_offset - kv_offset + q_length
     end = int(end) if isinstance(end, torch.Tensor) else end  # a StaticCache's offset is a tensor
+    if mask_function is not None and mask_function is not causal_mask_function:
+        mask = sdpa_mask(**given)
+        # None is SDPA's is_causal over the first keys (a window that hides nothing); with a StaticCache's slots
+        # past end that is the key-validity mask below, not causal attention over all kv_length keys
+        if mask is not None or end == kv_length:
+            return mask
     if attention_mask is None:
         if end == kv_length:
             return None
