@@ -311,6 +311,13 @@ for step in "$@"; do
            timeout 90 python3 scripts/probe_paged_gluon.py --formats nvfp4 --block-n 64 --slots 3,4 --maxnreg 0,128 \
              --planar --L 4096
          } > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
+    s42s) # s42 when little device time is left: the tests, then NVFP4's probe at 4k alone
+          timeout 230 python3 -m pytest -q -m gpu tests/paged/test_paged_gluon.py tests/paged/test_paged_split_scales.py \
+            tests/mla/test_mla_rows16.py -k "not long" > "$w/s41-tests.log" 2>&1
+          grep -E "FAILED|passed|failed" "$w/s41-tests.log" | tail -n 12
+          tar czf "$out/all.tgz" -C "$w" .
+          timeout 110 python3 scripts/probe_paged_gluon.py --formats nvfp4 --slots 2,3 --maxnreg 0,168 --planar --L 4096 \
+            > "$w/probe_paged_split.log" 2>&1; grep -v "^$" "$w/probe_paged_split.log" ;;
     s42b) # session 42's second call: the paged family bench (on the H200: results/h200/paged.json), then paged-split's
           # FP8 probe at 4k (a register cap, 64-token steps)
           SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
