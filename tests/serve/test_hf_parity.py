@@ -41,6 +41,42 @@ def test_qwen2_and_mistral_sliding_window(tmp_path, family, extra):
     _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
 
 
+def test_mistral_layer_types_window_only_their_sliding_layers(tmp_path):
+    # what transformers loads as Ministral (it used to window every layer here)
+    make_checkpoint(tmp_path, "mistral", layers=2, seed=3, sliding_window=6,
+                    layer_types=["full_attention", "sliding_attention"])
+    _check(tmp_path, page_size=8, num_pages=64, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("model_type,cfg,want", [
+    ("mistral", {}, (4096,) * 3),                       # MistralConfig's default window
+    ("mistral", {"sliding_window": None}, (None,) * 3),
+    # transformers' Llama attention ignores the key (its generate's cache does not: that is transformers' own
+    # disagreement; warpforge follows the model)
+    ("llama", {"sliding_window": 5}, (None,) * 3),
+    ("qwen2", {"sliding_window": 5, "use_sliding_window": True}, (None,) * 28 + (5, 5)),  # max_window_layers 28
+    ("qwen3", {"sliding_window": 5, "use_sliding_window": False}, (None,) * 3),
+])
+def test_sliding_window_defaults(model_type, cfg, want):
+    from warpforge.serve.loader import _sliding_windows
+    assert _sliding_windows(cfg, model_type, len(want)) == want
+
+
+def test_config_defaults_as_transformers_reads_them(tmp_path):
+    """Qwen3's head_dim defaults to 128 (not hidden / heads); Mistral's attention has no biases whatever
+    attention_bias says."""
+    import json
+
+    from warpforge.serve.loader import read_spec
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2)
+    for model_type, extra, check in (("qwen3", {}, lambda s: s.head_dim == 128),
+                                     ("mistral", {"attention_bias": True}, lambda s: not s.qkv_bias),
+                                     ("llama", {"attention_bias": True}, lambda s: s.qkv_bias)):
+        (tmp_path / "config.json").write_text(json.dumps(dict(base, model_type=model_type, **extra)))
+        assert check(read_spec(tmp_path)), model_type
+
+
 @pytest.mark.parametrize("head_dim", [8, 16, 80, 96])
 def test_head_dims_that_are_not_powers_of_two_decode_paged(tmp_path, head_dim, monkeypatch):
     # head dims 8 / 16 / 80 / 96 (once gathered K/V through flash_attention): decode steps attend through

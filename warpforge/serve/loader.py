@@ -98,7 +98,8 @@ def _hf_spec(cfg: dict, path: Path) -> ModelSpec:
         raise WarpforgeInputError("config.json: mlp_bias=true is not supported (no MLP biases in these families)")
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # Qwen3's config class defaults head_dim to 128, not hidden / heads
+    head_dim = cfg.get("head_dim") or (128 if model_type == "qwen3" else cfg["hidden_size"] // heads)
     # transformers 5 writes rope_parameters {"rope_type", "rope_theta", ...}; 4.x rope_theta and rope_scaling
     rope = dict(cfg.get("rope_parameters") or {})
     theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -120,27 +121,30 @@ def _hf_spec(cfg: dict, path: Path) -> ModelSpec:
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=cfg["intermediate_size"],
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        # transformers' Mistral has no attention biases whatever attention_bias says; Llama and Qwen3 follow it
+        qkv_bias=model_type == "qwen2" or (model_type != "mistral" and bool(cfg.get("attention_bias", False))),
         qk_norm=model_type == "qwen3", sliding_windows=windows,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id"))
 
 
 def _sliding_windows(cfg: dict, model_type: str, layers: int) -> tuple:
-    """Per layer, the tokens a query sees (itself included) or None. Mistral: every layer when sliding_window is
-    set; Qwen2/3: the layers layer_types marks "sliding_attention" (older configs: use_sliding_window with the
-    layers from max_window_layers on)."""
-    window = cfg.get("sliding_window")
-    if not window:
+    """Per layer, the tokens a query sees (itself included) or None, as transformers reads the config: Llama none
+    (its attention ignores sliding_window); with layer_types, the layers it marks "sliding_attention" (a Mistral
+    config with layer_types is what transformers loads as Ministral); else Mistral every layer (sliding_window
+    4096 when the key is absent, none when it is null), Qwen2/3 the layers from max_window_layers (default 28) on
+    when use_sliding_window is set."""
+    window = cfg["sliding_window"] if "sliding_window" in cfg else (4096 if model_type == "mistral" else None)
+    if not window or model_type == "llama":
         return (None,) * layers
-    if model_type == "mistral" or model_type == "llama":
-        return (int(window),) * layers
     types = cfg.get("layer_types")
     if types:
         return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if model_type == "mistral":
+        return (int(window),) * layers
     if not cfg.get("use_sliding_window", False):
         return (None,) * layers
-    first = cfg.get("max_window_layers", layers)
+    first = cfg.get("max_window_layers", 28)
     return tuple(int(window) if i >= first else None for i in range(layers))
 
 
