@@ -147,7 +147,10 @@ class ShardedAdamW:
         if self._reduced:
             return
         self._launch_ready(force=True)
-        flags = torch.tensor(self._arrived, dtype=torch.int32, device=self.buckets[0].flat.device)
+        dev, everything = self.buckets[0].flat.device, all(self._arrived)
+        # the usual step (every parameter reached here) makes its flags on the device: no host copy, no sync
+        flags = (torch.ones(len(self.params), dtype=torch.int32, device=dev) if everything else
+                 torch.tensor(self._arrived, dtype=torch.int32, device=dev))
         reached = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         for b in self.buckets:
             b.work.wait()
@@ -155,7 +158,7 @@ class ShardedAdamW:
             b.grad_shard.div_(self.world)
         reached.wait()
         # read back (a host sync) only where this rank missed a parameter: else every rank's gradients reached all
-        self._reached = torch.ones(len(self.params), dtype=torch.bool) if all(self._arrived) else flags.bool().cpu()
+        self._reached = torch.ones(len(self.params), dtype=torch.bool) if everything else flags.bool().cpu()
         self._reduced = True
 
     def _unreached_slices(self):
