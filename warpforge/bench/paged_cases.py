@@ -8,7 +8,8 @@ with enable_gqa (what a serving stack without a paged kernel runs); "sdpa-contig
 cache that is already contiguous per request (no paging at all: the floor a paged kernel is held to).
 Quantised caches (FP8 per-tensor scale, NVFP4, MXFP4) at L 4k and 16k, ours only; the FP4 formats in both layouts
 (kv_format.py): rows of values then block scales ("warpforge nvfp4"), and the same bytes as FlashInfer's pair of
-tensors ("warpforge nvfp4 split").
+tensors ("warpforge nvfp4 split"; an NVFP4 pair takes the portable kernel unless configs.GLUON_NVFP4_PAIR_ENV is set,
+session 42).
 
 Scored as 1 - cos against the fp32 reference on the unquantised cache (the bf16 values; for the quantised
 formats the values before quantisation), request 0. bytes: the K and V bytes read (the floor of a decode step).
