@@ -58,8 +58,7 @@ def test_nvfp4_word_decode():
 
 def test_cache_layouts_the_kernel_reads(monkeypatch):
     """FP8: 16-byte aligned rows (16-byte copies), any strides else; FP4: values and block scales (the row
-    layout's views, or a pair) in packed rows, K's pitches V's (constexpr pitches); an NVFP4 pair only with
-    configs.GLUON_NVFP4_PAIR_ENV set (session 42's wrong graph replay), an MXFP4 pair always."""
+    layout's views, or a pair) in packed rows, K's pitches V's (constexpr pitches)."""
     fp8 = torch.zeros(4, 16, 2, 128, dtype=torch.float8_e4m3fn)
     assert dg.cache_ok(fp8, fp8, 1)
     assert dg.cache_ok(fp8[:, :, 1:], fp8[:, :, 1:], 1)   # one head of two: strided, rows still aligned
@@ -70,12 +69,15 @@ def test_cache_layouts_the_kernel_reads(monkeypatch):
     fp4 = torch.zeros(4, 16, 2, 72, dtype=torch.uint8)
     assert dg.cache_ok(parts(fp4)[0], parts(fp4)[0], 2, parts(fp4)[1], parts(fp4)[1])
     pair = (torch.zeros(4, 16, 2, 64, dtype=torch.uint8), torch.zeros(4, 16, 2, 8, dtype=torch.uint8))
-    monkeypatch.delenv(configs.GLUON_NVFP4_PAIR_ENV, raising=False)
-    assert not dg.cache_ok(pair[0], pair[0], 2, pair[1], pair[1])
-    mx_pair = (pair[0], torch.zeros(4, 16, 2, 4, dtype=torch.uint8))
-    assert dg.cache_ok(mx_pair[0], mx_pair[0], 3, mx_pair[1], mx_pair[1])
-    monkeypatch.setenv(configs.GLUON_NVFP4_PAIR_ENV, "1")
     assert dg.cache_ok(pair[0], pair[0], 2, pair[1], pair[1])
+    # but api holds an NVFP4 pair back unless configs.GLUON_NVFP4_PAIR_ENV is "1" (session 42); MXFP4's and a row
+    # cache's views go
+    held = wf.ops.paged.api.nvfp4_pair_held_back
+    nv, mx = wf.paged.KV_FORMATS["nvfp4"], wf.paged.KV_FORMATS["mxfp4"]
+    monkeypatch.delenv(configs.GLUON_NVFP4_PAIR_ENV, raising=False)
+    assert held(nv, *pair) and not held(mx, *pair) and not held(nv, *parts(fp4))
+    monkeypatch.setenv(configs.GLUON_NVFP4_PAIR_ENV, "1")
+    assert not held(nv, *pair)
     wide = torch.zeros(4, 16, 2, 80, dtype=torch.uint8)[..., :72]   # 80-byte rows: packed, 16-byte aligned
     assert dg.cache_ok(parts(wide)[0], parts(wide)[0], 2, parts(wide)[1], parts(wide)[1])
     assert not dg.cache_ok(parts(fp4)[0], parts(wide)[0], 2, parts(fp4)[1], parts(wide)[1])   # K's pitch not V's

@@ -56,13 +56,20 @@ def _decode_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                                             for c, bs in ((k_cache, k_bs), (v_cache, v_bs)))
     if cfg.gluon:  # plan()'s gluon_gate held (decode_gluon_kernel.py)
         from . import decode_gluon_kernel as dg
-        if dg.cache_ok(k_cache, v_cache, fmt.code, k_bs, v_bs):
+        if dg.cache_ok(k_cache, v_cache, fmt.code, k_bs, v_bs) and not nvfp4_pair_held_back(fmt, k_cache, k_bs):
             return dg.paged_decode_gluon(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale,
                                          softmax_scale, num_splits, cfg, fmt.code, k_bs, v_bs)
         cfg = _portable_cfg(q, fmt, k_cache.shape[2])  # a cache laid out otherwise: the portable kernel
     from .decode_kernel import paged_decode_fwd
     return paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scale, fmt,
                             softmax_scale, softcap, window if window >= 0 else None, num_splits, cfg, k_bs, v_bs)
+
+
+def nvfp4_pair_held_back(fmt, values, block_scales) -> bool:
+    """An NVFP4 cache given as a pair (values and block scales in tensors of their own, not a row cache's views) stays
+    off the Gluon kernel unless configs.GLUON_NVFP4_PAIR_ENV is "1" (see there)."""
+    return (fmt.code == 2 and block_scales is not None and os.environ.get(configs.GLUON_NVFP4_PAIR_ENV, "0") != "1"
+            and values.untyped_storage().data_ptr() != block_scales.untyped_storage().data_ptr())
 
 
 def _portable_cfg(q, fmt, h_kv) -> configs.PagedCfg:

@@ -39,11 +39,9 @@ dispatches here on sm_90 with a Triton in GLUON_TRITON_VERSIONS.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from .configs import GLUON_NVFP4_PAIR_ENV
 from .decode_kernel import decode_outputs, part_strides
 
 LOG2E = 1.4426950408889634
@@ -474,18 +472,11 @@ def _packed_rows(t) -> bool:
             (p <= 1 or t.stride(0) == ps * t.stride(1)) and t.data_ptr() % 16 == 0)
 
 
-def _same_storage(a, b) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def cache_ok(k_cache, v_cache, code, k_bs=None, v_bs=None) -> bool:
     """Caches the kernel reads (code: the format's; k_bs / v_bs: FP4's block scales): FP8 16-byte aligned with
     16-byte aligned rows (its copies are 16 bytes); FP4 values and scales in packed rows (_packed_rows), K's
-    pitches V's (the pitches are compile-time constants, so that the copies know the rows' alignment); an NVFP4
-    pair (values and scales in tensors of their own) only where configs.GLUON_NVFP4_PAIR_ENV is "1"."""
+    pitches V's (the pitches are compile-time constants, so that the copies know the rows' alignment)."""
     if code >= 2:
-        if code == 2 and not _same_storage(k_cache, k_bs) and os.environ.get(GLUON_NVFP4_PAIR_ENV, "0") != "1":
-            return False   # configs.GLUON_NVFP4_PAIR_ENV: a pair of tensors, not a row cache's views
         return (all(_packed_rows(t) for t in (k_cache, v_cache, k_bs, v_bs))
                 and k_cache.stride() == v_cache.stride() and k_bs.stride() == v_bs.stride())
     return all(c.data_ptr() % 16 == 0 and c.stride(3) == 1 and all(st % 16 == 0 for st in c.stride()[:3])
