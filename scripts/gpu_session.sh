@@ -298,6 +298,15 @@ for step in "$@"; do
          tar czf "$out/all.tgz" -C "$w" .
          SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
          grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;
+    s43d) # session 43: the NVFP4 pair's wrong output under graph replay (scripts/diag_fp4_pair.py: poisoned free memory,
+          # the bench's order, the tensor scale doubled, eager, a recapture), MXFP4 beside it; then memcheck on it
+          for f in nvfp4 mxfp4; do timeout 90 python3 scripts/diag_fp4_pair.py --fmt $f; done > "$w/diag_fp4_pair.log" 2>&1
+          cat "$w/diag_fp4_pair.log" | tail -n 40
+          tar czf "$out/all.tgz" -C "$w" .
+          cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1)
+          if [ -n "$cs" ]; then timeout 240 "$cs" --tool memcheck --print-limit 20 python3 scripts/diag_fp4_pair.py \
+            > "$w/diag_fp4_pair_memcheck.log" 2>&1; grep -E "Invalid|ERROR SUMMARY|1-cos" "$w/diag_fp4_pair_memcheck.log" | head -n 30
+          else echo "no compute-sanitizer"; fi ;;
     s42) # session 42: s41's GPU tests, then the FP4 probe (paged-split's, both layouts) at 4k: 2 and 3 slots, capped at 168
          # registers or not (the pair's 16-byte .cg copies may let 3 slots pay where the rows' 8-byte .ca did not:
          # NOTES session 20; the pair compiles to 182 registers at 2 slots, 2 programs an SM, and to 168 at 3)
