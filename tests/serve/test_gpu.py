@@ -24,8 +24,23 @@ def test_fp32_on_gpu_matches_transformers(llama_dir):
     assert [o.token_ids for o in outs] == hf_greedy(llama_dir, _ids(llm), 10)
 
 
-@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
-def test_cuda_graph_decode_is_eager_decode(qwen3_dir, kv_format):
+@pytest.mark.parametrize("kv_format,fp4_layout,gluon_nvfp4_pair", [
+    ("bf16", None, False), ("fp8", None, False), ("nvfp4", "rows", False), ("mxfp4", "rows", False),
+    ("nvfp4", "pair", False), ("mxfp4", "pair", False),
+    # the NVFP4 pair on the Gluon kernel, held back by default (paged/api.nvfp4_pair_held_back; NOTES session 42)
+    ("nvfp4", "pair", True)])
+def test_cuda_graph_decode_is_eager_decode(tmp_path, kv_format, fp4_layout, gluon_nvfp4_pair, monkeypatch):
+    """head dim 128: the quantised caches take the Hopper Gluon kernel where its gate holds (sm_90)."""
+    from conftest import make_checkpoint
+
+    from warpforge.ops.paged import configs
+    from warpforge.serve import kv_cache
+    qwen3_dir = tmp_path / "qwen3-d128"
+    make_checkpoint(qwen3_dir, "qwen3", seed=1, head_dim=128)
+    if fp4_layout is not None:
+        monkeypatch.setattr(kv_cache, "FP4_LAYOUT", fp4_layout)
+    if gluon_nvfp4_pair:
+        monkeypatch.setenv(configs.GLUON_NVFP4_PAIR_ENV, "1")
     kw = dict(device="cuda", dtype="bfloat16", kv_format=kv_format, page_size=16, num_pages=64)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     eager = LLM(qwen3_dir, cuda_graphs=False, **kw)

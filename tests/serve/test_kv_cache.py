@@ -141,3 +141,45 @@ def test_generated_request_ids_skip_user_supplied_ones(llama_dir):
     eng.add_request(prompt_token_ids=[5, 6], request_id="1")
     auto = eng.add_request(prompt_token_ids=[5, 6])
     assert auto not in ("0", "1") and len(eng.requests) == 3
+
+
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+def test_fp4_pair_layout_writes_and_gathers_the_rows_bytes(kv_format):
+    from warpforge.serve import PagedKVCache
+    from warpforge.serve.kv_cache import PairLayers
+    caches = {layout: PagedKVCache(2, 4, 8, 2, 64, kv_format, torch.float32, "cpu", fp4_layout=layout)
+              for layout in ("rows", "pair")}
+    assert isinstance(caches["pair"].k, PairLayers) and len(caches["pair"].k) == 2
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(5, 2, 64, generator=g) for _ in range(2))
+    slots = torch.tensor([3, 9, -1, 17, 30])
+    for cache in caches.values():
+        cache.write(1, k, v, slots)
+    for side in ("k", "v"):
+        rows, (values, scales) = getattr(caches["rows"], side)[1], getattr(caches["pair"], side)[1]
+        assert torch.equal(rows[..., :32], values) and torch.equal(rows[..., 32:], scales)
+    keep = torch.tensor([0, 1, 3, 4])
+    got = [caches[layout].gather(1, slots[keep]) for layout in ("rows", "pair")]
+    assert all(torch.equal(a, b) for a, b in zip(*got))
+    assert (got[0][0] - k[keep]).norm() / k[keep].norm() < 0.2   # FP4's own rounding
+
+
+@pytest.mark.parametrize("kv_format", ["nvfp4", "mxfp4"])
+def test_fp4_pair_layout_generates_the_rows_tokens(llama_dir, kv_format, monkeypatch):
+    from warpforge.serve import kv_cache
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = {}
+    for layout in kv_cache.FP4_LAYOUTS:
+        monkeypatch.setattr(kv_cache, "FP4_LAYOUT", layout)
+        llm = LLM(llama_dir, page_size=8, num_pages=64, kv_format=kv_format)
+        assert isinstance(llm.cache.k, kv_cache.PairLayers) == (layout == "pair")
+        outs[layout] = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+        assert llm.cache.allocator.pages_in_use == 0
+    assert outs["pair"] == outs["rows"]
+
+
+def test_fp4_layout_is_checked():
+    from warpforge.serve import PagedKVCache
+    with pytest.raises(WarpforgeInputError, match="fp4_layout"):
+        PagedKVCache(1, 4, 8, 1, 64, "nvfp4", torch.float32, "cpu", fp4_layout="planar")
+    assert not PagedKVCache(1, 4, 8, 1, 64, "fp8", torch.float32, "cpu", fp4_layout="pair").pair  # FP4 only

@@ -131,9 +131,8 @@ def main(argv=None) -> dict:
         eng.step()
     torch.cuda.synchronize()
     step_s = (time.perf_counter() - t) / a.steps
-    kv_fmt = cache.fmt
-    kv_bytes = (2 * spec.num_layers * spec.num_kv_heads * kv_fmt.width(spec.head_dim) * cache.k.element_size()
-                * a.batch * (a.context + a.steps // 2 + 4))
+    kv_bytes = (PagedKVCache.bytes_per_page(spec.num_layers, page, spec.num_kv_heads, spec.head_dim, a.kv_format)
+                // page * a.batch * (a.context + a.steps // 2 + 4))
     if a.profile:
         _profile(eng)
     bw = copy_bandwidth(device)

@@ -85,16 +85,41 @@ class PageAllocator:
         return sorted(held + self._free) == list(range(self.num_pages))
 
 
+# How an FP4 cache is laid out (paged/kv_format.py): "rows" (each token row its packed values, then its block
+# scales) or "pair" (values and block scales in tensors of their own, FlashInfer's layout). The pair's 64-byte value
+# rows take 16-byte copies and ran 19-23% faster on an H100 (benchmarks/NOTES.md, session 42); it becomes the default
+# once the Gluon kernel reads an NVFP4 pair right under CUDA-graph replay (paged/api.nvfp4_pair_held_back).
+FP4_LAYOUTS = ("rows", "pair")
+FP4_LAYOUT = "rows"
+
+
+class PairLayers:
+    """An FP4 cache in the pair layout, every layer in two allocations: [layer] is the pair (values [num_pages,
+    page_size, h_kv, d/2], block scales [num_pages, page_size, h_kv, d/block]) that the paged ops take."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor):
+        self.values, self.scales = values, scales
+
+    def __getitem__(self, layer: int):
+        return self.values[layer], self.scales[layer]
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+
 class PagedKVCache:
     """K and V pages for every layer, one allocation each: k[layer] is [num_pages, page_size, h_kv, width] in
-    kv_format, the layout paged_decode reads. Quantised formats keep one fixed per-tensor scale per layer (fp8:
-    1.0, as vLLM's default; nvfp4: a tensor scale sized for |values| up to `amax`), since pages are filled a token
-    at a time and a scale computed from later tokens could not re-scale the earlier ones."""
+    kv_format, the layout paged_decode reads (an FP4 cache in the pair layout: k[layer] is the pair, see PairLayers).
+    Quantised formats keep one fixed per-tensor scale per layer (fp8: 1.0, as vLLM's default; nvfp4: a tensor scale
+    sized for |values| up to `amax`), since pages are filled a token at a time and a scale computed from later
+    tokens could not re-scale the earlier ones. fp4_layout: "rows" or "pair" for the FP4 formats (None: FP4_LAYOUT)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
-                 kv_format: str, dtype: torch.dtype, device, amax: float = 64.0):
+                 kv_format: str, dtype: torch.dtype, device, amax: float = 64.0, fp4_layout: Optional[str] = None):
         check_choice("kv_format", kv_format, tuple(paged.KV_FORMATS))
         check_choice("page_size", page_size, paged.PAGE_SIZES)
+        fp4_layout = FP4_LAYOUT if fp4_layout is None else fp4_layout
+        check_choice("fp4_layout", fp4_layout, FP4_LAYOUTS)
         fmt = paged.KV_FORMATS[kv_format]
         if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:  # neither paged_decode nor flash_attention takes it
             fail("head_dim", f"a multiple of 8 from 8 to {MAX_HEAD_DIM} (the attention ops' head dims)", head_dim)
@@ -105,10 +130,15 @@ class PagedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         # the dtype attention runs in over this cache: a values format's own, or the model's for quantised ones
         self.attn_dtype = fmt.storage if not fmt.quantized else dtype
-        storage = fmt.storage
-        shape = (num_layers, num_pages, page_size, num_kv_heads, fmt.width(head_dim))
-        self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.pair = fmt.fp4 and fp4_layout == "pair"
+        lead = (num_layers, num_pages, page_size, num_kv_heads)
+        if self.pair:
+            self.k, self.v = (PairLayers(torch.zeros(*lead, head_dim // 2, dtype=fmt.storage, device=device),
+                                         torch.zeros(*lead, fmt.scale_width(head_dim), dtype=fmt.storage,
+                                                     device=device)) for _ in range(2))
+        else:
+            self.k, self.v = (torch.zeros(*lead, fmt.width(head_dim), dtype=fmt.storage, device=device)
+                              for _ in range(2))
         self.allocator = PageAllocator(num_pages, page_size)
         if kv_format == "fp8":
             self.k_scale = self.v_scale = torch.ones(1, dtype=torch.float32, device=device)
@@ -135,10 +165,12 @@ class PagedKVCache:
         """K and V of the tokens at flat slots [n] of this layer, [n, h_kv, d] in dtype (dequantised)."""
         out = []
         for cache, scale in ((self.k[layer], self.k_scale), (self.v[layer], self.v_scale)):
-            rows = cache.view(-1, *cache.shape[2:])[slots]
+            rows = tuple(part.flatten(0, 1)[slots][:, None] for part in (cache if self.pair else (cache,)))
             if self.fmt.quantized:
-                rows = paged.dequantize_kv_reference(rows[:, None], self.kv_format, scale)[:, 0]
-            out.append(rows.to(dtype or self.attn_dtype))
+                rows = paged.dequantize_kv_reference(rows if self.pair else rows[0], self.kv_format, scale)
+            else:
+                rows = rows[0]
+            out.append(rows[:, 0].to(dtype or self.attn_dtype))
         return out[0], out[1]
 
 
