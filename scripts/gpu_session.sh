@@ -298,6 +298,14 @@ for step in "$@"; do
          tar czf "$out/all.tgz" -C "$w" .
          SKIP_TESTS=1 timeout 300 bash scripts/gpu_check.sh "$w/bench" paged > "$w/bench-paged.log" 2>&1
          grep -E "warpforge|sdpa" "$w/bench-paged.log" | tail -n 20 ;;
+    s43m) # session 43: the MLA Gluon kernel's FP4 word decode (natural column order now: no permuted Q / output) on
+          # its GPU tests, then the in-kernel / pass sweep at h_q 128 (the crossover api.quantized_in_kernel encodes)
+          timeout 200 python3 -m pytest -q -m gpu tests/mla/test_mla_gluon.py -k "quantized or capture or garbage" \
+            > "$w/s43-mla-tests.log" 2>&1; grep -E "FAILED|passed|failed" "$w/s43-mla-tests.log" | tail -n 12
+          tar czf "$out/all.tgz" -C "$w" .
+          for v in 1 0; do WARPFORGE_MLA_GLUON_IN_KERNEL=$v timeout 120 python3 -m warpforge bench --family mla \
+            --match 'h128 s_q1 L[0-9]+k (bf16|nvfp4|mxfp4)' --json "$w/mla-h128-fp4-inkernel$v.json" \
+            > "$w/mla-h128-fp4-inkernel$v.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp4-inkernel$v.log"; done ;;
     s43d) # session 43: the NVFP4 pair's wrong output under graph replay (scripts/diag_fp4_pair.py: poisoned free memory,
           # the bench's order, the tensor scale doubled, eager, a recapture), MXFP4 beside it; then memcheck on it
           for f in nvfp4 mxfp4; do timeout 90 python3 scripts/diag_fp4_pair.py --fmt $f; done > "$w/diag_fp4_pair.log" 2>&1

@@ -2,7 +2,7 @@
 H200's) and count, per warpgroup, what one trip of its page loop (= one pair of pages) executes in SASS: warpgroup
 bar.syncs, wgmma groups and waits, mbarrier waits / arrives, TMA issues, spill reloads / stores (LDL / STL), R2UR.
 
-    PYTHONPATH=$PWD /work/venv36/bin/python scripts/sass_mla_gluon.py [--h-q 128] [--dump out.sass]
+    PYTHONPATH=$PWD /work/venv36/bin/python scripts/sass_mla_gluon.py [--h-q 128] [--fmt nvfp4] [--dump out.sass]
 
 "hot" counts one trip along the steady state (every page full, more pages to come): blocks a forward branch skips
 that hold no HGMMA and no UTMALDG (the rows-past-the-end zeroing, the last pair's tail) and blocks only reached
@@ -107,18 +107,21 @@ def page_loops(sass: str):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--h-q", type=int, default=128)
+    ap.add_argument("--fmt", default="bf16", help="the cache format (bf16, fp8, nvfp4, mxfp4)")
     ap.add_argument("--dump", default=None, help="write the SASS here")
     args = ap.parse_args()
     from warpforge.ops import _gluon
     from warpforge.ops.mla import decode_gluon_kernel as dg
-    r = dg.compile_sm90(h_q=args.h_q)
+    from warpforge.ops.mla.kv_format import KV_FORMATS
+    fmt = None if args.fmt == "bf16" else KV_FORMATS[args.fmt]._asdict()
+    r = dg.compile_sm90(h_q=args.h_q, fmt=fmt)
     kernel = r.pop("kernel")
     use = _gluon.ptxas_usage(kernel.asm["ptx"])
     sass = sass_of(kernel.asm["cubin"])
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(sass)
-    print(f"h_q {args.h_q}: ptxas {use['registers']} registers, spills {use['spill_stores']}/"
+    print(f"h_q {args.h_q} {args.fmt}: ptxas {use['registers']} registers, spills {use['spill_stores']}/"
           f"{use['spill_loads']} B, stack {use['stack_bytes']} B, shared {r['shared_bytes']} B, "
           f"{sum(1 for x in sass.splitlines() if OP.match(x))} SASS instructions")
     for role, counts in page_loops(sass):

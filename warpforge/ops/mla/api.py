@@ -67,9 +67,10 @@ def quantized_in_kernel(fmt, batch: int, per_slice: int) -> bool:
     """Whether the Gluon kernel reads a quantized cache of page 64 itself (else its pages are dequantised into bf16
     scratch first, dequant_kernel.py). FP8: always (H200, h_q 128: 0.142 / 0.725 ms at L 1k / 8k against 0.198 /
     1.324). FP4: only where the dequantisation pass would run the batch in slices (per_slice < batch requests in its
-    scratch): its e2m1 decode costs the kernel ~10 instructions a value, so the pass is 10-25% faster where one
+    scratch): its e2m1 decode cost the kernel ~10 instructions a value, so the pass was 10-25% faster where one
     slice holds the batch (L 1k-4k at b 128) and the kernel 5-14% faster where slices start (L 8k+;
-    benchmarks/NOTES.md, session 18). WARPFORGE_MLA_GLUON_IN_KERNEL=0 always takes the pass."""
+    benchmarks/NOTES.md, session 18). Session 43's word decode (~5.5 a value) may move that crossover: `mla-fp4-sweep`
+    times both. WARPFORGE_MLA_GLUON_IN_KERNEL=0 always takes the pass."""
     if os.environ.get(configs.GLUON_IN_KERNEL_ENV, "1") == "0":
         return False
     return fmt.name == "fp8" or per_slice < batch

@@ -33,8 +33,8 @@ Quantized caches (page 64; `_build(code, ...)` per format, the same schedule): e
 raw bytes at the start of its bf16 buffer (FP8: 16 KB of e4m3; FP4: 8 KB of e2m1 pairs), with its rows' scales
 beside it; the warpgroup that computes the page's scores (the first to read it) converts it in place to bf16 before
 its score wgmma, and the other warpgroup reads the same bf16 as V. FP8 values are e4m3 · a power of two (exact);
-FP4 halves are stored even elements first (Q's columns and the output's are permuted to match, _latent_col). The
-cache is read once (656 / 416 / 400 bytes a token). The in-place pass adds shared-memory traffic (16 KB in, 32 KB out
+FP4 values are decoded from 32-bit words of eight, each nibble's bits placed at fp16's exponent / mantissa boundary
+(_nibble_pair), in the row's own order. The cache is read once (656 / 416 / 400 bytes a token). The in-place pass adds shared-memory traffic (16 KB in, 32 KB out
 per FP8 half page) to a kernel whose score GEMM is bound by it: FP8 runs at 0.74x the bf16 cache at h_q 128
 (benchmarks/NOTES.md, session 18); api.quantized_in_kernel chooses between this and dequant_kernel.py.
 
@@ -94,8 +94,11 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
     # bytes of e2m1 pairs
     if code >= 2:
         RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF // 2], gl.uint8))
+        # the same bytes as 32-bit words: one 128-byte swizzle row a token either way
+        RAW_WORDS = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     else:
         RAW_LAYOUT = gl.constexpr(gl.NVMMASharedLayout.get_default_for([PAGE, HALF], gl.float8e4nv))
+        RAW_WORDS = gl.constexpr(None)   # FP4's only (every build's closures must bind it)
 
     @gluon.jit
     def _page_row(bt_row, first_page, blk, n_steps, last_page):
@@ -139,50 +142,62 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], kbar[H], kr_dst)
 
     @gluon.jit
-    def _e2m1(code):
-        """e2m1 codes (sign in bit 3) → fp32 values / 16384 (shared_kernels.e2m1_to_float without its last scaling:
-        the three magnitude bits at fp16's exponent/mantissa boundary)."""
-        c = code.to(gl.uint16)
-        return (((c & 7) << 9) | ((c & 8) << 12)).to(gl.float16, bitcast=True).to(gl.float32)
+    def _nibble_pair(w, n: gl.constexpr):
+        """Nibbles n and n + 4 (values 8j + n and 8j + n + 4) of words w of packed e2m1 → their values · 2^-14 in
+        fp32. Each nibble's three magnitude bits land at fp16's exponent / mantissa boundary (bits 9-11: e2m1's
+        subnormal 0.5 becomes fp16's subnormal 2^-15, the rest normals) and its sign at bit 15, nibble n in the low
+        half of a 32-bit word and nibble n + 4 in the high half: two shift-and-mask pairs for two values, where
+        shared_kernels' per-element form took ~10 instructions a value (benchmarks/NOTES.md, session 43)."""
+        if n == 3:
+            mag = w >> 3
+        else:
+            mag = w << (9 - 4 * n)
+        h = (mag & 0x0E000E00) | ((w << (12 - 4 * n)) & 0x80008000)
+        lo = (h & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+        hi = (h >> 16).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+        return lo, hi
 
     @gluon.jit
-    def _dequant_fp4_piece(x, ks, H, p, kv_scale, L3: gl.constexpr, BPB: gl.constexpr, NB: gl.constexpr):
-        """Bytes p · 64 .. p · 64 + 63 of a half page's rows, x [64, 64] (BPB-byte blocks, one scale each), → their
-        low and high nibbles' values times the block scales (the even and the odd elements), [64, 64] fp32 each."""
-        # MXFP4: the row's 16 scale bytes, 8 for each half
-        first: gl.constexpr = p * NB if NVFP4 else p * NB + 8 * (H % 2)
-        sb = ks.index(H).slice(first, NB, dim=1).load(gl.SliceLayout(2, L3))
+    def _dequant_fp4_rows(w, sb, kv_scale):
+        """Words w [16, NB, WPB] of packed e2m1 (byte i of a word: values 2i, low nibble, and 2i + 1), NB blocks of
+        WPB words a row, and their scale bytes sb [16, NB] → [16, NB · WPB · 8] fp32 values · their block's scale
+        (· kv_scale for NVFP4), in the row's own order."""
         if NVFP4:
             sc = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * (kv_scale * 16384.0)
         else:
             sc = (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True) * 16384.0   # e8m0: 2^(byte - 127)
-        x3 = gl.convert_layout(gl.reshape(x, [64, NB, BPB]), L3)
         sc3 = gl.expand_dims(sc, 2)
-        lo = gl.reshape(_e2m1(x3 & 15) * sc3, [64, 64])
-        hi = gl.reshape(_e2m1(x3 >> 4) * sc3, [64, 64])
-        return lo, hi
+        v0, v4 = _nibble_pair(w, 0)
+        v1, v5 = _nibble_pair(w, 1)
+        v2, v6 = _nibble_pair(w, 2)
+        v3, v7 = _nibble_pair(w, 3)
+        # join appends its pair as the last dim: [.., b0, b1, b2] for value 4 b2 + 2 b1 + b0; permuted to the order
+        x = gl.join(gl.join(gl.join(v0 * sc3, v1 * sc3), gl.join(v2 * sc3, v3 * sc3)),
+                    gl.join(gl.join(v4 * sc3, v5 * sc3), gl.join(v6 * sc3, v7 * sc3)))
+        x = gl.permute(x, [0, 1, 2, 5, 4, 3])
+        return gl.reshape(x, [16, w.shape[1] * w.shape[2] * 8])
 
     @gluon.jit
     def _dequant_half(k, ks, H, kv_scale):
         """The quantized half page in k → bf16 values in place, read by TMA into the buffer's first bytes with its
         rows' scales in ks[H]. Every thread reads all its bytes before any writes (the bf16 rows overlay them).
-        FP8: e4m3 · its 128-column chunk's scale. FP4: e2m1 · its block's scale (· kv_scale for NVFP4), the even
-        elements into columns 0-127 and the odd into 128-255 (Q and the output are permuted to match: _latent_col)."""
+        FP8: e4m3 · its 128-column chunk's scale. FP4: e2m1 · its block's scale (· kv_scale for NVFP4), as 32-bit
+        words, 16 rows at a time (the output accumulator holds most of the registers)."""
         if FP4:
-            BPB: gl.constexpr = GROUP_C // 2   # bytes per scale block: NVFP4 8, MXFP4 16
-            NB: gl.constexpr = 64 // BPB       # blocks per 64 bytes
-            L2: gl.constexpr = gl.BlockedLayout([1, BPB], [32 // NB, NB], [4, 1], [1, 0])
-            L3: gl.constexpr = gl.BlockedLayout([1, 1, BPB], [32 // NB, NB, 1], [4, 1, 1], [2, 1, 0])
-            raw = k._reinterpret(gl.uint8, [64, HALF_C // 2], RAW_LAYOUT)
-            x0 = raw.slice(0, 64, dim=1).load(L2)
-            x1 = raw.slice(64, 64, dim=1).load(L2)
-            gl.thread_barrier()
-            lo, hi = _dequant_fp4_piece(x0, ks, H, 0, kv_scale, L3, BPB, NB)
-            k.slice(0, 64, dim=1).store(lo.to(gl.bfloat16))
-            k.slice(128, 64, dim=1).store(hi.to(gl.bfloat16))
-            lo, hi = _dequant_fp4_piece(x1, ks, H, 1, kv_scale, L3, BPB, NB)
-            k.slice(64, 64, dim=1).store(lo.to(gl.bfloat16))
-            k.slice(192, 64, dim=1).store(hi.to(gl.bfloat16))
+            WPB: gl.constexpr = GROUP_C // 8      # words per scale block: NVFP4 2, MXFP4 4
+            NB: gl.constexpr = 32 // WPB          # blocks per half row: NVFP4 16, MXFP4 8
+            LW: gl.constexpr = gl.BlockedLayout([1, 4 // WPB, WPB], [4, 8, 1], [4, 1, 1], [2, 1, 0])   # 4 words a thread
+            raw = k._reinterpret(gl.uint32, [64, HALF_C // 8], RAW_WORDS)
+            # MXFP4: the row's 16 scale bytes, 8 for each half; NVFP4: the half's 16
+            first: gl.constexpr = 0 if NVFP4 else 8 * (H % 2)
+            sks = ks.index(H).slice(first, NB, dim=1)
+            LW2: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+            for g in gl.static_range(4):   # rows 16 g ..: their words read (by the warps that write them) first
+                w = gl.reshape(raw.slice(16 * g, 16, dim=0).load(LW2), [16, NB, WPB])
+                sb = sks.slice(16 * g, 16, dim=0).load(gl.SliceLayout(2, LW))
+                gl.thread_barrier()
+                vals = _dequant_fp4_rows(gl.convert_layout(w, LW, assert_trivial=True), sb, kv_scale)
+                k.slice(16 * g, 16, dim=0).store(vals.to(gl.bfloat16))
             fence_async_shared()
             gl.thread_barrier()
         else:
@@ -228,17 +243,6 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
             return gl.load(KV_SCALE)
         else:
             return 1.0
-
-    @gluon.jit
-    def _latent_col(c):
-        """The latent column held in column c (0-511) of the Q / K / V / output halves: c itself, or for FP4 caches
-        (whose halves are stored even elements first, _dequant_half) the even element 2j for c = 256h + j, j < 128,
-        and the odd element 2j + 1 for c = 256h + 128 + j."""
-        if FP4:
-            j = c % 256
-            return c - j + gl.where(j < 128, 2 * j, 2 * (j - 128) + 1)
-        else:
-            return c
 
     @gluon.jit
     def _zero_rows(v, n_valid):
@@ -305,7 +309,7 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         q_mask = rq_ok[:, None] & (c64 >= 0)[None, :]   # Gluon does not broadcast masks
         for c in gl.static_range(8):
             half = q_half.index(c // 4).slice((c % 4) * 64, 64, dim=1)
-            half.store(gl.load(q_rows[:, None] + _latent_col(c * 64 + c64)[None, :], mask=q_mask, other=0.0))
+            half.store(gl.load(q_rows[:, None] + c * 64 + c64[None, :], mask=q_mask, other=0.0))
         q_rope.store(gl.load(q_rows[:, None] + 512 + c64[None, :], mask=q_mask, other=0.0))
         s_m.store(gl.full([64], MAX_INIT_C, gl.float32, ROW_S))
         fence_async_shared()
@@ -478,7 +482,7 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         ro = tile * 64 + gl.arange(0, 64, layout=ROW_O)
         cols = col0 + gl.arange(0, HALF_C, layout=gl.SliceLayout(0, O_LAYOUT))
         o_ptrs = O_PART + split.to(gl.int64) * stride_ps + b.to(gl.int64) * stride_pb + \
-            ro.to(gl.int64)[:, None] * 512 + _latent_col(cols)[None, :]
+            ro.to(gl.int64)[:, None] * 512 + cols[None, :]
         o_mask = (ro < rows_total)[:, None] & (cols >= 0)[None, :]   # Gluon does not broadcast masks
         gl.store(o_ptrs, (acc * norm[:, None]).to(O_PART.dtype.element_ty), mask=o_mask)
         if WRITES_LSE:
