@@ -97,6 +97,21 @@ def test_matches_reference(b, s_q, h_q, page, lens, causal, splits, fmt):
     _check(q, cache, table, seqlens, fmt, causal, splits, kv_scale)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_words_and_bytes_give_one_answer(fmt):
+    """The portable kernel reads FP4 latents as 32-bit words where every row starts 4-byte aligned
+    (shared_kernels.e2m1_words_to_float), else byte by byte: the same values, the same answer, bitwise."""
+    q, _, cache, table, seqlens, kv_scale = _problem(2, 2, 16, 16, [37, 20], fmt)
+    padded = torch.zeros(*cache.shape[:3], cache.shape[3] + 2, dtype=cache.dtype, device=cache.device)
+    padded[..., :cache.shape[3]] = cache
+    odd = padded[..., :cache.shape[3]]   # rows 2 mod 4 bytes apart: the byte path
+    assert odd.stride(1) % 4 == 2
+    words = wf.mla_decode(q, cache, table, seqlens, causal=True, kv_format=fmt, kv_scale=kv_scale, backend="triton")
+    nbytes = wf.mla_decode(q, odd, table, seqlens, causal=True, kv_format=fmt, kv_scale=kv_scale, backend="triton")
+    assert torch.equal(words[0], nbytes[0]) and torch.equal(words[1], nbytes[1])
+    _check(q, odd, table, seqlens, fmt, True, None, kv_scale)
+
+
 # End to end (quantized cache vs the unquantized latent): the format's error, not the kernel's (the kernel
 # matches the dequantized cache to 1e-5 above). MXFP4's power-of-two scales per 32 give 0.994 per element
 # and about 0.989 on attention outputs of Gaussian data, just under DESIGN's 0.99: recorded, not hidden.

@@ -298,6 +298,25 @@ def test_strided_layouts(fmt):
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
+@pytest.mark.parametrize("fmt,d", [("nvfp4", 64), ("mxfp4", 64), ("nvfp4", 48)])
+def test_fp4_words_and_bytes_give_one_answer(fmt, d):
+    """The portable kernel reads FP4 values as 32-bit words where every token row starts 4-byte aligned
+    (shared_kernels.e2m1_words_to_halves), else byte by byte (rows padded to the other side of 4-byte alignment: the
+    other path): the same values, the same answer, bitwise."""
+    p = _problem(2, 2, 8, 2, d, 16, [37, 5], fmt)
+    want, want_lse = _decode(p, num_splits=2)
+    padded = {}
+    for name in ("k_cache", "v_cache"):
+        c = p[name]
+        pad = 1 if c.shape[3] % 4 == 0 else 4 - c.shape[3] % 4   # to the other side of 4-byte alignment
+        buf = torch.zeros(*c.shape[:3], c.shape[3] + pad, dtype=c.dtype, device=c.device)
+        buf[..., :c.shape[3]] = c
+        padded[name] = buf[..., :c.shape[3]]
+        assert (padded[name].stride(2) % 4 == 0) != (c.stride(2) % 4 == 0)   # one of the two takes the words
+    out, lse = _decode(dict(p, **padded), num_splits=2)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
 @pytest.mark.parametrize("page,lens", [(16, [64, 49]), (64, [128, 70]), (128, [256, 3])])
 def test_full_table_and_large_pages(page, lens):
     """Requests that fill every page of the block table (no spare entry to read past), pages of 64 and 128."""

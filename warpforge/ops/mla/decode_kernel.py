@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import combine_splits, dot, e2m1_to_float, online_softmax
+from ..shared_kernels import combine_splits, dot, e2m1_to_float, e2m1_words_to_float, online_softmax
 
 LOG2E = 1.4426950408889634
 
@@ -43,14 +43,15 @@ def _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C: tl.constexpr, SCALE_
 
 @triton.jit
 def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr,
-                  SCALE_OFF: tl.constexpr, OUT_DTYPE: tl.constexpr):
+                  SCALE_OFF: tl.constexpr, OUT_DTYPE: tl.constexpr, WORDS: tl.constexpr = False):
     """Latent columns [128 C, 128 C + 128) of the given cache rows: (values [BLOCK_N, 128] in OUT_DTYPE, the
     rows' FP8 scales [BLOCK_N] for that chunk, or 1.0). FP8's scale is per row and chunk, so it is left for
     the caller to apply to the [rows, BLOCK_N] scores and probabilities (cheap) rather than to the tile: the
     tile is then a plain e4m3 -> bf16 conversion. FP4 scales (per 16 / 32) are applied here.
     KV_FMT: 0 bf16/fp16, 1 fp8 (e4m3 + fp32 per 128), 2 nvfp4 (e2m1 + e4m3 per 16, x kv_scale), 3 mxfp4
     (e2m1 + e8m0 per 32), with GROUP values per scale from SCALE_OFF on (kv_format.py). nvfp4's values come
-    back without the cache-wide scale."""
+    back without the cache-wide scale. WORDS: FP4 rows 4-byte aligned, read as 32-bit words
+    (shared_kernels.e2m1_words_to_float)."""
     base = cache + rows64[:, None] * row_stride
     BLOCK_N: tl.constexpr = rows64.shape[0]
     scale = 1.0
@@ -61,15 +62,21 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
         vals, scale = _fp8_chunk(codes, cache, rows64, tok_ok, row_stride, C, SCALE_OFF, OUT_DTYPE)
     else:
         N_SCALES: tl.constexpr = 128 // GROUP
-        packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
-        codes = tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128])  # low nibble = even element
         sbytes = tl.load(base + SCALE_OFF + C * N_SCALES + tl.arange(0, N_SCALES)[None, :], mask=tok_ok[:, None],
                          other=0)
         if KV_FMT == 2:  # e2m1 x e4m3 is exact in bf16; the fp32 tensor scale is applied to scores and output
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
-        vals = tl.reshape(tl.reshape(e2m1_to_float(codes), [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
+        if WORDS:  # rows 4-byte aligned: the chunk's 64 bytes as 16 words of eight values (values · 2^-14)
+            words = tl.load((base + C * 64).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 16)[None, :],
+                            mask=tok_ok[:, None], other=0)
+            codes = e2m1_words_to_float(words)
+            scales = scales * 16384.0
+        else:
+            packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
+            codes = e2m1_to_float(tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128]))  # low nibble: even
+        vals = tl.reshape(tl.reshape(codes, [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
                           [BLOCK_N, 128]).to(OUT_DTYPE)
     return vals, scale
 
@@ -162,6 +169,7 @@ def mla_decode_split_kernel(
     H_Q: tl.constexpr, S_Q: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, KV_FMT: tl.constexpr,
     GROUP: tl.constexpr, SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, SPARSE: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP16_MATH: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr, INDEX_AHEAD: tl.constexpr,
+    FP4_WORDS: tl.constexpr = False,
 ):
     """Dense: program (b · row tiles + row tile, split) over the query rows r = j * H_Q + h, walking the block table.
     SPARSE: program ((b * S_Q + j) · head tiles + head tile, split) walks indices[b, j, :] (slots; -1 skipped).
@@ -276,13 +284,13 @@ def mla_decode_split_kernel(
             lat3, sc3 = _fp8_chunk(cur3, CACHE, rows64, tok_ok, row_stride, 3, SCALE_OFF, dt)
         else:
             lat0, sc0 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 0, KV_FMT, GROUP, SCALE_OFF,
-                                         dt)
+                                          dt, FP4_WORDS)
             lat1, sc1 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 1, KV_FMT, GROUP, SCALE_OFF,
-                                         dt)
+                                          dt, FP4_WORDS)
             lat2, sc2 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 2, KV_FMT, GROUP, SCALE_OFF,
-                                         dt)
+                                          dt, FP4_WORDS)
             lat3, sc3 = _latent_chunk(CACHE, rows64, tok_ok, row_stride, 3, KV_FMT, GROUP, SCALE_OFF,
-                                         dt)
+                                          dt, FP4_WORDS)
         rope = _rope_block(CACHE, rows64, tok_ok, row_stride, KV_FMT, ROPE_OFF, D_R, q_rope.dtype)
         s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         s = _chunk_scores(s, q0, lat0, sc0, ROW_SCALE)
@@ -399,5 +407,7 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
             BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
             PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
             INDEX_AHEAD=index_ahead, num_stages=stages,
+            # FP4 latents as 32-bit words where every row starts 4-byte aligned
+            FP4_WORDS=fmt.code >= 2 and row_stride % 4 == 0 and cache.data_ptr() % 4 == 0,
         )
     return split_decode(q, num_splits, launch)

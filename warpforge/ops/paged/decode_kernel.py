@@ -27,25 +27,32 @@ import torch
 import triton
 import triton.language as tl
 
-from ..shared_kernels import combine_splits, dot, e2m1_to_float, e4m3_pair, online_softmax, tanh
+from ..shared_kernels import (combine_splits, dot, e2m1_to_float, e2m1_words_to_halves, e4m3_pair,
+                             online_softmax, tanh)
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _raw_tile(CACHE, BS, page, slot, kvh64, tok_ok, stride_p, stride_t, stride_h, bs_p, bs_t, bs_h, D: tl.constexpr,
-              BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr):
+              BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr, GROUP: tl.constexpr, WORDS: tl.constexpr = False):
     """The stored bytes of one kv head's token rows (pages `page`, rows `slot`, int64), undecoded: (values or e4m3
-    codes [BLOCK_N, BLOCK_D], a dummy) for KV_FMT 0 / 1; (packed e2m1 [BLOCK_N, BLOCK_D / 2], block-scale bytes
-    [BLOCK_N, BLOCK_D / GROUP] from BS with strides bs_*) for FP4 (kv_format.py)."""
+    codes [BLOCK_N, BLOCK_D], a dummy) for KV_FMT 0 / 1; (packed e2m1 [BLOCK_N, BLOCK_D / 2], or under WORDS (rows
+    4-byte aligned) the same bytes as uint32 words [BLOCK_N, BLOCK_D / 8], block-scale bytes [BLOCK_N, BLOCK_D /
+    GROUP] from BS with strides bs_*) for FP4 (kv_format.py)."""
     base = CACHE + (page * stride_p + slot * stride_t + kvh64 * stride_h)[:, None]
     if KV_FMT < 2:
         offs = tl.arange(0, BLOCK_D)
         data = tl.load(base + offs[None, :], mask=tok_ok[:, None] & (offs < D)[None, :], other=0.0)
         sbytes = tl.zeros([1, 1], tl.uint8)
     else:
-        cols = tl.arange(0, BLOCK_D // 2)
-        data = tl.load(base + cols[None, :], mask=tok_ok[:, None] & (cols < D // 2)[None, :], other=0)
+        if WORDS:
+            cols = tl.arange(0, BLOCK_D // 8)
+            data = tl.load(base.to(tl.pointer_type(tl.uint32)) + cols[None, :],
+                           mask=tok_ok[:, None] & (cols < D // 8)[None, :], other=0)
+        else:
+            cols = tl.arange(0, BLOCK_D // 2)
+            data = tl.load(base + cols[None, :], mask=tok_ok[:, None] & (cols < D // 2)[None, :], other=0)
         offs_s = tl.arange(0, BLOCK_D // GROUP)
         sbase = BS + (page * bs_p + slot * bs_t + kvh64 * bs_h)[:, None]
         sbytes = tl.load(sbase + offs_s[None, :], mask=tok_ok[:, None] & (offs_s < D // GROUP)[None, :], other=0)
@@ -56,16 +63,16 @@ def _raw_tile(CACHE, BS, page, slot, kvh64, tok_ok, stride_p, stride_t, stride_h
 def _step_bytes(K_CACHE, V_CACHE, K_BS, V_BS, bt_row, tok, end, last_page, kvh64, stride_kp, stride_kt, stride_kh,
                 stride_vp, stride_vt, stride_vh, stride_kbp, stride_kbt, stride_kbh, stride_vbp, stride_vbt,
                 stride_vbh, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, KV_FMT: tl.constexpr,
-                GROUP: tl.constexpr):
+                GROUP: tl.constexpr, WORDS: tl.constexpr = False):
     """The raw K and V bytes of tokens `tok` (those >= end masked off), page ids looked up and clamped here: the
     prefetch's load of a step ahead."""
     ok = tok < end
     page = tl.minimum(tl.maximum(tl.load(bt_row + tok // PAGE, mask=ok, other=0), 0), last_page).to(tl.int64)
     slot = (tok % PAGE).to(tl.int64)
     k_raw, k_sb = _raw_tile(K_CACHE, K_BS, page, slot, kvh64, ok, stride_kp, stride_kt, stride_kh, stride_kbp,
-                            stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT, GROUP)
+                            stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT, GROUP, WORDS)
     v_raw, v_sb = _raw_tile(V_CACHE, V_BS, page, slot, kvh64, ok, stride_vp, stride_vt, stride_vh, stride_vbp,
-                            stride_vbt, stride_vbh, D, BLOCK_D, KV_FMT, GROUP)
+                            stride_vbt, stride_vbh, D, BLOCK_D, KV_FMT, GROUP, WORDS)
     return k_raw, k_sb, v_raw, v_sb
 
 
@@ -83,28 +90,34 @@ def _v_bytes(V_CACHE, bt_row, tok, end, last_page, kvh64, stride_vp, stride_vt, 
 
 
 @triton.jit
-def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr):
+def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                 WORDS: tl.constexpr = False):
     """_raw_tile's bytes as values in OUT_DTYPE: (the tile, the same) for KV_FMT 0 / 1 (e4m3 -> OUT_DTYPE; per-token
     scales are the caller's); for FP4 the even and the odd elements ([BLOCK_N, BLOCK_D / 2] each, block scales
     applied). Packed byte i holds elements 2i (low nibble) and 2i + 1, so the halves come without interleaving the
     nibbles (a join and reshape per tile, which the compiler routes through shared memory); the caller splits q
-    and the output the same way."""
+    and the output the same way. WORDS: FP4 bytes as _raw_tile's words (shared_kernels.e2m1_words_to_halves)."""
     if KV_FMT < 2:
         lo = data.to(OUT_DTYPE)
         hi = lo
     else:
         BLOCK_N: tl.constexpr = data.shape[0]
-        HALF: tl.constexpr = data.shape[1]
         N_SCALES: tl.constexpr = sbytes.shape[1]
         PER: tl.constexpr = GROUP // 2  # packed bytes per block scale
         if KV_FMT == 2:
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
-        lo = tl.reshape(tl.reshape(e2m1_to_float(data & 15), [BLOCK_N, N_SCALES, PER]) * scales[:, :, None],
-                        [BLOCK_N, HALF])
-        hi = tl.reshape(tl.reshape(e2m1_to_float(data >> 4), [BLOCK_N, N_SCALES, PER]) * scales[:, :, None],
-                        [BLOCK_N, HALF])
+        if WORDS:
+            HALF: tl.constexpr = data.shape[1] * 4
+            lo, hi = e2m1_words_to_halves(data)   # values · 2^-14
+            scales = scales * 16384.0
+        else:
+            HALF: tl.constexpr = data.shape[1]
+            lo = e2m1_to_float(data & 15)
+            hi = e2m1_to_float(data >> 4)
+        lo = tl.reshape(tl.reshape(lo, [BLOCK_N, N_SCALES, PER]) * scales[:, :, None], [BLOCK_N, HALF])
+        hi = tl.reshape(tl.reshape(hi, [BLOCK_N, N_SCALES, PER]) * scales[:, :, None], [BLOCK_N, HALF])
         if KV_FMT == 3 and OUT_DTYPE == tl.float16:
             # MXFP4's power-of-two scales reach past fp16: saturate, not inf (values an fp16 model wrote stay within
             # a rounding of themselves: 65504 quantises to 4 · 2^14 = 65536)
@@ -169,7 +182,7 @@ def paged_decode_split_kernel(
     PAGE: tl.constexpr, KV_FMT: tl.constexpr, FP4_GROUP: tl.constexpr, SCALED: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
     INDEX_AHEAD: tl.constexpr, FP16_MATH: tl.constexpr, PREFETCH: tl.constexpr, FP8_MMA: tl.constexpr = 0,
-    FP8_TOKENS_M: tl.constexpr = False,
+    FP8_TOKENS_M: tl.constexpr = False, FP4_WORDS: tl.constexpr = False,
 ):
     """Program (b · n_splits + split, kv head · row tile): the requests share grid axis 0 with the splits (it takes
     2^31 programs; axes 1 and 2 stop at 65535), in the launch order a (split, b, ·) grid had. FINAL (one split):
@@ -237,7 +250,7 @@ def paged_decode_split_kernel(
                                                        last_page, kvh64, stride_kp, stride_kt, stride_kh, stride_vp,
                                                        stride_vt, stride_vh, stride_kbp, stride_kbt, stride_kbh,
                                                        stride_vbp, stride_vbt, stride_vbh, PAGE, D, BLOCK_D, KV_FMT,
-                                                       FP4_GROUP)
+                                                       FP4_GROUP, FP4_WORDS)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         tok_ok = tok < end
@@ -261,13 +274,13 @@ def paged_decode_split_kernel(
                                                            last_page, kvh64, stride_kp, stride_kt, stride_kh,
                                                            stride_vp, stride_vt, stride_vh, stride_kbp, stride_kbt,
                                                            stride_kbh, stride_vbp, stride_vbt, stride_vbh, PAGE, D,
-                                                           BLOCK_D, KV_FMT, FP4_GROUP)
+                                                           BLOCK_D, KV_FMT, FP4_GROUP, FP4_WORDS)
         else:
             slot = (tok % PAGE).to(tl.int64)
             k_raw, k_sb = _raw_tile(K_CACHE, K_BS, page, slot, kvh64, tok_ok, stride_kp, stride_kt, stride_kh,
-                                    stride_kbp, stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+                                    stride_kbp, stride_kbt, stride_kbh, D, BLOCK_D, KV_FMT, FP4_GROUP, FP4_WORDS)
             v_raw, v_sb = _raw_tile(V_CACHE, V_BS, page, slot, kvh64, tok_ok, stride_vp, stride_vt, stride_vh,
-                                    stride_vbp, stride_vbt, stride_vbh, D, BLOCK_D, KV_FMT, FP4_GROUP)
+                                    stride_vbp, stride_vbt, stride_vbh, D, BLOCK_D, KV_FMT, FP4_GROUP, FP4_WORDS)
         if FP8_TOKENS_M:
             ks = l_i  # dummies
             vs = l_i
@@ -280,8 +293,8 @@ def paged_decode_split_kernel(
             if FP8_MMA > 0:  # the e4m3 codes go to the tensor cores as they are (q's dtype is e4m3 here)
                 k, k_odd, v, v_odd = k_raw, k_raw, v_raw, v_raw
             else:
-                k, k_odd = _decode_tile(k_raw, k_sb, KV_FMT, FP4_GROUP, q.dtype)
-                v, v_odd = _decode_tile(v_raw, v_sb, KV_FMT, FP4_GROUP, q.dtype)
+                k, k_odd = _decode_tile(k_raw, k_sb, KV_FMT, FP4_GROUP, q.dtype, FP4_WORDS)
+                v, v_odd = _decode_tile(v_raw, v_sb, KV_FMT, FP4_GROUP, q.dtype, FP4_WORDS)
             if FP4:
                 s = dot(q_odd, tl.trans(k_odd), dot(q, tl.trans(k)))
             elif FP8_MMA == 2:
@@ -421,6 +434,9 @@ def paged_decode_fwd(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v
                    and not (cfg.fp8_mma and fmt.name == "fp8")),
         PREFETCH=cfg.prefetch, FP8_MMA=cfg.fp8_mma if fmt.name == "fp8" else 0,
         FP8_TOKENS_M=bool(cfg.fp8_mma and cfg.fp8_tokens_m and fmt.name == "fp8"),
+        # FP4 values as 32-bit words where every token row starts 4-byte aligned (shared_kernels.e2m1_words_to_halves)
+        FP4_WORDS=fmt.fp4 and all(t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3])
+                                  for t in (k_cache, v_cache)),
         num_warps=cfg.warps,
         num_stages=cfg.stages,
     )
