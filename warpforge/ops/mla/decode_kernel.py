@@ -368,6 +368,12 @@ def split_decode(q, num_splits, launch):
     return out, lse
 
 
+def fp4_words(fmt, cache) -> bool:
+    """Whether the kernels read an FP4 cache's latents as 32-bit words (_latent_chunk's WORDS): every row starts
+    4-byte aligned."""
+    return fmt.code >= 2 and cache.stride(1) % 4 == 0 and cache.data_ptr() % 4 == 0
+
+
 def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, fmt, kv_scale,
                    num_splits, cfg, indices=None, topk_length=None):
     """fmt: the cache's kv_format.KVFormat; cfg: a configs.MLACfg whose block_h fits the rows (plan_block_h);
@@ -407,7 +413,6 @@ def mla_decode_fwd(q, kv_cache, block_table, cache_seqlens, softmax_scale, causa
             BLOCK_H=block_h, BLOCK_N=block_n, FP16_MATH=fp16_math and fmt.quantized, FINAL=final,
             PREFETCH=prefetch and fmt.name == "fp8" and not sparse, num_warps=warps,
             INDEX_AHEAD=index_ahead, num_stages=stages,
-            # FP4 latents as 32-bit words where every row starts 4-byte aligned
-            FP4_WORDS=fmt.code >= 2 and row_stride % 4 == 0 and cache.data_ptr() % 4 == 0,
+            FP4_WORDS=fp4_words(fmt, cache),
         )
     return split_decode(q, num_splits, launch)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_kernel import _latent_chunk, _rope_block
+from .decode_kernel import _latent_chunk, _rope_block, fp4_words
 
 D_QK = 576                    # a latent row: 512 "nope" values, then 64 rope
 SCRATCH_PAGE = 64             # the bf16 kernel's page
@@ -27,7 +27,7 @@ SCRATCH_BYTES = 1 << 30       # the scratch cache's ceiling: requests run in sli
 def mla_dequant_pages_kernel(CACHE, BLOCK_TABLE, SEQLENS, KV_SCALE, OUT, req0, row_stride, stride_bt, scratch_pages,
                              capacity, last_page, KV_FMT: tl.constexpr, GROUP: tl.constexpr,
                              SCALE_OFF: tl.constexpr, ROPE_OFF: tl.constexpr, PAGE: tl.constexpr,
-                             OUT_PAGE: tl.constexpr, PAGES: tl.constexpr):
+                             OUT_PAGE: tl.constexpr, PAGES: tl.constexpr, FP4_WORDS: tl.constexpr = False):
     """Program (i, j): scratch pages p = j · PAGES .. j · PAGES + PAGES - 1 of request req0 + i, each its tokens
     [p · OUT_PAGE, (p + 1) · OUT_PAGE) as bf16 rows of OUT [.., OUT_PAGE, 576] at page i · scratch_pages + p, read
     from the quantized CACHE through the request's block table (any source page size). Pages past the request's
@@ -50,7 +50,8 @@ def mla_dequant_pages_kernel(CACHE, BLOCK_TABLE, SEQLENS, KV_SCALE, OUT, req0, r
         rows64 = tl.minimum(tl.maximum(page, 0), last_page).to(tl.int64) * PAGE + tok % PAGE
         out_rows = OUT + ((i * scratch_pages + p).to(tl.int64) * OUT_PAGE + tl.arange(0, OUT_PAGE))[:, None] * 576
         for c in tl.static_range(4):
-            vals, scale = _latent_chunk(CACHE, rows64, tok_ok, row_stride, c, KV_FMT, GROUP, SCALE_OFF, tl.float32)
+            vals, scale = _latent_chunk(CACHE, rows64, tok_ok, row_stride, c, KV_FMT, GROUP, SCALE_OFF, tl.float32,
+                                        FP4_WORDS)
             if KV_FMT == 1:
                 vals = vals * scale[:, None]
             tl.store(out_rows + c * 128 + cols, (vals * latent_scale).to(tl.bfloat16), mask=tok_ok[:, None])
@@ -87,7 +88,8 @@ def mla_decode_dequantized(q, kv_cache, block_table, cache_seqlens, kv_scale, fm
             cache, block_table, cache_seqlens, kv_scale if kv_scale is not None else cache_seqlens, scratch, r0,
             kv_cache.stride(1), block_table.stride(0), scratch_pages, max_tokens, max(kv_cache.shape[0] - 1, 0),
             KV_FMT=fmt.code, GROUP=max(fmt.group, 1), SCALE_OFF=fmt.scale_offset, ROPE_OFF=fmt.rope_offset, PAGE=page,
-            OUT_PAGE=SCRATCH_PAGE, PAGES=cfg.pages, num_warps=cfg.warps)
+            OUT_PAGE=SCRATCH_PAGE, PAGES=cfg.pages, num_warps=cfg.warps,
+            FP4_WORDS=fp4_words(fmt, cache))
         out, lse = run_bf16(q[r0:r1], scratch, table[: r1 - r0], lens[r0:r1])
         outs.append(out)
         lses.append(lse)
