@@ -306,6 +306,9 @@ for step in "$@"; do
           for v in 1 0; do WARPFORGE_MLA_GLUON_IN_KERNEL=$v timeout 120 python3 -m warpforge bench --family mla \
             --match 'h128 s_q1 L[0-9]+k (bf16|nvfp4|mxfp4)' --json "$w/mla-h128-fp4-inkernel$v.json" \
             > "$w/mla-h128-fp4-inkernel$v.log" 2>&1; grep -E "warpforge  " "$w/mla-h128-fp4-inkernel$v.log"; done ;;
+    s43t) # session 43: the portable kernels' FP4 word reads (paged, MLA) and serve's FP4 layouts under graphs
+          timeout 300 python3 -m pytest -q -m gpu tests/paged/test_paged_decode.py tests/mla/test_mla_decode.py \
+            tests/serve/test_gpu.py > "$w/s43-tests.log" 2>&1; grep -E "FAILED|passed|failed" "$w/s43-tests.log" | tail -n 12 ;;
     s43d) # session 43: the NVFP4 pair's wrong output under graph replay (scripts/diag_fp4_pair.py: poisoned free memory,
           # the bench's order, the tensor scale doubled, eager, a recapture), MXFP4 beside it; then memcheck on it
           for f in nvfp4 mxfp4; do timeout 90 python3 scripts/diag_fp4_pair.py --fmt $f; done > "$w/diag_fp4_pair.log" 2>&1
