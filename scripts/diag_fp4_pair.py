@@ -26,23 +26,12 @@ os.environ[configs.GLUON_NVFP4_PAIR_ENV] = "1"   # the pair on the Gluon kernel 
 
 from warpforge.ops.paged import paged_decode_reference, plan, quantize_kv   # noqa: E402
 from warpforge.ops.paged.kv_format import split_fp4   # noqa: E402
+from warpforge.testing import captured   # noqa: E402
 
 
 def cos_err(out, ref):
     a, b = out.float().flatten(), ref.float().flatten()
     return 1.0 - float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-30))
-
-
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 def main(argv=None):
@@ -73,7 +62,7 @@ def main(argv=None):
         return lambda: the_plan.run(q, caches["k" + layout], caches["v" + layout], table, seqlens, backend="triton",
                                     **sc)
 
-    graphs = {name: capture(step(layout)) for name, layout in (("rows", ""), ("pair", "_pair"))}
+    graphs = {name: captured(step(layout)) for name, layout in (("rows", ""), ("pair", "_pair"))}
 
     def reference():
         local = torch.arange(max_pages, dtype=torch.int32, device=dev)[None]
@@ -123,7 +112,7 @@ def main(argv=None):
     out = step("_pair")()
     torch.cuda.synchronize()
     print(f"eager     pair  1-cos {cos_err(out[:1], ref):.3e}")
-    graphs["pair"] = capture(step("_pair"))
+    graphs["pair"] = captured(step("_pair"))
     replay("pair", "recapture")
     print("pointers: q", hex(q.data_ptr()), "scale", hex(scale.data_ptr()) if scale is not None else None,
           "k pair", [hex(t.data_ptr()) for t in caches["k_pair"]], "out", hex(graphs["pair"][1].data_ptr()))

@@ -65,11 +65,9 @@ def ragged_cu_seqlens(lengths: list[int], device="cpu") -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
-def graph_replayed(step):
-    """step()'s tensors from one CUDA-graph capture of it, replayed once: warmed up on a side stream first (its
-    kernels compiled, its workspaces made), as torch's graph docs ask. A step that runs autograd must not be
-    captured while an earlier output still holds its graph (the captured backward would sync with the default
-    stream: cudaErrorStreamCaptureImplicit); detach what it keeps."""
+def captured(step):
+    """(graph, step()'s tensors) of one CUDA-graph capture of step, not yet replayed: warmed up on a side stream
+    first (its kernels compiled, its workspaces made), as torch's graph docs ask."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -78,6 +76,14 @@ def graph_replayed(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    return graph, out
+
+
+def graph_replayed(step):
+    """step()'s tensors from one CUDA-graph capture of it (captured), replayed once. A step that runs autograd must
+    not be captured while an earlier output still holds its graph (the captured backward would sync with the
+    default stream: cudaErrorStreamCaptureImplicit); detach what it keeps."""
+    graph, out = captured(step)
     graph.replay()
     torch.cuda.synchronize()
     return out

@@ -139,6 +139,16 @@ def _e2m1_nibble_pair(w, N: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_word_values(w):
+    """The eight values of each word (v0 .. v7: value 8j + n of word j), · 2^-14 in fp32."""
+    v0, v4 = _e2m1_nibble_pair(w, 0)
+    v1, v5 = _e2m1_nibble_pair(w, 1)
+    v2, v6 = _e2m1_nibble_pair(w, 2)
+    v3, v7 = _e2m1_nibble_pair(w, 3)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
 def e2m1_words_to_float(w):
     """uint32 words [R, W] of packed e2m1 (byte i of a word: values 2i, low nibble, and 2i + 1; the bytes of a
     row in memory order) -> fp32 [R, 8 W] values · 2^-14 in the row's order (the caller folds 2^14 into its
@@ -146,10 +156,7 @@ def e2m1_words_to_float(w):
     session 43)."""
     R: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
-    v0, v4 = _e2m1_nibble_pair(w, 0)
-    v1, v5 = _e2m1_nibble_pair(w, 1)
-    v2, v6 = _e2m1_nibble_pair(w, 2)
-    v3, v7 = _e2m1_nibble_pair(w, 3)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_word_values(w)
     # join appends its pair as the last dim: [R, W, b0, b1, b2] for value 4 b2 + 2 b1 + b0
     x = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     return tl.reshape(tl.permute(x, [0, 1, 4, 3, 2]), [R, W * 8])
@@ -161,10 +168,7 @@ def e2m1_words_to_halves(w):
     halves paged decode's portable kernel works on."""
     R: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
-    v0, v4 = _e2m1_nibble_pair(w, 0)
-    v1, v5 = _e2m1_nibble_pair(w, 1)
-    v2, v6 = _e2m1_nibble_pair(w, 2)
-    v3, v7 = _e2m1_nibble_pair(w, 3)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_word_values(w)
     evens = tl.reshape(tl.permute(tl.join(tl.join(v0, v2), tl.join(v4, v6)), [0, 1, 3, 2]), [R, W * 4])
     odds = tl.reshape(tl.permute(tl.join(tl.join(v1, v3), tl.join(v5, v7)), [0, 1, 3, 2]), [R, W * 4])
     return evens, odds
