@@ -10,7 +10,8 @@
 An FP4 cache may instead be a pair of tensors, FlashInfer's layout (its kv_cache_sf): the packed values
 [num_pages, page_size, h_kv, d/2] and the block scales [num_pages, page_size, h_kv, d/block] apart (quantize_kv(...,
 split_scales=True)). Its 64-byte value rows (at d 128) take 16-byte copies, where a 72-byte row is only 8-byte aligned.
-Values and block scales are quant.py's; the kernel decodes them with shared_kernels.e2m1_to_float.
+Values and block scales are quant.py's; the portable kernel decodes them with shared_kernels.e2m1_words_to_halves
+(32-bit words, where the rows are 4-byte aligned) or e2m1_to_float.
 """
 from __future__ import annotations
 
