@@ -9,7 +9,8 @@ run tells which hypothesis holds:
             memory it does not own (past a tensor, or freed after the capture) comes out NaN or wrong
   reference the bench's order itself (rows, reference, pair), then the rows again: is it the pair, or any
             per-tensor-scale graph replayed after other work?
-  scale     the tensor scale doubled in place: a replay that reads it gives twice the output
+  scale     the V tensor scale doubled in place: a replay that reads it gives twice the output
+  direct    the Gluon launch alone on the pair, its value copies 16 / 8 / 4 bytes wide, before and after other work
   eager     the pair called eagerly after all that (the same tensors)
   recapture the pair captured again now and replayed
 
@@ -56,7 +57,8 @@ def main(argv=None):
         caches[name + "_pair"] = tuple(t.contiguous() for t in split_fp4(caches[name], d))
         del vals
     the_plan = plan(q, caches["k"], table, kv_format=fmt)
-    sc = dict(k_scale=scale, v_scale=scale) if scale is not None else {}
+    v_scale = scale.clone() if scale is not None else None   # its own tensor: doubling it doubles the output
+    sc = dict(k_scale=scale, v_scale=v_scale) if scale is not None else {}
 
     def step(layout):
         return lambda: the_plan.run(q, caches["k" + layout], caches["v" + layout], table, seqlens, backend="triton",
@@ -104,11 +106,29 @@ def main(argv=None):
     replay("rows", "reference")
     if scale is not None:
         before = replay("pair", "scale x1")
-        scale.mul_(2.0)
+        v_scale.mul_(2.0)
         after = replay("pair", "scale x2")
-        print(f"scale     kv_scale {scale.item():.4e}; pair out ratio x2/x1 "
+        print(f"scale     v_scale {v_scale.item():.4e}; pair out ratio x2/x1 "
               f"{(after.float().norm() / before.float().norm().clamp_min(1e-30)).item():.3f} (2 if the scale is read)")
-        scale.div_(2.0)
+        v_scale.div_(2.0)
+    # the Gluon launch itself, one split, on the pair with its value copies 16 / 8 / 4 bytes wide (the rows' are 8):
+    # which width goes wrong after other work
+    from warpforge.ops.paged import decode_gluon_kernel as dg
+    from warpforge.ops.paged.decode_kernel import decode_outputs
+    if dg.available():
+        kp, kbs = caches["k_pair"]
+        vp, vbs = caches["v_pair"]
+        for vec in (16, 8, 4):
+            out1, _, o_part, lse_part = decode_outputs(q, 1)
+            kernel, grid, args, meta = dg.launch_args(q, kp, vp, table, seqlens, scale, v_scale, d ** -0.5, o_part,
+                                                      lse_part, 1, configs.GLUON[fmt], {"nvfp4": 2, "mxfp4": 3}[fmt],
+                                                      kbs, vbs)
+            gl = dg._build({"nvfp4": 2, "mxfp4": 3}[fmt])[1]
+            meta["CP"] = dg._layouts(gl, configs.GLUON[fmt].block_n // 4, {"nvfp4": 2, "mxfp4": 3}[fmt], vec)[5]
+            graphs[f"vec{vec}"] = captured(lambda: (kernel[grid](*args, **meta), out1)[1])
+            replay(f"vec{vec}", "direct")
+            reference()
+            replay(f"vec{vec}", "direct+ref")
     out = step("_pair")()
     torch.cuda.synchronize()
     print(f"eager     pair  1-cos {cos_err(out[:1], ref):.3e}")
