@@ -442,6 +442,29 @@ def test_dequantised_pages_on_a_bf16_kernel(fmt, page, pages, monkeypatch):
     check_dequantised(out, lse, q, cache, table, seqlens, fmt, False, kv_scale)
 
 
+def test_mxfp4_pages_with_the_largest_scales_dequantise_finite():
+    """MXFP4 block scales up to 2^127 (e8m0 bytes 241+, where 2^14 more would overflow fp32): the pass's words
+    decode gives the reference's finite values (latents of ~1e36; bf16 holds them)."""
+    from warpforge.ops.mla import KV_FORMATS, configs, dequant_kernel, dequantize_kv_reference
+    q, _, _, table, seqlens, _ = _problem(2, 1, 16, 16, [40, 17], "mxfp4")
+    latent = torch.randn(table.numel() + 3, 16, 1, 576, device=DEV) * 1e36
+    cache = wf.mla.quantize_kv(latent.to(torch.bfloat16), "mxfp4")
+    scale_bytes = cache[..., 256:272]
+    assert int(scale_bytes.max()) >= 241
+    pages = []
+
+    def run_bf16(q_, cache_, table_, seqlens_):
+        pages.append(cache_.float())
+        return mla_decode_reference(q_.float(), cache_.float(), table_, seqlens_)
+    dequant_kernel.mla_decode_dequantized(q, cache, table, seqlens, None, KV_FORMATS["mxfp4"], run_bf16, 2,
+                                          configs.DequantCfg(1, 1))
+    want = dequantize_kv_reference(cache, "mxfp4").to(torch.bfloat16).float()   # [pages, 16, 1, 576]
+    got = pages[0].view(2, -1, 576)   # request i's scratch rows: its table's pages in order, 64 tokens a page
+    for i, n in enumerate(seqlens.tolist()):
+        rows = want[table[i].long()].reshape(-1, 576)[:n]
+        assert torch.isfinite(got[i, :n]).all() and torch.equal(got[i, :n], rows)
+
+
 def check_dequantised(out, lse, q, cache, table, seqlens, fmt, causal, kv_scale):
     """A decode through dequantised bf16 pages against the fp32 reference on the quantized cache. NVFP4's values
     times its cache-wide fp32 scale are rounded to bf16 once (the portable kernel keeps that scale in fp32): ~2^-9 of

@@ -317,6 +317,18 @@ def test_fp4_words_and_bytes_give_one_answer(fmt, d):
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
+def test_mxfp4_values_with_the_largest_scales_stay_finite():
+    """MXFP4 block scales up to 2^127 (e8m0 bytes 241+, where 2^14 more would overflow fp32): V of ~1e36 decoded
+    by words and by bytes, the reference's finite answer (fp32 q and output)."""
+    p = _problem(2, 1, 8, 2, 128, 16, [37, 5], "mxfp4")   # d 128: 68-byte rows, read as words
+    v = p["v"] * 1e36
+    p["v_cache"] = wf.paged.quantize_kv(v, "mxfp4")[0]
+    assert int(p["v_cache"][..., 64:].max()) >= 241
+    out, _ = _decode(p)
+    ref, _ = _reference(p)
+    assert torch.isfinite(out).all() and 1 - cosine(out, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("page,lens", [(16, [64, 49]), (64, [128, 70]), (128, [256, 3])])
 def test_full_table_and_large_pages(page, lens):
     """Requests that fill every page of the block table (no spare entry to read past), pages of 64 and 128."""

@@ -142,12 +142,12 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         tma.async_copy_global_to_shared(kr_desc, [row, ROPE_COL], kbar[H], kr_dst)
 
     @gluon.jit
-    def _nibble_pair(w, n: gl.constexpr):
+    def _nibble_pair(w, n: gl.constexpr, WHOLE: gl.constexpr):
         """Nibbles n and n + 4 (values 8j + n and 8j + n + 4) of words w of packed e2m1 → their values · 2^-14 in
-        fp32. Each nibble's three magnitude bits land at fp16's exponent / mantissa boundary (bits 9-11: e2m1's
-        subnormal 0.5 becomes fp16's subnormal 2^-15, the rest normals) and its sign at bit 15, nibble n in the low
-        half of a 32-bit word and nibble n + 4 in the high half: two shift-and-mask pairs for two values, where
-        shared_kernels' per-element form took ~10 instructions a value (benchmarks/NOTES.md, session 43)."""
+        fp32 (WHOLE: the values). Each nibble's three magnitude bits land at fp16's exponent / mantissa boundary
+        (bits 9-11: e2m1's subnormal 0.5 becomes fp16's subnormal 2^-15, the rest normals) and its sign at bit 15,
+        nibble n in the low half of a 32-bit word and nibble n + 4 in the high half: two shift-and-mask pairs for
+        two values, where the per-element form took ~10 instructions a value (benchmarks/NOTES.md, session 43)."""
         if n == 3:
             mag = w >> 3
         else:
@@ -155,6 +155,9 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         h = (mag & 0x0E000E00) | ((w << (12 - 4 * n)) & 0x80008000)
         lo = (h & 0xFFFF).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
         hi = (h >> 16).to(gl.uint16).to(gl.float16, bitcast=True).to(gl.float32)
+        if WHOLE:   # the values themselves (times 2^14)
+            lo = lo * 16384.0
+            hi = hi * 16384.0
         return lo, hi
 
     @gluon.jit
@@ -164,13 +167,13 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         (· kv_scale for NVFP4), in the row's own order."""
         if NVFP4:
             sc = sb.to(gl.float8e4nv, bitcast=True).to(gl.float32) * (kv_scale * 16384.0)
-        else:
-            sc = (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True) * 16384.0   # e8m0: 2^(byte - 127)
+        else:   # e8m0: 2^(byte - 127); the values take the 2^14 (2^(byte - 113) would overflow from byte 241)
+            sc = (sb.to(gl.int32) << 23).to(gl.float32, bitcast=True)
         sc3 = gl.expand_dims(sc, 2)
-        v0, v4 = _nibble_pair(w, 0)
-        v1, v5 = _nibble_pair(w, 1)
-        v2, v6 = _nibble_pair(w, 2)
-        v3, v7 = _nibble_pair(w, 3)
+        v0, v4 = _nibble_pair(w, 0, not NVFP4)
+        v1, v5 = _nibble_pair(w, 1, not NVFP4)
+        v2, v6 = _nibble_pair(w, 2, not NVFP4)
+        v3, v7 = _nibble_pair(w, 3, not NVFP4)
         # join appends its pair as the last dim: [.., b0, b1, b2] for value 4 b2 + 2 b1 + b0; permuted to the order
         x = gl.join(gl.join(gl.join(v0 * sc3, v1 * sc3), gl.join(v2 * sc3, v3 * sc3)),
                     gl.join(gl.join(v4 * sc3, v5 * sc3), gl.join(v6 * sc3, v7 * sc3)))
@@ -180,7 +183,7 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
     @gluon.jit
     def _dequant_half(k, ks, H, kv_scale):
         """The quantized half page in k → bf16 values in place, read by TMA into the buffer's first bytes with its
-        rows' scales in ks[H]. Every thread reads all its bytes before any writes (the bf16 rows overlay them).
+        rows' scales in ks[H]. Every row's bytes are read before it is written (the bf16 rows overlay them).
         FP8: e4m3 · its 128-column chunk's scale. FP4: e2m1 · its block's scale (· kv_scale for NVFP4), as 32-bit
         words, 16 rows at a time (the output accumulator holds most of the registers)."""
         if FP4:

@@ -72,7 +72,10 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
             words = tl.load((base + C * 64).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 16)[None, :],
                             mask=tok_ok[:, None], other=0)
             codes = e2m1_words_to_float(words)
-            scales = scales * 16384.0
+            if KV_FMT == 2:
+                scales = scales * 16384.0   # e4m3 block scales (<= 448): the 2^14 folded in
+            else:   # MXFP4's scales reach 2^127: the values take the 2^14 (2^(byte - 113) overflows from byte 241)
+                codes = codes * 16384.0
         else:
             packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
             codes = e2m1_to_float(tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128]))  # low nibble: even

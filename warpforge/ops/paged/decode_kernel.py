@@ -111,7 +111,11 @@ def _decode_tile(data, sbytes, KV_FMT: tl.constexpr, GROUP: tl.constexpr, OUT_DT
         if WORDS:
             HALF: tl.constexpr = data.shape[1] * 4
             lo, hi = e2m1_words_to_halves(data)   # values · 2^-14
-            scales = scales * 16384.0
+            if KV_FMT == 2:
+                scales = scales * 16384.0   # e4m3 block scales (<= 448): the 2^14 folded in
+            else:   # MXFP4's scales reach 2^127: the values take the 2^14 (2^(byte - 113) overflows from byte 241)
+                lo = lo * 16384.0
+                hi = hi * 16384.0
         else:
             HALF: tl.constexpr = data.shape[1]
             lo = e2m1_to_float(data & 15)
