@@ -156,6 +156,21 @@ def test_gpu_quantized_cache_read_by_the_kernel(fmt, h_q, s_q, causal, splits, g
 
 @pytest.mark.gpu
 @needs_gate
+def test_gpu_mxfp4_with_the_largest_scales_read_by_the_kernel(gluon_calls, monkeypatch):
+    """MXFP4 block scales up to 2^127 (e8m0 bytes 241+, where 2^14 more overflows fp32): the kernel's in-place pass
+    gives the reference's finite answer (latents of ~1e36, which bf16 holds)."""
+    from warpforge.ops.mla import dequant_kernel
+    monkeypatch.setattr(dequant_kernel, "SCRATCH_BYTES", 1)  # FP4 takes the kernel where the pass would slice
+    q, latent, _, table, seqlens, _ = _problem(2, 1, 128, 64, [300, 65], "mxfp4", torch.bfloat16)
+    cache = wf.mla.quantize_kv((latent.float() * 1e36).to(torch.bfloat16), "mxfp4")
+    assert int(cache[..., 256:272].max()) >= 241
+    out, lse = wf.mla_decode(q * 1e-36, cache, table, seqlens, kv_format="mxfp4")
+    assert len(gluon_calls) == 1 and torch.isfinite(out).all()
+    check_dequantised(out, lse, q * 1e-36, cache, table, seqlens, "mxfp4", False, None)
+
+
+@pytest.mark.gpu
+@needs_gate
 def test_gpu_gated_path_is_taken(gluon_calls, monkeypatch):
     q, _, cache, table, seqlens, _ = _problem(4, 1, 128, 64, [300, 1000, 5, 64], "bf16", torch.bfloat16)
     plan = wf.mla.plan(q, cache, table)
