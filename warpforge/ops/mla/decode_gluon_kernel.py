@@ -34,8 +34,8 @@ raw bytes at the start of its bf16 buffer (FP8: 16 KB of e4m3; FP4: 8 KB of e2m1
 beside it; the warpgroup that computes the page's scores (the first to read it) converts it in place to bf16 before
 its score wgmma, and the other warpgroup reads the same bf16 as V. FP8 values are e4m3 · a power of two (exact);
 FP4 values are decoded from 32-bit words of eight, each nibble's bits placed at fp16's exponent / mantissa boundary
-(_nibble_pair), in the row's own order. The cache is read once (656 / 416 / 400 bytes a token). The in-place pass adds shared-memory traffic (16 KB in, 32 KB out
-per FP8 half page) to a kernel whose score GEMM is bound by it: FP8 runs at 0.74x the bf16 cache at h_q 128
+(_nibble_pair), in the row's own order. The cache is read once (656 / 416 / 400 bytes a token). The in-place pass
+adds shared-memory traffic (16 KB in, 32 KB out per FP8 half page) to a kernel whose score GEMM is bound by it: FP8 runs at 0.74x the bf16 cache at h_q 128
 (benchmarks/NOTES.md, session 18); api.quantized_in_kernel chooses between this and dequant_kernel.py.
 
 Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
