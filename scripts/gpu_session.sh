@@ -309,6 +309,10 @@ for step in "$@"; do
     s43t) # session 43: the portable kernels' FP4 word reads (paged, MLA) and serve's FP4 layouts under graphs
           timeout 300 python3 -m pytest -q -m gpu tests/paged/test_paged_decode.py tests/mla/test_mla_decode.py \
             tests/serve/test_gpu.py > "$w/s43-tests.log" 2>&1; grep -E "FAILED|passed|failed" "$w/s43-tests.log" | tail -n 12 ;;
+    s43q) # session 43: the paged Gluon kernel with q's fragments from shared memory (PagedCfg.q_shared: the NVFP4
+          # pair 182 -> 168 registers, three programs an SM), both FP4 formats and layouts, 2 / 3 slots, L 4k and 16k
+          for L in 4096 16384; do timeout 120 python3 scripts/probe_paged_gluon.py --formats nvfp4,mxfp4 --slots 2,3 \
+            --maxnreg 0 --planar --q-shared 0,1 --L $L; done > "$w/probe_q_shared.log" 2>&1; grep -v "^$" "$w/probe_q_shared.log" ;;
     s43d) # session 43: the NVFP4 pair's wrong output under graph replay (scripts/diag_fp4_pair.py: poisoned free memory,
           # the bench's order, the tensor scale doubled, eager, a recapture), MXFP4 beside it; then memcheck on it
           for f in nvfp4 mxfp4; do timeout 90 python3 scripts/diag_fp4_pair.py --fmt $f; done > "$w/diag_fp4_pair.log" 2>&1

@@ -3,6 +3,7 @@ one launch per (format, slots, register cap) at the tune's shape (b 64, h_q 32 /
 split), timed from a CUDA graph, with the compiled kernel's registers, spills and shared memory.
 
     python scripts/probe_paged_gluon.py [--L 4096] [--formats nvfp4,fp8] [--slots 2,3,4] [--maxnreg 0,168] [--planar]
+                                        [--q-shared 0,1]
 
 A register cap is a launch option here only (the kernel's tiles have none): this is for deciding whether one pays.
 --planar also times each FP4 launch on the same bytes split into two tensors (the 64 value bytes of a row, its
@@ -28,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--maxnreg", default="0,168")
     ap.add_argument("--block-n", type=int, default=128)
     ap.add_argument("--planar", action="store_true")
+    ap.add_argument("--q-shared", default="0", help="0,1: q's fragments in registers / from shared memory (PagedCfg)")
     args = ap.parse_args(argv)
     b, h_q, h_kv, d, page, L = 64, 32, 8, 128, 16, args.L
     pages = b * (-(-L // page))
@@ -48,11 +50,12 @@ def main(argv=None):
                 layouts.append(("planar", kc.contiguous(), vc.contiguous(), kbs.contiguous(), vbs.contiguous()))
         else:
             layouts = [("rows", k_cache, v_cache, None, None)]
-        for slots in map(int, args.slots.split(",")):
+        for slots, q_shared in ((sl, qs) for sl in map(int, args.slots.split(","))
+                                for qs in map(int, args.q_shared.split(","))):
             for cap in map(int, args.maxnreg.split(",")):
                 outs = []
                 for name, kc, vc, kbs, vbs in layouts:
-                    cfg = PagedCfg(16, args.block_n, 4, slots, gluon=True)
+                    cfg = PagedCfg(16, args.block_n, 4, slots, gluon=True, q_shared=bool(q_shared))
                     kernel, grid, kargs, meta = dg.launch_args(q, kc, vc, table, seqlens, scale, scale, d ** -0.5,
                                                                o_part, lse_part, 1, cfg, code, kbs, vbs)
                     if cap:
@@ -63,10 +66,12 @@ def main(argv=None):
                         ms = triton.testing.do_bench_cudagraph(lambda: kernel[grid](*kargs, **meta), rep=30,
                                                                return_mode="median")
                     except Exception as exc:   # out of shared memory, say
-                        print(f"{fmt} {name} slots {slots} maxnreg {cap}: {type(exc).__name__} {str(exc)[:120]}",
+                        print(f"{fmt} {name} slots {slots} q_shared {q_shared} maxnreg {cap}: {type(exc).__name__} "
+                              f"{str(exc)[:120]}",
                               flush=True)
                         continue
-                    print(f"{fmt} {name} block_n {args.block_n} slots {slots} maxnreg {cap}: {ms:.4f} ms "
+                    print(f"{fmt} {name} block_n {args.block_n} slots {slots} q_shared {q_shared} maxnreg {cap}: "
+                          f"{ms:.4f} ms "
                           f"{kv_bytes / ms / 1e9:.2f} TB/s, {compiled.n_regs} registers, {compiled.n_spills} spills, "
                           f"{compiled.metadata.shared} B shared", flush=True)
                 if len(outs) == 2:

@@ -120,6 +120,13 @@ COMPILE_CASES = [
     # the sweep's other tiles: 2 slots, 64-token steps
     dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=1, cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True))),
     dict(group=4, s_q=1, num_splits=1, page=16, code=2, cfg=list(configs.PagedCfg(16, 64, 4, 4, gluon=True))),
+    # q's fragments from shared memory (configs.PagedCfg.q_shared)
+    dict(group=4, s_q=1, num_splits=1, page=16, code=2, cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True,
+                                                                                  q_shared=True))),
+    dict(group=8, s_q=2, num_splits=3, page=1, code=3, cfg=list(configs.PagedCfg(16, 128, 4, 2, gluon=True,
+                                                                                 q_shared=True))),
+    dict(group=4, s_q=1, num_splits=1, page=16, scale_mode=2, cfg=list(configs.PagedCfg(16, 128, 4, 3, gluon=True,
+                                                                                        q_shared=True))),
 ]
 
 
@@ -127,8 +134,9 @@ SPILL_BYTES = 32
 
 
 def _case_id(c):
-    return "-".join(f"{k}{v}" for k, v in c.items() if k != "cfg") + (f"-tile{c['cfg'][1]}x{c['cfg'][3]}"
-                                                                         if "cfg" in c else "")
+    return "-".join(f"{k}{v}" for k, v in c.items() if k != "cfg") + (
+        f"-tile{c['cfg'][1]}x{c['cfg'][3]}" + ("-qshared" if configs.PagedCfg(*c["cfg"]).q_shared else "")
+        if "cfg" in c else "")
 
 
 @pytest.mark.skipif(not gluon_triton(dg.GLUON_TRITON_VERSIONS), reason="the Gluon kernel is written for Triton "
@@ -187,6 +195,21 @@ def test_gpu_matches_reference(b, s_q, h_q, h_kv, page, lens, splits, fmt, q_dty
     ref, ref_lse = _reference(p)
     assert rel_l2(out, ref) <= REL_L2[q_dtype] and 1 - cosine(out, ref) <= 1e-5
     assert torch.isfinite(lse).all() and torch.allclose(lse, ref_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_gate
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("b,s_q,h_q,h_kv,page,lens,splits", GPU_SHAPES[:3])
+def test_gpu_q_from_shared_memory_is_the_same(b, s_q, h_q, h_kv, page, lens, splits, fmt, gluon_calls, monkeypatch):
+    """configs.PagedCfg.q_shared (q's fragments loaded from shared memory each step): the same answer, bitwise."""
+    p = _problem(b, s_q, h_q, h_kv, 128, page, lens, fmt, torch.bfloat16)
+    want = _decode(p, num_splits=splits)
+    kv = fmt.split("-")[0]   # the cache format ("fp8-page": fp8 with per-page scales)
+    monkeypatch.setitem(configs.GLUON, kv, configs.GLUON[kv]._replace(q_shared=True))
+    got = _decode(p, num_splits=splits)
+    assert len(gluon_calls) == 2
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
 @pytest.mark.gpu

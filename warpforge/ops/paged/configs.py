@@ -30,6 +30,9 @@ class PagedCfg(NamedTuple):
     #                             M, so sm_90's wgmma (M >= 64; Triton runs fp8 dots only there) pads no query rows
     gluon: bool = False  # the Hopper Gluon kernel (decode_gluon_kernel.py): block_n = 4 warps' tokens per step,
     #                      stages = its cp.async ring's slots; block_h, warps and the knobs above do not apply
+    q_shared: bool = False  # the Gluon kernel: q's mma fragments loaded from shared memory at each step's score
+    #                         dot instead of held in 32 registers (the NVFP4 pair: 182 -> 168 registers, three
+    #                         programs an SM; benchmarks/NOTES.md, session 43); off until a GPU times it
 
 
 C = PagedCfg

@@ -260,16 +260,18 @@ def _build(code: int = 1):
         return gl.minimum(gl.maximum(page, 0), last_page).to(gl.int64)
 
     @gluon.jit
-    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale, v_inv, K_SCALE, V_SCALE,
+    def _step(k_tile, v_tile, ks_tile, vs_tile, qa, z, m_i, l_i, acc, n0, end, pos, s_scale, v_inv, K_SCALE, V_SCALE,
               bt_row, last_page, kvh64,
               stride_ksp, stride_ksh, stride_vsp, stride_vsh, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
               TPW: gl.constexpr, MASKED: gl.constexpr, MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-              LK: gl.constexpr, LV: gl.constexpr):
+              LK: gl.constexpr, LV: gl.constexpr, Q_SHARED: gl.constexpr):
         """One step: each warp's scores for its TPW tokens (n0 + w · TPW ..), the online softmax, P·V into its
         accumulator. MASKED: tokens past end or a query row's position are kept out (else all are seen)."""
         kx = _values(k_tile, ks_tile, LK, TPW)
         kx = gl.reshape(gl.permute(gl.reshape(kx, [4, TPW, 4, 16, 2]), [0, 1, 3, 2, 4]), [4, TPW, 128])
         kb = gl.convert_layout(gl.permute(kx, [0, 2, 1]), B, assert_trivial=True)
+        if Q_SHARED:   # q's fragments from shared memory each step (z: 0, but loop-variant, so not hoisted)
+            qa = qa.index(z).load(A)
         s = mma_v2(qa, kb, gl.zeros([4, 16, TPW], gl.float32, MMA))
         TOK: gl.constexpr = gl.SliceLayout(1, MMA)     # [4, TPW]: per warp and token
         wt = gl.arange(0, 4, layout=gl.SliceLayout(1, TOK))
@@ -310,7 +312,7 @@ def _build(code: int = 1):
         stride_ls, stride_lb,
         qk_scale, capacity, last_page, n_splits,
         H_Q: gl.constexpr, GROUP: gl.constexpr, S_Q: gl.constexpr, PAGE: gl.constexpr, SCALE_MODE: gl.constexpr,
-        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr,
+        FINAL: gl.constexpr, TPW: gl.constexpr, STAGES: gl.constexpr, Q_SHARED: gl.constexpr,
         OFF64: gl.constexpr, KV_SAME_STRIDES: gl.constexpr, VPITCH: gl.constexpr, SPITCH: gl.constexpr,
         MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, LK: gl.constexpr, LV: gl.constexpr, CP: gl.constexpr,
         CPS: gl.constexpr, SMEM: gl.constexpr, SMEM_S: gl.constexpr,
@@ -368,7 +370,12 @@ def _build(code: int = 1):
         w0 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, QL)))
         q_mask = (w0 >= 0)[:, None, None] & r_ok[None, :, None] & (k >= 0)[None, None, :]
         q = gl.load(Q + q_row[None, :, None] + col[None, None, :] + 0 * w0[:, None, None], mask=q_mask, other=0.0)
-        qa = gl.convert_layout(q.to(DOT), A)
+        if Q_SHARED:   # each warp's copy of q in shared memory, its fragments loaded at each step's score dot
+            qa = gl.allocate_shared_memory(DOT, [1, 4, 16, 128], gl.SwizzledSharedLayout(8, 1, 8, order=[2, 1, 0]))
+            qa.index(0).store(q.to(DOT))
+            gl.thread_barrier()
+        else:
+            qa = gl.convert_layout(q.to(DOT), A)
 
         ROW: gl.constexpr = gl.SliceLayout(2, MMA)     # [4, 16]: per warp and query row
         rs = gl.arange(0, 16, layout=gl.SliceLayout(0, ROW))
@@ -408,13 +415,15 @@ def _build(code: int = 1):
             ks_tile = ks_ring.index(cur)
             vs_tile = vs_ring.index(cur)
             if n0 + BLOCK_N <= full_end:
-                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                      v_inv, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
-                                      stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B, LK, LV)
+                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, i >> 30, m_i, l_i, acc, n0, end, pos,
+                                      s_scale, v_inv, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp,
+                                      stride_ksh, stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, False, MMA, A, B,
+                                      LK, LV, Q_SHARED)
             else:
-                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, m_i, l_i, acc, n0, end, pos, s_scale,
-                                      v_inv, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp, stride_ksh,
-                                      stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B, LK, LV)
+                m_i, l_i, acc = _step(k_tile, v_tile, ks_tile, vs_tile, qa, i >> 30, m_i, l_i, acc, n0, end, pos,
+                                      s_scale, v_inv, K_SCALE, V_SCALE, bt_row, last_page, kvh64, stride_ksp,
+                                      stride_ksh, stride_vsp, stride_vsh, PAGE, SCALE_MODE, TPW, True, MMA, A, B,
+                                      LK, LV, Q_SHARED)
         async_copy.wait_group(0)
 
         # the four warps' partials -> one: the common max, each warp's rescale, the sums
@@ -518,7 +527,7 @@ def launch_args(q, k_cache, v_cache, block_table, cache_seqlens, k_scale, v_scal
             softmax_scale * LOG2E, block_table.shape[1] * k_cache.shape[1] if k_cache.shape[0] else 0,
             max(k_cache.shape[0] - 1, 0), num_splits)
     meta = dict(H_Q=h_q, GROUP=h_q // h_kv, S_Q=s_q, PAGE=k_cache.shape[1], SCALE_MODE=mode, FINAL=final, TPW=tpw,
-                STAGES=cfg.stages,
+                STAGES=cfg.stages, Q_SHARED=bool(cfg.q_shared),
                 # element offsets past int32 (a tensor's span: its pages times their stride)
                 OFF64=max(t.shape[0] * t.stride(0) for t in (k_cache, v_cache, k_bs, v_bs)) >= 2 ** 31,
                 KV_SAME_STRIDES=k_cache.stride()[:3] == v_cache.stride()[:3], VPITCH=vpitch, SPITCH=spitch,
