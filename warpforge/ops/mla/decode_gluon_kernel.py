@@ -35,8 +35,9 @@ beside it; the warpgroup that computes the page's scores (the first to read it) 
 its score wgmma, and the other warpgroup reads the same bf16 as V. FP8 values are e4m3 · a power of two (exact);
 FP4 values are decoded from 32-bit words of eight, each nibble's bits placed at fp16's exponent / mantissa boundary
 (_nibble_pair), in the row's own order. The cache is read once (656 / 416 / 400 bytes a token). The in-place pass
-adds shared-memory traffic (16 KB in, 32 KB out per FP8 half page) to a kernel whose score GEMM is bound by it: FP8 runs at 0.74x the bf16 cache at h_q 128
-(benchmarks/NOTES.md, session 18); api.quantized_in_kernel chooses between this and dequant_kernel.py.
+adds shared-memory traffic (16 KB in, 32 KB out per FP8 half page) to a kernel whose score GEMM is bound by it: FP8
+runs at 0.74x the bf16 cache at h_q 128 (benchmarks/NOTES.md, session 18); api.quantized_in_kernel chooses between
+this and dequant_kernel.py.
 
 Tails: a split with an odd number of pages runs its last pair with a phantom second page (the last page loaded
 again, every score masked, its V rows zeroed); the request's last page has its rows past the length zeroed in
@@ -189,7 +190,8 @@ def _build(code: int = 0, group: int = 0, scale_col: int = 0, rope_col: int = D_
         if FP4:
             WPB: gl.constexpr = GROUP_C // 8      # words per scale block: NVFP4 2, MXFP4 4
             NB: gl.constexpr = 32 // WPB          # blocks per half row: NVFP4 16, MXFP4 8
-            LW: gl.constexpr = gl.BlockedLayout([1, 4 // WPB, WPB], [4, 8, 1], [4, 1, 1], [2, 1, 0])   # 4 words a thread
+            # 4 words a thread (16 rows a pass); LW2 the same as [16, 32] words
+            LW: gl.constexpr = gl.BlockedLayout([1, 4 // WPB, WPB], [4, 8, 1], [4, 1, 1], [2, 1, 0])
             raw = k._reinterpret(gl.uint32, [64, HALF_C // 8], RAW_WORDS)
             # MXFP4: the row's 16 scale bytes, 8 for each half; NVFP4: the half's 16
             first: gl.constexpr = 0 if NVFP4 else 8 * (H % 2)
