@@ -111,7 +111,8 @@ def main(argv=None):
         print(f"scale     v_scale {v_scale.item():.4e}; pair out ratio x2/x1 "
               f"{(after.float().norm() / before.float().norm().clamp_min(1e-30)).item():.3f} (2 if the scale is read)")
         v_scale.div_(2.0)
-    # the Gluon launch itself, one split, on the pair with its value copies 16 / 8 / 4 bytes wide (the rows' are 8):
+    # the Gluon launch itself, one split, on the pair with its value copies 16 / 8 / 4 bytes wide (the rows': NVFP4 8,
+    # MXFP4 4):
     # which width goes wrong after other work
     from warpforge.ops.paged import decode_gluon_kernel as dg
     from warpforge.ops.paged.decode_kernel import decode_outputs

@@ -318,8 +318,8 @@ def test_fp4_words_and_bytes_give_one_answer(fmt, d):
 
 
 def test_mxfp4_values_with_the_largest_scales_stay_finite():
-    """MXFP4 block scales up to 2^127 (e8m0 bytes 241+, where 2^14 more would overflow fp32): V of ~1e36 decoded
-    by words and by bytes, the reference's finite answer (fp32 q and output)."""
+    """MXFP4 block scales past 2^113 (e8m0 bytes 241+, where 2^14 more would overflow fp32): V of ~1e36 read as
+    words (68-byte rows), the reference's finite answer (fp32 q and output)."""
     p = _problem(2, 1, 8, 2, 128, 16, [37, 5], "mxfp4")   # d 128: 68-byte rows, read as words
     v = p["v"] * 1e36
     p["v_cache"] = wf.paged.quantize_kv(v, "mxfp4")[0]

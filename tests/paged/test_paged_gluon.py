@@ -199,16 +199,23 @@ def test_gpu_matches_reference(b, s_q, h_q, h_kv, page, lens, splits, fmt, q_dty
 
 @pytest.mark.gpu
 @needs_gate
-@pytest.mark.parametrize("fmt", ["fp8", "fp8-page", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt,pair", [("fp8", False), ("fp8-page", False), ("nvfp4", False), ("mxfp4", False),
+                                      ("nvfp4", True), ("mxfp4", True)])
 @pytest.mark.parametrize("b,s_q,h_q,h_kv,page,lens,splits", GPU_SHAPES[:3])
-def test_gpu_q_from_shared_memory_is_the_same(b, s_q, h_q, h_kv, page, lens, splits, fmt, gluon_calls, monkeypatch):
-    """configs.PagedCfg.q_shared (q's fragments loaded from shared memory each step): the same answer, bitwise."""
+def test_gpu_q_from_shared_memory_is_the_same(b, s_q, h_q, h_kv, page, lens, splits, fmt, pair, monkeypatch):
+    """configs.PagedCfg.q_shared (q's fragments loaded from shared memory each step): the same answer, bitwise, in
+    both FP4 layouts (the pair: 16-byte value copies, the build whose registers the option cuts)."""
+    q_shared = spy_launches(monkeypatch, dg, "paged_decode_gluon", lambda args: args[9].q_shared)
+    monkeypatch.setenv(configs.GLUON_NVFP4_PAIR_ENV, "1")   # the NVFP4 pair on the Gluon kernel too
     p = _problem(b, s_q, h_q, h_kv, 128, page, lens, fmt, torch.bfloat16)
+    if pair:
+        p.update({name: (p[name][..., :64].contiguous(), p[name][..., 64:].contiguous())
+                  for name in ("k_cache", "v_cache")})
     want = _decode(p, num_splits=splits)
     kv = fmt.split("-")[0]   # the cache format ("fp8-page": fp8 with per-page scales)
     monkeypatch.setitem(configs.GLUON, kv, configs.GLUON[kv]._replace(q_shared=True))
     got = _decode(p, num_splits=splits)
-    assert len(gluon_calls) == 2
+    assert q_shared == [False, True]
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
