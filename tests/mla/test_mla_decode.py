@@ -97,10 +97,14 @@ def test_matches_reference(b, s_q, h_q, page, lens, causal, splits, fmt):
     _check(q, cache, table, seqlens, fmt, causal, splits, kv_scale)
 
 
+@pytest.mark.parametrize("fp16_math", [False, True])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_fp4_words_and_bytes_give_one_answer(fmt):
+def test_fp4_words_and_bytes_give_one_answer(fmt, fp16_math, monkeypatch):
     """The portable kernel reads FP4 latents as 32-bit words where every row starts 4-byte aligned
-    (shared_kernels.e2m1_words_to_float), else byte by byte: the same values, the same answer, bitwise."""
+    (shared_kernels.e2m1_words_to_float), else byte by byte: the same values, the same answer, bitwise (under
+    fp16_math NVFP4's words decode in fp16 throughout, the bytes through fp32)."""
+    from warpforge.ops.mla import configs
+    monkeypatch.setattr(configs, "DECODE", configs.DECODE.map(lambda c: c._replace(fp16_math=fp16_math)))
     q, _, cache, table, seqlens, kv_scale = _problem(2, 2, 16, 16, [37, 20], fmt)
     padded = torch.zeros(*cache.shape[:3], cache.shape[3] + 2, dtype=cache.dtype, device=cache.device)
     padded[..., :cache.shape[3]] = cache

@@ -125,38 +125,38 @@ def e2m1_to_float(code):
 
 
 @triton.jit
-def _e2m1_nibble_pair(w, N: tl.constexpr):
-    """Nibbles N and N + 4 of uint32 words w (values 8j + N and 8j + N + 4) -> their values · 2^-14 in fp32: each
-    nibble's magnitude bits at fp16's exponent / mantissa boundary (bits 9-11) and its sign at bit 15, nibble N in
-    the word's low half and N + 4 in its high half, by two shift-and-mask pairs for the two."""
+def _e2m1_nibble_pair(w, N: tl.constexpr, OUT: tl.constexpr):
+    """Nibbles N and N + 4 of uint32 words w (values 8j + N and 8j + N + 4) -> their values · 2^-14 in OUT (fp32,
+    or fp16 itself): each nibble's magnitude bits at fp16's exponent / mantissa boundary (bits 9-11) and its sign at
+    bit 15, nibble N in the word's low half and N + 4 in its high half, by two shift-and-mask pairs for the two."""
     if N == 3:
         mag = w >> 3
     else:
         mag = w << (9 - 4 * N)
     h = (mag & 0x0E000E00) | ((w << (12 - 4 * N)) & 0x80008000)
-    return ((h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
-            (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+    return ((h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(OUT),
+            (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(OUT))
 
 
 @triton.jit
-def _e2m1_word_values(w):
-    """The eight values of each word (v0 .. v7: value 8j + n of word j), · 2^-14 in fp32."""
-    v0, v4 = _e2m1_nibble_pair(w, 0)
-    v1, v5 = _e2m1_nibble_pair(w, 1)
-    v2, v6 = _e2m1_nibble_pair(w, 2)
-    v3, v7 = _e2m1_nibble_pair(w, 3)
+def _e2m1_word_values(w, OUT: tl.constexpr = tl.float32):
+    """The eight values of each word (v0 .. v7: value 8j + n of word j), · 2^-14 in OUT."""
+    v0, v4 = _e2m1_nibble_pair(w, 0, OUT)
+    v1, v5 = _e2m1_nibble_pair(w, 1, OUT)
+    v2, v6 = _e2m1_nibble_pair(w, 2, OUT)
+    v3, v7 = _e2m1_nibble_pair(w, 3, OUT)
     return v0, v1, v2, v3, v4, v5, v6, v7
 
 
 @triton.jit
-def e2m1_words_to_float(w):
+def e2m1_words_to_float(w, OUT: tl.constexpr = tl.float32):
     """uint32 words [R, W] of packed e2m1 (byte i of a word: values 2i, low nibble, and 2i + 1; the bytes of a
-    row in memory order) -> fp32 [R, 8 W] values · 2^-14 in the row's order (the caller folds 2^14 into its
-    scales). ~4.5 instructions a value on sm_90 against e2m1_to_float's ~9.5 on bytes (benchmarks/NOTES.md,
-    session 43)."""
+    row in memory order) -> [R, 8 W] values · 2^-14 in OUT (fp32, or fp16: exact either way) in the row's order
+    (the caller folds 2^14 into its scales). ~4.5 instructions a value on sm_90 against e2m1_to_float's ~9.5 on
+    bytes (benchmarks/NOTES.md, session 43)."""
     R: tl.constexpr = w.shape[0]
     W: tl.constexpr = w.shape[1]
-    v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_word_values(w)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_word_values(w, OUT)
     # join appends its pair as the last dim: [R, W, b0, b1, b2] for value 4 b2 + 2 b1 + b0
     x = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     return tl.reshape(tl.permute(x, [0, 1, 4, 3, 2]), [R, W * 8])

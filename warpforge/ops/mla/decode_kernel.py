@@ -68,19 +68,28 @@ def _latent_chunk(cache, rows64, tok_ok, row_stride, C: tl.constexpr, KV_FMT: tl
             scales = sbytes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
             scales = tl.math.exp2(sbytes.to(tl.float32) - 127.0)
-        if WORDS:  # rows 4-byte aligned: the chunk's 64 bytes as 16 words of eight values (values · 2^-14)
+        if WORDS and KV_FMT == 2 and OUT_DTYPE == tl.float16:
+            # fp16 all the way (FP16_MATH): e2m1 · 2^-14 times an e4m3 scale is a multiple of 2^-24 below 0.17 with
+            # at most 6 significant bits, and times 2^14 at most 2688: exact in fp16, no fp32 round trip
             words = tl.load((base + C * 64).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 16)[None, :],
                             mask=tok_ok[:, None], other=0)
-            codes = e2m1_words_to_float(words)
-            if KV_FMT == 2:
-                scales = scales * 16384.0   # e4m3 block scales (<= 448): the 2^14 folded in
-            else:   # MXFP4's scales reach 2^127: the values take the 2^14 (2^(byte - 113) overflows from byte 241)
-                codes = codes * 16384.0
+            codes = e2m1_words_to_float(words, tl.float16)
+            vals = tl.reshape(tl.reshape(codes, [BLOCK_N, N_SCALES, GROUP]) * scales.to(tl.float16)[:, :, None]
+                              * 16384.0, [BLOCK_N, 128])
         else:
-            packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
-            codes = e2m1_to_float(tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128]))  # low nibble: even
-        vals = tl.reshape(tl.reshape(codes, [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
-                          [BLOCK_N, 128]).to(OUT_DTYPE)
+            if WORDS:  # rows 4-byte aligned: the chunk's 64 bytes as 16 words of eight values (values · 2^-14)
+                words = tl.load((base + C * 64).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 16)[None, :],
+                                mask=tok_ok[:, None], other=0)
+                codes = e2m1_words_to_float(words)
+                if KV_FMT == 2:
+                    scales = scales * 16384.0   # e4m3 block scales (<= 448): the 2^14 folded in
+                else:   # MXFP4's scales reach 2^127: the values take the 2^14 (2^(byte - 113) overflows from 241)
+                    codes = codes * 16384.0
+            else:
+                packed = tl.load(base + C * 64 + tl.arange(0, 64)[None, :], mask=tok_ok[:, None], other=0)
+                codes = e2m1_to_float(tl.reshape(tl.join(packed & 15, packed >> 4), [BLOCK_N, 128]))  # low: even
+            vals = tl.reshape(tl.reshape(codes, [BLOCK_N, N_SCALES, GROUP]) * scales[:, :, None],
+                              [BLOCK_N, 128]).to(OUT_DTYPE)
     return vals, scale
 
 
